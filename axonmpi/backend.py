@@ -1,0 +1,171 @@
+"""Array-module selection (NumPy or CuPy), devices and host staging; the only place that imports CuPy."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = [
+    "Device",
+    "as_device",
+    "cupy_available",
+    "device_count",
+    "device_of",
+    "get_array_module",
+    "get_cupy",
+    "is_cupy_array",
+    "to_device",
+    "to_host",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def get_cupy():
+    """Return the ``cupy`` module, or ``None`` when CuPy or a CUDA device is unavailable.
+
+    The import is attempted once and lazily, so CPU installs never touch CUDA.
+    Set ``AXONMPI_DISABLE_CUPY=1`` to force the CPU path even where CuPy is installed.
+    """
+    if os.environ.get("AXONMPI_DISABLE_CUPY", "0") not in ("", "0"):
+        return None
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # ImportError, or a CUDA runtime that fails to load
+        return None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:
+        return None
+    return cupy
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports and at least one CUDA device is visible."""
+    return get_cupy() is not None
+
+
+def device_count() -> int:
+    """Number of visible CUDA devices (0 without CuPy)."""
+    cp = get_cupy()
+    return 0 if cp is None else int(cp.cuda.runtime.getDeviceCount())
+
+
+def is_cupy_array(a: Any) -> bool:
+    """True when ``a`` is a CuPy ndarray (never imports CuPy for NumPy inputs)."""
+    mod = type(a).__module__
+    return mod.startswith("cupy")
+
+
+def get_array_module(*arrays: Any):
+    """Return ``cupy`` if any argument is a CuPy array, else ``numpy`` (Chainer's convention).
+
+    Arguments may also be objects with a ``.data`` array attribute (e.g. ``axonmpi.Tensor``).
+    """
+    for a in arrays:
+        if is_cupy_array(a):
+            return get_cupy()
+        inner = getattr(a, "data", None)
+        if inner is not None and is_cupy_array(inner):
+            return get_cupy()
+    return np
+
+
+class Device:
+    """A compute device: ``Device("cpu")`` or ``Device("cuda:1")``.
+
+    Example:
+        >>> Device("cuda:0").type, Device("cuda:0").index
+        ('cuda', 0)
+    """
+
+    __slots__ = ("type", "index")
+
+    def __init__(self, spec: "str | Device" = "cpu", index: Optional[int] = None):
+        if isinstance(spec, Device):
+            self.type, self.index = spec.type, spec.index
+            return
+        if not isinstance(spec, str):
+            raise TypeError(f"device must be a str like 'cpu' or 'cuda:0', got {spec!r}")
+        kind, _, idx = spec.partition(":")
+        kind = kind.strip().lower()
+        if kind not in ("cpu", "cuda", "gpu"):
+            raise ValueError(f"unknown device {spec!r}; expected 'cpu', 'cuda' or 'cuda:<index>'")
+        kind = "cuda" if kind == "gpu" else kind
+        if idx:
+            if kind == "cpu":
+                raise ValueError(f"device {spec!r}: the CPU takes no index")
+            try:
+                index = int(idx)
+            except ValueError:
+                raise ValueError(f"device {spec!r}: index {idx!r} is not an integer") from None
+        if kind == "cuda" and index is None:
+            index = 0
+        if index is not None and index < 0:
+            raise ValueError(f"device {spec!r}: index must be >= 0")
+        self.type, self.index = kind, (index if kind == "cuda" else None)
+
+    @property
+    def xp(self):
+        """The array module for this device (``numpy`` or ``cupy``)."""
+        if self.type == "cpu":
+            return np
+        cp = get_cupy()
+        if cp is None:
+            raise RuntimeError(
+                f"device {self} needs CuPy and a CUDA GPU; install axonmpi[cuda12] "
+                "or use device='cpu'"
+            )
+        return cp
+
+    def __eq__(self, other) -> bool:
+        try:
+            other = as_device(other)
+        except (TypeError, ValueError):
+            return NotImplemented
+        return self.type == other.type and self.index == other.index
+
+    def __hash__(self) -> int:
+        return hash((self.type, self.index))
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"Device({str(self)!r})"
+
+
+def as_device(spec: "str | Device | None") -> Device:
+    """Coerce ``spec`` to a :class:`Device` (``None`` means CPU)."""
+    if spec is None:
+        return Device("cpu")
+    return spec if isinstance(spec, Device) else Device(spec)
+
+
+def device_of(a: Any) -> Device:
+    """The device holding array ``a``."""
+    if is_cupy_array(a):
+        return Device("cuda", int(a.device.id))
+    return Device("cpu")
+
+
+def to_host(a: Any) -> np.ndarray:
+    """Return ``a`` as a host NumPy array (no copy when it already is one)."""
+    if is_cupy_array(a):
+        return a.get()
+    return np.asarray(a)
+
+
+def to_device(a: Any, device: "str | Device | None") -> Any:
+    """Move array ``a`` to ``device`` (no copy when it is already there)."""
+    dev = as_device(device)
+    if dev.type == "cpu":
+        return to_host(a)
+    cp = dev.xp
+    with cp.cuda.Device(dev.index):
+        if is_cupy_array(a) and int(a.device.id) == dev.index:
+            return a
+        return cp.asarray(a)
+
