@@ -5,3 +5,12 @@ __version__ = "0.1.0"
 
 from . import backend
 from .backend import Device, get_array_module
+from .log import get_logger, print0, print_rank
+from . import distributed
+from .distributed import (
+    ProcessGroup, ReduceOp, Work, World, all_gather, all_gather_object, all_reduce, all_reduce_max,
+    all_reduce_mean, all_reduce_min, all_reduce_product, all_reduce_sum, all_to_all, barrier,
+    broadcast, broadcast_object, gather, gather_object, get_world, init, irecv, is_initialized,
+    is_main_process, isend, rank, recv, reduce, reduce_scatter, reduce_scatter_mean,
+    reduce_scatter_sum, scatter, send, world_size,
+)

@@ -1,0 +1,81 @@
+"""ReduceOp: the reductions collectives understand, and how each maps onto MPI for a dtype."""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["ReduceOp"]
+
+
+class ReduceOp(enum.Enum):
+    """Reduction for :func:`all_reduce`, :func:`reduce_scatter` and friends.
+
+    ``MEAN`` (alias ``AVG``) sums then divides by the group size; it needs a floating or
+    complex dtype. On ``bool`` arrays SUM/MAX act as logical OR and PRODUCT/MIN as AND.
+    ``BAND``/``BOR``/``BXOR`` need integer or bool arrays.
+    """
+
+    SUM = "sum"
+    MEAN = "mean"
+    AVG = "mean"  # alias of MEAN
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    @classmethod
+    def coerce(cls, op) -> "ReduceOp":
+        """Accept a ReduceOp or its name (``"sum"``, ``"avg"``, ...)."""
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str):
+            key = op.strip().upper()
+            if key in cls.__members__:
+                return cls.__members__[key]
+            if key == "PROD":
+                return cls.PRODUCT
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(cls.__members__)}")
+
+
+_MPI_OPS = {
+    ReduceOp.SUM: MPI.SUM, ReduceOp.MEAN: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR,
+}
+_BOOL_OPS = {
+    ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.BOR: MPI.LOR,
+    ReduceOp.PRODUCT: MPI.LAND, ReduceOp.MIN: MPI.LAND, ReduceOp.BAND: MPI.LAND, ReduceOp.BXOR: MPI.LXOR,
+}
+_cache = {}
+
+
+def mpi_op(op: ReduceOp, dtype: np.dtype, rank: int = -1):
+    """The MPI.Op implementing ``op`` on ``dtype``; TypeError for unsupported pairs."""
+    key = (op, dtype)
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    kind = dtype.kind
+    where = f"rank {rank}: " if rank >= 0 else ""
+    if kind == "b":
+        if op is ReduceOp.MEAN:
+            raise TypeError(f"{where}ReduceOp.MEAN needs a floating dtype, got bool")
+        res = _BOOL_OPS[op]
+    elif kind in "fc" and op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        raise TypeError(f"{where}{op.name} needs an integer or bool dtype, got {dtype}")
+    elif kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise TypeError(f"{where}{op.name} is undefined for complex dtype {dtype}")
+    elif kind in "iu" and op is ReduceOp.MEAN:
+        raise TypeError(
+            f"{where}ReduceOp.MEAN needs a floating dtype, got {dtype}; use SUM and divide, "
+            "or cast to float first"
+        )
+    elif kind not in "biufc":
+        raise TypeError(f"{where}cannot reduce arrays of dtype {dtype} (numeric dtypes only)")
+    else:
+        res = _MPI_OPS[op]
+    _cache[key] = res
+    return res

@@ -1,0 +1,265 @@
+"""The World: every rank of the job, its node layout, device and groups; the one piece of global state."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from typing import Iterable, List, Optional
+
+from mpi4py import MPI
+
+from .. import backend
+from .group import ProcessGroup
+
+__all__ = ["World", "init", "get_world", "is_initialized", "destroy", "resolve_group"]
+
+_WORLD: Optional["World"] = None  # the single current World (see DESIGN.md)
+
+
+class World:
+    """All ranks of the job, made by :func:`axonmpi.init`.
+
+    Attributes:
+        rank, world_size: this process's rank and the number of ranks.
+        local_rank, local_size: rank and count on this node (``Comm.Split_type(COMM_TYPE_SHARED)``,
+            not launcher variables, so it works with mpiexec, srun and anything else).
+        node_rank, num_nodes: index of this node and number of nodes.
+        default_group: the group of all ranks (collectives use it when ``group=None``).
+        device: ``cpu``, or ``cuda:<local_rank % device_count>`` when CuPy and a GPU are present.
+        debug: True when ``AXONMPI_DEBUG=1`` (collectives check their arguments across ranks).
+    """
+
+    def __init__(self, comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
+                 abort_on_exception: bool = True):
+        base = comm if comm is not None else MPI.COMM_WORLD
+        self._base_comm = base
+        self._comm = base.Dup()
+        self.rank = self._comm.Get_rank()
+        self.world_size = self._comm.Get_size()
+        if debug is None:
+            debug = os.environ.get("AXONMPI_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+        self.debug = bool(debug)
+        self._destroyed = False
+
+        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = node.Get_rank()
+        self.local_size = node.Get_size()
+        leaders = self._comm.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, key=self.rank)
+        info = None
+        if leaders != MPI.COMM_NULL:
+            info = (leaders.Get_rank(), leaders.Get_size())
+            leaders.Free()
+        self.node_rank, self.num_nodes = node.bcast(info, root=0)
+        self.local_ranks = tuple(node.allgather(self.rank))
+        node.Free()
+
+        ndev = backend.device_count()
+        self.device = backend.Device("cuda", self.local_rank % ndev) if ndev > 0 else backend.Device("cpu")
+        if ndev > 0:
+            backend.get_cupy().cuda.Device(self.device.index).use()
+
+        self.default_group = ProcessGroup(self, self._comm, range(self.world_size), name="world")
+        self._groups: List[ProcessGroup] = []
+        if abort_on_exception:
+            install_abort_on_exception(self._comm)
+
+    # -- groups --------------------------------------------------------------------------
+    def new_group(self, ranks: Iterable[int], *, parent: Optional[ProcessGroup] = None,
+                  name: Optional[str] = None) -> ProcessGroup:
+        """Make a group of the given world ranks.
+
+        Collective over ``parent`` (default: all ranks): every rank of the parent must call it
+        with the same ``ranks``. Group rank ``i`` is ``ranks[i]``. Ranks outside the group get
+        a non-member object (``is_member == False``).
+
+        Example (4 ranks):
+            >>> g = world.new_group([3, 1])   # on rank 3: g.rank == 0; on rank 1: g.rank == 1
+        """
+        parent = self._check_alive_group(parent)
+        ranks = [int(r) for r in ranks]
+        if not ranks:
+            raise ValueError(f"rank {self.rank}: new_group needs at least one rank, got []")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"rank {self.rank}: new_group ranks contain duplicates: {ranks}")
+        bad = [r for r in ranks if not parent.contains(r)]
+        if bad:
+            raise ValueError(
+                f"rank {self.rank}: new_group ranks {bad} are not in the parent group "
+                f"{list(parent.ranks)} (world size {self.world_size})"
+            )
+        if self.debug:
+            from .debug import check_same_object
+            check_same_object(parent, ("new_group", tuple(ranks)), what="new_group(ranks)")
+        member = self.rank in ranks
+        color = 0 if member else MPI.UNDEFINED
+        key = ranks.index(self.rank) if member else 0
+        comm = parent.comm.Split(color, key)
+        g = ProcessGroup(self, comm if member else None, ranks,
+                         name=name or f"group{len(self._groups) + 1}")
+        self._groups.append(g)
+        return g
+
+    def split(self, color: Optional[int], key: Optional[int] = None, *,
+              parent: Optional[ProcessGroup] = None, name: Optional[str] = None) -> ProcessGroup:
+        """Split ``parent`` (default: all ranks) into groups by ``color``; ranks ordered by ``key``.
+
+        Collective over the parent. ``color=None`` leaves this rank out (it gets a non-member
+        group of no ranks). ``key`` defaults to the parent rank.
+
+        Example (4 ranks): ``world.split(world.rank % 2)`` gives groups [0, 2] and [1, 3].
+        """
+        parent = self._check_alive_group(parent)
+        if color is not None and (not isinstance(color, (int,)) or color < 0):
+            raise ValueError(f"rank {self.rank}: split color must be a non-negative int or None, got {color!r}")
+        key = parent.rank if key is None else int(key)
+        mpi_color = MPI.UNDEFINED if color is None else int(color)
+        comm = parent.comm.Split(mpi_color, key)
+        if comm == MPI.COMM_NULL:
+            g = ProcessGroup(self, None, (), name=name or "split(None)")
+        else:
+            members = comm.allgather(self.rank)
+            g = ProcessGroup(self, comm, members, name=name or f"split(color={color})")
+        self._groups.append(g)
+        return g
+
+    def _check_alive_group(self, group: Optional[ProcessGroup]) -> ProcessGroup:
+        if self._destroyed:
+            raise RuntimeError("this World was destroyed; call axonmpi.init() again")
+        g = self.default_group if group is None else group
+        if not isinstance(g, ProcessGroup):
+            raise TypeError(f"rank {self.rank}: expected a ProcessGroup, got {type(g).__name__}")
+        if g.world is not self:
+            raise ValueError(f"rank {self.rank}: {g!r} belongs to another (destroyed) World")
+        g.check_member()
+        return g
+
+    def _is_builtin_comm(self, comm) -> bool:
+        return comm is self._base_comm or comm == MPI.COMM_WORLD or comm == MPI.COMM_SELF
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Block until every rank reaches this call."""
+        self._comm.Barrier()
+
+    def destroy(self) -> None:
+        """Free every group and communicator of this World (collective over all ranks)."""
+        if self._destroyed:
+            return
+        for g in self._groups:
+            g.free()
+        self._groups.clear()
+        self.default_group.free()
+        self._comm.Free()
+        self._destroyed = True
+
+    def __repr__(self) -> str:
+        return (f"World(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"local_size={self.local_size}, node_rank={self.node_rank}, num_nodes={self.num_nodes}, "
+                f"device={self.device})")
+
+
+def init(comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
+         abort_on_exception: bool = True) -> World:
+    """Create (once) and return the current :class:`World`.
+
+    Idempotent: later calls return the same World. Works under ``mpiexec``/``srun`` and as
+    a plain ``python script.py`` (a world of one).
+
+    Args:
+        comm: the communicator to build the World on (default ``MPI.COMM_WORLD``).
+        debug: check collective arguments across ranks (default: ``AXONMPI_DEBUG`` env var).
+        abort_on_exception: end the whole job (``MPI_Abort``) when any rank dies of an
+            uncaught exception, after printing its traceback, instead of leaving others hanging.
+
+    Example:
+        >>> import axonmpi
+        >>> world = axonmpi.init()
+        >>> print(world.rank, world.world_size)
+    """
+    global _WORLD
+    if _WORLD is None or _WORLD._destroyed:
+        _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception)
+    return _WORLD
+
+
+def is_initialized() -> bool:
+    """True when :func:`init` has created a World that is not destroyed."""
+    return _WORLD is not None and not _WORLD._destroyed
+
+
+def get_world() -> World:
+    """Return the current World, creating it on first use (as :func:`init` would)."""
+    if _WORLD is None or _WORLD._destroyed:
+        return init()
+    return _WORLD
+
+
+def destroy() -> None:
+    """Destroy the current World (collective); a later :func:`init` makes a new one."""
+    global _WORLD
+    if _WORLD is not None:
+        _WORLD.destroy()
+    _WORLD = None
+
+
+def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
+    """Return ``group``, or the current World's default group for ``None``; check membership."""
+    if group is None:
+        w = _WORLD if (_WORLD is not None and not _WORLD._destroyed) else get_world()
+        return w.default_group
+    if type(group) is not ProcessGroup:
+        raise TypeError(f"group must be an axonmpi ProcessGroup or None, got {type(group).__name__}")
+    if group.comm is None:
+        if group._freed or group.world._destroyed:
+            raise ValueError(f"{group!r} belongs to a destroyed World; make groups from axonmpi.get_world()")
+        group.check_member()
+    if group.world is not _WORLD:
+        raise ValueError(
+            f"rank {group.world.rank}: {group!r} belongs to another World than the current one; "
+            "make groups from axonmpi.get_world()"
+        )
+    return group
+
+
+# -- fail loud: an uncaught exception on one rank ends the whole job ----------------------
+_HOOK_INSTALLED = False
+
+
+def install_abort_on_exception(comm: "MPI.Comm") -> None:
+    """Make an uncaught exception on any rank print its traceback and ``MPI_Abort`` the job.
+
+    Without this, the other ranks would wait forever in their next collective. Only installed
+    when the job has more than one rank.
+    """
+    global _HOOK_INSTALLED
+    if _HOOK_INSTALLED or comm.Get_size() == 1:
+        return
+    _HOOK_INSTALLED = True
+    rank, size = comm.Get_rank(), comm.Get_size()
+    prev_hook = sys.excepthook
+
+    def _abort(exc_type, exc, tb, where="") -> None:
+        try:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            sys.stderr.write(
+                f"[axonmpi rank {rank}/{size}] uncaught exception{where}; aborting all ranks:\n{text}"
+            )
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            MPI.COMM_WORLD.Abort(1)
+
+    def excepthook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt) and size == 1:
+            return prev_hook(exc_type, exc, tb)
+        _abort(exc_type, exc, tb)
+
+    def thread_hook(args):
+        if args.exc_type is SystemExit:
+            return
+        _abort(args.exc_type, args.exc_value, args.exc_traceback,
+               where=f" in thread {getattr(args.thread, 'name', '?')}")
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_hook

@@ -1,0 +1,73 @@
+"""Rank-aware logging: every line says which rank speaks; helpers that print on rank 0 only."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+__all__ = ["get_logger", "print0", "print_rank", "RankFilter"]
+
+_FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
+
+
+def _rank_info():
+    from .distributed import world as _w
+    w = _w._WORLD
+    if w is not None and not w._destroyed:
+        return w.rank, w.world_size
+    # before init: fall back to launcher variables only for labelling log lines
+    for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                 ("SLURM_PROCID", "SLURM_NTASKS")):
+        if r in os.environ:
+            return int(os.environ[r]), int(os.environ.get(s, "1"))
+    return 0, 1
+
+
+class RankFilter(logging.Filter):
+    """Adds ``rank`` and ``world_size`` to every record; with ``rank0_only``, drops other ranks' records."""
+
+    def __init__(self, rank0_only: bool = False):
+        super().__init__()
+        self.rank0_only = rank0_only
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank, record.world_size = _rank_info()
+        return not (self.rank0_only and record.rank != 0)
+
+
+def get_logger(name: str = "axonmpi", level: Optional[int] = None, rank0_only: bool = False) -> logging.Logger:
+    """A logger whose lines read ``... [rank 2/4] INFO name: message``.
+
+    The level defaults to ``AXONMPI_LOG_LEVEL`` (``INFO``). With ``rank0_only=True`` only
+    world rank 0 emits.
+
+    Example:
+        >>> log = axonmpi.get_logger(__name__)
+        >>> log.info("loaded %d samples", n)
+    """
+    logger = logging.getLogger(name)
+    if not any(getattr(h, "_axonmpi", False) for h in logger.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h._axonmpi = True
+        h.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+        h.addFilter(RankFilter(rank0_only))
+        logger.addHandler(h)
+        logger.propagate = False
+    lvl = level if level is not None else os.environ.get("AXONMPI_LOG_LEVEL", "INFO").upper()
+    logger.setLevel(lvl)
+    return logger
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on world rank 0 only (flushes, so lines are not held back under mpiexec)."""
+    if _rank_info()[0] == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def print_rank(*args: Any, **kwargs: Any) -> None:
+    """``print`` prefixed with ``[rank r/n]`` on every rank."""
+    r, n = _rank_info()
+    kwargs.setdefault("flush", True)
+    print(f"[rank {r}/{n}]", *args, **kwargs)
