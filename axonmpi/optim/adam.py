@@ -1,0 +1,125 @@
+"""Adam and AdamW with PyTorch's update rules, done in place over cache-sized pieces."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, Iterable, Tuple
+
+from ..backend import get_array_module
+from .optimizer import Optimizer, _effective_grad, state_dtype
+
+__all__ = ["Adam", "AdamW"]
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba) exactly as ``torch.optim.Adam`` computes it.
+
+    Per parameter, with ``g`` the gradient (negated when ``maximize``) and step ``t``::
+
+        g  = g + weight_decay * p                    (L2 penalty; AdamW decays p instead)
+        m  = beta1 * m + (1 - beta1) * g
+        v  = beta2 * v + (1 - beta2) * g * g
+        v_ = max(v_, v) if amsgrad else v
+        p -= lr / (1 - beta1**t) * m / (sqrt(v_) / sqrt(1 - beta2**t) + eps)
+
+    State per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` and with amsgrad
+    ``max_exp_avg_sq`` (float32 for 16-bit parameters).
+
+    Args:
+        params: parameters or parameter groups (dicts).
+        lr: learning rate (>= 0).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty coefficient (>= 0).
+        amsgrad: use the running maximum of ``v`` (AMSGrad).
+        maximize: ascend instead of descend.
+
+    Example:
+        >>> opt = Adam(model.parameters(), lr=3e-4)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    _decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, defaults)
+
+    def _validate(self, options: Dict[str, Any]) -> None:
+        super()._validate(options)
+        name = type(self).__name__
+        betas = options["betas"]
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"{name}: invalid betas={betas!r}; expected two numbers in [0, 1)")
+        eps = options["eps"]
+        if not isinstance(eps, numbers.Real) or not eps >= 0.0:
+            raise ValueError(f"{name}: invalid eps={eps!r}; expected a number >= 0")
+
+    def _update_group(self, group: Dict[str, Any]) -> None:
+        lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
+        wd, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            pd, g = p.data, p.grad.data
+            xp = get_array_module(pd)
+            state = self.state.get(p)
+            if state is None:
+                state = self.state[p] = self._init_state(pd, amsgrad)
+            state["step"] += 1
+            t = state["step"]
+            step_size = lr / (1.0 - b1 ** t)
+            bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+            vmax = state.get("max_exp_avg_sq") if amsgrad else None
+            if amsgrad and vmax is None:  # amsgrad switched on after the state was made
+                vmax = state["max_exp_avg_sq"] = xp.zeros(pd.shape, dtype=state_dtype(pd.dtype))
+            arrays = [pd, g, state["exp_avg"], state["exp_avg_sq"], vmax]
+            for pp, gg, m, v, vm, s, gs in self._chunks(arrays, 2):
+                if self._decoupled and wd:
+                    pp *= 1.0 - lr * wd
+                gg = _effective_grad(xp, gg, pp, gs, s, maximize, 0.0 if self._decoupled else wd)
+                xp.multiply(gg, 1.0 - b1, out=s)
+                m *= b1
+                m += s
+                xp.multiply(gg, gg, out=s)
+                s *= 1.0 - b2
+                v *= b2
+                v += s
+                if vm is not None:
+                    xp.maximum(vm, v, out=vm)
+                xp.sqrt(v if vm is None else vm, out=s)
+                s /= bc2_sqrt
+                s += eps
+                xp.divide(m, s, out=s)
+                s *= step_size
+                pp -= s
+
+    @staticmethod
+    def _init_state(pd: Any, amsgrad: bool) -> Dict[str, Any]:
+        xp = get_array_module(pd)
+        dt = state_dtype(pd.dtype)
+        state = {"step": 0, "exp_avg": xp.zeros(pd.shape, dtype=dt), "exp_avg_sq": xp.zeros(pd.shape, dtype=dt)}
+        if amsgrad:
+            state["max_exp_avg_sq"] = xp.zeros(pd.shape, dtype=dt)
+        return state
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay, exactly as ``torch.optim.AdamW``.
+
+    Identical to :class:`Adam` except that ``weight_decay`` shrinks the parameter,
+    ``p *= 1 - lr * weight_decay``, before the Adam update instead of adding an L2
+    term to the gradient. Default ``weight_decay=1e-2``.
+
+    Example:
+        >>> opt = AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    """
+
+    _decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, maximize=maximize)
