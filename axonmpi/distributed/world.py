@@ -149,8 +149,7 @@ class World:
         for g in self._groups:
             g.free()
         self._groups.clear()
-        self.default_group.free()
-        self._comm.Free()
+        self.default_group.free()  # frees self._comm, the World's duplicate of COMM_WORLD
         self._destroyed = True
 
     def __repr__(self) -> str:

@@ -1,0 +1,69 @@
+"""Test harness shared by every test file.
+
+* Serial tests (no ``mpi`` marker, or ``@pytest.mark.serial``) run only in the 1-rank pass of
+  ``make test``; under ``mpiexec -n N`` with N > 1 they are skipped, so each runs once.
+* Under ``mpiexec``, only rank 0 prints pytest's report; the other ranks write theirs to
+  ``.test-logs/np<N>-rank<r>.log`` (``make test`` prints those of failed runs).
+* A watchdog (``faulthandler.dump_traceback_later``) ends a test that hangs for
+  ``AXONMPI_TEST_TIMEOUT`` seconds (default 180), printing every thread's stack; the MPI
+  launcher then tears down the other ranks instead of leaving the job blocked.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+
+import pytest
+
+try:
+    from mpi4py import MPI
+
+    _RANK, _SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+except Exception:  # pragma: no cover - mpi4py missing
+    _RANK, _SIZE = 0, 1
+
+_TIMEOUT = float(os.environ.get("AXONMPI_TEST_TIMEOUT", "180"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Ranks other than 0 write pytest's report to .test-logs/np<N>-rank<r>.log."""
+    if _SIZE == 1 or _RANK == 0:
+        return
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    from _pytest.config import create_terminal_writer
+
+    logdir = os.path.join(str(config.rootpath), ".test-logs")
+    os.makedirs(logdir, exist_ok=True)
+    f = open(os.path.join(logdir, f"np{_SIZE}-rank{_RANK}.log"), "w", encoding="utf-8")
+    config.add_cleanup(f.close)
+    tr._tw = create_terminal_writer(config, f)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _SIZE == 1:
+        return
+    skip = pytest.mark.skip(reason="serial test: runs in the 1-rank pass")
+    for item in items:
+        if item.get_closest_marker("serial") is not None or item.get_closest_marker("mpi") is None:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    faulthandler.dump_traceback_later(_TIMEOUT, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="session")
+def world():
+    """The axonmpi World of this test run (all ranks of mpiexec)."""
+    import axonmpi
+
+    return axonmpi.init()
+

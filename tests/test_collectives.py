@@ -1,0 +1,256 @@
+"""Collectives against closed-form values derived from the ranks, on several groups and dtypes."""
+import numpy as np
+import pytest
+
+import axonmpi
+from axonmpi import ReduceOp
+from axonmpi.distributed import chunk_bounds, chunk_sizes
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.complex128]
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4)]
+
+
+def _groups(world):
+    """The World's default group, an even/odd split and a reversed new_group of all ranks."""
+    n = world.world_size
+    split = world.split(world.rank % 2)
+    rev = world.new_group(list(range(n))[::-1], name="reversed")
+    return [("world", world.default_group), ("split", split), ("reversed", rev)]
+
+
+def _val(rank, shape, dtype):
+    """Deterministic per-rank data: rank + 1 + position (small, exact in float16 sums)."""
+    n = int(np.prod(shape)) if shape else 1
+    base = (np.arange(n) % 5 + rank + 1).reshape(shape)
+    return base.astype(dtype)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_all_reduce_sum_closed_form(world, dtype, shape):
+    for _, g in _groups(world):
+        x = _val(g.rank, shape, dtype)
+        got = axonmpi.all_reduce(x, group=g)
+        # sum over r of (pos + r + 1) = size*pos + size*(size+1)/2
+        n = int(np.prod(shape)) if shape else 1
+        pos = (np.arange(n) % 5).reshape(shape)
+        want = (g.size * pos + g.size * (g.size + 1) // 2).astype(dtype)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(x, _val(g.rank, shape, dtype))  # input untouched
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op,expect", [
+    (ReduceOp.MIN, lambda s: 1), (ReduceOp.MAX, lambda s: s),
+    (ReduceOp.PRODUCT, lambda s: float(np.prod(np.arange(1, s + 1)))),
+    (ReduceOp.MEAN, lambda s: (s + 1) / 2), ("avg", lambda s: (s + 1) / 2), ("sum", lambda s: s * (s + 1) / 2),
+])
+def test_all_reduce_ops(world, op, expect):
+    for _, g in _groups(world):
+        x = np.full((3, 2), g.rank + 1, np.float64)
+        np.testing.assert_allclose(axonmpi.all_reduce(x, op, group=g), np.full((3, 2), expect(g.size)), rtol=1e-12)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_reduce_convenience_and_ints(world):
+    r, n = world.rank, world.world_size
+    assert axonmpi.all_reduce_sum(np.array(r)).item() == n * (n - 1) // 2
+    assert axonmpi.all_reduce_max(np.array([r], np.int64))[0] == n - 1
+    assert axonmpi.all_reduce_min(np.array([r], np.int32))[0] == 0
+    assert axonmpi.all_reduce_mean(np.array(float(r))) == pytest.approx((n - 1) / 2)
+    assert axonmpi.all_reduce_product(np.array([2], np.int64))[0] == 2 ** n
+    b = axonmpi.all_reduce(np.array([r == 0, True]), ReduceOp.SUM)  # bool: logical or
+    assert b.tolist() == [True, True]
+    b = axonmpi.all_reduce(np.array([r == 0, True]), ReduceOp.MIN)  # bool: logical and
+    assert b.tolist() == [n == 1, True]
+    assert axonmpi.all_reduce(np.array([1 << r], np.int64), ReduceOp.BOR)[0] == (1 << n) - 1
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_reduce_in_place_out_and_noncontiguous(world):
+    n = world.world_size
+    x = np.arange(12.0).reshape(3, 4) + world.rank
+    res = axonmpi.all_reduce(x, out=x)
+    want = n * np.arange(12.0).reshape(3, 4) + n * (n - 1) / 2
+    assert res is x
+    np.testing.assert_array_equal(x, want)
+    base = np.zeros((4, 6))
+    view = base[:, ::2]                        # non-contiguous input and in-place target
+    view[...] = world.rank + 1
+    axonmpi.all_reduce(view, out=view)
+    np.testing.assert_array_equal(base[:, ::2], n * (n + 1) / 2)
+    np.testing.assert_array_equal(base[:, 1::2], 0)   # untouched between the strided columns
+    out = np.empty((3, 4))
+    res = axonmpi.all_reduce(np.ones((3, 4)), out=out)
+    assert res is out and np.all(out == n)
+    with pytest.raises(ValueError, match="shape"):
+        axonmpi.all_reduce(np.ones(3), out=np.empty(4))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_async_all_reduce(world, op):
+    n = world.world_size
+    x = np.full(1000, world.rank + 1.0)
+    work = axonmpi.all_reduce(x, op, async_op=True, out=x)
+    got = work.wait()
+    want = n * (n + 1) / 2 / (n if op is ReduceOp.MEAN else 1)
+    assert work.is_completed() and got is x
+    np.testing.assert_allclose(x, want)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16, np.bool_])
+def test_broadcast_every_src(world, dtype):
+    for _, g in _groups(world):
+        for src in range(g.size):
+            x = np.full((2, 3), g.rank * 10 + 1).astype(dtype)
+            res = axonmpi.broadcast(x, src=src, group=g)
+            assert res is x
+            np.testing.assert_array_equal(x, np.full((2, 3), src * 10 + 1).astype(dtype))
+    y = np.zeros((3, 4))
+    v = y.T                                     # non-contiguous, filled in place
+    if world.rank == 0:
+        v[...] = np.arange(12.0).reshape(4, 3)
+    axonmpi.broadcast(v, src=0)
+    np.testing.assert_array_equal(y.T, np.arange(12.0).reshape(4, 3))
+    assert axonmpi.broadcast_object({"a": world.rank}, src=0) == {"a": 0}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_all_gather_even(world, axis):
+    for _, g in _groups(world):
+        x = np.full((2, 3), float(g.rank))
+        got = axonmpi.all_gather(x, axis=axis, group=g)
+        want = np.concatenate([np.full((2, 3), float(r)) for r in range(g.size)], axis=axis)
+        np.testing.assert_array_equal(got, want)
+        assert got.flags.c_contiguous
+    got = axonmpi.all_gather(np.array(world.rank))  # 0-d → (size,)
+    np.testing.assert_array_equal(got, np.arange(world.world_size))
+    work = axonmpi.all_gather(np.full(2, world.rank), async_op=True)
+    np.testing.assert_array_equal(work.wait(), np.repeat(np.arange(world.world_size), 2))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_gather_uneven(world):
+    for _, g in _groups(world):
+        x = np.full((g.rank + 1, 2), g.rank, np.int32)   # rank r holds r+1 rows
+        got = axonmpi.all_gather(x, group=g, uneven=True)
+        want = np.concatenate([np.full((r + 1, 2), r, np.int32) for r in range(g.size)])
+        np.testing.assert_array_equal(got, want)
+        y = np.full((3, g.rank), g.rank, np.float64)     # uneven along axis 1, rank 0 empty
+        got = axonmpi.all_gather(y, axis=1, group=g, uneven=True)
+        np.testing.assert_array_equal(got, np.concatenate([np.full((3, r), r, np.float64) for r in range(g.size)], 1))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rows", [1, 4, 5, 7, 12])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_reduce_scatter_uneven_rows(world, rows, op):
+    for _, g in _groups(world):
+        x = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3) * (g.rank + 1)
+        got = axonmpi.reduce_scatter(x, op, group=g)
+        lo, hi = chunk_bounds(rows, g.size, g.rank)
+        factor = g.size * (g.size + 1) / 2 / (g.size if op is ReduceOp.MEAN else 1)
+        want = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3)[lo:hi] * factor
+        assert got.shape == (chunk_sizes(rows, g.size)[g.rank], 3)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    work = axonmpi.reduce_scatter_sum(np.ones(2 * world.world_size), async_op=True)
+    np.testing.assert_array_equal(work.wait(), np.full(2, world.world_size))
+    out = np.empty(chunk_sizes(5, world.world_size)[world.rank])
+    assert axonmpi.reduce_scatter_mean(np.ones(5), out=out) is out and np.all(out == 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_gather_scatter(world):
+    n, r = world.world_size, world.rank
+    for dst in range(n):
+        got = axonmpi.gather(np.arange(r, dtype=np.int64), dst=dst)   # uneven, rank 0 empty
+        if r == dst:
+            assert [a.tolist() for a in got] == [list(range(k)) for k in range(n)]
+        else:
+            assert got is None
+    data = np.arange(10 * 2).reshape(10, 2) if r == 0 else None
+    lo, hi = chunk_bounds(10, n, r)
+    np.testing.assert_array_equal(axonmpi.scatter(data, src=0), np.arange(20).reshape(10, 2)[lo:hi])
+    src = n - 1
+    chunks = [np.full(k + 1, k, np.float32) for k in range(n)] if r == src else None
+    np.testing.assert_array_equal(axonmpi.scatter(chunks, src=src), np.full(r + 1, r, np.float32))
+    assert axonmpi.gather_object(("x", r), dst=0) == ([("x", k) for k in range(n)] if r == 0 else None)
+    assert axonmpi.all_gather_object(r * 2) == [2 * k for k in range(n)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_reduce_to_dst(world):
+    n, r = world.world_size, world.rank
+    for dst in range(n):
+        got = axonmpi.reduce(np.full(3, r + 1.0), dst=dst)
+        if r == dst:
+            np.testing.assert_array_equal(got, np.full(3, n * (n + 1) / 2))
+        else:
+            assert got is None
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_to_all(world):
+    n, r = world.world_size, world.rank
+    x = np.array([[r * 100 + j] * 2 for j in range(n)], np.int64)   # block j goes to rank j
+    got = axonmpi.all_to_all(x)
+    np.testing.assert_array_equal(got, np.array([[j * 100 + r] * 2 for j in range(n)]))
+    pieces = [np.full(j + r, r, np.float64) for j in range(n)]      # sizes differ per pair
+    got = axonmpi.all_to_all(pieces)
+    assert [p.tolist() for p in got] == [[float(j)] * (r + j) for j in range(n)]
+    if n > 1:
+        with pytest.raises(ValueError, match="divisible"):
+            axonmpi.all_to_all(np.ones(n + 1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_send_recv_ring(world):
+    n, r = world.world_size, world.rank
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    buf = np.empty(5)
+    w_recv = axonmpi.irecv(buf, src=prv, tag=7)
+    w_send = axonmpi.isend(np.full(5, float(r)), dst=nxt, tag=7)
+    assert w_recv.wait() is buf
+    w_send.wait()
+    np.testing.assert_array_equal(buf, float(prv))
+    if r % 2 == 0 and r + 1 < n:
+        axonmpi.send(np.arange(4, dtype=np.int32), dst=r + 1)
+    elif r % 2 == 1:
+        got = axonmpi.recv(np.empty((2, 2), np.int32), src=r - 1)
+        np.testing.assert_array_equal(got, np.arange(4).reshape(2, 2))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bad_arguments_are_loud(world):
+    n = world.world_size
+    with pytest.raises(ValueError, match=rf"src={n}.*size {n}"):
+        axonmpi.broadcast(np.ones(2), src=n)
+    with pytest.raises(TypeError, match="MEAN needs a floating dtype"):
+        axonmpi.all_reduce(np.ones(2, np.int64), "mean")
+    with pytest.raises(TypeError, match="BAND needs an integer"):
+        axonmpi.all_reduce(np.ones(2), ReduceOp.BAND)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        axonmpi.all_reduce(np.ones(2), "median")
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        axonmpi.all_reduce(np.ones(2), group="world")
+    with pytest.raises(ValueError, match="0-d"):
+        axonmpi.reduce_scatter(np.array(1.0))
+    with pytest.raises(ValueError, match="this rank itself"):
+        axonmpi.send(np.ones(1), dst=world.rank)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_chunk_rule():
+    assert chunk_sizes(10, 4) == [3, 3, 2, 2]
+    assert chunk_sizes(2, 3) == [1, 1, 0]
+    for n in range(0, 13):
+        for p in range(1, 5):
+            sizes = chunk_sizes(n, p)
+            assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+            assert [chunk_bounds(n, p, i) for i in range(p)] == [
+                (sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(p)]
