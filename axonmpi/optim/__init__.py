@@ -1,5 +1,6 @@
 """Optimizers (SGD, Adam, AdamW), learning-rate schedulers and gradient clipping."""
 from .adam import Adam, AdamW
+from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
 from .lr_scheduler import CosineAnnealingLR, LambdaLR, LinearWarmupCosine, LRScheduler, StepLR
 from .optimizer import Optimizer
 from .sgd import SGD
@@ -14,4 +15,7 @@ __all__ = [
     "Optimizer",
     "SGD",
     "StepLR",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "grad_norm",
 ]

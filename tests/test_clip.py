@@ -1,0 +1,105 @@
+"""Gradient clipping: closed-form norms and scaled gradients, locally and over a process group."""
+import math
+
+import numpy as np
+import pytest
+
+from axonmpi.optim import clip_grad_norm_, clip_grad_value_, grad_norm
+
+try:
+    from axonmpi.nn import Parameter
+except ImportError:
+    from axonmpi.autograd.tensor import Tensor
+
+    def Parameter(data):
+        return Tensor(data, requires_grad=True)
+else:
+    from axonmpi.autograd import Tensor
+
+
+def _params(*grads, dtype=np.float64):
+    ps = []
+    for g in grads:
+        p = Parameter(np.zeros(np.shape(g), dtype=dtype))
+        p.grad = None if g is None else Tensor(np.asarray(g, dtype=dtype))
+        ps.append(p)
+    return ps
+
+
+def test_l2_norm_and_scaling_closed_form():
+    ps = _params([[3.0, 0.0], [0.0, 0.0]], [4.0], None)  # total 2-norm 5
+    total = clip_grad_norm_(ps, max_norm=1.0)
+    assert isinstance(total, float) and total == pytest.approx(5.0, abs=1e-12)
+    coef = 1.0 / (5.0 + 1e-6)
+    np.testing.assert_allclose(ps[0].grad.data, [[3 * coef, 0], [0, 0]], rtol=1e-14)
+    np.testing.assert_allclose(ps[1].grad.data, [4 * coef], rtol=1e-14)
+    assert grad_norm(ps) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_no_scaling_below_max_norm_and_in_place():
+    ps = _params([0.3, -0.4])
+    arr = ps[0].grad.data
+    assert clip_grad_norm_(iter(ps), max_norm=1.0) == pytest.approx(0.5, abs=1e-15)  # generators work
+    assert ps[0].grad.data is arr
+    np.testing.assert_array_equal(arr, [0.3, -0.4])
+
+
+@pytest.mark.parametrize("norm_type,want", [(1.0, 10.0), (3.0, (8 + 27 + 64 + 1) ** (1 / 3)), (math.inf, 4.0)])
+def test_other_norms(norm_type, want):
+    ps = _params([2.0, -3.0], [[-4.0]], [1.0])
+    total = clip_grad_norm_(ps, max_norm=0.5, norm_type=norm_type)
+    assert total == pytest.approx(want, rel=1e-13)
+    np.testing.assert_allclose(ps[0].grad.data, np.array([2.0, -3.0]) * 0.5 / (want + 1e-6), rtol=1e-13)
+
+
+def test_float32_large_and_float16_grads():
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((1000, 300)).astype(np.float32)
+    ps = _params(g, dtype=np.float32)
+    want = float(np.sqrt((g.astype(np.float64) ** 2).sum()))
+    assert clip_grad_norm_(ps, 1.0) == pytest.approx(want, rel=1e-5)
+    assert ps[0].grad.data.dtype == np.float32
+    h = _params(np.full(70000, 1.0), dtype=np.float16)  # sum of squares overflows float16
+    assert grad_norm(h) == pytest.approx(math.sqrt(70000), rel=1e-6)
+
+
+def test_nonfinite():
+    ps = _params([1.0, np.inf])
+    with pytest.raises(RuntimeError, match="inf"):
+        clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)
+    ps = _params([1.0, np.nan])
+    assert math.isnan(clip_grad_norm_(ps, 1.0))
+    assert np.isnan(ps[0].grad.data).all()  # PyTorch: the nan coefficient propagates
+
+
+def test_empty_and_bad_arguments():
+    assert clip_grad_norm_(_params(None), 1.0) == 0.0
+    with pytest.raises(ValueError, match="-1"):
+        clip_grad_norm_(_params([1.0]), -1)
+    with pytest.raises(ValueError, match="norm_type"):
+        clip_grad_norm_(_params([1.0]), 1.0, norm_type=0)
+    with pytest.raises(ValueError, match="-0.5"):
+        clip_grad_value_(_params([1.0]), -0.5)
+
+
+def test_clip_grad_value():
+    ps = _params([-2.0, 0.1, 3.0], [[0.5, -0.7]])
+    clip_grad_value_(ps, 0.5)
+    np.testing.assert_array_equal(ps[0].grad.data, [-0.5, 0.1, 0.5])
+    np.testing.assert_array_equal(ps[1].grad.data, [[0.5, -0.5]])
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_group_reduces_sharded_norm(world, norm_type):
+    """Rank r holds the shard [r + 1, -(r + 1)]: the global norm is over all shards."""
+    g = world.default_group
+    r, n = g.rank, g.size
+    ps = _params([r + 1.0, -(r + 1.0)])
+    total = clip_grad_norm_(ps, max_norm=1.0, norm_type=norm_type, group=g)
+    if norm_type == 2.0:
+        want = math.sqrt(2 * sum((k + 1) ** 2 for k in range(n)))
+    else:
+        want = float(n)
+    assert total == pytest.approx(want, rel=1e-13)
+    np.testing.assert_allclose(ps[0].grad.data, np.array([r + 1.0, -(r + 1.0)]) / (want + 1e-6), rtol=1e-13)
