@@ -26,6 +26,7 @@ from .backends.mpi import MPIBackend, cuda_aware_mpi
 from .group import ProcessGroup
 from .reduce_op import ReduceOp, mpi_op
 from .work import Work
+from . import world as _world_mod
 from .world import resolve_group
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
 _SUM = ReduceOp.SUM
 _MEAN = ReduceOp.MEAN
 _ND = np.ndarray
+_IN_PLACE = MPI.IN_PLACE
+_FAST_OPS = {}  # (op name, dtype.num) -> MPI.Op, filled once a pair has passed the checks
 
 
 # -- the one split rule ----------------------------------------------------------------------
@@ -64,6 +67,15 @@ def chunk_bounds(n: int, parts: int, index: int) -> Tuple[int, int]:
 
 
 # -- plumbing (written once) ----------------------------------------------------------------
+def _group(group):
+    """Fast :func:`resolve_group` for the common ``group=None`` case."""
+    if group is None:
+        w = _world_mod._WORLD
+        if w is not None and not w._destroyed:
+            return w.default_group
+    return resolve_group(group)
+
+
 def _backend(g: ProcessGroup, arr) -> MPIBackend:
     """The backend serving ``arr`` on group ``g`` (cached per group)."""
     if type(arr) is _ND:
@@ -194,14 +206,31 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         >>> s = axonmpi.all_reduce(np.array([world.rank]))        # [0 + 1 + ... + (n-1)]
         >>> axonmpi.all_reduce(grad, op="mean", out=grad)           # in place average
     """
-    g = resolve_group(group)
+    g = _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
+    if type(x) is _ND and not async_op and g.size > 1 and not g.world.debug and x.flags.c_contiguous:
+        mop = _FAST_OPS.get((op._value_, x.dtype.num))          # hot path: one MPI call, no staging
+        if mop is not None:
+            if out is x:
+                g.comm.Allreduce(_IN_PLACE, x, mop)
+                recv = x
+            elif out is None:
+                recv = np.empty_like(x)
+                g.comm.Allreduce(x, recv, mop)
+            else:
+                recv = None
+            if recv is not None:
+                if op is _MEAN:
+                    np.true_divide(recv, g.size, out=recv)
+                return recv
     x = _as_array(x)
     if g.world.debug:
         _debug(g, "all_reduce", shape=x.shape, dtype=x.dtype, op=op)
     be = _backend(g, x)
-    mpi_op(op, x.dtype, g.world.rank)  # dtype/op check on every rank, even at size 1
+    mop = mpi_op(op, x.dtype, g.world.rank)  # dtype/op check on every rank, even at size 1
+    if x.dtype != np.float16 or _mpi_has_float16():
+        _FAST_OPS[(op._value_, x.dtype.num)] = mop
     if out is not None and out is not x:
         _check_out(g, out, x.shape, x.dtype, "all_reduce")
     target = out
@@ -277,7 +306,7 @@ def all_reduce_product(x, group=None, **kw):
 
 def reduce(x, dst: int = 0, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None):
     """Reduce ``x`` onto group rank ``dst``; returns the result there and ``None`` elsewhere."""
-    g = resolve_group(group)
+    g = _group(group)
     op = ReduceOp.coerce(op)
     x = _as_array(x)
     dst = _check_root(g, dst, "dst")
@@ -314,7 +343,13 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, *, async_op
         >>> w = np.empty(3) if world.rank else np.arange(3.0)
         >>> axonmpi.broadcast(w, src=0)        # now [0., 1., 2.] everywhere
     """
-    g = resolve_group(group)
+    g = _group(group)
+    if (type(x) is _ND and type(src) is int and 0 <= src < g.size and not g.world.debug
+            and x.flags.c_contiguous and x.flags.writeable and x.dtype.kind in "biufc"
+            and x.dtype.char != "e"):
+        if g.size > 1:
+            g.comm.Bcast(x, root=src)
+        return Work(result=x) if async_op else x
     x = _as_array(x)
     if type(x) is _ND and not x.flags.writeable:
         raise ValueError(f"rank {g.world.rank}: broadcast writes into x in place; x is read-only")
@@ -348,9 +383,19 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     Example (3 ranks):
         >>> axonmpi.all_gather(np.full(2, world.rank))     # [0 0 1 1 2 2]
     """
-    g = resolve_group(group)
-    x = _as_array(x)
+    g = _group(group)
     p = g.size
+    if (type(x) is _ND and axis == 0 and not uneven and not async_op and p > 1 and not g.world.debug
+            and x.ndim > 0 and x.flags.c_contiguous and x.dtype.kind in "biufc" and x.dtype.char != "e"):
+        shape = (p * x.shape[0],) + x.shape[1:]
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif not (type(out) is _ND and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
+            shape = None
+        if shape is not None:
+            g.comm.Allgather(x, out)
+            return out
+    x = _as_array(x)
     if x.ndim == 0:
         x = x.reshape(1)
     if not -x.ndim <= axis < x.ndim:
@@ -380,15 +425,21 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
             recv[...] = send
         total = (int(rows.sum()),) + rest
     else:
-        recv = xp.empty(p * send.size, send.dtype)
         total = (p * xm.shape[0],) + rest
+        recv = None
     full_shape = list(total)
     if axis:
         full_shape.insert(axis, full_shape.pop(0))
     if out is not None:
         _check_out(g, out, full_shape, x.dtype, "all_gather")
+    direct = (recv is None and out is not None and not axis and not stage.dev
+              and type(out) is type(send) and out.flags.c_contiguous)
+    if recv is None:
+        recv = out.reshape(-1) if direct else xp.empty(p * send.size, send.dtype)
 
     def finish():
+        if direct:
+            return out
         res = recv.reshape(total)
         if axis:
             res = np.moveaxis(res, 0, axis)
@@ -424,21 +475,34 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
     Example (2 ranks):
         >>> axonmpi.reduce_scatter(np.arange(4.0))    # rank 0: [0, 2], rank 1: [4, 6]
     """
-    g = resolve_group(group)
+    g = _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
+    p = g.size
+    if (type(x) is _ND and not async_op and p > 1 and not g.world.debug and x.ndim > 0
+            and x.shape[0] % p == 0 and x.flags.c_contiguous):
+        mop = _FAST_OPS.get((op._value_, x.dtype.num))
+        shape = (x.shape[0] // p,) + x.shape[1:]
+        if mop is not None and (out is None or (type(out) is _ND and out.shape == shape
+                                                and out.dtype == x.dtype and out.flags.c_contiguous)):
+            recv = np.empty(shape, x.dtype) if out is None else out
+            g.comm.Reduce_scatter_block(x, recv, mop)
+            if op is _MEAN:
+                np.true_divide(recv, p, out=recv)
+            return recv
     x = _as_array(x)
     if x.ndim == 0:
         raise ValueError(f"rank {g.world.rank}: reduce_scatter needs at least 1-d input, got a 0-d array")
     _debug(g, "reduce_scatter", shape=x.shape, dtype=x.dtype, op=op)
-    mpi_op(op, x.dtype, g.world.rank)
+    mop = mpi_op(op, x.dtype, g.world.rank)
+    if x.dtype != np.float16 or _mpi_has_float16():
+        _FAST_OPS[(op._value_, x.dtype.num)] = mop
     if x.dtype == np.float16 and not _mpi_has_float16():
         res = reduce_scatter(x.astype(np.float32), op, g).astype(np.float16)
         if out is not None:
             out[...] = res
             res = out
         return Work(result=res) if async_op else res
-    p = g.size
     rows = chunk_sizes(x.shape[0], p)
     rowsize = int(np.prod(x.shape[1:], dtype=np.int64))
     counts = [r * rowsize for r in rows]
@@ -500,7 +564,7 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[Li
     Shapes may differ across ranks; dtypes must agree. Returns the list on ``dst`` and
     ``None`` elsewhere.
     """
-    g = resolve_group(group)
+    g = _group(group)
     x = _as_array(x)
     dst = _check_root(g, dst, "dst")
     _debug(g, "gather", dtype=x.dtype, dst=dst)
@@ -535,7 +599,7 @@ def scatter(chunks, src: int = 0, group: Optional[ProcessGroup] = None):
     On ``src``, ``chunks`` is a list of ``size`` arrays of one dtype (shapes may differ), or
     one array split along axis 0 by the :func:`chunk_sizes` rule. Other ranks pass ``None``.
     """
-    g = resolve_group(group)
+    g = _group(group)
     src = _check_root(g, src, "src")
     meta = None
     if g.rank == src:
@@ -590,7 +654,7 @@ def all_to_all(x, group: Optional[ProcessGroup] = None):
     axis 0 divides by the group size — the result is an array of the same shape whose
     ``j``-th block came from rank ``j``.
     """
-    g = resolve_group(group)
+    g = _group(group)
     p = g.size
     if isinstance(x, (list, tuple)):
         pieces = [_as_array(c, "x[i]") for c in x]
@@ -645,7 +709,7 @@ def all_to_all(x, group: Optional[ProcessGroup] = None):
 # -- barrier and point-to-point ----------------------------------------------------------------------
 def barrier(group: Optional[ProcessGroup] = None) -> None:
     """Block until every rank of the group reaches this call."""
-    g = resolve_group(group)
+    g = _group(group)
     _debug(g, "barrier")
     g.comm.Barrier()
 
@@ -665,7 +729,7 @@ def _check_peer(g, peer, what):
 
 def send(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
     """Send array ``x`` to group rank ``dst`` (blocking). The receiver needs a buffer of the same size."""
-    g = resolve_group(group)
+    g = _group(group)
     x = _as_array(x)
     dst = _check_peer(g, dst, "dst")
     be = _backend(g, x)
@@ -677,7 +741,7 @@ def send(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Non
 
 def recv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0):
     """Receive into array ``x`` (in place) from group rank ``src``; return ``x``."""
-    g = resolve_group(group)
+    g = _group(group)
     x = _as_array(x)
     src = _check_peer(g, src, "src")
     be = _backend(g, x)
@@ -693,7 +757,7 @@ def recv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0):
 
 def isend(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
     """Non-blocking :func:`send`; returns a :class:`Work` (keep it and ``wait()`` on it)."""
-    g = resolve_group(group)
+    g = _group(group)
     x = _as_array(x)
     dst = _check_peer(g, dst, "dst")
     be = _backend(g, x)
@@ -705,7 +769,7 @@ def isend(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Wo
 
 def irecv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
     """Non-blocking :func:`recv` into ``x``; ``wait()`` returns ``x`` once filled."""
-    g = resolve_group(group)
+    g = _group(group)
     x = _as_array(x)
     src = _check_peer(g, src, "src")
     be = _backend(g, x)
@@ -724,7 +788,7 @@ def irecv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Wo
 # -- picklable objects ---------------------------------------------------------------------------
 def broadcast_object(obj: Any, src: int = 0, group: Optional[ProcessGroup] = None) -> Any:
     """Broadcast any picklable object from group rank ``src``; every rank returns it."""
-    g = resolve_group(group)
+    g = _group(group)
     src = _check_root(g, src, "src")
     _debug(g, "broadcast_object", src=src)
     return g.comm.bcast(obj, root=src) if g.size > 1 else obj
@@ -732,14 +796,14 @@ def broadcast_object(obj: Any, src: int = 0, group: Optional[ProcessGroup] = Non
 
 def all_gather_object(obj: Any, group: Optional[ProcessGroup] = None) -> List[Any]:
     """Gather a picklable object from every rank onto every rank (list in group-rank order)."""
-    g = resolve_group(group)
+    g = _group(group)
     _debug(g, "all_gather_object")
     return g.comm.allgather(obj) if g.size > 1 else [obj]
 
 
 def gather_object(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[Any]]:
     """Gather a picklable object on group rank ``dst`` (list there, ``None`` elsewhere)."""
-    g = resolve_group(group)
+    g = _group(group)
     dst = _check_root(g, dst, "dst")
     _debug(g, "gather_object", dst=dst)
     return g.comm.gather(obj, root=dst) if g.size > 1 else [obj]

@@ -1,0 +1,45 @@
+# axonmpi — two commands for a new machine with python3 and pip:
+#   make demo   installs into .venv, then trains the char GPT with DDP on 4 local ranks
+#   make test   installs, then runs the whole test suite at 1, 2, 3 and 4 ranks
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+NPS ?= 1 2 3 4
+PYTEST_ARGS ?= -q
+DEMO_ARGS ?=
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test demo bench clean help
+
+help:
+	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on 4 local ranks"
+	@echo "make test   - install and run the suite under mpiexec -n N for N in $(NPS)"
+	@echo "make bench  - run the benchmarks in bench/ beside the anchors in ../shared/anchors"
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[mpich,test]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	@rm -rf .test-logs; set -e; for n in $(NPS); do \
+	  echo "=== pytest --with-mpi on $$n rank(s) ==="; \
+	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider $(PYTEST_ARGS) || { \
+	    status=$$?; echo "*** the $$n-rank run failed (exit $$status); reports of the other ranks:"; \
+	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
+	    exit $$status; }; \
+	done; echo "=== all passes green: $(NPS) rank(s) ==="
+
+demo: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash jobs/local.sh -n 4 examples/train_gpt.py $(DEMO_ARGS)
+
+bench: install
+	$(MPIEXEC) -n 2 $(PY) bench/collectives.py
+
+clean:
+	rm -rf $(VENV) .test-logs build *.egg-info .pytest_cache
