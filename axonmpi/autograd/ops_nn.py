@@ -1,1 +1,424 @@
-"""placeholder"""
+"""Neural-network ops as fused ``Function``s: activations, softmax, layer norm, embedding, dropout,
+losses and ``linear`` (one fused matmul + bias with the weight in PyTorch's (out, in) layout)."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from ..backend import get_array_module
+from .function import Function
+from .ops import _shape, _unbroadcast
+from .special import erf
+from .tensor import Tensor
+
+__all__ = [
+    "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax",
+    "masked_fill", "mse_loss", "relu", "sigmoid", "silu", "softmax",
+]
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+# -- linear --------------------------------------------------------------------------------
+class Linear(Function):
+    """``y = x @ W.T + b`` with ``W`` of shape (out, in); leading dims of ``x`` are flattened."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+        y = x2 @ w.T
+        if b is not None:
+            y += b
+        n = ctx.needs_input_grad
+        ctx.save_for_backward(x2 if n[1] else None, w if n[0] else None)
+        ctx.xshape = x.shape
+        return y.reshape(x.shape[:-1] + (w.shape[0],)) if x.ndim != 2 else y
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1]) if g.ndim != 2 else g
+        gx = (g2 @ w).reshape(ctx.xshape) if n[0] else None
+        gw = g2.T @ x2 if n[1] else None
+        gb = g2.sum(axis=0) if n[2] else None
+        return gx, gw, gb
+
+
+def linear(x, weight, bias=None) -> Tensor:
+    """Affine map ``x @ weight.T + bias`` (one fused op; ``weight`` is (out_features, in_features))."""
+    return Linear.apply(x, weight, bias)
+
+
+# -- activations ---------------------------------------------------------------------------
+class ReLU(Function):
+    @staticmethod
+    def forward(ctx, x):
+        xp = get_array_module(x)
+        out = xp.maximum(x, 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        gx = g * (out > 0)
+        return gx
+
+
+class Sigmoid(Function):
+    @staticmethod
+    def forward(ctx, x):
+        xp = get_array_module(x)
+        out = _sigmoid(xp, x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (s,) = ctx.saved_tensors
+        return g * s * (1 - s)
+
+
+def _sigmoid(xp, x):
+    # 0.5 * (1 + tanh(x / 2)) is overflow-free and accurate for both signs
+    out = xp.tanh(x * 0.5)
+    out += 1
+    out *= 0.5
+    return out
+
+
+class SiLU(Function):
+    @staticmethod
+    def forward(ctx, x):
+        xp = get_array_module(x)
+        s = _sigmoid(xp, x)
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return g * (s * (1 + x * (1 - s)))
+
+
+class GELU(Function):
+    @staticmethod
+    def forward(ctx, x, approximate):
+        xp = get_array_module(x)
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate
+        if approximate == "tanh":
+            t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+            return 0.5 * x * (1 + t)
+        return 0.5 * x * (1 + erf(x * _INV_SQRT_2))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        xp = get_array_module(x)
+        if ctx.approximate == "tanh":
+            x2 = x * x
+            t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x2 * x))
+            d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * (_SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x2))
+        else:
+            cdf = 0.5 * (1 + erf(x * _INV_SQRT_2))
+            d = cdf + x * (_INV_SQRT_2PI * xp.exp(-0.5 * x * x))
+        return g * d, None
+
+
+def relu(x) -> Tensor:
+    """``max(x, 0)`` (gradient 0 at 0)."""
+    return ReLU.apply(x)
+
+
+def sigmoid(x) -> Tensor:
+    """Logistic function."""
+    return Sigmoid.apply(x)
+
+
+def silu(x) -> Tensor:
+    """``x * sigmoid(x)`` (a.k.a. swish)."""
+    return SiLU.apply(x)
+
+
+def gelu(x, approximate: str = "none") -> Tensor:
+    """Gaussian error linear unit: exact (``"none"``, via erf) or the ``"tanh"`` approximation."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
+    return GELU.apply(x, approximate)
+
+
+# -- softmax -------------------------------------------------------------------------------
+class Softmax(Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        xp = get_array_module(x)
+        z = x - x.max(axis=axis, keepdims=True)
+        xp.exp(z, out=z)
+        z /= z.sum(axis=axis, keepdims=True)
+        ctx.save_for_backward(z)
+        ctx.axis = axis
+        return z
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        gp = g * p
+        gp -= p * gp.sum(axis=ctx.axis, keepdims=True)
+        return gp, None
+
+
+class LogSoftmax(Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        xp = get_array_module(x)
+        z = x - x.max(axis=axis, keepdims=True)
+        z -= xp.log(xp.exp(z).sum(axis=axis, keepdims=True))
+        ctx.save_for_backward(z)
+        ctx.axis = axis
+        return z
+
+    @staticmethod
+    def backward(ctx, g):
+        (logp,) = ctx.saved_tensors
+        xp = get_array_module(g)
+        return g - xp.exp(logp) * g.sum(axis=ctx.axis, keepdims=True), None
+
+
+def softmax(x, axis: int = -1) -> Tensor:
+    """Softmax along ``axis`` (max-shifted for stability)."""
+    return Softmax.apply(x, axis)
+
+
+def log_softmax(x, axis: int = -1) -> Tensor:
+    """Log-softmax along ``axis`` (log-sum-exp stabilised)."""
+    return LogSoftmax.apply(x, axis)
+
+
+# -- layer norm ----------------------------------------------------------------------------
+class LayerNorm(Function):
+    """Fused layer normalization over the trailing ``ndims`` axes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ndims, eps):
+        xp = get_array_module(x)
+        axes = tuple(range(x.ndim - ndims, x.ndim))
+        mu = x.mean(axis=axes, keepdims=True)
+        xc = x - mu
+        var = (xc * xc).mean(axis=axes, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + eps)
+        xhat = xc
+        xhat *= rstd
+        n = ctx.needs_input_grad
+        ctx.save_for_backward(xhat, rstd, weight if n[0] else None)
+        ctx.axes = axes
+        out = xhat * weight if weight is not None else xhat.copy()
+        if bias is not None:
+            out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx, g, ):
+        xhat, rstd, weight = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        axes = ctx.axes
+        lead = tuple(range(g.ndim - len(axes)))
+        gw = (g * xhat).sum(axis=lead) if n[1] else None
+        gb = g.sum(axis=lead) if n[2] else None
+        gx = None
+        if n[0]:
+            gh = g * weight if weight is not None else g.copy()
+            m1 = gh.mean(axis=axes, keepdims=True)
+            m2 = (gh * xhat).mean(axis=axes, keepdims=True)
+            gh -= m1
+            gh -= xhat * m2
+            gh *= rstd
+            gx = gh
+        return gx, gw, gb, None, None
+
+
+def layer_norm(x, normalized_shape: Union[int, Sequence[int]], weight=None, bias=None,
+               eps: float = 1e-5) -> Tensor:
+    """Normalize over the trailing ``normalized_shape`` axes, then scale by ``weight`` and add ``bias``."""
+    ndims = 1 if isinstance(normalized_shape, (int, np.integer)) else len(tuple(normalized_shape))
+    return LayerNorm.apply(x, weight, bias, ndims, eps)
+
+
+# -- embedding / dropout / masking ---------------------------------------------------------
+class Embedding(Function):
+    @staticmethod
+    def forward(ctx, idx, weight):
+        ctx.save_for_backward(idx)
+        ctx.wshape = weight.shape
+        return weight[idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        xp = get_array_module(g)
+        gw = xp.zeros(ctx.wshape, g.dtype)
+        xp.add.at(gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
+        return None, gw
+
+
+def embedding(idx, weight) -> Tensor:
+    """Rows of ``weight`` selected by integer ``idx`` (scatter-add backward)."""
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
+    return Embedding.apply(idx, weight)
+
+
+class Dropout(Function):
+    @staticmethod
+    def forward(ctx, x, p):
+        from ..random import generator_for
+
+        xp = get_array_module(x)
+        dtype = x.dtype if x.dtype.kind == "f" else np.dtype(np.float32)
+        keep = generator_for(xp).random(x.shape, dtype=np.float32 if dtype.itemsize <= 4 else np.float64) >= p
+        mask = keep.astype(dtype)
+        mask *= 1.0 / (1.0 - p)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0], None
+
+
+def dropout(x, p: float = 0.5, training: bool = True) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by ``1/(1-p)``; identity if not training.
+
+    Masks come from :mod:`axonmpi.random`'s generator, so ``manual_seed`` makes them reproducible.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    return Dropout.apply(x, p)
+
+
+class MaskedFill(Function):
+    @staticmethod
+    def forward(ctx, x, mask, value):
+        xp = get_array_module(x)
+        ctx.save_for_backward(mask)
+        ctx.shape = x.shape
+        return xp.where(mask, xp.asarray(value, dtype=x.dtype), x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        xp = get_array_module(g)
+        return _unbroadcast(xp.where(mask, xp.zeros((), g.dtype), g), tuple(ctx.shape)), None, None
+
+
+def masked_fill(x, mask, value: float) -> Tensor:
+    """Replace elements where boolean ``mask`` (broadcastable) is True by ``value``."""
+    if isinstance(mask, Tensor):
+        mask = mask.data
+    return MaskedFill.apply(x, mask, value)
+
+
+# -- losses --------------------------------------------------------------------------------
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class CrossEntropy(Function):
+    """Fused log-softmax + negative log-likelihood over the last axis."""
+
+    @staticmethod
+    def forward(ctx, logits, target, reduction, ignore_index):
+        xp = get_array_module(logits)
+        c = logits.shape[-1]
+        x = logits.reshape(-1, c)
+        t = target.reshape(-1)
+        valid = t != ignore_index
+        ts = xp.where(valid, t, 0)
+        rows = xp.arange(x.shape[0])
+        z = x - x.max(axis=1, keepdims=True)
+        zt = z[rows, ts]
+        xp.exp(z, out=z)
+        s = z.sum(axis=1)
+        loss = (xp.log(s) - zt) * valid
+        z /= s[:, None]  # softmax probabilities, kept for backward
+        ctx.save_for_backward(z, ts, valid)
+        ctx.reduction, ctx.lshape = reduction, logits.shape
+        if reduction == "none":
+            return loss.reshape(target.shape)
+        total = loss.sum()
+        if reduction == "sum":
+            return total
+        ctx.count = valid.sum()
+        return total / ctx.count
+
+    @staticmethod
+    def backward(ctx, g):
+        p, ts, valid = ctx.saved_tensors
+        xp = get_array_module(p)
+        gx = p.copy()
+        rows = xp.arange(p.shape[0])
+        gx[rows, ts] -= 1
+        if ctx.reduction == "none":
+            scale = g.reshape(-1) * valid
+        elif ctx.reduction == "sum":
+            scale = g * valid
+        else:
+            scale = (g / ctx.count) * valid
+        gx *= scale.astype(gx.dtype, copy=False)[:, None] if getattr(scale, "ndim", 0) else scale
+        return gx.reshape(ctx.lshape), None, None, None
+
+
+def cross_entropy(logits, target, reduction: str = "mean", ignore_index: int = -100) -> Tensor:
+    """Cross-entropy of class scores ``logits`` (N, C) or (..., C) against integer ``target``.
+
+    Targets equal to ``ignore_index`` contribute nothing; ``"mean"`` divides by the number of
+    non-ignored targets (NaN if all are ignored, like PyTorch).
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(target, Tensor):
+        target = target.data
+    if target.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy targets must be integer class indices, got dtype {target.dtype}")
+    lshape = logits.shape
+    if tuple(target.shape) != tuple(lshape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} does not match logits shape {tuple(lshape)}")
+    return CrossEntropy.apply(logits, target, reduction, ignore_index)
+
+
+class MSELoss(Function):
+    @staticmethod
+    def forward(ctx, a, b, reduction):
+        d = a - b
+        ctx.save_for_backward(d)
+        ctx.sa, ctx.sb, ctx.reduction = _shape(a), _shape(b), reduction
+        sq = d * d
+        if reduction == "none":
+            return sq
+        return sq.sum() if reduction == "sum" else sq.mean()
+
+    @staticmethod
+    def backward(ctx, g):
+        (d,) = ctx.saved_tensors
+        scale = 2.0 / d.size if ctx.reduction == "mean" else 2.0
+        gd = (g * scale) * d
+        n = ctx.needs_input_grad
+        return (_unbroadcast(gd, ctx.sa) if n[0] else None,
+                _unbroadcast(-gd, ctx.sb) if n[1] else None, None)
+
+
+def mse_loss(input, target, reduction: str = "mean") -> Tensor:  # noqa: A002
+    """Mean squared error (``"mean"``, ``"sum"`` or ``"none"``)."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    return MSELoss.apply(input, target, reduction)
