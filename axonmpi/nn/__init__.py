@@ -1,0 +1,15 @@
+"""Neural-network modules, parameters, initializers and functional ops."""
+from __future__ import annotations
+
+from . import functional, init
+from .layers import (GELU, Dropout, Embedding, Flatten, Identity, LayerNorm, Linear, ReLU, Sigmoid,
+                     SiLU, Softmax, Tanh)
+from .module import IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential
+from .parameter import Parameter
+from .transformer import MLP, CausalSelfAttention, TransformerBlock
+
+__all__ = [
+    "CausalSelfAttention", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
+    "LayerNorm", "Linear", "MLP", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
+    "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "TransformerBlock", "functional", "init",
+]

@@ -1,0 +1,91 @@
+"""Transformer building blocks: causal self-attention, MLP and a pre-norm block (nanoGPT-shaped).
+
+Parameter names: ``attn.qkv`` (fused q/k/v projection, (3*n_embd, n_embd)), ``attn.proj``,
+``mlp.fc``, ``mlp.proj``, ``ln_1``, ``ln_2`` — e.g. ``"blocks.3.attn.qkv.bias"`` in a GPT.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..autograd import ops, ops_nn
+from ..autograd.tensor import Tensor
+from ..backend import get_array_module
+from .layers import GELU, Dropout, LayerNorm, Linear
+from .module import Module
+
+__all__ = ["CausalSelfAttention", "MLP", "TransformerBlock"]
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention with a fused ``qkv`` projection and an output ``proj``.
+
+    Args:
+        n_embd: model width C (must be divisible by ``n_head``).
+        n_head: number of heads.
+        dropout: dropout on attention weights and on the output.
+        bias: whether the projections have biases.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True,
+                 dtype=None, device=None):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
+        self.n_embd, self.n_head = n_embd, n_head
+        self.qkv = Linear(n_embd, 3 * n_embd, bias=bias, dtype=dtype, device=device)
+        self.proj = Linear(n_embd, n_embd, bias=bias, dtype=dtype, device=device)
+        self.attn_dropout = Dropout(dropout)
+        self.resid_dropout = Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        nh, hd = self.n_head, C // self.n_head
+        q, k, v = ops.split(self.qkv(x), C, axis=2)
+        q = ops.permute(ops.reshape(q, B, T, nh, hd), 0, 2, 1, 3)
+        k = ops.permute(ops.reshape(k, B, T, nh, hd), 0, 2, 3, 1)  # (B, nh, hd, T)
+        v = ops.permute(ops.reshape(v, B, T, nh, hd), 0, 2, 1, 3)
+        att = ops.matmul(q, k) * (1.0 / math.sqrt(hd))
+        xp = get_array_module(x.data)
+        future = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+        att = ops_nn.masked_fill(att, future, -np.inf)
+        att = self.attn_dropout(ops_nn.softmax(att, -1))
+        y = ops.matmul(att, v)  # (B, nh, T, hd)
+        y = ops.reshape(ops.permute(y, 0, 2, 1, 3), B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+    def extra_repr(self) -> str:
+        return f"n_embd={self.n_embd}, n_head={self.n_head}"
+
+
+class MLP(Module):
+    """``fc`` (C -> hidden) -> GELU -> ``proj`` (hidden -> C) -> dropout."""
+
+    def __init__(self, n_embd: int, hidden: int = None, dropout: float = 0.0, bias: bool = True,
+                 approximate: str = "tanh", dtype=None, device=None):
+        super().__init__()
+        hidden = 4 * n_embd if hidden is None else hidden
+        self.fc = Linear(n_embd, hidden, bias=bias, dtype=dtype, device=device)
+        self.act = GELU(approximate)
+        self.proj = Linear(hidden, n_embd, bias=bias, dtype=dtype, device=device)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class TransformerBlock(Module):
+    """Pre-norm block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True,
+                 dtype=None, device=None):
+        super().__init__()
+        self.ln_1 = LayerNorm(n_embd, bias=bias, dtype=dtype, device=device)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, dtype=dtype, device=device)
+        self.ln_2 = LayerNorm(n_embd, bias=bias, dtype=dtype, device=device)
+        self.mlp = MLP(n_embd, dropout=dropout, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
