@@ -1,0 +1,136 @@
+"""CheckpointManager: numbered checkpoints in one directory, saved every N steps, the last K kept."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+from typing import List, Optional
+
+from .io import is_checkpoint, load, save
+
+__all__ = ["CheckpointManager"]
+
+
+class CheckpointManager:
+    """Save ``<directory>/step-00000100`` style checkpoints, prune old ones, find the latest.
+
+    ``save`` and ``load_latest`` are collective over ``group``; ``latest``/``steps`` only
+    look at the (shared) file system. A save replaces nothing until it is complete (see
+    :func:`axonmpi.checkpoint.save`); pruning happens after the new checkpoint is in place,
+    so at least one complete checkpoint survives any crash.
+
+    Args:
+        directory: where checkpoints live (created on first save).
+        keep_last: how many of the newest checkpoints to keep (None: all).
+        every_steps: :meth:`should_save` is true every this many steps (None: never).
+        prefix: directory-name prefix before the zero-padded step.
+        group: the process group saving together (default: all ranks).
+
+    Example:
+        >>> mgr = CheckpointManager("runs/gpt/ckpt", keep_last=3, every_steps=500)
+        >>> loaded = mgr.load_latest()          # None on a fresh run
+        >>> for step in range(start, steps):
+        ...     train_step()
+        ...     if mgr.should_save(step + 1):
+        ...         mgr.save(step + 1, training_state(model, opt, sampler=sampler, step=step + 1))
+    """
+
+    def __init__(self, directory: "str | os.PathLike", keep_last: Optional[int] = 3,
+                 every_steps: Optional[int] = None, *, prefix: str = "step-", group=None):
+        if keep_last is not None and (isinstance(keep_last, bool) or int(keep_last) < 1):
+            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        if every_steps is not None and (isinstance(every_steps, bool) or int(every_steps) < 1):
+            raise ValueError(f"every_steps must be None or an int >= 1, got {every_steps!r}")
+        if not prefix or "/" in prefix or os.sep in prefix:
+            raise ValueError(f"prefix must be a non-empty file-name prefix, got {prefix!r}")
+        self.directory = os.fspath(directory)
+        self.keep_last = None if keep_last is None else int(keep_last)
+        self.every_steps = None if every_steps is None else int(every_steps)
+        self.prefix = prefix
+        self.group = group
+        self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
+
+    def path_for(self, step: int) -> str:
+        """The directory of the checkpoint for ``step``."""
+        if isinstance(step, bool) or int(step) < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        return os.path.join(self.directory, f"{self.prefix}{int(step):08d}")
+
+    def steps(self) -> List[int]:
+        """Steps of the complete checkpoints present, ascending."""
+        if not os.path.isdir(self.directory):
+            return []
+        out = []
+        for name in os.listdir(self.directory):
+            m = self._pattern.match(name)
+            if m and is_checkpoint(os.path.join(self.directory, name)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest complete checkpoint's step, or None."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def latest(self) -> Optional[str]:
+        """The newest complete checkpoint's path, or None."""
+        s = self.latest_step()
+        return None if s is None else self.path_for(s)
+
+    def should_save(self, step: int) -> bool:
+        """True when ``every_steps`` divides ``step`` (and ``step > 0``)."""
+        return self.every_steps is not None and int(step) > 0 and int(step) % self.every_steps == 0
+
+    def save(self, step: int, state: dict, **kw) -> str:
+        """Save ``state`` as the checkpoint for ``step`` (collective), then prune; returns its path.
+
+        Keyword arguments go to :func:`axonmpi.checkpoint.save`.
+        """
+        from ..distributed import resolve_group
+        path = save(self.path_for(step), state, self.group, **kw)
+        if resolve_group(self.group).rank == 0:
+            self._prune(keep_step=int(step))
+        return path
+
+    def load_latest(self, state: Optional[dict] = None, **kw) -> Optional[dict]:
+        """Load the newest checkpoint (collective); None when there is none.
+
+        Keyword arguments go to :func:`axonmpi.checkpoint.load`.
+        """
+        from ..distributed import broadcast_object, resolve_group
+        g = resolve_group(self.group)
+        path = self.latest() if g.rank == 0 else None
+        path = broadcast_object(path, group=g)
+        if path is None:
+            return None
+        return load(path, state, g, **kw)
+
+    def _prune(self, keep_step: int) -> None:
+        """Remove checkpoints beyond ``keep_last`` and leftovers of crashed saves (rank 0)."""
+        from ..log import get_logger
+        log = get_logger(__name__)
+        doomed = []
+        if self.keep_last is not None:
+            steps = [s for s in self.steps() if s != keep_step]
+            steps.append(keep_step)
+            steps.sort()
+            doomed = [self.path_for(s) for s in steps[:-self.keep_last]]
+        # leftovers of crashed saves: only where the checkpoint they belong to is complete or doomed
+        # (after a crash between the two renames of a non-atomic replace, <p>.old-* is the only copy)
+        for pat in (".tmp-*", ".old-*"):
+            for left in glob.glob(os.path.join(glob.escape(self.directory), glob.escape(self.prefix) + "*" + pat)):
+                base = left[:left.rindex(pat[:-1])]
+                if is_checkpoint(base) or base in doomed:
+                    doomed.append(left)
+        for p in doomed:
+            try:
+                shutil.rmtree(p)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # never fail a save because an old checkpoint could not go
+                log.warning("could not remove old checkpoint %s: %s", p, e)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, keep_last={self.keep_last}, "
+                f"every_steps={self.every_steps}, latest_step={self.latest_step()})")

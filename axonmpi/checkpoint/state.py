@@ -1,0 +1,106 @@
+"""Gather the whole training state (model, optimizer, scheduler, sampler, RNG, step) and restore it."""
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any, Dict, Optional
+
+__all__ = ["training_state", "restore_training_state"]
+
+
+def _state_dict(obj: Any, what: str) -> Any:
+    if not hasattr(obj, "state_dict"):
+        raise TypeError(f"{what} must have a state_dict() method, got {type(obj).__name__}")
+    return obj.state_dict()
+
+
+def _load_state_dict(obj: Any, sd: Any, what: str, strict: bool) -> None:
+    if not hasattr(obj, "load_state_dict"):
+        raise TypeError(f"{what} must have a load_state_dict() method, got {type(obj).__name__}")
+    try:
+        takes_strict = "strict" in inspect.signature(obj.load_state_dict).parameters
+    except (TypeError, ValueError):
+        takes_strict = False
+    if takes_strict:
+        obj.load_state_dict(sd, strict=strict)
+    else:
+        obj.load_state_dict(sd)
+
+
+def training_state(model=None, optimizer=None, scheduler=None, sampler=None, *, rng: bool = True,
+                   step: Optional[int] = None, epoch: Optional[int] = None, extra: Optional[dict] = None,
+                   group=None) -> Dict[str, Any]:
+    """The full training state as a checkpoint ``state`` dict (collective when ``rng=True``).
+
+    Every object is duck-typed: anything with ``state_dict()`` works (a module, an optimizer,
+    an LR scheduler, a sampler or data loader). The RNG states of all ranks of ``group`` are
+    gathered and stored as one JSON string (they hold ints wider than 64 bits), so each rank
+    resumes its own stream.
+
+    Returns:
+        ``{"model": ..., "optimizer": ..., "scheduler": ..., "sampler": ..., "rng": "<json>",
+        "meta": {"step": ..., "epoch": ..., "world_size": ...}, "extra": ...}`` (absent parts
+        left out).
+
+    Example:
+        >>> mgr.save(step, training_state(model, opt, sampler=loader.sampler, step=step))
+    """
+    from ..distributed import all_gather_object, resolve_group
+    state: Dict[str, Any] = {}
+    for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("sampler", sampler)):
+        if obj is not None:
+            state[key] = _state_dict(obj, key)
+    g = resolve_group(group)
+    if rng:
+        from .. import random as _random
+        state["rng"] = json.dumps(all_gather_object(_random.get_rng_state(), group=g))
+    meta: Dict[str, Any] = {"world_size": g.size}
+    if step is not None:
+        meta["step"] = int(step)
+    if epoch is not None:
+        meta["epoch"] = int(epoch)
+    state["meta"] = meta
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+        state["extra"] = extra
+    return state
+
+
+def restore_training_state(loaded: Dict[str, Any], model=None, optimizer=None, scheduler=None, sampler=None,
+                           *, rng: bool = True, strict: bool = True, group=None) -> Dict[str, Any]:
+    """Put a loaded :func:`training_state` back into the given objects; returns ``meta`` (+ ``extra``).
+
+    The RNG: with the same number of ranks each rank gets its own saved state; with a
+    different number, identical saved states are applied everywhere, otherwise rank ``r``
+    takes saved state ``r % n`` and a warning says the random streams are not a continuation.
+
+    Example:
+        >>> loaded = axonmpi.checkpoint.load(mgr.latest())
+        >>> meta = restore_training_state(loaded, model, opt, sampler=loader.sampler)
+        >>> start = meta["step"]
+    """
+    from ..distributed import resolve_group
+    for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("sampler", sampler)):
+        if obj is None:
+            continue
+        if key not in loaded:
+            raise KeyError(f"the loaded state has no {key!r} entry (saved keys: {sorted(loaded)})")
+        _load_state_dict(obj, loaded[key], key, strict)
+    if rng and "rng" in loaded:
+        from .. import random as _random
+        g = resolve_group(group)
+        states = json.loads(loaded["rng"])
+        if len(states) == g.size or all(s == states[0] for s in states):
+            mine = states[g.rank % len(states)]
+        else:
+            from ..log import get_logger
+            get_logger(__name__).warning(
+                "RNG states were saved by %d ranks and are restored on %d: rank %d takes state %d",
+                len(states), g.size, g.rank, g.rank % len(states))
+            mine = states[g.rank % len(states)]
+        _random.set_rng_state(mine)
+    meta = dict(loaded.get("meta", {}))
+    if "extra" in loaded:
+        meta["extra"] = loaded["extra"]
+    return meta
