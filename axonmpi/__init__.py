@@ -1,4 +1,8 @@
-"""axonmpi: MPI-native distributed deep learning on NumPy/CuPy and HDF5."""
+"""axonmpi: MPI-native distributed deep learning on NumPy/CuPy and HDF5.
+
+Layers (each imports only those below it): ``backend`` → ``distributed`` → ``autograd`` →
+``nn``/``optim``/``data`` → ``parallel`` → ``checkpoint`` → examples, jobs and the CLI.
+"""
 from __future__ import annotations
 
 __version__ = "0.1.0"
@@ -14,3 +18,13 @@ from .distributed import (
     is_main_process, isend, rank, recv, reduce, reduce_scatter, reduce_scatter_mean,
     reduce_scatter_sum, scatter, send, world_size,
 )
+from . import random
+from .random import manual_seed
+from . import autograd
+from .autograd import (
+    Function, Tensor, arange, enable_grad, full, is_grad_enabled, no_grad, ones, ones_like, rand, randn,
+    tensor, zeros, zeros_like,
+)
+from . import nn, optim, data, models, parallel
+from .parallel import DDP, DistributedDataParallel, GradSyncStrategy
+from .data.distributed import DistributedSampler, create_dataloader
