@@ -69,6 +69,8 @@ def gradcheck(fn: Callable, inputs: Sequence[Tensor], eps: float = 1e-6, atol: f
     for i, t in enumerate(inputs):
         if isinstance(t, Tensor) and t.requires_grad and t.dtype != np.float64:
             raise TypeError(f"gradcheck input {i} has dtype {t.dtype}; use float64")
+        if isinstance(t, Tensor) and t.requires_grad and not t.is_leaf:
+            raise TypeError(f"gradcheck input {i} is not a leaf (it has grad_fn {t.grad_fn!r})")
     out = fn(*inputs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     weights = []
