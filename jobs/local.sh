@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Launch an axonmpi script on N local ranks with the MPI found on PATH (the venv's MPICH after `make install`).
+#   jobs/local.sh -n 4 examples/train_gpt.py --steps 300
+# Ranks share the machine's cores: one BLAS/OpenMP thread per rank unless you set them.
+set -euo pipefail
+NP=4
+if [[ "${1:-}" == "-n" ]]; then NP="$2"; shift 2; fi
+if [[ $# -lt 1 ]]; then
+  echo "usage: $0 [-n RANKS] SCRIPT.py [ARGS...]" >&2; exit 2
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+export MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python}"
+MPIEXEC="${MPIEXEC:-mpiexec}"
+command -v "$MPIEXEC" >/dev/null || { echo "error: $MPIEXEC not found; run 'make install' or load your MPI module" >&2; exit 127; }
+exec "$MPIEXEC" -n "$NP" "$PY" "$@"
