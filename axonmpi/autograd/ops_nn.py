@@ -3,7 +3,7 @@ losses and ``linear`` (one fused matmul + bias with the weight in PyTorch's (out
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 

@@ -22,9 +22,6 @@ __all__ = [
     "zeros_like",
 ]
 
-_NDARRAY_TYPES: Tuple[type, ...] = (np.ndarray,)
-
-
 def _is_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) or backend.is_cupy_array(x)
 
@@ -210,7 +207,8 @@ class Tensor:
     def to(self, *args, device=None, dtype=None) -> "Tensor":
         """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes."""
         for a in args:
-            if isinstance(a, Device) or (isinstance(a, str) and a.split(":")[0].lower() in ("cpu", "cuda", "gpu")):
+            is_dev = isinstance(a, str) and a.split(":")[0].lower() in ("cpu", "cuda", "gpu")
+            if isinstance(a, Device) or is_dev:
                 device = a
             else:
                 dtype = a
@@ -330,7 +328,8 @@ class Tensor:
     def mean(self, axis=None, keepdims=False): return _ops().mean(self, axis, keepdims)
     def max(self, axis=None, keepdims=False): return _ops().max(self, axis, keepdims)
     def min(self, axis=None, keepdims=False): return _ops().min(self, axis, keepdims)
-    def var(self, axis=None, keepdims=False, correction=1): return _ops().var(self, axis, keepdims, correction)
+    def var(self, axis=None, keepdims=False, correction=1):
+        return _ops().var(self, axis, keepdims, correction)
 
     def argmax(self, axis=None, keepdims=False):
         return Tensor._wrap(self.xp.argmax(self.data, axis=axis, keepdims=keepdims))

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ..autograd import ops, ops_nn
+from ..autograd import ops_nn
 from ..autograd.grad_mode import no_grad
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module, to_device, to_host

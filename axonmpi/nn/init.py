@@ -91,7 +91,8 @@ def ones_(t: Tensor) -> Tensor:
     return constant_(t, 1.0)
 
 
-def kaiming_uniform_(t: Tensor, a: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu") -> Tensor:
+def kaiming_uniform_(t: Tensor, a: float = 0.0, mode: str = "fan_in",
+                     nonlinearity: str = "leaky_relu") -> Tensor:
     """He uniform: U(-bound, bound), bound = gain * sqrt(3 / fan)."""
     fan_in, fan_out = _fans(t)
     fan = fan_in if mode == "fan_in" else fan_out
@@ -99,7 +100,8 @@ def kaiming_uniform_(t: Tensor, a: float = 0.0, mode: str = "fan_in", nonlineari
     return uniform_(t, -bound, bound)
 
 
-def kaiming_normal_(t: Tensor, a: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu") -> Tensor:
+def kaiming_normal_(t: Tensor, a: float = 0.0, mode: str = "fan_in",
+                    nonlinearity: str = "leaky_relu") -> Tensor:
     """He normal: N(0, (gain / sqrt(fan))**2)."""
     fan_in, fan_out = _fans(t)
     fan = fan_in if mode == "fan_in" else fan_out

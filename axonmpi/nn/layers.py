@@ -41,7 +41,8 @@ class Linear(Module):
         (10, 784)
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dtype=None, device=None):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.weight = _param((out_features, in_features), dtype, device)
@@ -61,7 +62,8 @@ class Linear(Module):
         return ops_nn.Linear.apply(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 
 class Embedding(Module):

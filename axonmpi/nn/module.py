@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, namedtuple
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -85,7 +85,8 @@ class Module:
     def register_parameter(self, name: str, param: Optional[Parameter]) -> None:
         """Register ``param`` (or a ``None`` placeholder) under ``name``."""
         if param is not None and not isinstance(param, Parameter):
-            raise TypeError(f"register_parameter({name!r}): expected Parameter or None, got {type(param).__name__}")
+            raise TypeError(
+                f"register_parameter({name!r}): expected Parameter or None, got {type(param).__name__}")
         self._drop(name)
         self.__dict__["_parameters"][name] = param
         object.__setattr__(self, name, param)
