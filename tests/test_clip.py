@@ -4,17 +4,9 @@ import math
 import numpy as np
 import pytest
 
+from axonmpi.autograd import Tensor
+from axonmpi.nn import Parameter
 from axonmpi.optim import clip_grad_norm_, clip_grad_value_, grad_norm
-
-try:
-    from axonmpi.nn import Parameter
-except ImportError:
-    from axonmpi.autograd.tensor import Tensor
-
-    def Parameter(data):
-        return Tensor(data, requires_grad=True)
-else:
-    from axonmpi.autograd import Tensor
 
 
 def _params(*grads, dtype=np.float64):

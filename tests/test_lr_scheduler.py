@@ -4,15 +4,8 @@ import math
 import numpy as np
 import pytest
 
+from axonmpi.nn import Parameter
 from axonmpi.optim import SGD, CosineAnnealingLR, LambdaLR, LinearWarmupCosine, StepLR
-
-try:
-    from axonmpi.nn import Parameter
-except ImportError:
-    from axonmpi.autograd.tensor import Tensor
-
-    def Parameter(data):
-        return Tensor(data, requires_grad=True)
 
 
 def _opt(lrs=(0.1,)):

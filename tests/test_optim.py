@@ -2,17 +2,9 @@
 import numpy as np
 import pytest
 
-try:
-    from axonmpi.autograd import Tensor
-except ImportError:  # package __init__ not committed yet
-    from axonmpi.autograd.tensor import Tensor
+from axonmpi.autograd import Tensor
+from axonmpi.nn import Parameter
 from axonmpi.optim import SGD, Adam, AdamW
-
-try:
-    from axonmpi.nn import Parameter
-except ImportError:  # nn not written yet: a leaf tensor is what a Parameter is
-    def Parameter(data):
-        return Tensor(data, requires_grad=True)
 
 STEPS = 4
 SHAPES = [(3, 5), (7,), (300, 500)]  # the last spans several host update pieces

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import numbers
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -16,12 +17,16 @@ __all__ = ["Optimizer", "state_dtype"]
 _HOST_CHUNK = 1 << 16
 
 
-def state_dtype(param_dtype: Any) -> np.dtype:
-    """dtype of optimizer state for a parameter: float32 for 16-bit floats, else the parameter's."""
-    dt = np.dtype(param_dtype)
+@functools.lru_cache(maxsize=None)
+def _state_dtype(dt: np.dtype) -> np.dtype:
     if dt.kind == "f" and dt.itemsize < 4 or dt.name == "bfloat16":
         return np.dtype(np.float32)
     return dt
+
+
+def state_dtype(param_dtype: Any) -> np.dtype:
+    """dtype of optimizer state for a parameter: float32 for 16-bit floats, else the parameter's."""
+    return _state_dtype(np.dtype(param_dtype))
 
 
 def _check_param(p: Any) -> Any:
@@ -129,16 +134,17 @@ class Optimizer:
         raise NotImplementedError(f"{type(self).__name__} must implement _update_group")
 
     # ------------------------------------------------------------------ hot-loop plumbing
-    def _scratch(self, like: Any, n: int, slot: int = 0) -> Any:
-        """Reusable 1-D buffer ``slot`` of ``n`` elements in ``like``'s state dtype, on its device."""
+    def _scratch(self, like: Any, n: int, count: int) -> List[Any]:
+        """``count`` reusable 1-D buffers of ``n`` elements in ``like``'s state dtype, on its device."""
         xp = get_array_module(like)
         dt = state_dtype(like.dtype)
-        key = (xp.__name__, getattr(getattr(like, "device", None), "id", None), dt, slot)
+        key = (dt, None if xp is np else like.device.id)
         cache = self.__dict__.setdefault("_scratch_cache", {})
-        buf = cache.get(key)
-        if buf is None or buf.size < n:
-            buf = cache[key] = xp.empty(n, dtype=dt)
-        return buf[:n]
+        bufs = cache.get(key)
+        if bufs is None or len(bufs) < count or bufs[0].size < n:
+            size = max(n, bufs[0].size if bufs else 0)
+            bufs = cache[key] = [xp.empty(size, dtype=dt) for _ in range(max(count, len(bufs or ())))]
+        return [b[:n] for b in bufs[:count]]
 
     def _chunks(self, arrays: List[Any], n_scratch: int) -> Iterable[List[Any]]:
         """Yield ``[views of arrays..., scratch buffers...]`` covering ``arrays[0]`` piece by piece.
@@ -149,14 +155,16 @@ class Optimizer:
         """
         first = arrays[0]
         n = first.size
-        xp = get_array_module(first)
         flat = all(a is None or a.flags.c_contiguous for a in arrays)
-        size = min(_HOST_CHUNK if xp is np else n, n) if flat else n
-        scratch = [self._scratch(first, size, k) for k in range(n_scratch)]
+        size = min(_HOST_CHUNK, n) if flat and isinstance(first, np.ndarray) else n
+        scratch = self._scratch(first, size, n_scratch)
         if not flat:  # strided views: one piece in the parameter's own shape
             yield list(arrays) + [b.reshape(first.shape) for b in scratch]
             return
         flats = [None if a is None else a.reshape(-1) for a in arrays]
+        if size == n:
+            yield flats + scratch
+            return
         for i in range(0, n, size):
             j = min(i + size, n)
             yield [None if f is None else f[i:j] for f in flats] + [b[:j - i] for b in scratch]
