@@ -87,7 +87,7 @@ def time_axonmpi(step) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs of each; the best is reported")
-    ap.add_argument("--profile", action="store_true", help="cProfile axonmpi's steps and print the top entries")
+    ap.add_argument("--profile", action="store_true", help="print a phase split and cProfile's top entries")
     ap.add_argument("--top", type=int, default=15, help="profile entries to print")
     args = ap.parse_args()
 

@@ -32,7 +32,7 @@ from axonmpi.random import manual_seed  # noqa: E402
 
 
 def make_blobs(n: int, classes: int, dim: int, spread: float, seed: int):
-    """``n`` points in ``dim`` dimensions from ``classes`` Gaussian clouds (unit std, centers ~ N(0, spread))."""
+    """``n`` points in ``dim``-D from ``classes`` Gaussian clouds (unit std, centers ~ N(0, spread))."""
     rng = np.random.default_rng(seed)
     centers = rng.normal(0.0, spread, size=(classes, dim))
     y = rng.integers(0, classes, size=n)
@@ -54,14 +54,15 @@ def evaluate(model, loader):
 
 def main(argv=None) -> float:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=6000, help="points in the data set (80%% train, 20%% validation)")
+    ap.add_argument("--samples", type=int, default=6000, help="points (80%% train, 20%% validation)")
     ap.add_argument("--classes", type=int, default=5, help="number of blobs / classes")
     ap.add_argument("--dim", type=int, default=20, help="input dimension")
     ap.add_argument("--spread", type=float, default=0.6, help="std of the blob centers (smaller = harder)")
     ap.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
     ap.add_argument("--epochs", type=int, default=8, help="passes over the training set")
     ap.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step")
-    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="AdamW or SGD with momentum")
+    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                    help="AdamW or SGD with Nesterov momentum")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine-annealed to 0)")
     ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0 disables clipping)")
     ap.add_argument("--seed", type=int, default=0, help="seed of data, weights and shuffling")
@@ -102,7 +103,8 @@ def main(argv=None) -> float:
         val_loss, val_acc = evaluate(model, val)
         print(f"epoch {epoch + 1:2d}  train loss {running / len(train):.4f}  val loss {val_loss:.4f}  "
               f"val acc {val_acc:.1%}  lr {sched.get_last_lr()[0]:.2e}")
-    print(f"done in {time.perf_counter() - t0:.1f} s: validation accuracy {val_acc:.1%} vs chance {chance:.1%}")
+    print(f"done in {time.perf_counter() - t0:.1f} s: "
+          f"validation accuracy {val_acc:.1%} vs chance {chance:.1%}")
     return val_acc
 
 

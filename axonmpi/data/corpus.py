@@ -1,7 +1,6 @@
 """A download-free text corpus (the Python standard library's own sources) and character-level tools."""
 from __future__ import annotations
 
-import math
 import os
 import sysconfig
 from typing import Any, Dict, Iterator, Optional, Sequence
@@ -112,7 +111,8 @@ class CharTokenizer:
         """The text of token ids (any integer array-like, host or device)."""
         ids = np.asarray(ids.get() if hasattr(ids, "get") else ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range [{ids.min()}, {ids.max()}]")
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), "
+                             f"got range [{ids.min()}, {ids.max()}]")
         return self._codes[ids].tobytes().decode("utf-32-le")
 
     def state_dict(self) -> Dict[str, Any]:
@@ -144,7 +144,8 @@ class CharDataset(Dataset):
     def __init__(self, tokens: Sequence[int], block_size: int):
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+            raise ValueError(f"tokens must be a 1-D integer array, "
+                             f"got shape {tokens.shape} dtype {tokens.dtype}")
         if not isinstance(block_size, int) or not 1 <= block_size < len(tokens):
             raise ValueError(f"block_size must be an int in [1, {len(tokens)}), got {block_size!r}")
         self.tokens = tokens.astype(np.int64, copy=False)

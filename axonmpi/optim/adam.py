@@ -43,7 +43,8 @@ class Adam(Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize)
         super().__init__(params, defaults)
 
     def _validate(self, options: Dict[str, Any]) -> None:
@@ -100,9 +101,9 @@ class Adam(Optimizer):
     def _init_state(pd: Any, amsgrad: bool) -> Dict[str, Any]:
         xp = get_array_module(pd)
         dt = state_dtype(pd.dtype)
-        state = {"step": 0, "exp_avg": xp.zeros(pd.shape, dtype=dt), "exp_avg_sq": xp.zeros(pd.shape, dtype=dt)}
-        if amsgrad:
-            state["max_exp_avg_sq"] = xp.zeros(pd.shape, dtype=dt)
+        names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+        state = {"step": 0}
+        state.update((k, xp.zeros(pd.shape, dtype=dt)) for k in names)
         return state
 
 
@@ -120,6 +121,7 @@ class AdamW(Adam):
     _decoupled = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False,
+                 maximize: bool = False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, maximize=maximize)

@@ -1,4 +1,4 @@
-"""Learning-rate schedulers with PyTorch's semantics: the constructor sets the initial lr, ``step()`` advances."""
+"""Learning-rate schedulers, PyTorch semantics: the constructor sets the initial lr, ``step()`` advances."""
 from __future__ import annotations
 
 import math
@@ -25,8 +25,9 @@ class LRScheduler:
     """
 
     def __init__(self, optimizer: Optimizer, last_epoch: int = -1):
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"{type(self).__name__} needs an axonmpi Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(getattr(optimizer, "param_groups", None), list):
+            raise TypeError(f"{type(self).__name__} needs an optimizer with param_groups, "
+                            f"got {type(optimizer).__name__}")
         if not isinstance(last_epoch, int) or last_epoch < -1:
             raise ValueError(f"last_epoch must be an int >= -1, got {last_epoch!r}")
         self.optimizer = optimizer
@@ -34,7 +35,8 @@ class LRScheduler:
             if last_epoch == -1:
                 group.setdefault("initial_lr", group["lr"])
             elif "initial_lr" not in group:
-                raise KeyError(f"param group {i} has no 'initial_lr'; it is needed to resume at last_epoch={last_epoch}")
+                raise KeyError(f"param group {i} has no 'initial_lr'; "
+                               f"it is needed to resume at last_epoch={last_epoch}")
         self.base_lrs: List[float] = [g["initial_lr"] for g in optimizer.param_groups]
         self.last_epoch = last_epoch
         self._last_lr: List[float] = []
@@ -165,7 +167,8 @@ class LambdaLR(LRScheduler):
         else:
             self.lr_lambdas = list(lr_lambda)
             if len(self.lr_lambdas) != n or not all(callable(f) for f in self.lr_lambdas):
-                raise ValueError(f"lr_lambda must be a callable or a list of {n} callables (one per param group), "
+                raise ValueError(f"lr_lambda must be a callable or a list of {n} callables "
+                                 "(one per param group), "
                                  f"got {lr_lambda!r}")
         super().__init__(optimizer, last_epoch)
 

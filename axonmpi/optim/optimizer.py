@@ -32,7 +32,8 @@ def state_dtype(param_dtype: Any) -> np.dtype:
 def _check_param(p: Any) -> Any:
     data = getattr(p, "data", None)
     if data is None or not hasattr(data, "shape") or isinstance(p, np.ndarray):
-        raise TypeError(f"optimizer parameters must be Tensors/Parameters with a .data array, got {type(p).__name__}")
+        raise TypeError(f"optimizer parameters must be Tensors/Parameters with a .data array, "
+                        f"got {type(p).__name__}")
     return p
 
 
@@ -76,7 +77,8 @@ class Optimizer:
         """Raise ValueError naming a bad option value (subclasses extend this)."""
         lr = options.get("lr")
         if not isinstance(lr, numbers.Real) or isinstance(lr, bool) or not lr >= 0.0:
-            raise ValueError(f"{type(self).__name__}: invalid learning rate lr={lr!r}; expected a number >= 0")
+            raise ValueError(f"{type(self).__name__}: invalid learning rate lr={lr!r}; "
+                             "expected a number >= 0")
         wd = options.get("weight_decay", 0.0)
         if not isinstance(wd, numbers.Real) or not wd >= 0.0:
             raise ValueError(f"{type(self).__name__}: invalid weight_decay={wd!r}; expected a number >= 0")
@@ -87,9 +89,9 @@ class Optimizer:
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:
             raise ValueError("param_group needs a 'params' entry")
-        # Schedulers store bookkeeping keys such as "initial_lr" in groups; allow those.
-        unknown = sorted(k for k in param_group if k not in self.defaults and k != "params"
-                         and not k.startswith("initial_"))
+        # LR schedulers keep "initial_lr" in each group (as PyTorch's do); it is not an option.
+        unknown = sorted(k for k in param_group
+                         if k not in self.defaults and k not in ("params", "initial_lr"))
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown option(s) {unknown} in param group; "
                             f"expected some of {sorted(self.defaults)}")
@@ -204,12 +206,14 @@ class Optimizer:
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"parameter group {i}: loaded state dict has {len(sg['params'])} "
                                  f"parameters, this optimizer has {len(g['params'])}")
-        by_index = {i: p for sg, g in zip(saved_groups, self.param_groups) for i, p in zip(sg["params"], g["params"])}
+        by_index = {i: p for sg, g in zip(saved_groups, self.param_groups)
+                    for i, p in zip(sg["params"], g["params"])}
         new_state: Dict[Any, Dict[str, Any]] = {}
         for key, pstate in state_dict["state"].items():
             p = by_index.get(int(key))
             if p is None:
-                raise ValueError(f"loaded state dict has state for parameter index {key}, which no group lists")
+                raise ValueError(f"loaded state dict has state for parameter index {key}, "
+                                 "which no group lists")
             new_state[p] = {k: self._state_to_param(p, k, v) for k, v in pstate.items()}
         for sg, g in zip(saved_groups, self.param_groups):
             options = {k: copy.deepcopy(v) for k, v in sg.items() if k != "params"}
@@ -224,7 +228,8 @@ class Optimizer:
         if not hasattr(value, "shape") or getattr(value, "ndim", 0) == 0:
             return value
         if tuple(value.shape) != tuple(p.data.shape):
-            raise ValueError(f"state {key!r} has shape {tuple(value.shape)}, its parameter {tuple(p.data.shape)}")
+            raise ValueError(f"state {key!r} has shape {tuple(value.shape)}, "
+                             f"its parameter {tuple(p.data.shape)}")
         xp = get_array_module(p.data)
         dt = state_dtype(p.data.dtype)
         if xp is np:
