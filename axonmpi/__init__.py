@@ -22,8 +22,8 @@ from . import random
 from .random import manual_seed
 from . import autograd
 from .autograd import (
-    Function, Tensor, arange, enable_grad, full, is_grad_enabled, no_grad, ones, ones_like, rand, randn,
-    tensor, zeros, zeros_like,
+    Function, Tensor, arange, empty, enable_grad, full, gradcheck, is_grad_enabled, no_grad, ones, ones_like,
+    rand, randn, set_grad_enabled, tensor, zeros, zeros_like,
 )
 from . import nn, optim, data, models, parallel
 from .parallel import DDP, DistributedDataParallel, GradSyncStrategy
