@@ -278,9 +278,8 @@ class GradientSynchronizer:
         if g is view:
             if self._scale != 1.0:
                 view *= self._scale
-        elif self._scale != 1.0:
-            np.multiply(g, self._scale, out=view) if type(view) is np.ndarray else get_array_module(view).multiply(
-                g, self._scale, out=view)
+        elif self._scale != 1.0:  # copy and pre-scale in one pass
+            get_array_module(view).multiply(g, self._scale, out=view)
         else:
             view[...] = g
         p.grad.data = view
