@@ -104,21 +104,31 @@ def _resolve(path: str) -> str:
     raise CheckpointError(f"{path} is not an axonmpi checkpoint (no {INDEX_NAME}; an unfinished save?)")
 
 
+_SAME_TYPE = {c.__name__: c for c in (TypeError, ValueError, KeyError, FileExistsError, FileNotFoundError,
+                                       PermissionError, NotImplementedError, CheckpointError)}
+
+
+def _describe(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
+    return None if error is None else (type(error).__name__, str(error))
+
+
 def _agree(g, error: Optional[BaseException], what: str) -> None:
     """Raise on every rank if any rank of ``g`` failed (collective)."""
-    msg = None if error is None else f"{type(error).__name__}: {error}"
+    msg = _describe(error)
     msgs = g.comm.allgather(msg) if g.size > 1 else [msg]
     _raise_from(msgs, error, what, g)
 
 
-def _raise_from(msgs: List[Optional[str]], error: Optional[BaseException], what: str, g) -> None:
+def _raise_from(msgs: List[Optional[Tuple[str, str]]], error: Optional[BaseException], what: str, g) -> None:
+    """Re-raise this rank's own error, or one of the first failing rank's type naming every failure."""
     bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
     if not bad:
         return
     if error is not None:
         raise error
-    lines = "; ".join(f"rank {r}: {m}" for r, m in bad)
-    raise CheckpointError(f"rank {g.rank}: {what} failed on group rank(s) {[r for r, _ in bad]}: {lines}")
+    lines = "; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in bad)
+    cls = _SAME_TYPE.get(bad[0][1][0], CheckpointError)
+    raise cls(f"rank {g.rank}: {what} failed on group rank(s) {[r for r, _ in bad]}: {lines}")
 
 
 def _host(a: Any) -> np.ndarray:
@@ -378,13 +388,10 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
             os.mkdir(tmp)
         except Exception as e:
             err = e
-    msg = None if err is None else f"{type(err).__name__}: {err}"
-    tmp, msg = comm.bcast((tmp, msg), root=0) if g.size > 1 else (tmp, msg)
-    if msg is not None:
-        if err is not None:
-            raise err
-        raise CheckpointError(f"rank {rank}: save to {path} failed on group rank 0: {msg}")
+    tmp, msg = comm.bcast((tmp, _describe(err)), root=0) if g.size > 1 else (tmp, _describe(err))
+    _raise_from([msg], err, f"save to {path}", g)
 
+    agreed = False  # True where a failure is raised by every rank at the same point
     try:
         # 2. plans → assignment (identical on every rank)
         err, plan, arrays = None, None, {}
@@ -392,13 +399,15 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
             plan, arrays = _plan(state, rank, g.world.debug)
         except Exception as e:
             err = e
-        payload = (plan, None if err is None else f"{type(err).__name__}: {err}")
+        payload = (plan, _describe(err))
         gathered = comm.allgather(payload) if g.size > 1 else [payload]
+        agreed = True
         _raise_from([m for _, m in gathered], err, f"save to {path}", g)
         plans = [p for p, _ in gathered]
         _check_plans(plans)
         entries, mine = _assign(plans, collective)
         pieces = _pieces_flat(entries)
+        agreed = False
 
         # 3. write this rank's pieces
         err, crcs = None, []
@@ -413,19 +422,14 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
             _fault("after_shard", rank)
         except Exception as e:
             err = e
-        payload = (crcs, None if err is None else f"{type(err).__name__}: {err}")
+        payload = (crcs, _describe(err))
         results = comm.gather(payload, root=0) if g.size > 1 else [payload]
 
         # 4. rank 0: index, rename
         err2 = None
         if rank == 0:
             try:
-                failed = [(r, m) for r, (_, m) in enumerate(results) if m is not None]
-                if failed:
-                    raise CheckpointError(
-                        f"save to {path} failed on group rank(s) {[r for r, _ in failed]}: "
-                        + "; ".join(f"rank {r}: {m}" for r, m in failed)
-                    )
+                _raise_from([m for _, m in results], err, f"save to {path}", g)
                 for r, ks in mine.items():
                     for k, c in zip(ks, results[r][0]):
                         pieces[k].crcs = c
@@ -438,17 +442,17 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
                 _commit(tmp, path, rank)
             except Exception as e:
                 err2 = e if err is None else err
-        status = None if err2 is None else f"{type(err2).__name__}: {err2}"
-        status = comm.bcast(status, root=0) if g.size > 1 else status
+        status = comm.bcast(_describe(err2), root=0) if g.size > 1 else _describe(err2)
+        agreed = True
         if status is not None:
-            if rank == 0:
-                raise err2
             if err is not None:
                 raise err
-            raise CheckpointError(f"rank {rank}: save to {path} failed: {status}")
+            _raise_from([status], err2, f"save to {path}", g)
     except BaseException:
         if rank == 0 and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+        if agreed and g.size > 1:
+            comm.Barrier()  # every rank returns only after the temporary directory is gone
         raise
     return path
 
@@ -684,12 +688,8 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
             payload = (real, read_index(os.path.join(real, INDEX_NAME)))
         except Exception as e:
             err = e
-    msg = None if err is None else f"{type(err).__name__}: {err}"
-    payload, msg = comm.bcast((payload, msg), root=0) if g.size > 1 else (payload, msg)
-    if msg is not None:
-        if err is not None:
-            raise err
-        raise CheckpointError(f"rank {rank}: load of {path} failed on group rank 0: {msg}")
+    payload, msg = comm.bcast((payload, _describe(err)), root=0) if g.size > 1 else (payload, _describe(err))
+    _raise_from([msg], err, f"load of {path}", g)
     real, manifest = payload
     reader = CheckpointReader(real, manifest)
     result, err = None, None
