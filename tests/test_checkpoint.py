@@ -415,3 +415,39 @@ def test_training_state_resume_is_exact(world, ckdir):
         step(m2, opt2)
     for k, v in m2.state_dict().items():
         np.testing.assert_array_equal(v, want[k])
+
+
+@pytest.mark.serial
+def test_cli_inspect_and_consolidate(world, ckdir):
+    import argparse
+    import io
+    import json
+
+    from axonmpi.checkpoint import cli
+    from axonmpi.testing import mpiexec_env
+
+    path = os.path.join(ckdir, "ck")
+    w = _glob((6, 4), np.float32)
+    save(path, {"model": {"w": ShardedArray.from_global(w, axis=0), "b": np.ones(3)},
+                "meta": {"step": 17}, "rng": BIG})
+    r = subprocess.run([sys.executable, "-m", "axonmpi.checkpoint", "inspect", path],
+                       capture_output=True, text=True, env=mpiexec_env(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "step        17" in r.stdout and "model/w" in r.stdout and "float32" in r.stdout
+    assert "(6, 4)" in r.stdout and "96 B" in r.stdout and str(BIG) in r.stdout
+    # the lead's top-level CLI: axonmpi ckpt ...
+    top = argparse.ArgumentParser(prog="axonmpi")
+    cli.add_subparser(top.add_subparsers(dest="command"))
+    out = os.path.join(ckdir, "one.h5")
+    args = top.parse_args(["ckpt", "consolidate", path, out])
+    assert args.func(args) == 0
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["model/w"][...], w)
+        assert not f["model/w"].is_virtual and f["meta/step"][()] == 17 and int(f["rng"][()]) == BIG
+    buf = io.StringIO()
+    assert cli.inspect(path, as_json=True, out=buf) == 0
+    info = json.loads(buf.getvalue())
+    assert info["step"] == 17 and info["world_size"] == 1 and info["array_bytes"] == 96 + 24
+    r = subprocess.run([sys.executable, "-m", "axonmpi.checkpoint", "consolidate", path, out],
+                       capture_output=True, text=True, env=mpiexec_env(), timeout=60)
+    assert r.returncode == 1 and "--force" in r.stderr
