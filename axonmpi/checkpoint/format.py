@@ -22,8 +22,8 @@ A checkpoint is a directory::
   which entry, and a zlib CRC-32 per block of at most :data:`BLOCK_BYTES` bytes (runs of rows
   along the piece's axis 0), so a rank reading a slice verifies just the blocks it reads.
 * root attributes: ``format``, ``format_version``, ``library_version``, ``created``,
-  ``world_size``, ``group_size``, ``group_ranks``, ``writers``, ``checksum`` (CRC-32 of the
-  manifest itself).
+  ``world_size``, ``group_size``, ``group_ranks``, ``writers``, ``checksum_algorithm``,
+  ``checksum`` (CRC-32 of the manifest itself).
 
 :mod:`axonmpi.checkpoint.io` never reads arrays through the virtual datasets (HDF5 would return
 fill values for a missing source file); it reads the shard files and checks every block.
@@ -49,7 +49,8 @@ FORMAT_VERSION = 1
 INDEX_NAME = "index.h5"
 META_GROUP = "_axonmpi"
 BLOCK_BYTES = 4 << 20  # checksum granularity (and the smallest unit a sliced read fetches)
-ARRAY_KINDS = "biufc"  # bool, signed, unsigned, float, complex
+ARRAY_KINDS = "biufc"
+CHECKSUM_ALGORITHM = "zlib.crc32"  # per block of rows; recorded in the index so it can evolve  # bool, signed, unsigned, float, complex
 
 
 class CheckpointError(RuntimeError):
@@ -407,6 +408,9 @@ def read_index(path: str) -> Manifest:
                     f"{path} has format version {attrs['format_version']}; this axonmpi reads up to "
                     f"{FORMAT_VERSION} (upgrade axonmpi)"
                 )
+            algo = attrs.get("checksum_algorithm", CHECKSUM_ALGORITHM)
+            if algo != CHECKSUM_ALGORITHM:
+                raise CheckpointError(f"{path} uses checksum algorithm {algo!r}; this axonmpi knows {CHECKSUM_ALGORITHM!r}")
             meta = f[META_GROUP]
             entries_json = meta["entries"][()].tobytes()
             files = [s.decode() if isinstance(s, bytes) else s for s in meta["files"][()]]

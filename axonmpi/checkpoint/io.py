@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import backend as _be
 from .format import (
-    ARRAY_KINDS, FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, CheckpointError, Entry, Manifest, Piece,
+    ARRAY_KINDS, CHECKSUM_ALGORITHM, FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, CheckpointError, Entry, Manifest, Piece,
     block_crcs, block_rows, encode_value, decode_value, flatten, key_name, read_index, shard_name,
     unflatten, write_index,
 )
@@ -271,15 +271,18 @@ def _pieces_flat(entries: List[Entry]) -> List[Piece]:
 
 
 def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> List[List[int]]:
+    """Write the pieces; a worker thread checksums each piece while h5py writes it (zlib frees the GIL)."""
     import h5py
-    out = []
-    with h5py.File(fname, "w") as f:
+    from concurrent.futures import ThreadPoolExecutor
+    futures = []
+    with ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-crc") as pool, h5py.File(fname, "w") as f:
         for n, (p, arr) in enumerate(jobs):
             if n == len(jobs) // 2:
                 _fault("mid_shard", rank)
             a = _host(arr)
-            out.append(block_crcs(a, p.block_rows))
+            futures.append(pool.submit(block_crcs, a, p.block_rows))
             f.create_dataset(p.dset, data=a)
+        out = [fu.result() for fu in futures]
     if fsync:
         _fsync_path(fname)
     return out
@@ -463,6 +466,7 @@ def _attrs(g, writers: List[int]) -> Dict[str, Any]:
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
         "library_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": g.world.world_size,
@@ -490,6 +494,8 @@ class CheckpointReader:
         self.manifest = manifest if manifest is not None else read_index(os.path.join(self.path, INDEX_NAME))
         self._by_name = self.manifest.by_name()
         self._files: Dict[str, Any] = {}
+        self._pool = None      # a worker thread verifying checksums while the next block is read
+        self._pending: list = []
 
     # -- lookup --
     @property
@@ -530,11 +536,16 @@ class CheckpointReader:
             off = tuple(a for a, _, _ in idx)
             shp = tuple(max(0, b - a) for a, b, _ in idx)
         res = self.read_block(e, off, shp, out)
+        self.flush()
         return res[()] if e.pytype == "npscalar" and region is None else res
 
     def read_block(self, e: Entry, offsets: Sequence[int], shape: Sequence[int],
                    out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Fill ``out`` (C-contiguous, the entry's dtype; allocated if None) with ``global[offsets:+shape]``."""
+        """Fill ``out`` (C-contiguous, the entry's dtype; allocated if None) with ``global[offsets:+shape]``.
+
+        Checksums are verified by a worker thread; call :meth:`flush` before trusting ``out``
+        (:meth:`read`, :meth:`to_dict` and :func:`load` do).
+        """
         dt = np.dtype(e.dtype)
         offsets, shape = tuple(int(v) for v in offsets), tuple(int(v) for v in shape)
         if out is None:
@@ -609,9 +620,18 @@ class CheckpointReader:
             raise CheckpointError(
                 f"entry {e.name!r}: reading {p.dset!r} from {full} failed (truncated or corrupt file?): {ex}"
             ) from None
-        self._verify(e, p, full, block_crcs(buf, br), b0)
         if not direct:
             dest[...] = buf[(slice(plo[0] - r0, phi[0] - r0),) + tuple(slice(a, b) for a, b in zip(plo[1:], phi[1:]))]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-verify")
+        self._pending.append((self._pool.submit(block_crcs, buf, br), e, p, full, b0))
+
+    def flush(self) -> None:
+        """Wait for the checksums of every block read so far; raise :class:`CheckpointError` on a mismatch."""
+        pending, self._pending = self._pending, []
+        for fut, e, p, full, b0 in pending:
+            self._verify(e, p, full, fut.result(), b0)
 
     def _verify(self, e: Entry, p: Piece, full: str, got: List[int], b0: int) -> None:
         want = p.crcs[b0:b0 + len(got)]
@@ -624,9 +644,21 @@ class CheckpointReader:
 
     def to_dict(self) -> dict:
         """Everything as a nested dict of full arrays and values."""
-        return unflatten((e.keys, self.read(e.name)) for e in self.manifest.entries)
+        out = unflatten((e.keys, self._read_deferred(e)) for e in self.manifest.entries)
+        self.flush()
+        return out
+
+    def _read_deferred(self, e: Entry) -> Any:
+        if e.kind != "array":
+            return self.value(e)
+        res = self.read_block(e, (0,) * len(e.shape), e.shape)
+        return res[()] if e.pytype == "npscalar" else res
 
     def close(self) -> None:
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for f in self._files.values():
             try:
                 f.close()
@@ -695,6 +727,7 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
     result, err = None, None
     try:
         result = _fill(reader, state, rank, strict, cast)
+        reader.flush()
     except Exception as e:
         err = e
     finally:
