@@ -318,6 +318,7 @@ def test_overwrite_replaces_atomically_and_refuses_foreign_paths(world, ckdir):
     out = load(path)
     assert out["v"] == 2 and out["w"][0] == 2.0
     assert sorted(os.listdir(ckdir)) == ["ck"]
+    barrier()  # rank 0 must not create "notes" below while another rank still lists the directory
     with pytest.raises(FileExistsError, match="overwrite=True"):
         save(path, {"v": 3}, overwrite=False)
     foreign = os.path.join(ckdir, "notes")
@@ -451,3 +452,10 @@ def test_cli_inspect_and_consolidate(world, ckdir):
     r = subprocess.run([sys.executable, "-m", "axonmpi.checkpoint", "consolidate", path, out],
                        capture_output=True, text=True, env=mpiexec_env(), timeout=60)
     assert r.returncode == 1 and "--force" in r.stderr
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_names_plain_arrays_that_are_not_replicated(world, ckdir, monkeypatch):
+    monkeypatch.setattr(world, "debug", True)
+    with pytest.raises(CheckpointError, match=r"entry 'w': plain array differs between rank 0 and rank 1"):
+        save(os.path.join(ckdir, "ck"), {"w": np.full(3, float(world.rank)), "same": np.ones(2)})
