@@ -41,9 +41,16 @@ def test_train_gpt_trains_saves_and_resumes(world, tmp_path_factory, capsys):
 
 @pytest.mark.serial
 def test_train_gpt_help_and_bad_batch():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--help"],
-                       capture_output=True, text=True, timeout=60)
+    from axonmpi.testing import mpiexec_env
+
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60,
+                       env=mpiexec_env())
     assert r.returncode == 0 and "--global-batch" in r.stdout and "--resume" in r.stdout
+    from axonmpi.testing import run_mpiexec
+
+    r = run_mpiexec([script, "--global-batch", "7", "--no-save"], n=2, timeout=60)
+    assert r.returncode != 0 and "--global-batch 7 must divide by the 2 ranks" in r.stderr
 
 
 @pytest.mark.serial
