@@ -8,7 +8,7 @@
    written by the lowest group rank holding it; each plain array (assumed replicated over the
    group) is written once, by the rank with the fewest bytes so far (largest arrays first), so
    writes of replicated state are spread over the ranks too. Small values go in the index.
-3. Each rank writes its pieces to ``shard-<group rank>.h5`` with a CRC-32 per block, closes
+3. Each rank writes its pieces to ``shard-<group rank>.h5`` with a checksum per block, closes
    and fsyncs it. A ``gather_object`` to rank 0 confirms every rank finished (or carries its
    error).
 4. Rank 0 writes ``index.h5`` last (manifest, checksums, virtual datasets), fsyncs it and the
@@ -28,7 +28,6 @@ import glob
 import os
 import shutil
 import uuid
-import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,7 +35,7 @@ import numpy as np
 from .. import backend as _be
 from .format import (
     ARRAY_KINDS, CHECKSUM_ALGORITHM, FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, CheckpointError, Entry, Manifest, Piece,
-    block_crcs, block_rows, encode_value, decode_value, flatten, key_name, read_index, shard_name,
+    block_crcs, block_rows, checksum, encode_value, decode_value, flatten, key_name, read_index, shard_name,
     unflatten, write_index,
 )
 from .sharded import ShardedArray
@@ -161,7 +160,7 @@ def _plan(state: dict, rank: int, debug: bool) -> Tuple[list, Dict[str, Any]]:
             )
         crc = None
         if debug and block is None:
-            crc = zlib.crc32(_host(arr).reshape(-1).view(np.uint8))
+            crc = checksum(_host(arr).reshape(-1).view(np.uint8))
         arrays[name] = arr
         records.append((name, keys, "array", pytype, dt.str, shape, block, None, crc))
     return records, arrays
@@ -271,7 +270,7 @@ def _pieces_flat(entries: List[Entry]) -> List[Piece]:
 
 
 def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> List[List[int]]:
-    """Write the pieces; a worker thread checksums each piece while h5py writes it (zlib frees the GIL)."""
+    """Write the pieces; a worker thread checksums each piece while h5py writes it (NumPy reductions free the GIL)."""
     import h5py
     from concurrent.futures import ThreadPoolExecutor
     futures = []
