@@ -18,7 +18,7 @@ A checkpoint is a directory::
 * ``/_axonmpi/entries``: JSON (the authoritative manifest): per entry its key path (str/int keys
   as given), kind, dtype, global shape, Python type and, for small values, the exact value.
 * ``/_axonmpi/pieces/{entry,file,dset,offsets,shape,block_rows,crc_start,crc_count}`` and
-  ``/_axonmpi/crc32``: one row per stored piece — which file and dataset hold which block of
+  ``/_axonmpi/checksums``: one row per stored piece — which file and dataset hold which block of
   which entry, and a :func:`checksum` per block of at most :data:`BLOCK_BYTES` bytes (runs of rows
   along the piece's axis 0), so a rank reading a slice verifies just the blocks it reads.
 * root attributes: ``format``, ``format_version``, ``library_version``, ``created``,
@@ -379,7 +379,7 @@ def write_index(path: str, entries: List[Entry], attrs: Dict[str, Any]) -> None:
                 pg.create_dataset(k, data=np.array(v, dtype=object), dtype=h5py.string_dtype(), shape=(len(v),))
             else:
                 pg.create_dataset(k, data=v)
-        meta.create_dataset("crc32", data=crcs)
+        meta.create_dataset("checksums", data=crcs)
         for e in entries:
             _write_entry_view(f, e, h5py)
 
@@ -447,7 +447,7 @@ def read_index(path: str) -> Manifest:
             pg = meta["pieces"]
             cols = {k: pg[k][()] for k in pg.keys()}
             cols["dset"] = [s.decode() if isinstance(s, bytes) else s for s in cols["dset"]]
-            crcs = meta["crc32"][()].astype(np.uint32)
+            crcs = meta["checksums"][()].astype(np.uint32)
         except CheckpointError:
             raise
         except Exception as e:
