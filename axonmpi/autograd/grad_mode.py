@@ -42,7 +42,26 @@ class set_grad_enabled:
         return (self.mode,)
 
 
-class no_grad(set_grad_enabled):
+class _FixedMode(set_grad_enabled):
+    """A mode usable as ``with m():``, ``@m`` and ``@m()`` (subclasses fix ``_MODE_VALUE``)."""
+
+    _MODE_VALUE = True
+
+    def __new__(cls, fn=None):
+        self = super().__new__(cls)
+        if fn is not None:  # used bare as a decorator: @no_grad
+            self.__init__()
+            return self(fn)
+        return self
+
+    def __init__(self, fn=None):
+        super().__init__(self._MODE_VALUE)
+
+    def _args(self):
+        return ()
+
+
+class no_grad(_FixedMode):
     """Disable gradient recording in a block or a decorated function (``@no_grad`` or ``@no_grad()``).
 
     Example:
@@ -50,32 +69,10 @@ class no_grad(set_grad_enabled):
         ...     y = model(x)          # no graph is built
     """
 
-    def __new__(cls, fn=None):
-        self = super().__new__(cls)
-        if fn is not None:
-            self.__init__()
-            return self(fn)
-        return self
-
-    def __init__(self, fn=None):
-        super().__init__(False)
-
-    def _args(self):
-        return ()
+    _MODE_VALUE = False
 
 
-class enable_grad(set_grad_enabled):
+class enable_grad(_FixedMode):
     """Re-enable gradient recording inside a ``no_grad`` block or a decorated function."""
 
-    def __new__(cls, fn=None):
-        self = super().__new__(cls)
-        if fn is not None:
-            self.__init__()
-            return self(fn)
-        return self
-
-    def __init__(self, fn=None):
-        super().__init__(True)
-
-    def _args(self):
-        return ()
+    _MODE_VALUE = True
