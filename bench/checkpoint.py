@@ -124,7 +124,8 @@ def main() -> None:
                 t = timed(g, fn)
                 best[name] = min(best.get(name, t), t)
         for name, fn in (("raw load", lambda: raw_load(raw_file, raw_out)),
-                         ("axonmpi load", lambda: load(ck, template))):
+                         ("axonmpi load", lambda: load(ck, template)),
+                         ("axonmpi load noverify", lambda: load(ck, template, verify=False))):
             t = timed(g, fn)
             best[name] = min(best.get(name, t), t)
     for k, a in raw_out.items():  # the bench also checks what it timed
@@ -139,7 +140,8 @@ def main() -> None:
               f"(best of {args.repeats}), dir {base}")
         print(f"{'operation':<14} {'raw h5py GB/s':>14} {'axonmpi GB/s':>13} {'ratio':>7}")
         for op, rk, ak in (("save", "raw save", "axonmpi save"), ("save +fsync", "raw save +fsync", "axonmpi save +fsync"),
-                           ("load", "raw load", "axonmpi load")):
+                           ("load", "raw load", "axonmpi load"),
+                           ("load verify=F", "raw load", "axonmpi load noverify")):
             r, a = total / best[rk] / 1e9, total / best[ak] / 1e9
             print(f"{op:<14} {r:>14.2f} {a:>13.2f} {a / r:>6.2f}x")
     g.barrier()

@@ -497,7 +497,8 @@ class CheckpointReader:
         ...     rows = r.read("model/w", (slice(0, 8),))   # only the blocks holding rows 0..7
     """
 
-    def __init__(self, path: "str | os.PathLike", manifest: Optional[Manifest] = None):
+    def __init__(self, path: "str | os.PathLike", manifest: Optional[Manifest] = None, *, verify: bool = True):
+        self.verify = bool(verify)  # check each block read against its stored checksum
         self.path = _resolve(os.fspath(path)) if manifest is None else os.fspath(path)
         self.manifest = manifest if manifest is not None else read_index(os.path.join(self.path, INDEX_NAME))
         self._by_name = self.manifest.by_name()
@@ -609,7 +610,8 @@ class CheckpointReader:
             if not p.shape:
                 buf = np.empty((), dt)
                 ds.read_direct(buf)
-                self._verify(e, p, full, block_crcs(buf, 1), 0)
+                if self.verify:
+                    self._verify(e, p, full, block_crcs(buf, 1), 0)
                 out[()] = buf
                 return
             br = p.block_rows
@@ -630,6 +632,8 @@ class CheckpointReader:
             ) from None
         if not direct:
             dest[...] = buf[(slice(plo[0] - r0, phi[0] - r0),) + tuple(slice(a, b) for a, b in zip(plo[1:], phi[1:]))]
+        if not self.verify:
+            return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-verify")
@@ -683,7 +687,7 @@ class CheckpointReader:
 
 # -- load ----------------------------------------------------------------------------------------
 def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *, strict: bool = True,
-         cast: bool = False) -> dict:
+         cast: bool = False, verify: bool = True) -> dict:
     """Load a checkpoint into this rank's current layout, whatever layout it was saved from.
 
     Collective over ``group`` (default: all ranks). With a template ``state`` (same nested
@@ -707,6 +711,9 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
         strict: entries missing from the checkpoint or present only in it raise a
             :class:`CheckpointError` listing them all; ``strict=False`` skips both.
         cast: allow a template array dtype different from the saved dtype (values are cast).
+        verify: check every block read against its stored checksum (default). ``verify=False``
+            skips that pass for speed on storage you trust; the index is still checked, and a
+            missing or truncated shard still raises, but silently flipped bits go unnoticed.
 
     Returns:
         The loaded nested dict (template arrays are the same objects, filled in place).
@@ -731,7 +738,7 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
     payload, msg = comm.bcast((payload, _describe(err)), root=0) if g.size > 1 else (payload, _describe(err))
     _raise_from([msg], err, f"load of {path}", g)
     real, manifest = payload
-    reader = CheckpointReader(real, manifest)
+    reader = CheckpointReader(real, manifest, verify=verify)
     result, err = None, None
     try:
         result = _fill(reader, state, rank, strict, cast)
