@@ -254,3 +254,24 @@ def test_chunk_rule():
             assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
             assert [chunk_bounds(n, p, i) for i in range(p)] == [
                 (sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(p)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_float16_reductions_without_an_mpi_half_type(world, monkeypatch):
+    """Where MPI lacks float16, reductions run in float32 and are cast back (into out= too)."""
+    from axonmpi.distributed import collectives
+
+    monkeypatch.setattr(collectives, "_mpi_has_float16", lambda: False)
+    monkeypatch.setattr(collectives, "_FAST_OPS", {})
+    n = world.world_size
+    x = np.full(6, world.rank + 1, np.float16)
+    got = axonmpi.all_reduce(x)
+    assert got.dtype == np.float16 and np.all(got == n * (n + 1) / 2)
+    axonmpi.all_reduce(x, "max", out=x)
+    assert x.dtype == np.float16 and np.all(x == n)
+    out = np.empty(chunk_sizes(6, n)[world.rank], np.float16)
+    work = axonmpi.reduce_scatter(np.ones(6, np.float16), out=out, async_op=True)
+    assert work.wait() is out and np.all(out == n)
+    b = np.full(3, world.rank, np.float16)
+    axonmpi.broadcast(b, src=0)                      # moved as raw bytes
+    assert np.all(b == 0)

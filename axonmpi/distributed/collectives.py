@@ -180,6 +180,29 @@ def _debug(g, name, **fields):
         check_collective(g, name, **fields)
 
 
+def _complete(g, async_op, stage, send, recv, start, run, finish):
+    """Run a prepared collective: a copy at size 1, a non-blocking :class:`Work` when asked (host
+    buffers), else blocking; ``finish`` turns ``recv`` into the caller's result."""
+    if g.size == 1:
+        if send is not recv:
+            recv[...] = send
+    elif async_op and not stage.dev:
+        return Work(start(), finish=finish, keep=(send, recv))
+    else:
+        run()
+    res = finish()
+    return Work(result=res) if async_op else res
+
+
+def _via_float32(fn, x, out, async_op):
+    """Reduce float16 in float32 where the MPI has no half type; cast back into ``out`` if given."""
+    res = fn(x.astype(np.float32)).astype(np.float16)
+    if out is not None:
+        out[...] = res
+        res = out
+    return Work(result=res) if async_op else res
+
+
 def _scale_mean(arr, size):
     if size != 1:
         xp = _be.get_array_module(arr)
@@ -235,12 +258,7 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         _check_out(g, out, x.shape, x.dtype, "all_reduce")
     target = out
     if x.dtype == np.float16 and not _mpi_has_float16():
-        res = all_reduce(x.astype(np.float32), op, g)
-        res = res.astype(np.float16)
-        if target is not None:
-            target[...] = res
-            res = target
-        return Work(result=res) if async_op else res
+        return _via_float32(lambda y: all_reduce(y, op, g), x, target, async_op)
     stage = _Staged(be, x)
     direct = False  # True when MPI writes straight into the caller's array
     if target is x and x.flags.c_contiguous and not stage.dev:
@@ -267,16 +285,8 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         target[...] = res
         return target
 
-    if g.size == 1:
-        if send is not recv:
-            recv[...] = send
-        res = finish()
-        return Work(result=res) if async_op else res
-    if async_op and not stage.dev:
-        return Work(be.iallreduce(send, recv, op), finish=finish, keep=(send, recv, x))
-    be.allreduce(send, recv, op)
-    res = finish()
-    return Work(result=res) if async_op else res
+    return _complete(g, async_op, stage, send, recv, lambda: be.iallreduce(send, recv, op),
+                     lambda: be.allreduce(send, recv, op), finish)
 
 
 def all_reduce_sum(x, group=None, **kw):
@@ -451,16 +461,12 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
             return out
         return res
 
-    if not uneven:
-        if p == 1:
-            recv[...] = send
-        elif async_op and not stage.dev:
-            req = be.iallgather(_movable(send), _movable(recv))
-            return Work(req, finish=finish, keep=(send, recv))
-        else:
-            be.allgather(_movable(send), _movable(recv))
-    res = finish()
-    return Work(result=res) if async_op else res
+    if uneven:  # already exchanged above
+        res = finish()
+        return Work(result=res) if async_op else res
+    ms, mr = _movable(send), _movable(recv)
+    return _complete(g, async_op, stage, send, recv, lambda: be.iallgather(ms, mr),
+                     lambda: be.allgather(ms, mr), finish)
 
 
 # -- reduce_scatter --------------------------------------------------------------------------
@@ -498,11 +504,7 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
     if x.dtype != np.float16 or _mpi_has_float16():
         _FAST_OPS[(op._value_, x.dtype.num)] = mop
     if x.dtype == np.float16 and not _mpi_has_float16():
-        res = reduce_scatter(x.astype(np.float32), op, g).astype(np.float16)
-        if out is not None:
-            out[...] = res
-            res = out
-        return Work(result=res) if async_op else res
+        return _via_float32(lambda y: reduce_scatter(y, op, g), x, out, async_op)
     rows = chunk_sizes(x.shape[0], p)
     rowsize = int(np.prod(x.shape[1:], dtype=np.int64))
     counts = [r * rowsize for r in rows]
@@ -531,15 +533,8 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
             return out
         return res
 
-    if p == 1:
-        recv[...] = send
-    elif async_op and not stage.dev:
-        req = be.ireduce_scatter(send, recv, counts, op)
-        return Work(req, finish=finish, keep=(send, recv))
-    else:
-        be.reduce_scatter(send, recv, counts, op)
-    res = finish()
-    return Work(result=res) if async_op else res
+    return _complete(g, async_op, stage, send, recv, lambda: be.ireduce_scatter(send, recv, counts, op),
+                     lambda: be.reduce_scatter(send, recv, counts, op), finish)
 
 
 def reduce_scatter_sum(x, group=None, **kw):
