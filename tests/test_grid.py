@@ -86,6 +86,8 @@ def test_every_factorisation_matches_axonn(world):
             grid.free()
         assert len(world._groups) == before
         assert all(getattr(grid, name).comm is None for name in GROUPS)
+        with pytest.raises(ValueError, match=f"rank {me}: .*data_group.* was freed"):
+            axonmpi.all_reduce(np.ones(1), group=grid.data_group)
 
 
 @pytest.mark.mpi(min_size=4)

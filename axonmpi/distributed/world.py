@@ -254,7 +254,8 @@ def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
         raise TypeError(f"group must be an axonmpi ProcessGroup or None, got {type(group).__name__}")
     if group.comm is None:
         if group._freed or group.world._destroyed:
-            raise ValueError(f"{group!r} belongs to a destroyed World; make groups from axonmpi.get_world()")
+            raise ValueError(f"rank {group.world.rank}: {group!r} was freed or belongs to a destroyed World; "
+                             "make groups from axonmpi.get_world() or use axonmpi.get_grid()'s")
         group.check_member()
     if group.world is not _WORLD:
         raise ValueError(
