@@ -129,14 +129,15 @@ class DistributedSampler:
         consumed = int(state.get("consumed_global", 0)) if consumed_local is None else consumed_local * self.num_replicas
         if consumed < 0 or consumed % self.num_replicas:
             raise ValueError(
-                f"rank {self.rank}: cannot resume at global sample {consumed} on num_replicas={self.num_replicas}: "
-                f"expected a non-negative multiple of {self.num_replicas} (keep the global batch size a multiple "
-                f"of the data-parallel size)")
+                f"rank {self.rank}: cannot resume at global sample {consumed} on "
+                f"num_replicas={self.num_replicas}: expected a non-negative multiple of {self.num_replicas} "
+                "(keep the global batch size a multiple of the data-parallel size)")
         self._consumed = min(consumed // self.num_replicas, self.num_samples)
 
     def advance(self, local_samples: int) -> None:
         """Record that ``local_samples`` more samples of this epoch were consumed (for :meth:`state_dict`)."""
-        if isinstance(local_samples, bool) or not isinstance(local_samples, (int, np.integer)) or local_samples < 0:
+        if isinstance(local_samples, bool) or not isinstance(local_samples, (int, np.integer)) \
+                or local_samples < 0:
             raise ValueError(f"rank {self.rank}: advance() needs a non-negative int, got {local_samples!r}")
         self._consumed = min(self._consumed + int(local_samples), self.num_samples)
 
@@ -191,6 +192,7 @@ def create_dataloader(dataset: Any, global_batch_size: int, group=None, *, shuff
             f"rank {me}: global_batch_size={global_batch_size} does not divide by {what} {n}; "
             f"use a multiple of {n} such as {max(lo, n)} or {lo + n}"
         )
-    sampler = DistributedSampler(dataset, num_replicas=n, rank=r, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = DistributedSampler(dataset, num_replicas=n, rank=r, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
     return DataLoader(dataset, batch_size=global_batch_size // n, sampler=sampler, drop_last=drop_last,
                       collate_fn=collate_fn)

@@ -38,7 +38,8 @@ GROUP_DIMS: Dict[str, Tuple[str, ...]] = {
 
 
 def _describe_sizes(sizes: Dict[str, object]) -> str:
-    return ", ".join(f"{k}={sizes[k]!r}" for k in ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d"))
+    order = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d")
+    return ", ".join(f"{k}={sizes[k]!r}" for k in order)
 
 
 def resolve_grid_sizes(world_size: int, *, G_inter=1, G_data=None, G_intra_r=1, G_intra_c=1, G_intra_d=1,
@@ -155,7 +156,7 @@ class ProcessGrid:
 
     @property
     def shape(self) -> GridCoords:
-        """The grid's extent per coordinate, as ``GridCoords(G_data, G_inter, G_intra_d, G_intra_r, G_intra_c)``."""
+        """Extent per coordinate: ``GridCoords(G_data, G_inter, G_intra_d, G_intra_r, G_intra_c)``."""
         return self._shape
 
     def coords_of(self, world_rank: int) -> GridCoords:
@@ -225,7 +226,8 @@ class ProcessGrid:
         Closed form, no communication; defaults to this rank's group.
         """
         if name not in GROUP_DIMS:
-            raise ValueError(f"rank {self.rank}: unknown grid group {name!r}; expected one of {list(GROUP_DIMS)}")
+            raise ValueError(f"rank {self.rank}: unknown grid group {name!r}; "
+                             f"expected one of {list(GROUP_DIMS)}")
         base = self.coords if world_rank is None else self.coords_of(world_rank)
         varying = [_DIMS.index(d) for d in GROUP_DIMS[name]]
         ranks = []

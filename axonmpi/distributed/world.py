@@ -200,7 +200,8 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
         >>> print(world.rank, world.world_size, world.grid.coords)
     """
     global _WORLD
-    asked = dict(G_data=G_data, G_inter=G_inter, G_intra_r=G_intra_r, G_intra_c=G_intra_c, G_intra_d=G_intra_d)
+    asked = dict(G_data=G_data, G_inter=G_inter, G_intra_r=G_intra_r, G_intra_c=G_intra_c,
+                 G_intra_d=G_intra_d)
     if _WORLD is None or _WORLD._destroyed:
         _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception, **asked)
         return _WORLD
@@ -210,8 +211,9 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
         if want != have:
             fmt = lambda d: ", ".join(f"{k}={d[k]}" for k in have)  # noqa: E731
             raise ValueError(
-                f"rank {_WORLD.rank}: axonmpi.init asked for the grid ({fmt(want)}) but the World already has "
-                f"the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to change it")
+                f"rank {_WORLD.rank}: axonmpi.init asked for the grid ({fmt(want)}) but the World "
+                f"already has the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to "
+                "change it")
     return _WORLD
 
 
