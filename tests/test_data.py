@@ -9,6 +9,7 @@ from axonmpi.data import (
     CharTokenizer,
     DataLoader,
     Dataset,
+    DistributedSampler,
     Subset,
     TensorDataset,
     default_collate,
@@ -139,6 +140,117 @@ def test_sampler_order_and_set_epoch_pass_through():
     assert s.epoch == 7
     with pytest.raises(ValueError, match="sampler"):
         DataLoader(TensorDataset(np.arange(5)), shuffle=True, sampler=s)
+
+
+# ---------------------------------------------------------------- DistributedSampler (PyTorch's rules)
+
+# Printed by torch 2.13's torch.utils.data.DistributedSampler(range(n), num_replicas, rank, shuffle=False,
+# drop_last) for every rank: padding repeats the head, drop_last trims the tail, rank r strides from r.
+TORCH_LISTS = {
+    (10, 4, False): [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]],
+    (10, 4, True): [[0, 4], [1, 5], [2, 6], [3, 7]],
+    (2, 5, False): [[0], [1], [0], [1], [0]],          # padding longer than the dataset
+    (3, 4, False): [[0], [1], [2], [0]],
+    (10, 2, True): [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]],
+    (10, 3, True): [[0, 3, 6], [1, 4, 7], [2, 5, 8]],
+    (7, 3, False): [[0, 3, 6], [1, 4, 0], [2, 5, 1]],
+}
+
+
+@pytest.mark.parametrize("n,replicas,drop_last", sorted(TORCH_LISTS))
+def test_distributed_sampler_matches_torch_lists(n, replicas, drop_last):
+    want = TORCH_LISTS[(n, replicas, drop_last)]
+    for r in range(replicas):
+        s = DistributedSampler(range(n), num_replicas=replicas, rank=r, shuffle=False, drop_last=drop_last)
+        assert list(s) == want[r] and len(s) == len(want[r])
+        # shuffled: the same padding/stride applied to the epoch's permutation
+        t = DistributedSampler(range(n), num_replicas=replicas, rank=r, shuffle=True, seed=5, drop_last=drop_last)
+        t.set_epoch(3)
+        perm = np.random.default_rng((5, 3)).permutation(n)
+        assert list(t) == perm[want[r]].tolist()
+
+
+def _replicas(n_items, n, state=None, seed=2):
+    samplers = [DistributedSampler(range(n_items), num_replicas=n, rank=r, seed=seed) for r in range(n)]
+    if state is not None:
+        for s in samplers:
+            s.load_state_dict(state)
+    return samplers
+
+
+def _run(samplers, global_batch, steps, n_items):
+    """train_gpt.py's loop for all replicas in lockstep; returns each step's global batch and the state."""
+    n = len(samplers)
+    ds = TensorDataset(np.arange(n_items))
+    loaders = [DataLoader(ds, batch_size=global_batch // n, sampler=s, drop_last=True) for s in samplers]
+    its, out = [None] * n, []
+    while len(out) < steps:
+        if its[0] is None:
+            its = [iter(dl) for dl in loaders]
+        try:
+            batches = [next(it)[0] for it in its]
+        except StopIteration:
+            for s in samplers:
+                s.set_epoch(s.epoch + 1)
+            its = [None] * n
+            continue
+        for s, b in zip(samplers, batches):
+            s.advance(len(b))
+        out.append(np.concatenate(batches).tolist())
+    states = [s.state_dict() for s in samplers]
+    assert all(st == states[0] for st in states)
+    return out, states[0]
+
+
+def test_sampler_resume_keeps_counting_after_a_resume():
+    """Save at 8 consumed, resume, consume 2 more per replica: the state says 12 (was 4 before the fix)."""
+    s = DistributedSampler(range(40), num_replicas=2, rank=0, seed=1)
+    s.advance(4)
+    st = s.state_dict()
+    assert st["consumed_global"] == 8
+    t = DistributedSampler(range(40), num_replicas=2, rank=0, seed=1)
+    t.load_state_dict(st)
+    first = list(t)                      # the pass starts after the consumed samples...
+    assert first == s.indices()[4:].tolist() and t.consumed == 4
+    t.advance(2)                         # ...and does not forget them
+    assert t.state_dict() == {"epoch": 0, "seed": 1, "consumed_global": 12}
+    u = DistributedSampler(range(40), num_replicas=2, rank=0, seed=1)
+    u.load_state_dict(t.state_dict())
+    assert list(u) == s.indices()[6:].tolist()
+
+
+def test_sampler_resumed_three_times_with_changing_world_size_equals_uninterrupted():
+    n_items, gb = 100, 12
+    want, want_state = _run(_replicas(n_items, 2), gb, 8, n_items)
+    got, state = [], None
+    for n, steps in ((2, 3), (4, 2), (3, 2), (1, 1)):        # three resumes, each on another world size
+        part, state = _run(_replicas(n_items, n, state), gb, steps, n_items)
+        got += part
+    assert state == want_state == {"epoch": 0, "seed": 2, "consumed_global": 96}
+    assert [sorted(b) for b in got] == [sorted(b) for b in want]    # the same global batch at every step
+    perm = np.random.default_rng((2, 0)).permutation(n_items)
+    assert sorted(i for b in got for i in b) == sorted(perm[:96].tolist())   # every sample once, none repeated
+
+
+@pytest.mark.parametrize("cuts", [(3, 7, 12), (1, 2, 3, 4, 5, 6, 7, 8)])
+def test_sampler_resumed_n_times_across_epochs_equals_uninterrupted(cuts):
+    """Resumes mid-epoch and exactly at an epoch's end (step 7 of 7) give the uninterrupted batches."""
+    n_items, gb, steps = 30, 4, 20                            # 7 steps per epoch on 2 replicas
+    want, want_state = _run(_replicas(n_items, 2), gb, steps, n_items)
+    got, state, done = [], None, 0
+    for cut in cuts + (steps,):
+        part, state = _run(_replicas(n_items, 2, state), gb, cut - done, n_items)
+        got, done = got + part, cut
+    assert got == want and state == want_state
+    assert state["epoch"] == 2 and state["consumed_global"] == (steps - 14) * gb
+
+
+def test_sampler_resume_errors_name_values():
+    s = DistributedSampler(range(40), num_replicas=4, rank=3)
+    with pytest.raises(ValueError, match=r"rank 3: cannot resume at global sample 6 on num_replicas=4"):
+        s.load_state_dict({"epoch": 0, "consumed_global": 6})
+    with pytest.raises(ValueError, match=r"rank 3: advance\(\) needs a non-negative int, got -1"):
+        s.advance(-1)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])

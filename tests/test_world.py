@@ -17,6 +17,8 @@ def test_world_layout(world):
     # one node under a local mpiexec: local ranks equal world ranks
     assert world.num_nodes == 1 and world.node_rank == 0
     assert world.local_size == world.world_size and world.local_rank == world.rank
+    assert world.node_index == world.node_rank == 0
+    assert world.grid is axonmpi.get_grid() and world.grid.data_group.ranks == tuple(range(world.world_size))
     assert str(world.device) == "cpu" or str(world.device).startswith("cuda:")
     g = world.default_group
     assert g.size == world.world_size and g.rank == world.rank and g.ranks == tuple(range(world.world_size))

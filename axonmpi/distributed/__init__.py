@@ -6,11 +6,13 @@ from .collectives import (
     reduce_scatter, reduce_scatter_mean, reduce_scatter_sum, scatter, send,
 )
 from .debug import CollectiveMismatchError, CollectiveTimeoutError
+from .grid import GridCoords, ProcessGrid
 from .group import GroupMembershipError, ProcessGroup
-from .world import World, destroy, get_world, init, is_initialized, resolve_group
+from .world import World, destroy, get_grid, get_world, init, is_initialized, resolve_group
 
 __all__ = [
     "World", "ProcessGroup", "GroupMembershipError", "CollectiveMismatchError", "CollectiveTimeoutError",
+    "ProcessGrid", "GridCoords", "get_grid",
     "init", "get_world", "is_initialized", "destroy", "resolve_group",
     "rank", "world_size", "is_main_process",
     "ReduceOp", "Work", "chunk_sizes", "chunk_bounds",

@@ -10,9 +10,10 @@ from typing import Iterable, List, Optional
 from mpi4py import MPI
 
 from .. import backend
+from .grid import ProcessGrid, resolve_grid_sizes
 from .group import ProcessGroup
 
-__all__ = ["World", "init", "get_world", "is_initialized", "destroy", "resolve_group"]
+__all__ = ["World", "init", "get_world", "get_grid", "is_initialized", "destroy", "resolve_group"]
 
 _WORLD: Optional["World"] = None  # the single current World (see DESIGN.md)
 
@@ -24,15 +25,19 @@ class World:
         rank, world_size: this process's rank and the number of ranks.
         local_rank, local_size: rank and count on this node (``Comm.Split_type(COMM_TYPE_SHARED)``,
             not launcher variables, so it works with mpiexec, srun and anything else).
-        node_rank, num_nodes: index of this node and number of nodes.
+        node_rank, num_nodes: index of this node and number of nodes (``node_index`` is an alias).
         default_group: the group of all ranks (collectives use it when ``group=None``).
         device: ``cpu``, or ``cuda:<local_rank % device_count>`` when CuPy and a GPU are present.
         debug: True when ``AXONMPI_DEBUG=1`` (collectives check their arguments across ranks).
+        grid: the :class:`ProcessGrid` (AxoNN's 5-D layout; the trivial grid is pure data parallel).
     """
 
     def __init__(self, comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
-                 abort_on_exception: bool = True):
+                 abort_on_exception: bool = True, G_inter: int = 1, G_data: Optional[int] = None,
+                 G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1):
         base = comm if comm is not None else MPI.COMM_WORLD
+        sizes = resolve_grid_sizes(base.Get_size(), G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
+                                   G_intra_c=G_intra_c, G_intra_d=G_intra_d, rank=base.Get_rank())
         self._base_comm = base
         self._comm = base.Dup()
         self.rank = self._comm.Get_rank()
@@ -63,6 +68,12 @@ class World:
         self._groups: List[ProcessGroup] = []
         if abort_on_exception:
             install_abort_on_exception(self._comm)
+        self.grid = ProcessGrid(self, **sizes)
+
+    @property
+    def node_index(self) -> int:
+        """Index of this node (alias of ``node_rank``)."""
+        return self.node_rank
 
     # -- groups --------------------------------------------------------------------------
     def new_group(self, ranks: Iterable[int], *, parent: Optional[ProcessGroup] = None,
@@ -146,6 +157,7 @@ class World:
         """Free every group and communicator of this World (collective over all ranks)."""
         if self._destroyed:
             return
+        self.grid.free()
         for g in self._groups:
             g.free()
         self._groups.clear()
@@ -158,27 +170,50 @@ class World:
                 f"device={self.device})")
 
 
-def init(comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
+def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Optional[int] = None,
+         G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, debug: Optional[bool] = None,
          abort_on_exception: bool = True) -> World:
-    """Create (once) and return the current :class:`World`.
+    """Create (once) and return the current :class:`World` and its :class:`ProcessGrid`.
 
-    Idempotent: later calls return the same World. Works under ``mpiexec``/``srun`` and as
-    a plain ``python script.py`` (a world of one).
+    Idempotent: a later call with no grid sizes, or with the same grid, returns the same World;
+    a later call asking for another grid raises. Works under ``mpiexec``/``srun`` and as a
+    plain ``python script.py`` (a world of one).
 
     Args:
         comm: the communicator to build the World on (default ``MPI.COMM_WORLD``).
+        G_inter, G_data, G_intra_r, G_intra_c, G_intra_d: AxoNN's grid sizes (pipeline, data,
+            tensor row / column / depth). ``G_data=None`` takes what is left:
+            ``world_size // (G_inter*G_intra_r*G_intra_c*G_intra_d)``. All defaults: pure data
+            parallel.
         debug: check collective arguments across ranks (default: ``AXONMPI_DEBUG`` env var).
         abort_on_exception: end the whole job (``MPI_Abort``) when any rank dies of an
             uncaught exception, after printing its traceback, instead of leaving others hanging.
 
+    Raises:
+        ValueError: sizes that are not positive ints or whose product is not the world size
+            (every factor and the world size are named), or a grid other than the existing
+            World's (both grids are named).
+
     Example:
         >>> import axonmpi
-        >>> world = axonmpi.init()
-        >>> print(world.rank, world.world_size)
+        >>> world = axonmpi.init()                       # or axonmpi.init(G_intra_c=2) for 2-way TP
+        >>> print(world.rank, world.world_size, world.grid.coords)
     """
     global _WORLD
+    asked = dict(G_data=G_data, G_inter=G_inter, G_intra_r=G_intra_r, G_intra_c=G_intra_c,
+                 G_intra_d=G_intra_d)
     if _WORLD is None or _WORLD._destroyed:
-        _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception)
+        _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception, **asked)
+        return _WORLD
+    if asked != dict(G_data=None, G_inter=1, G_intra_r=1, G_intra_c=1, G_intra_d=1):
+        have = _WORLD.grid.sizes
+        want = resolve_grid_sizes(_WORLD.world_size, rank=_WORLD.rank, **asked)
+        if want != have:
+            fmt = lambda d: ", ".join(f"{k}={d[k]}" for k in have)  # noqa: E731
+            raise ValueError(
+                f"rank {_WORLD.rank}: axonmpi.init asked for the grid ({fmt(want)}) but the World "
+                f"already has the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to "
+                "change it")
     return _WORLD
 
 
@@ -194,8 +229,18 @@ def get_world() -> World:
     return _WORLD
 
 
+def get_grid() -> ProcessGrid:
+    """Return the current World's :class:`ProcessGrid` (initializing a pure data-parallel World if needed).
+
+    Example:
+        >>> grid = axonmpi.get_grid()
+        >>> grid.data_group.ranks, grid.coords
+    """
+    return get_world().grid
+
+
 def destroy() -> None:
-    """Destroy the current World (collective); a later :func:`init` makes a new one."""
+    """Destroy the current World and its grid (collective); a later :func:`init` makes a new one."""
     global _WORLD
     if _WORLD is not None:
         _WORLD.destroy()
@@ -211,7 +256,8 @@ def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
         raise TypeError(f"group must be an axonmpi ProcessGroup or None, got {type(group).__name__}")
     if group.comm is None:
         if group._freed or group.world._destroyed:
-            raise ValueError(f"{group!r} belongs to a destroyed World; make groups from axonmpi.get_world()")
+            raise ValueError(f"rank {group.world.rank}: {group!r} was freed or belongs to a destroyed World; "
+                             "make groups from axonmpi.get_world() or use axonmpi.get_grid()'s")
         group.check_member()
     if group.world is not _WORLD:
         raise ValueError(

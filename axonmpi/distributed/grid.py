@@ -1,0 +1,341 @@
+"""ProcessGrid: AxoNN's 5-D rank grid (data x inter x depth x row x col) and its named process groups."""
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from .group import ProcessGroup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .world import World
+
+__all__ = ["ProcessGrid", "GridCoords", "resolve_grid_sizes", "GROUP_DIMS"]
+
+
+class GridCoords(NamedTuple):
+    """Coordinates of one rank in the grid, slowest-varying first (AxoNN's order)."""
+
+    data: int
+    inter: int
+    depth: int
+    row: int
+    col: int
+
+
+_DIMS = GridCoords._fields                                   # ("data", "inter", "depth", "row", "col")
+_SIZE_NAMES = ("G_data", "G_inter", "G_intra_d", "G_intra_r", "G_intra_c")   # same order as _DIMS
+
+# Which coordinates vary inside each named group (the others are fixed and pick the group).
+GROUP_DIMS: Dict[str, Tuple[str, ...]] = {
+    "data_group": ("data",),
+    "inter_group": ("inter",),
+    "depth_group": ("depth",),
+    "row_group": ("row",),
+    "col_group": ("col",),
+    "intra_group": ("depth", "row", "col"),
+    "model_group": ("inter", "depth", "row", "col"),
+}
+
+
+def _describe_sizes(sizes: Dict[str, object]) -> str:
+    order = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d")
+    return ", ".join(f"{k}={sizes[k]!r}" for k in order)
+
+
+def resolve_grid_sizes(world_size: int, *, G_inter=1, G_data=None, G_intra_r=1, G_intra_c=1, G_intra_d=1,
+                       rank: Optional[int] = None) -> Dict[str, int]:
+    """Check the five grid sizes against ``world_size``; ``G_data=None`` takes what is left.
+
+    Returns:
+        ``{"G_data": ..., "G_inter": ..., "G_intra_r": ..., "G_intra_c": ..., "G_intra_d": ...}``.
+
+    Raises:
+        ValueError: a size that is not a positive int, or a product that is not ``world_size``;
+            the message names every factor, the product and the world size.
+
+    Example:
+        >>> resolve_grid_sizes(8, G_intra_c=2, G_inter=2)["G_data"]
+        2
+    """
+    given = {"G_data": G_data, "G_inter": G_inter, "G_intra_r": G_intra_r, "G_intra_c": G_intra_c,
+             "G_intra_d": G_intra_d}
+    who = f"rank {rank}: " if rank is not None else ""
+    bad = [k for k, v in given.items()
+           if not (v is None and k == "G_data")
+           and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1)]
+    if bad:
+        raise ValueError(
+            f"{who}grid sizes must be positive ints (G_data may be None), got {_describe_sizes(given)} "
+            f"(bad: {', '.join(bad)}) for a world of {world_size} ranks")
+    sizes = {k: (None if v is None else int(v)) for k, v in given.items()}
+    others = sizes["G_inter"] * sizes["G_intra_r"] * sizes["G_intra_c"] * sizes["G_intra_d"]
+    if sizes["G_data"] is None:
+        if world_size % others:
+            raise ValueError(
+                f"{who}grid {_describe_sizes(given)}: world size {world_size} does not divide by "
+                f"G_inter*G_intra_r*G_intra_c*G_intra_d = {others}, so G_data cannot be derived; "
+                f"use a world size that is a multiple of {others} or change the sizes")
+        sizes["G_data"] = world_size // others
+    elif sizes["G_data"] * others != world_size:
+        raise ValueError(
+            f"{who}grid {_describe_sizes(given)}: the product G_data*G_inter*G_intra_r*G_intra_c*G_intra_d = "
+            f"{sizes['G_data'] * others} must equal the world size {world_size}")
+    return sizes
+
+
+class ProcessGrid:
+    """AxoNN's 5-D process grid over a :class:`World`, with one :class:`ProcessGroup` per role.
+
+    Rank order, exactly as AxoNN's ``communication_handle`` (column fastest, data slowest)::
+
+        world = (((data*G_inter + inter)*G_intra_d + depth)*G_intra_r + row)*G_intra_c + col
+
+    Groups (each a ``ProcessGroup`` whose ``.ranks`` lists world ranks in group-rank order;
+    group rank = the varying coordinates in the same slowest-first order):
+
+    ============== ============================ =========================================
+    group          varies (others fixed)        AxoNN name / use
+    ============== ============================ =========================================
+    data_group     data                         data_parallel_group: DDP, FSDP
+    inter_group    inter                        the pipeline (p2p_mpi_comm)
+    depth_group    depth                        depth_intra_layer_parallel_group (Z)
+    row_group      row                          outer_intra_layer_parallel_group: shards
+                                                a Linear's out_features (size G_intra_r)
+    col_group      col                          inner_intra_layer_parallel_group: shards
+                                                a Linear's in_features (size G_intra_c)
+    intra_group    depth, row, col              intra_layer_group: one tensor-parallel block
+    model_group    inter, depth, row, col       one model replica
+    ============== ============================ =========================================
+
+    Making a grid is collective over the World: one ``Comm.Split`` per group kind whose groups
+    have more than one rank; groups of size 1 use ``MPI.COMM_SELF`` (no split, nothing to free).
+
+    Args:
+        world: the World to lay out.
+        G_inter, G_data, G_intra_r, G_intra_c, G_intra_d: the five sizes (see
+            :func:`resolve_grid_sizes`; ``G_data=None`` takes what is left).
+
+    Example (4 ranks, ``G_data=2, G_intra_c=2``)::
+
+        >>> grid = axonmpi.init(G_data=2, G_intra_c=2).grid
+        >>> grid.coords                    # on world rank 3
+        GridCoords(data=1, inter=0, depth=0, row=0, col=1)
+        >>> grid.col_group.ranks, grid.data_group.ranks
+        ((2, 3), (1, 3))
+    """
+
+    def __init__(self, world: "World", *, G_inter=1, G_data=None, G_intra_r=1, G_intra_c=1, G_intra_d=1):
+        sizes = resolve_grid_sizes(world.world_size, G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
+                                   G_intra_c=G_intra_c, G_intra_d=G_intra_d, rank=world.rank)
+        self.world = world
+        self.G_data = sizes["G_data"]
+        self.G_inter = sizes["G_inter"]
+        self.G_intra_r = sizes["G_intra_r"]
+        self.G_intra_c = sizes["G_intra_c"]
+        self.G_intra_d = sizes["G_intra_d"]
+        self._shape = GridCoords(self.G_data, self.G_inter, self.G_intra_d, self.G_intra_r, self.G_intra_c)
+        self.rank = world.rank
+        self.world_size = world.world_size
+        self.coords = self.coords_of(self.rank)
+        self._groups: Dict[str, ProcessGroup] = {}
+        self._freed = False
+        for name, varying in GROUP_DIMS.items():
+            self._groups[name] = self._make_group(name, varying)
+
+    # -- sizes and coordinates -----------------------------------------------------------
+    @property
+    def sizes(self) -> Dict[str, int]:
+        """The five sizes as a dict (``G_data, G_inter, G_intra_r, G_intra_c, G_intra_d``)."""
+        return {"G_data": self.G_data, "G_inter": self.G_inter, "G_intra_r": self.G_intra_r,
+                "G_intra_c": self.G_intra_c, "G_intra_d": self.G_intra_d}
+
+    @property
+    def G_intra(self) -> int:
+        """Ranks in one tensor-parallel block: ``G_intra_r * G_intra_c * G_intra_d``."""
+        return self.G_intra_r * self.G_intra_c * self.G_intra_d
+
+    @property
+    def shape(self) -> GridCoords:
+        """Extent per coordinate: ``GridCoords(G_data, G_inter, G_intra_d, G_intra_r, G_intra_c)``."""
+        return self._shape
+
+    def coords_of(self, world_rank: int) -> GridCoords:
+        """The grid coordinates of ``world_rank`` (ValueError outside ``0..world_size-1``)."""
+        if isinstance(world_rank, bool) or not isinstance(world_rank, numbers.Integral) \
+                or not 0 <= world_rank < self.world_size:
+            raise ValueError(f"rank {self.rank}: world rank {world_rank!r} is out of range for a grid of "
+                             f"{self.world_size} ranks (valid: 0..{self.world_size - 1})")
+        out: List[int] = []
+        r = int(world_rank)
+        for extent in reversed(self._shape):
+            out.append(r % extent)
+            r //= extent
+        return GridCoords(*reversed(out))
+
+    def rank_of(self, coords: Sequence[int]) -> int:
+        """The world rank at ``coords`` (a :class:`GridCoords` or 5 ints in its order)."""
+        c = tuple(coords)
+        if len(c) != 5 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n
+                              for v, n in zip(c, self._shape)):
+            raise ValueError(f"rank {self.rank}: coords {coords!r} are not valid for grid shape "
+                             f"{tuple(self._shape)} (order: {', '.join(_DIMS)})")
+        r = 0
+        for v, extent in zip(c, self._shape):
+            r = r * extent + int(v)
+        return r
+
+    # -- groups --------------------------------------------------------------------------
+    @property
+    def data_group(self) -> ProcessGroup:
+        """Ranks with the same inter/depth/row/col: gradients of replicated weights reduce here."""
+        return self._groups["data_group"]
+
+    @property
+    def inter_group(self) -> ProcessGroup:
+        """The pipeline: ranks with the same data/depth/row/col; group rank = stage."""
+        return self._groups["inter_group"]
+
+    @property
+    def depth_group(self) -> ProcessGroup:
+        """Ranks differing only in depth (AxoNN's Z / FSDP-like dimension of a block)."""
+        return self._groups["depth_group"]
+
+    @property
+    def row_group(self) -> ProcessGroup:
+        """Ranks differing only in row (AxoNN's outer group: shards a Linear's out_features)."""
+        return self._groups["row_group"]
+
+    @property
+    def col_group(self) -> ProcessGroup:
+        """Ranks differing only in col (AxoNN's inner group: shards a Linear's in_features)."""
+        return self._groups["col_group"]
+
+    @property
+    def intra_group(self) -> ProcessGroup:
+        """All ``G_intra_d*G_intra_r*G_intra_c`` ranks of this rank's tensor-parallel block."""
+        return self._groups["intra_group"]
+
+    @property
+    def model_group(self) -> ProcessGroup:
+        """All ranks holding one model replica: ``inter x depth x row x col``."""
+        return self._groups["model_group"]
+
+    def group_ranks(self, name: str, world_rank: Optional[int] = None) -> Tuple[int, ...]:
+        """World ranks of the ``name`` group (a key of ``GROUP_DIMS``) that holds ``world_rank``.
+
+        Closed form, no communication; defaults to this rank's group.
+        """
+        if name not in GROUP_DIMS:
+            raise ValueError(f"rank {self.rank}: unknown grid group {name!r}; "
+                             f"expected one of {list(GROUP_DIMS)}")
+        base = self.coords if world_rank is None else self.coords_of(world_rank)
+        varying = [_DIMS.index(d) for d in GROUP_DIMS[name]]
+        ranks = []
+        for k in range(self._count(varying)):
+            c = list(base)
+            for i in reversed(varying):
+                c[i] = k % self._shape[i]
+                k //= self._shape[i]
+            ranks.append(self.rank_of(c))
+        return tuple(ranks)
+
+    def _count(self, dims: Sequence[int]) -> int:
+        n = 1
+        for i in dims:
+            n *= self._shape[i]
+        return n
+
+    def _make_group(self, name: str, varying: Sequence[str]) -> ProcessGroup:
+        from mpi4py import MPI
+
+        ranks = self.group_ranks(name)
+        vary = [_DIMS.index(d) for d in varying]
+        if len(ranks) == 1:
+            return ProcessGroup(self.world, MPI.COMM_SELF, ranks, name=name)
+        fixed = [i for i in range(5) if i not in vary]
+        color = 0
+        for i in fixed:
+            color = color * self._shape[i] + self.coords[i]
+        key = ranks.index(self.rank)
+        comm = self.world._comm.Split(color, key)
+        if comm.Get_size() != len(ranks) or comm.Get_rank() != key:  # pragma: no cover - MPI contract
+            raise RuntimeError(f"rank {self.rank}: Split for {name} gave size {comm.Get_size()} rank "
+                               f"{comm.Get_rank()}, expected {len(ranks)} and {key} ({ranks})")
+        g = ProcessGroup(self.world, comm, ranks, name=name)
+        self.world._groups.append(g)
+        return g
+
+    # -- node layout (from the World's Split_type(COMM_TYPE_SHARED)) ---------------------
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.world.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """Number of ranks on this node."""
+        return self.world.local_size
+
+    @property
+    def node_index(self) -> int:
+        """Index of this node (0..num_nodes-1)."""
+        return self.world.node_rank
+
+    # -- data loading ---------------------------------------------------------------------
+    @property
+    def data_replicas(self) -> Tuple[int, int]:
+        """``(num_replicas, rank)`` for sampling: AxoNN's ``(G_data*G_intra_d, G_intra_d*data + depth)``.
+
+        Ranks that differ only in inter, row or col read the same samples.
+        """
+        return self.G_data * self.G_intra_d, self.G_intra_d * self.coords.data + self.coords.depth
+
+    # -- lifecycle and printing ------------------------------------------------------------
+    def free(self) -> None:
+        """Free the grid's communicators (collective; ``World.destroy`` frees the World's grid)."""
+        if self._freed:
+            return
+        self._freed = True
+        for g in self._groups.values():
+            g.free()
+            if g in self.world._groups:
+                self.world._groups.remove(g)
+
+    def describe(self, *, print_: bool = False, max_rows: Optional[int] = None) -> str:
+        """The layout as a table, world rank -> coordinates; ``print_=True`` prints it on rank 0.
+
+        Args:
+            print_: also print the table on world rank 0 (returned on every rank).
+            max_rows: show at most this many ranks (head and tail) for large worlds.
+
+        Example (``G_data=2, G_intra_c=2`` on 4 ranks)::
+
+            ProcessGrid(G_data=2, G_inter=1, G_intra_r=1, G_intra_c=2, G_intra_d=1) on 4 ranks
+            rank  data  inter  depth  row  col
+               0     0      0      0    0    0
+               1     0      0      0    0    1
+               2     1      0      0    0    0
+               3     1      0      0    0    1
+        """
+        head = f"ProcessGrid({_describe_sizes(self.sizes)}) on {self.world_size} ranks"
+        cols = ("rank",) + _DIMS
+        widths = [max(len(c), len(str(self.world_size - 1))) for c in cols]
+        lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+        shown = list(range(self.world_size))
+        cut = None
+        if max_rows is not None and self.world_size > max_rows:
+            half = max(1, max_rows // 2)
+            shown = shown[:half] + shown[-half:]
+            cut = half
+        for i, r in enumerate(shown):
+            if cut is not None and i == cut:
+                lines.append(f"... {self.world_size - 2 * cut} more ranks ...")
+            vals = (r,) + tuple(self.coords_of(r))
+            lines.append("  ".join(str(v).rjust(w) for v, w in zip(vals, widths)))
+        text = "\n".join(lines)
+        if print_ and self.rank == 0:
+            print(text, flush=True)
+        return text
+
+    def __repr__(self) -> str:
+        return self.describe(max_rows=32)
