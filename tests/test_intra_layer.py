@@ -103,16 +103,16 @@ def test_skip_bias_add_returns_bias_with_right_gradient(expert):
     _set_grid_sizes(*shape)
     g = default_groups()
     axonmpi.random.manual_seed(2)
-    ref = nn.Linear(4, 8, dtype="float64")
-    layer = intra_layer.Linear(4, 8, skip_bias_add=True, expert_mode=expert, dtype="float64")
+    ref = nn.Linear(6, 12, dtype="float64")
+    layer = intra_layer.Linear(6, 12, skip_bias_add=True, expert_mode=expert, dtype="float64")
     layer.load_state_dict(ref.state_dict())
     rng = np.random.default_rng(0)
-    X = rng.standard_normal((world.world_size * 2, 4))
-    GY = rng.standard_normal((world.world_size * 2, 8))
+    X = rng.standard_normal((world.world_size * 2, 6))
+    GY = rng.standard_normal((world.world_size * 2, 12))
     ys = ref(Tensor(X))
     ys.backward(Tensor(GY))
     if expert:
-        lo, li = 8 // shape[0], 4 // shape[1]
+        lo, li = 12 // shape[0], 6 // shape[1]
         r, c = layer.outer.rank, layer.inner.rank
         a, b = chunk_bounds(len(X), g.data.size * shape[2], g.data.rank * shape[2] + g.depth.rank)
         y, bb = layer(Tensor(np.ascontiguousarray(X[a:b, c * li:(c + 1) * li])))

@@ -9,6 +9,7 @@ from .mappings import (
     scatter_to_tensor_parallel_region,
 )
 from .state import full_state_dict, load_full_state_dict, sharded_state_dict
+from .transformer import parallelize_gpt
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",
@@ -16,5 +17,5 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "full_state_dict", "load_full_state_dict", "sharded_state_dict",
+    "full_state_dict", "load_full_state_dict", "sharded_state_dict", "parallelize_gpt",
 ]

@@ -302,6 +302,7 @@ class TensorParallelMLP(_TensorParallelModule):
         bias: biases on both projections.
         group: the tensor-parallel group.
         approximate: GELU variant ("tanh", the default of nn.MLP, or "none").
+        dropout: dropout after ``proj`` (as nn.MLP; masks are drawn per rank).
         dtype: parameter dtype.
 
     Example:
@@ -310,16 +311,18 @@ class TensorParallelMLP(_TensorParallelModule):
     """
 
     def __init__(self, embed_dim: int, hidden_dim: Optional[int] = None, bias: bool = True,
-                 group: Optional[ProcessGroup] = None, approximate: str = "tanh", dtype=None):
+                 group: Optional[ProcessGroup] = None, approximate: str = "tanh", dropout: float = 0.0,
+                 dtype=None):
         super().__init__()
         hidden = 4 * embed_dim if hidden_dim is None else int(hidden_dim)
         group = one_d_group(group)
         self.fc = ColumnParallelLinear(embed_dim, hidden, bias=bias, group=group, dtype=dtype)
         self.act = GELU(approximate)
         self.proj = RowParallelLinear(hidden, embed_dim, bias=bias, group=group, dtype=dtype)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(self.act(self.fc(x)))
+        return self.dropout(self.proj(self.act(self.fc(x))))
 
 
 class _QKVParallelLinear(_AxisSharded):
