@@ -167,3 +167,40 @@ def test_no_grad_sync_and_clip_grad_norm():
     grads = _full_grads(layer)
     _close(grads["weight"], ref.weight.grad)
     _close(grads["bias"], ref.bias.grad)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (4, 1, 1), (1, 1, 4), (3, 1, 1),
+                                   (1, 1, 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("expert", [False, True])
+def test_embedding_parity(shape, expert):
+    if not _fits(shape):
+        pytest.skip(f"grid {shape} does not fit")
+    world = axonmpi.init()
+    _set_grid_sizes(*shape)
+    g = default_groups()
+    V, D = 6 * shape[2], 4 * shape[0]
+    axonmpi.random.manual_seed(8)
+    ref = nn.Embedding(V, D, dtype="float64")
+    emb = intra_layer.Embedding(V, D, expert_mode=expert, dtype="float64")
+    emb.load_state_dict(ref.state_dict())
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, V, (2 * world.world_size + 1, 3))
+    GY = rng.standard_normal(ids.shape + (D,))
+    hs = ref(ids)
+    hs.backward(Tensor(GY))
+    k = D // shape[0]
+    r = g.row.rank
+    if expert:
+        a, b = chunk_bounds(len(ids), g.data.size * shape[2], g.data.rank * shape[2] + g.depth.rank)
+        h = emb(ids[a:b])
+        _close(h, hs.data[a:b, :, r * k:(r + 1) * k])
+        h.backward(Tensor(np.ascontiguousarray(GY[a:b, :, r * k:(r + 1) * k])))
+    else:
+        a, b = chunk_bounds(len(ids), world.world_size, world.rank)
+        h = emb(ids[a:b])
+        _close(h, hs.data[a:b])
+        h.backward(Tensor(GY[a:b].copy()))
+    intra_layer.sync_gradients(emb)
+    _close(_full_grads(emb)["weight"], ref.weight.grad)
+    _close(emb.state_dict(full=True)["weight"], ref.weight)
