@@ -161,3 +161,37 @@ def test_auto_parallelize_hook_is_scoped_and_follows_axonn_rule():
         with auto_parallelize():
             raise ValueError("boom")
     assert type(nn.Linear(5, 4 * p)) is nn.Linear
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_factory):
+    """Megatron TP over rank pairs saves ShardedArray blocks; a serial model loads them; then a 3-D
+    auto-parallelized model ((2,1,2) at 4 ranks, (3,1,1) at 3, (2,1,1) at 2) loads the serial checkpoint."""
+    from axonmpi import checkpoint
+    from axonmpi.distributed import broadcast_object
+    from axonmpi.parallel.tensor import load_sharded_state_dict, sharded_state_dict
+    world = axonmpi.init()
+    path = broadcast_object(str(tmp_path_factory.mktemp("tpckpt")) if world.rank == 0 else None)
+    serial = _build("gpt")
+    for p in serial.parameters():                   # distinct values everywhere (not the N(0, .02) init)
+        p.data[...] = np.random.default_rng(p.data.size).standard_normal(p.shape)
+    ref = serial.state_dict()
+    pairs = world.split(world.rank // 2, name="tp-pairs")          # 3 ranks: [0, 1] and [2]
+    tp = parallelize_gpt(_build("gpt"), group=pairs)
+    load_full_state_dict(tp, ref)
+    sub = world.split(0 if world.rank < 2 else None, name="first-pair")   # one TP pair saves and reloads
+    if world.rank < 2:
+        checkpoint.save(path + "/tp", {"model": sharded_state_dict(tp)}, group=sub)
+        back = checkpoint.load(path + "/tp", group=sub)["model"]
+        for k, v in ref.items():
+            _close(back[k], v, what=k)
+    checkpoint.save(path + "/serial", {"model": ref})
+    _set_grid_sizes(*{2: (2, 1, 1), 3: (3, 1, 1), 4: (2, 1, 2)}[world.world_size])
+    with auto_parallelize():
+        model = _build("gpt")
+    template = sharded_state_dict(model)
+    checkpoint.load(path + "/serial", {"model": template})
+    load_sharded_state_dict(model, template)
+    final = full_state_dict(model)
+    for k, v in ref.items():
+        _close(final[k], v, what=k)

@@ -106,6 +106,13 @@ class Embedding(_TensorParallelModule):
         w = local if self.depth.size == 1 else all_gather(local, axis=0, group=self.depth)
         return _sharded_array(w.reshape(V, k), (V, self.embedding_dim), (0, self.split.rank * k))
 
+    def _tp_unblock(self, name, block):
+        flat = block.reshape(-1)
+        if self.num_embeddings % self.depth.size == 0:
+            return flat
+        k = flat.size // self.depth.size
+        return np.ascontiguousarray(flat[self.depth.rank * k:(self.depth.rank + 1) * k])
+
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, transpose={self.transpose}, "
                 f"expert_mode={self.expert_mode}")

@@ -165,6 +165,13 @@ class Linear(_TensorParallelModule):
         return _sharded_array(w.reshape(lo, li), (self.out_features, self.in_features),
                               (self.outer.rank * lo, self.inner.rank * li))
 
+    def _tp_unblock(self, name, block):
+        if name == "bias" or self.local_out_features % self.depth.size == 0:
+            return block.reshape(-1) if name == "weight" else block
+        flat = block.reshape(-1)
+        k = flat.size // self.depth.size
+        return np.ascontiguousarray(flat[self.depth.rank * k:(self.depth.rank + 1) * k])
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"transpose={self.transpose}, expert_mode={self.expert_mode}, "

@@ -8,7 +8,7 @@ from .mappings import (
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from .state import full_state_dict, load_full_state_dict, sharded_state_dict
+from .state import full_state_dict, load_full_state_dict, load_sharded_state_dict, sharded_state_dict
 from .transformer import parallelize_gpt
 
 __all__ = [
@@ -17,5 +17,5 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "full_state_dict", "load_full_state_dict", "sharded_state_dict", "parallelize_gpt",
+    "full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict", "parallelize_gpt",
 ]

@@ -361,6 +361,9 @@ class _QKVParallelLinear(_AxisSharded):
         from .state import _sharded_array
         return _sharded_array(full, full.shape, (0,) * full.ndim)
 
+    def _tp_unblock(self, name, block):
+        return self._tp_shard(name, np.asarray(block))
+
     def forward(self, x: Tensor) -> Tensor:
         return ops_nn.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
 

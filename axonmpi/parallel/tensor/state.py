@@ -9,7 +9,9 @@ Protocol of a TP module (``_TensorParallelModule``):
     ``_tp_full_shape(name)``: the full shape of parameter ``name`` (``None``: not sharded).
     ``_tp_shard(name, full)``: this rank's shard of a full host array.
     ``_tp_gather(name, local)``: the full array from every rank's shard (collective).
-    ``_tp_block(name, local)``: a ``ShardedArray`` for this rank's shard.
+    ``_tp_block(name, local)``: a ``ShardedArray`` for this rank's shard (a view of it where the
+        shard is one rectangular block, else a gathered copy).
+    ``_tp_unblock(name, block)``: the shard from the block ``_tp_block`` described (after a load).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from ...backend import to_host
 from ...distributed import ProcessGroup, broadcast
 from ...nn import Module
 
-__all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict"]
 
 
 def _tp_entries(model: Module):
@@ -85,6 +87,28 @@ def sharded_state_dict(model: Module) -> "OrderedDict[str, Any]":
     return sd
 
 
+def load_sharded_state_dict(model: Module, state_dict: Mapping[str, Any], strict: bool = True):
+    """Load a state dict made by :func:`sharded_state_dict` and filled by ``checkpoint.load``.
+
+    Blocks that are views of the parameters are already in place; gathered blocks are cut back
+    to this rank's shard.  Returns ``IncompatibleKeys``.
+
+    Example:
+        >>> template = sharded_state_dict(model)
+        >>> axonmpi.checkpoint.load("ckpt", {"model": template})
+        >>> load_sharded_state_dict(model, template)
+    """
+    sd: Dict[str, Any] = {}
+    tp = {key: (m, name) for key, m, name, _ in _tp_entries(model)}
+    for key, v in state_dict.items():
+        if key in tp and hasattr(v, "global_shape"):
+            m, name = tp[key]
+            sd[key] = m._tp_unblock(name, v.local)
+        else:
+            sd[key] = v
+    return Module.load_state_dict(model, sd, strict=strict)
+
+
 def _world_rank() -> int:
     from ...distributed import get_world
     return get_world().rank
@@ -125,6 +149,9 @@ class _TensorParallelModule(Module):
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
         """``ShardedArray`` blocks of the full arrays for the sharded parameters."""
         return sharded_state_dict(self)
+
+    def _tp_unblock(self, name, block):
+        return block
 
 
 def axis_shard(full, axis: int, group: ProcessGroup):
