@@ -204,3 +204,44 @@ def test_embedding_parity(shape, expert):
     intra_layer.sync_gradients(emb)
     _close(_full_grads(emb)["weight"], ref.weight.grad)
     _close(emb.state_dict(full=True)["weight"], ref.weight)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("shape", [(2, 2, 1), (2, 1, 2), (1, 2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_communication_volume_matches_axonn_closed_forms(shape, monkeypatch):
+    """Expert mode, one forward + backward: bytes per group equal AxoNN's model — column group:
+    all-reduce of t*out/G_r; row group: all-reduce of t*in/G_c; depth: all-gather and reduce-scatter
+    of in*out/(G_r*G_c) (sizes of the full buffers)."""
+    import axonmpi.parallel.tensor.mappings as mp
+    if axonmpi.init().world_size != 4:
+        pytest.skip("the closed forms are checked on a 4-rank grid")
+    _set_grid_sizes(*shape)
+    g = default_groups()
+    counts = {}
+
+    def counted(fn, kind, out_sized):
+        def wrapper(x, *a, **kw):
+            group = kw.get("group")
+            y = fn(x, *a, **kw)
+            key = (group.name, kind)
+            counts[key] = counts.get(key, 0) + (y.nbytes if out_sized else x.nbytes)
+            return y
+        return wrapper
+
+    monkeypatch.setattr(mp, "all_reduce", counted(mp.all_reduce, "all_reduce", False))
+    monkeypatch.setattr(mp, "all_gather", counted(mp.all_gather, "all_gather", True))
+    monkeypatch.setattr(mp, "reduce_scatter", counted(mp.reduce_scatter, "reduce_scatter", False))
+    G_r, G_c, G_d = shape
+    IN, OUT, t = 8, 12, 5
+    layer = intra_layer.Linear(IN, OUT, bias=False, expert_mode=True, dtype="float64")
+    x = Tensor(np.ones((t, IN // G_c)), requires_grad=True)
+    layer(x).backward(Tensor(np.ones((t, OUT // G_r))))
+    expect = {}
+    if G_c > 1:
+        expect[("col", "all_reduce")] = 8 * t * OUT // G_r
+    if G_r > 1:
+        expect[("row", "all_reduce")] = 8 * t * IN // G_c
+    if G_d > 1:
+        expect[("depth", "all_gather")] = 8 * IN * OUT // (G_r * G_c)
+        expect[("depth", "reduce_scatter")] = 8 * IN * OUT // (G_r * G_c)
+    assert counts == expect
