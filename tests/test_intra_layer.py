@@ -27,18 +27,6 @@ def _close(a, b, rtol=RTOL):
     assert np.abs(a - b).max() <= rtol * scale, np.abs(a - b).max() / scale
 
 
-def _full_grads(module):
-    params = list(module.parameters())
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.grad.data
-        return full_state_dict(module)
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("transpose", [False, True])
@@ -87,7 +75,7 @@ def test_linear_parity(shape, transpose, bias, expert):
     yt.backward(Tensor(gy))
     _close(xt.grad, dx_exp)
     intra_layer.sync_gradients(layer)
-    grads = _full_grads(layer)
+    grads = full_state_dict(layer, grads=True)
     _close(grads["weight"], ref.weight.grad)
     if bias:
         _close(grads["bias"], ref.bias.grad)
@@ -126,7 +114,7 @@ def test_skip_bias_add_returns_bias_with_right_gradient(expert):
         _close(out, ys.data[a:b])
         out.backward(Tensor(GY[a:b].copy()))
     intra_layer.sync_gradients(layer)
-    _close(_full_grads(layer)["bias"], ref.bias.grad)
+    _close(full_state_dict(layer, grads=True)["bias"], ref.bias.grad)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -164,7 +152,7 @@ def test_no_grad_sync_and_clip_grad_norm():
     total = intra_layer.clip_grad_norm_(layer.parameters(), 0.5 * expect)
     assert abs(total - expect) <= 1e-12 * expect
     axonmpi.optim.clip_grad_norm_(ref.parameters(), 0.5 * expect)
-    grads = _full_grads(layer)
+    grads = full_state_dict(layer, grads=True)
     _close(grads["weight"], ref.weight.grad)
     _close(grads["bias"], ref.bias.grad)
 
@@ -202,7 +190,7 @@ def test_embedding_parity(shape, expert):
         _close(h, hs.data[a:b])
         h.backward(Tensor(GY[a:b].copy()))
     intra_layer.sync_gradients(emb)
-    _close(_full_grads(emb)["weight"], ref.weight.grad)
+    _close(full_state_dict(emb, grads=True)["weight"], ref.weight.grad)
     _close(emb.state_dict(full=True)["weight"], ref.weight)
 
 

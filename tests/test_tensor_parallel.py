@@ -216,7 +216,7 @@ def test_mlp_and_attention_parity_and_state_roundtrip():
             ys.backward(Tensor(G))
             yt.backward(Tensor(G.copy()))
             _close(xt.grad, xs.grad)
-            full_grads = _full_grads(tp)
+            full_grads = full_state_dict(tp, grads=True)
             for k, v in ref.named_parameters():
                 _close(full_grads[k], v.grad)
             sd = full_state_dict(tp)
@@ -228,19 +228,6 @@ def test_mlp_and_attention_parity_and_state_roundtrip():
                     assert b.global_shape == ref.state_dict()[k].shape
                     idx = tuple(slice(o, o + s) for o, s in zip(b.offsets, b.local.shape))
                     _close(b.local, ref.state_dict()[k][idx])
-
-
-def _full_grads(module):
-    """The module's gradients gathered to full serial shapes (swap grads into the parameters, gather)."""
-    params = list(module.parameters())
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.grad.data
-        return full_state_dict(module)
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
 
 
 @pytest.mark.mpi(min_size=1)

@@ -36,17 +36,27 @@ def _tp_entries(model: Module):
                     yield (f"{prefix}.{name}" if prefix else name), m, name, p
 
 
-def full_state_dict(model: Module) -> "OrderedDict[str, np.ndarray]":
+def full_state_dict(model: Module, *, grads: bool = False) -> "OrderedDict[str, np.ndarray]":
     """The model's state dict with every sharded parameter gathered to its full serial shape.
 
     Collective over the tensor-parallel groups of the model's layers: call it on every rank.
 
+    Args:
+        model: any module holding tensor-parallel layers.
+        grads: gather the parameters' gradients instead (keys of the parameters that have one).
+
     Example:
         >>> sd = full_state_dict(model)       # same keys and shapes as the serial model
+        >>> g = full_state_dict(model, grads=True)["blocks.0.mlp.fc.weight"]
     """
-    sd = Module.state_dict(model)
+    if grads:
+        sd = OrderedDict((k, np.array(to_host(p.grad.data), copy=True))
+                         for k, p in model.named_parameters() if p.grad is not None)
+    else:
+        sd = Module.state_dict(model)
     for key, m, name, p in _tp_entries(model):
-        sd[key] = np.array(to_host(m._tp_gather(name, p.data)), copy=True)
+        if key in sd:
+            sd[key] = np.array(to_host(m._tp_gather(name, (p.grad if grads else p).data)), copy=True)
     return sd
 
 
