@@ -239,3 +239,27 @@ def test_tp_layers_cast_with_double_and_to():
     assert layer.weight.dtype == np.float64 and layer.bias.dtype == np.float64
     layer.to(dtype=np.float32)
     assert layer.weight.dtype == np.float32
+
+
+@pytest.mark.mpi(min_size=1)
+def test_attention_dropout_matches_serial_masks_under_a_fixed_seed():
+    for g in _groups():
+        p = g.size
+        axonmpi.random.manual_seed(12)
+        ref = nn.CausalSelfAttention(4 * p, 2 * p, dropout=0.3, dtype="float64")
+        att = TensorParallelAttention(4 * p, 2 * p, group=g, dropout=0.3, dtype="float64")
+        att.load_state_dict(ref.state_dict())
+        X = _rng(3).standard_normal((2, 5, 4 * p))
+        xs, xt = Tensor(X, requires_grad=True), Tensor(X.copy(), requires_grad=True)
+        axonmpi.random.manual_seed(99)
+        ys = ref(xs)
+        axonmpi.random.manual_seed(99)
+        yt = att(xt)
+        _close(yt, ys)
+        assert (ys.data == 0).any()            # dropout did act
+        ys.sum().backward()
+        yt.sum().backward()
+        _close(xt.grad, xs.grad)
+        grads = full_state_dict(att, grads=True)
+        for k, v in ref.named_parameters():
+            _close(grads[k], v.grad)

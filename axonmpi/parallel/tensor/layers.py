@@ -368,6 +368,35 @@ class _QKVParallelLinear(_AxisSharded):
         return ops_nn.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
 
 
+class _HeadSliceDropout(Function):
+    """Dropout on this rank's heads with the mask the serial model would draw: the full
+    (B, heads, T, T) uniforms are drawn (same generator calls as ``nn.Dropout``) and sliced."""
+
+    @staticmethod
+    def forward(ctx, x, p, heads, start):
+        from ...random import generator_for
+
+        xp = get_array_module(x)
+        shape = (x.shape[0], heads) + tuple(x.shape[2:])
+        u = generator_for(xp).random(shape, dtype=np.float32 if x.dtype.itemsize <= 4 else np.float64)
+        mask = (u[:, start:start + x.shape[1]] >= p).astype(x.dtype)
+        mask *= 1.0 / (1.0 - p)
+        ctx.mask = mask
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.mask, None, None, None
+
+
+def _head_dropout(x: Tensor, p: float, training: bool, heads: int, start: int) -> Tensor:
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    return _HeadSliceDropout.apply(x, p, heads, start)
+
+
 class TensorParallelAttention(_TensorParallelModule):
     """Multi-head causal self-attention with the heads split over ``group``.
 
@@ -381,7 +410,9 @@ class TensorParallelAttention(_TensorParallelModule):
         num_heads: heads; must divide by the group size (and C by ``num_heads``).
         group: the tensor-parallel group.
         causal: mask future positions.
-        dropout: dropout on attention weights and on the output (masks are drawn per rank).
+        dropout: dropout on attention weights and on the output.  With the same RNG state on every
+            rank of the group (``axonmpi.manual_seed``), the masks are exactly those the serial
+            ``CausalSelfAttention`` draws (each rank draws the full mask and keeps its heads).
         bias: biases on the projections.
         dtype: parameter dtype.
 
@@ -415,7 +446,8 @@ class TensorParallelAttention(_TensorParallelModule):
         if self.causal:
             xp = get_array_module(x.data)
             att = ops_nn.masked_fill(att, xp.triu(xp.ones((T, T), dtype=bool), k=1), -np.inf)
-        att = self.attn_dropout(ops_nn.softmax(att, -1))
+        att = _head_dropout(ops_nn.softmax(att, -1), self.attn_dropout.p, self.training, self.num_heads,
+                            self.group.rank * nh)
         y = ops.reshape(ops.permute(ops.matmul(att, v), 0, 2, 1, 3), B, T, nh * hd)
         return self.resid_dropout(self.proj(y))
 
