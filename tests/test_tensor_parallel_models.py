@@ -195,3 +195,40 @@ def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_fact
     final = full_state_dict(model)
     for k, v in ref.items():
         _close(final[k], v, what=k)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("flags", [(True, False, False), (True, True, False), (False, True, True), (True, True, True)])
+def test_optimize_communication_gives_the_same_gradients(flags, kind):
+    world = axonmpi.init()
+    shape = {2: (1, 1, 2), 3: (1, 1, 3), 4: (2, 1, 2)}[world.world_size]
+    _set_grid_sizes(*shape)
+    with auto_parallelize():
+        model = _build(kind)
+    batch = _data(kind, 2, seed=world.rank)[0]
+
+    def grads(ctx):
+        model.zero_grad()
+        with ctx:
+            loss = (_mlp_loss if kind == "mlp" else _gpt_loss)(model, batch)
+            loss.backward()
+        intra_layer.sync_gradients(model)
+        return full_state_dict(model, grads=True), float(loss.data)
+
+    import contextlib
+    ref, ref_loss = grads(contextlib.nullcontext())
+    ar, rs, ag = flags
+    got, loss = grads(intra_layer.optimize_communication(overlap_all_reduce=ar, overlap_reduce_scatter=rs,
+                                                         overlap_all_gather=ag, model=model))
+    assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        _close(got[k], ref[k], rtol=1e-12, what=k)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_optimize_communication_prefetch_needs_model():
+    with pytest.raises(ValueError, match="needs model="):
+        with intra_layer.optimize_communication(overlap_all_gather=True):
+            pass

@@ -30,6 +30,7 @@ from ..tensor.mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
 )
 from ..tensor.state import _TensorParallelModule, _sharded_array, init_full
+from .overlap import overlapped_matmul
 from ._comm import dropv, gather_batch_scatter_channels, gather_bias_easy, gather_channels_scatter_batch, gatherv, row_sizes
 
 __all__ = ["Linear"]
@@ -114,10 +115,12 @@ class Linear(_TensorParallelModule):
             x = gather_batch_scatter_channels(x, inner_sizes, self.inner)
             outer_sizes = row_sizes(x.shape[0], self.outer)
             x = gatherv(x, outer_sizes, self.outer)
-        w = gather_from_sequence_parallel_region(self.weight, self.depth)
-        w = ops.reshape(w, self.local_out_features, self.local_in_features)
-        x = copy_to_tensor_parallel_region(x, self.outer)
-        y = reduce_from_tensor_parallel_region(ops_nn.linear(x, w), self.inner)
+        y = overlapped_matmul(x, self)
+        if y is None:
+            w = gather_from_sequence_parallel_region(self.weight, self.depth)
+            w = ops.reshape(w, self.local_out_features, self.local_in_features)
+            x = copy_to_tensor_parallel_region(x, self.outer)
+            y = reduce_from_tensor_parallel_region(ops_nn.linear(x, w), self.inner)
         add_here = self.bias is not None and not self.skip_bias_add
         if add_here:
             y = y + self.bias
