@@ -233,3 +233,22 @@ def test_communication_volume_matches_axonn_closed_forms(shape, monkeypatch):
         expect[("depth", "all_gather")] = 8 * IN * OUT // (G_r * G_c)
         expect[("depth", "reduce_scatter")] = 8 * IN * OUT // (G_r * G_c)
     assert counts == expect
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cast_and_loud_input_errors():
+    world = axonmpi.init()
+    _set_grid_sizes(1, world.world_size, 1)
+    layer = intra_layer.Linear(4 * world.world_size, 6, expert_mode=True)
+    assert layer.weight.dtype == np.float32
+    layer.double()
+    assert layer.weight.dtype == np.float64 and layer.bias.dtype == np.float64
+    layer.to(dtype=np.float32)
+    assert layer.weight.dtype == np.float32
+    bad = 4 * world.world_size + 1
+    with pytest.raises(ValueError, match=f"rank {world.rank}: input has {bad} features; expected 4 "):
+        layer(Tensor(np.ones((2, bad), np.float32)))
+    if world.world_size > 1:
+        _set_grid_sizes(1, 1, world.world_size)
+        with pytest.raises(ValueError, match=f"1x1 = 1 elements is not divisible by G_intra_d={world.world_size}"):
+            intra_layer.Linear(1, 1)

@@ -126,8 +126,8 @@ class RowParallelLinear(_AxisSharded):
         input_is_parallel: the input is already split (..., in/p), e.g. a column-parallel output;
             otherwise the full input is given and each rank keeps its slice.
         group: the tensor-parallel group.
-        init_method: initializer of the full weight.
         dtype: parameter dtype.
+        init_method: initializer of the full weight (keyword only).
 
     Example:
         >>> proj = RowParallelLinear(32, 16, group=tp)
@@ -135,7 +135,7 @@ class RowParallelLinear(_AxisSharded):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group: Optional[ProcessGroup] = None, init_method: Optional[Callable] = None, dtype=None):
+                 group: Optional[ProcessGroup] = None, dtype=None, *, init_method: Optional[Callable] = None):
         super().__init__()
         self.group = one_d_group(group)
         self.in_features, self.out_features = int(in_features), int(out_features)
