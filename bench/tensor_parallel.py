@@ -30,21 +30,23 @@ SHAPES = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)], 4: [(4, 1, 1), (
 
 
 def _counting():
-    """Wrap the collectives the mappings call so bytes per group name are recorded."""
+    """Wrap the collectives the 3-D and 1-D layers call so bytes per group name are recorded
+    (all-reduce and reduce-scatter: the input buffer; all-gather: the gathered buffer)."""
+    import axonmpi.parallel.intra_layer.overlap as ov
     import axonmpi.parallel.tensor.mappings as mp
     counts = {}
 
-    def wrap(fn, out_sized):
+    def wrap(fn, gathered):
         def inner(x, *a, **kw):
-            y = fn(x, *a, **kw)
-            name = kw["group"].name
-            counts[name] = counts.get(name, 0) + int(y.nbytes if out_sized else x.nbytes)
-            return y
+            g = kw["group"]
+            counts[g.name] = counts.get(g.name, 0) + int(x.nbytes * (g.size if gathered else 1))
+            return fn(x, *a, **kw)
         return inner
 
-    mp.all_reduce = wrap(mp.all_reduce, False)
-    mp.all_gather = wrap(mp.all_gather, True)
-    mp.reduce_scatter = wrap(mp.reduce_scatter, False)
+    for mod in (mp, ov):
+        mod.all_reduce = wrap(mod.all_reduce, False)
+        mod.all_gather = wrap(mod.all_gather, True)
+        mod.reduce_scatter = wrap(mod.reduce_scatter, False)
     return counts
 
 
@@ -88,6 +90,18 @@ def worker(args) -> None:
         t = float(all_reduce(np.array([t]), op="max")[0])
         rows.append({"name": name, "ranks": n, "time": t, "bytes": measured, "predicted": predicted})
 
+    def run_overlapped(name, step_fn, params, x, predicted):
+        def step():
+            for p in params + [x]:
+                p.grad = None
+            step_fn(x)
+        counts.clear()
+        step()
+        measured = dict(counts)
+        world.barrier()
+        t = float(all_reduce(np.array([_time(step, args.steps)]), op="max")[0])
+        rows.append({"name": name, "ranks": n, "time": t, "bytes": measured, "predicted": predicted})
+
     if n == 1:
         fc, act, proj = nn.Linear(E, H), nn.GELU("tanh"), nn.Linear(H, E)
         x = Tensor(rng.standard_normal((T, E)).astype(np.float32), requires_grad=True)
@@ -114,8 +128,17 @@ def worker(args) -> None:
             pred["row"] = 4 * 2 * t * E // G_c
         if G_d > 1:   # per layer: all-gather + reduce-scatter of E*H/(G_r*G_c)
             pred["depth"] = 4 * 2 * 2 * E * H // (G_r * G_c)
-        run(f"AxoNN 3-D (G_r,G_c,G_d)={shape}", lambda v: l2(act(l1(v))), list(l1.parameters()) + list(l2.parameters()),
-            x, pred)
+        params = list(l1.parameters()) + list(l2.parameters())
+        run(f"AxoNN 3-D (G_r,G_c,G_d)={shape}", lambda v: l2(act(l1(v))), params, x, pred)
+        if G_d > 1:
+            pair = nn.Sequential(l1, act, l2)
+
+            def overlapped(v):
+                with intra_layer.optimize_communication(True, True, True, model=pair):
+                    y = pair(v)
+                    y.backward(Tensor(np.ones(y.shape, np.float32)))
+                return None
+            run_overlapped(f"  + optimize_communication(all)", overlapped, params, x, pred)
     if world.rank == 0:
         print("JSON" + json.dumps(rows))
 
