@@ -113,8 +113,9 @@ def test_auto_parallelize_training_parity(kind, shape):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("use_ddp", [False, True], ids=["manual-allreduce", "DDP"])
 @pytest.mark.parametrize("G_tp", [2, 4])
-def test_megatron_gpt_training_parity(G_tp):
+def test_megatron_gpt_training_parity(G_tp, use_ddp):
     world = axonmpi.init()
     if world.world_size % G_tp:
         pytest.skip(f"G_c={G_tp} does not divide {world.world_size} ranks")
@@ -125,10 +126,15 @@ def test_megatron_gpt_training_parity(G_tp):
     init, ref_losses, ref_final = _serial("gpt", batches)
     model = parallelize_gpt(_build("gpt"), group=tp)
     load_full_state_dict(model, init)
+    inner = model
+    if use_ddp:                      # DDP over the data group; TP params are reduced over data only
+        model = axonmpi.DDP(model, group=dp)
     lo, hi = dp.rank * per_rank, (dp.rank + 1) * per_rank
     local = [(x[lo:hi], y[lo:hi]) for x, y in batches]
 
     def sync(m):
+        if use_ddp:
+            return
         for p in m.parameters():
             if p.grad is not None and dp.size > 1:
                 all_reduce(p.grad.data, op="mean", group=dp, out=p.grad.data)
@@ -136,7 +142,7 @@ def test_megatron_gpt_training_parity(G_tp):
     losses = _train(model, local, _gpt_loss, sync, lambda m: intra_layer.clip_grad_norm_(m.parameters(), 0.05),
                     lambda v: float(all_reduce(np.array([v]), op="mean", group=dp)[0]))
     _close(losses, ref_losses, what="losses")
-    final = full_state_dict(model)
+    final = full_state_dict(inner)
     for k, v in ref_final.items():
         _close(final[k], v, what=k)
 
