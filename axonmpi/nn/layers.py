@@ -1,6 +1,7 @@
 """Standard layers: Linear, Embedding, LayerNorm, Dropout, activations, Identity, Flatten."""
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import Sequence, Union
 
@@ -24,6 +25,11 @@ def _param(shape, dtype, device) -> Parameter:
     return Parameter(np.empty(shape, np.float32 if dtype is None else np.dtype(dtype)))
 
 
+# Set only by ``axonmpi.parallel.auto_parallelize`` for the duration of its ``with`` block:
+# a callable (in_features, out_features, bias=, dtype=, device=) -> Module or None (None: build a plain Linear).
+_linear_factory: contextvars.ContextVar = contextvars.ContextVar("axonmpi_linear_factory", default=None)
+
+
 def _to_device(module: Module, device) -> None:
     if device is not None and as_device(device).type != "cpu":
         module.to(device)
@@ -40,6 +46,14 @@ class Linear(Module):
         >>> fc.weight.shape
         (10, 784)
     """
+
+    def __new__(cls, *args, **kwargs):
+        factory = _linear_factory.get()
+        if factory is not None and cls is Linear and (args or kwargs):
+            made = factory(*args, **kwargs)
+            if made is not None:
+                return made
+        return super().__new__(cls)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype=None, device=None):

@@ -1,10 +1,13 @@
-"""Parallel strategies: data parallel (DDP) now; sharded, pipeline and tensor parallel build here."""
+"""Parallel strategies: data parallel (DDP), tensor parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in
+``intra_layer``, ``auto_parallelize``); sharded and pipeline parallel build here."""
 from .ddp import (
     DDP, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy, allreduce_hook,
     fp16_compress_hook,
 )
+from . import intra_layer, tensor
+from .auto_parallelize import auto_parallelize
 
 __all__ = [
     "DDP", "DistributedDataParallel", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
-    "allreduce_hook", "fp16_compress_hook",
+    "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]

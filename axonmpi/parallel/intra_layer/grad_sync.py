@@ -1,0 +1,113 @@
+"""Gradient reduction and clipping for models holding AxoNN 3-D layers (driven by parameter tags).
+
+Tags (set by the layers): ``is_tensor_parallel``; ``needs_depth_parallel_gradient_sync`` (biases,
+replicated over depth); ``process_group_for_norm_reduction`` (the group over which a shard's
+squared norm is summed so each element counts once).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Iterable, Optional, Union
+
+import numpy as np
+
+from ...autograd import no_grad
+from ...autograd.tensor import Tensor
+from ...backend import get_array_module
+from ...distributed import all_reduce
+from ..tensor._groups import TensorParallelGroups, default_groups
+
+__all__ = ["clip_grad_norm_", "no_grad_sync", "sync_gradients"]
+
+_NO_SYNC = contextvars.ContextVar("axonmpi_intra_layer_no_grad_sync", default=False)
+
+
+@contextlib.contextmanager
+def no_grad_sync():
+    """Inside this context :func:`sync_gradients` does nothing (gradient accumulation steps).
+
+    Example:
+        >>> with no_grad_sync():
+        ...     loss.backward(); sync_gradients(model)     # skipped
+    """
+    token = _NO_SYNC.set(True)
+    try:
+        yield
+    finally:
+        _NO_SYNC.reset(token)
+
+
+def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallelGroups] = None) -> None:
+    """Sum gradients over the replicas (AxoNN's rule), so every rank holds the full batch's gradient.
+
+    * 3-D weights (already reduce-scattered over depth in the layer): all-reduce over data.
+    * 3-D biases (replicated over depth): all-reduce over data and depth.
+    * every other parameter (data parallel over all ranks in easy mode): all-reduce over all ranks.
+
+    Args:
+        model: the module.
+        mean: divide by the world size (the mean over every rank's rows).
+        groups: explicit groups (default: the current grid's).
+
+    Example:
+        >>> loss.backward(); sync_gradients(model); opt.step()
+    """
+    if _NO_SYNC.get():
+        return
+    g = default_groups() if groups is None else groups
+    scale = 1.0 / g.world.size if mean else None
+    with no_grad():
+        for p in model.parameters():
+            if not p.requires_grad or p.grad is None:
+                continue
+            grad = p.grad.data
+            if getattr(p, "is_tensor_parallel", False):
+                targets = [g.data, g.depth] if getattr(p, "needs_depth_parallel_gradient_sync", False) else [g.data]
+            else:
+                targets = [g.world]
+            for grp in targets:
+                if grp.size > 1:
+                    all_reduce(grad, group=grp, out=grad)
+            if scale is not None:
+                grad *= scale
+
+
+def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> float:
+    """Clip the gradients so that the norm of the whole (unsharded) gradient is at most ``max_norm``.
+
+    Each shard's ``norm_type``-th power is summed over its ``process_group_for_norm_reduction`` (each
+    element once); replicated parameters count once.  Returns the total norm before clipping.
+
+    Example:
+        >>> total = clip_grad_norm_(model.parameters(), 1.0)
+    """
+    if norm_type == math.inf:
+        raise NotImplementedError("intra_layer.clip_grad_norm_: norm_type=inf is not supported; use a finite p")
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    per_group = {}
+    local = 0.0
+    for p in params:
+        v = float(get_array_module(p.grad.data).sum(np.abs(p.grad.data) ** norm_type if norm_type != 2
+                                                    else p.grad.data * p.grad.data))
+        grp = getattr(p, "process_group_for_norm_reduction", None) if getattr(p, "is_tensor_parallel", False) else None
+        if grp is None:
+            local += v
+        else:
+            per_group.setdefault(id(grp), [grp, 0.0])[1] += v
+    total = local
+    for grp, v in per_group.values():
+        total += float(all_reduce(np.array([v]), group=grp)[0]) if grp.size > 1 else v
+    total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total}); "
+                           "pass error_if_nonfinite=False to clip anyway")
+    coef = min(float(max_norm) / (total + 1e-6), 1.0)
+    if coef < 1.0:
+        for p in params:
+            p.grad.data *= coef
+    return total

@@ -1,0 +1,181 @@
+"""AxoNN's 3-D tensor-parallel ``Linear``: one weight split over a row x column x depth grid.
+
+Storage (AxoNN's): rank (r, c, d) holds ``W[r*out/G_r:(r+1)*out/G_r, c*in/G_c:(c+1)*in/G_c]``
+flattened row-major and cut into G_d chunks, keeping chunk d (a 1-D parameter); the bias holds
+``b[r*out/G_r:(r+1)*out/G_r]`` (replicated over column and depth).  ``transpose=True`` swaps the
+roles of row and column, so a pair (plain, transposed) chains with no re-layout.
+
+Forward: all-gather the weight over depth -> local matmul -> all-reduce over the column group.
+Backward: dX all-reduced over the row group, dW reduce-scattered over depth.
+
+Easy mode (default): every rank passes its own rows with all ``in_features`` (any row count;
+the layer is data parallel over all ranks, as AxoNN's); the rows of the row x column plane
+are exchanged in and out around the matmul.  Expert mode: the caller passes the
+``[rows, in/G_c]`` slice and gets ``[rows, out/G_r]`` (transposed: G_r and G_c swapped).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import numpy as np
+
+from ...autograd import ops, ops_nn
+from ...autograd.tensor import Tensor
+from ...distributed import all_gather
+from ...nn import init
+from ...nn.parameter import Parameter
+from ..tensor._groups import TensorParallelGroups, default_groups
+from ..tensor.mappings import (
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
+)
+from ..tensor.state import _TensorParallelModule, _sharded_array, init_full
+from .overlap import overlapped_matmul
+from ._comm import dropv, gather_batch_scatter_channels, gather_bias_easy, gather_channels_scatter_batch, gatherv, row_sizes
+
+__all__ = ["Linear"]
+
+
+def _default_init(w):
+    return init.kaiming_uniform_(w, a=math.sqrt(5))
+
+
+class Linear(_TensorParallelModule):
+    """A Linear layer whose weight is split over the intra-layer grid (AxoNN's ``intra_layer.Linear``).
+
+    Args:
+        in_features, out_features: the full sizes.
+        bias: keep a bias (initialised to zeros, as AxoNN does).
+        transpose: swap the row and column roles (pairs with a plain layer before it).
+        skip_bias_add: return ``(y, bias)`` and leave the add to the caller (easy mode: the full
+            bias; expert mode: this rank's slice).
+        init_method: initializer of the full (out, in) weight (default kaiming-uniform a=sqrt(5)).
+        expert_mode: the caller passes the ``[rows, in/G_c]`` slice (see the module docstring).
+        dtype: parameter dtype (default float32).
+        groups: explicit :class:`TensorParallelGroups` (default: the current grid's).
+
+    Raises:
+        ValueError: ``out_features`` not divisible by G_r, ``in_features`` by G_c (swapped when
+            transposed), or the block size ``out*in/(G_r*G_c)`` by G_d.
+
+    Example:
+        >>> fc = Linear(64, 256)                      # under a (G_r, G_c, G_d) grid
+        >>> y = fc(x)                                 # easy mode: x (rows, 64) -> (rows, 256)
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, transpose: bool = False,
+                 skip_bias_add: bool = False, init_method: Optional[Callable] = None, expert_mode: bool = False,
+                 *, dtype=None, groups: Optional[TensorParallelGroups] = None):
+        super().__init__()
+        g = default_groups() if groups is None else groups
+        self.groups = g
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.transpose, self.skip_bias_add, self.expert_mode = bool(transpose), bool(skip_bias_add), bool(expert_mode)
+        # inner splits in_features (its all-reduce completes the forward), outer splits out_features
+        self.inner, self.outer = (g.row, g.col) if transpose else (g.col, g.row)
+        self.depth = g.depth
+        rank = g.world.world.rank
+        for n, grp, what in ((self.in_features, self.inner, "in_features"),
+                             (self.out_features, self.outer, "out_features")):
+            if n % grp.size:
+                raise ValueError(f"rank {rank}: {what}={n} is not divisible by the size {grp.size} of the "
+                                 f"{grp.name} group (transpose={self.transpose})")
+        self.local_in_features = self.in_features // self.inner.size
+        self.local_out_features = self.out_features // self.outer.size
+        block = self.local_in_features * self.local_out_features
+        if block % self.depth.size:
+            raise ValueError(f"rank {rank}: the weight block {self.local_out_features}x{self.local_in_features} "
+                             f"= {block} elements is not divisible by G_intra_d={self.depth.size}")
+        full = init_full((self.out_features, self.in_features), dtype, init_method or _default_init,
+                         [self.depth, self.outer, self.inner])
+        self.weight = Parameter(self._tp_shard("weight", full))
+        self.weight.is_tensor_parallel = True
+        self.weight.needs_depth_parallel_gradient_sync = False
+        self.weight.process_group_for_norm_reduction = g.intra
+        if bias:
+            self.bias = Parameter(np.zeros(self.local_out_features, self.weight.data.dtype))
+            self.bias.is_tensor_parallel = True
+            self.bias.needs_depth_parallel_gradient_sync = True
+            self.bias.process_group_for_norm_reduction = self.outer
+        else:
+            self.register_parameter("bias", None)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x: Tensor):
+        lead = tuple(x.shape[:-1])
+        if x.shape[-1] != (self.local_in_features if self.expert_mode else self.in_features):
+            raise ValueError(
+                f"rank {self.depth.world.rank}: input has {x.shape[-1]} features; expected "
+                f"{self.local_in_features if self.expert_mode else self.in_features} "
+                f"({'expert' if self.expert_mode else 'easy'} mode)")
+        x = ops.reshape(x, -1, x.shape[-1])
+        easy = not self.expert_mode and self.inner.size * self.outer.size > 1
+        if easy:
+            inner_sizes = row_sizes(x.shape[0], self.inner)
+            x = gather_batch_scatter_channels(x, inner_sizes, self.inner)
+            outer_sizes = row_sizes(x.shape[0], self.outer)
+            x = gatherv(x, outer_sizes, self.outer)
+        y = overlapped_matmul(x, self)
+        if y is None:
+            w = gather_from_sequence_parallel_region(self.weight, self.depth)
+            w = ops.reshape(w, self.local_out_features, self.local_in_features)
+            x = copy_to_tensor_parallel_region(x, self.outer)
+            y = reduce_from_tensor_parallel_region(ops_nn.linear(x, w), self.inner)
+        add_here = self.bias is not None and not self.skip_bias_add
+        if add_here:
+            y = y + self.bias
+        if easy:
+            y = gather_channels_scatter_batch(y, outer_sizes, self.outer)
+            y = dropv(y, inner_sizes, self.inner)
+        y = ops.reshape(y, *lead, y.shape[-1])
+        if self.skip_bias_add:
+            if self.bias is None:
+                return y, None
+            return y, (self.bias if self.expert_mode else gather_bias_easy(self.bias, self.outer, self.inner))
+        return y
+
+    # -- full <-> shard ----------------------------------------------------------------------
+    def _tp_full_shape(self, name):
+        return {"weight": (self.out_features, self.in_features), "bias": (self.out_features,)}.get(name)
+
+    def _tp_shard(self, name, full):
+        lo, li = self.local_out_features, self.local_in_features
+        r, c = self.outer.rank, self.inner.rank
+        if name == "bias":
+            return np.ascontiguousarray(full[r * lo:(r + 1) * lo])
+        flat = full[r * lo:(r + 1) * lo, c * li:(c + 1) * li].reshape(-1)
+        k = flat.size // self.depth.size
+        return np.ascontiguousarray(flat[self.depth.rank * k:(self.depth.rank + 1) * k])
+
+    def _tp_gather(self, name, local):
+        if name == "bias":
+            return local if self.outer.size == 1 else all_gather(local, axis=0, group=self.outer)
+        w = local if self.depth.size == 1 else all_gather(local, axis=0, group=self.depth)
+        w = w.reshape(self.local_out_features, self.local_in_features)
+        if self.inner.size > 1:
+            w = all_gather(w, axis=1, group=self.inner)
+        return w if self.outer.size == 1 else all_gather(w, axis=0, group=self.outer)
+
+    def _tp_block(self, name, local):
+        lo, li = self.local_out_features, self.local_in_features
+        if name == "bias":
+            return _sharded_array(local, (self.out_features,), (self.outer.rank * lo,))
+        if lo % self.depth.size == 0:     # the depth chunk is a band of whole rows of the block
+            rows = lo // self.depth.size
+            return _sharded_array(local.reshape(rows, li), (self.out_features, self.in_features),
+                                  (self.outer.rank * lo + self.depth.rank * rows, self.inner.rank * li))
+        w = local if self.depth.size == 1 else all_gather(local, axis=0, group=self.depth)
+        return _sharded_array(w.reshape(lo, li), (self.out_features, self.in_features),
+                              (self.outer.rank * lo, self.inner.rank * li))
+
+    def _tp_unblock(self, name, block):
+        if name == "bias" or self.local_out_features % self.depth.size == 0:
+            return block.reshape(-1) if name == "weight" else block
+        flat = block.reshape(-1)
+        k = flat.size // self.depth.size
+        return np.ascontiguousarray(flat[self.depth.rank * k:(self.depth.rank + 1) * k])
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"transpose={self.transpose}, expert_mode={self.expert_mode}, "
+                f"grid (inner, outer, depth)=({self.inner.size}, {self.outer.size}, {self.depth.size})")

@@ -1,0 +1,456 @@
+"""Megatron-style 1-D tensor-parallel layers: column/row-parallel Linear, vocab-parallel embedding
+and cross-entropy, an MLP block and multi-head attention with heads split over the group.
+
+Weights keep the serial (PyTorch) names and are cut from the serial shapes: a column-parallel
+``weight`` (out, in) keeps rows ``[r*out/p, (r+1)*out/p)``, a row-parallel one keeps columns
+``[r*in/p, (r+1)*in/p)``; ``load_state_dict`` takes either the full or the sharded arrays and
+``state_dict(full=True)`` gathers.  Every size that is split must divide by the group size.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import numpy as np
+
+from ...autograd import ops, ops_nn
+from ...autograd.function import Function
+from ...autograd.tensor import Tensor
+from ...backend import get_array_module
+from ...distributed import ProcessGroup, ReduceOp, all_gather, all_reduce
+from ...nn import Dropout, GELU, init
+from ...nn.parameter import Parameter
+from ._groups import one_d_group
+from .mappings import (
+    copy_to_tensor_parallel_region, divide, gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region,
+)
+from .state import _TensorParallelModule, axis_block, axis_shard, init_full
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+]
+
+
+def _kaiming(w):
+    return init.kaiming_uniform_(w, a=math.sqrt(5))
+
+
+def _bias_init(in_features):
+    bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+    return lambda b: init.uniform_(b, -bound, bound)
+
+
+def _tag(p: Parameter, group: Optional[ProcessGroup]) -> None:
+    """Mark a parameter sharded over ``group`` (its squared norm is summed over it), or replicated."""
+    p.is_tensor_parallel = group is not None
+    p.process_group_for_norm_reduction = group
+
+
+class _AxisSharded(_TensorParallelModule):
+    """Parameters cut along one axis each over ``self.group`` (``self._tp_axes``: name -> (axis, full shape))."""
+
+    def _tp_full_shape(self, name):
+        entry = self._tp_axes.get(name)
+        return None if entry is None else entry[1]
+
+    def _tp_shard(self, name, full):
+        return axis_shard(full, self._tp_axes[name][0], self.group)
+
+    def _tp_gather(self, name, local):
+        axis = self._tp_axes[name][0]
+        return local if self.group.size == 1 else all_gather(local, axis=axis, group=self.group)
+
+    def _tp_block(self, name, local):
+        axis, shape = self._tp_axes[name]
+        return axis_block(local, shape, axis, self.group)
+
+
+class ColumnParallelLinear(_AxisSharded):
+    """``y = x @ W.T + b`` with ``W`` (out, in) split by rows (output features) over ``group``.
+
+    Args:
+        in_features, out_features: the full (serial) sizes; ``out_features`` must divide by the group size.
+        bias: add a bias (split like the output).
+        gather_output: all-gather the output to (..., out); otherwise each rank returns (..., out/p).
+        group: the tensor-parallel group (default: the grid's intra group, or all ranks).
+        init_method: initializer of the full weight (default: PyTorch's kaiming-uniform a=sqrt(5)).
+        dtype: parameter dtype (default float32).
+
+    Example:
+        >>> fc = ColumnParallelLinear(16, 32, group=tp, dtype="float64")   # weight (32/p, 16)
+        >>> h = fc(x)                                                       # (..., 32/p)
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group: Optional[ProcessGroup] = None, init_method: Optional[Callable] = None, dtype=None):
+        super().__init__()
+        self.group = one_d_group(group)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.gather_output = bool(gather_output)
+        local_out = divide(self.out_features, self.group, "out_features")
+        full = init_full((self.out_features, self.in_features), dtype, init_method or _kaiming, [self.group])
+        self.weight = Parameter(axis_shard(full, 0, self.group))
+        _tag(self.weight, self.group)
+        self._tp_axes = {"weight": (0, (self.out_features, self.in_features))}
+        if bias:
+            fb = init_full((self.out_features,), dtype, _bias_init(self.in_features), [self.group])
+            self.bias = Parameter(axis_shard(fb, 0, self.group))
+            _tag(self.bias, self.group)
+            self._tp_axes["bias"] = (0, (self.out_features,))
+        else:
+            self.register_parameter("bias", None)
+        self.local_out_features = local_out
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = copy_to_tensor_parallel_region(x, self.group)
+        y = ops_nn.linear(x, self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.local_out_features}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, group size={self.group.size}")
+
+
+class RowParallelLinear(_AxisSharded):
+    """``y = x @ W.T + b`` with ``W`` (out, in) split by columns (input features) over ``group``.
+
+    Each rank multiplies its input slice (..., in/p) and the partial sums are all-reduced; the
+    bias is replicated and added once after the reduction.
+
+    Args:
+        in_features, out_features: the full sizes; ``in_features`` must divide by the group size.
+        bias: add a (replicated) bias.
+        input_is_parallel: the input is already split (..., in/p), e.g. a column-parallel output;
+            otherwise the full input is given and each rank keeps its slice.
+        group: the tensor-parallel group.
+        dtype: parameter dtype.
+        init_method: initializer of the full weight (keyword only).
+
+    Example:
+        >>> proj = RowParallelLinear(32, 16, group=tp)
+        >>> y = proj(fc(x))                       # (..., 16), identical on every rank
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group: Optional[ProcessGroup] = None, dtype=None, *, init_method: Optional[Callable] = None):
+        super().__init__()
+        self.group = one_d_group(group)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.input_is_parallel = bool(input_is_parallel)
+        self.local_in_features = divide(self.in_features, self.group, "in_features")
+        full = init_full((self.out_features, self.in_features), dtype, init_method or _kaiming, [self.group])
+        self.weight = Parameter(axis_shard(full, 1, self.group))
+        _tag(self.weight, self.group)
+        self._tp_axes = {"weight": (1, (self.out_features, self.in_features))}
+        if bias:
+            self.bias = Parameter(init_full((self.out_features,), dtype, _bias_init(self.in_features),
+                                            [self.group]))
+            _tag(self.bias, None)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y = reduce_from_tensor_parallel_region(ops_nn.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.local_in_features}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, group size={self.group.size}")
+
+
+class _MaskRows(Function):
+    """``x * keep[..., None]`` with the (constant) row mask ``keep``."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.keep = keep[..., None].astype(x.dtype)
+        return x * ctx.keep
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.keep, None
+
+
+class VocabParallelEmbedding(_AxisSharded):
+    """An embedding table (num_embeddings, embedding_dim) split by rows (vocabulary) over ``group``.
+
+    Rank ``r`` owns ids ``[r*V/p, (r+1)*V/p)``; ids elsewhere give zero rows there, and the
+    all-reduce over the group completes every lookup.
+
+    Example:
+        >>> emb = VocabParallelEmbedding(1000, 64, group=tp)
+        >>> h = emb(ids)                                   # (..., 64), identical on every rank
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Optional[ProcessGroup] = None,
+                 init_method: Optional[Callable] = None, dtype=None):
+        super().__init__()
+        self.group = one_d_group(group)
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        local = divide(self.num_embeddings, self.group, "num_embeddings")
+        self.vocab_start, self.vocab_end = self.group.rank * local, (self.group.rank + 1) * local
+        full = init_full((self.num_embeddings, self.embedding_dim), dtype, init_method or init.normal_, [self.group])
+        self.weight = Parameter(axis_shard(full, 0, self.group))
+        _tag(self.weight, self.group)
+        self._tp_axes = {"weight": (0, (self.num_embeddings, self.embedding_dim))}
+
+    def forward(self, idx) -> Tensor:
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
+        if self.group.size == 1:
+            return ops_nn.embedding(idx, self.weight)
+        xp = get_array_module(idx)
+        keep = (idx >= self.vocab_start) & (idx < self.vocab_end)
+        local = xp.where(keep, idx - self.vocab_start, 0)
+        h = _MaskRows.apply(ops_nn.embedding(local, self.weight), keep)
+        return reduce_from_tensor_parallel_region(h, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, vocab [{self.vocab_start}, {self.vocab_end}) "
+                f"on this rank, group size={self.group.size}")
+
+
+class _VocabParallelCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, reduction):
+        xp = get_array_module(logits)
+        v = logits.shape[-1]
+        start = group.rank * v
+        z = logits.reshape(-1, v)
+        t = targets.reshape(-1)
+        m = z.max(axis=1)
+        if group.size > 1:
+            m = all_reduce(m, op=ReduceOp.MAX, group=group)
+        z = z - m[:, None]
+        mine = (t >= start) & (t < start + v)
+        rows = xp.arange(z.shape[0])
+        zt = z[rows, xp.where(mine, t - start, 0)] * mine
+        xp.exp(z, out=z)
+        sums = xp.stack([z.sum(axis=1), zt])
+        if group.size > 1:
+            sums = all_reduce(sums, group=group)
+        s, zt = sums[0], sums[1]
+        loss = xp.log(s) - zt
+        z /= s[:, None]
+        ctx.save_for_backward(z, t - start, mine)
+        ctx.reduction, ctx.shape = reduction, logits.shape
+        if reduction == "none":
+            return loss.reshape(targets.shape)
+        total = loss.sum()
+        return total if reduction == "sum" else total / max(loss.shape[0], 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        p, tl, mine = ctx.saved_tensors
+        xp = get_array_module(p)
+        gx = p.copy()
+        rows = xp.arange(p.shape[0])[mine]
+        gx[rows, tl[mine]] -= 1
+        if ctx.reduction == "none":
+            gx *= g.reshape(-1, 1)
+        else:
+            gx *= g if ctx.reduction == "sum" else g / max(p.shape[0], 1)
+        return gx.reshape(ctx.shape), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, group: Optional[ProcessGroup] = None, *,
+                                 reduction: str = "mean") -> Tensor:
+    """Cross-entropy of logits split over the vocabulary (last dim) without gathering them.
+
+    Three small all-reduces over ``group``: the row maxima, then the sums of exponentials and
+    the target logits together; the backward is local (softmax shard minus the one-hot shard).
+
+    Args:
+        logits_shard: (..., V/p), this rank's vocabulary slice ``[r*V/p, (r+1)*V/p)``.
+        targets: integer class ids (...), the same on every rank.
+        group: the tensor-parallel group the vocabulary is split over.
+        reduction: "mean" (default), "sum" or "none" (per-token losses).
+
+    Returns:
+        The loss, identical on every rank of the group.
+
+    Example:
+        >>> loss = vocab_parallel_cross_entropy(head(h), targets, group=tp)
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    g = one_d_group(group)
+    t = targets.data if isinstance(targets, Tensor) else targets
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"rank {g.world.rank}: targets must be integer class ids, got dtype {t.dtype}")
+    if tuple(t.shape) != tuple(logits_shard.shape[:-1]):
+        raise ValueError(f"rank {g.world.rank}: targets shape {tuple(t.shape)} does not match logits "
+                         f"shard shape {tuple(logits_shard.shape)}")
+    return _VocabParallelCrossEntropy.apply(logits_shard, t, g, reduction)
+
+
+class TensorParallelMLP(_TensorParallelModule):
+    """``proj(gelu(fc(x)))`` with ``fc`` column-parallel and ``proj`` row-parallel: one all-reduce forward.
+
+    Parameter names match ``axonmpi.nn.transformer.MLP`` (``fc``, ``proj``).
+
+    Args:
+        embed_dim: input and output width.
+        hidden_dim: hidden width (default ``4 * embed_dim``), must divide by the group size.
+        bias: biases on both projections.
+        group: the tensor-parallel group.
+        approximate: GELU variant ("tanh", the default of nn.MLP, or "none").
+        dropout: dropout after ``proj`` (as nn.MLP; masks are drawn per rank).
+        dtype: parameter dtype.
+
+    Example:
+        >>> mlp = TensorParallelMLP(64, group=tp, dtype="float64")
+        >>> y = mlp(x)                            # (..., 64) on every rank
+    """
+
+    def __init__(self, embed_dim: int, hidden_dim: Optional[int] = None, bias: bool = True,
+                 group: Optional[ProcessGroup] = None, approximate: str = "tanh", dropout: float = 0.0,
+                 dtype=None):
+        super().__init__()
+        hidden = 4 * embed_dim if hidden_dim is None else int(hidden_dim)
+        group = one_d_group(group)
+        self.fc = ColumnParallelLinear(embed_dim, hidden, bias=bias, group=group, dtype=dtype)
+        self.act = GELU(approximate)
+        self.proj = RowParallelLinear(hidden, embed_dim, bias=bias, group=group, dtype=dtype)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class _QKVParallelLinear(_AxisSharded):
+    """The fused (3C, C) q/k/v projection with each of q, k, v split by rows (heads) over ``group``."""
+
+    def __init__(self, embed_dim: int, bias: bool, group: ProcessGroup, dtype):
+        super().__init__()
+        self.group = group
+        c = self.embed_dim = int(embed_dim)
+        self.local = divide(c, group, "embed_dim")
+        full = init_full((3 * c, c), dtype, _kaiming, [group])
+        self.weight = Parameter(self._tp_shard("weight", full))
+        _tag(self.weight, group)
+        if bias:
+            self.bias = Parameter(self._tp_shard("bias", init_full((3 * c,), dtype, _bias_init(c), [group])))
+            _tag(self.bias, group)
+        else:
+            self.register_parameter("bias", None)
+
+    def _tp_full_shape(self, name):
+        c = self.embed_dim
+        return {"weight": (3 * c, c), "bias": (3 * c,)}.get(name)
+
+    def _tp_shard(self, name, full):
+        three = full.reshape((3, self.embed_dim) + full.shape[1:])
+        return np.ascontiguousarray(axis_shard(three, 1, self.group).reshape((3 * self.local,) + full.shape[1:]))
+
+    def _tp_gather(self, name, local):
+        three = local.reshape((3, self.local) + local.shape[1:])
+        if self.group.size > 1:
+            three = all_gather(three, axis=1, group=self.group)
+        return three.reshape((3 * self.embed_dim,) + local.shape[1:])
+
+    def _tp_block(self, name, local):
+        full = np.asarray(self._tp_gather(name, local))
+        from .state import _sharded_array
+        return _sharded_array(full, full.shape, (0,) * full.ndim)
+
+    def _tp_unblock(self, name, block):
+        return self._tp_shard(name, np.asarray(block))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops_nn.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+
+
+class _HeadSliceDropout(Function):
+    """Dropout on this rank's heads with the mask the serial model would draw: the full
+    (B, heads, T, T) uniforms are drawn (same generator calls as ``nn.Dropout``) and sliced."""
+
+    @staticmethod
+    def forward(ctx, x, p, heads, start):
+        from ...random import generator_for
+
+        xp = get_array_module(x)
+        shape = (x.shape[0], heads) + tuple(x.shape[2:])
+        u = generator_for(xp).random(shape, dtype=np.float32 if x.dtype.itemsize <= 4 else np.float64)
+        mask = (u[:, start:start + x.shape[1]] >= p).astype(x.dtype)
+        mask *= 1.0 / (1.0 - p)
+        ctx.mask = mask
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.mask, None, None, None
+
+
+def _head_dropout(x: Tensor, p: float, training: bool, heads: int, start: int) -> Tensor:
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    return _HeadSliceDropout.apply(x, p, heads, start)
+
+
+class TensorParallelAttention(_TensorParallelModule):
+    """Multi-head causal self-attention with the heads split over ``group``.
+
+    The fused ``qkv`` projection is column-parallel per head (rank ``r`` keeps heads
+    ``[r*h/p, (r+1)*h/p)`` of q, k and v), attention runs locally on those heads, and the
+    output ``proj`` is row-parallel: one all-reduce forward, one backward.  Names and full
+    shapes match ``axonmpi.nn.transformer.CausalSelfAttention`` (``qkv``, ``proj``).
+
+    Args:
+        embed_dim: model width C.
+        num_heads: heads; must divide by the group size (and C by ``num_heads``).
+        group: the tensor-parallel group.
+        causal: mask future positions.
+        dropout: dropout on attention weights and on the output.  With the same RNG state on every
+            rank of the group (``axonmpi.manual_seed``), the masks are exactly those the serial
+            ``CausalSelfAttention`` draws (each rank draws the full mask and keeps its heads).
+        bias: biases on the projections.
+        dtype: parameter dtype.
+
+    Example:
+        >>> attn = TensorParallelAttention(64, 4, group=tp, dtype="float64")
+        >>> y = attn(x)                               # x, y: (B, T, 64)
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None, causal: bool = True,
+                 dropout: float = 0.0, bias: bool = True, dtype=None):
+        super().__init__()
+        group = one_d_group(group)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+        self.embed_dim, self.num_heads, self.causal = int(embed_dim), int(num_heads), bool(causal)
+        self.local_heads = divide(self.num_heads, group, "num_heads")
+        self.group = group
+        self.qkv = _QKVParallelLinear(embed_dim, bias, group, dtype)
+        self.proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=group, dtype=dtype)
+        self.attn_dropout = Dropout(dropout)
+        self.resid_dropout = Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        nh, hd = self.local_heads, C // self.num_heads
+        q, k, v = ops.split(self.qkv(x), nh * hd, axis=2)
+        q = ops.permute(ops.reshape(q, B, T, nh, hd), 0, 2, 1, 3)
+        k = ops.permute(ops.reshape(k, B, T, nh, hd), 0, 2, 3, 1)
+        v = ops.permute(ops.reshape(v, B, T, nh, hd), 0, 2, 1, 3)
+        att = ops.matmul(q, k) * (1.0 / math.sqrt(hd))
+        if self.causal:
+            xp = get_array_module(x.data)
+            att = ops_nn.masked_fill(att, xp.triu(xp.ones((T, T), dtype=bool), k=1), -np.inf)
+        att = _head_dropout(ops_nn.softmax(att, -1), self.attn_dropout.p, self.training, self.num_heads,
+                            self.group.rank * nh)
+        y = ops.reshape(ops.permute(ops.matmul(att, v), 0, 2, 1, 3), B, T, nh * hd)
+        return self.resid_dropout(self.proj(y))
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads} (local {self.local_heads}), "
+                f"causal={self.causal}, group size={self.group.size}")

@@ -1,0 +1,178 @@
+"""Unsharded (serial, PyTorch-named) state dicts for models holding tensor-parallel layers.
+
+A tensor-parallel module keeps only its shard of some parameters and describes, per parameter
+name, how to go between the full array and the shard (the ``_tp_*`` protocol below).  The
+functions here walk any model, so a model built from TP layers loads a serial checkpoint and
+saves one, and gives ``ShardedArray`` blocks for sharded checkpoints.
+
+Protocol of a TP module (``_TensorParallelModule``):
+    ``_tp_full_shape(name)``: the full shape of parameter ``name`` (``None``: not sharded).
+    ``_tp_shard(name, full)``: this rank's shard of a full host array.
+    ``_tp_gather(name, local)``: the full array from every rank's shard (collective).
+    ``_tp_block(name, local)``: a ``ShardedArray`` for this rank's shard (a view of it where the
+        shard is one rectangular block, else a gathered copy).
+    ``_tp_unblock(name, block)``: the shard from the block ``_tp_block`` described (after a load).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Mapping, Optional
+
+import numpy as np
+
+from ...backend import to_host
+from ...distributed import ProcessGroup, broadcast
+from ...nn import Module
+
+__all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict"]
+
+
+def _tp_entries(model: Module):
+    """(key, module, local name, parameter) for every parameter of a TP module inside ``model``."""
+    for prefix, m in model.named_modules():
+        if isinstance(m, _TensorParallelModule):
+            for name, p in m._parameters.items():
+                if p is not None and m._tp_full_shape(name) is not None:
+                    yield (f"{prefix}.{name}" if prefix else name), m, name, p
+
+
+def full_state_dict(model: Module, *, grads: bool = False) -> "OrderedDict[str, np.ndarray]":
+    """The model's state dict with every sharded parameter gathered to its full serial shape.
+
+    Collective over the tensor-parallel groups of the model's layers: call it on every rank.
+
+    Args:
+        model: any module holding tensor-parallel layers.
+        grads: gather the parameters' gradients instead (keys of the parameters that have one).
+
+    Example:
+        >>> sd = full_state_dict(model)       # same keys and shapes as the serial model
+        >>> g = full_state_dict(model, grads=True)["blocks.0.mlp.fc.weight"]
+    """
+    if grads:
+        sd = OrderedDict((k, np.array(to_host(p.grad.data), copy=True))
+                         for k, p in model.named_parameters() if p.grad is not None)
+    else:
+        sd = Module.state_dict(model)
+    for key, m, name, p in _tp_entries(model):
+        if key in sd:
+            sd[key] = np.array(to_host(m._tp_gather(name, (p.grad if grads else p).data)), copy=True)
+    return sd
+
+
+def load_full_state_dict(model: Module, state_dict: Mapping[str, Any], strict: bool = True):
+    """Load a full (serial) state dict; each TP layer keeps its shard.  Entries already in the
+    shard's shape are taken as shards.  Returns ``IncompatibleKeys`` like ``Module.load_state_dict``.
+
+    Example:
+        >>> load_full_state_dict(tp_model, serial_model.state_dict())
+    """
+    sd: Dict[str, Any] = dict(state_dict)
+    for key, m, name, p in _tp_entries(model):
+        if key not in sd:
+            continue
+        v = sd[key]
+        v = to_host(getattr(v, "data", v))
+        if tuple(np.shape(v)) == tuple(m._tp_full_shape(name)):
+            sd[key] = m._tp_shard(name, np.asarray(v))
+        elif tuple(np.shape(v)) != tuple(p.shape):
+            raise RuntimeError(
+                f"rank {_world_rank()}: {key!r} has shape {tuple(np.shape(v))}; expected the full shape "
+                f"{tuple(m._tp_full_shape(name))} or this rank's shard shape {tuple(p.shape)}")
+    return Module.load_state_dict(model, sd, strict=strict)
+
+
+def sharded_state_dict(model: Module) -> "OrderedDict[str, Any]":
+    """State dict whose sharded entries are ``ShardedArray`` blocks of the full arrays (no gather).
+
+    Other entries are host arrays (replicated).  ``ShardedArray`` comes from
+    ``axonmpi.checkpoint.sharded`` (moving to ``axonmpi.distributed.sharding``).
+
+    Example:
+        >>> axonmpi.checkpoint.save("ckpt.h5", sharded_state_dict(model))
+    """
+    sd = Module.state_dict(model)
+    for key, m, name, p in _tp_entries(model):
+        sd[key] = m._tp_block(name, p.data)
+    return sd
+
+
+def load_sharded_state_dict(model: Module, state_dict: Mapping[str, Any], strict: bool = True):
+    """Load a state dict made by :func:`sharded_state_dict` and filled by ``checkpoint.load``.
+
+    Blocks that are views of the parameters are already in place; gathered blocks are cut back
+    to this rank's shard.  Returns ``IncompatibleKeys``.
+
+    Example:
+        >>> template = sharded_state_dict(model)
+        >>> axonmpi.checkpoint.load("ckpt", {"model": template})
+        >>> load_sharded_state_dict(model, template)
+    """
+    sd: Dict[str, Any] = {}
+    tp = {key: (m, name) for key, m, name, _ in _tp_entries(model)}
+    for key, v in state_dict.items():
+        if key in tp and hasattr(v, "global_shape"):
+            m, name = tp[key]
+            sd[key] = m._tp_unblock(name, v.local)
+        else:
+            sd[key] = v
+    return Module.load_state_dict(model, sd, strict=strict)
+
+
+def _world_rank() -> int:
+    from ...distributed import get_world
+    return get_world().rank
+
+
+def _sharded_array(local, global_shape, offsets):
+    from ...checkpoint.sharded import ShardedArray   # checkpoint sits above parallel: import late
+    return ShardedArray(local, global_shape, offsets)
+
+
+def init_full(shape, dtype, init_fn, groups) -> np.ndarray:
+    """A full host array filled by ``init_fn`` and made identical over ``groups`` (rank 0 of each wins)."""
+    from ...nn.parameter import Parameter
+    p = Parameter(np.empty(shape, np.float32 if dtype is None else np.dtype(dtype)))
+    init_fn(p)
+    full = np.ascontiguousarray(p.data)
+    for g in groups:
+        if g.size > 1:
+            broadcast(full, src=0, group=g)
+    return full
+
+
+class _TensorParallelModule(Module):
+    """Base of TP layers: ``state_dict(full=...)``, ``load_state_dict`` of full or sharded entries,
+    ``sharded_state_dict()``; subclasses implement the ``_tp_*`` protocol."""
+
+    def _tp_full_shape(self, name: str) -> Optional[tuple]:
+        return None
+
+    def state_dict(self, full: bool = False) -> "OrderedDict[str, np.ndarray]":
+        """This layer's state: shards (default) or, with ``full=True``, full serial arrays (collective)."""
+        return full_state_dict(self) if full else Module.state_dict(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True):
+        """Load full (serial) or sharded entries; full ones are cut to this rank's shard."""
+        return load_full_state_dict(self, state_dict, strict=strict)
+
+    def sharded_state_dict(self) -> "OrderedDict[str, Any]":
+        """``ShardedArray`` blocks of the full arrays for the sharded parameters."""
+        return sharded_state_dict(self)
+
+    def _tp_unblock(self, name, block):
+        return block
+
+
+def axis_shard(full, axis: int, group: ProcessGroup):
+    """This rank's even block of ``full`` along ``axis``."""
+    k = full.shape[axis] // group.size
+    idx = [slice(None)] * full.ndim
+    idx[axis] = slice(group.rank * k, (group.rank + 1) * k)
+    return np.ascontiguousarray(full[tuple(idx)])
+
+
+def axis_block(local, full_shape, axis: int, group: ProcessGroup):
+    offsets = [0] * len(full_shape)
+    offsets[axis] = group.rank * local.shape[axis]
+    return _sharded_array(local, full_shape, offsets)

@@ -1,0 +1,63 @@
+"""``parallelize_gpt``: turn a serial transformer (``axonmpi.models.GPT`` or any model built from
+``nn.CausalSelfAttention`` / ``nn.MLP`` blocks) into Megatron's 1-D layout, keeping its weights."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...distributed import ProcessGroup
+from ...nn import CausalSelfAttention, Embedding, Linear, MLP, Module
+from ._groups import one_d_group
+from .layers import ColumnParallelLinear, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding
+from .state import load_full_state_dict
+
+__all__ = ["parallelize_gpt"]
+
+
+def _replace(parent: Module, name: str, new: Module, old: Module) -> None:
+    load_full_state_dict(new, Module.state_dict(old))
+    setattr(parent, name, new)
+
+
+def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, vocab_parallel: bool = True) -> Module:
+    """Swap, in place, every attention for :class:`TensorParallelAttention` (heads split), every MLP for
+    :class:`TensorParallelMLP`, and (``vocab_parallel``) ``wte`` for a :class:`VocabParallelEmbedding` and
+    ``lm_head`` for a :class:`ColumnParallelLinear` gathering the logits.  Weights are kept (each rank
+    keeps its shard); ``state_dict`` names and full shapes are unchanged (see ``full_state_dict``).
+
+    Replicated parameters (LayerNorms, ``wpe``, row-parallel biases) get identical gradients on every
+    rank of ``group``; reduce gradients over the data-parallel group only.
+
+    Args:
+        model: the serial model, built identically on every rank.
+        group: the tensor-parallel group (default: the grid's intra group, or all ranks).
+        vocab_parallel: also split ``wte`` and ``lm_head`` over the vocabulary.
+
+    Returns:
+        ``model`` itself.
+
+    Example:
+        >>> model = parallelize_gpt(GPT(cfg, dtype="float64"), group=tp)
+        >>> logits, loss = model(idx, targets)          # same results as the serial model
+    """
+    g = one_d_group(group)
+    for _, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            dtype = next(iter(child.parameters())).dtype if any(True for _ in child.parameters()) else None
+            if type(child) is CausalSelfAttention:
+                new = TensorParallelAttention(child.n_embd, child.n_head, group=g, causal=True,
+                                              dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
+                                              dtype=dtype)
+                _replace(parent, name, new, child)
+            elif type(child) is MLP:
+                new = TensorParallelMLP(child.fc.in_features, child.fc.out_features, bias=child.fc.bias is not None,
+                                        group=g, approximate=child.act.approximate, dropout=child.dropout.p,
+                                        dtype=dtype)
+                _replace(parent, name, new, child)
+            elif vocab_parallel and name == "wte" and type(child) is Embedding:
+                _replace(parent, name, VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=g,
+                                                              dtype=dtype), child)
+            elif vocab_parallel and name == "lm_head" and type(child) is Linear:
+                _replace(parent, name, ColumnParallelLinear(child.in_features, child.out_features,
+                                                            bias=child.bias is not None, gather_output=True,
+                                                            group=g, dtype=dtype), child)
+    return model

@@ -1,0 +1,254 @@
+"""AxoNN 3-D intra-layer Linear: float64 parity with the serial nn.Linear over every grid shape that fits."""
+import numpy as np
+import pytest
+
+import axonmpi
+import axonmpi.nn as nn
+from axonmpi import Tensor
+from axonmpi.distributed import chunk_bounds
+from axonmpi.parallel import intra_layer
+from axonmpi.parallel.tensor._groups import _set_grid_sizes, default_groups
+from axonmpi.parallel.tensor import full_state_dict
+
+SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (4, 1, 1), (1, 4, 1),
+          (1, 1, 4), (3, 1, 1), (1, 3, 1), (1, 1, 3)]
+RTOL = 1e-12
+
+
+def _fits(shape):
+    n = axonmpi.init().world_size
+    return n % (shape[0] * shape[1] * shape[2]) == 0
+
+
+def _close(a, b, rtol=RTOL):
+    a, b = np.asarray(getattr(a, "data", a)), np.asarray(getattr(b, "data", b))
+    assert a.shape == b.shape, (a.shape, b.shape)
+    scale = max(np.abs(b).max(), 1e-300)
+    assert np.abs(a - b).max() <= rtol * scale, np.abs(a - b).max() / scale
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("expert", [False, True])
+def test_linear_parity(shape, transpose, bias, expert):
+    if not _fits(shape):
+        pytest.skip(f"grid {shape} does not fit {axonmpi.init().world_size} ranks")
+    world = axonmpi.init()
+    _set_grid_sizes(*shape)
+    g = default_groups()
+    G_r, G_c, G_d = shape
+    g_in, g_out = (G_r, G_c) if transpose else (G_c, G_r)
+    IN, OUT = 6 * g_in, 4 * g_out * G_d
+    axonmpi.random.manual_seed(9)
+    ref = nn.Linear(IN, OUT, bias=bias, dtype="float64")
+    layer = intra_layer.Linear(IN, OUT, bias=bias, transpose=transpose, expert_mode=expert, dtype="float64")
+    layer.load_state_dict(ref.state_dict())
+    # the stored block is AxoNN's: W[r-block, c-block] flattened, depth chunk d
+    inner, outer = layer.inner, layer.outer
+    lo, li = OUT // g_out, IN // g_in
+    blk = ref.weight.data[outer.rank * lo:(outer.rank + 1) * lo, inner.rank * li:(inner.rank + 1) * li].reshape(-1)
+    k = blk.size // G_d
+    _close(layer.weight, blk[g.depth.rank * k:(g.depth.rank + 1) * k])
+
+    rng = np.random.default_rng(3)
+    B = 2 * world.world_size + 1                      # rows do not divide evenly
+    X, GY = rng.standard_normal((B, IN)), rng.standard_normal((B, OUT))
+    xs = Tensor(X, requires_grad=True)
+    ys = ref(xs)
+    ys.backward(Tensor(GY))
+    if expert:            # rows split over data x depth, features over inner
+        n_rep = g.data.size * G_d
+        a, b = chunk_bounds(B, n_rep, g.data.rank * G_d + g.depth.rank)
+        xin = np.ascontiguousarray(X[a:b, inner.rank * li:(inner.rank + 1) * li])
+        gy = np.ascontiguousarray(GY[a:b, outer.rank * lo:(outer.rank + 1) * lo])
+        y_exp = ys.data[a:b, outer.rank * lo:(outer.rank + 1) * lo]
+        dx_exp = xs.grad.data[a:b, inner.rank * li:(inner.rank + 1) * li]
+    else:                 # every rank its own rows, all features
+        a, b = chunk_bounds(B, world.world_size, world.rank)
+        xin, gy = X[a:b].copy(), GY[a:b].copy()
+        y_exp, dx_exp = ys.data[a:b], xs.grad.data[a:b]
+    xt = Tensor(xin, requires_grad=True)
+    yt = layer(xt)
+    _close(yt, y_exp)
+    yt.backward(Tensor(gy))
+    _close(xt.grad, dx_exp)
+    intra_layer.sync_gradients(layer)
+    grads = full_state_dict(layer, grads=True)
+    _close(grads["weight"], ref.weight.grad)
+    if bias:
+        _close(grads["bias"], ref.bias.grad)
+    full = layer.state_dict(full=True)
+    _close(full["weight"], ref.weight)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("expert", [False, True])
+def test_skip_bias_add_returns_bias_with_right_gradient(expert):
+    world = axonmpi.init()
+    shape = (2, 2, 1) if world.world_size == 4 else (world.world_size, 1, 1)
+    _set_grid_sizes(*shape)
+    g = default_groups()
+    axonmpi.random.manual_seed(2)
+    ref = nn.Linear(6, 12, dtype="float64")
+    layer = intra_layer.Linear(6, 12, skip_bias_add=True, expert_mode=expert, dtype="float64")
+    layer.load_state_dict(ref.state_dict())
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((world.world_size * 2, 6))
+    GY = rng.standard_normal((world.world_size * 2, 12))
+    ys = ref(Tensor(X))
+    ys.backward(Tensor(GY))
+    if expert:
+        lo, li = 12 // shape[0], 6 // shape[1]
+        r, c = layer.outer.rank, layer.inner.rank
+        a, b = chunk_bounds(len(X), g.data.size * shape[2], g.data.rank * shape[2] + g.depth.rank)
+        y, bb = layer(Tensor(np.ascontiguousarray(X[a:b, c * li:(c + 1) * li])))
+        out = y + bb
+        _close(out, ys.data[a:b, r * lo:(r + 1) * lo])
+        out.backward(Tensor(np.ascontiguousarray(GY[a:b, r * lo:(r + 1) * lo])))
+    else:
+        a, b = chunk_bounds(len(X), world.world_size, world.rank)
+        y, bb = layer(Tensor(X[a:b].copy()))
+        out = y + bb
+        _close(out, ys.data[a:b])
+        out.backward(Tensor(GY[a:b].copy()))
+    intra_layer.sync_gradients(layer)
+    _close(full_state_dict(layer, grads=True)["bias"], ref.bias.grad)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_indivisible_sizes_raise_naming_size_and_group():
+    world = axonmpi.init()
+    _set_grid_sizes(world.world_size if world.world_size < 4 else 2, 1, 1)
+    n = default_groups().row.size
+    with pytest.raises(ValueError, match=f"out_features={n + 1} is not divisible by the size {n}"):
+        intra_layer.Linear(4, n + 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_no_grad_sync_and_clip_grad_norm():
+    world = axonmpi.init()
+    shape = (2, 1, 2) if world.world_size == 4 else (1, 1, world.world_size)
+    _set_grid_sizes(*shape)
+    axonmpi.random.manual_seed(4)
+    ref = nn.Linear(6, 8, dtype="float64")
+    layer = intra_layer.Linear(6, 8, dtype="float64")
+    layer.load_state_dict(ref.state_dict())
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((world.world_size, 6))
+    ys = ref(Tensor(X))
+    (ys * ys).sum().backward()
+    a, b = chunk_bounds(len(X), world.world_size, world.rank)
+    yt = layer(Tensor(X[a:b].copy()))
+    (yt * yt).sum().backward()
+    before = [p.grad.data.copy() for p in layer.parameters()]
+    with intra_layer.no_grad_sync():
+        intra_layer.sync_gradients(layer)
+    for p, q in zip(layer.parameters(), before):
+        np.testing.assert_array_equal(p.grad.data, q)
+    intra_layer.sync_gradients(layer)
+    expect = np.sqrt(sum(float((p.grad.data ** 2).sum()) for p in ref.parameters()))
+    total = intra_layer.clip_grad_norm_(layer.parameters(), 0.5 * expect)
+    assert abs(total - expect) <= 1e-12 * expect
+    axonmpi.optim.clip_grad_norm_(ref.parameters(), 0.5 * expect)
+    grads = full_state_dict(layer, grads=True)
+    _close(grads["weight"], ref.weight.grad)
+    _close(grads["bias"], ref.bias.grad)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (4, 1, 1), (1, 1, 4), (3, 1, 1),
+                                   (1, 1, 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("expert", [False, True])
+def test_embedding_parity(shape, expert):
+    if not _fits(shape):
+        pytest.skip(f"grid {shape} does not fit")
+    world = axonmpi.init()
+    _set_grid_sizes(*shape)
+    g = default_groups()
+    V, D = 6 * shape[2], 4 * shape[0]
+    axonmpi.random.manual_seed(8)
+    ref = nn.Embedding(V, D, dtype="float64")
+    emb = intra_layer.Embedding(V, D, expert_mode=expert, dtype="float64")
+    emb.load_state_dict(ref.state_dict())
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, V, (2 * world.world_size + 1, 3))
+    GY = rng.standard_normal(ids.shape + (D,))
+    hs = ref(ids)
+    hs.backward(Tensor(GY))
+    k = D // shape[0]
+    r = g.row.rank
+    if expert:
+        a, b = chunk_bounds(len(ids), g.data.size * shape[2], g.data.rank * shape[2] + g.depth.rank)
+        h = emb(ids[a:b])
+        _close(h, hs.data[a:b, :, r * k:(r + 1) * k])
+        h.backward(Tensor(np.ascontiguousarray(GY[a:b, :, r * k:(r + 1) * k])))
+    else:
+        a, b = chunk_bounds(len(ids), world.world_size, world.rank)
+        h = emb(ids[a:b])
+        _close(h, hs.data[a:b])
+        h.backward(Tensor(GY[a:b].copy()))
+    intra_layer.sync_gradients(emb)
+    _close(full_state_dict(emb, grads=True)["weight"], ref.weight.grad)
+    _close(emb.state_dict(full=True)["weight"], ref.weight)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("shape", [(2, 2, 1), (2, 1, 2), (1, 2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_communication_volume_matches_axonn_closed_forms(shape, monkeypatch):
+    """Expert mode, one forward + backward: bytes per group equal AxoNN's model — column group:
+    all-reduce of t*out/G_r; row group: all-reduce of t*in/G_c; depth: all-gather and reduce-scatter
+    of in*out/(G_r*G_c) (sizes of the full buffers)."""
+    import axonmpi.parallel.tensor.mappings as mp
+    if axonmpi.init().world_size != 4:
+        pytest.skip("the closed forms are checked on a 4-rank grid")
+    _set_grid_sizes(*shape)
+    g = default_groups()
+    counts = {}
+
+    def counted(fn, kind, out_sized):
+        def wrapper(x, *a, **kw):
+            group = kw.get("group")
+            y = fn(x, *a, **kw)
+            key = (group.name, kind)
+            counts[key] = counts.get(key, 0) + (y.nbytes if out_sized else x.nbytes)
+            return y
+        return wrapper
+
+    monkeypatch.setattr(mp, "all_reduce", counted(mp.all_reduce, "all_reduce", False))
+    monkeypatch.setattr(mp, "all_gather", counted(mp.all_gather, "all_gather", True))
+    monkeypatch.setattr(mp, "reduce_scatter", counted(mp.reduce_scatter, "reduce_scatter", False))
+    G_r, G_c, G_d = shape
+    IN, OUT, t = 8, 12, 5
+    layer = intra_layer.Linear(IN, OUT, bias=False, expert_mode=True, dtype="float64")
+    x = Tensor(np.ones((t, IN // G_c)), requires_grad=True)
+    layer(x).backward(Tensor(np.ones((t, OUT // G_r))))
+    expect = {}
+    if G_c > 1:
+        expect[("col", "all_reduce")] = 8 * t * OUT // G_r
+    if G_r > 1:
+        expect[("row", "all_reduce")] = 8 * t * IN // G_c
+    if G_d > 1:
+        expect[("depth", "all_gather")] = 8 * IN * OUT // (G_r * G_c)
+        expect[("depth", "reduce_scatter")] = 8 * IN * OUT // (G_r * G_c)
+    assert counts == expect
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cast_and_loud_input_errors():
+    world = axonmpi.init()
+    _set_grid_sizes(1, world.world_size, 1)
+    layer = intra_layer.Linear(4 * world.world_size, 6, expert_mode=True)
+    assert layer.weight.dtype == np.float32
+    layer.double()
+    assert layer.weight.dtype == np.float64 and layer.bias.dtype == np.float64
+    layer.to(dtype=np.float32)
+    assert layer.weight.dtype == np.float32
+    bad = 4 * world.world_size + 1
+    with pytest.raises(ValueError, match=f"rank {world.rank}: input has {bad} features; expected 4 "):
+        layer(Tensor(np.ones((2, bad), np.float32)))
+    if world.world_size > 1:
+        _set_grid_sizes(1, 1, world.world_size)
+        with pytest.raises(ValueError, match=f"1x1 = 1 elements is not divisible by G_intra_d={world.world_size}"):
+            intra_layer.Linear(1, 1)
