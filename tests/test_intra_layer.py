@@ -7,8 +7,7 @@ import axonmpi.nn as nn
 from axonmpi import Tensor
 from axonmpi.distributed import chunk_bounds
 from axonmpi.parallel import intra_layer
-from axonmpi.parallel.tensor._groups import _set_grid_sizes, default_groups
-from axonmpi.parallel.tensor import full_state_dict
+from axonmpi.parallel.tensor import TensorParallelGroups, full_state_dict
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (4, 1, 1), (1, 4, 1),
           (1, 1, 4), (3, 1, 1), (1, 3, 1), (1, 1, 3)]
@@ -18,6 +17,22 @@ RTOL = 1e-12
 def _fits(shape):
     n = axonmpi.init().world_size
     return n % (shape[0] * shape[1] * shape[2]) == 0
+
+
+@pytest.fixture
+def tp_groups():
+    """``tp_groups((G_r, G_c, G_d))``: the TensorParallelGroups of a ProcessGrid built on the World for
+    this test (freed, collectively, when the test ends)."""
+    grids = []
+
+    def make(shape):
+        G_r, G_c, G_d = shape
+        grids.append(axonmpi.ProcessGrid(axonmpi.init(), G_intra_r=G_r, G_intra_c=G_c, G_intra_d=G_d))
+        return TensorParallelGroups.from_grid(grids[-1])
+
+    yield make
+    for grid in reversed(grids):
+        grid.free()
 
 
 def _close(a, b, rtol=RTOL):
@@ -32,18 +47,18 @@ def _close(a, b, rtol=RTOL):
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("expert", [False, True])
-def test_linear_parity(shape, transpose, bias, expert):
+def test_linear_parity(shape, transpose, bias, expert, tp_groups):
     if not _fits(shape):
         pytest.skip(f"grid {shape} does not fit {axonmpi.init().world_size} ranks")
     world = axonmpi.init()
-    _set_grid_sizes(*shape)
-    g = default_groups()
+    g = tp_groups(shape)
     G_r, G_c, G_d = shape
     g_in, g_out = (G_r, G_c) if transpose else (G_c, G_r)
     IN, OUT = 6 * g_in, 4 * g_out * G_d
     axonmpi.random.manual_seed(9)
     ref = nn.Linear(IN, OUT, bias=bias, dtype="float64")
-    layer = intra_layer.Linear(IN, OUT, bias=bias, transpose=transpose, expert_mode=expert, dtype="float64")
+    layer = intra_layer.Linear(IN, OUT, bias=bias, transpose=transpose, expert_mode=expert, dtype="float64",
+                               groups=g)
     layer.load_state_dict(ref.state_dict())
     # the stored block is AxoNN's: W[r-block, c-block] flattened, depth chunk d
     inner, outer = layer.inner, layer.outer
@@ -74,7 +89,7 @@ def test_linear_parity(shape, transpose, bias, expert):
     _close(yt, y_exp)
     yt.backward(Tensor(gy))
     _close(xt.grad, dx_exp)
-    intra_layer.sync_gradients(layer)
+    intra_layer.sync_gradients(layer, groups=g)
     grads = full_state_dict(layer, grads=True)
     _close(grads["weight"], ref.weight.grad)
     if bias:
@@ -85,14 +100,13 @@ def test_linear_parity(shape, transpose, bias, expert):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("expert", [False, True])
-def test_skip_bias_add_returns_bias_with_right_gradient(expert):
+def test_skip_bias_add_returns_bias_with_right_gradient(expert, tp_groups):
     world = axonmpi.init()
     shape = (2, 2, 1) if world.world_size == 4 else (world.world_size, 1, 1)
-    _set_grid_sizes(*shape)
-    g = default_groups()
+    g = tp_groups(shape)
     axonmpi.random.manual_seed(2)
     ref = nn.Linear(6, 12, dtype="float64")
-    layer = intra_layer.Linear(6, 12, skip_bias_add=True, expert_mode=expert, dtype="float64")
+    layer = intra_layer.Linear(6, 12, skip_bias_add=True, expert_mode=expert, dtype="float64", groups=g)
     layer.load_state_dict(ref.state_dict())
     rng = np.random.default_rng(0)
     X = rng.standard_normal((world.world_size * 2, 6))
@@ -113,27 +127,28 @@ def test_skip_bias_add_returns_bias_with_right_gradient(expert):
         out = y + bb
         _close(out, ys.data[a:b])
         out.backward(Tensor(GY[a:b].copy()))
-    intra_layer.sync_gradients(layer)
+    intra_layer.sync_gradients(layer, groups=g)
     _close(full_state_dict(layer, grads=True)["bias"], ref.bias.grad)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_indivisible_sizes_raise_naming_size_and_group():
+def test_indivisible_sizes_raise_naming_size_and_group(tp_groups):
     world = axonmpi.init()
-    _set_grid_sizes(world.world_size if world.world_size < 4 else 2, 1, 1)
-    n = default_groups().row.size
-    with pytest.raises(ValueError, match=f"out_features={n + 1} is not divisible by the size {n}"):
-        intra_layer.Linear(4, n + 1)
+    g = tp_groups((world.world_size if world.world_size < 4 else 2, 1, 1))
+    n = g.row.size
+    with pytest.raises(ValueError, match=f"rank {world.rank}: out_features={n + 1} is not divisible by the size {n} "
+                                         "of the row_group group"):
+        intra_layer.Linear(4, n + 1, groups=g)
 
 
 @pytest.mark.mpi(min_size=1)
-def test_no_grad_sync_and_clip_grad_norm():
+def test_no_grad_sync_and_clip_grad_norm(tp_groups):
     world = axonmpi.init()
     shape = (2, 1, 2) if world.world_size == 4 else (1, 1, world.world_size)
-    _set_grid_sizes(*shape)
+    g = tp_groups(shape)
     axonmpi.random.manual_seed(4)
     ref = nn.Linear(6, 8, dtype="float64")
-    layer = intra_layer.Linear(6, 8, dtype="float64")
+    layer = intra_layer.Linear(6, 8, dtype="float64", groups=g)
     layer.load_state_dict(ref.state_dict())
     rng = np.random.default_rng(1)
     X = rng.standard_normal((world.world_size, 6))
@@ -144,10 +159,10 @@ def test_no_grad_sync_and_clip_grad_norm():
     (yt * yt).sum().backward()
     before = [p.grad.data.copy() for p in layer.parameters()]
     with intra_layer.no_grad_sync():
-        intra_layer.sync_gradients(layer)
+        intra_layer.sync_gradients(layer, groups=g)
     for p, q in zip(layer.parameters(), before):
         np.testing.assert_array_equal(p.grad.data, q)
-    intra_layer.sync_gradients(layer)
+    intra_layer.sync_gradients(layer, groups=g)
     expect = np.sqrt(sum(float((p.grad.data ** 2).sum()) for p in ref.parameters()))
     total = intra_layer.clip_grad_norm_(layer.parameters(), 0.5 * expect)
     assert abs(total - expect) <= 1e-12 * expect
@@ -161,16 +176,15 @@ def test_no_grad_sync_and_clip_grad_norm():
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (4, 1, 1), (1, 1, 4), (3, 1, 1),
                                    (1, 1, 3)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("expert", [False, True])
-def test_embedding_parity(shape, expert):
+def test_embedding_parity(shape, expert, tp_groups):
     if not _fits(shape):
         pytest.skip(f"grid {shape} does not fit")
     world = axonmpi.init()
-    _set_grid_sizes(*shape)
-    g = default_groups()
+    g = tp_groups(shape)
     V, D = 6 * shape[2], 4 * shape[0]
     axonmpi.random.manual_seed(8)
     ref = nn.Embedding(V, D, dtype="float64")
-    emb = intra_layer.Embedding(V, D, expert_mode=expert, dtype="float64")
+    emb = intra_layer.Embedding(V, D, expert_mode=expert, dtype="float64", groups=g)
     emb.load_state_dict(ref.state_dict())
     rng = np.random.default_rng(2)
     ids = rng.integers(0, V, (2 * world.world_size + 1, 3))
@@ -189,22 +203,21 @@ def test_embedding_parity(shape, expert):
         h = emb(ids[a:b])
         _close(h, hs.data[a:b])
         h.backward(Tensor(GY[a:b].copy()))
-    intra_layer.sync_gradients(emb)
+    intra_layer.sync_gradients(emb, groups=g)
     _close(full_state_dict(emb, grads=True)["weight"], ref.weight.grad)
     _close(emb.state_dict(full=True)["weight"], ref.weight)
 
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("shape", [(2, 2, 1), (2, 1, 2), (1, 2, 2)], ids=lambda s: "x".join(map(str, s)))
-def test_communication_volume_matches_axonn_closed_forms(shape, monkeypatch):
+def test_communication_volume_matches_axonn_closed_forms(shape, monkeypatch, tp_groups):
     """Expert mode, one forward + backward: bytes per group equal AxoNN's model — column group:
     all-reduce of t*out/G_r; row group: all-reduce of t*in/G_c; depth: all-gather and reduce-scatter
     of in*out/(G_r*G_c) (sizes of the full buffers)."""
     import axonmpi.parallel.tensor.mappings as mp
     if axonmpi.init().world_size != 4:
         pytest.skip("the closed forms are checked on a 4-rank grid")
-    _set_grid_sizes(*shape)
-    g = default_groups()
+    g = tp_groups(shape)
     counts = {}
 
     def counted(fn, kind, out_sized):
@@ -221,25 +234,24 @@ def test_communication_volume_matches_axonn_closed_forms(shape, monkeypatch):
     monkeypatch.setattr(mp, "reduce_scatter", counted(mp.reduce_scatter, "reduce_scatter", False))
     G_r, G_c, G_d = shape
     IN, OUT, t = 8, 12, 5
-    layer = intra_layer.Linear(IN, OUT, bias=False, expert_mode=True, dtype="float64")
+    layer = intra_layer.Linear(IN, OUT, bias=False, expert_mode=True, dtype="float64", groups=g)
     x = Tensor(np.ones((t, IN // G_c)), requires_grad=True)
     layer(x).backward(Tensor(np.ones((t, OUT // G_r))))
     expect = {}
     if G_c > 1:
-        expect[("col", "all_reduce")] = 8 * t * OUT // G_r
+        expect[(g.col.name, "all_reduce")] = 8 * t * OUT // G_r
     if G_r > 1:
-        expect[("row", "all_reduce")] = 8 * t * IN // G_c
+        expect[(g.row.name, "all_reduce")] = 8 * t * IN // G_c
     if G_d > 1:
-        expect[("depth", "all_gather")] = 8 * IN * OUT // (G_r * G_c)
-        expect[("depth", "reduce_scatter")] = 8 * IN * OUT // (G_r * G_c)
+        expect[(g.depth.name, "all_gather")] = 8 * IN * OUT // (G_r * G_c)
+        expect[(g.depth.name, "reduce_scatter")] = 8 * IN * OUT // (G_r * G_c)
     assert counts == expect
 
 
 @pytest.mark.mpi(min_size=1)
-def test_cast_and_loud_input_errors():
+def test_cast_and_loud_input_errors(tp_groups):
     world = axonmpi.init()
-    _set_grid_sizes(1, world.world_size, 1)
-    layer = intra_layer.Linear(4 * world.world_size, 6, expert_mode=True)
+    layer = intra_layer.Linear(4 * world.world_size, 6, expert_mode=True, groups=tp_groups((1, world.world_size, 1)))
     assert layer.weight.dtype == np.float32
     layer.double()
     assert layer.weight.dtype == np.float64 and layer.bias.dtype == np.float64
@@ -249,6 +261,6 @@ def test_cast_and_loud_input_errors():
     with pytest.raises(ValueError, match=f"rank {world.rank}: input has {bad} features; expected 4 "):
         layer(Tensor(np.ones((2, bad), np.float32)))
     if world.world_size > 1:
-        _set_grid_sizes(1, 1, world.world_size)
+        g = tp_groups((1, 1, world.world_size))
         with pytest.raises(ValueError, match=f"1x1 = 1 elements is not divisible by G_intra_d={world.world_size}"):
-            intra_layer.Linear(1, 1)
+            intra_layer.Linear(1, 1, groups=g)

@@ -20,7 +20,7 @@ from ...backend import get_array_module
 from ...distributed import ProcessGroup, ReduceOp, all_gather, all_reduce
 from ...nn import Dropout, GELU, init
 from ...nn.parameter import Parameter
-from ._groups import one_d_group
+from .groups import one_d_group
 from .mappings import (
     copy_to_tensor_parallel_region, divide, gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region,
@@ -65,6 +65,9 @@ class _AxisSharded(_TensorParallelModule):
     def _tp_block(self, name, local):
         axis, shape = self._tp_axes[name]
         return axis_block(local, shape, axis, self.group)
+
+    def _tp_init_groups(self):
+        return [self.group]
 
 
 class ColumnParallelLinear(_AxisSharded):

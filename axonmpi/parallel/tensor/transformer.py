@@ -6,7 +6,7 @@ from typing import Optional
 
 from ...distributed import ProcessGroup
 from ...nn import CausalSelfAttention, Embedding, Linear, MLP, Module
-from ._groups import one_d_group
+from .groups import one_d_group
 from .layers import ColumnParallelLinear, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding
 from .state import load_full_state_dict
 
