@@ -264,3 +264,82 @@ def test_cast_and_loud_input_errors(tp_groups):
         g = tp_groups((1, 1, world.world_size))
         with pytest.raises(ValueError, match=f"1x1 = 1 elements is not divisible by G_intra_d={world.world_size}"):
             intra_layer.Linear(1, 1, groups=g)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_default_groups_are_the_world_grids_and_trivial_grid_is_serial():
+    """With no groups, every TP layer uses the current grid: on ``axonmpi.init()``'s trivial grid each
+    tensor-parallel group has one rank (a 1-D layer keeps the full weight), replicas span all ranks."""
+    from axonmpi.parallel.tensor import ColumnParallelLinear, default_groups, one_d_group
+    world = axonmpi.init()
+    grid = axonmpi.get_grid()
+    g = default_groups()
+    assert (g.row, g.col, g.depth, g.intra, g.data) == (grid.row_group, grid.col_group, grid.depth_group,
+                                                        grid.intra_group, grid.data_group)
+    assert g.sizes == (1, 1, 1) and g.replica_size == world.world_size
+    assert one_d_group(None) is grid.intra_group and one_d_group(None).size == 1
+    fc = ColumnParallelLinear(3, 4, dtype="float64")
+    assert fc.group is grid.intra_group and fc.weight.shape == (4, 3)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_from_grid_follows_axonn_row_col_convention(tp_groups):
+    """col varies fastest and splits in_features; row splits out_features (AxoNN's inner / outer)."""
+    world = axonmpi.init()
+    if world.world_size != 4:
+        pytest.skip("checked on a 4-rank (2, 2, 1) grid")
+    g = tp_groups((2, 2, 1))
+    r = world.rank
+    assert g.col.ranks == (r - r % 2, r - r % 2 + 1) and g.row.ranks == (r % 2, r % 2 + 2)
+    layer = intra_layer.Linear(6, 8, groups=g)
+    assert layer.inner is g.col and layer.outer is g.row
+    assert (layer.local_in_features, layer.local_out_features) == (3, 4)
+
+
+GRID_DEFAULTS = """
+import numpy as np, axonmpi, axonmpi.nn as nn
+from axonmpi import Tensor
+from axonmpi.distributed import chunk_bounds
+from axonmpi.parallel import auto_parallelize, intra_layer
+from axonmpi.parallel.tensor import ColumnParallelLinear, RowParallelLinear, default_groups, full_state_dict
+world = axonmpi.init(G_intra_c=2)
+grid = axonmpi.get_grid()
+g = default_groups()
+assert (g.col, g.row, g.intra, g.data) == (grid.col_group, grid.row_group, grid.intra_group, grid.data_group)
+assert g.sizes == (1, 2, 1) and g.col.size == 2
+axonmpi.random.manual_seed(0)
+ref = nn.Linear(5, 8, dtype="float64")
+ref2 = nn.Linear(8, 3, dtype="float64")
+fc = ColumnParallelLinear(5, 8, dtype="float64")                # no group: the grid's intra group
+proj = RowParallelLinear(8, 3, dtype="float64")
+assert fc.group is grid.intra_group and fc.weight.shape == (4, 5) and proj.weight.shape == (3, 4)
+fc.load_state_dict(ref.state_dict()); proj.load_state_dict(ref2.state_dict())
+X = np.random.default_rng(1).standard_normal((3, 5))
+y = proj(fc(Tensor(X))).data
+want = ref2(ref(Tensor(X))).data
+assert np.abs(y - want).max() <= 1e-12 * np.abs(want).max(), (y, want)
+with auto_parallelize():                                        # no groups: the grid's
+    lin = nn.Linear(6, 4, dtype="float64")
+assert isinstance(lin, intra_layer.Linear) and lin.inner is grid.col_group and lin.weight.shape == (12,)
+ref3 = nn.Linear(6, 4, dtype="float64")
+lin.load_state_dict(ref3.state_dict())
+X = np.random.default_rng(2).standard_normal((5, 6))
+xs = Tensor(X, requires_grad=True)
+(ref3(xs) ** 2).sum().backward()
+a, b = chunk_bounds(5, world.world_size, world.rank)
+(lin(Tensor(X[a:b].copy())) ** 2).sum().backward()
+intra_layer.sync_gradients(lin)                                 # no groups: the grid's
+gw = full_state_dict(lin, grads=True)["weight"]
+assert np.abs(gw - ref3.weight.grad.data).max() <= 1e-12 * np.abs(ref3.weight.grad.data).max()
+print(f"rank {world.rank} ok: col group {g.col.ranks}")
+"""
+
+
+@pytest.mark.serial
+def test_layers_without_groups_use_the_grid_of_axonmpi_init():
+    """``axonmpi.init(G_intra_c=2)`` at 2 ranks: ColumnParallelLinear/RowParallelLinear with no group shard
+    over 2 ranks and match serial; auto_parallelize and sync_gradients with no groups use the grid."""
+    from axonmpi.testing import run_mpiexec
+    r = run_mpiexec(["-c", GRID_DEFAULTS], n=2, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 0 ok: col group (0, 1)" in r.stdout and "rank 1 ok: col group (0, 1)" in r.stdout
