@@ -136,8 +136,8 @@ def test_indivisible_sizes_raise_naming_size_and_group(tp_groups):
     world = axonmpi.init()
     g = tp_groups((world.world_size if world.world_size < 4 else 2, 1, 1))
     n = g.row.size
-    with pytest.raises(ValueError, match=f"rank {world.rank}: out_features={n + 1} is not divisible by the size {n} "
-                                         "of the row_group group"):
+    with pytest.raises(ValueError, match=f"rank {world.rank}: out_features={n + 1} is not divisible by "
+                                         f"the size {n} of the row_group group"):
         intra_layer.Linear(4, n + 1, groups=g)
 
 
@@ -251,7 +251,8 @@ def test_communication_volume_matches_axonn_closed_forms(shape, monkeypatch, tp_
 @pytest.mark.mpi(min_size=1)
 def test_cast_and_loud_input_errors(tp_groups):
     world = axonmpi.init()
-    layer = intra_layer.Linear(4 * world.world_size, 6, expert_mode=True, groups=tp_groups((1, world.world_size, 1)))
+    g = tp_groups((1, world.world_size, 1))
+    layer = intra_layer.Linear(4 * world.world_size, 6, expert_mode=True, groups=g)
     assert layer.weight.dtype == np.float32
     layer.double()
     assert layer.weight.dtype == np.float64 and layer.bias.dtype == np.float64
@@ -343,3 +344,26 @@ def test_layers_without_groups_use_the_grid_of_axonmpi_init():
     r = run_mpiexec(["-c", GRID_DEFAULTS], n=2, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rank 0 ok: col group (0, 1)" in r.stdout and "rank 1 ok: col group (0, 1)" in r.stdout
+
+
+@pytest.mark.mpi(min_size=4)
+def test_sync_gradients_with_a_pipeline_grid_reduces_replicas_within_the_stage(tp_groups):
+    """G_inter = 2, G_intra_c = 2 at 4 ranks: a replicated parameter's gradient is summed over the
+    data x intra ranks of this pipeline stage only (ranks {0, 1} and {2, 3}), a 3-D weight over data."""
+    world = axonmpi.init()
+    if world.world_size != 4:
+        pytest.skip("checked on 4 ranks")
+    grid = axonmpi.ProcessGrid(world, G_inter=2, G_intra_c=2)
+    try:
+        g = TensorParallelGroups.from_grid(grid)
+        assert g.replica == (grid.data_group, grid.intra_group) and g.replica_size == 2
+        model = nn.Sequential(nn.Linear(2, 3, dtype="float64"), intra_layer.Linear(4, 2, bias=False, groups=g))
+        for p in model.parameters():
+            p.grad = Tensor(np.full(p.shape, float(world.rank + 1), p.dtype))
+        intra_layer.sync_gradients(model, mean=True, groups=g)
+        stage = world.rank // 2                                  # inter coordinate: ranks {0,1} and {2,3}
+        expect = (2 * stage + 1 + 2 * stage + 2) / 2
+        np.testing.assert_array_equal(model[0].weight.grad.data, np.full((3, 2), expect))
+        np.testing.assert_array_equal(model[1].weight.grad.data, np.full(4, (world.rank + 1) / 2))
+    finally:
+        grid.free()

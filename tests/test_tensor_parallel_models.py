@@ -12,7 +12,9 @@ from axonmpi.optim import AdamW
 from axonmpi.optim import clip_grad_norm_ as serial_clip
 from axonmpi.parallel import auto_parallelize, intra_layer
 from axonmpi.parallel.auto_parallelize import is_parallelizable_linear
-from axonmpi.parallel.tensor import TensorParallelGroups, full_state_dict, load_full_state_dict, parallelize_gpt
+from axonmpi.parallel.tensor import (
+    TensorParallelGroups, full_state_dict, load_full_state_dict, parallelize_gpt,
+)
 
 STEPS = 5
 RTOL = 1e-10

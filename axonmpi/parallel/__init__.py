@@ -9,6 +9,7 @@ from .auto_parallelize import auto_parallelize
 from .tensor.groups import TensorParallelGroups
 
 __all__ = [
-    "DDP", "DistributedDataParallel", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer", "TensorParallelGroups",
+    "DDP", "DistributedDataParallel", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
+    "TensorParallelGroups",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]

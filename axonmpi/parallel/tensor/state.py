@@ -183,8 +183,9 @@ class _TensorParallelModule(Module):
         """
         p = self._parameters.get(name)
         if p is None:
+            have = [k for k, v in self._parameters.items() if v is not None]
             raise ValueError(f"rank {_world_rank()}: {type(self).__name__} has no parameter {name!r} to "
-                             f"initialise; it has {[k for k, v in self._parameters.items() if v is not None]}")
+                             f"initialise; it has {have}")
         shape = self._tp_full_shape(name)
         if shape is None:
             init_fn(p)
