@@ -67,7 +67,7 @@ def worker(args) -> None:
     from axonmpi.distributed import all_reduce
     from axonmpi.parallel import intra_layer
     from axonmpi.parallel.tensor import TensorParallelMLP
-    from axonmpi.parallel.tensor._groups import _set_grid_sizes, default_groups
+    from axonmpi.parallel.tensor import TensorParallelGroups
 
     world = axonmpi.init()
     n = world.world_size
@@ -113,21 +113,21 @@ def worker(args) -> None:
     for shape in SHAPES[n]:
         if n == 1:
             continue
-        _set_grid_sizes(*shape)
-        g = default_groups()
         G_r, G_c, G_d = shape
-        l1 = intra_layer.Linear(E, H, expert_mode=True)
-        l2 = intra_layer.Linear(H, E, transpose=True, expert_mode=True)
+        grid = axonmpi.ProcessGrid(world, G_intra_r=G_r, G_intra_c=G_c, G_intra_d=G_d)
+        g = TensorParallelGroups.from_grid(grid)
+        l1 = intra_layer.Linear(E, H, expert_mode=True, groups=g)
+        l2 = intra_layer.Linear(H, E, transpose=True, expert_mode=True, groups=g)
         act = nn.GELU("tanh")
         t = T // G_d
         x = Tensor(rng.standard_normal((t, E // G_c)).astype(np.float32), requires_grad=True)
         pred = {}
         if G_c > 1:   # l1 forward all-reduce of t*H/G_r, l2 backward dX all-reduce of t*H/G_r
-            pred["col"] = 4 * 2 * t * H // G_r
+            pred[g.col.name] = 4 * 2 * t * H // G_r
         if G_r > 1:   # l1 backward dX all-reduce of t*E/G_c, l2 forward all-reduce of t*E/G_c
-            pred["row"] = 4 * 2 * t * E // G_c
+            pred[g.row.name] = 4 * 2 * t * E // G_c
         if G_d > 1:   # per layer: all-gather + reduce-scatter of E*H/(G_r*G_c)
-            pred["depth"] = 4 * 2 * 2 * E * H // (G_r * G_c)
+            pred[g.depth.name] = 4 * 2 * 2 * E * H // (G_r * G_c)
         params = list(l1.parameters()) + list(l2.parameters())
         run(f"AxoNN 3-D (G_r,G_c,G_d)={shape}", lambda v: l2(act(l1(v))), params, x, pred)
         if G_d > 1:
@@ -139,6 +139,7 @@ def worker(args) -> None:
                     y.backward(Tensor(np.ones(y.shape, np.float32)))
                 return None
             run_overlapped(f"  + optimize_communication(all)", overlapped, params, x, pred)
+        grid.free()
     if world.rank == 0:
         print("JSON" + json.dumps(rows))
 

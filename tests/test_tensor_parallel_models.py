@@ -12,12 +12,33 @@ from axonmpi.optim import AdamW
 from axonmpi.optim import clip_grad_norm_ as serial_clip
 from axonmpi.parallel import auto_parallelize, intra_layer
 from axonmpi.parallel.auto_parallelize import is_parallelizable_linear
-from axonmpi.parallel.tensor import full_state_dict, load_full_state_dict, parallelize_gpt
-from axonmpi.parallel.tensor._groups import _set_grid_sizes, default_groups
+from axonmpi.parallel.tensor import (
+    TensorParallelGroups, full_state_dict, load_full_state_dict, parallelize_gpt,
+)
 
 STEPS = 5
 RTOL = 1e-10
 CFG = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=4, n_embd=12)
+
+
+@pytest.fixture
+def tp_grid():
+    """``tp_grid(G_intra_r=.., G_intra_c=.., G_intra_d=..)``: a ProcessGrid built on the World for this
+    test (freed, collectively, when the test ends)."""
+    grids = []
+
+    def make(**sizes):
+        grids.append(axonmpi.ProcessGrid(axonmpi.init(), **sizes))
+        return grids[-1]
+
+    yield make
+    for grid in reversed(grids):
+        grid.free()
+
+
+def _tp(grid_factory, shape):
+    G_r, G_c, G_d = shape
+    return TensorParallelGroups.from_grid(grid_factory(G_intra_r=G_r, G_intra_c=G_c, G_intra_d=G_d))
 
 
 def _close(a, b, rtol=RTOL, what=""):
@@ -84,16 +105,20 @@ AUTO_SHAPES = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1),
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 @pytest.mark.parametrize("shape", AUTO_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_auto_parallelize_training_parity(kind, shape):
+def test_auto_parallelize_training_parity(kind, shape, tp_grid):
     world = axonmpi.init()
     if world.world_size % (shape[0] * shape[1] * shape[2]):
         pytest.skip(f"grid {shape} does not fit {world.world_size} ranks")
-    _set_grid_sizes(*shape)
+    g = _tp(tp_grid, shape)
     per_rank = 2
     batches = _data(kind, per_rank * world.world_size)
     init, ref_losses, ref_final = _serial(kind, batches)
-    with auto_parallelize():
+    with auto_parallelize(groups=g):
         model = _build(kind)
+    start = full_state_dict(model)              # built from the same seed: the serial model's initial values
+    assert start.keys() == init.keys()
+    for k, v in init.items():
+        np.testing.assert_array_equal(start[k], v, err_msg=k)
     serial_linears = [m for m in _build(kind).modules() if type(m) is nn.Linear]
     kinds = [type(m) for m in model.modules() if type(m) in (nn.Linear, intra_layer.Linear)]
     expect = [intra_layer.Linear if is_parallelizable_linear(m.in_features, m.out_features, shape) else nn.Linear
@@ -103,7 +128,7 @@ def test_auto_parallelize_training_parity(kind, shape):
     lo, hi = world.rank * per_rank, (world.rank + 1) * per_rank
     local = [(x[lo:hi], y[lo:hi]) for x, y in batches]
     losses = _train(model, local, _mlp_loss if kind == "mlp" else _gpt_loss,
-                    lambda m: intra_layer.sync_gradients(m, mean=True),
+                    lambda m: intra_layer.sync_gradients(m, mean=True, groups=g),
                     lambda m: intra_layer.clip_grad_norm_(m.parameters(), 0.05),
                     lambda v: float(all_reduce(np.array([v]))[0]) / world.world_size)
     _close(losses, ref_losses, what="losses")
@@ -115,12 +140,12 @@ def test_auto_parallelize_training_parity(kind, shape):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("use_ddp", [False, True], ids=["manual-allreduce", "DDP"])
 @pytest.mark.parametrize("G_tp", [2, 4])
-def test_megatron_gpt_training_parity(G_tp, use_ddp):
+def test_megatron_gpt_training_parity(G_tp, use_ddp, tp_grid):
     world = axonmpi.init()
     if world.world_size % G_tp:
         pytest.skip(f"G_c={G_tp} does not divide {world.world_size} ranks")
-    tp = world.split(world.rank // G_tp, name="tp")
-    dp = world.split(world.rank % G_tp, name="dp")
+    grid = tp_grid(G_intra_c=G_tp)
+    tp, dp = grid.intra_group, grid.data_group
     per_rank = 2
     batches = _data("gpt", per_rank * dp.size, seed=1)
     init, ref_losses, ref_final = _serial("gpt", batches)
@@ -148,15 +173,15 @@ def test_megatron_gpt_training_parity(G_tp, use_ddp):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_auto_parallelize_hook_is_scoped_and_follows_axonn_rule():
+def test_auto_parallelize_hook_is_scoped_and_follows_axonn_rule(tp_grid):
     world = axonmpi.init()
-    _set_grid_sizes(world.world_size, 1, 1)
+    g = _tp(tp_grid, (world.world_size, 1, 1))
     p = world.world_size
-    with auto_parallelize():
+    with auto_parallelize(groups=g):
         a = nn.Linear(5, 4 * p)
         b = nn.Linear(5, 4 * p + 1) if p > 1 else None
         with pytest.raises(RuntimeError):
-            with auto_parallelize():
+            with auto_parallelize(groups=g):
                 raise RuntimeError("inner block fails")
         c = nn.Linear(3, 2 * p)
     assert isinstance(a, intra_layer.Linear) and isinstance(c, intra_layer.Linear)
@@ -164,13 +189,13 @@ def test_auto_parallelize_hook_is_scoped_and_follows_axonn_rule():
         assert type(b) is nn.Linear
     assert type(nn.Linear(5, 4 * p)) is nn.Linear
     with pytest.raises(ValueError):
-        with auto_parallelize():
+        with auto_parallelize(groups=g):
             raise ValueError("boom")
     assert type(nn.Linear(5, 4 * p)) is nn.Linear
 
 
 @pytest.mark.mpi(min_size=2)
-def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_factory):
+def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_factory, tp_grid):
     """Megatron TP over rank pairs saves ShardedArray blocks; a serial model loads them; then a 3-D
     auto-parallelized model ((2,1,2) at 4 ranks, (3,1,1) at 3, (2,1,1) at 2) loads the serial checkpoint."""
     from axonmpi import checkpoint
@@ -192,8 +217,8 @@ def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_fact
         for k, v in ref.items():
             _close(back[k], v, what=k)
     checkpoint.save(path + "/serial", {"model": ref})
-    _set_grid_sizes(*{2: (2, 1, 1), 3: (3, 1, 1), 4: (2, 1, 2)}[world.world_size])
-    with auto_parallelize():
+    g = _tp(tp_grid, {2: (2, 1, 1), 3: (3, 1, 1), 4: (2, 1, 2)}[world.world_size])
+    with auto_parallelize(groups=g):
         model = _build("gpt")
     template = sharded_state_dict(model)
     checkpoint.load(path + "/serial", {"model": template})
@@ -206,11 +231,11 @@ def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_fact
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 @pytest.mark.parametrize("flags", [(True, False, False), (True, True, False), (False, True, True), (True, True, True)])
-def test_optimize_communication_gives_the_same_gradients(flags, kind):
+def test_optimize_communication_gives_the_same_gradients(flags, kind, tp_grid):
     world = axonmpi.init()
     shape = {2: (1, 1, 2), 3: (1, 1, 3), 4: (2, 1, 2)}[world.world_size]
-    _set_grid_sizes(*shape)
-    with auto_parallelize():
+    g = _tp(tp_grid, shape)
+    with auto_parallelize(groups=g):
         model = _build(kind)
     batch = _data(kind, 2, seed=world.rank)[0]
 
@@ -219,7 +244,7 @@ def test_optimize_communication_gives_the_same_gradients(flags, kind):
         with ctx:
             loss = (_mlp_loss if kind == "mlp" else _gpt_loss)(model, batch)
             loss.backward()
-        intra_layer.sync_gradients(model)
+        intra_layer.sync_gradients(model, groups=g)
         return full_state_dict(model, grads=True), float(loss.data)
 
     import contextlib

@@ -85,11 +85,16 @@ class GPT(Module):
     def _init_weights(self) -> None:
         std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, m in self.named_modules():
+            std = std_resid if name.endswith("attn.proj") or name.endswith("mlp.proj") else 0.02
             if isinstance(m, (Linear, Embedding)):
-                resid = name.endswith("attn.proj") or name.endswith("mlp.proj")
-                init.normal_(m.weight, 0.0, std_resid if resid else 0.02)
-                if isinstance(m, Linear) and m.bias is not None:
-                    init.zeros_(m.bias)
+                init.normal_(m.weight, 0.0, std)
+            elif hasattr(m, "init_full_") and m._parameters.get("weight") is not None:
+                # a tensor-parallel layer (auto_parallelize): this rank's shard of the full N(0, std) draw
+                m.init_full_("weight", lambda w, s=std: init.normal_(w, 0.0, s))
+            else:
+                continue
+            if not isinstance(m, Embedding) and getattr(m, "bias", None) is not None:
+                init.zeros_(m.bias)
 
     def forward(self, idx, targets=None) -> Tuple[Tensor, Optional[Tensor]]:
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``."""

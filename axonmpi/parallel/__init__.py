@@ -6,8 +6,10 @@ from .ddp import (
 )
 from . import intra_layer, tensor
 from .auto_parallelize import auto_parallelize
+from .tensor.groups import TensorParallelGroups
 
 __all__ = [
     "DDP", "DistributedDataParallel", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
+    "TensorParallelGroups",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]

@@ -11,7 +11,7 @@ from ...autograd.tensor import Tensor
 from ...distributed import all_gather
 from ...nn import init
 from ...nn.parameter import Parameter
-from ..tensor._groups import TensorParallelGroups, default_groups
+from ..tensor.groups import TensorParallelGroups, default_groups
 from ..tensor.mappings import gather_from_sequence_parallel_region
 from ..tensor.state import _TensorParallelModule, _sharded_array, init_full
 from ._comm import gather_channels_scatter_batch, gatherv, row_sizes
@@ -50,7 +50,7 @@ class Embedding(_TensorParallelModule):
         self.transpose, self.expert_mode = bool(transpose), bool(expert_mode)
         self.split, other = (g.col, g.row) if transpose else (g.row, g.col)
         self.depth = g.depth
-        rank = g.world.world.rank
+        rank = g.rank
         if other.size != 1:
             raise ValueError(f"rank {rank}: intra_layer.Embedding needs the {other.name} group of size 1 "
                              f"(transpose={self.transpose}), got size {other.size}")
@@ -82,6 +82,9 @@ class Embedding(_TensorParallelModule):
         plane = all_gather(flat, axis=0, group=self.split, uneven=True)
         h = gather_channels_scatter_batch(ops_nn.embedding(plane, w), sizes, self.split)
         return ops.reshape(h, *lead, self.embedding_dim)
+
+    def _tp_init_groups(self):
+        return [self.depth, self.split]
 
     def _tp_full_shape(self, name):
         return (self.num_embeddings, self.embedding_dim) if name == "weight" else None

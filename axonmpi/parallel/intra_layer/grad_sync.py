@@ -17,7 +17,7 @@ from ...autograd import no_grad
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module
 from ...distributed import all_reduce
-from ..tensor._groups import TensorParallelGroups, default_groups
+from ..tensor.groups import TensorParallelGroups, default_groups
 
 __all__ = ["clip_grad_norm_", "no_grad_sync", "sync_gradients"]
 
@@ -44,12 +44,14 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
 
     * 3-D weights (already reduce-scattered over depth in the layer): all-reduce over data.
     * 3-D biases (replicated over depth): all-reduce over data and depth.
-    * every other parameter (data parallel over all ranks in easy mode): all-reduce over all ranks.
+    * every other parameter (data parallel over all ranks in easy mode): all-reduce over
+      ``groups.replica`` (all ranks when the grid has no pipeline).
 
     Args:
         model: the module.
-        mean: divide by the world size (the mean over every rank's rows).
-        groups: explicit groups (default: the current grid's).
+        mean: divide by the number of replica ranks (the mean over every rank's rows).
+        groups: the :class:`TensorParallelGroups` the model's layers were built with (default:
+            ``default_groups()``, the current grid's).
 
     Example:
         >>> loss.backward(); sync_gradients(model); opt.step()
@@ -57,7 +59,7 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
     if _NO_SYNC.get():
         return
     g = default_groups() if groups is None else groups
-    scale = 1.0 / g.world.size if mean else None
+    scale = 1.0 / g.replica_size if mean else None
     with no_grad():
         for p in model.parameters():
             if not p.requires_grad or p.grad is None:
@@ -66,7 +68,7 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
             if getattr(p, "is_tensor_parallel", False):
                 targets = [g.data, g.depth] if getattr(p, "needs_depth_parallel_gradient_sync", False) else [g.data]
             else:
-                targets = [g.world]
+                targets = list(g.replica)
             for grp in targets:
                 if grp.size > 1:
                     all_reduce(grad, group=grp, out=grad)

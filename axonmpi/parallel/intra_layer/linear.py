@@ -25,7 +25,7 @@ from ...autograd.tensor import Tensor
 from ...distributed import all_gather
 from ...nn import init
 from ...nn.parameter import Parameter
-from ..tensor._groups import TensorParallelGroups, default_groups
+from ..tensor.groups import TensorParallelGroups, default_groups
 from ..tensor.mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
 )
@@ -74,7 +74,7 @@ class Linear(_TensorParallelModule):
         # inner splits in_features (its all-reduce completes the forward), outer splits out_features
         self.inner, self.outer = (g.row, g.col) if transpose else (g.col, g.row)
         self.depth = g.depth
-        rank = g.world.world.rank
+        rank = g.rank
         for n, grp, what in ((self.in_features, self.inner, "in_features"),
                              (self.out_features, self.outer, "out_features")):
             if n % grp.size:
@@ -135,6 +135,9 @@ class Linear(_TensorParallelModule):
         return y
 
     # -- full <-> shard ----------------------------------------------------------------------
+    def _tp_init_groups(self):
+        return [self.depth, self.outer, self.inner]
+
     def _tp_full_shape(self, name):
         return {"weight": (self.out_features, self.in_features), "bias": (self.out_features,)}.get(name)
 

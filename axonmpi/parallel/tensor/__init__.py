@@ -3,6 +3,7 @@ from .layers import (
     ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from .groups import TensorParallelGroups, default_groups, one_d_group
 from .mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
@@ -17,5 +18,6 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "TensorParallelGroups", "default_groups", "one_d_group",
     "full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict", "parallelize_gpt",
 ]

@@ -20,7 +20,7 @@ from ...backend import get_array_module
 from ...distributed import ProcessGroup, ReduceOp, all_gather, all_reduce
 from ...nn import Dropout, GELU, init
 from ...nn.parameter import Parameter
-from ._groups import one_d_group
+from .groups import one_d_group
 from .mappings import (
     copy_to_tensor_parallel_region, divide, gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region,
@@ -66,6 +66,9 @@ class _AxisSharded(_TensorParallelModule):
         axis, shape = self._tp_axes[name]
         return axis_block(local, shape, axis, self.group)
 
+    def _tp_init_groups(self):
+        return [self.group]
+
 
 class ColumnParallelLinear(_AxisSharded):
     """``y = x @ W.T + b`` with ``W`` (out, in) split by rows (output features) over ``group``.
@@ -74,7 +77,7 @@ class ColumnParallelLinear(_AxisSharded):
         in_features, out_features: the full (serial) sizes; ``out_features`` must divide by the group size.
         bias: add a bias (split like the output).
         gather_output: all-gather the output to (..., out); otherwise each rank returns (..., out/p).
-        group: the tensor-parallel group (default: the grid's intra group, or all ranks).
+        group: the tensor-parallel group (default: the current grid's ``intra_group``).
         init_method: initializer of the full weight (default: PyTorch's kaiming-uniform a=sqrt(5)).
         dtype: parameter dtype (default float32).
 
@@ -125,7 +128,7 @@ class RowParallelLinear(_AxisSharded):
         bias: add a (replicated) bias.
         input_is_parallel: the input is already split (..., in/p), e.g. a column-parallel output;
             otherwise the full input is given and each rank keeps its slice.
-        group: the tensor-parallel group.
+        group: the tensor-parallel group (default: the current grid's ``intra_group``).
         dtype: parameter dtype.
         init_method: initializer of the full weight (keyword only).
 
@@ -270,7 +273,8 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, group: Optional[
     Args:
         logits_shard: (..., V/p), this rank's vocabulary slice ``[r*V/p, (r+1)*V/p)``.
         targets: integer class ids (...), the same on every rank.
-        group: the tensor-parallel group the vocabulary is split over.
+        group: the tensor-parallel group the vocabulary is split over (default: the current
+            grid's ``intra_group``).
         reduction: "mean" (default), "sum" or "none" (per-token losses).
 
     Returns:
@@ -300,7 +304,7 @@ class TensorParallelMLP(_TensorParallelModule):
         embed_dim: input and output width.
         hidden_dim: hidden width (default ``4 * embed_dim``), must divide by the group size.
         bias: biases on both projections.
-        group: the tensor-parallel group.
+        group: the tensor-parallel group (default: the current grid's ``intra_group``).
         approximate: GELU variant ("tanh", the default of nn.MLP, or "none").
         dropout: dropout after ``proj`` (as nn.MLP; masks are drawn per rank).
         dtype: parameter dtype.
@@ -408,7 +412,7 @@ class TensorParallelAttention(_TensorParallelModule):
     Args:
         embed_dim: model width C.
         num_heads: heads; must divide by the group size (and C by ``num_heads``).
-        group: the tensor-parallel group.
+        group: the tensor-parallel group (default: the current grid's ``intra_group``).
         causal: mask future positions.
         dropout: dropout on attention weights and on the output.  With the same RNG state on every
             rank of the group (``axonmpi.manual_seed``), the masks are exactly those the serial

@@ -16,11 +16,11 @@ Protocol of a TP module (``_TensorParallelModule``):
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import numpy as np
 
-from ...backend import to_host
+from ...backend import get_array_module, to_host
 from ...distributed import ProcessGroup, broadcast
 from ...nn import Module
 
@@ -162,6 +162,37 @@ class _TensorParallelModule(Module):
 
     def _tp_unblock(self, name, block):
         return block
+
+    def _tp_init_groups(self) -> list:
+        """The groups over which a full array drawn at init is made identical (rank 0 of each wins)."""
+        return []
+
+    def init_full_(self, name: str, init_fn: Callable) -> None:
+        """Re-initialise parameter ``name`` as the serial layer would: ``init_fn`` fills the full array
+        (the same random draws as on the serial parameter), and this rank keeps its shard.
+
+        Collective over the layer's groups.  With the same seed on every rank the values equal the
+        serial model's; replicated parameters are filled by ``init_fn`` directly.
+
+        Args:
+            name: a parameter of this module (e.g. ``"weight"``).
+            init_fn: an in-place initializer of a full parameter, e.g. ``lambda w: init.normal_(w, 0, 0.02)``.
+
+        Example:
+            >>> layer.init_full_("weight", lambda w: init.normal_(w, 0.0, 0.02))
+        """
+        p = self._parameters.get(name)
+        if p is None:
+            have = [k for k, v in self._parameters.items() if v is not None]
+            raise ValueError(f"rank {_world_rank()}: {type(self).__name__} has no parameter {name!r} to "
+                             f"initialise; it has {have}")
+        shape = self._tp_full_shape(name)
+        if shape is None:
+            init_fn(p)
+            return
+        full = init_full(shape, np.dtype(p.dtype), init_fn, self._tp_init_groups())
+        xp = get_array_module(p.data)
+        p.data[...] = xp.asarray(self._tp_shard(name, full)).reshape(p.shape)
 
 
 def axis_shard(full, axis: int, group: ProcessGroup):

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ...distributed import ProcessGroup
 from ...nn import CausalSelfAttention, Embedding, Linear, MLP, Module
-from ._groups import one_d_group
+from .groups import one_d_group
 from .layers import ColumnParallelLinear, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding
 from .state import load_full_state_dict
 
@@ -29,7 +29,7 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
 
     Args:
         model: the serial model, built identically on every rank.
-        group: the tensor-parallel group (default: the grid's intra group, or all ranks).
+        group: the tensor-parallel group (default: the current grid's ``intra_group``).
         vocab_parallel: also split ``wte`` and ``lm_head`` over the vocabulary.
 
     Returns:
