@@ -323,7 +323,7 @@ class Module:
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Total number of parameter elements."""
-        return sum(p.size for p in self.parameters() if p.requires_grad or not trainable_only)
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     # -- repr ------------------------------------------------------------------------------
     def extra_repr(self) -> str:
