@@ -81,14 +81,10 @@ def _on_one_device(arrays, needs_grad, names):
     if ref is None:
         return list(arrays)
     dev = device_of(ref)
-    out = []
-    for a, need, name in zip(arrays, needs_grad, names):
-        if a is None or not hasattr(a, "shape") or device_of(a) == dev:
-            out.append(a)
-        elif not need and not is_cupy_array(a):
-            out.append(to_device(a, dev))
-        else:
+    stay = [a is None or not hasattr(a, "shape") or device_of(a) == dev for a in arrays]
+    for a, need, name, ok in zip(arrays, needs_grad, names, stay):
+        if not ok and (need or is_cupy_array(a)):
             raise ValueError(
                 f"{name} is on {device_of(a)} but the other operands are on {dev}; "
                 f"move it first (tensor.to('{dev}'))")
-    return out
+    return [a if ok else to_device(a, dev) for a, ok in zip(arrays, stay)]
