@@ -53,6 +53,7 @@ class Linear(Module):
         _to_device(self, device)
 
     def reset_parameters(self) -> None:
+        """Re-draw the parameters with the layer's default initialization."""
         init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
@@ -77,6 +78,7 @@ class Embedding(Module):
         _to_device(self, device)
 
     def reset_parameters(self) -> None:
+        """Re-draw the parameters with the layer's default initialization."""
         init.normal_(self.weight)
 
     def forward(self, idx) -> Tensor:
@@ -106,6 +108,7 @@ class LayerNorm(Module):
         _to_device(self, device)
 
     def reset_parameters(self) -> None:
+        """Re-draw the parameters with the layer's default initialization."""
         if self.weight is not None:
             init.ones_(self.weight)
         if self.bias is not None:
@@ -165,16 +168,22 @@ class SiLU(Module):
 
 
 class Tanh(Module):
+    """Elementwise hyperbolic tangent."""
+
     def forward(self, x):
         return ops.Tanh.apply(x)
 
 
 class Sigmoid(Module):
+    """Elementwise logistic function."""
+
     def forward(self, x):
         return ops_nn.Sigmoid.apply(x)
 
 
 class Softmax(Module):
+    """Softmax along ``dim`` (default: the last)."""
+
     def __init__(self, dim: int = -1):
         super().__init__()
         self.dim = dim
@@ -187,6 +196,8 @@ class Softmax(Module):
 
 
 class Identity(Module):
+    """Returns its input unchanged."""
+
     def forward(self, x):
         return x
 
