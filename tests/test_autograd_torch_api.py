@@ -252,3 +252,38 @@ def test_gpu_ops_accept_host_operands(name):
     assert got.device.type == "cuda"
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)
     assert gradcheck(GPU_CALLS[name], [dev])
+
+
+def test_backward_takes_pytorch_argument_names():
+    x = _t(3)
+    y = x * 2.0
+    y.backward(gradient=Tensor(np.array([1.0, 2.0, 3.0])), retain_graph=True)
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, 4.0, 6.0])
+    with pytest.raises(NotImplementedError, match="create_graph"):
+        y.backward(Tensor(np.ones(3)), create_graph=True)
+    with pytest.raises(NotImplementedError, match="inputs"):
+        y.backward(Tensor(np.ones(3)), inputs=[x])
+
+
+def test_to_another_tensor_takes_its_dtype():
+    x = _t(2)
+    assert x.to(Tensor(np.zeros(1, np.float32))).dtype == np.float32
+    assert x.to("cpu", np.float32).dtype == np.float32
+
+
+def test_embedding_padding_idx_and_inplace_flags():
+    emb = nn.Embedding(4, 3, padding_idx=-1, dtype=np.float64)
+    assert emb.padding_idx == 3
+    np.testing.assert_array_equal(emb.weight.numpy()[3], 0.0)
+    out = emb([[3, 1], [1, 3]])
+    out.sum().backward()
+    np.testing.assert_array_equal(emb.weight.grad.numpy()[:, 0], [0, 2, 0, 0])
+    assert gradcheck(lambda w: F.embedding([0, 2, 2], w, padding_idx=1), [_t(3, 2)])  # padding row unused
+    with pytest.raises(ValueError, match="padding_idx=4"):
+        nn.Embedding(4, 3, padding_idx=4)
+    x = _t(2, 2)
+    for layer in (nn.ReLU(inplace=True), nn.SiLU(inplace=True), nn.Dropout(0.1, inplace=True).eval()):
+        assert layer(x).shape == (2, 2)
+    np.testing.assert_array_equal(F.relu(x, inplace=True).numpy(), np.maximum(x.numpy(), 0))
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        nn.ReLU(inplace="yes")

@@ -141,9 +141,19 @@ class GELU(Function):
         return g * d, None
 
 
-def relu(x) -> Tensor:
-    """``max(x, 0)`` (gradient 0 at 0)."""
-    return ReLU.apply(x)
+def _no_inplace(name: str, inplace: bool) -> None:
+    if inplace not in (False, True):
+        raise TypeError(f"{name}: inplace must be a bool, got {inplace!r}")
+
+
+def relu(input, inplace: bool = False) -> Tensor:  # noqa: A002
+    """``max(input, 0)`` (gradient 0 at 0).
+
+    ``inplace`` is accepted for PyTorch compatibility; the result is always a new tensor (there
+    are no in-place autograd ops), which gives the same values and gradients.
+    """
+    _no_inplace("relu", inplace)
+    return ReLU.apply(input)
 
 
 def sigmoid(x) -> Tensor:
@@ -151,9 +161,10 @@ def sigmoid(x) -> Tensor:
     return Sigmoid.apply(x)
 
 
-def silu(x) -> Tensor:
-    """``x * sigmoid(x)`` (a.k.a. swish)."""
-    return SiLU.apply(x)
+def silu(input, inplace: bool = False) -> Tensor:  # noqa: A002
+    """``input * sigmoid(input)`` (a.k.a. swish); ``inplace`` as in :func:`relu`."""
+    _no_inplace("silu", inplace)
+    return SiLU.apply(input)
 
 
 def gelu(x, approximate: str = "none") -> Tensor:
@@ -284,9 +295,9 @@ class Embedding(Function):
     _fresh_grads = True
 
     @staticmethod
-    def forward(ctx, idx, weight):
+    def forward(ctx, idx, weight, padding_idx=None):
         ctx.save_for_backward(idx)
-        ctx.wshape = weight.shape
+        ctx.wshape, ctx.padding_idx = weight.shape, padding_idx
         return weight[idx]
 
     @staticmethod
@@ -295,14 +306,16 @@ class Embedding(Function):
         xp = get_array_module(g)
         gw = xp.zeros(ctx.wshape, g.dtype)
         xp.add.at(gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
-        return None, gw
+        if ctx.padding_idx is not None:
+            gw[ctx.padding_idx] = 0
+        return None, gw, None
 
 
-def embedding(input, weight) -> Tensor:  # noqa: A002
+def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
     """Rows of ``weight`` selected by integer indices ``input`` (Tensor, array or nested list).
 
     Host indices are copied to a GPU ``weight``'s device.  The backward scatter-adds, so repeated
-    indices accumulate.
+    indices accumulate; row ``padding_idx`` (if given) receives no gradient.
 
     Example:
         >>> w = Tensor([[0.0, 1.0], [2.0, 3.0]])
@@ -322,7 +335,11 @@ def embedding(input, weight) -> Tensor:  # noqa: A002
         raise IndexError(f"embedding index out of range: indices span [{int(idx.min())}, {int(idx.max())}] "
                          f"for a table of {n} rows (expected 0..{n - 1})")
     idx = _on_one_device((w, idx), (False, False), ("embedding: weight", "embedding: indices"))[1]
-    return Embedding.apply(idx, weight)
+    if padding_idx is not None:
+        if not -n <= int(padding_idx) < n:
+            raise ValueError(f"embedding padding_idx={padding_idx} out of range for {n} rows")
+        padding_idx = int(padding_idx) % n
+    return Embedding.apply(idx, weight, padding_idx)
 
 
 class Dropout(Function):
@@ -345,11 +362,14 @@ class Dropout(Function):
         return g * ctx.saved_tensors[0], None
 
 
-def dropout(x, p: float = 0.5, training: bool = True) -> Tensor:
+def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:  # noqa: A002
     """Zero each element with probability ``p`` and scale the rest by ``1/(1-p)``; identity if not training.
 
     Masks come from :mod:`axonmpi.random`'s generator, so ``manual_seed`` makes them reproducible.
+    ``inplace`` as in :func:`relu`.
     """
+    _no_inplace("dropout", inplace)
+    x = input
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     if not training or p == 0.0:

@@ -232,10 +232,16 @@ class Tensor:
         return self
 
     def to(self, *args, device=None, dtype=None) -> "Tensor":
-        """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes."""
+        """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes.
+
+        Takes PyTorch's forms: ``to("cuda")``, ``to(np.float64)``, ``to("cpu", np.float32)``,
+        ``to(other)`` (other's device and dtype), and the keywords.
+        """
         for a in args:
             is_dev = isinstance(a, str) and a.split(":")[0].lower() in ("cpu", "cuda", "gpu")
-            if isinstance(a, Device) or is_dev:
+            if isinstance(a, Tensor):
+                device, dtype = a.device, a.dtype
+            elif isinstance(a, Device) or is_dev:
                 device = a
             else:
                 dtype = a
@@ -318,11 +324,26 @@ class Tensor:
         return self
 
     # -- autograd --------------------------------------------------------------------------
-    def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
-        """Accumulate d(self)/d(leaf) (times ``grad``) into every leaf's ``.grad``."""
+    def backward(self, gradient: Any = None, retain_graph: Optional[bool] = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        """Accumulate d(self)/d(leaf) (times ``gradient``) into every leaf's ``.grad``.
+
+        Args:
+            gradient: the gradient of some scalar w.r.t. ``self``; may be left out for a
+                one-element tensor.
+            retain_graph: keep the saved arrays for another backward (default False).
+            create_graph: higher-order gradients are not supported: True raises
+                NotImplementedError.
+            inputs: accumulating into a subset of the leaves is not supported: anything but
+                None raises NotImplementedError.
+        """
         from .function import backward as _backward
 
-        _backward([self], [grad], retain_graph=retain_graph)
+        if create_graph:
+            raise NotImplementedError("backward(create_graph=True): higher-order gradients are not supported")
+        if inputs is not None:
+            raise NotImplementedError("backward(inputs=...): gradients always go to every leaf of the graph")
+        _backward([self], [gradient], retain_graph=bool(retain_graph))
 
     def register_hook(self, fn: Callable[["Tensor"], Optional["Tensor"]]):
         """Call ``fn(grad)`` with this tensor's gradient during backward; a returned Tensor replaces it."""
