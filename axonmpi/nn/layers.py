@@ -206,7 +206,7 @@ class Tanh(Module):
     """Elementwise hyperbolic tangent."""
 
     def forward(self, x):
-        return ops.Tanh.apply(x)
+        return ops.tanh(x)
 
 
 class Sigmoid(Module):
