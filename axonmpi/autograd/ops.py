@@ -134,14 +134,14 @@ class Neg(Function):
         return -g
 
 
-def add(a, b) -> Tensor:
-    """``a + b`` with broadcasting (Tensors or scalars)."""
-    return Add.apply(a, b)
+def add(input, other) -> Tensor:  # noqa: A002
+    """``input + other`` with broadcasting (Tensors or scalars)."""
+    return Add.apply(input, other)
 
 
-def sub(a, b) -> Tensor:
-    """``a - b`` with broadcasting."""
-    return Sub.apply(a, b)
+def sub(input, other) -> Tensor:  # noqa: A002
+    """``input - other`` with broadcasting."""
+    return Sub.apply(input, other)
 
 
 def rsub(a, b) -> Tensor:
@@ -149,14 +149,14 @@ def rsub(a, b) -> Tensor:
     return Sub.apply(b, a)
 
 
-def mul(a, b) -> Tensor:
-    """``a * b`` with broadcasting."""
-    return Mul.apply(a, b)
+def mul(input, other) -> Tensor:  # noqa: A002
+    """``input * other`` with broadcasting."""
+    return Mul.apply(input, other)
 
 
-def div(a, b) -> Tensor:
-    """``a / b`` with broadcasting."""
-    return Div.apply(a, b)
+def div(input, other) -> Tensor:  # noqa: A002
+    """``input / other`` with broadcasting."""
+    return Div.apply(input, other)
 
 
 def rdiv(a, b) -> Tensor:
@@ -164,9 +164,9 @@ def rdiv(a, b) -> Tensor:
     return Div.apply(b, a)
 
 
-def pow(a, b) -> Tensor:  # noqa: A001 - mirrors torch.pow
-    """``a ** b`` (tensor or scalar exponent)."""
-    return Pow.apply(a, b)
+def pow(input, exponent) -> Tensor:  # noqa: A001 - mirrors torch.pow
+    """``input ** exponent`` (tensor or scalar exponent)."""
+    return Pow.apply(input, exponent)
 
 
 def rpow(a, b) -> Tensor:
@@ -174,9 +174,9 @@ def rpow(a, b) -> Tensor:
     return Pow.apply(b, a)
 
 
-def neg(a) -> Tensor:
-    """``-a``."""
-    return Neg.apply(a)
+def neg(input) -> Tensor:  # noqa: A002
+    """``-input``."""
+    return Neg.apply(input)
 
 
 # -- matmul --------------------------------------------------------------------------------
@@ -213,9 +213,9 @@ class MatMul(Function):
         return ga, gb
 
 
-def matmul(a, b) -> Tensor:
-    """Matrix product with NumPy's batching/broadcasting rules (``a @ b``)."""
-    return MatMul.apply(a, b)
+def matmul(input, other) -> Tensor:  # noqa: A002
+    """Matrix product with NumPy's batching/broadcasting rules (``input @ other``)."""
+    return MatMul.apply(input, other)
 
 
 # -- shape ---------------------------------------------------------------------------------

@@ -51,9 +51,14 @@ class Linear(Function):
         return gx, gw, gb
 
 
-def linear(x, weight, bias=None) -> Tensor:
-    """Affine map ``x @ weight.T + bias`` (one fused op; ``weight`` is (out_features, in_features))."""
-    return Linear.apply(x, weight, bias)
+def linear(input, weight, bias=None) -> Tensor:  # noqa: A002
+    """Affine map ``input @ weight.T + bias`` (one fused op; ``weight`` is (out_features, in_features)).
+
+    Example:
+        >>> linear(Tensor([[1.0, 2.0]]), Tensor([[1.0, 1.0], [0.0, 1.0]]), Tensor([0.5, 0.0])).tolist()
+        [[3.5, 2.0]]
+    """
+    return Linear.apply(input, weight, bias)
 
 
 # -- activations ---------------------------------------------------------------------------
@@ -156,9 +161,9 @@ def relu(input, inplace: bool = False) -> Tensor:  # noqa: A002
     return ReLU.apply(input)
 
 
-def sigmoid(x) -> Tensor:
-    """Logistic function."""
-    return Sigmoid.apply(x)
+def sigmoid(input) -> Tensor:  # noqa: A002
+    """Logistic function ``1 / (1 + exp(-input))`` (overflow-free)."""
+    return Sigmoid.apply(input)
 
 
 def silu(input, inplace: bool = False) -> Tensor:  # noqa: A002
@@ -167,11 +172,11 @@ def silu(input, inplace: bool = False) -> Tensor:  # noqa: A002
     return SiLU.apply(input)
 
 
-def gelu(x, approximate: str = "none") -> Tensor:
+def gelu(input, approximate: str = "none") -> Tensor:  # noqa: A002
     """Gaussian error linear unit: exact (``"none"``, via erf) or the ``"tanh"`` approximation."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
-    return GELU.apply(x, approximate)
+    return GELU.apply(input, approximate)
 
 
 # -- softmax -------------------------------------------------------------------------------
@@ -283,11 +288,16 @@ class LayerNorm(Function):
         return gx, gw, gb, None, None
 
 
-def layer_norm(x, normalized_shape: Union[int, Sequence[int]], weight=None, bias=None,
+def layer_norm(input, normalized_shape: Union[int, Sequence[int]], weight=None, bias=None,  # noqa: A002
                eps: float = 1e-5) -> Tensor:
-    """Normalize over the trailing ``normalized_shape`` axes, then scale by ``weight`` and add ``bias``."""
+    """Normalize over the trailing ``normalized_shape`` axes, then scale by ``weight`` and add ``bias``.
+
+    Example:
+        >>> layer_norm(Tensor([[1.0, 3.0]]), 2).tolist()   # (x - mean) / sqrt(var + eps)
+        [[-0.999995..., 0.999995...]]
+    """
     ndims = 1 if isinstance(normalized_shape, (int, np.integer)) else len(tuple(normalized_shape))
-    return LayerNorm.apply(x, weight, bias, ndims, eps)
+    return LayerNorm.apply(input, weight, bias, ndims, eps)
 
 
 # -- embedding / dropout / masking ---------------------------------------------------------

@@ -123,9 +123,9 @@ class Tensor:
             raise TypeError(f"only floating-point tensors can require grad, got dtype {self.data.dtype}")
         self._rg = bool(flag)
 
-    def requires_grad_(self, flag: bool = True) -> "Tensor":
+    def requires_grad_(self, requires_grad: bool = True) -> "Tensor":
         """Set ``requires_grad`` in place and return ``self``."""
-        self.requires_grad = flag
+        self.requires_grad = requires_grad
         return self
 
     @property
@@ -664,15 +664,15 @@ def full(size, fill_value, dtype=None, device=None, requires_grad: bool = False)
     return Tensor(_xp_for(device).full(size, _raw(fill_value), dt), requires_grad=requires_grad)
 
 
-def zeros_like(t: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:
-    """Zeros with ``t``'s shape, dtype (unless ``dtype``) and device."""
-    a = _raw(t)
+def zeros_like(input: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:  # noqa: A002
+    """Zeros with ``input``'s shape, dtype (unless ``dtype``) and device."""
+    a = _raw(input)
     return Tensor(get_array_module(a).zeros_like(a, dtype=dtype), requires_grad=requires_grad)
 
 
-def ones_like(t: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:
-    """Ones with ``t``'s shape, dtype (unless ``dtype``) and device."""
-    a = _raw(t)
+def ones_like(input: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:  # noqa: A002
+    """Ones with ``input``'s shape, dtype (unless ``dtype``) and device."""
+    a = _raw(input)
     return Tensor(get_array_module(a).ones_like(a, dtype=dtype), requires_grad=requires_grad)
 
 

@@ -279,10 +279,10 @@ class Module:
         """Set evaluation mode."""
         return self.train(False)
 
-    def requires_grad_(self, flag: bool = True) -> "Module":
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
         """Set ``requires_grad`` of every parameter; returns ``self``."""
         for p in self.parameters():
-            p.requires_grad = flag
+            p.requires_grad = requires_grad
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
