@@ -287,3 +287,24 @@ def test_embedding_padding_idx_and_inplace_flags():
     np.testing.assert_array_equal(F.relu(x, inplace=True).numpy(), np.maximum(x.numpy(), 0))
     with pytest.raises(TypeError, match="inplace must be a bool"):
         nn.ReLU(inplace="yes")
+
+
+def test_none_gradient_into_an_intermediate_node_stops_there():
+    class Half(Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            return x + y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    x, y = _t(3), _t(3)
+    z = y * 2.0  # an intermediate that requires grad but receives no gradient
+    (Half.apply(x, z).sum() + x.sum()).backward()
+    np.testing.assert_array_equal(x.grad.numpy(), 2.0)
+    assert y.grad is None
+    a, b = _t(4), _t(4)  # several outputs: one without a gradient gets zeros, as before
+    parts = ops.split(a * b, 2)
+    parts[0].sum().backward()
+    np.testing.assert_array_equal(a.grad.numpy(), np.r_[b.numpy()[:2], 0, 0])

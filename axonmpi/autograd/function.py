@@ -291,9 +291,19 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
     with no_grad():
         for pos, fn in enumerate(order):
             fid = id(fn)
+            entries = [pending.pop((fid, k), None) for k in range(fn._n_out)]
+            if all(e is None for e in entries):
+                # no gradient reached this node (a custom backward returned None on the way):
+                # like PyTorch, do not run it; the leaves below keep .grad as it was
+                if not retain_graph:
+                    fn._release()
+                for leaf in finalize_at.get(pos, ()):
+                    entry = pending.pop(id(leaf), None)
+                    if entry is not None:
+                        _finalize_leaf(leaf, *entry)
+                continue
             incoming = []
-            for k in range(fn._n_out):
-                entry = pending.pop((fid, k), None)
+            for k, entry in enumerate(entries):
                 if entry is None:
                     shape, dtype, xp = fn._out_meta[k]
                     entry = [xp.zeros(shape, dtype), True]
