@@ -165,3 +165,27 @@ def test_shard_group_attribute_reading():
     p.shard_group = "tp"
     assert shard_group_of(p) == "tp"
     assert shard_group_of(Tensor([1.0]), "g") == "g"  # plain tensors carry no attributes
+
+
+def test_axonn_tensor_parallel_tags_are_read():
+    from axonmpi.optim.clip import shard_group_of
+
+    p = _params([1.0])[0]
+    p.is_tensor_parallel, p.process_group_for_norm_reduction = True, "tp"
+    assert shard_group_of(p, "g") == "tp"
+    p.is_tensor_parallel = False
+    assert shard_group_of(p, "g") is None  # tagged replicated: does not inherit group=
+    p.shard_group = "fsdp"
+    assert shard_group_of(p, "g") == "fsdp"  # the explicit attribute wins
+
+
+@pytest.mark.mpi(min_size=2)
+def test_axonn_tags_count_shards_once(world):
+    g = world.default_group
+    r, n = g.rank, g.size
+    shard = _params([float(r + 1)])[0]
+    shard.is_tensor_parallel, shard.process_group_for_norm_reduction = True, g
+    rep = _params([2.0])[0]
+    rep.is_tensor_parallel = False
+    want = math.sqrt(sum((k + 1) ** 2 for k in range(n)) + 4.0)
+    assert clip_grad_norm_([shard, rep], 1e9, group=g) == pytest.approx(want, rel=1e-14)

@@ -46,11 +46,15 @@ _UNSET = object()
 
 
 def shard_group_of(param: Any, default: Optional[Any] = None) -> Optional[Any]:
-    """The process group over which ``param`` is sharded, read from its ``shard_group`` attribute.
+    """The process group over which ``param`` is sharded, read from its attributes.
 
-    A parameter without the attribute gets ``default``; ``shard_group = None`` marks it replicated
-    (every rank holds the same full values).  Strategies tag the parameters they shard (AxoNN's
-    parameter attributes), so generic code such as :func:`clip_grad_norm_` works on any model.
+    * ``param.shard_group = group`` (or ``None`` for replicated: every rank holds the same values);
+    * else AxoNN's tags, as the tensor-parallel layers set them: ``is_tensor_parallel`` True means
+      sharded over ``process_group_for_norm_reduction``, False means replicated;
+    * else ``default``.
+
+    Strategies tag the parameters they shard (AxoNN's parameter attributes), so generic code such
+    as :func:`clip_grad_norm_` works on any model.
 
     Example:
         >>> p = Parameter(np.zeros(4))
@@ -59,7 +63,12 @@ def shard_group_of(param: Any, default: Optional[Any] = None) -> Optional[Any]:
         True
     """
     g = getattr(param, "shard_group", _UNSET)
-    return default if g is _UNSET else g
+    if g is not _UNSET:
+        return g
+    tp = getattr(param, "is_tensor_parallel", _UNSET)
+    if tp is not _UNSET:
+        return getattr(param, "process_group_for_norm_reduction", None) if tp else None
+    return default
 
 
 def _plan(parameters: Params, group: Optional[Any]):
@@ -124,7 +133,8 @@ def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,
 
     Sharded and replicated parameters mix freely: a parameter whose elements are split over a
     process group (tensor parallel, FSDP/ZeRO shards) says so with the attribute
-    ``param.shard_group = group`` (see :func:`shard_group_of`), or inherits ``group`` below; its
+    ``param.shard_group = group`` or AxoNN's ``is_tensor_parallel`` / ``process_group_for_norm_reduction``
+    tags (see :func:`shard_group_of`), or inherits ``group`` below; its
     ``|g|^p`` is summed over that group (max for inf).  A replicated parameter (plain data
     parallel, LayerNorm inside a tensor-parallel block) counts once, from the local copy -- it
     is never summed over its replicas.  Every rank of a sharding group must pass the parameters
