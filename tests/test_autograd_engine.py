@@ -176,7 +176,7 @@ def test_function_backward_wrong_arity_is_reported():
 
 def test_tensor_api_basics():
     t = Tensor([[1.0, 2.0]])
-    assert t.dtype == np.float32 and t.shape == (1, 2) and t.ndim == 2 and t.size == 2
+    assert t.dtype == np.float32 and t.shape == (1, 2) and t.ndim == 2 and t.size() == (1, 2) and t.numel() == 2
     assert Tensor(np.arange(3)).dtype == np.int64
     assert t.device.type == "cpu" and t.is_leaf and not t.requires_grad
     x = _leaf(2)

@@ -38,7 +38,14 @@ class Function:
     and ``@staticmethod backward(ctx, *grad_outputs)`` returning one raw array (or ``None``)
     per positional argument of ``forward``.  ``forward`` may return one array or a tuple of
     arrays (several outputs) and may return an input array unchanged (identity forward).
-    Backward functions must not modify their ``grad_outputs`` in place.
+    Backward functions must not modify their ``grad_outputs`` in place.  A ``None`` gradient for
+    an input that requires grad contributes nothing (a leaf that receives only ``None`` keeps
+    ``.grad`` as it was, like PyTorch).
+
+    The engine never writes into an array a custom ``backward`` returns (it may be a constant or
+    a buffer the Function keeps): it copies before accumulating in place.  Built-in ops whose
+    backward returns only fresh arrays or views of its ``grad_outputs`` set the class attribute
+    ``_fresh_grads = True`` so their results are reused without a copy.
 
     Example:
         >>> class Double(Function):
@@ -53,6 +60,8 @@ class Function:
 
     __slots__ = ("_edges", "_saved", "needs_input_grad", "_seq", "_n_out", "_out_meta",
                  "_out_hooks", "_freed", "__dict__", "__weakref__")
+
+    _fresh_grads = False  # True: backward returns only new arrays or views of its grad_outputs
 
     # -- ctx API -----------------------------------------------------------------------------
     def save_for_backward(self, *arrays: Any) -> None:
@@ -137,8 +146,14 @@ def _derived_from(g, a) -> bool:
     return base is not None and (base is a or base is getattr(a, "base", None))
 
 
-def _classify(results: Sequence[Any], incoming: Sequence[Tuple[Any, bool]]) -> List[bool]:
-    """For each returned gradient, whether the engine owns it exclusively (may keep/modify it)."""
+def _classify(results: Sequence[Any], incoming: Sequence[Tuple[Any, bool]], fresh: bool) -> List[bool]:
+    """For each returned gradient, whether the engine owns it exclusively (may keep/modify it).
+
+    Without ``fresh`` (a custom Function), nothing returned is owned: the array may be a constant
+    or state of the Function, so the engine copies before it writes.
+    """
+    if not fresh:
+        return [False] * len(results)
     owned = []
     for i, g in enumerate(results):
         if g is None:
@@ -276,9 +291,19 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
     with no_grad():
         for pos, fn in enumerate(order):
             fid = id(fn)
+            entries = [pending.pop((fid, k), None) for k in range(fn._n_out)]
+            if all(e is None for e in entries):
+                # no gradient reached this node (a custom backward returned None on the way):
+                # like PyTorch, do not run it; the leaves below keep .grad as it was
+                if not retain_graph:
+                    fn._release()
+                for leaf in finalize_at.get(pos, ()):
+                    entry = pending.pop(id(leaf), None)
+                    if entry is not None:
+                        _finalize_leaf(leaf, *entry)
+                continue
             incoming = []
-            for k in range(fn._n_out):
-                entry = pending.pop((fid, k), None)
+            for k, entry in enumerate(entries):
                 if entry is None:
                     shape, dtype, xp = fn._out_meta[k]
                     entry = [xp.zeros(shape, dtype), True]
@@ -299,7 +324,7 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
                     f"expected {len(fn._edges)} (one per forward argument, None where not needed)")
             results = tuple(None if (r is None or e is None) else _to_array(r, None)
                             for r, e in zip(results, fn._edges))
-            owned = _classify(results, incoming)
+            owned = _classify(results, incoming, type(fn)._fresh_grads)
             del incoming
             for e, g, own in zip(fn._edges, results, owned):
                 if g is None:
@@ -310,6 +335,7 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
             if not retain_graph:
                 fn._release()
             for leaf in finalize_at.get(pos, ()):
-                g, own = pending.pop(id(leaf))
-                _finalize_leaf(leaf, g, own)
+                entry = pending.pop(id(leaf), None)
+                if entry is not None:  # every contribution was None: .grad stays as it was
+                    _finalize_leaf(leaf, *entry)
 

@@ -14,54 +14,46 @@ def is_grad_enabled() -> bool:
     return getattr(_MODE, "enabled", True)
 
 
-class set_grad_enabled:
-    """Context manager / decorator that sets gradient recording on or off (thread-local)."""
-
-    def __init__(self, mode: bool = True):
-        self.mode = bool(mode)
-        self._prev = []
-
-    def __enter__(self):
-        self._prev.append(is_grad_enabled())
-        _MODE.enabled = self.mode
-        return self
-
-    def __exit__(self, *exc):
-        _MODE.enabled = self._prev.pop()
-        return False
-
-    def __call__(self, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            with type(self)(*self._args()):
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    def _args(self):
-        return (self.mode,)
+def _set(mode: bool) -> None:
+    _MODE.enabled = bool(mode)
 
 
-class _FixedMode(set_grad_enabled):
-    """A mode usable as ``with m():``, ``@m`` and ``@m()`` (subclasses fix ``_MODE_VALUE``)."""
+class _ModeContext:
+    """A fixed mode usable as ``with m():``, ``@m`` and ``@m()`` (subclasses fix ``_MODE_VALUE``)."""
 
     _MODE_VALUE = True
 
     def __new__(cls, fn=None):
         self = super().__new__(cls)
+        self._prev = []
         if fn is not None:  # used bare as a decorator: @no_grad
-            self.__init__()
             return self(fn)
         return self
 
     def __init__(self, fn=None):
-        super().__init__(self._MODE_VALUE)
+        pass
 
-    def _args(self):
-        return ()
+    def __enter__(self):
+        self._prev.append(is_grad_enabled())
+        _set(self._MODE_VALUE)
+        return self
+
+    def __exit__(self, *exc):
+        _set(self._prev.pop())
+        return False
+
+    def __call__(self, fn):
+        cls = type(self)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with cls():
+                return fn(*args, **kwargs)
+
+        return wrapper
 
 
-class no_grad(_FixedMode):
+class no_grad(_ModeContext):
     """Disable gradient recording in a block or a decorated function (``@no_grad`` or ``@no_grad()``).
 
     Example:
@@ -72,7 +64,49 @@ class no_grad(_FixedMode):
     _MODE_VALUE = False
 
 
-class enable_grad(_FixedMode):
+class enable_grad(_ModeContext):
     """Re-enable gradient recording inside a ``no_grad`` block or a decorated function."""
 
     _MODE_VALUE = True
+
+
+class set_grad_enabled:
+    """Set gradient recording on or off: as a call, a context manager or a decorator (PyTorch's).
+
+    Called as a plain function it switches the mode at once (for this thread) and keeps it; used
+    in ``with`` it restores the previous mode on exit; used as ``@set_grad_enabled(mode)`` it
+    applies ``mode`` inside each call of the function only.
+
+    Args:
+        mode: True to record operations for backward, False not to.
+
+    Example:
+        >>> set_grad_enabled(False)      # off from here on
+        >>> with set_grad_enabled(True):
+        ...     pass                     # on inside the block, off again after it
+        >>> set_grad_enabled(True)
+    """
+
+    def __init__(self, mode: bool) -> None:
+        self.mode = bool(mode)
+        self.prev = is_grad_enabled()
+        _set(self.mode)
+
+    def __enter__(self):
+        _set(self.mode)
+        return self
+
+    def __exit__(self, *exc):
+        _set(self.prev)
+        return False
+
+    def __call__(self, fn):
+        _set(self.prev)  # decorating does not change the mode of the caller
+        mode = self.mode
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with set_grad_enabled(mode):
+                return fn(*args, **kwargs)
+
+        return wrapper

@@ -28,7 +28,7 @@ def numerical_grad(fn: Callable, inputs: Sequence[Tensor], weights, eps: float =
     x = inputs[index]
     grad = np.zeros(x.shape, dtype=np.float64)
     flat = x.data.reshape(-1)
-    positions = range(x.size) if entries is None else [np.ravel_multi_index(e, x.shape) for e in entries]
+    positions = range(x.numel()) if entries is None else [np.ravel_multi_index(e, x.shape) for e in entries]
     with no_grad():
         for i in positions:
             old = flat[i].item()
@@ -93,8 +93,8 @@ def gradcheck(fn: Callable, inputs: Sequence[Tensor], eps: float = 1e-6, atol: f
         if not (isinstance(t, Tensor) and t.requires_grad):
             continue
         entries = None
-        if max_entries is not None and t.size > max_entries:
-            picks = rng.choice(t.size, size=max_entries, replace=False)
+        if max_entries is not None and t.numel() > max_entries:
+            picks = rng.choice(t.numel(), size=max_entries, replace=False)
             entries = [np.unravel_index(p, t.shape) for p in picks]
         num = numerical_grad(fn, inputs, weights, eps, i, entries)
         ana = np.zeros(t.shape) if t.grad is None else to_host(t.grad.data).astype(np.float64)

@@ -1,67 +1,44 @@
-"""Core differentiable ops (arithmetic, reductions, shape, indexing) as small ``Function`` classes.
+"""Core differentiable ops (arithmetic, matmul, shape, indexing, casts) as small ``Function`` classes.
+
+Elementwise math lives in :mod:`.ops_math`, reductions in :mod:`.ops_reduce`; both are re-exported
+here, so ``ops`` is the one namespace of every op.
 
 Each op's forward and backward sit side by side; every backward starts from the array module of
 its inputs (``xp = get_array_module(...)``).  Public lowercase wrappers take Tensors or scalars.
 """
 from __future__ import annotations
 
+import builtins
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..backend import as_device, device_of, get_array_module, to_device
+from .. import backend as _backend
+from ..backend import as_device, device_of, get_array_module
+from ._util import (_axes, _dim, _keep, _keepdim, _on_one_device, _shape,  # noqa: F401 - re-exported
+                    _unbroadcast)
 from .function import Function
+from .ops_math import (abs, clamp, clip, cos, exp, log, maximum, minimum, sin, sqrt,  # noqa: F401,A004
+                       tanh)
+from .ops_reduce import (MinMax, amax, amin, argmax, argmin, max, mean, min, std,  # noqa: F401,A004
+                         sum, var)
 from .tensor import Tensor
 
 __all__ = [
-    "abs", "add", "cast", "chunk", "clone", "concat", "div", "exp", "expand", "flatten", "getitem",
-    "log", "matmul", "max", "mean", "min", "mul", "neg", "permute", "pow", "rdiv", "reshape",
-    "rpow", "rsub", "split", "sqrt", "squeeze", "stack", "sub", "sum", "tanh", "to_device",
-    "transpose", "unsqueeze", "var", "where",
+    "MinMax", "abs", "add", "amax", "amin", "argmax", "argmin", "cast", "cat", "chunk", "clamp",
+    "clip", "clone", "concat", "cos", "div", "exp", "expand", "flatten", "getitem", "log", "matmul",
+    "max", "maximum", "mean", "min", "minimum", "mul", "neg", "permute", "pow", "rdiv", "reshape",
+    "rpow", "rsub", "sin", "split", "sqrt", "squeeze", "stack", "std", "sub", "sum", "tanh",
+    "to_device", "transpose", "unsqueeze", "var", "where",
 ]
 
-_builtin_sum, _builtin_max, _builtin_min, _builtin_abs, _builtin_pow = sum, max, min, abs, pow
-
-
-def _shape(a) -> tuple:
-    return tuple(a.shape) if hasattr(a, "shape") else ()
-
-
-def _unbroadcast(g, shape: tuple):
-    """Sum ``g`` over the axes that broadcasting added or stretched to reach ``shape``."""
-    if g.shape == shape:
-        return g
-    lead = g.ndim - len(shape)
-    if lead:
-        g = g.sum(axis=tuple(range(lead)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
-    if axes:
-        g = g.sum(axis=axes, keepdims=True)
-    return g
-
-
-def _axes(axis, ndim: int) -> Optional[tuple]:
-    if axis is None:
-        return None
-    if isinstance(axis, int):
-        axis = (axis,)
-    return tuple(a % ndim for a in axis)
-
-
-def _keep(g, in_shape: tuple, axes: Optional[tuple], keepdims: bool):
-    """Reshape a reduced gradient so it broadcasts against the input (re-insert reduced axes)."""
-    if keepdims or g.ndim == len(in_shape):
-        return g
-    if axes is None:
-        return g.reshape((1,) * len(in_shape))
-    shape = list(in_shape)
-    for a in axes:
-        shape[a] = 1
-    return g.reshape(shape)
+_builtin_sum, _builtin_max, _builtin_min = builtins.sum, builtins.max, builtins.min
 
 
 # -- arithmetic ----------------------------------------------------------------------------
 class Add(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, b):
         ctx.sa, ctx.sb = _shape(a), _shape(b)
@@ -74,6 +51,8 @@ class Add(Function):
 
 
 class Sub(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, b):
         ctx.sa, ctx.sb = _shape(a), _shape(b)
@@ -86,6 +65,8 @@ class Sub(Function):
 
 
 class Mul(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, b):
         ctx.sa, ctx.sb = _shape(a), _shape(b)
@@ -101,6 +82,8 @@ class Mul(Function):
 
 
 class Div(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, b):
         ctx.sa, ctx.sb = _shape(a), _shape(b)
@@ -117,6 +100,8 @@ class Div(Function):
 
 
 class Pow(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, b):
         ctx.sa, ctx.sb = _shape(a), _shape(b)
@@ -138,6 +123,8 @@ class Pow(Function):
 
 
 class Neg(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a):
         return -a
@@ -147,14 +134,14 @@ class Neg(Function):
         return -g
 
 
-def add(a, b) -> Tensor:
-    """``a + b`` with broadcasting (Tensors or scalars)."""
-    return Add.apply(a, b)
+def add(input, other) -> Tensor:  # noqa: A002
+    """``input + other`` with broadcasting (Tensors or scalars)."""
+    return Add.apply(input, other)
 
 
-def sub(a, b) -> Tensor:
-    """``a - b`` with broadcasting."""
-    return Sub.apply(a, b)
+def sub(input, other) -> Tensor:  # noqa: A002
+    """``input - other`` with broadcasting."""
+    return Sub.apply(input, other)
 
 
 def rsub(a, b) -> Tensor:
@@ -162,14 +149,14 @@ def rsub(a, b) -> Tensor:
     return Sub.apply(b, a)
 
 
-def mul(a, b) -> Tensor:
-    """``a * b`` with broadcasting."""
-    return Mul.apply(a, b)
+def mul(input, other) -> Tensor:  # noqa: A002
+    """``input * other`` with broadcasting."""
+    return Mul.apply(input, other)
 
 
-def div(a, b) -> Tensor:
-    """``a / b`` with broadcasting."""
-    return Div.apply(a, b)
+def div(input, other) -> Tensor:  # noqa: A002
+    """``input / other`` with broadcasting."""
+    return Div.apply(input, other)
 
 
 def rdiv(a, b) -> Tensor:
@@ -177,9 +164,9 @@ def rdiv(a, b) -> Tensor:
     return Div.apply(b, a)
 
 
-def pow(a, b) -> Tensor:  # noqa: A001 - mirrors torch.pow
-    """``a ** b`` (tensor or scalar exponent)."""
-    return Pow.apply(a, b)
+def pow(input, exponent) -> Tensor:  # noqa: A001 - mirrors torch.pow
+    """``input ** exponent`` (tensor or scalar exponent)."""
+    return Pow.apply(input, exponent)
 
 
 def rpow(a, b) -> Tensor:
@@ -187,13 +174,15 @@ def rpow(a, b) -> Tensor:
     return Pow.apply(b, a)
 
 
-def neg(a) -> Tensor:
-    """``-a``."""
-    return Neg.apply(a)
+def neg(input) -> Tensor:  # noqa: A002
+    """``-input``."""
+    return Neg.apply(input)
 
 
 # -- matmul --------------------------------------------------------------------------------
 class MatMul(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, b):
         n = ctx.needs_input_grad
@@ -206,10 +195,12 @@ class MatMul(Function):
         a, b = ctx.saved_tensors
         sa, sb = ctx.sa, ctx.sb
         n = ctx.needs_input_grad
-        if len(sa) == 1:
-            g = g[..., None, :]
+        # re-insert the axes that a 1-D operand dropped: first b's column, then a's row
+        # (so a 0-d gradient of vector @ vector becomes (1, 1))
         if len(sb) == 1:
             g = g[..., None]
+        if len(sa) == 1:
+            g = g[..., None, :]
         ga = gb = None
         if n[0]:
             b2 = b[:, None] if len(sb) == 1 else b
@@ -222,113 +213,15 @@ class MatMul(Function):
         return ga, gb
 
 
-def matmul(a, b) -> Tensor:
-    """Matrix product with NumPy's batching/broadcasting rules (``a @ b``)."""
-    return MatMul.apply(a, b)
-
-
-# -- reductions ----------------------------------------------------------------------------
-class Sum(Function):
-    @staticmethod
-    def forward(ctx, a, axis, keepdims):
-        ctx.shape, ctx.axes, ctx.keepdims = a.shape, _axes(axis, a.ndim), keepdims
-        return a.sum(axis=ctx.axes, keepdims=keepdims)
-
-    @staticmethod
-    def backward(ctx, g):
-        xp = get_array_module(g)
-        out = xp.empty(ctx.shape, g.dtype)
-        out[...] = _keep(g, ctx.shape, ctx.axes, ctx.keepdims)
-        return out, None, None
-
-
-class Mean(Function):
-    @staticmethod
-    def forward(ctx, a, axis, keepdims):
-        ctx.shape, ctx.axes, ctx.keepdims = a.shape, _axes(axis, a.ndim), keepdims
-        out = a.mean(axis=ctx.axes, keepdims=keepdims)
-        ctx.count = a.size // _builtin_max(out.size, 1) if a.size else 1
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        xp = get_array_module(g)
-        out = xp.empty(ctx.shape, g.dtype)
-        out[...] = _keep(g, ctx.shape, ctx.axes, ctx.keepdims)
-        out /= ctx.count
-        return out, None, None
-
-
-class _Extreme(Function):
-    """max/min over axes; the gradient is split evenly between tied extremes."""
-
-    op = "max"
-
-    @staticmethod
-    def forward(ctx, a, axis, keepdims, op):
-        xp = get_array_module(a)
-        axes = _axes(axis, a.ndim)
-        out_k = getattr(xp, op)(a, axis=axes, keepdims=True)
-        mask = (a == out_k)
-        ctx.save_for_backward(mask)
-        ctx.shape, ctx.axes = a.shape, axes
-        return out_k if keepdims else out_k.reshape(
-            tuple(s for i, s in enumerate(a.shape) if axes is not None and i not in axes))
-
-    @staticmethod
-    def backward(ctx, g):
-        (mask,) = ctx.saved_tensors
-        gk = _keep(g, ctx.shape, ctx.axes, False)
-        count = mask.sum(axis=ctx.axes, keepdims=True)
-        return mask * (gk / count), None, None, None
-
-
-def sum(a, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
-    """Sum over ``axis`` (int, tuple or None for all)."""
-    return Sum.apply(a, axis, keepdims)
-
-
-def mean(a, axis=None, keepdims: bool = False) -> Tensor:
-    """Mean over ``axis``."""
-    return Mean.apply(a, axis, keepdims)
-
-
-def max(a, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
-    """Maximum over ``axis`` (values only; use ``Tensor.argmax`` for indices)."""
-    return _Extreme.apply(a, axis, keepdims, "max")
-
-
-def min(a, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
-    """Minimum over ``axis``."""
-    return _Extreme.apply(a, axis, keepdims, "min")
-
-
-class Var(Function):
-    @staticmethod
-    def forward(ctx, a, axis, keepdims, correction):
-        axes = _axes(axis, a.ndim)
-        m = a.mean(axis=axes, keepdims=True)
-        d = a - m
-        n = a.size // m.size
-        denom = n - correction
-        out = (d * d).sum(axis=axes, keepdims=keepdims) / denom
-        ctx.save_for_backward(d)
-        ctx.shape, ctx.axes, ctx.keepdims, ctx.denom = a.shape, axes, keepdims, denom
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        (d,) = ctx.saved_tensors
-        return _keep(g, ctx.shape, ctx.axes, ctx.keepdims) * (2.0 / ctx.denom) * d, None, None, None
-
-
-def var(a, axis=None, keepdims: bool = False, correction: int = 1) -> Tensor:
-    """Variance over ``axis`` with ``correction`` (1 = unbiased, PyTorch's default; 0 = NumPy's)."""
-    return Var.apply(a, axis, keepdims, correction)
+def matmul(input, other) -> Tensor:  # noqa: A002
+    """Matrix product with NumPy's batching/broadcasting rules (``input @ other``)."""
+    return MatMul.apply(input, other)
 
 
 # -- shape ---------------------------------------------------------------------------------
 class Reshape(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, shape):
         ctx.shape = a.shape
@@ -340,6 +233,8 @@ class Reshape(Function):
 
 
 class Permute(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, dims):
         ctx.inv = tuple(np.argsort(dims))
@@ -351,6 +246,8 @@ class Permute(Function):
 
 
 class Expand(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, shape):
         xp = get_array_module(a)
@@ -393,13 +290,13 @@ def unsqueeze(a, dim: int) -> Tensor:
 
 
 def squeeze(a, dim=None) -> Tensor:
-    """Remove size-1 axes (all, or only ``dim``)."""
+    """Remove size-1 axes (all, or only those in ``dim``, an int or a tuple)."""
     s = a.shape
     if dim is None:
         new = tuple(x for x in s if x != 1)
     else:
-        dim = dim % len(s)
-        new = tuple(x for i, x in enumerate(s) if not (i == dim and x == 1))
+        dims = _axes(dim, len(s)) if s else ()
+        new = tuple(x for i, x in enumerate(s) if not (i in dims and x == 1))
     return reshape(a, new)
 
 
@@ -438,6 +335,8 @@ def _is_advanced(idx) -> bool:
 
 
 class GetItem(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, idx):
         ctx.shape, ctx.dtype, ctx.idx = a.shape, a.dtype, idx
@@ -460,6 +359,8 @@ def getitem(a, idx) -> Tensor:
 
 
 class Concat(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, *arrays, axis=0):
         xp = get_array_module(*arrays)
@@ -475,6 +376,8 @@ class Concat(Function):
 
 
 class Stack(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, *arrays, axis=0):
         xp = get_array_module(*arrays)
@@ -489,6 +392,8 @@ class Stack(Function):
 
 
 class Split(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, cuts, axis):
         xp = get_array_module(a)
@@ -501,21 +406,40 @@ class Split(Function):
         return xp.concatenate(gs, axis=ctx.axis), None, None
 
 
-def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
-    """Join tensors along an existing axis."""
-    return Concat.apply(*tensors, axis=axis)
+def concat(tensors: Sequence[Tensor], dim: int = 0, *, axis: Optional[int] = None) -> Tensor:
+    """Join tensors along an existing dim (``torch.cat``).
+
+    Example:
+        >>> concat([ones(2, 1), zeros(2, 2)], dim=1).shape
+        (2, 3)
+    """
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("concat needs at least one tensor, got an empty sequence")
+    d = _dim(dim, axis, 0)
+    return Concat.apply(*tensors, axis=_axes(d, _ndim(tensors[0]))[0])
 
 
 cat = concat
 
 
-def stack(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
-    """Join tensors along a new axis."""
-    return Stack.apply(*tensors, axis=axis)
+def stack(tensors: Sequence[Tensor], dim: int = 0, *, axis: Optional[int] = None) -> Tensor:
+    """Join tensors along a new dim (``torch.stack``)."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("stack needs at least one tensor, got an empty sequence")
+    d = _dim(dim, axis, 0)
+    return Stack.apply(*tensors, axis=_axes(d, _ndim(tensors[0]) + 1)[0])
 
 
-def split(a, split_size_or_sections: Union[int, Sequence[int]], axis: int = 0) -> Tuple[Tensor, ...]:
+def _ndim(a) -> int:
+    return len(_shape(a))
+
+
+def split(a, split_size_or_sections: Union[int, Sequence[int]], dim: int = 0, *,
+          axis: Optional[int] = None) -> Tuple[Tensor, ...]:
     """Split into chunks of ``split_size`` (last may be smaller) or of the given section sizes."""
+    (axis,) = _axes(_dim(dim, axis, 0), a.ndim)
     n = a.shape[axis]
     if isinstance(split_size_or_sections, (int, np.integer)):
         size = int(split_size_or_sections)
@@ -527,19 +451,26 @@ def split(a, split_size_or_sections: Union[int, Sequence[int]], axis: int = 0) -
         if _builtin_sum(sizes) != n:
             raise ValueError(f"split sections {sizes} do not sum to the axis length {n}")
     cuts = np.cumsum(sizes)[:-1].tolist()
-    out = Split.apply(a, cuts, axis % a.ndim)
+    out = Split.apply(a, cuts, axis)
     return out if isinstance(out, tuple) else (out,)
 
 
-def chunk(a, chunks: int, axis: int = 0) -> Tuple[Tensor, ...]:
+def chunk(a, chunks: int, dim: int = 0, *, axis: Optional[int] = None) -> Tuple[Tensor, ...]:
     """Split into ``chunks`` pieces of size ``ceil(n / chunks)`` (PyTorch's rule)."""
-    n = a.shape[axis]
-    return split(a, -(-n // chunks), axis)
+    if int(chunks) <= 0:
+        raise ValueError(f"chunk expects a positive number of chunks, got {chunks}")
+    d = _dim(dim, axis, 0)
+    n = a.shape[d]
+    return split(a, _builtin_max(-(-n // int(chunks)), 1), d)
 
 
 class Where(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, cond, a, b):
+        cond, a, b = _on_one_device((cond, a, b), (False,) + ctx.needs_input_grad[1:],
+                                    ("where: condition", "where: input", "where: other"))
         xp = get_array_module(cond, a, b)
         ctx.sa, ctx.sb = _shape(a), _shape(b)
         ctx.save_for_backward(cond)
@@ -556,98 +487,25 @@ class Where(Function):
         return None, ga, gb
 
 
-def where(cond, a, b) -> Tensor:
-    """Elementwise ``a if cond else b`` (cond is not differentiated)."""
-    return Where.apply(cond, a, b)
+def where(condition, input, other) -> Tensor:  # noqa: A002
+    """Elementwise ``input if condition else other`` (``condition`` is not differentiated).
 
+    A host ``condition`` is copied to the device of GPU operands; a differentiable operand on
+    another device raises ``ValueError``.
 
-# -- elementwise math ----------------------------------------------------------------------
-class Exp(Function):
-    @staticmethod
-    def forward(ctx, a):
-        out = get_array_module(a).exp(a)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.saved_tensors[0]
-
-
-class Log(Function):
-    @staticmethod
-    def forward(ctx, a):
-        ctx.save_for_backward(a)
-        return get_array_module(a).log(a)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g / ctx.saved_tensors[0]
-
-
-class Sqrt(Function):
-    @staticmethod
-    def forward(ctx, a):
-        out = get_array_module(a).sqrt(a)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g / (2 * ctx.saved_tensors[0])
-
-
-class Tanh(Function):
-    @staticmethod
-    def forward(ctx, a):
-        out = get_array_module(a).tanh(a)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        out = ctx.saved_tensors[0]
-        return g * (1 - out * out)
-
-
-class Abs(Function):
-    @staticmethod
-    def forward(ctx, a):
-        ctx.save_for_backward(a)
-        return get_array_module(a).abs(a)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * get_array_module(g).sign(ctx.saved_tensors[0])
-
-
-def exp(a) -> Tensor:
-    """Elementwise ``e**a``."""
-    return Exp.apply(a)
-
-
-def log(a) -> Tensor:
-    """Elementwise natural logarithm."""
-    return Log.apply(a)
-
-
-def sqrt(a) -> Tensor:
-    """Elementwise square root."""
-    return Sqrt.apply(a)
-
-
-def tanh(a) -> Tensor:
-    """Elementwise hyperbolic tangent."""
-    return Tanh.apply(a)
-
-
-def abs(a) -> Tensor:  # noqa: A001
-    """Elementwise absolute value (gradient 0 at 0)."""
-    return Abs.apply(a)
+    Example:
+        >>> where(Tensor([True, False]), Tensor([1.0, 2.0]), 0.0).tolist()
+        [1.0, 0.0]
+    """
+    if isinstance(condition, Tensor):
+        condition = condition.data
+    return Where.apply(condition, input, other)
 
 
 # -- dtype / device / copies ---------------------------------------------------------------
 class Cast(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, dtype):
         ctx.dtype = a.dtype
@@ -659,17 +517,21 @@ class Cast(Function):
 
 
 class ToDevice(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, device):
         ctx.device = device_of(a)
-        return to_device(a, device)
+        return _backend.to_device(a, device)
 
     @staticmethod
     def backward(ctx, g):
-        return to_device(g, ctx.device), None
+        return _backend.to_device(g, ctx.device), None
 
 
 class Clone(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a):
         return a.copy()

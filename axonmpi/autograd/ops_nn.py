@@ -9,7 +9,7 @@ import numpy as np
 
 from ..backend import get_array_module
 from .function import Function
-from .ops import _shape, _unbroadcast
+from ._util import _dim, _on_one_device, _shape, _unbroadcast
 from .special import erf
 from .tensor import Tensor
 
@@ -26,6 +26,8 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 # -- linear --------------------------------------------------------------------------------
 class Linear(Function):
     """``y = x @ W.T + b`` with ``W`` of shape (out, in); leading dims of ``x`` are flattened."""
+
+    _fresh_grads = True
 
     @staticmethod
     def forward(ctx, x, w, b):
@@ -49,13 +51,20 @@ class Linear(Function):
         return gx, gw, gb
 
 
-def linear(x, weight, bias=None) -> Tensor:
-    """Affine map ``x @ weight.T + bias`` (one fused op; ``weight`` is (out_features, in_features))."""
-    return Linear.apply(x, weight, bias)
+def linear(input, weight, bias=None) -> Tensor:  # noqa: A002
+    """Affine map ``input @ weight.T + bias`` (one fused op; ``weight`` is (out_features, in_features)).
+
+    Example:
+        >>> linear(Tensor([[1.0, 2.0]]), Tensor([[1.0, 1.0], [0.0, 1.0]]), Tensor([0.5, 0.0])).tolist()
+        [[3.5, 2.0]]
+    """
+    return Linear.apply(input, weight, bias)
 
 
 # -- activations ---------------------------------------------------------------------------
 class ReLU(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x):
         xp = get_array_module(x)
@@ -71,6 +80,8 @@ class ReLU(Function):
 
 
 class Sigmoid(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x):
         xp = get_array_module(x)
@@ -93,6 +104,8 @@ def _sigmoid(xp, x):
 
 
 class SiLU(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x):
         xp = get_array_module(x)
@@ -107,6 +120,8 @@ class SiLU(Function):
 
 
 class GELU(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x, approximate):
         xp = get_array_module(x)
@@ -131,30 +146,43 @@ class GELU(Function):
         return g * d, None
 
 
-def relu(x) -> Tensor:
-    """``max(x, 0)`` (gradient 0 at 0)."""
-    return ReLU.apply(x)
+def _no_inplace(name: str, inplace: bool) -> None:
+    if inplace not in (False, True):
+        raise TypeError(f"{name}: inplace must be a bool, got {inplace!r}")
 
 
-def sigmoid(x) -> Tensor:
-    """Logistic function."""
-    return Sigmoid.apply(x)
+def relu(input, inplace: bool = False) -> Tensor:  # noqa: A002
+    """``max(input, 0)`` (gradient 0 at 0).
+
+    ``inplace`` is accepted for PyTorch compatibility; the result is always a new tensor (there
+    are no in-place autograd ops), which gives the same values and gradients.
+    """
+    _no_inplace("relu", inplace)
+    return ReLU.apply(input)
 
 
-def silu(x) -> Tensor:
-    """``x * sigmoid(x)`` (a.k.a. swish)."""
-    return SiLU.apply(x)
+def sigmoid(input) -> Tensor:  # noqa: A002
+    """Logistic function ``1 / (1 + exp(-input))`` (overflow-free)."""
+    return Sigmoid.apply(input)
 
 
-def gelu(x, approximate: str = "none") -> Tensor:
+def silu(input, inplace: bool = False) -> Tensor:  # noqa: A002
+    """``input * sigmoid(input)`` (a.k.a. swish); ``inplace`` as in :func:`relu`."""
+    _no_inplace("silu", inplace)
+    return SiLU.apply(input)
+
+
+def gelu(input, approximate: str = "none") -> Tensor:  # noqa: A002
     """Gaussian error linear unit: exact (``"none"``, via erf) or the ``"tanh"`` approximation."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
-    return GELU.apply(x, approximate)
+    return GELU.apply(input, approximate)
 
 
 # -- softmax -------------------------------------------------------------------------------
 class Softmax(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x, axis):
         xp = get_array_module(x)
@@ -174,6 +202,8 @@ class Softmax(Function):
 
 
 class LogSoftmax(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x, axis):
         xp = get_array_module(x)
@@ -190,19 +220,35 @@ class LogSoftmax(Function):
         return g - xp.exp(logp) * g.sum(axis=ctx.axis, keepdims=True), None
 
 
-def softmax(x, axis: int = -1) -> Tensor:
-    """Softmax along ``axis`` (max-shifted for stability)."""
-    return Softmax.apply(x, axis)
+def _softmax_args(x, dim, axis, dtype):
+    d = _dim(dim, axis, -1)
+    if dtype is not None:
+        x = x.to(dtype=dtype)
+    return x, d
 
 
-def log_softmax(x, axis: int = -1) -> Tensor:
-    """Log-softmax along ``axis`` (log-sum-exp stabilised)."""
-    return LogSoftmax.apply(x, axis)
+def softmax(input, dim: int = -1, dtype=None, *, axis=None) -> Tensor:  # noqa: A002
+    """Softmax along ``dim`` (max-shifted for stability); ``dtype`` casts the input first.
+
+    Example:
+        >>> softmax(Tensor([0.0, 0.0]), dim=0).tolist()
+        [0.5, 0.5]
+    """
+    x, d = _softmax_args(input, dim, axis, dtype)
+    return Softmax.apply(x, d)
+
+
+def log_softmax(input, dim: int = -1, dtype=None, *, axis=None) -> Tensor:  # noqa: A002
+    """Log-softmax along ``dim`` (log-sum-exp stabilised); ``dtype`` casts the input first."""
+    x, d = _softmax_args(input, dim, axis, dtype)
+    return LogSoftmax.apply(x, d)
 
 
 # -- layer norm ----------------------------------------------------------------------------
 class LayerNorm(Function):
     """Fused layer normalization over the trailing ``ndims`` axes."""
+
+    _fresh_grads = True
 
     @staticmethod
     def forward(ctx, x, weight, bias, ndims, eps):
@@ -242,19 +288,26 @@ class LayerNorm(Function):
         return gx, gw, gb, None, None
 
 
-def layer_norm(x, normalized_shape: Union[int, Sequence[int]], weight=None, bias=None,
+def layer_norm(input, normalized_shape: Union[int, Sequence[int]], weight=None, bias=None,  # noqa: A002
                eps: float = 1e-5) -> Tensor:
-    """Normalize over the trailing ``normalized_shape`` axes, then scale by ``weight`` and add ``bias``."""
+    """Normalize over the trailing ``normalized_shape`` axes, then scale by ``weight`` and add ``bias``.
+
+    Example:
+        >>> layer_norm(Tensor([[1.0, 3.0]]), 2).tolist()   # (x - mean) / sqrt(var + eps)
+        [[-0.999995..., 0.999995...]]
+    """
     ndims = 1 if isinstance(normalized_shape, (int, np.integer)) else len(tuple(normalized_shape))
-    return LayerNorm.apply(x, weight, bias, ndims, eps)
+    return LayerNorm.apply(input, weight, bias, ndims, eps)
 
 
 # -- embedding / dropout / masking ---------------------------------------------------------
 class Embedding(Function):
+    _fresh_grads = True
+
     @staticmethod
-    def forward(ctx, idx, weight):
+    def forward(ctx, idx, weight, padding_idx=None):
         ctx.save_for_backward(idx)
-        ctx.wshape = weight.shape
+        ctx.wshape, ctx.padding_idx = weight.shape, padding_idx
         return weight[idx]
 
     @staticmethod
@@ -263,19 +316,45 @@ class Embedding(Function):
         xp = get_array_module(g)
         gw = xp.zeros(ctx.wshape, g.dtype)
         xp.add.at(gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
-        return None, gw
+        if ctx.padding_idx is not None:
+            gw[ctx.padding_idx] = 0
+        return None, gw, None
 
 
-def embedding(idx, weight) -> Tensor:
-    """Rows of ``weight`` selected by integer ``idx`` (scatter-add backward)."""
-    if isinstance(idx, Tensor):
-        idx = idx.data
+def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
+    """Rows of ``weight`` selected by integer indices ``input`` (Tensor, array or nested list).
+
+    Host indices are copied to a GPU ``weight``'s device.  The backward scatter-adds, so repeated
+    indices accumulate; row ``padding_idx`` (if given) receives no gradient.
+
+    Example:
+        >>> w = Tensor([[0.0, 1.0], [2.0, 3.0]])
+        >>> embedding([1, 1, 0], w).tolist()
+        [[2.0, 3.0], [2.0, 3.0], [0.0, 1.0]]
+    """
+    idx = input.data if isinstance(input, Tensor) else input
+    if not hasattr(idx, "dtype"):
+        idx = np.asarray(idx)
+        if idx.size == 0:
+            idx = idx.astype(np.int64)
     if idx.dtype.kind not in "iu":
         raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
-    return Embedding.apply(idx, weight)
+    w = weight.data if isinstance(weight, Tensor) else weight
+    n = w.shape[0]
+    if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
+        raise IndexError(f"embedding index out of range: indices span [{int(idx.min())}, {int(idx.max())}] "
+                         f"for a table of {n} rows (expected 0..{n - 1})")
+    idx = _on_one_device((w, idx), (False, False), ("embedding: weight", "embedding: indices"))[1]
+    if padding_idx is not None:
+        if not -n <= int(padding_idx) < n:
+            raise ValueError(f"embedding padding_idx={padding_idx} out of range for {n} rows")
+        padding_idx = int(padding_idx) % n
+    return Embedding.apply(idx, weight, padding_idx)
 
 
 class Dropout(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x, p):
         from ..random import generator_for
@@ -293,11 +372,14 @@ class Dropout(Function):
         return g * ctx.saved_tensors[0], None
 
 
-def dropout(x, p: float = 0.5, training: bool = True) -> Tensor:
+def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:  # noqa: A002
     """Zero each element with probability ``p`` and scale the rest by ``1/(1-p)``; identity if not training.
 
     Masks come from :mod:`axonmpi.random`'s generator, so ``manual_seed`` makes them reproducible.
+    ``inplace`` as in :func:`relu`.
     """
+    _no_inplace("dropout", inplace)
+    x = input
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     if not training or p == 0.0:
@@ -308,8 +390,12 @@ def dropout(x, p: float = 0.5, training: bool = True) -> Tensor:
 
 
 class MaskedFill(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, x, mask, value):
+        x, mask = _on_one_device((x, mask), (ctx.needs_input_grad[0], False),
+                                 ("masked_fill: input", "masked_fill: mask"))
         xp = get_array_module(x)
         ctx.save_for_backward(mask)
         ctx.shape = x.shape
@@ -322,11 +408,22 @@ class MaskedFill(Function):
         return _unbroadcast(xp.where(mask, xp.zeros((), g.dtype), g), tuple(ctx.shape)), None, None
 
 
-def masked_fill(x, mask, value: float) -> Tensor:
-    """Replace elements where boolean ``mask`` (broadcastable) is True by ``value``."""
+def masked_fill(input, mask, value: float) -> Tensor:  # noqa: A002
+    """Replace elements where boolean ``mask`` (broadcastable) is True by ``value``.
+
+    A host ``mask`` is copied to the device of a GPU ``input``.
+
+    Example:
+        >>> masked_fill(Tensor([1.0, 2.0]), Tensor([True, False]), 0.0).tolist()
+        [0.0, 2.0]
+    """
     if isinstance(mask, Tensor):
         mask = mask.data
-    return MaskedFill.apply(x, mask, value)
+    if not hasattr(mask, "dtype"):
+        mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(f"masked_fill expects a boolean mask, got dtype {mask.dtype}")
+    return MaskedFill.apply(input, mask, value)
 
 
 # -- losses --------------------------------------------------------------------------------
@@ -336,8 +433,12 @@ _REDUCTIONS = ("mean", "sum", "none")
 class CrossEntropy(Function):
     """Fused log-softmax + negative log-likelihood over the last axis."""
 
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, logits, target, reduction, ignore_index):
+        logits, target = _on_one_device((logits, target), (ctx.needs_input_grad[0], False),
+                                        ("cross_entropy: input", "cross_entropy: target"))
         xp = get_array_module(logits)
         c = logits.shape[-1]
         x = logits.reshape(-1, c)
@@ -378,16 +479,30 @@ class CrossEntropy(Function):
         return gx.reshape(ctx.lshape), None, None, None
 
 
-def cross_entropy(logits, target, reduction: str = "mean", ignore_index: int = -100) -> Tensor:
-    """Cross-entropy of class scores ``logits`` (N, C) or (..., C) against integer ``target``.
+def cross_entropy(input, target, reduction: str = "mean", ignore_index: int = -100) -> Tensor:  # noqa: A002
+    """Cross-entropy of class scores ``input`` (N, C) or (..., C) against integer ``target``.
 
     Targets equal to ``ignore_index`` contribute nothing; ``"mean"`` divides by the number of
-    non-ignored targets (NaN if all are ignored, like PyTorch).
+    non-ignored targets (NaN if all are ignored, like PyTorch).  Host targets are copied to the
+    device of GPU logits.
+
+    Args:
+        input: logits, the class axis last (PyTorch's (N, C) layout; (..., C) is flattened).
+        target: integer class indices of shape ``input.shape[:-1]`` (Tensor, array or list).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        ignore_index: target value that contributes no loss and no gradient.
+
+    Example:
+        >>> round(cross_entropy(Tensor([[0.0, 0.0]]), [1]).item(), 4)
+        0.6931
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    logits = input
     if isinstance(target, Tensor):
         target = target.data
+    if not hasattr(target, "dtype"):
+        target = np.asarray(target)
     if target.dtype.kind not in "iu":
         raise TypeError(f"cross_entropy targets must be integer class indices, got dtype {target.dtype}")
     lshape = logits.shape
@@ -397,6 +512,8 @@ def cross_entropy(logits, target, reduction: str = "mean", ignore_index: int = -
 
 
 class MSELoss(Function):
+    _fresh_grads = True
+
     @staticmethod
     def forward(ctx, a, b, reduction):
         d = a - b

@@ -123,9 +123,9 @@ class Tensor:
             raise TypeError(f"only floating-point tensors can require grad, got dtype {self.data.dtype}")
         self._rg = bool(flag)
 
-    def requires_grad_(self, flag: bool = True) -> "Tensor":
+    def requires_grad_(self, requires_grad: bool = True) -> "Tensor":
         """Set ``requires_grad`` in place and return ``self``."""
-        self.requires_grad = flag
+        self.requires_grad = requires_grad
         return self
 
     @property
@@ -135,31 +135,57 @@ class Tensor:
 
     @property
     def shape(self) -> Tuple[int, ...]:
+        """The shape as a tuple of ints."""
         return tuple(self.data.shape)
 
     @property
     def dtype(self):
+        """The NumPy dtype of ``.data``."""
         return self.data.dtype
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return self.data.ndim
 
-    @property
-    def size(self) -> int:
-        """Number of elements (NumPy's ``size``)."""
-        return int(self.data.size)
+    def size(self, dim: Optional[int] = None):
+        """The shape (PyTorch's ``size()``), or the length of dimension ``dim``.
+
+        Example:
+            >>> Tensor([[1.0, 2.0, 3.0]]).size(), Tensor([[1.0, 2.0, 3.0]]).size(-1)
+            ((1, 3), 3)
+        """
+        if dim is None:
+            return tuple(self.data.shape)
+        n = self.data.ndim
+        if not -n <= int(dim) < max(n, 1):
+            raise IndexError(f"size(dim={dim}): dimension out of range for a {n}-d tensor "
+                             f"(expected {-n}..{n - 1})")
+        return int(self.data.shape[dim])
 
     def numel(self) -> int:
         """Number of elements."""
         return int(self.data.size)
 
+    nelement = numel
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return int(self.data.dtype.itemsize)
+
     def dim(self) -> int:
+        """Number of dimensions."""
         return self.data.ndim
 
     @property
     def device(self) -> Device:
+        """Where ``.data`` lives (:class:`~axonmpi.backend.Device`)."""
         return device_of(self.data)
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when ``.data`` is a CuPy array."""
+        return backend.is_cupy_array(self.data)
 
     @property
     def xp(self):
@@ -183,6 +209,7 @@ class Tensor:
         return self.data.item()
 
     def tolist(self):
+        """The data as (nested) Python lists."""
         return to_host(self.data).tolist()
 
     def __float__(self) -> float:
@@ -205,10 +232,16 @@ class Tensor:
         return self
 
     def to(self, *args, device=None, dtype=None) -> "Tensor":
-        """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes."""
+        """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes.
+
+        Takes PyTorch's forms: ``to("cuda")``, ``to(np.float64)``, ``to("cpu", np.float32)``,
+        ``to(other)`` (other's device and dtype), and the keywords.
+        """
         for a in args:
             is_dev = isinstance(a, str) and a.split(":")[0].lower() in ("cpu", "cuda", "gpu")
-            if isinstance(a, Device) or is_dev:
+            if isinstance(a, Tensor):
+                device, dtype = a.device, a.dtype
+            elif isinstance(a, Device) or is_dev:
                 device = a
             else:
                 dtype = a
@@ -220,19 +253,65 @@ class Tensor:
         return out
 
     def cpu(self) -> "Tensor":
+        """This tensor on the host (differentiable; ``self`` if already there)."""
         return self.to("cpu")
 
+    def cuda(self, device=None) -> "Tensor":
+        """This tensor on GPU ``device`` (an index or ``"cuda:i"``; default 0); needs CuPy."""
+        if device is None or isinstance(device, (int, np.integer)):
+            device = f"cuda:{0 if device is None else int(device)}"
+        return self.to(device)
+
     def float(self) -> "Tensor":
+        """Cast to float32 (differentiable)."""
         return self.to(dtype=np.float32)
 
     def double(self) -> "Tensor":
+        """Cast to float64 (differentiable)."""
         return self.to(dtype=np.float64)
 
+    def half(self) -> "Tensor":
+        """Cast to float16 (differentiable)."""
+        return self.to(dtype=np.float16)
+
+    def long(self) -> "Tensor":
+        """Cast to int64 (not differentiable)."""
+        return self.to(dtype=np.int64)
+
     def astype(self, dtype) -> "Tensor":
+        """Cast to ``dtype`` (NumPy's name for :meth:`to` with a dtype)."""
         return self.to(dtype=dtype)
 
+    def type_as(self, other: "Tensor") -> "Tensor":
+        """Cast to ``other``'s dtype."""
+        return self.to(dtype=other.dtype)
+
     def clone(self) -> "Tensor":
+        """A differentiable copy."""
         return _ops().clone(self)
+
+    def contiguous(self) -> "Tensor":
+        """A C-contiguous tensor: ``self`` when already contiguous, else a differentiable copy."""
+        return self if self.data.flags.c_contiguous else _ops().clone(self)
+
+    def new_zeros(self, *size, dtype=None) -> "Tensor":
+        """Zeros of ``size`` with this tensor's dtype and device (unless ``dtype``)."""
+        return Tensor._wrap(self.xp.zeros(_size_arg(size), self.dtype if dtype is None else dtype))
+
+    def new_ones(self, *size, dtype=None) -> "Tensor":
+        """Ones of ``size`` with this tensor's dtype and device (unless ``dtype``)."""
+        return Tensor._wrap(self.xp.ones(_size_arg(size), self.dtype if dtype is None else dtype))
+
+    def new_full(self, size, fill_value, dtype=None) -> "Tensor":
+        """``fill_value`` everywhere, with this tensor's dtype and device (unless ``dtype``)."""
+        return Tensor._wrap(self.xp.full(_size_arg((size,)), fill_value,
+                                         self.dtype if dtype is None else dtype))
+
+    def new_tensor(self, data, dtype=None) -> "Tensor":
+        """A copy of ``data`` with this tensor's dtype and device (unless ``dtype``)."""
+        data = data.data if isinstance(data, Tensor) else data
+        return Tensor._wrap(self.xp.array(to_host(data) if self.xp is np else data,
+                                          dtype=self.dtype if dtype is None else dtype))
 
     def zero_(self) -> "Tensor":
         """Fill ``.data`` with zeros in place (not recorded)."""
@@ -240,15 +319,31 @@ class Tensor:
         return self
 
     def fill_(self, value) -> "Tensor":
+        """Fill ``.data`` with ``value`` in place (not recorded)."""
         self.data[...] = value
         return self
 
     # -- autograd --------------------------------------------------------------------------
-    def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
-        """Accumulate d(self)/d(leaf) (times ``grad``) into every leaf's ``.grad``."""
+    def backward(self, gradient: Any = None, retain_graph: Optional[bool] = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        """Accumulate d(self)/d(leaf) (times ``gradient``) into every leaf's ``.grad``.
+
+        Args:
+            gradient: the gradient of some scalar w.r.t. ``self``; may be left out for a
+                one-element tensor.
+            retain_graph: keep the saved arrays for another backward (default False).
+            create_graph: higher-order gradients are not supported: True raises
+                NotImplementedError.
+            inputs: accumulating into a subset of the leaves is not supported: anything but
+                None raises NotImplementedError.
+        """
         from .function import backward as _backward
 
-        _backward([self], [grad], retain_graph=retain_graph)
+        if create_graph:
+            raise NotImplementedError("backward(create_graph=True): higher-order gradients are not supported")
+        if inputs is not None:
+            raise NotImplementedError("backward(inputs=...): gradients always go to every leaf of the graph")
+        _backward([self], [gradient], retain_graph=bool(retain_graph))
 
     def register_hook(self, fn: Callable[["Tensor"], Optional["Tensor"]]):
         """Call ``fn(grad)`` with this tensor's gradient during backward; a returned Tensor replaces it."""
@@ -316,51 +411,172 @@ class Tensor:
     def __ge__(self, o): return Tensor._wrap(self.data >= _raw(o))
     __hash__ = object.__hash__
 
-    def eq(self, o) -> "Tensor":
+    def eq(self, other) -> "Tensor":
         """Elementwise equality (``==`` keeps Python identity semantics so tensors work in sets)."""
-        return Tensor._wrap(self.data == _raw(o))
+        return Tensor._wrap(self.data == _raw(other))
 
-    def ne(self, o) -> "Tensor":
-        return Tensor._wrap(self.data != _raw(o))
+    def ne(self, other) -> "Tensor":
+        """Elementwise inequality."""
+        return Tensor._wrap(self.data != _raw(other))
 
-    def matmul(self, o): return _ops().matmul(self, o)
-    def sum(self, axis=None, keepdims=False): return _ops().sum(self, axis, keepdims)
-    def mean(self, axis=None, keepdims=False): return _ops().mean(self, axis, keepdims)
-    def max(self, axis=None, keepdims=False): return _ops().max(self, axis, keepdims)
-    def min(self, axis=None, keepdims=False): return _ops().min(self, axis, keepdims)
-    def var(self, axis=None, keepdims=False, correction=1):
-        return _ops().var(self, axis, keepdims, correction)
+    def lt(self, other) -> "Tensor":
+        """Elementwise ``<``."""
+        return self < other
 
-    def argmax(self, axis=None, keepdims=False):
-        return Tensor._wrap(self.xp.argmax(self.data, axis=axis, keepdims=keepdims))
+    def le(self, other) -> "Tensor":
+        """Elementwise ``<=``."""
+        return self <= other
 
-    def argmin(self, axis=None, keepdims=False):
-        return Tensor._wrap(self.xp.argmin(self.data, axis=axis, keepdims=keepdims))
+    def gt(self, other) -> "Tensor":
+        """Elementwise ``>``."""
+        return self > other
 
-    def reshape(self, *shape): return _ops().reshape(self, *shape)
-    def view(self, *shape): return _ops().reshape(self, *shape)
-    def flatten(self, start_dim=0, end_dim=-1): return _ops().flatten(self, start_dim, end_dim)
-    def unsqueeze(self, dim): return _ops().unsqueeze(self, dim)
-    def squeeze(self, dim=None): return _ops().squeeze(self, dim)
-    def expand(self, *shape): return _ops().expand(self, *shape)
-    def transpose(self, dim0=-2, dim1=-1): return _ops().transpose(self, dim0, dim1)
-    def permute(self, *dims): return _ops().permute(self, *dims)
+    def ge(self, other) -> "Tensor":
+        """Elementwise ``>=``."""
+        return self >= other
 
-    @property
-    def T(self): return _ops().permute(self, *reversed(range(self.ndim)))
+    def all(self, dim=None, keepdim: bool = False) -> "Tensor":
+        """True where every element (along ``dim``) is nonzero (not differentiable)."""
+        return Tensor._wrap(self.xp.asarray(self.data.all(axis=dim, keepdims=keepdim)))
 
-    def split(self, split_size_or_sections, axis=0): return _ops().split(self, split_size_or_sections, axis)
-    def chunk(self, chunks, axis=0): return _ops().chunk(self, chunks, axis)
+    def any(self, dim=None, keepdim: bool = False) -> "Tensor":
+        """True where some element (along ``dim``) is nonzero (not differentiable)."""
+        return Tensor._wrap(self.xp.asarray(self.data.any(axis=dim, keepdims=keepdim)))
+
+    # -- math (PyTorch's names and signatures; NumPy's axis/keepdims are accepted too) -----
+    def add(self, other): return _ops().add(self, other)
+    def sub(self, other): return _ops().sub(self, other)
+    def mul(self, other): return _ops().mul(self, other)
+    def div(self, other): return _ops().div(self, other)
+    def pow(self, exponent): return _ops().pow(self, exponent)
+    def neg(self): return _ops().neg(self)
+    def matmul(self, other): return _ops().matmul(self, other)
     def exp(self): return _ops().exp(self)
     def log(self): return _ops().log(self)
     def sqrt(self): return _ops().sqrt(self)
+    def rsqrt(self): return _ops().pow(self, -0.5)
+    def square(self): return _ops().mul(self, self)
+    def reciprocal(self): return _ops().rdiv(self, 1.0)
     def tanh(self): return _ops().tanh(self)
+    def sin(self): return _ops().sin(self)
+    def cos(self): return _ops().cos(self)
     def abs(self): return _ops().abs(self)
-    def relu(self): return _ops().relu(self)
-    def sigmoid(self): return _ops().sigmoid(self)
-    def softmax(self, axis=-1): return _ops().softmax(self, axis)
-    def log_softmax(self, axis=-1): return _ops().log_softmax(self, axis)
-    def masked_fill(self, mask, value): return _ops().masked_fill(self, mask, value)
+    def clamp(self, min=None, max=None): return _ops().clamp(self, min, max)  # noqa: A002
+    clip = clamp
+    def maximum(self, other): return _ops().maximum(self, other)
+    def minimum(self, other): return _ops().minimum(self, other)
+    def relu(self): return _nn().relu(self)
+    def sigmoid(self): return _nn().sigmoid(self)
+    def softmax(self, dim=-1, dtype=None, *, axis=None): return _nn().softmax(self, dim, dtype, axis=axis)
+
+    def log_softmax(self, dim=-1, dtype=None, *, axis=None):
+        return _nn().log_softmax(self, dim, dtype, axis=axis)
+
+    def masked_fill(self, mask, value): return _nn().masked_fill(self, mask, value)
+    def where(self, condition, other): return _ops().where(condition, self, other)
+
+    def sum(self, dim=None, keepdim=False, *, dtype=None, axis=None, keepdims=None):
+        return _ops().sum(self, dim, keepdim, dtype=dtype, axis=axis, keepdims=keepdims)
+
+    def mean(self, dim=None, keepdim=False, *, dtype=None, axis=None, keepdims=None):
+        return _ops().mean(self, dim, keepdim, dtype=dtype, axis=axis, keepdims=keepdims)
+
+    def max(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+        return _ops().max(self, dim, keepdim, axis=axis, keepdims=keepdims)
+
+    def min(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+        return _ops().min(self, dim, keepdim, axis=axis, keepdims=keepdims)
+
+    def amax(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+        return _ops().amax(self, dim, keepdim, axis=axis, keepdims=keepdims)
+
+    def amin(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+        return _ops().amin(self, dim, keepdim, axis=axis, keepdims=keepdims)
+
+    def argmax(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+        return _ops().argmax(self, dim, keepdim, axis=axis, keepdims=keepdims)
+
+    def argmin(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+        return _ops().argmin(self, dim, keepdim, axis=axis, keepdims=keepdims)
+
+    def var(self, dim=None, unbiased=None, keepdim=False, *, correction=None, axis=None, keepdims=None):
+        return _ops().var(self, dim, unbiased, keepdim, correction=correction, axis=axis, keepdims=keepdims)
+
+    def std(self, dim=None, unbiased=None, keepdim=False, *, correction=None, axis=None, keepdims=None):
+        return _ops().std(self, dim, unbiased, keepdim, correction=correction, axis=axis, keepdims=keepdims)
+
+    # -- shape ---------------------------------------------------------------------------------
+    def reshape(self, *shape): return _ops().reshape(self, *shape)
+    def view(self, *shape): return _ops().reshape(self, *shape)
+    def view_as(self, other): return _ops().reshape(self, other.shape)
+    def reshape_as(self, other): return _ops().reshape(self, other.shape)
+    def flatten(self, start_dim=0, end_dim=-1): return _ops().flatten(self, start_dim, end_dim)
+    def unsqueeze(self, dim): return _ops().unsqueeze(self, dim)
+    def squeeze(self, dim=None): return _ops().squeeze(self, dim)
+    def expand(self, *sizes): return _ops().expand(self, *sizes)
+    def expand_as(self, other): return _ops().expand(self, other.shape)
+    def transpose(self, dim0=-2, dim1=-1): return _ops().transpose(self, dim0, dim1)
+    def permute(self, *dims): return _ops().permute(self, *dims)
+
+    def t(self):
+        """Transpose a tensor of at most 2 dims (PyTorch's ``t()``)."""
+        if self.ndim > 2:
+            raise ValueError(f"t() expects a tensor with <= 2 dims, got shape {self.shape}; use transpose")
+        return self if self.ndim < 2 else _ops().transpose(self, 0, 1)
+
+    @property
+    def T(self):
+        """All dims reversed."""
+        return _ops().permute(self, *reversed(range(self.ndim)))
+
+    def split(self, split_size_or_sections, dim=0, *, axis=None):
+        return _ops().split(self, split_size_or_sections, dim, axis=axis)
+
+    def chunk(self, chunks, dim=0, *, axis=None):
+        return _ops().chunk(self, chunks, dim, axis=axis)
+
+    def __abs__(self): return _ops().abs(self)
+
+
+_METHOD_DOCS = {
+    "add": "``self + other``.", "sub": "``self - other``.", "mul": "``self * other``.",
+    "div": "``self / other``.", "pow": "``self ** exponent``.", "neg": "``-self``.",
+    "matmul": "``self @ other``.", "exp": "Elementwise exponential.", "log": "Natural logarithm.",
+    "sqrt": "Square root.", "rsqrt": "``1 / sqrt(self)``.", "square": "``self * self``.",
+    "reciprocal": "``1 / self``.", "tanh": "Hyperbolic tangent.", "sin": "Sine.", "cos": "Cosine.",
+    "abs": "Absolute value.", "clamp": "Clip to ``[min, max]`` (gradient where inside).",
+    "maximum": "Elementwise maximum.", "minimum": "Elementwise minimum.", "relu": "``max(self, 0)``.",
+    "sigmoid": "Logistic function.", "softmax": "Softmax along ``dim``.",
+    "log_softmax": "Log-softmax along ``dim``.", "masked_fill": "``value`` where ``mask`` is True.",
+    "where": "``self`` where ``condition`` else ``other``.",
+    "sum": "Sum over ``dim`` (int, tuple or None).", "mean": "Mean over ``dim``.",
+    "max": "Max over all (a Tensor) or along ``dim`` (``(values, indices)``).",
+    "min": "Min over all (a Tensor) or along ``dim`` (``(values, indices)``).",
+    "amax": "Max values over ``dim`` (ties share the gradient).",
+    "amin": "Min values over ``dim`` (ties share the gradient).",
+    "argmax": "Index of the max along ``dim`` (flattened if None).",
+    "argmin": "Index of the min along ``dim`` (flattened if None).",
+    "var": "Variance over ``dim`` (``correction=1`` by default).",
+    "std": "Standard deviation over ``dim`` (``correction=1`` by default).",
+    "reshape": "Reshape; one dim may be -1.", "view": "Reshape (PyTorch's ``view``).",
+    "view_as": "Reshape to ``other.shape``.", "reshape_as": "Reshape to ``other.shape``.",
+    "flatten": "Flatten dims ``start_dim..end_dim``.", "unsqueeze": "Insert a size-1 dim.",
+    "squeeze": "Remove size-1 dims (all or ``dim``).", "expand": "Broadcast to ``sizes``.",
+    "expand_as": "Broadcast to ``other.shape``.", "transpose": "Swap two dims.",
+    "permute": "Reorder dims.", "split": "Split along ``dim`` (sizes or one size).",
+    "chunk": "Split into ``chunks`` pieces along ``dim``.", "__abs__": "``abs(self)``.",
+}
+for _name, _doc in _METHOD_DOCS.items():
+    getattr(Tensor, _name).__doc__ = _doc
+Tensor.clip.__doc__ = Tensor.clamp.__doc__
+
+
+def _size_arg(size) -> tuple:
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        return tuple(size[0])
+    if len(size) == 1 and isinstance(size[0], (int, np.integer)):
+        return (int(size[0]),)
+    return tuple(size)
 
 
 def _raw(x):
@@ -377,6 +593,12 @@ def _ops():
 
         _OPS = ops
     return _OPS
+
+
+def _nn():
+    from . import ops_nn
+
+    return ops_nn
 
 
 # -- constructors --------------------------------------------------------------------------
@@ -415,26 +637,60 @@ def empty(*shape, dtype=None, device=None, requires_grad: bool = False) -> Tenso
     return Tensor(_xp_for(device).empty(shape, _dt(dtype)), requires_grad=requires_grad)
 
 
-def full(shape, fill_value, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    """A tensor filled with ``fill_value`` (float32 unless ``dtype``)."""
-    return Tensor(_xp_for(device).full(shape, fill_value, _dt(dtype)), requires_grad=requires_grad)
+def _scalar_dtype(*values):
+    """PyTorch's dtype for Python scalars: bool, int64, float32 (the default float) or complex64."""
+    kinds = {np.asarray(_raw(v)).dtype.kind for v in values}
+    if "c" in kinds:
+        return np.dtype(np.complex64)
+    if "f" in kinds:
+        return np.dtype(np.float32)
+    if kinds <= {"b"}:
+        return np.dtype(np.bool_)
+    return np.dtype(np.int64)
 
 
-def zeros_like(t: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:
-    a = _raw(t)
+def full(size, fill_value, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """A tensor of ``size`` filled with ``fill_value``.
+
+    The dtype follows PyTorch when not given: int64 for an int, bool for a bool, float32 for a
+    float.
+
+    Example:
+        >>> full((2,), 3).dtype, full((2,), 3.0).dtype
+        (dtype('int64'), dtype('float32'))
+    """
+    dt = _scalar_dtype(fill_value) if dtype is None else np.dtype(dtype)
+    size = (size,) if isinstance(size, (int, np.integer)) else tuple(size)
+    return Tensor(_xp_for(device).full(size, _raw(fill_value), dt), requires_grad=requires_grad)
+
+
+def zeros_like(input: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:  # noqa: A002
+    """Zeros with ``input``'s shape, dtype (unless ``dtype``) and device."""
+    a = _raw(input)
     return Tensor(get_array_module(a).zeros_like(a, dtype=dtype), requires_grad=requires_grad)
 
 
-def ones_like(t: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:
-    a = _raw(t)
+def ones_like(input: Tensor, dtype=None, requires_grad: bool = False) -> Tensor:  # noqa: A002
+    """Ones with ``input``'s shape, dtype (unless ``dtype``) and device."""
+    a = _raw(input)
     return Tensor(get_array_module(a).ones_like(a, dtype=dtype), requires_grad=requires_grad)
 
 
-def arange(start, stop=None, step=1, dtype=None, device=None) -> Tensor:
-    """``arange`` like NumPy (int64 for integer arguments)."""
-    if stop is None:
-        start, stop = 0, start
-    return Tensor(_xp_for(device).arange(start, stop, step, dtype=dtype))
+def arange(start, end=None, step=1, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """Values from ``start`` to ``end`` (exclusive) by ``step``, PyTorch's dtype rule.
+
+    int64 when every argument is an int, float32 when one is a float (unless ``dtype``).
+
+    Example:
+        >>> arange(3).tolist(), arange(0.0, 3.0).dtype
+        ([0, 1, 2], dtype('float32'))
+    """
+    if end is None:
+        start, end = 0, start
+    dt = _scalar_dtype(start, end, step) if dtype is None else np.dtype(dtype)
+    if dt.kind == "b":
+        dt = np.dtype(np.int64)
+    return Tensor(_xp_for(device).arange(start, end, step, dtype=dt), requires_grad=requires_grad)
 
 
 def randn(*shape, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

@@ -148,7 +148,7 @@ class GPT(Module):
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameter count (optionally excluding the position embedding, like nanoGPT)."""
         n = super().num_parameters()
-        return n - self.wpe.weight.size if non_embedding else n
+        return n - self.wpe.weight.numel() if non_embedding else n
 
     def extra_repr(self) -> str:
         return f"{self.config}"

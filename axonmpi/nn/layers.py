@@ -67,6 +67,7 @@ class Linear(Module):
         _to_device(self, device)
 
     def reset_parameters(self) -> None:
+        """Re-draw the parameters with the layer's default initialization."""
         init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
@@ -81,23 +82,44 @@ class Linear(Module):
 
 
 class Embedding(Module):
-    """A lookup table of ``num_embeddings`` rows of size ``embedding_dim`` (init N(0, 1))."""
+    """A lookup table of ``num_embeddings`` rows of size ``embedding_dim`` (init N(0, 1)).
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=None, device=None):
+    Args:
+        num_embeddings, embedding_dim: the table's shape.
+        padding_idx: a row initialised to zeros that receives no gradient (PyTorch's rule).
+        dtype, device: of the weight.
+
+    Example:
+        >>> emb = Embedding(10, 4, padding_idx=0)
+        >>> emb([[1, 2], [0, 9]]).shape
+        (2, 2, 4)
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, dtype=None, device=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= int(padding_idx) < self.num_embeddings:
+                raise ValueError(f"Embedding padding_idx={padding_idx} must be within "
+                                 f"[-{self.num_embeddings}, {self.num_embeddings - 1}]")
+            padding_idx = int(padding_idx) % self.num_embeddings
+        self.padding_idx = padding_idx
         self.weight = _param((num_embeddings, embedding_dim), dtype, device)
         self.reset_parameters()
         _to_device(self, device)
 
     def reset_parameters(self) -> None:
+        """Re-draw the parameters with the layer's default initialization (padding row zero)."""
         init.normal_(self.weight)
+        if self.padding_idx is not None:
+            self.weight.data[self.padding_idx] = 0
 
     def forward(self, idx) -> Tensor:
-        return ops_nn.embedding(idx, self.weight)
+        return ops_nn.embedding(idx, self.weight, self.padding_idx)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
 
 
 class LayerNorm(Module):
@@ -120,6 +142,7 @@ class LayerNorm(Module):
         _to_device(self, device)
 
     def reset_parameters(self) -> None:
+        """Re-draw the parameters with the layer's default initialization."""
         if self.weight is not None:
             init.ones_(self.weight)
         if self.bias is not None:
@@ -135,11 +158,12 @@ class LayerNorm(Module):
 class Dropout(Module):
     """Zero elements with probability ``p`` in training mode; identity in eval mode."""
 
-    def __init__(self, p: float = 0.5):
+    def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability must be in [0, 1], got {p}")
         self.p = float(p)
+        self.inplace = _inplace_flag("Dropout", inplace)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops_nn.dropout(x, self.p, self.training)
@@ -148,8 +172,18 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
+def _inplace_flag(name: str, inplace) -> bool:
+    if inplace not in (False, True):
+        raise TypeError(f"{name}: inplace must be a bool, got {inplace!r}")
+    return bool(inplace)
+
+
 class ReLU(Module):
-    """``max(x, 0)``."""
+    """``max(x, 0)``; ``inplace`` is accepted for PyTorch compatibility (results are new tensors)."""
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = _inplace_flag("ReLU", inplace)
 
     def forward(self, x):
         return ops_nn.ReLU.apply(x)
@@ -172,23 +206,33 @@ class GELU(Module):
 
 
 class SiLU(Module):
-    """``x * sigmoid(x)``."""
+    """``x * sigmoid(x)``; ``inplace`` as in :class:`ReLU`."""
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = _inplace_flag("SiLU", inplace)
 
     def forward(self, x):
         return ops_nn.SiLU.apply(x)
 
 
 class Tanh(Module):
+    """Elementwise hyperbolic tangent."""
+
     def forward(self, x):
-        return ops.Tanh.apply(x)
+        return ops.tanh(x)
 
 
 class Sigmoid(Module):
+    """Elementwise logistic function."""
+
     def forward(self, x):
         return ops_nn.Sigmoid.apply(x)
 
 
 class Softmax(Module):
+    """Softmax along ``dim`` (default: the last)."""
+
     def __init__(self, dim: int = -1):
         super().__init__()
         self.dim = dim
@@ -201,6 +245,8 @@ class Softmax(Module):
 
 
 class Identity(Module):
+    """Returns its input unchanged."""
+
     def forward(self, x):
         return x
 

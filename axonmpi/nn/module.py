@@ -113,6 +113,7 @@ class Module:
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        """Compute the output; subclasses override it (call the module, not ``forward``, so hooks run)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward()")
 
     def __call__(self, *args, **kwargs):
@@ -155,10 +156,12 @@ class Module:
                 yield from m.named_modules(memo, f"{prefix}.{name}" if prefix else name)
 
     def modules(self) -> Iterator["Module"]:
+        """All modules of the tree, ``self`` first, each once."""
         for _, m in self.named_modules():
             yield m
 
     def named_children(self) -> Iterator[Tuple[str, "Module"]]:
+        """Direct submodules with their attribute names."""
         seen = set()
         for name, m in self._modules.items():
             if m is not None and id(m) not in seen:
@@ -166,6 +169,7 @@ class Module:
                 yield name, m
 
     def children(self) -> Iterator["Module"]:
+        """Direct submodules."""
         for _, m in self.named_children():
             yield m
 
@@ -184,13 +188,16 @@ class Module:
         return self._named_members("_parameters", prefix, recurse)
 
     def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        """All parameters (of submodules too when ``recurse``), each once."""
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
     def named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator[Tuple[str, Tensor]]:
+        """Buffers with dotted names (``"bn.running_mean"``)."""
         return self._named_members("_buffers", prefix, recurse)
 
     def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        """All buffers, each once."""
         for _, b in self.named_buffers(recurse=recurse):
             yield b
 
@@ -204,6 +211,7 @@ class Module:
         return m
 
     def get_parameter(self, target: str) -> Parameter:
+        """The parameter at dotted path ``target`` (``"0.weight"``); AttributeError naming the path if absent."""
         mod, _, name = target.rpartition(".")
         m = self.get_submodule(mod)
         if name not in m._parameters:
@@ -271,9 +279,10 @@ class Module:
         """Set evaluation mode."""
         return self.train(False)
 
-    def requires_grad_(self, flag: bool = True) -> "Module":
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        """Set ``requires_grad`` of every parameter; returns ``self``."""
         for p in self.parameters():
-            p.requires_grad = flag
+            p.requires_grad = requires_grad
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -306,12 +315,15 @@ class Module:
         return self
 
     def cpu(self) -> "Module":
+        """Move parameters and buffers to the host; returns ``self``."""
         return self.to("cpu")
 
     def float(self) -> "Module":
+        """Cast floating parameters and buffers to float32; returns ``self``."""
         return self.to(dtype=np.float32)
 
     def double(self) -> "Module":
+        """Cast floating parameters and buffers to float64; returns ``self``."""
         return self.to(dtype=np.float64)
 
     def apply(self, fn: Callable[["Module"], None]) -> "Module":
@@ -323,10 +335,11 @@ class Module:
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Total number of parameter elements."""
-        return sum(p.size for p in self.parameters() if p.requires_grad or not trainable_only)
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     # -- repr ------------------------------------------------------------------------------
     def extra_repr(self) -> str:
+        """Extra text shown inside this module's ``repr`` (its hyper-parameters)."""
         return ""
 
     def __repr__(self) -> str:
@@ -354,6 +367,7 @@ class Sequential(Module):
                 self.add_module(str(i), m)
 
     def forward(self, x):
+        """Apply the modules in order."""
         for m in self._modules.values():
             x = m(x)
         return x
@@ -371,6 +385,7 @@ class Sequential(Module):
         return iter(self._modules.values())
 
     def append(self, module: Module) -> "Sequential":
+        """Add ``module`` at the end; returns ``self``."""
         self.add_module(str(len(self._modules)), module)
         return self
 
@@ -400,15 +415,18 @@ class ModuleList(Module):
         return iter(self._modules.values())
 
     def append(self, module: Module) -> "ModuleList":
+        """Add ``module`` at the end; returns ``self``."""
         self.add_module(str(len(self._modules)), module)
         return self
 
     def extend(self, modules: Iterable[Module]) -> "ModuleList":
+        """Add ``modules`` at the end; returns ``self``."""
         for m in modules:
             self.append(m)
         return self
 
     def insert(self, index: int, module: Module) -> None:
+        """Insert ``module`` before position ``index``."""
         mods = list(self._modules.values())
         mods.insert(index, module)
         for k in list(self._modules):
@@ -446,10 +464,13 @@ class ModuleDict(Module):
         return key in self._modules
 
     def keys(self):
+        """The names, in insertion order."""
         return self._modules.keys()
 
     def values(self):
+        """The modules, in insertion order."""
         return self._modules.values()
 
     def items(self):
+        """``(name, module)`` pairs, in insertion order."""
         return self._modules.items()
