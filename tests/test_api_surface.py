@@ -150,6 +150,10 @@ EXAMPLES = {
     "axonmpi.get_array_module": lambda: axonmpi.get_array_module(np.ones(1)) is np,
     "axonmpi.get_logger": lambda: axonmpi.get_logger("axonmpi.api_surface").name == "axonmpi.api_surface",
     "axonmpi.get_world": lambda: axonmpi.get_world().world_size == axonmpi.world_size(),
+    "axonmpi.get_grid": lambda: axonmpi.get_grid().G_data == axonmpi.world_size(),
+    "axonmpi.GridCoords": lambda: axonmpi.GridCoords(0, 0, 0, 0, 1).col == 1,
+    "axonmpi.ProcessGrid": lambda: isinstance(axonmpi.get_grid(), axonmpi.ProcessGrid)
+    and axonmpi.get_grid().rank_of(axonmpi.get_grid().coords) == axonmpi.rank(),
     "axonmpi.gradcheck": lambda: axonmpi.gradcheck(lambda t: t * t, [_x(3)]),
     "axonmpi.init": lambda: axonmpi.init() is axonmpi.get_world(),
     "axonmpi.irecv": lambda: _p2p_self(axonmpi.irecv, np.zeros(2)),

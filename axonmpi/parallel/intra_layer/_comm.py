@@ -43,6 +43,8 @@ def _gcsb(y, sizes, group):
 
 
 class _GatherBatchScatterChannels(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, sizes, group):
         ctx.sizes, ctx.group = sizes, group
@@ -54,6 +56,8 @@ class _GatherBatchScatterChannels(Function):
 
 
 class _GatherChannelsScatterBatch(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, y, sizes, group):
         ctx.sizes, ctx.group = sizes, group
@@ -65,6 +69,8 @@ class _GatherChannelsScatterBatch(Function):
 
 
 class _Gatherv(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, sizes, group):
         ctx.bounds = _offset(sizes, group.rank)
@@ -77,6 +83,8 @@ class _Gatherv(Function):
 
 
 class _Dropv(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, sizes, group):
         ctx.group = group
@@ -91,6 +99,8 @@ class _Dropv(Function):
 class _GatherBiasEasy(Function):
     """Forward: the full bias from the row group's slices.  Backward: each plane rank added it to its
     own rows, so the gradient is summed over the column group and reduce-scattered over the row group."""
+
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
 
     @staticmethod
     def forward(ctx, b, outer, inner):

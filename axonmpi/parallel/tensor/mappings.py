@@ -75,6 +75,8 @@ def _reduce_scatter_along_first_dim(x, group: ProcessGroup):
 
 # -- layer 2: autograd pairs ------------------------------------------------------------------
 class _CopyToTensorParallelRegion(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -86,6 +88,8 @@ class _CopyToTensorParallelRegion(Function):
 
 
 class _ReduceFromTensorParallelRegion(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, group):
         return _reduce(x, group)
@@ -96,6 +100,8 @@ class _ReduceFromTensorParallelRegion(Function):
 
 
 class _ScatterToTensorParallelRegion(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -107,6 +113,8 @@ class _ScatterToTensorParallelRegion(Function):
 
 
 class _GatherFromTensorParallelRegion(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -118,6 +126,8 @@ class _GatherFromTensorParallelRegion(Function):
 
 
 class _ReduceScatterToSequenceParallelRegion(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -129,6 +139,8 @@ class _ReduceScatterToSequenceParallelRegion(Function):
 
 
 class _GatherFromSequenceParallelRegion(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
     @staticmethod
     def forward(ctx, x, group, tensor_parallel_output_grad):
         ctx.group, ctx.reduce = group, tensor_parallel_output_grad
