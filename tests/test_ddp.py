@@ -81,7 +81,7 @@ def _assert_params_equal(model, ref, rtol):
         np.testing.assert_allclose(p.data, q.data, rtol=rtol, atol=rtol * 1e-2, err_msg=name)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("grad_sync", [GradSyncStrategy.OVERLAP, GradSyncStrategy.AFTER_BACKWARD])
 @pytest.mark.parametrize("bucket_size_mb", [1e-4, 25.0])
 def test_ddp_matches_serial_adam_float64(world, grad_sync, bucket_size_mb):
@@ -93,7 +93,7 @@ def test_ddp_matches_serial_adam_float64(world, grad_sync, bucket_size_mb):
     _assert_params_equal(model, ref, 1e-10)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_matches_serial_float32_sgd_momentum(world):
     ref, ref_losses = _serial_run(world, np.float32, STEPS, SGD, lr=0.1, momentum=0.9)
     model, losses = _ddp_run(world, np.float32, STEPS, SGD)
@@ -101,12 +101,26 @@ def test_ddp_matches_serial_float32_sgd_momentum(world):
     _assert_params_equal(model, ref, 1e-5)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_no_sync_gradient_accumulation(world):
     ref, ref_losses = _serial_run(world, np.float64, 3, Adam, lr=1e-2)
     model, losses = _ddp_run(world, np.float64, 3, accumulate=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
     _assert_params_equal(model, ref, 1e-10)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_single_rank_group_ddp_is_the_serial_model(world):
+    """Over a group of one rank DDP must be the identity: same gradients, no collective, any world size."""
+    alone = world.split(world.rank, name="alone")
+    x, y = _data(B, seed=50 + world.rank)
+    ref = _mlp()
+    F.cross_entropy(ref(Tensor(x)), Tensor(y)).backward()
+    model = DDP(_mlp(), group=alone, record_events=True, find_unused_parameters=True)
+    F.cross_entropy(model(Tensor(x)), Tensor(y)).backward()
+    assert model.synchronizer.events == []
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        np.testing.assert_array_equal(p.grad.data, q.grad.data, err_msg=name)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -140,7 +154,7 @@ def test_ddp_broadcasts_buffers_each_forward(world):
     np.testing.assert_array_equal(m2.module.scale.data, world.rank + 5.0)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_parity_with_buffers(world):
     """A model whose forward reads a buffer: DDP (buffers broadcast each step) equals the serial run."""
     n, r = world.world_size, world.rank
@@ -216,7 +230,7 @@ def test_unused_parameter_is_a_clear_error(world):
         model(Tensor(x))
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_find_unused_parameters_keeps_parity(world):
     ref, ref_losses = _serial_run(world, np.float64, 3, Adam, lr=1e-2)
     model = DDP(_Skip(), find_unused_parameters=True)
@@ -233,7 +247,7 @@ def test_find_unused_parameters_keeps_parity(world):
         np.testing.assert_allclose(p.data, q.data, rtol=1e-10, err_msg=name)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_fp16_compression_hook_close_to_exact(world):
     x, y = _data(world.world_size * B, np.float32)
     lo = world.rank * B
@@ -258,7 +272,7 @@ def test_ddp_bad_options(world):
         DDP(_mlp(), bucket_size_mb=0)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_gpt_matches_serial(world):
     from axonmpi.models import GPT, GPTConfig
 

@@ -195,6 +195,7 @@ class FlatParameter(Parameter):
         self._shard = None          # padded chunk buffer (S elements) once sharded
         self._full = flat           # the full flat buffer (n elements) while unsharded
         self._full_grad = None      # the flat gradient buffer behind the params' .grad views
+        self._grad_views: List[Any] = []
         self._gather: Optional[Work] = None   # an unshard in flight
         self._gather_token = None             # identifies it to its continuation
         self._bind(flat)
@@ -230,6 +231,7 @@ class FlatParameter(Parameter):
             for p in self.params:
                 p.grad = None
             self._full_grad = None
+            self._grad_views = []
 
     def segments(self) -> List[FlatSegment]:
         """Which parameter elements this rank's chunk holds (all of them before :meth:`shard`)."""
@@ -290,8 +292,8 @@ class FlatParameter(Parameter):
         self._require_sharded("unshard")
         if self._gather is not None:                      # already in flight: same handle
             work = self._gather
-        elif self._full is not None and (dtype is None or self._full.dtype == np.dtype(dtype)):
-            work = Work(result=self._full)                # already gathered
+        elif self._full is not None and self._full.dtype == (self._shard.dtype if dtype is None else np.dtype(dtype)):
+            work = Work(result=self._full)                # already gathered (call reshard() to refresh)
         else:
             if self._full is not None:
                 self.reshard()
@@ -333,11 +335,9 @@ class FlatParameter(Parameter):
         Existing gradients are copied in (missing ones are zeros). Backward then accumulates
         straight into the buffer. Idempotent while the views are bound.
         """
-        views = None
-        if self._full_grad is not None:
-            views = self.layout.views(self._full_grad)
-            if all(p.grad is not None and p.grad.data is v for p, v in zip(self.params, views)):
-                return self._full_grad
+        if self._full_grad is not None and all(
+                p.grad is not None and p.grad.data is v for p, v in zip(self.params, self._grad_views)):
+            return self._full_grad
         xp = get_array_module(self.data)
         dtype = self.params[0].data.dtype if self._full is not None else self.data.dtype
         cap = self.world_size * self.padded_size if self.is_sharded else self.total_numel
@@ -346,7 +346,8 @@ class FlatParameter(Parameter):
             buf[self.total_numel:] = 0
         self.layout.pack([None if p.grad is None else p.grad.data for p in self.params], buf)
         self._full_grad = buf
-        for p, v in zip(self.params, self.layout.views(buf)):
+        self._grad_views = self.layout.views(buf)
+        for p, v in zip(self.params, self._grad_views):
             if p.grad is None:
                 p.grad = Tensor(v)
             else:
