@@ -288,6 +288,9 @@ class FlatParameter(Parameter):
 
         Returns:
             The Work with ``async_op=True`` (its result is the full buffer), else ``None``.
+
+        Already gathered in that dtype: nothing to do (the views are not refreshed; after the
+        shard changed, e.g. an optimizer step, :meth:`reshard` first).
         """
         self._require_sharded("unshard")
         if self._gather is not None:                      # already in flight: same handle

@@ -284,6 +284,9 @@ class GradientSynchronizer:
                 self._launch(b)
         for b in self.buckets:
             b.work.wait()
+            for p, v in zip(b.params, b.views):   # partly reduced: meaningless, drop them
+                if p.grad is not None and p.grad.data is v:
+                    p.grad = None
         self._phase = _Phase.IDLE
 
     def _missing(self) -> List[str]:
@@ -303,8 +306,8 @@ class GradientSynchronizer:
         raise RuntimeError(
             f"rank {self.group.world.rank}: DDP expected every parameter to receive a gradient in the "
             f"previous backward, but these did not: {missing}.{hint}"
-            + (" (If that backward raised: its reduction has been completed on every rank and discarded; "
-               "the next step starts clean.)" if drained else "")
+            + (" (If that backward raised: its reduction has been completed on every rank and discarded, "
+               "with the gradients it held; the next step starts clean.)" if drained else "")
         )
 
     def _begin_round(self) -> None:
