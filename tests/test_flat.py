@@ -255,3 +255,20 @@ def test_work_then_error_is_raised_by_wait(world):
             w.wait()
     with pytest.raises(TypeError, match="callable"):
         Work(result=1).then(3)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mixed_precision_round_trip_keeps_fp32_master(world):
+    """Compute copy in float16, gradient reduced in float32 into the float32 master chunk."""
+    k, r = world.world_size, world.rank
+    ps = _params(SHAPES[13], np.float32)
+    flat = FlatParameter(ps).shard().move_shard("cpu")
+    flat.unshard(dtype=np.float16, device="cpu")
+    assert all(p.data.dtype == np.float16 for p in ps)
+    buf = flat.bind_grads()
+    assert buf.dtype == np.float16
+    buf[:13] = (r + 1) * np.arange(1, 14)
+    flat.reduce_grad(reduce_dtype=np.float32)
+    lo, hi = flat.shard_range
+    assert flat.grad.data.dtype == np.float32
+    np.testing.assert_allclose(flat.grad.data, np.arange(lo + 1, hi + 1) * (k + 1) / 2, rtol=1e-3)

@@ -20,7 +20,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from ..autograd import Tensor
-from ..backend import get_array_module
+from ..backend import as_device, device_of, get_array_module, to_device
 from ..distributed import ReduceOp, Work, all_gather, chunk_bounds, reduce_scatter, resolve_group
 from ..nn.parameter import Parameter
 
@@ -130,7 +130,8 @@ class FlatParameter(Parameter):
 
     Lifecycle (FSDP's): ``shard(group)`` keeps this rank's chunk and frees the full buffer;
     ``unshard()`` all-gathers it back (``async_op=True`` for prefetch; ``dtype=`` for a
-    low-precision compute copy); ``reshard()`` frees it again. Gradients: ``bind_grads()``
+    low-precision compute copy; ``device=`` to gather on the compute device while
+    ``move_shard("cpu")`` keeps the chunk on the host); ``reshard()`` frees it again. Gradients: ``bind_grads()``
     makes every parameter's ``.grad`` a view of one flat gradient buffer (backward then
     accumulates straight into it), ``reduce_grad()`` reduce-scatters it into ``self.grad``
     (this rank's chunk, accumulated across calls) and frees the full gradient.
@@ -277,7 +278,7 @@ class FlatParameter(Parameter):
         if not self.is_sharded:
             raise RuntimeError(f"FlatParameter.{what}() needs shard(group) first")
 
-    def unshard(self, *, async_op: bool = False, dtype=None) -> Optional[Work]:
+    def unshard(self, *, async_op: bool = False, dtype=None, device=None) -> Optional[Work]:
         """All-gather the chunks into the full buffer and point every parameter at its view.
 
         Args:
@@ -285,24 +286,30 @@ class FlatParameter(Parameter):
                 gathered views when it completes (``wait()``). Until then they stay empty.
             dtype: gather a copy of the shard cast to this dtype (mixed-precision compute);
                 the parameters then hold that dtype. Default: the shard's dtype.
+            device: where the full buffer lives (CPU offload keeps the shard on the host and
+                gathers on the compute device). Default: the shard's device.
 
         Returns:
             The Work with ``async_op=True`` (its result is the full buffer), else ``None``.
 
-        Already gathered in that dtype: nothing to do (the views are not refreshed; after the
-        shard changed, e.g. an optimizer step, :meth:`reshard` first).
+        Already gathered in that dtype and on that device: nothing to do (the views are not
+        refreshed; after the shard changed, e.g. an optimizer step, :meth:`reshard` first).
         """
         self._require_sharded("unshard")
+        dev = device_of(self._shard) if device is None else as_device(device)
+        want = self._shard.dtype if dtype is None else np.dtype(dtype)
         if self._gather is not None:                      # already in flight: same handle
             work = self._gather
-        elif self._full is not None and self._full.dtype == (self._shard.dtype if dtype is None else np.dtype(dtype)):
+        elif self._full is not None and self._full.dtype == want and device_of(self._full) == dev:
             work = Work(result=self._full)                # already gathered (call reshard() to refresh)
         else:
             if self._full is not None:
                 self.reshard()
             k, size, n = self.world_size, self.padded_size, self.total_numel
-            xp = get_array_module(self._shard)
-            send = self._shard if dtype is None or np.dtype(dtype) == self._shard.dtype else self._shard.astype(dtype)
+            send = to_device(self._shard, dev)
+            if send.dtype != want:
+                send = send.astype(want)
+            xp = get_array_module(send)
             padded = xp.empty(k * size, send.dtype)
             inner = all_gather(send, group=self.group, out=padded, async_op=True)
             token = self._gather_token = object()
@@ -331,6 +338,23 @@ class FlatParameter(Parameter):
             w.wait()                                # the request completes; nothing is bound
         self._release()
 
+    def move_shard(self, device) -> "FlatParameter":
+        """Move this rank's chunk (and its gradient) to ``device``, e.g. ``"cpu"`` for CPU offload.
+
+        Build the optimizer after moving, so its state is allocated beside the shard.
+
+        Returns:
+            ``self``.
+        """
+        self._require_sharded("move_shard")
+        dev = as_device(device)
+        c = self.shard_range[1] - self.shard_range[0]
+        self._shard = to_device(self._shard, dev)
+        self.data = self._shard[:c]
+        if self.grad is not None:
+            self.grad.data = to_device(self.grad.data, dev)
+        return self
+
     # -- gradients -----------------------------------------------------------------------------
     def bind_grads(self):
         """Make every parameter's ``.grad`` a view of one flat gradient buffer; return it.
@@ -341,8 +365,8 @@ class FlatParameter(Parameter):
         if self._full_grad is not None and all(
                 p.grad is not None and p.grad.data is v for p, v in zip(self.params, self._grad_views)):
             return self._full_grad
-        xp = get_array_module(self.data)
-        dtype = self.params[0].data.dtype if self._full is not None else self.data.dtype
+        like = self._full if self._full is not None else self.data    # the compute copy's dtype/device
+        xp, dtype = get_array_module(like), like.dtype
         cap = self.world_size * self.padded_size if self.is_sharded else self.total_numel
         buf = xp.empty(cap, dtype)
         if cap > self.total_numel:
@@ -389,7 +413,7 @@ class FlatParameter(Parameter):
         c = self.shard_range[1] - self.shard_range[0]
 
         def done(slot):
-            part = slot[:c]
+            part = to_device(slot[:c], device_of(self._shard))     # the shard may live on the host
             if self.grad is None:
                 self.grad = Tensor(part.astype(self.data.dtype, copy=part.dtype != self.data.dtype))
             else:
