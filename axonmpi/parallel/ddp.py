@@ -457,7 +457,8 @@ class DistributedDataParallel(Module):
         bucket_size_mb: cap of one gradient bucket in MiB (default 25, as PyTorch).
         broadcast_buffers: broadcast buffers from group rank 0 at every forward.
         grad_sync: :class:`GradSyncStrategy` (OVERLAP or AFTER_BACKWARD).
-        find_unused_parameters: allow parameters that get no gradient in a step.
+        find_unused_parameters: allow parameters that get no gradient in a step (found from the
+            forward's graph; no collective in forward, the same collective order on every rank).
         comm_hook: ``None`` (all-reduce), ``"fp16"`` (float16 compression) or a callable
             ``(bucket, group) -> Work`` that reduces ``bucket.buffer`` in place.
         reduce_op: ``ReduceOp.MEAN`` (default) or ``ReduceOp.SUM`` (for unequal local batches:
@@ -477,6 +478,7 @@ class DistributedDataParallel(Module):
 
     Gradient accumulation: run the first ``k - 1`` micro-batches inside ``with model.no_sync():``
     and the last one outside; the reduction then carries the accumulated gradients once.
+    A further backward before the next forward is reduced again (see the module notes).
     """
 
     def __init__(self, module: Module, group=None, bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
