@@ -81,7 +81,7 @@ def _assert_params_equal(model, ref, rtol):
         np.testing.assert_allclose(p.data, q.data, rtol=rtol, atol=rtol * 1e-2, err_msg=name)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("grad_sync", [GradSyncStrategy.OVERLAP, GradSyncStrategy.AFTER_BACKWARD])
 @pytest.mark.parametrize("bucket_size_mb", [1e-4, 25.0])
 def test_ddp_matches_serial_adam_float64(world, grad_sync, bucket_size_mb):
@@ -93,7 +93,7 @@ def test_ddp_matches_serial_adam_float64(world, grad_sync, bucket_size_mb):
     _assert_params_equal(model, ref, 1e-10)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_matches_serial_float32_sgd_momentum(world):
     ref, ref_losses = _serial_run(world, np.float32, STEPS, SGD, lr=0.1, momentum=0.9)
     model, losses = _ddp_run(world, np.float32, STEPS, SGD)
@@ -101,12 +101,26 @@ def test_ddp_matches_serial_float32_sgd_momentum(world):
     _assert_params_equal(model, ref, 1e-5)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_no_sync_gradient_accumulation(world):
     ref, ref_losses = _serial_run(world, np.float64, 3, Adam, lr=1e-2)
     model, losses = _ddp_run(world, np.float64, 3, accumulate=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
     _assert_params_equal(model, ref, 1e-10)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_single_rank_group_ddp_is_the_serial_model(world):
+    """Over a group of one rank DDP must be the identity: same gradients, no collective, any world size."""
+    alone = world.split(world.rank, name="alone")
+    x, y = _data(B, seed=50 + world.rank)
+    ref = _mlp()
+    F.cross_entropy(ref(Tensor(x)), Tensor(y)).backward()
+    model = DDP(_mlp(), group=alone, record_events=True, find_unused_parameters=True)
+    F.cross_entropy(model(Tensor(x)), Tensor(y)).backward()
+    assert model.synchronizer.events == []
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        np.testing.assert_array_equal(p.grad.data, q.grad.data, err_msg=name)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -140,7 +154,7 @@ def test_ddp_broadcasts_buffers_each_forward(world):
     np.testing.assert_array_equal(m2.module.scale.data, world.rank + 5.0)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_parity_with_buffers(world):
     """A model whose forward reads a buffer: DDP (buffers broadcast each step) equals the serial run."""
     n, r = world.world_size, world.rank
@@ -216,7 +230,7 @@ def test_unused_parameter_is_a_clear_error(world):
         model(Tensor(x))
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_find_unused_parameters_keeps_parity(world):
     ref, ref_losses = _serial_run(world, np.float64, 3, Adam, lr=1e-2)
     model = DDP(_Skip(), find_unused_parameters=True)
@@ -233,7 +247,7 @@ def test_find_unused_parameters_keeps_parity(world):
         np.testing.assert_allclose(p.data, q.data, rtol=1e-10, err_msg=name)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_fp16_compression_hook_close_to_exact(world):
     x, y = _data(world.world_size * B, np.float32)
     lo = world.rank * B
@@ -258,7 +272,7 @@ def test_ddp_bad_options(world):
         DDP(_mlp(), bucket_size_mb=0)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)
 def test_ddp_gpt_matches_serial(world):
     from axonmpi.models import GPT, GPTConfig
 
@@ -352,3 +366,189 @@ def test_sampler_resume_state_on_other_replica_count(world):
     t.load_state_dict(st)
     assert t.epoch == 1 and t.seed == 9 and len(t) == t.num_samples - 2
     assert list(t) == t.indices()[2:].tolist()
+
+
+# -- issue 16: one collective order on every rank, second backward, no dropped requests ---------------
+class _Branches(nn.Module):
+    """A trunk and two one-output heads; ``use`` says which heads this forward runs.
+
+    Registered last, the heads land in the first buckets (reverse registration order), so a
+    rank that skips a head would be the first to want its bucket reduced.
+    """
+
+    def __init__(self):
+        super().__init__()
+        axonmpi.random.manual_seed(77)
+        self.trunk = nn.Linear(5, 4, dtype=np.float64)
+        self.never = nn.Linear(4, 1, dtype=np.float64)     # unused on every rank
+        self.a = nn.Linear(4, 1, dtype=np.float64)
+        self.b = nn.Linear(4, 1, dtype=np.float64)
+        self.use = ("a", "b")
+
+    def forward(self, x):
+        h = self.trunk(x).tanh()
+        out = h.sum() * 0.1
+        for name in self.use:
+            out = out + getattr(self, name)(h).sum()
+        return out
+
+
+def _heads_of(rank):
+    """Rank 0 skips b, rank 1 skips a, rank 2 skips b, rank 3 runs both."""
+    return {0: ("a",), 1: ("b",), 2: ("a",), 3: ("a", "b")}[rank % 4]
+
+
+def _closed_form_grads(x, use, n):
+    """The averaged gradient from a plain model on every rank: sum of local grads / n."""
+    ref = _Branches()
+    ref.use = use
+    loss = ref(Tensor(x))
+    loss.backward()
+    grads = {}
+    for name, p in ref.named_parameters():
+        g = p.grad.data if p.grad is not None else np.zeros_like(p.data)
+        grads[name] = axonmpi.all_reduce(g) / n
+    return grads, float(loss.item())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("between", ["async", "blocking"])
+@pytest.mark.parametrize("grad_sync", [GradSyncStrategy.OVERLAP, GradSyncStrategy.AFTER_BACKWARD])
+def test_find_unused_same_collective_order_on_every_rank(world, between, grad_sync):
+    n, r = world.world_size, world.rank
+    rng = np.random.default_rng(100 + r)
+    model = DDP(_Branches(), find_unused_parameters=True, bucket_size_mb=1e-6, grad_sync=grad_sync)
+    assert [bk.names for bk in model.buckets[:4]] == [["b.bias"], ["b.weight"], ["a.bias"], ["a.weight"]]
+    for step in range(2):
+        x = rng.standard_normal((3, 5))
+        use = _heads_of(r) if step == 0 else _heads_of(r + 1)
+        model.module.use = use
+        model.zero_grad()
+        loss = model(Tensor(x))
+        lv = np.array([loss.item()])
+        if between == "async":                       # the user's collective between forward and backward
+            w = axonmpi.all_reduce(lv, async_op=True)
+            loss.backward()
+            total = w.wait()
+        else:
+            total = axonmpi.all_reduce(lv)
+            loss.backward()
+        expected, local = _closed_form_grads(x, use, n)
+        np.testing.assert_allclose(total, axonmpi.all_reduce(np.array([local])), rtol=1e-12)
+        for name, p in model.named_parameters():
+            if name.startswith("never."):
+                assert p.grad is None, name
+                continue
+            np.testing.assert_allclose(p.grad.data, expected[name], rtol=1e-12, atol=1e-15, err_msg=name)
+            everyone = axonmpi.all_gather(p.grad.data[None])
+            np.testing.assert_array_equal(everyone, np.broadcast_to(p.grad.data, everyone.shape), err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_find_unused_launches_nothing_in_forward(world):
+    model = DDP(_Branches(), find_unused_parameters=True, bucket_size_mb=1e-6, record_events=True)
+    model.module.use = _heads_of(world.rank)
+    loss = model(Tensor(np.ones((2, 5))))
+    assert not any(e[0] == "launch" for e in model.synchronizer.events)
+    assert all(bk.work is None for bk in model.buckets)
+    loss.backward()
+    launches = [e[1] for e in model.synchronizer.events if e[0] == "launch"]
+    assert launches == list(range(len(model.buckets)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_find_unused_keeps_no_sync_accumulated_gradient(world):
+    """A head used only in the no_sync micro-batch on this rank still contributes its gradient."""
+    n, r = world.world_size, world.rank
+    x1, x2 = np.full((2, 5), 0.3 + r), np.full((2, 5), -0.2 * r)
+    model = DDP(_Branches(), find_unused_parameters=True, bucket_size_mb=1e-6)
+    with model.no_sync():
+        model.module.use = ("a", "b")
+        model(Tensor(x1)).backward()
+    model.module.use = ("a",) if r == 0 else ("a", "b")
+    model(Tensor(x2)).backward()
+    ref = _Branches()
+    ref.use = ("a", "b")
+    ref(Tensor(x1)).backward()
+    ref.use = model.module.use
+    ref(Tensor(x2)).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if name.startswith("never."):
+            assert p.grad is None
+            continue
+        np.testing.assert_allclose(p.grad.data, axonmpi.all_reduce(q.grad.data) / n, rtol=1e-12, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_second_backward_in_one_step_is_synchronised(world, find_unused):
+    n, r = world.world_size, world.rank
+    lin = nn.Linear(1, 1, bias=False, dtype=np.float64)
+    lin.weight.data[...] = 1.0
+    model = DDP(lin, find_unused_parameters=find_unused)
+    x = np.array([[1.5 + 3.0 * r]])          # local grad of sum(w x) is x
+    loss = model(Tensor(x)).sum()
+    loss.backward(retain_graph=True)
+    mean_x = np.mean([1.5 + 3.0 * k for k in range(n)])
+    np.testing.assert_allclose(lin.weight.grad.data, [[mean_x]], rtol=1e-14)
+    (loss * 2.0).backward()                     # another backward, no forward in between
+    np.testing.assert_allclose(lin.weight.grad.data, [[3.0 * mean_x]], rtol=1e-14)
+    # the next step is a normal step again
+    lin.weight.grad = None
+    model(Tensor(x)).sum().backward()
+    np.testing.assert_allclose(lin.weight.grad.data, [[mean_x]], rtol=1e-14)
+
+
+class _RaiseOnce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _mlp()
+        self.fail = False
+
+    def forward(self, x):
+        h = x
+        for i in range(5):
+            h = self.body[i](h)
+            if i == 2 and self.fail:
+                def boom(g):
+                    raise FloatingPointError("injected in backward")
+                h.register_hook(boom)
+        return h
+
+
+@pytest.mark.mpi(min_size=2)
+def test_exception_mid_backward_completes_requests_and_next_step_is_right(world):
+    n, r = world.world_size, world.rank
+    model = DDP(_RaiseOnce(), bucket_size_mb=1e-6)
+    x, y = _data(n * B)
+    xl, yl = x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]
+    model.module.fail = True
+    with pytest.raises(FloatingPointError):
+        F.cross_entropy(model(Tensor(xl)), Tensor(yl)).backward()
+    started = [bk.work for bk in model.buckets if bk.work is not None]
+    assert started                                # buckets of the last layers were already launched
+    model.module.fail = False
+    with pytest.raises(RuntimeError, match=r"previous backward.*completed on every rank and discarded"):
+        model(Tensor(xl))
+    assert all(w.is_completed() for w in started)
+    assert all(p.grad is None for p in model.parameters())   # partly reduced gradients were dropped
+    # the following step: an extra collective between forward and backward, and exact gradients
+    loss = F.cross_entropy(model(Tensor(xl)), Tensor(yl))
+    s = axonmpi.all_reduce(np.array([float(r)]), async_op=True)
+    loss.backward()
+    assert s.wait()[0] == n * (n - 1) / 2
+    ref = _mlp()
+    F.cross_entropy(ref(Tensor(x)), Tensor(y)).backward()
+    for (name, p), (_, q) in zip(model.module.body.named_parameters(), ref.named_parameters()):
+        np.testing.assert_allclose(p.grad.data, q.grad.data, rtol=1e-10, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_remove_hooks_waits_for_reductions_in_flight(world):
+    model = DDP(_RaiseOnce(), bucket_size_mb=1e-6)
+    x, y = _data(B)
+    model.module.fail = True
+    with pytest.raises(FloatingPointError):
+        F.cross_entropy(model(Tensor(x)), Tensor(y)).backward()
+    model.synchronizer.remove_hooks()
+    assert all(bk.work is not None and bk.work.is_completed() for bk in model.buckets)

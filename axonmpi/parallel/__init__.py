@@ -1,5 +1,6 @@
-"""Parallel strategies: data parallel (DDP), tensor parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in
-``intra_layer``, ``auto_parallelize``); sharded and pipeline parallel build here."""
+"""Parallel strategies: data parallel (DDP), the flat parameter the sharded strategies build on, tensor
+parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in ``intra_layer``, ``auto_parallelize``)."""
+from ._flat import FlatLayout, FlatParameter, FlatSegment
 from .ddp import (
     DDP, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy, allreduce_hook,
     fp16_compress_hook,
@@ -10,6 +11,6 @@ from .tensor.groups import TensorParallelGroups
 
 __all__ = [
     "DDP", "DistributedDataParallel", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
-    "TensorParallelGroups",
+    "TensorParallelGroups", "FlatLayout", "FlatParameter", "FlatSegment",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]

@@ -2,31 +2,58 @@
 
 [Note: DDP gradient flow]
 Parameters are packed, in reverse registration order (roughly the order backward produces
-their gradients), into flat contiguous buckets of at most ``bucket_size_mb``, one per dtype
-and device. A post-accumulate-grad hook on every parameter fires as soon as its gradient of
-this backward is final; it copies the gradient into the parameter's slice of its bucket,
-pre-scaled by 1/size (so a SUM all-reduce yields the mean and no extra pass is needed), and
-rebinds ``param.grad`` to that slice. When every parameter of bucket ``i`` is ready and all
-buckets before it have been launched, bucket ``i``'s all-reduce is launched (non-blocking
-with ``GradSyncStrategy.OVERLAP``), so every rank issues the same collectives in the same
-order. When the last parameter is ready, all reductions are waited on, so ``loss.backward()``
-returns with averaged gradients. ``sync_gradients()`` does the same explicitly and is
-idempotent. With ``find_unused_parameters=True`` the forward pass walks the autograd graph
-from the outputs and marks parameters that cannot receive a gradient as ready up front;
-parameters unused on every rank keep ``grad=None``.
+their gradients), into flat contiguous buckets of at most ``bucket_size_mb`` (a
+:class:`~axonmpi.parallel._flat.FlatLayout` of views), one per dtype and device. A
+post-accumulate-grad hook on every parameter fires as soon as its gradient of this backward
+is final; it copies the gradient into the parameter's slice of its bucket, pre-scaled by
+1/size (so a SUM all-reduce yields the mean and no extra pass is needed), and rebinds
+``param.grad`` to that slice. When every parameter of bucket ``i`` is ready and all buckets
+before it have been launched, bucket ``i``'s all-reduce is launched (non-blocking with
+``GradSyncStrategy.OVERLAP``). When the last parameter is ready, all reductions are waited on,
+so ``loss.backward()`` returns with averaged gradients. ``sync_gradients()`` does the same
+explicitly and is idempotent.
+
+[Note: one collective order on every rank]
+MPI matches collectives on a communicator by their order, so every rank must issue the same
+collectives in the same order, whatever its local graph looks like. Hence: nothing is ever
+launched in ``forward()`` (a collective the user issues between forward and backward then
+meets the same collective everywhere); during backward, buckets are launched strictly in
+index order; with ``find_unused_parameters=True`` one small all-reduce of "has a gradient"
+flags follows the last bucket. Parameters that the forward's graph cannot reach on this rank
+are found in ``forward()`` but only *marked* there; they are filled into their buckets (their
+current ``.grad``, or zeros) when this rank's backward starts (the first hook on an output or a
+parameter). A parameter gets ``grad=None`` only if no rank had a gradient for it.
+
+[Note: a second backward in one step]
+After a step's reduction has finished, another backward before the next ``forward()`` (e.g.
+``loss.backward(retain_graph=True)`` then ``loss2.backward()``) starts a new round: every
+bucket is reduced again. The first round left the same averaged gradient ``A`` on every rank,
+and the engine adds the new local gradient ``g`` onto it, so the new average is
+``mean(A + g) = A + mean(g)``: the correct accumulated gradient, identical on all ranks. (PyTorch's
+DDP silently skips the second reduction.) Each backward must reach every parameter the forward
+used, as the first one must.
+
+[Note: no request is dropped]
+A started non-blocking reduction is always waited on: if a backward stops part way (an
+exception), the next ``forward()`` (or ``remove_hooks()``) launches the remaining buckets in
+order and waits for all of them on every rank, then discards the round and raises, naming the
+parameters that got no gradient. Dropping a pending MPI request would free it
+(``MPI_Request_free``) while a late rank may still write into its buffer.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..autograd import Tensor, no_grad
+from ..autograd.graph import reachable_leaves, tensors_in
 from ..backend import get_array_module
 from ..distributed import ReduceOp, Work, all_reduce, broadcast, resolve_group
 from ..nn import Module
+from ._flat import FlatLayout
 
 __all__ = [
     "DistributedDataParallel", "DDP", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
@@ -47,6 +74,15 @@ class GradSyncStrategy(enum.Enum):
     AFTER_BACKWARD = "after_backward"
 
 
+class _Phase(enum.Enum):
+    """Where the synchronizer is in a step."""
+
+    IDLE = "idle"          # no reduction expected (before a forward, inside no_sync, size 1)
+    ARMED = "armed"        # forward ran; waiting for backward to start
+    RUNNING = "running"    # backward started: buckets fill and launch
+    SYNCED = "synced"      # reduced; a further backward before forward starts a new round
+
+
 # -- communication hooks ------------------------------------------------------------------------
 def allreduce_hook(bucket: "GradientBucket", group) -> Work:
     """Default hook: sum the (pre-scaled) bucket in place with one non-blocking all-reduce."""
@@ -61,37 +97,13 @@ def fp16_compress_hook(bucket: "GradientBucket", group) -> Work:
     """
     xp = get_array_module(bucket.buffer)
     half = bucket.buffer.astype(xp.float16)
-    work = all_reduce(half, ReduceOp.SUM, group, out=half, async_op=True)
     buf = bucket.buffer
 
-    def finish():
-        work.wait()
-        buf[...] = half
+    def upcast(h):
+        buf[...] = h
         return buf
 
-    return _ChainedWork(work, finish)
-
-
-class _ChainedWork(Work):
-    """A Work that completes an inner Work, then runs a finishing step."""
-
-    __slots__ = ("_inner", "_then")
-
-    def __init__(self, inner: Work, then: Callable[[], Any]):
-        super().__init__(result=None)
-        self._done = False
-        self._inner, self._then = inner, then
-
-    def wait(self):
-        if not self._done:
-            self._result = self._then()
-            self._done = True
-        return self._result
-
-    def is_completed(self) -> bool:
-        if not self._done and self._inner.is_completed():
-            self.wait()
-        return self._done
+    return all_reduce(half, ReduceOp.SUM, group, out=half, async_op=True).then(upcast)
 
 
 _HOOKS = {None: allreduce_hook, "allreduce": allreduce_hook, "fp16": fp16_compress_hook}
@@ -105,6 +117,7 @@ class GradientBucket:
         index: position in launch order.
         params: the parameters, in the order their slices lie in ``buffer``.
         names: their qualified names (for messages).
+        layout: the :class:`~axonmpi.parallel._flat.FlatLayout` of the slices.
         buffer: the flat array (parameters' dtype and device).
         views: per parameter, its slice of ``buffer`` reshaped to the parameter's shape.
     """
@@ -115,15 +128,9 @@ class GradientBucket:
         self.names = list(names)
         first = self.params[0].data
         xp = get_array_module(first)
-        total = sum(int(p.data.size) for p in self.params)
-        self.buffer = xp.zeros(total, dtype=first.dtype)
-        self.views = []
-        off = 0
-        for p in self.params:
-            n = int(p.data.size)
-            self.views.append(self.buffer[off:off + n].reshape(p.data.shape))
-            off += n
-        self.slot = {id(p): i for i, p in enumerate(self.params)}
+        self.layout = FlatLayout([p.data.shape for p in self.params])
+        self.buffer = xp.zeros(self.layout.numel, dtype=first.dtype)
+        self.views = self.layout.views(self.buffer)
         self.ready = [False] * len(self.params)
         self.n_ready = 0
         self.work: Optional[Work] = None
@@ -134,6 +141,9 @@ class GradientBucket:
         return int(self.buffer.nbytes)
 
     def reset(self) -> None:
+        """Forget this round; refuses while a launched reduction is still in flight."""
+        if self.work is not None and not self.work.is_completed():
+            raise RuntimeError(f"bucket {self.index}: reset while its reduction is in flight; wait() it first")
         self.ready = [False] * len(self.params)
         self.n_ready = 0
         self.work = None
@@ -156,9 +166,9 @@ class GradientSynchronizer:
         strategy: a :class:`GradSyncStrategy`.
         comm_hook: ``None``/``"allreduce"``, ``"fp16"``, or ``callable(bucket, group) -> Work``.
         reduce_op: ``ReduceOp.MEAN`` (average, default) or ``ReduceOp.SUM``.
-        find_unused_parameters: accept parameters that receive no gradient (see the module note).
-        record_events: keep ``events`` (``("ready", name)`` and ``("launch", bucket_index)``)
-            for inspection and tests.
+        find_unused_parameters: accept parameters that receive no gradient (see the module notes).
+        record_events: keep ``events`` (``("ready", name)``, ``("unused", name)``,
+            ``("launch", bucket_index)``) for inspection and tests.
     """
 
     def __init__(self, named_params: Sequence[Tuple[str, Tensor]], group=None, *, bucket_size_mb: float = 25.0,
@@ -201,9 +211,9 @@ class GradientSynchronizer:
         self._next_launch = 0
         self._n_ready = 0
         self._total = len(self.named_params)
-        self._active = False         # a backward of a synced step is in progress
-        self._local_used: Optional[np.ndarray] = None
-        self._finishing = False
+        self._phase = _Phase.IDLE
+        self._unused: List[Tuple[GradientBucket, int]] = []   # unreachable from this forward's outputs
+        self._has_grad: Optional[np.ndarray] = None
         self._flat_index = {id(p): k for k, p in enumerate(p for b in self.buckets for p in b.params)}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in self.named_params]
         self._scale = 1.0 / self.group.size if reduce_op is ReduceOp.MEAN else 1.0
@@ -228,51 +238,106 @@ class GradientSynchronizer:
         return buckets
 
     def remove_hooks(self) -> None:
-        """Unregister the gradient hooks (the synchronizer stops acting)."""
+        """Unregister the gradient hooks (the synchronizer stops acting); completes a round in flight."""
+        if self._phase is _Phase.RUNNING:
+            self._drain()
         for h in self._handles:
             h.remove()
         self._handles = []
 
     # -- the per-step protocol ------------------------------------------------------------------------
     def prepare_forward(self, outputs: Any = None) -> None:
-        """Start a step: check the previous one finished; find unused parameters if asked."""
-        if self._active and self._n_ready:
-            self._raise_unfinished()
+        """Start a step: finish off an interrupted one; find unused parameters if asked.
+
+        Raises:
+            RuntimeError: the previous backward did not give every parameter a gradient (a
+                parameter outside the loss without ``find_unused_parameters=True``, or a
+                backward that raised). The round is completed and discarded first, so the
+                next step works.
+        """
+        if self._phase is _Phase.RUNNING:
+            missing = self._missing()
+            self._drain()
+            self._raise_unfinished(missing)
         self._reset()
-        if self._active and self.find_unused_parameters and outputs is not None:
-            reachable = _reachable_leaves(outputs)
-            for b in self.buckets:
-                for i, p in enumerate(b.params):
-                    if id(p) not in reachable:
-                        self._mark_unused(b, i)
+        self._unused = []
+        if self._phase is _Phase.ARMED and self.find_unused_parameters and outputs is not None:
+            reachable = reachable_leaves(outputs)
+            self._unused = [(b, i) for b in self.buckets for i, p in enumerate(b.params) if id(p) not in reachable]
+            if self._unused:
+                for t in tensors_in(outputs):
+                    if t.grad_fn is not None:
+                        t.register_hook(self._on_output_grad)
 
     def _reset(self) -> None:
         for b in self.buckets:
             b.reset()
         self._next_launch = 0
         self._n_ready = 0
-        self._active = self.enabled and self.group.size > 1
-        self._local_used = np.ones(self._total, np.uint8) if self.find_unused_parameters else None
+        self._phase = _Phase.ARMED if (self.enabled and self.group.size > 1) else _Phase.IDLE
+        self._has_grad = np.ones(self._total, np.uint8) if self.find_unused_parameters else None
 
-    def _raise_unfinished(self) -> None:
-        missing = []
+    def _drain(self) -> None:
+        """Complete an interrupted round: launch what is left in order, wait for everything."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            b.work.wait()
+            for p, v in zip(b.params, b.views):   # partly reduced: meaningless, drop them
+                if p.grad is not None and p.grad.data is v:
+                    p.grad = None
+        self._phase = _Phase.IDLE
+
+    def _missing(self) -> List[str]:
+        out = []
         for name, p in self.named_params:
             b, i = self._where[id(p)]
             if not b.ready[i]:
-                missing.append(name)
+                out.append(name)
+        return out
+
+    def _raise_unfinished(self, missing: Optional[List[str]] = None) -> None:
+        drained = missing is not None
+        missing = self._missing() if missing is None else missing
+        hint = ("" if self.find_unused_parameters else
+                " Pass find_unused_parameters=True to DistributedDataParallel if parts of the model are "
+                "skipped on purpose, or make sure every parameter takes part in the loss.")
         raise RuntimeError(
             f"rank {self.group.world.rank}: DDP expected every parameter to receive a gradient in the "
-            f"previous backward, but these did not: {missing}. Pass find_unused_parameters=True to "
-            "DistributedDataParallel if parts of the model are skipped on purpose, or make sure every "
-            "parameter takes part in the loss."
+            f"previous backward, but these did not: {missing}.{hint}"
+            + (" (If that backward raised: its reduction has been completed on every rank and discarded, "
+               "with the gradients it held; the next step starts clean.)" if drained else "")
         )
 
+    def _begin_round(self) -> None:
+        """This rank's backward has started: fill the unused parameters (no collective yet)."""
+        if self._phase is _Phase.SYNCED:
+            self._reset()                      # a further backward in the same step (see the note)
+        self._phase = _Phase.RUNNING
+        for b, i in self._unused:
+            self._fill_unused(b, i)
+        if self.strategy is GradSyncStrategy.OVERLAP:
+            self._launch_ready_buckets()
+
+    def _on_output_grad(self, grad: Tensor) -> None:
+        if self._phase is _Phase.ARMED or (self._phase is _Phase.SYNCED and self.enabled):
+            self._begin_round()
+            if self._n_ready == self._total:
+                self.finish()
+
     def _on_grad_ready(self, p: Tensor) -> None:
-        if not self._active:
-            return
+        phase = self._phase
+        if phase is not _Phase.RUNNING:
+            if phase is _Phase.IDLE or (phase is _Phase.SYNCED and not self.enabled):
+                return
+            self._begin_round()
         b, i = self._where[id(p)]
         if b.ready[i]:
-            return  # a second backward through the same graph (retain_graph) in one step
+            raise RuntimeError(
+                f"rank {self.group.world.rank}: DDP parameter {b.names[i]!r} received a second gradient in "
+                "one reduction round: either it was found unused in forward() yet used afterwards, or a "
+                "backward started before the previous one reduced every parameter")
         view = b.views[i]
         g = p.grad.data
         if g is view:
@@ -287,10 +352,12 @@ class GradientSynchronizer:
             self.events.append(("ready", b.names[i]))
         self._mark_ready(b, i)
 
-    def _mark_ready(self, b: GradientBucket, i: int) -> None:
+    def _mark_ready(self, b: GradientBucket, i: int, launch: bool = True) -> None:
         b.ready[i] = True
         b.n_ready += 1
         self._n_ready += 1
+        if not launch:
+            return
         if b.n_ready == len(b.params) and self.strategy is GradSyncStrategy.OVERLAP:
             self._launch_ready_buckets()
         elif self.strategy is GradSyncStrategy.OVERLAP:
@@ -304,7 +371,6 @@ class GradientSynchronizer:
             if b.n_ready < len(b.params):
                 break
             self._launch(b)
-            self._next_launch += 1
         self._poke()
 
     def _launch(self, b: GradientBucket) -> None:
@@ -312,6 +378,7 @@ class GradientSynchronizer:
             self.events.append(("launch", b.index))
         b.launched = True
         b.work = self.comm_hook(b, self.group)
+        self._next_launch = b.index + 1
 
     def _poke(self) -> None:
         """Drive MPI progress of in-flight reductions (MPI progresses only inside MPI calls)."""
@@ -321,16 +388,19 @@ class GradientSynchronizer:
 
     def finish(self) -> None:
         """Launch what is left, wait for every bucket and leave averaged gradients in ``.grad``."""
-        if not self._active or self._finishing:
+        if self._phase is _Phase.ARMED and self.find_unused_parameters:
+            self._begin_round()                # this rank's backward reached nothing
+        if self._phase is _Phase.ARMED:
+            self._raise_unfinished()
+        if self._phase is not _Phase.RUNNING:
             return
         if self._n_ready < self._total:
             if not self.find_unused_parameters:
                 self._raise_unfinished()
-            self._finishing = True
-            try:
-                self._fill_unused()
-            finally:
-                self._finishing = False
+            for b in self.buckets:             # reachable, but this backward did not reach them
+                for i in range(len(b.params)):
+                    if not b.ready[i]:
+                        self._fill_unused(b, i)
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
@@ -340,26 +410,28 @@ class GradientSynchronizer:
             b.work.wait()
         if self.find_unused_parameters:
             self._apply_global_unused()
-        self._active = False
-        self._n_ready = 0
+        self._phase = _Phase.SYNCED
 
-    def _mark_unused(self, b: GradientBucket, i: int) -> None:
-        """Parameter ``i`` of ``b`` gets no gradient here: contribute zeros, remember it."""
-        b.views[i][...] = 0
-        self._local_used[self._flat_index[id(b.params[i])]] = 0
+    def _fill_unused(self, b: GradientBucket, i: int) -> None:
+        """Parameter ``i`` of ``b`` gets no gradient from this backward: contribute its current
+        ``.grad`` (e.g. accumulated under ``no_sync``), or zeros when it has none."""
+        p, view = b.params[i], b.views[i]
+        if p.grad is None:
+            view[...] = 0
+            self._has_grad[self._flat_index[id(p)]] = 0
+        else:
+            if p.grad.data is not view:
+                get_array_module(view).multiply(p.grad.data, self._scale, out=view)
+                p.grad.data = view
+            elif self._scale != 1.0:
+                view *= self._scale
         if self.events is not None:
             self.events.append(("unused", b.names[i]))
-        self._mark_ready(b, i)
-
-    def _fill_unused(self) -> None:
-        for b in self.buckets:
-            for i in range(len(b.params)):
-                if not b.ready[i] and self._active:
-                    self._mark_unused(b, i)
+        self._mark_ready(b, i, launch=False)
 
     def _apply_global_unused(self) -> None:
-        """Parameters unused on every rank keep ``grad=None``; the others get the averaged slice."""
-        glob = all_reduce(self._local_used, ReduceOp.MAX, self.group)
+        """Parameters without a gradient on every rank keep ``grad=None``; the others get the average."""
+        glob = all_reduce(self._has_grad, ReduceOp.MAX, self.group)
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 if glob[self._flat_index[id(p)]]:
@@ -369,40 +441,6 @@ class GradientSynchronizer:
                         p.grad.data = b.views[i]
                 else:
                     p.grad = None
-
-
-def _reachable_leaves(outputs: Any) -> set:
-    """ids of the leaf tensors the autograd graph of ``outputs`` reaches."""
-    stack, seen, leaves = [], set(), set()
-    for t in _tensors_in(outputs):
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad:
-            leaves.add(id(t))
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for e in getattr(fn, "_edges", ()) or ():
-            if e is None:
-                continue
-            if e[1] < 0:
-                leaves.add(id(e[0]))
-            elif id(e[0]) not in seen:
-                stack.append(e[0])
-    return leaves
-
-
-def _tensors_in(obj: Any) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors_in(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors_in(o)
 
 
 # -- the public strategy --------------------------------------------------------------------------------
@@ -419,7 +457,8 @@ class DistributedDataParallel(Module):
         bucket_size_mb: cap of one gradient bucket in MiB (default 25, as PyTorch).
         broadcast_buffers: broadcast buffers from group rank 0 at every forward.
         grad_sync: :class:`GradSyncStrategy` (OVERLAP or AFTER_BACKWARD).
-        find_unused_parameters: allow parameters that get no gradient in a step.
+        find_unused_parameters: allow parameters that get no gradient in a step (found from the
+            forward's graph; no collective in forward, the same collective order on every rank).
         comm_hook: ``None`` (all-reduce), ``"fp16"`` (float16 compression) or a callable
             ``(bucket, group) -> Work`` that reduces ``bucket.buffer`` in place.
         reduce_op: ``ReduceOp.MEAN`` (default) or ``ReduceOp.SUM`` (for unequal local batches:
@@ -439,6 +478,7 @@ class DistributedDataParallel(Module):
 
     Gradient accumulation: run the first ``k - 1`` micro-batches inside ``with model.no_sync():``
     and the last one outside; the reduction then carries the accumulated gradients once.
+    A further backward before the next forward is reduced again (see the module notes).
     """
 
     def __init__(self, module: Module, group=None, bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,

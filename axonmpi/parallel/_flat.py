@@ -1,0 +1,433 @@
+"""FlatParameter: many parameters packed into one flat buffer of views, sharded over a group.
+
+[Note: flat layout and padded shards]
+The parameters of a FlatParameter lie back to back, in the order given, in one contiguous
+1-D buffer of ``n`` elements; each parameter's ``.data`` (and, once :meth:`bind_grads` ran,
+its ``.grad``) is a reshaped view of its slice. Sharding over ``k`` ranks follows the
+project's one uneven rule: rank ``i`` owns elements ``chunk_bounds(n, k, i)`` (the first
+``n % k`` chunks one larger). Collectives move equal counts, so each chunk travels padded to
+``S = ceil(n / k)``: the padded buffer is ``k`` slots of ``S`` with chunk ``i`` at the start
+of slot ``i``. ``unshard`` all-gathers the slots into a ``k * S`` buffer and compacts it in
+place (chunk ``i`` moves left by ``max(0, i - n % k)``), so the full buffer is its first
+``n`` elements and needs no second allocation; gradient reduce-scatter does the inverse
+expansion in place before the call. A buffer handed to a non-blocking call is referenced by
+its :class:`Work` and not touched until it completes.
+"""
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..autograd import Tensor
+from ..backend import as_device, device_of, get_array_module, to_device
+from ..distributed import ReduceOp, Work, all_gather, chunk_bounds, reduce_scatter, resolve_group
+from ..nn.parameter import Parameter
+
+__all__ = ["FlatLayout", "FlatSegment", "FlatParameter"]
+
+
+class FlatSegment(NamedTuple):
+    """Part of one parameter inside a range of the flat buffer.
+
+    Attributes:
+        index: position of the parameter in the FlatParameter.
+        name: its name.
+        param_start, param_stop: the range of its flattened elements.
+        offset: where that range starts inside the queried flat range.
+    """
+
+    index: int
+    name: str
+    param_start: int
+    param_stop: int
+    offset: int
+
+
+class FlatLayout:
+    """Where each of several arrays lies in one flat 1-D buffer (back to back, in order).
+
+    Args:
+        shapes: the arrays' shapes (``()`` for 0-d).
+
+    Attributes:
+        shapes, numels, offsets: per array; ``numel``: the total.
+
+    Example:
+        >>> lay = FlatLayout([(2, 3), (3,)])
+        >>> lay.offsets, lay.numel
+        ((0, 6), 9)
+        >>> w, b = lay.views(np.arange(9.0))       # w is a (2, 3) view, b a (3,) view
+    """
+
+    __slots__ = ("shapes", "numels", "offsets", "numel")
+
+    def __init__(self, shapes: Sequence[Tuple[int, ...]]):
+        self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        self.numels = tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+        offs, acc = [], 0
+        for c in self.numels:
+            offs.append(acc)
+            acc += c
+        self.offsets = tuple(offs)
+        self.numel = acc
+
+    def views(self, flat) -> List[Any]:
+        """Views of ``flat`` (1-D, at least ``numel`` long), one per array, in its shape."""
+        return [flat[o:o + c].reshape(s) for o, c, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def pack(self, arrays: Sequence[Any], out) -> Any:
+        """Copy ``arrays`` into their slices of ``out``; ``None`` entries become zeros."""
+        for a, o, c in zip(arrays, self.offsets, self.numels):
+            if a is None:
+                out[o:o + c] = 0
+            else:
+                out[o:o + c] = a.reshape(-1)
+        return out
+
+    def segments(self, start: int, stop: int, names: Sequence[str]) -> List[FlatSegment]:
+        """The parts of every array that fall inside flat range ``[start, stop)``."""
+        out = []
+        for i, (o, c) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(start, o), min(stop, o + c)
+            if lo < hi:
+                out.append(FlatSegment(i, names[i], lo - o, hi - o, lo - start))
+        return out
+
+    def __repr__(self) -> str:
+        return f"FlatLayout(arrays={len(self.shapes)}, numel={self.numel})"
+
+
+def _compact(padded, n: int, k: int, size: int) -> None:
+    """Slot layout (chunk ``i`` at ``i * size``) -> contiguous layout, in place."""
+    for i in range(k):
+        lo, hi = chunk_bounds(n, k, i)
+        src = i * size
+        if src != lo and hi > lo:
+            padded[lo:hi] = padded[src:src + hi - lo]
+
+
+def _expand(padded, n: int, k: int, size: int) -> None:
+    """Contiguous layout -> slot layout with zero padding, in place (inverse of :func:`_compact`)."""
+    for i in reversed(range(k)):
+        lo, hi = chunk_bounds(n, k, i)
+        dst = i * size
+        if dst != lo and hi > lo:
+            padded[dst:dst + hi - lo] = padded[lo:hi]
+    for i in range(k):
+        lo, hi = chunk_bounds(n, k, i)
+        if hi - lo < size:
+            padded[i * size + hi - lo:(i + 1) * size] = 0
+
+
+class FlatParameter(Parameter):
+    """Several parameters packed into one flat buffer; optionally sharded over a process group.
+
+    At construction the parameters' values are copied into one contiguous 1-D buffer and each
+    parameter's ``.data`` becomes a view of its slice, so the model keeps working unchanged.
+    The FlatParameter itself is a :class:`Parameter` whose ``.data`` is that whole buffer or,
+    after :meth:`shard`, this rank's chunk: build an optimizer on it and its state is sharded.
+
+    Lifecycle (FSDP's): ``shard(group)`` keeps this rank's chunk and frees the full buffer;
+    ``unshard()`` all-gathers it back (``async_op=True`` for prefetch; ``dtype=`` for a
+    low-precision compute copy; ``device=`` to gather on the compute device while
+    ``move_shard("cpu")`` keeps the chunk on the host); ``reshard()`` frees it again. Gradients: ``bind_grads()``
+    makes every parameter's ``.grad`` a view of one flat gradient buffer (backward then
+    accumulates straight into it), ``reduce_grad()`` reduce-scatters it into ``self.grad``
+    (this rank's chunk, accumulated across calls) and frees the full gradient.
+
+    Args:
+        params: leaf Tensors of one dtype and device, each listed once.
+        names: their names (default ``"0"``, ``"1"``, ...), used in messages and segments.
+        requires_grad: whether the flat (sharded) parameter is trainable.
+
+    Attributes:
+        params, names, layout (:class:`FlatLayout`), total_numel (``n``), group (after shard),
+        world_size (``k``), rank, shard_range (``(start, stop)`` of this rank's chunk),
+        padded_size (``S = ceil(n / k)``).
+
+    Example:
+        >>> lin = nn.Linear(3, 2)
+        >>> flat = FlatParameter([lin.weight, lin.bias], ["weight", "bias"]).shard()
+        >>> flat.unshard()              # lin.weight / lin.bias are views of the gathered buffer
+        >>> y = lin(x); y.sum().backward()
+        >>> flat.reduce_grad()          # flat.grad: the averaged gradient of my chunk
+        >>> flat.reshard()
+    """
+
+    def __init__(self, params: Sequence[Tensor], names: Optional[Sequence[str]] = None, *,
+                 requires_grad: bool = True):
+        params = list(params)
+        if not params:
+            raise ValueError("FlatParameter needs at least one parameter, got none")
+        names = [str(i) for i in range(len(params))] if names is None else [str(n) for n in names]
+        if len(names) != len(params):
+            raise ValueError(f"FlatParameter got {len(params)} parameters but {len(names)} names")
+        seen = {}
+        for nm, p in zip(names, params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"FlatParameter: {nm!r} is a {type(p).__name__}, expected a Tensor")
+            if p.grad_fn is not None:
+                raise ValueError(f"FlatParameter: {nm!r} is not a leaf tensor (it has grad_fn)")
+            if isinstance(p, FlatParameter):
+                raise TypeError(f"FlatParameter: {nm!r} is already a FlatParameter (nesting is not supported)")
+            if id(p) in seen:
+                raise ValueError(f"FlatParameter: {nm!r} and {seen[id(p)]!r} are the same tensor; list it once")
+            seen[id(p)] = nm
+        first = params[0].data
+        xp = get_array_module(first)
+        for nm, p in zip(names, params):
+            if p.data.dtype != first.dtype or get_array_module(p.data) is not xp:
+                raise TypeError(
+                    f"FlatParameter: parameters must share one dtype and array module; {names[0]!r} is "
+                    f"{first.dtype} ({xp.__name__}) but {nm!r} is {p.data.dtype} "
+                    f"({get_array_module(p.data).__name__})")
+        layout = FlatLayout([p.data.shape for p in params])
+        flat = layout.pack([p.data for p in params], xp.empty(layout.numel, first.dtype))
+        super().__init__(flat, requires_grad=requires_grad)
+        self.params: List[Tensor] = params
+        self.names: List[str] = names
+        self.layout = layout
+        self.total_numel = layout.numel
+        self.group = None
+        self.world_size, self.rank = 1, 0
+        self.shard_range = (0, layout.numel)
+        self.padded_size = layout.numel
+        self._shard = None          # padded chunk buffer (S elements) once sharded
+        self._full = flat           # the full flat buffer (n elements) while unsharded
+        self._full_grad = None      # the flat gradient buffer behind the params' .grad views
+        self._grad_views: List[Any] = []
+        self._gather: Optional[Work] = None   # an unshard in flight
+        self._gather_token = None             # identifies it to its continuation
+        self._bind(flat)
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def is_sharded(self) -> bool:
+        """True after :meth:`shard`."""
+        return self._shard is not None
+
+    @property
+    def full(self):
+        """The full flat buffer (``n`` elements) while gathered, else ``None``."""
+        return self._full
+
+    @property
+    def full_grad(self):
+        """The flat gradient buffer behind the parameters' ``.grad`` views, or ``None``."""
+        return self._full_grad
+
+    def _bind(self, flat) -> None:
+        for p, v in zip(self.params, self.layout.views(flat)):
+            p.data = v
+
+    def _release(self) -> None:
+        xp = get_array_module(self.data)
+        for p in self.params:
+            p.data = xp.empty((0,), self.data.dtype)
+        self._full = None
+
+    def _drop_full_grad(self) -> None:
+        if self._full_grad is not None:
+            for p in self.params:
+                p.grad = None
+            self._full_grad = None
+            self._grad_views = []
+
+    def segments(self) -> List[FlatSegment]:
+        """Which parameter elements this rank's chunk holds (all of them before :meth:`shard`)."""
+        return self.layout.segments(self.shard_range[0], self.shard_range[1], self.names)
+
+    # -- sharding ------------------------------------------------------------------------------
+    def shard(self, group=None) -> "FlatParameter":
+        """Keep this rank's chunk of the flat buffer (and of a bound gradient); free the rest.
+
+        Afterwards ``self.data`` is the chunk ``chunk_bounds(n, k, rank)`` (a view of a buffer
+        padded to ``ceil(n / k)``) and every parameter's ``.data`` is an empty array until
+        :meth:`unshard`.
+
+        Args:
+            group: the process group to shard over (default: all ranks).
+
+        Returns:
+            ``self``.
+        """
+        if self.is_sharded:
+            raise RuntimeError(f"FlatParameter({self.names[0]}, ...) is already sharded over {self.group.name}")
+        g = resolve_group(group)
+        k, r, n = g.size, g.rank, self.total_numel
+        size = max(1, -(-n // k))
+        lo, hi = chunk_bounds(n, k, r)
+        xp = get_array_module(self.data)
+        shard = xp.zeros(size, self.data.dtype)
+        shard[:hi - lo] = self._full[lo:hi]
+        self.group, self.world_size, self.rank = g, k, r
+        self.shard_range, self.padded_size = (lo, hi), size
+        self._shard = shard
+        self.data = shard[:hi - lo]
+        fg = self._full_grad
+        self._drop_full_grad()
+        if fg is not None:
+            self.grad = Tensor(fg[lo:hi].copy())
+        elif self.grad is not None:
+            self.grad = Tensor(self.grad.data[lo:hi].copy())
+        self._release()
+        return self
+
+    def _require_sharded(self, what: str) -> None:
+        if not self.is_sharded:
+            raise RuntimeError(f"FlatParameter.{what}() needs shard(group) first")
+
+    def unshard(self, *, async_op: bool = False, dtype=None, device=None) -> Optional[Work]:
+        """All-gather the chunks into the full buffer and point every parameter at its view.
+
+        Args:
+            async_op: return a :class:`Work` at once (prefetch); the parameters are bound to the
+                gathered views when it completes (``wait()``). Until then they stay empty.
+            dtype: gather a copy of the shard cast to this dtype (mixed-precision compute);
+                the parameters then hold that dtype. Default: the shard's dtype.
+            device: where the full buffer lives (CPU offload keeps the shard on the host and
+                gathers on the compute device). Default: the shard's device.
+
+        Returns:
+            The Work with ``async_op=True`` (its result is the full buffer), else ``None``.
+
+        Already gathered in that dtype and on that device: nothing to do (the views are not
+        refreshed; after the shard changed, e.g. an optimizer step, :meth:`reshard` first).
+        """
+        self._require_sharded("unshard")
+        dev = device_of(self._shard) if device is None else as_device(device)
+        want = self._shard.dtype if dtype is None else np.dtype(dtype)
+        if self._gather is not None:                      # already in flight: same handle
+            work = self._gather
+        elif self._full is not None and self._full.dtype == want and device_of(self._full) == dev:
+            work = Work(result=self._full)                # already gathered (call reshard() to refresh)
+        else:
+            if self._full is not None:
+                self.reshard()
+            k, size, n = self.world_size, self.padded_size, self.total_numel
+            send = to_device(self._shard, dev)
+            if send.dtype != want:
+                send = send.astype(want)
+            xp = get_array_module(send)
+            padded = xp.empty(k * size, send.dtype)
+            inner = all_gather(send, group=self.group, out=padded, async_op=True)
+            token = self._gather_token = object()
+
+            def done(buf):
+                _compact(buf, n, k, size)
+                full = buf[:n]
+                if self._gather_token is token:       # not cancelled by reshard()
+                    self._gather_token = self._gather = None
+                    self._full = full
+                    self._bind(full)
+                return full
+
+            work = inner.then(done)
+            self._gather = work if self._gather_token is token else None
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the full buffer (waiting for an unshard in flight); keep this rank's chunk."""
+        self._require_sharded("reshard")
+        if self._gather is not None:
+            w, self._gather, self._gather_token = self._gather, None, None
+            w.wait()                                # the request completes; nothing is bound
+        self._release()
+
+    def move_shard(self, device) -> "FlatParameter":
+        """Move this rank's chunk (and its gradient) to ``device``, e.g. ``"cpu"`` for CPU offload.
+
+        Build the optimizer after moving, so its state is allocated beside the shard.
+
+        Returns:
+            ``self``.
+        """
+        self._require_sharded("move_shard")
+        dev = as_device(device)
+        c = self.shard_range[1] - self.shard_range[0]
+        self._shard = to_device(self._shard, dev)
+        self.data = self._shard[:c]
+        if self.grad is not None:
+            self.grad.data = to_device(self.grad.data, dev)
+        return self
+
+    # -- gradients -----------------------------------------------------------------------------
+    def bind_grads(self):
+        """Make every parameter's ``.grad`` a view of one flat gradient buffer; return it.
+
+        Existing gradients are copied in (missing ones are zeros). Backward then accumulates
+        straight into the buffer. Idempotent while the views are bound.
+        """
+        if self._full_grad is not None and all(
+                p.grad is not None and p.grad.data is v for p, v in zip(self.params, self._grad_views)):
+            return self._full_grad
+        like = self._full if self._full is not None else self.data    # the compute copy's dtype/device
+        xp, dtype = get_array_module(like), like.dtype
+        cap = self.world_size * self.padded_size if self.is_sharded else self.total_numel
+        buf = xp.empty(cap, dtype)
+        if cap > self.total_numel:
+            buf[self.total_numel:] = 0
+        self.layout.pack([None if p.grad is None else p.grad.data for p in self.params], buf)
+        self._full_grad = buf
+        self._grad_views = self.layout.views(buf)
+        for p, v in zip(self.params, self._grad_views):
+            if p.grad is None:
+                p.grad = Tensor(v)
+            else:
+                p.grad.data = v
+        return buf
+
+    def reduce_grad(self, op: ReduceOp = ReduceOp.MEAN, *, async_op: bool = False,
+                    reduce_dtype=None) -> Optional[Work]:
+        """Reduce-scatter the parameters' gradients into ``self.grad`` (this rank's chunk).
+
+        Gradients not yet in the flat buffer are packed first (``None`` counts as zero). The
+        result is added to an existing ``self.grad`` (accumulation across steps, as PyTorch
+        FSDP does) or becomes it. The full gradient is freed at once: the parameters' ``.grad``
+        become ``None``, and the buffer lives on only inside the Work until it completes.
+
+        Args:
+            op: ``ReduceOp.MEAN`` (average over the group, default) or ``ReduceOp.SUM``.
+            async_op: return a :class:`Work`; ``self.grad`` is updated when it completes.
+            reduce_dtype: reduce in this dtype (e.g. float32 for float16 gradients); the result
+                is cast to the shard's dtype.
+
+        Returns:
+            The Work with ``async_op=True`` (its result is ``self.grad``), else ``None``.
+        """
+        self._require_sharded("reduce_grad")
+        op = ReduceOp.coerce(op)
+        if op not in (ReduceOp.MEAN, ReduceOp.SUM):
+            raise ValueError(f"rank {self.group.world.rank}: reduce_grad op must be MEAN or SUM, got {op.name}")
+        buf = self.bind_grads()
+        self._drop_full_grad()
+        k, size, n = self.world_size, self.padded_size, self.total_numel
+        _expand(buf, n, k, size)
+        if reduce_dtype is not None and np.dtype(reduce_dtype) != buf.dtype:
+            buf = buf.astype(reduce_dtype)
+        inner = reduce_scatter(buf, op, self.group, async_op=True)
+        c = self.shard_range[1] - self.shard_range[0]
+
+        def done(slot):
+            part = to_device(slot[:c], device_of(self._shard))     # the shard may live on the host
+            if self.grad is None:
+                self.grad = Tensor(part.astype(self.data.dtype, copy=part.dtype != self.data.dtype))
+            else:
+                self.grad.data += part
+            return self.grad
+
+        work = inner.then(done)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def __repr__(self) -> str:
+        state = "sharded" if self.is_sharded else "flat"
+        gathered = ", gathered" if (self.is_sharded and self._full is not None) else ""
+        return (f"FlatParameter({len(self.params)} params, numel={self.total_numel}, {state}{gathered}, "
+                f"chunk={self.shard_range}, dtype={self.data.dtype})")
