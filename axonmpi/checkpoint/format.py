@@ -17,9 +17,10 @@ A checkpoint is a directory::
   people; ints beyond 64 bits (RNG states) as decimal strings.
 * ``/_axonmpi/entries``: JSON (the authoritative manifest): per entry its key path (str/int keys
   as given), kind, dtype, global shape, Python type and, for small values, the exact value.
-* ``/_axonmpi/pieces/{entry,file,dset,offsets,shape,block_rows,crc_start,crc_count}`` and
-  ``/_axonmpi/checksums``: one row per stored piece — which file and dataset hold which block of
-  which entry, and a checksum per block of at most ``BLOCK_BYTES`` bytes (runs of rows along the
+* ``/_axonmpi/pieces/{entry,file,dset,offsets,shape,block_rows,crc_start,crc_count,byte_offset}``,
+  ``/_axonmpi/files``, ``/_axonmpi/file_bytes`` and ``/_axonmpi/checksums``: one row per stored
+  piece — which file and dataset hold which block of which entry, where its contiguous bytes
+  start in the file, the size of each file as written, and a checksum per block of at most ``BLOCK_BYTES`` bytes (runs of rows along the
   piece's axis 0; see :mod:`axonmpi.checkpoint.checksum`), so a rank reading a slice verifies
   just the blocks it reads.
 * root attributes: ``format``, ``format_version``, ``library_version``, ``created``,
@@ -246,6 +247,7 @@ class Piece:
     shape: Tuple[int, ...]
     block_rows: int
     checksums: List[int]  # one per block of ``block_rows`` rows, by the index's checksum algorithm
+    byte_offset: int = -1  # where the contiguous data starts in ``file`` (-1: unknown, read through HDF5)
 
     @property
     def slices(self) -> Tuple[slice, ...]:
@@ -258,6 +260,7 @@ class Manifest:
 
     entries: List[Entry]
     attrs: Dict[str, Any]
+    file_bytes: Dict[str, int] = field(default_factory=dict)  # size of each data file as written (format 2)
 
     def by_name(self) -> Dict[str, Entry]:
         """Entries by HDF5 path (``"model/w"``)."""

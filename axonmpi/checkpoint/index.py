@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -13,8 +13,11 @@ from .format import FORMAT_NAME, FORMAT_VERSION, META_GROUP, CheckpointError, En
 __all__ = ["write_index", "read_index", "write_entry_view"]
 
 
-def _manifest_crc(entries_json: bytes, cols: Dict[str, np.ndarray], crcs: np.ndarray) -> int:
+def _manifest_crc(entries_json: bytes, cols: Dict[str, np.ndarray], crcs: np.ndarray,
+                  file_bytes: Optional[np.ndarray] = None) -> int:
     c = zlib.crc32(entries_json)
+    if file_bytes is not None:  # format 2
+        c = zlib.crc32(np.ascontiguousarray(file_bytes, np.int64).view(np.uint8), c)
     for k in sorted(cols):
         if k != "dset":
             c = zlib.crc32(np.ascontiguousarray(cols[k]).view(np.uint8), c)
@@ -37,6 +40,7 @@ def _piece_columns(entries: List[Entry]) -> Tuple[Dict[str, Any], np.ndarray, Li
         "shape": np.full((n, maxnd), -1, np.int64),
         "block_rows": np.array([p.block_rows for p in pieces], np.int64),
         "crc_count": np.array([len(p.checksums) for p in pieces], np.int64),
+        "byte_offset": np.array([p.byte_offset for p in pieces], np.int64),
     }
     for i, p in enumerate(pieces):
         cols["offsets"][i, :len(p.offsets)] = p.offsets
@@ -46,20 +50,27 @@ def _piece_columns(entries: List[Entry]) -> Tuple[Dict[str, Any], np.ndarray, Li
     return cols, crcs, files
 
 
-def write_index(path: str, entries: List[Entry], attrs: Dict[str, Any]) -> None:
-    """Write ``index.h5`` at ``path``: manifest, piece table, values and one virtual dataset per array."""
+def write_index(path: str, entries: List[Entry], attrs: Dict[str, Any],
+                file_bytes: Optional[Dict[str, int]] = None) -> None:
+    """Write ``index.h5`` at ``path``: manifest, piece table, values and one virtual dataset per array.
+
+    ``file_bytes`` maps each data file to its size once written (a reader compares it before
+    reading: a truncated or rewritten shard is named at once).
+    """
     import h5py
 
     entries_json = json.dumps([e.to_json() for e in entries]).encode()
     cols, crcs, files = _piece_columns(entries)
+    sizes = np.array([(file_bytes or {}).get(fn, -1) for fn in files], np.int64)
     with h5py.File(path, "w") as f:
         for k, v in attrs.items():
             f.attrs[k] = v
-        f.attrs["checksum"] = np.uint32(_manifest_crc(entries_json, cols, crcs))
+        f.attrs["checksum"] = np.uint32(_manifest_crc(entries_json, cols, crcs, sizes))
         meta = f.create_group(META_GROUP)
         meta.create_dataset("entries", data=np.frombuffer(entries_json, np.uint8))
         meta["entries"].attrs["encoding"] = "utf-8 JSON"
         meta.create_dataset("files", data=np.array(files, dtype=h5py.string_dtype()), dtype=h5py.string_dtype())
+        meta.create_dataset("file_bytes", data=sizes)
         pg = meta.create_group("pieces")
         for k, v in cols.items():
             if k == "dset":
@@ -148,13 +159,15 @@ def read_index(path: str) -> Manifest:
             cols = {k: pg[k][()] for k in pg.keys()}
             cols["dset"] = [s.decode() if isinstance(s, bytes) else s for s in cols["dset"]]
             crcs = meta["checksums"][()]  # the stored dtype: the manifest checksum covers its bytes
+            sizes = meta["file_bytes"][()] if "file_bytes" in meta else None
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"checkpoint index {path} is damaged: {type(e).__name__}: {e}") from None
-    if _manifest_crc(entries_json, cols, crcs) != int(attrs.get("checksum", -1)):
+    if _manifest_crc(entries_json, cols, crcs, sizes) != int(attrs.get("checksum", -1)):
         raise CheckpointError(f"checkpoint index {path}: manifest checksum mismatch (corrupt index)")
     entries = [Entry.from_json(d) for d in json.loads(entries_json.decode())]
+    offs = cols.get("byte_offset")
     for i in range(len(cols["entry"])):
         e = entries[int(cols["entry"][i])]
         nd = len(e.shape)
@@ -162,9 +175,10 @@ def read_index(path: str) -> Manifest:
         e.pieces.append(Piece(
             int(cols["entry"][i]), files[int(cols["file"][i])], cols["dset"][i],
             tuple(int(v) for v in cols["offsets"][i, :nd]), tuple(int(v) for v in cols["shape"][i, :nd]),
-            int(cols["block_rows"][i]), crcs[s:s + c].tolist(),
+            int(cols["block_rows"][i]), crcs[s:s + c].tolist(), int(offs[i]) if offs is not None else -1,
         ))
-    return Manifest(entries, attrs)
+    file_bytes = {fn: int(n) for fn, n in zip(files, sizes) if n >= 0} if sizes is not None else {}
+    return Manifest(entries, attrs, file_bytes)
 
 
 def _plain(v: Any) -> Any:

@@ -205,11 +205,36 @@ class CheckpointReader:
             pass
         return None
 
-    def _fd(self, fname: str) -> int:
-        fd = self._fds.get(fname)
-        if fd is None:
-            fd = self._fds[fname] = os.open(os.path.join(self.path, fname), os.O_RDONLY)
+    def _fd(self, e: Entry, p: Piece) -> int:
+        """An open descriptor of ``p.file``; on first use its size is compared with the index's record."""
+        fd = self._fds.get(p.file)
+        if fd is not None:
+            return fd
+        full = os.path.join(self.path, p.file)
+        try:
+            fd = os.open(full, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(f"entry {e.name!r}: shard file {full} is missing") from None
+        except OSError as ex:
+            raise CheckpointError(f"entry {e.name!r}: shard file {full} cannot be opened: {ex}") from None
+        size, want = os.fstat(fd).st_size, self.manifest.file_bytes.get(p.file)
+        if want is not None and size != want:
+            os.close(fd)
+            self._dataset(e, p)  # names a truncated file or a changed dataset where HDF5 sees one
+            raise CheckpointError(
+                f"entry {e.name!r}: shard file {full} has {size} bytes, the index records {want} "
+                f"({'truncated' if size < want else 'rewritten'} after the save)"
+            )
+        self._fds[p.file] = fd
         return fd
+
+    def _locate(self, e: Entry, p: Piece):
+        """``(dataset or None, byte offset or None)``: the raw offset from the index (format 2) or from HDF5."""
+        if p.byte_offset >= 0:
+            self._fd(e, p)
+            return None, p.byte_offset
+        ds = self._dataset(e, p)
+        return ds, self._offset(ds)
 
     def _read_rows(self, e: Entry, p: Piece, ds, off: Optional[int], buf: np.ndarray, r0: int, r1: int) -> None:
         """Rows ``r0:r1`` of piece ``p`` into the C-contiguous ``buf``: raw from byte ``off``, or via h5py."""
@@ -224,7 +249,7 @@ class CheckpointReader:
                 return
             row = buf.nbytes // (r1 - r0) if p.shape and r1 > r0 else buf.nbytes
             mv = memoryview(buf.reshape(-1).view(np.uint8))
-            pos, done, fd = off + r0 * row, 0, self._fd(p.file)
+            pos, done, fd = off + r0 * row, 0, self._fd(e, p)
             while done < mv.nbytes:
                 n = os.preadv(fd, [mv[done:]], pos + done)
                 if n <= 0:
@@ -241,8 +266,7 @@ class CheckpointReader:
             ) from None
 
     def _read_part(self, e: Entry, p: Piece, lo, hi, base, out: np.ndarray) -> None:
-        ds = self._dataset(e, p)
-        off = self._offset(ds)
+        ds, off = self._locate(e, p)
         dt = np.dtype(e.dtype)
         dsel = tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, base))
         dest = out[dsel] if dsel else out
@@ -276,6 +300,8 @@ class CheckpointReader:
         got = block_checksums(buf, p.block_rows, self._checksum)
         want = p.checksums[b0:b0 + len(got)]
         if got != want:
+            if p.byte_offset >= 0:
+                self._dataset(e, p)  # a changed dataset is named as such, not as flipped bytes
             k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)) + b0
             raise CheckpointError(
                 f"entry {e.name!r}: checksum mismatch in {os.path.join(self.path, p.file)} (dataset {p.dset!r}, "
@@ -306,6 +332,11 @@ class CheckpointReader:
                 out.append(Problem("", fname, f"{full} is missing"))
                 continue
             size = os.path.getsize(full)
+            want = self.manifest.file_bytes.get(fname)
+            if want is not None and size != want:
+                out.append(Problem("", fname, f"{full} has {size} bytes, the index records {want} "
+                                              f"({'short: truncated' if size < want else 'rewritten'} after the save)"))
+                continue
             try:
                 with h5py.File(full, "r") as f:
                     for e in self.manifest.entries:
@@ -338,8 +369,7 @@ class CheckpointReader:
         for e in self.manifest.entries:
             for p in e.pieces:
                 try:
-                    ds = self._dataset(e, p)
-                    off = self._offset(ds)
+                    ds, off = self._locate(e, p)
                     dt = np.dtype(e.dtype)
                     if not p.shape:
                         buf = np.empty((), dt)

@@ -26,7 +26,7 @@ import errno
 import os
 import shutil
 import uuid
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, NamedTuple, Tuple
 
 import numpy as np
 
@@ -82,39 +82,48 @@ def _rename_exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
-def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> List[List[int]]:
-    """Write the pieces; a worker thread checksums each piece while h5py writes it (NumPy reductions free the GIL)."""
+class _Written(NamedTuple):
+    """What a writer reports to rank 0: per piece its block checksums and byte offset; file sizes."""
+
+    checksums: List[List[int]]
+    byte_offsets: List[int]
+    file_bytes: Dict[str, int]
+
+
+def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> _Written:
+    """Write the pieces; a worker thread checksums each piece while h5py writes it (xxhash frees the GIL)."""
     import h5py
     from concurrent.futures import ThreadPoolExecutor
-    futures = []
+    futures, offsets = [], []
     with ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-checksum") as pool, h5py.File(fname, "w") as f:
         for n, (p, arr) in enumerate(jobs):
             if n == len(jobs) // 2:
                 _fault("mid_shard", rank)
             a = host_array(arr)
             futures.append(pool.submit(block_checksums, a, p.block_rows))
-            f.create_dataset(p.dset, data=a)
-        out = [fu.result() for fu in futures]
+            ds = f.create_dataset(p.dset, data=a)
+            off = ds.id.get_offset()
+            offsets.append(-1 if off is None else int(off))
+        sums = [fu.result() for fu in futures]
     if fsync:
         _fsync_path(fname)
-    return out
+    return _Written(sums, offsets, {os.path.basename(fname): os.path.getsize(fname)})
 
 
-def _write_collective(fname: str, g, plan: WritePlan, jobs: List[Tuple[Piece, Any]],
-                      fsync: bool) -> List[List[int]]:
+def _write_collective(fname: str, g, plan: WritePlan, jobs: List[Tuple[Piece, Any]], fsync: bool) -> _Written:
     """All pieces into one ``data.h5`` through HDF5's MPI-IO driver (dataset creation is collective)."""
     import h5py
-    out = []
+    sums = []
     with h5py.File(fname, "w", driver="mpio", comm=g.comm) as f:
         for p in plan.pieces():  # metadata operations are collective: every rank creates every dataset
             f.create_dataset(p.dset, shape=p.shape, dtype=np.dtype(plan.entries[p.entry].dtype))
         for p, arr in jobs:
             a = host_array(arr)
-            out.append(block_checksums(a, p.block_rows))
+            sums.append(block_checksums(a, p.block_rows))
             f[p.dset].write_direct(a)
     if fsync and g.rank == 0:
         _fsync_path(fname)
-    return out
+    return _Written(sums, [-1] * len(sums), {})  # offsets and size unknown here: read through HDF5
 
 
 def _check_target(path: str, overwrite: bool) -> None:
@@ -232,31 +241,34 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         agreed = False
 
         # 3. write this rank's pieces
-        err, sums = None, []
+        err, written = None, _Written([], [], {})
         try:
             jobs = [(p, arrays[plan.entries[p.entry].name]) for p in plan.by_writer.get(rank, [])]
             jobs = [(p, a.local if isinstance(a, ShardedArray) else a) for p, a in jobs]
             _fault("before_shard", rank)
             if collective:
-                sums = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
+                written = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
             elif jobs:
-                sums = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
+                written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
             _fault("after_shard", rank)
         except Exception as e:
             err = e
-        results = gather_object((sums, describe(err)), dst=0, group=g)
+        results = gather_object((written, describe(err)), dst=0, group=g)
 
         # 4. rank 0: index, rename
         err2 = None
         if rank == 0:
             try:
                 raise_from([m for _, m in results], err, what, g)
+                file_bytes: Dict[str, int] = {}
                 for r, pieces in plan.by_writer.items():
-                    for p, s in zip(pieces, results[r][0]):
-                        p.checksums = s
+                    w = results[r][0]
+                    for p, sums, off in zip(pieces, w.checksums, w.byte_offsets):
+                        p.checksums, p.byte_offset = sums, off
+                    file_bytes.update(w.file_bytes)
                 _fault("before_index", rank)
                 index = os.path.join(tmp, INDEX_NAME)
-                write_index(index, plan.entries, _attrs(g, plan.writers))
+                write_index(index, plan.entries, _attrs(g, plan.writers), file_bytes)
                 if fsync:
                     _fsync_path(index)
                 _fault("after_index", rank)
