@@ -13,11 +13,9 @@ from .format import FORMAT_NAME, FORMAT_VERSION, META_GROUP, CheckpointError, En
 __all__ = ["write_index", "read_index", "write_entry_view"]
 
 
-def _manifest_crc(entries_json: bytes, cols: Dict[str, np.ndarray], crcs: np.ndarray,
-                  file_bytes: Optional[np.ndarray] = None) -> int:
+def _manifest_crc(entries_json: bytes, cols: Dict[str, np.ndarray], crcs: np.ndarray) -> int:
+    """Format 1's manifest checksum (over the separate datasets)."""
     c = zlib.crc32(entries_json)
-    if file_bytes is not None:  # format 2
-        c = zlib.crc32(np.ascontiguousarray(file_bytes, np.int64).view(np.uint8), c)
     for k in sorted(cols):
         if k != "dset":
             c = zlib.crc32(np.ascontiguousarray(cols[k]).view(np.uint8), c)
@@ -52,31 +50,32 @@ def _piece_columns(entries: List[Entry]) -> Tuple[Dict[str, Any], np.ndarray, Li
 
 def write_index(path: str, entries: List[Entry], attrs: Dict[str, Any],
                 file_bytes: Optional[Dict[str, int]] = None) -> None:
-    """Write ``index.h5`` at ``path``: manifest, piece table, values and one virtual dataset per array.
+    """Write ``index.h5`` at ``path``: the manifest, block checksums, values and one virtual dataset per array.
 
-    ``file_bytes`` maps each data file to its size once written (a reader compares it before
-    reading: a truncated or rewritten shard is named at once).
+    The manifest (format 2) is one UTF-8 JSON document at ``/_axonmpi/manifest`` — the root
+    attributes, the entries, the data files with their sizes, the piece table — beside the block
+    checksums (``/_axonmpi/checksums``, uint64), so a reader needs two dataset reads. The root
+    attribute ``checksum`` is the CRC-32 of both. ``file_bytes`` maps each data file to its size
+    once written (a reader compares it before reading: a truncated or rewritten shard is named).
     """
     import h5py
 
-    entries_json = json.dumps([e.to_json() for e in entries]).encode()
     cols, crcs, files = _piece_columns(entries)
-    sizes = np.array([(file_bytes or {}).get(fn, -1) for fn in files], np.int64)
+    doc = {
+        "attrs": {k: _plain(v) for k, v in attrs.items()},
+        "entries": [e.to_json() for e in entries],
+        "files": files,
+        "file_bytes": [int((file_bytes or {}).get(fn, -1)) for fn in files],
+        "pieces": {k: (v if k == "dset" else v.tolist()) for k, v in cols.items()},
+    }
+    blob = json.dumps(doc).encode()
     with h5py.File(path, "w") as f:
         for k, v in attrs.items():
             f.attrs[k] = v
-        f.attrs["checksum"] = np.uint32(_manifest_crc(entries_json, cols, crcs, sizes))
+        f.attrs["checksum"] = np.uint32(zlib.crc32(crcs.view(np.uint8), zlib.crc32(blob)))
         meta = f.create_group(META_GROUP)
-        meta.create_dataset("entries", data=np.frombuffer(entries_json, np.uint8))
-        meta["entries"].attrs["encoding"] = "utf-8 JSON"
-        meta.create_dataset("files", data=np.array(files, dtype=h5py.string_dtype()), dtype=h5py.string_dtype())
-        meta.create_dataset("file_bytes", data=sizes)
-        pg = meta.create_group("pieces")
-        for k, v in cols.items():
-            if k == "dset":
-                pg.create_dataset(k, data=np.array(v, dtype=object), dtype=h5py.string_dtype(), shape=(len(v),))
-            else:
-                pg.create_dataset(k, data=v)
+        meta.create_dataset("manifest", data=np.frombuffer(blob, np.uint8))
+        meta["manifest"].attrs["encoding"] = "utf-8 JSON"
         meta.create_dataset("checksums", data=crcs)
         for e in entries:
             write_entry_view(f, e, h5py)
@@ -127,8 +126,35 @@ def _virtual_dataset(f, name: str, e: Entry, dt: np.dtype, h5py):
     return h5py.Dataset(dsid)
 
 
+def _read_v2(f, path: str):
+    """Format 2: one JSON manifest and the checksum array."""
+    blob = f[META_GROUP + "/manifest"][()].tobytes()
+    crcs = f[META_GROUP + "/checksums"][()]
+    if zlib.crc32(crcs.view(np.uint8), zlib.crc32(blob)) != int(f.attrs.get("checksum", -1)):
+        raise CheckpointError(f"checkpoint index {path}: manifest checksum mismatch (corrupt index)")
+    doc = json.loads(blob.decode())
+    cols = {k: (v if k == "dset" else np.array(v, np.int64)) for k, v in doc["pieces"].items()}
+    sizes = np.array(doc["file_bytes"], np.int64)
+    return doc["attrs"], doc["entries"], doc["files"], cols, crcs, sizes
+
+
+def _read_v1(f, path: str):
+    """Format 1: the manifest as separate datasets (``entries`` JSON, ``files``, ``pieces/*``)."""
+    attrs = {k: _plain(v) for k, v in f.attrs.items()}
+    meta = f[META_GROUP]
+    entries_json = meta["entries"][()].tobytes()
+    files = [s.decode() if isinstance(s, bytes) else s for s in meta["files"][()]]
+    pg = meta["pieces"]
+    cols = {k: pg[k][()] for k in pg.keys()}
+    cols["dset"] = [s.decode() if isinstance(s, bytes) else s for s in cols["dset"]]
+    crcs = meta["checksums"][()]  # the stored dtype: the manifest checksum covers its bytes
+    if _manifest_crc(entries_json, cols, crcs) != int(attrs.get("checksum", -1)):
+        raise CheckpointError(f"checkpoint index {path}: manifest checksum mismatch (corrupt index)")
+    return attrs, json.loads(entries_json.decode()), files, cols, crcs, None
+
+
 def read_index(path: str) -> Manifest:
-    """Read and verify the manifest of ``index.h5`` (raises :class:`CheckpointError`)."""
+    """Read and verify the manifest of ``index.h5`` (format 2, or format 1; raises :class:`CheckpointError`)."""
     import h5py
 
     try:
@@ -139,35 +165,26 @@ def read_index(path: str) -> Manifest:
         raise CheckpointError(f"checkpoint index {path} cannot be opened (truncated or corrupt?): {e}") from None
     with f:
         try:
-            attrs = {k: _plain(v) for k, v in f.attrs.items()}
-            if attrs.get("format") != FORMAT_NAME:
-                raise CheckpointError(f"{path} is not an axonmpi checkpoint index (format={attrs.get('format')!r})")
-            if int(attrs.get("format_version", 0)) > FORMAT_VERSION:
+            if f.attrs.get("format") != FORMAT_NAME and f.attrs.get("format") != FORMAT_NAME.encode():
+                raise CheckpointError(f"{path} is not an axonmpi checkpoint index (format={f.attrs.get('format')!r})")
+            version = int(f.attrs.get("format_version", 0))
+            if version > FORMAT_VERSION:
                 raise CheckpointError(
-                    f"{path} has format version {attrs['format_version']}; this axonmpi reads up to "
-                    f"{FORMAT_VERSION} (upgrade axonmpi)"
+                    f"{path} has format version {version}; this axonmpi reads up to {FORMAT_VERSION} (upgrade axonmpi)"
                 )
-            algo = attrs.get("checksum_algorithm", "axonmpi.pagesum64")
-            if algo not in ALGORITHMS:
-                raise CheckpointError(
-                    f"{path} uses checksum algorithm {algo!r}; this axonmpi knows {sorted(ALGORITHMS)} (upgrade axonmpi)"
-                )
-            meta = f[META_GROUP]
-            entries_json = meta["entries"][()].tobytes()
-            files = [s.decode() if isinstance(s, bytes) else s for s in meta["files"][()]]
-            pg = meta["pieces"]
-            cols = {k: pg[k][()] for k in pg.keys()}
-            cols["dset"] = [s.decode() if isinstance(s, bytes) else s for s in cols["dset"]]
-            crcs = meta["checksums"][()]  # the stored dtype: the manifest checksum covers its bytes
-            sizes = meta["file_bytes"][()] if "file_bytes" in meta else None
+            attrs, entries_json, files, cols, crcs, sizes = (_read_v2 if version >= 2 else _read_v1)(f, path)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"checkpoint index {path} is damaged: {type(e).__name__}: {e}") from None
-    if _manifest_crc(entries_json, cols, crcs, sizes) != int(attrs.get("checksum", -1)):
-        raise CheckpointError(f"checkpoint index {path}: manifest checksum mismatch (corrupt index)")
-    entries = [Entry.from_json(d) for d in json.loads(entries_json.decode())]
+    algo = attrs.get("checksum_algorithm", "axonmpi.pagesum64")
+    if algo not in ALGORITHMS:
+        raise CheckpointError(
+            f"{path} uses checksum algorithm {algo!r}; this axonmpi knows {sorted(ALGORITHMS)} (upgrade axonmpi)"
+        )
+    entries = [Entry.from_json(d) for d in entries_json]
     offs = cols.get("byte_offset")
+    crcs = crcs.tolist()
     for i in range(len(cols["entry"])):
         e = entries[int(cols["entry"][i])]
         nd = len(e.shape)
@@ -175,7 +192,7 @@ def read_index(path: str) -> Manifest:
         e.pieces.append(Piece(
             int(cols["entry"][i]), files[int(cols["file"][i])], cols["dset"][i],
             tuple(int(v) for v in cols["offsets"][i, :nd]), tuple(int(v) for v in cols["shape"][i, :nd]),
-            int(cols["block_rows"][i]), crcs[s:s + c].tolist(), int(offs[i]) if offs is not None else -1,
+            int(cols["block_rows"][i]), crcs[s:s + c], int(offs[i]) if offs is not None else -1,
         ))
     file_bytes = {fn: int(n) for fn, n in zip(files, sizes) if n >= 0} if sizes is not None else {}
     return Manifest(entries, attrs, file_bytes)
