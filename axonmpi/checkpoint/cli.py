@@ -214,6 +214,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError) as e:
+    except (CheckpointError, OSError) as e:  # OSError: FileExistsError, a missing output folder, a full disk
         print(f"error: {e}", file=sys.stderr)
         return 1
