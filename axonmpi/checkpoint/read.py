@@ -285,7 +285,7 @@ class CheckpointReader:
         direct = (whole_rows and plo[0] == r0 and phi[0] == r1 and dest.flags.c_contiguous
                   and dest.dtype == dt)
         buf = dest if direct else np.empty((r1 - r0,) + p.shape[1:], dt)
-        for b in range(b0, b1):  # block by block: the worker hashes block b while b + 1 is read
+        for b in range(b0, b1):  # block by block: each is hashed while it is still in cache
             lo_r, hi_r = b * br - r0, min((b + 1) * br, p.shape[0]) - r0
             part = buf[lo_r:hi_r]
             self._read_rows(e, p, ds, off, part, lo_r + r0, hi_r + r0)
