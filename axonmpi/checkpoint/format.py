@@ -15,17 +15,21 @@ A checkpoint is a directory::
   ``h5py.File("index.h5")["model/w"][...]`` returns the full array; ``h5dump`` prints it.
 * ``/step``: small values (Python scalars, strings, None, lists/tuples) as plain datasets, for
   people; ints beyond 64 bits (RNG states) as decimal strings.
-* ``/_axonmpi/entries``: JSON (the authoritative manifest): per entry its key path (str/int keys
-  as given), kind, dtype, global shape, Python type and, for small values, the exact value.
-* ``/_axonmpi/pieces/{entry,file,dset,offsets,shape,block_rows,crc_start,crc_count,byte_offset}``,
-  ``/_axonmpi/files``, ``/_axonmpi/file_bytes`` and ``/_axonmpi/checksums``: one row per stored
-  piece — which file and dataset hold which block of which entry, where its contiguous bytes
-  start in the file, the size of each file as written, and a checksum per block of at most ``BLOCK_BYTES`` bytes (runs of rows along the
+* ``/_axonmpi/manifest`` (the authoritative manifest, UTF-8 JSON): the root attributes; per
+  entry its key path (str/int keys as given), kind, dtype, global shape, Python type and, for
+  small values, the exact value; the data files and their sizes as written; and the piece table
+  ``{entry, file, dset, offsets, shape, block_rows, crc_start, crc_count, byte_offset}`` — one
+  row per stored piece: which file and dataset hold which block of which entry, and where its
+  contiguous bytes start in the file.
+* ``/_axonmpi/checksums`` (uint64): a checksum per block of at most 4 MiB (runs of rows along the
   piece's axis 0; see :mod:`axonmpi.checkpoint.checksum`), so a rank reading a slice verifies
   just the blocks it reads.
-* root attributes: ``format``, ``format_version``, ``library_version``, ``created``,
+* root attributes: ``format``, ``format_version`` (2), ``library_version``, ``created``,
   ``world_size``, ``group_size``, ``group_ranks``, ``writers``, ``checksum_algorithm``
-  (``xxh3_64``; format 1 wrote ``axonmpi.pagesum64``), ``checksum`` (CRC-32 of the manifest itself).
+  (``xxh3_64``), ``checksum`` (CRC-32 of the manifest and the checksums).
+
+Format 1 (read, not written) kept the manifest in separate datasets (``/_axonmpi/entries``,
+``files``, ``pieces/*``, uint32 ``checksums`` by ``axonmpi.pagesum64``) and no offsets or sizes.
 
 :mod:`axonmpi.checkpoint.index` writes and reads it; :mod:`axonmpi.checkpoint.read` never reads
 arrays through the virtual datasets (HDF5 would return fill values for a missing source file);
