@@ -210,8 +210,9 @@ def test_inspect_reports_files_and_verify_names_entry_and_file(world, tmp_path, 
     else:
         _patch(full, off, _flip16)
     r = _run_cli("inspect", path)
-    if how == "flipped":  # inspect reads no array data; verify does
+    if how == "flipped":  # inspect reads no array data, and says so; verify does
         assert r.returncode == 0 and "DAMAGED" not in r.stdout, r.stdout
+        assert "not read here: `axonmpi ckpt verify PATH` checks every block" in r.stdout
     else:
         assert r.returncode == 1, (r.stdout, r.stderr)
         assert "DAMAGED" in r.stdout and fname in r.stdout

@@ -69,6 +69,7 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
             "group_ranks": a.get("group_ranks"), "files": files, "bytes_on_disk": disk,
             "array_bytes": sum(x.get("bytes", 0) for x in rows), "step": _step(r), "entries": rows,
             "checksum_algorithm": r.manifest.checksum_algorithm,
+            "sizes_recorded": bool(r.manifest.file_bytes),
             "problems": [p._asdict() for p in problems],
         }
     if as_json:
@@ -98,7 +99,11 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
         for x in values:
             v = repr(x["value"])
             w(f"{x['name']:<{nw}}  {x['kind']:<6} {v if len(v) <= 60 else v[:57] + '...'}\n")
-    if problems:
+    if not problems:
+        sized = " with their saved sizes" if info["sizes_recorded"] else " and readable"
+        w(f"\nfiles: all present{sized}; block checksums ({info['checksum_algorithm']}) not read "
+          "here: `axonmpi ckpt verify PATH` checks every block\n")
+    else:
         w(f"\nDAMAGED: {len(problems)} problem(s) with the shard files (load will fail):\n")
         for p in problems:
             w(f"  {p.file}: {p.message}" + (f" (entry {p.entry!r})" if p.entry else "") + "\n")
