@@ -1,9 +1,11 @@
 """Sharded HDF5 checkpoints: save/load any distributed state, reshard on load, crash-safe replace."""
+from ..distributed.sharding import ShardedArray
 from .format import CheckpointError
-from .io import CheckpointReader, is_checkpoint, load, save
+from .loading import load
 from .manager import CheckpointManager
-from .sharded import ShardedArray
+from .read import CheckpointReader, is_checkpoint
 from .state import restore_training_state, training_state
+from .write import save
 
 __all__ = [
     "ShardedArray", "save", "load", "CheckpointReader", "CheckpointError", "CheckpointManager",

@@ -1,18 +1,24 @@
-"""``axonmpi ckpt inspect PATH`` and ``axonmpi ckpt consolidate PATH OUT.h5`` (also ``python -m axonmpi.checkpoint``)."""
+"""``axonmpi ckpt inspect|verify|consolidate`` (also ``python -m axonmpi.checkpoint``).
+
+Every command that reads array data verifies each block's checksum before using it;
+``inspect`` reads no array data but checks that every shard file exists and is long enough.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+import tempfile
 from typing import List, Optional
 
 import numpy as np
 
-from .format import META_GROUP, CheckpointError, _write_entry_view
-from .io import CheckpointReader
+from .format import META_GROUP, CheckpointError
+from .index import write_entry_view
+from .read import CheckpointReader
 
-__all__ = ["add_subparser", "add_commands", "main", "inspect", "consolidate"]
+__all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate"]
 
 
 def _size(n: float) -> str:
@@ -24,18 +30,28 @@ def _size(n: float) -> str:
 
 
 def _step(r: CheckpointReader):
+    by_name = r.manifest.by_name()
     for name in ("meta/step", "step"):
-        if name in r._by_name and r._by_name[name].kind == "value":
-            return r.value(r._by_name[name])
+        if name in by_name and by_name[name].kind == "value":
+            return r.value(by_name[name])
     return None
 
 
 def inspect(path: str, as_json: bool = False, out=None) -> int:
-    """Print a checkpoint's entries (kind, dtype, shape, pieces, bytes), layout and step."""
+    """Print a checkpoint's entries (kind, dtype, shape, pieces, bytes), layout and step.
+
+    Also checks, without reading array data, that every shard file exists, opens and is long
+    enough for the datasets it holds; problems are listed and the exit status is 1. Flipped
+    bytes need ``verify`` (which reads every block).
+
+    Returns:
+        0, or 1 when a shard file is missing, unreadable or short.
+    """
     out = out or sys.stdout
     with CheckpointReader(path) as r:
         a = r.attrs
-        files = sorted({p.file for e in r.manifest.entries for p in e.pieces})
+        files = r.files()
+        problems = r.file_problems()
         disk = sum(os.path.getsize(os.path.join(r.path, f)) for f in files + ["index.h5"]
                    if os.path.exists(os.path.join(r.path, f)))
         rows = []
@@ -52,11 +68,14 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
             "world_size": a.get("world_size"), "group_size": a.get("group_size"),
             "group_ranks": a.get("group_ranks"), "files": files, "bytes_on_disk": disk,
             "array_bytes": sum(x.get("bytes", 0) for x in rows), "step": _step(r), "entries": rows,
+            "checksum_algorithm": r.manifest.checksum_algorithm,
+            "sizes_recorded": bool(r.manifest.file_bytes),
+            "problems": [p._asdict() for p in problems],
         }
     if as_json:
         json.dump(info, out, indent=1, default=str)
         out.write("\n")
-        return 0
+        return 1 if problems else 0
     w = out.write
     w(f"checkpoint  {info['path']}\n")
     w(f"format      {info['format']} v{info['format_version']}, written by axonmpi {info['library_version']} "
@@ -80,42 +99,104 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
         for x in values:
             v = repr(x["value"])
             w(f"{x['name']:<{nw}}  {x['kind']:<6} {v if len(v) <= 60 else v[:57] + '...'}\n")
-    return 0
+    if not problems:
+        sized = " with their saved sizes" if info["sizes_recorded"] else " and readable"
+        w(f"\nfiles: all present{sized}; block checksums ({info['checksum_algorithm']}) not read "
+          "here: `axonmpi ckpt verify PATH` checks every block\n")
+    else:
+        w(f"\nDAMAGED: {len(problems)} problem(s) with the shard files (load will fail):\n")
+        for p in problems:
+            w(f"  {p.file}: {p.message}" + (f" (entry {p.entry!r})" if p.entry else "") + "\n")
+    return 1 if problems else 0
+
+
+def verify(path: str, as_json: bool = False, out=None) -> int:
+    """Check every block of every piece against its checksum; list every problem.
+
+    Returns:
+        0 when the checkpoint is intact, 1 when any file is missing, short or unreadable or any
+        block's checksum differs (each problem names the entry and the file).
+
+    Example:
+        >>> verify("runs/gpt/ckpt/step-00000500")     # prints "ok: ..." and returns 0
+    """
+    out = out or sys.stdout
+    with CheckpointReader(path) as r:
+        problems = r.file_problems()
+        bad_files = {p.file for p in problems if not p.entry}
+        problems += [p for p in r.verify_all() if p.file not in bad_files]
+        npieces = sum(len(e.pieces) for e in r.manifest.entries)
+        nblocks = sum(len(p.checksums) for e in r.manifest.entries for p in e.pieces)
+        nbytes = sum(e.nbytes for e in r.manifest.entries)
+        info = {"path": r.path, "checksum_algorithm": r.manifest.checksum_algorithm, "entries": len(r.names()),
+                "pieces": npieces, "blocks": nblocks, "bytes": nbytes, "ok": not problems,
+                "problems": [p._asdict() for p in problems]}
+    if as_json:
+        json.dump(info, out, indent=1)
+        out.write("\n")
+    elif problems:
+        out.write(f"DAMAGED: {info['path']}: {len(problems)} problem(s)\n")
+        for p in problems:
+            where = f"entry {p.entry!r} in {p.file}" if p.entry else p.file
+            out.write(f"  {where}: {p.message}\n")
+    else:
+        out.write(f"ok: {info['path']}: {info['entries']} entries, {npieces} pieces, {nblocks} blocks, "
+                  f"{_size(nbytes)} verified ({info['checksum_algorithm']})\n")
+    return 1 if problems else 0
 
 
 def consolidate(path: str, out_path: str, force: bool = False) -> int:
-    """Write every entry of a checkpoint into one plain HDF5 file (full arrays, verified reads)."""
+    """Write every entry of a checkpoint into one plain HDF5 file of full arrays.
+
+    Every block is verified before it is written; on any error (a corrupt block, a missing
+    shard, a full disk) the partial output is removed and ``out_path`` is left as it was.
+
+    Returns:
+        0 on success (errors raise :class:`CheckpointError` / ``FileExistsError``).
+    """
     import h5py
     if os.path.exists(out_path) and not force:
         raise FileExistsError(f"{out_path} exists (pass --force to replace it)")
-    tmp = out_path + ".tmp"
-    with CheckpointReader(path) as r, h5py.File(tmp, "w") as f:
-        for k, v in r.attrs.items():
-            if k != "checksum":
-                f.attrs[k] = v
-        f.attrs["consolidated_from"] = os.path.abspath(r.path)
-        for e in r.manifest.entries:
-            if e.kind == "array":
-                ds = f.create_dataset(e.name, shape=e.shape, dtype=np.dtype(e.dtype))
-                if e.nbytes:
-                    ds[...] = r.read_block(e, (0,) * len(e.shape), e.shape)
-                ds.attrs["axonmpi_type"] = e.pytype
-            else:
-                _write_entry_view(f, e, h5py)
-        meta = f.create_group(META_GROUP)
-        entries = json.dumps([e.to_json() for e in r.manifest.entries]).encode()
-        meta.create_dataset("entries", data=np.frombuffer(entries, np.uint8))
-    os.replace(tmp, out_path)
+    directory = os.path.dirname(os.path.abspath(out_path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out_path) + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        with CheckpointReader(path) as r, h5py.File(tmp, "w") as f:
+            for k, v in r.attrs.items():
+                if k != "checksum":
+                    f.attrs[k] = v
+            f.attrs["consolidated_from"] = os.path.abspath(r.path)
+            for e in r.manifest.entries:
+                if e.kind == "array":
+                    ds = f.create_dataset(e.name, shape=e.shape, dtype=np.dtype(e.dtype))
+                    if e.nbytes:
+                        ds[...] = r.read_block(e, (0,) * len(e.shape), e.shape)  # verified blocks only
+                    ds.attrs["axonmpi_type"] = e.pytype
+                else:
+                    write_entry_view(f, e, h5py)
+            meta = f.create_group(META_GROUP)
+            entries = json.dumps([e.to_json() for e in r.manifest.entries]).encode()
+            meta.create_dataset("entries", data=np.frombuffer(entries, np.uint8))
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return 0
 
 
 def add_commands(sub) -> None:
-    """Add the ``inspect`` and ``consolidate`` commands to an argparse subparsers object."""
-    p = sub.add_parser("inspect", help="list a checkpoint's entries, shapes, dtypes, shards, bytes and step")
+    """Add the ``inspect``, ``verify`` and ``consolidate`` commands to an argparse subparsers object."""
+    p = sub.add_parser("inspect", help="list a checkpoint's entries, shapes, dtypes, shards, bytes and step; "
+                                       "report missing or short shard files")
     p.add_argument("path", help="checkpoint directory (or its index.h5)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=lambda a: inspect(a.path, a.json))
-    p = sub.add_parser("consolidate", help="write a checkpoint as one plain HDF5 file of full arrays")
+    p = sub.add_parser("verify", help="check every block of a checkpoint against its checksum "
+                                      "(exit 1 naming each damaged entry and file)")
+    p.add_argument("path", help="checkpoint directory (or its index.h5)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=lambda a: verify(a.path, a.json))
+    p = sub.add_parser("consolidate", help="write a checkpoint as one plain HDF5 file of full arrays (verified)")
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("out", help="output .h5 file")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -123,21 +204,21 @@ def add_commands(sub) -> None:
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
-    """Register ``ckpt`` (with ``inspect``/``consolidate``) on a top-level CLI; run it with ``args.func(args)``."""
-    p = subparsers.add_parser("ckpt", help="inspect or consolidate axonmpi checkpoints",
-                              description="Inspect or consolidate axonmpi sharded HDF5 checkpoints.")
-    add_commands(p.add_subparsers(dest="ckpt_command", required=True, metavar="{inspect,consolidate}"))
+    """Register ``ckpt`` (with ``inspect``/``verify``/``consolidate``) on a top-level CLI; run it with ``args.func(args)``."""
+    p = subparsers.add_parser("ckpt", help="inspect, verify or consolidate axonmpi checkpoints",
+                              description="Inspect, verify or consolidate axonmpi sharded HDF5 checkpoints.")
+    add_commands(p.add_subparsers(dest="ckpt_command", required=True, metavar="{inspect,verify,consolidate}"))
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m axonmpi.checkpoint {inspect,consolidate} ...``."""
+    """``python -m axonmpi.checkpoint {inspect,verify,consolidate} ...``."""
     parser = argparse.ArgumentParser(prog="python -m axonmpi.checkpoint",
-                                     description="Inspect or consolidate axonmpi sharded HDF5 checkpoints.")
-    add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,consolidate}"))
+                                     description="Inspect, verify or consolidate axonmpi sharded HDF5 checkpoints.")
+    add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,consolidate}"))
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError) as e:
+    except (CheckpointError, OSError) as e:  # OSError: FileExistsError, a missing output folder, a full disk
         print(f"error: {e}", file=sys.stderr)
         return 1

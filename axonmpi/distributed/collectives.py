@@ -45,25 +45,8 @@ _IN_PLACE = MPI.IN_PLACE
 _FAST_OPS = {}  # (op name, dtype.num) -> MPI.Op, filled once a pair has passed the checks
 
 
-# -- the one split rule ----------------------------------------------------------------------
-def chunk_sizes(n: int, parts: int) -> List[int]:
-    """Sizes of ``n`` items split over ``parts`` ranks: the first ``n % parts`` get one more.
-
-    Example:
-        >>> chunk_sizes(10, 4)
-        [3, 3, 2, 2]
-    """
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    q, r = divmod(int(n), parts)
-    return [q + 1 if i < r else q for i in range(parts)]
-
-
-def chunk_bounds(n: int, parts: int, index: int) -> Tuple[int, int]:
-    """``(start, stop)`` of chunk ``index`` under the :func:`chunk_sizes` rule."""
-    q, r = divmod(int(n), parts)
-    start = index * q + min(index, r)
-    return start, start + q + (1 if index < r else 0)
+# -- the one split rule (defined in sharding.py) ------------------------------------------
+from .sharding import chunk_bounds, chunk_sizes  # noqa: E402
 
 
 # -- plumbing (written once) ----------------------------------------------------------------

@@ -1,0 +1,308 @@
+"""save: write a sharded checkpoint from every rank of a group, crash-safe.
+
+[Note: the save protocol]
+1. Group rank 0 makes ``<path>.tmp-<uuid>`` and broadcasts its name.
+2. Every rank flattens its state into a plan (:mod:`axonmpi.checkpoint.plan`); one
+   ``all_gather_object`` gives every rank every plan; all ranks check the plans agree and
+   compute the same :class:`~axonmpi.checkpoint.plan.WritePlan` (who writes which block).
+3. Each rank writes its pieces to ``shard-<group rank>.h5`` with a checksum per block, closes
+   and fsyncs it. A ``gather_object`` to rank 0 confirms every rank finished (or carries its
+   error) and brings rank 0 the checksums.
+4. Rank 0 writes ``index.h5`` last (manifest, checksums, virtual datasets), fsyncs it and the
+   directory, then swaps the directory into place: ``renameat2(RENAME_EXCHANGE)`` where Linux
+   offers it (atomic: the path always holds a complete checkpoint), else rename the old one to
+   ``<path>.old-<uuid>`` and the new one to ``<path>`` (a crash between the two leaves the old
+   one at ``.old-*``, which :func:`~axonmpi.checkpoint.load` finds). The old checkpoint is
+   removed only after the new one is in place. The outcome is broadcast: an error on any rank
+   raises on every rank and nothing is renamed.
+
+Every exchange is an axonmpi collective on the group, so debug mode checks them.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import errno
+import os
+import shutil
+import uuid
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import numpy as np
+
+from ..distributed.collectives import all_gather_object, barrier, broadcast_object, gather_object
+from ..distributed.sharding import ShardedArray
+from .agree import describe, raise_from, share
+from .checksum import CHECKSUM_ALGORITHM, block_checksums
+from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, Piece, shard_name
+from .index import write_index
+from .plan import WritePlan, assign, check_plans, host_array, plan_state
+from .read import is_checkpoint
+
+__all__ = ["save"]
+
+_FAULT_ENV = "AXONMPI_CKPT_FAULT"  # test-only fault injection: "<point>[:<group rank>[:raise]]"
+
+
+# -- small plumbing ------------------------------------------------------------------------------
+def _fault(point: str, rank: int) -> None:
+    spec = os.environ.get(_FAULT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != point or (len(parts) > 1 and parts[1] not in ("", "*") and int(parts[1]) != rank):
+        return
+    if len(parts) > 2 and parts[2] == "raise":
+        raise RuntimeError(f"injected fault {point} on rank {rank} ({_FAULT_ENV}={spec})")
+    os._exit(17)
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_exchange(a: str, b: str) -> bool:
+    """Atomically swap paths ``a`` and ``b`` (Linux ``renameat2``); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+class _Written(NamedTuple):
+    """What a writer reports to rank 0: per piece its block checksums and byte offset; file sizes."""
+
+    checksums: List[List[int]]
+    byte_offsets: List[int]
+    file_bytes: Dict[str, int]
+
+
+def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> _Written:
+    """Write the pieces; a worker thread checksums each piece while h5py writes it (xxhash frees the GIL)."""
+    import h5py
+    from concurrent.futures import ThreadPoolExecutor
+    futures, offsets = [], []
+    with ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-checksum") as pool, h5py.File(fname, "w") as f:
+        for n, (p, arr) in enumerate(jobs):
+            if n == len(jobs) // 2:
+                _fault("mid_shard", rank)
+            a = host_array(arr)
+            futures.append(pool.submit(block_checksums, a, p.block_rows))
+            ds = f.create_dataset(p.dset, data=a)
+            off = ds.id.get_offset()
+            offsets.append(-1 if off is None else int(off))
+        sums = [fu.result() for fu in futures]
+    if fsync:
+        _fsync_path(fname)
+    return _Written(sums, offsets, {os.path.basename(fname): os.path.getsize(fname)})
+
+
+def _write_collective(fname: str, g, plan: WritePlan, jobs: List[Tuple[Piece, Any]], fsync: bool) -> _Written:
+    """All pieces into one ``data.h5`` through HDF5's MPI-IO driver (dataset creation is collective)."""
+    import h5py
+    sums = []
+    with h5py.File(fname, "w", driver="mpio", comm=g.comm) as f:
+        for p in plan.pieces():  # metadata operations are collective: every rank creates every dataset
+            f.create_dataset(p.dset, shape=p.shape, dtype=np.dtype(plan.entries[p.entry].dtype))
+        for p, arr in jobs:
+            a = host_array(arr)
+            sums.append(block_checksums(a, p.block_rows))
+            f[p.dset].write_direct(a)
+    if fsync and g.rank == 0:
+        _fsync_path(fname)
+    return _Written(sums, [-1] * len(sums), {})  # offsets and size unknown here: read through HDF5
+
+
+def _check_target(path: str, overwrite: bool) -> None:
+    if not os.path.lexists(path):
+        return
+    if not overwrite:
+        raise FileExistsError(f"checkpoint {path} exists (pass overwrite=True to replace it)")
+    if not os.path.isdir(path) or os.path.islink(path) or not (is_checkpoint(path) or not os.listdir(path)):
+        raise FileExistsError(
+            f"refusing to replace {path}: it exists and is not an axonmpi checkpoint directory"
+        )
+
+
+def _commit(tmp: str, path: str, rank: int, fsync: bool = True) -> None:
+    """Move the finished ``tmp`` directory to ``path``; the old checkpoint goes only afterwards.
+
+    With ``fsync=False`` the directory fsyncs are skipped too (on ext4 they would force the new
+    files' data out and make a "no fsync" save as slow as a durable one); the swap stays atomic.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+
+    def sync_dir(d):
+        if fsync:
+            _fsync_path(d, directory=True)
+
+    sync_dir(tmp)
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+        sync_dir(parent)
+        return
+    force_two_step = os.environ.get(_FAULT_ENV, "").startswith("after_aside")
+    if not force_two_step and _rename_exchange(tmp, path):
+        sync_dir(parent)
+        _fault("before_cleanup", rank)
+        shutil.rmtree(tmp)  # now the old checkpoint
+        return
+    aside = f"{path}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(path, aside)
+    _fault("after_aside", rank)
+    os.rename(tmp, path)
+    sync_dir(parent)
+    _fault("before_cleanup", rank)
+    shutil.rmtree(aside)
+
+
+# -- save ----------------------------------------------------------------------------------------
+def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool = True,
+         fsync: bool = True, collective: bool = False) -> str:
+    """Save ``state`` from every rank of ``group`` to the checkpoint directory ``path``.
+
+    Collective over ``group`` (default: all ranks); every rank passes its own ``state`` with
+    the same keys. Leaves may be :class:`ShardedArray` (this rank's block of a global array),
+    NumPy/CuPy arrays (assumed replicated over the group and written once), NumPy scalars,
+    Python ``int``/``float``/``bool``/``str``/``None``, lists/tuples of those, and nested
+    dicts (str or int keys; no ``/`` in keys).
+
+    Args:
+        path: the checkpoint directory to create or replace (atomically; see the module notes).
+        state: nested dict of the above.
+        group: the process group saving together (default: all ranks).
+        overwrite: replace an existing checkpoint at ``path`` (never a non-checkpoint path).
+        fsync: flush files and directories to stable storage before the rename.
+        collective: write one shared ``data.h5`` with HDF5's MPI-IO driver instead of a file
+            per rank; needs h5py built with parallel HDF5 (``h5py.get_config().mpi``), else
+            NotImplementedError.
+
+    Returns:
+        ``path``.
+
+    Example:
+        >>> w = ShardedArray.from_chunks(my_rows, (1024, 512), axis=0)
+        >>> axonmpi.checkpoint.save("ckpt/step-100", {"model": {"w": w, "b": bias}, "step": 100})
+    """
+    from ..distributed import resolve_group
+    import h5py
+
+    g = resolve_group(group)
+    path = os.fspath(path)
+    if collective and not h5py.get_config().mpi:
+        raise NotImplementedError(
+            "save(collective=True) writes one shared file with HDF5's MPI-IO driver, which needs h5py "
+            "built against parallel HDF5; this h5py is serial (h5py.get_config().mpi is False, as for "
+            "the PyPI wheels). Use the default (one shard file per rank), or install h5py with "
+            "HDF5_MPI=ON against a parallel HDF5."
+        )
+    rank = g.rank
+    what = f"save to {path}"
+
+    # 1. rank 0 makes the temporary directory
+    tmp, err = None, None
+    if rank == 0:
+        try:
+            _check_target(path, overwrite)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+            os.mkdir(tmp)
+        except Exception as e:
+            err = e
+    tmp = share(g, tmp, err, what)
+
+    agreed = False  # True where a failure is raised by every rank at the same point
+    try:
+        # 2. plans -> who writes what (identical on every rank)
+        err, mine, arrays = None, None, {}
+        try:
+            mine, arrays = plan_state(state, rank, g.world.debug)
+        except Exception as e:
+            err = e
+        gathered = all_gather_object((mine, describe(err)), group=g)
+        agreed = True
+        raise_from([m for _, m in gathered], err, what, g)
+        plans = [p for p, _ in gathered]
+        check_plans(plans)
+        plan = assign(plans, collective)
+        agreed = False
+
+        # 3. write this rank's pieces
+        err, written = None, _Written([], [], {})
+        try:
+            jobs = [(p, arrays[plan.entries[p.entry].name]) for p in plan.by_writer.get(rank, [])]
+            jobs = [(p, a.local if isinstance(a, ShardedArray) else a) for p, a in jobs]
+            _fault("before_shard", rank)
+            if collective:
+                written = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
+            elif jobs:
+                written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
+            _fault("after_shard", rank)
+        except Exception as e:
+            err = e
+        results = gather_object((written, describe(err)), dst=0, group=g)
+
+        # 4. rank 0: index, rename
+        err2 = None
+        if rank == 0:
+            try:
+                raise_from([m for _, m in results], err, what, g)
+                file_bytes: Dict[str, int] = {}
+                for r, pieces in plan.by_writer.items():
+                    w = results[r][0]
+                    for p, sums, off in zip(pieces, w.checksums, w.byte_offsets):
+                        p.checksums, p.byte_offset = sums, off
+                    file_bytes.update(w.file_bytes)
+                _fault("before_index", rank)
+                index = os.path.join(tmp, INDEX_NAME)
+                write_index(index, plan.entries, _attrs(g, plan.writers), file_bytes)
+                if fsync:
+                    _fsync_path(index)
+                _fault("after_index", rank)
+                _commit(tmp, path, rank, fsync)
+            except Exception as e:
+                err2 = e if err is None else err
+        outcome = broadcast_object(describe(err2), src=0, group=g)
+        agreed = True
+        if outcome is not None:
+            if err is not None:
+                raise err  # this rank's own error, with its traceback
+            raise_from([outcome], err2, what, g)
+    except BaseException:
+        if rank == 0 and tmp and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if agreed and g.size > 1:
+            barrier(group=g)  # every rank returns only after the temporary directory is gone
+        raise
+    return path
+
+
+def _attrs(g, writers: List[int]) -> Dict[str, Any]:
+    import h5py
+    from .. import __version__
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "library_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": g.world.world_size,
+        "group_size": g.size,
+        "group_ranks": np.array(g.ranks, np.int64),
+        "writers": np.array(writers, np.int64),
+        "h5py_version": h5py.version.version,
+        "hdf5_version": h5py.version.hdf5_version,
+    }
