@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import numpy as np
 
 from ...backend import get_array_module, to_host
-from ...distributed import ProcessGroup, broadcast
+from ...distributed import ProcessGroup, broadcast, get_world
+from ...distributed.sharding import ShardedArray
 from ...nn import Module
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict"]
@@ -120,12 +121,10 @@ def load_sharded_state_dict(model: Module, state_dict: Mapping[str, Any], strict
 
 
 def _world_rank() -> int:
-    from ...distributed import get_world
     return get_world().rank
 
 
 def _sharded_array(local, global_shape, offsets):
-    from ...checkpoint.sharded import ShardedArray   # checkpoint sits above parallel: import late
     return ShardedArray(local, global_shape, offsets)
 
 
