@@ -6,6 +6,8 @@ import os
 import sys
 from typing import Any, Optional
 
+from . import env as _env
+
 __all__ = ["get_logger", "print0", "print_rank", "RankFilter"]
 
 _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
@@ -54,7 +56,7 @@ def get_logger(name: str = "axonmpi", level: Optional[int] = None, rank0_only: b
         h.addFilter(RankFilter(rank0_only))
         logger.addHandler(h)
         logger.propagate = False
-    lvl = level if level is not None else os.environ.get("AXONMPI_LOG_LEVEL", "INFO").upper()
+    lvl = level if level is not None else _env.get_log_level()
     logger.setLevel(lvl)
     return logger
 

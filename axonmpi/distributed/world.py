@@ -1,7 +1,6 @@
 """The World: every rank of the job, its node layout, device and groups; the one piece of global state."""
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import traceback
@@ -9,7 +8,7 @@ from typing import Iterable, List, Optional
 
 from mpi4py import MPI
 
-from .. import backend
+from .. import backend, env as _env
 from .group import ProcessGroup
 
 __all__ = ["World", "init", "get_world", "is_initialized", "destroy", "resolve_group"]
@@ -38,7 +37,7 @@ class World:
         self.rank = self._comm.Get_rank()
         self.world_size = self._comm.Get_size()
         if debug is None:
-            debug = os.environ.get("AXONMPI_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+            debug = _env.get_bool("AXONMPI_DEBUG")
         self.debug = bool(debug)
         self._destroyed = False
 
@@ -179,6 +178,8 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None
     global _WORLD
     if _WORLD is None or _WORLD._destroyed:
         _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception)
+        from .launch import apply_launch_defaults
+        apply_launch_defaults(_WORLD)
     return _WORLD
 
 
