@@ -4,11 +4,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
+
+if TYPE_CHECKING:
+    import argparse
 
 from . import env as _env
 
-__all__ = ["get_logger", "print0", "print_rank", "RankFilter"]
+__all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0"]
 
 _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
 
@@ -73,3 +76,34 @@ def print_rank(*args: Any, **kwargs: Any) -> None:
     r, n = _rank_info()
     kwargs.setdefault("flush", True)
     print(f"[rank {r}/{n}]", *args, **kwargs)
+
+
+def rank0_parser(parser: "argparse.ArgumentParser") -> "argparse.ArgumentParser":
+    """Make ``parser`` print usage, errors and ``--help`` on world rank 0 only; returns it.
+
+    Under ``mpiexec -n 4`` a bad option then prints one usage and one error, not four run
+    together; every rank still exits with argparse's code. Works before :func:`axonmpi.init`
+    (the rank comes from the launcher's variables).
+
+    Example:
+        >>> args = rank0_parser(argparse.ArgumentParser()).parse_args()
+    """
+    if _rank_info()[0] != 0:
+        parser._print_message = lambda message, file=None: None
+    return parser
+
+
+def exit0(message: str, code: int = 2) -> "NoReturn":
+    """End this rank with ``code``, printing ``error: message`` on world rank 0 only.
+
+    For conditions every rank evaluates the same way (a bad option value): one clean line
+    instead of one per rank and no traceback.
+
+    Example:
+        >>> if args.global_batch % world.world_size:
+        ...     exit0(f"--global-batch {args.global_batch} must divide by the {world.world_size} ranks")
+    """
+    if _rank_info()[0] == 0:
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+    raise SystemExit(code)

@@ -18,7 +18,9 @@ class CheckpointManager:
     ``save`` and ``load_latest`` are collective over ``group``; ``latest``/``steps`` only
     look at the (shared) file system. A save replaces nothing until it is complete (see
     :func:`axonmpi.checkpoint.save`); pruning happens after the new checkpoint is in place,
-    so at least one complete checkpoint survives any crash.
+    so at least one complete checkpoint survives any crash, and the checkpoint just written is
+    never pruned (even when the directory holds later steps of another run: pruning then removes
+    the oldest of those others and logs a warning).
 
     Args:
         directory: where checkpoints live (created on first save).
@@ -93,6 +95,20 @@ class CheckpointManager:
             self._prune(keep_step=int(step))
         return path
 
+    def clear(self) -> List[int]:
+        """Delete every checkpoint of this manager's directory (rank 0 of ``group``; collective).
+
+        For a fresh run that was told to overwrite an old one. Returns the steps removed.
+        """
+        from ..distributed import broadcast_object, resolve_group
+        g = resolve_group(self.group)
+        removed = []
+        if g.rank == 0:
+            removed = self.steps()
+            for s in removed:
+                shutil.rmtree(self.path_for(s), ignore_errors=True)
+        return broadcast_object(removed, group=g)  # the others wait here until rank 0 is done
+
     def load_latest(self, state: Optional[dict] = None, **kw) -> Optional[dict]:
         """Load the newest checkpoint (collective); None when there is none.
 
@@ -111,11 +127,16 @@ class CheckpointManager:
         from ..log import get_logger
         log = get_logger(__name__)
         doomed = []
+        others = [s for s in self.steps() if s != keep_step]
+        later = [s for s in others if s > keep_step]
+        if later:
+            log.warning("%s also holds checkpoints of later steps %s than the one just written (%d); "
+                        "latest() returns the highest step", self.directory, later, keep_step)
         if self.keep_last is not None:
-            steps = [s for s in self.steps() if s != keep_step]
-            steps.append(keep_step)
-            steps.sort()
-            doomed = [self.path_for(s) for s in steps[:-self.keep_last]]
+            # the checkpoint just written always survives, whatever its step; the others go
+            # oldest-step first until keep_last remain
+            n_drop = max(0, len(others) + 1 - self.keep_last)
+            doomed = [self.path_for(s) for s in others[:n_drop]]
         # leftovers of crashed saves: only where the checkpoint they belong to is complete or doomed
         # (after a crash between the two renames of a non-atomic replace, <p>.old-* is the only copy)
         for pat in (".tmp-*", ".old-*"):
