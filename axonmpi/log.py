@@ -4,14 +4,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 if TYPE_CHECKING:
     import argparse
 
 from . import env as _env
 
-__all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0"]
+__all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0", "run_main"]
 
 _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
 
@@ -107,3 +107,34 @@ def exit0(message: str, code: int = 2) -> "NoReturn":
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
     raise SystemExit(code)
+
+
+def run_main(func: "Callable[..., Optional[int]]", *args: Any, traceback: bool = False) -> int:
+    """Run a command-line entry point: its exit code, one ``error: ...`` line instead of a traceback.
+
+    A closed pipe (``axonmpi ckpt inspect DIR | head``) ends quietly with 0; Ctrl-C with 130.
+    ``traceback=True`` re-raises (the CLIs' ``--traceback`` flag).
+
+    Example:
+        >>> sys.exit(run_main(args.func, args))
+    """
+    try:
+        return int(func(*args) or 0)
+    except BrokenPipeError:
+        try:  # stdout's buffer still holds data for the closed pipe: point it at /dev/null before exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a CLI reports every failure in one line
+        if traceback:
+            raise
+        text = str(e) or type(e).__name__
+        if isinstance(e, KeyError) and e.args:
+            text = str(e.args[0])
+        kind = "" if isinstance(e, (OSError, ValueError, KeyError, RuntimeError)) else f"{type(e).__name__}: "
+        sys.stderr.write(f"error: {kind}{text}\n")
+        return 1

@@ -169,7 +169,9 @@ def main(argv=None):
     world = axonmpi.init()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
     if args.global_batch % world.world_size:
-        axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {world.world_size} ranks")
+        n = world.world_size
+        axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "
+                          f"(e.g. --global-batch {max(n, args.global_batch // n * n)})")
     dtype = np.dtype(args.dtype)
 
     text = load_stdlib_corpus(max_bytes=args.corpus_bytes)

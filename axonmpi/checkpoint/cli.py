@@ -11,6 +11,7 @@ import numpy as np
 
 from .format import META_GROUP, CheckpointError, _write_entry_view
 from .io import CheckpointReader
+from .manager import list_run_folder
 
 __all__ = ["add_subparser", "add_commands", "main", "inspect", "consolidate"]
 
@@ -33,6 +34,8 @@ def _step(r: CheckpointReader):
 def inspect(path: str, as_json: bool = False, out=None) -> int:
     """Print a checkpoint's entries (kind, dtype, shape, pieces, bytes), layout and step."""
     out = out or sys.stdout
+    if list_run_folder(path, as_json, out):  # a run folder of step-* checkpoints: list them
+        return 0
     with CheckpointReader(path) as r:
         a = r.attrs
         files = sorted({p.file for e in r.manifest.entries for p in e.pieces})
@@ -136,8 +139,5 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      description="Inspect or consolidate axonmpi sharded HDF5 checkpoints.")
     add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,consolidate}"))
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (CheckpointError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    from ..log import run_main
+    return run_main(args.func, args)  # one "error: ..." line, quiet on a closed pipe

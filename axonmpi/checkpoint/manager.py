@@ -5,11 +5,14 @@ import glob
 import os
 import re
 import shutil
+import json
+import sys
+import time
 from typing import List, Optional
 
 from .io import is_checkpoint, load, save
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "list_run_folder"]
 
 
 class CheckpointManager:
@@ -155,3 +158,43 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, keep_last={self.keep_last}, "
                 f"every_steps={self.every_steps}, latest_step={self.latest_step()})")
+
+
+def list_run_folder(path: "str | os.PathLike", as_json: bool = False, out=None, *, prefix: str = "step-") -> bool:
+    """Print the ``step-*`` checkpoints of a run folder (step, size, time); False when ``path`` is not one.
+
+    What ``axonmpi ckpt inspect RUN_DIR`` shows for a folder a :class:`CheckpointManager` writes
+    into; unfinished saves (no index) are listed as such.
+
+    Example:
+        >>> list_run_folder("checkpoints/gpt")
+        True
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path) or is_checkpoint(path):
+        return False
+    pattern = re.compile(re.escape(prefix) + r"(\d+)(.*)$")
+    rows = []
+    for name in sorted(os.listdir(path)):
+        m = pattern.match(name)
+        full = os.path.join(path, name)
+        if not m or not os.path.isdir(full):
+            continue
+        size = sum(os.path.getsize(os.path.join(full, f)) for f in os.listdir(full)
+                   if os.path.isfile(os.path.join(full, f)))
+        complete = is_checkpoint(full) and not m.group(2)
+        rows.append({"step": int(m.group(1)), "path": full, "complete": complete, "bytes": size,
+                     "modified": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(full)))})
+    if not rows:
+        return False
+    out = out or sys.stdout
+    if as_json:
+        out.write(json.dumps({"run_folder": path, "checkpoints": rows}, indent=1) + "\n")
+        return True
+    out.write(f"run folder  {path}: {sum(r['complete'] for r in rows)} complete checkpoint(s)\n\n")
+    out.write(f"{'step':>10}  {'MiB':>9}  {'modified':<19}  path\n")
+    for r in rows:
+        note = "" if r["complete"] else "   (incomplete: an unfinished or crashed save)"
+        out.write(f"{r['step']:>10}  {r['bytes'] / 2**20:>9.1f}  {r['modified']:<19}  {r['path']}{note}\n")
+    out.write(f"\ninspect one with: axonmpi ckpt inspect {rows[-1]['path']}\n")
+    return True
