@@ -241,12 +241,20 @@ def install_abort_on_exception(comm: "MPI.Comm") -> None:
 
     def _abort(exc_type, exc, tb, where="") -> None:
         try:
+            sys.stdout.flush()
+            # when several ranks fail together (the same bad value everywhere), the lowest one
+            # reports first and its MPI_Abort ends the others before they print a copy
+            if rank:
+                import time
+                time.sleep(1.0 + 0.1 * min(rank, 20))
             text = "".join(traceback.format_exception(exc_type, exc, tb))
+            first = (str(exc).strip().splitlines() or [""])[0]
             sys.stderr.write(
                 f"[axonmpi rank {rank}/{size}] uncaught exception{where}; aborting all ranks:\n{text}"
+                f"[axonmpi] root cause: rank {rank} of {size} raised {exc_type.__name__}: {first} "
+                f"(the other {size - 1} rank(s) are aborted)\n"
             )
             sys.stderr.flush()
-            sys.stdout.flush()
         finally:
             MPI.COMM_WORLD.Abort(1)
 
