@@ -141,3 +141,21 @@ def test_train_gpt_no_tqdm_when_not_a_terminal(tmp_path):
                        env=mpiexec_env(), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stdout + r.stderr and "step 2/4 loss" in r.stderr and "step 4/4 loss" in r.stderr
+
+
+@pytest.mark.serial
+def test_train_mlp_data_parallel_matches_one_rank_and_shows_defaults():
+    from axonmpi.testing import mpiexec_env, run_mpiexec
+    script = os.path.join(ROOT, "examples", "train_mlp.py")
+    args = [script, "--samples", "1200", "--epochs", "2", "--hidden", "16", "--batch-size", "32"]
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=mpiexec_env())
+    two = run_mpiexec(args, n=2, timeout=120)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    last = [[ln for ln in r.stdout.splitlines() if ln.startswith("epoch  2")] for r in (one, two)]
+    assert len(last[1]) == 1 and last[0] == last[1], (one.stdout, two.stdout)   # same trajectory, printed once
+    h = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60,
+                       env=mpiexec_env())
+    assert "(default: 64)" in h.stdout and "(default: 0.6)" in h.stdout
+    g = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--help"],
+                       capture_output=True, text=True, timeout=60, env=mpiexec_env())
+    assert "(default: 300)" in g.stdout and "(default 300)" not in g.stdout
