@@ -153,9 +153,9 @@ def test_train_mlp_data_parallel_matches_one_rank_and_shows_defaults():
     assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
     last = [[ln for ln in r.stdout.splitlines() if ln.startswith("epoch  2")] for r in (one, two)]
     assert len(last[1]) == 1 and last[0] == last[1], (one.stdout, two.stdout)   # same trajectory, printed once
-    h = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60,
-                       env=mpiexec_env())
+    wide = mpiexec_env({"COLUMNS": "400"})
+    h = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60, env=wide)
     assert "(default: 64)" in h.stdout and "(default: 0.6)" in h.stdout
     g = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--help"],
-                       capture_output=True, text=True, timeout=60, env=mpiexec_env())
+                       capture_output=True, text=True, timeout=60, env=wide)
     assert "(default: 300)" in g.stdout and "(default 300)" not in g.stdout
