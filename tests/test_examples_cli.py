@@ -88,6 +88,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path, module):
 @pytest.mark.serial
 def test_cli_inspect_run_folder_and_closed_pipe(tmp_path):
     from axonmpi import checkpoint as ckpt
+    from axonmpi.testing import mpiexec_env
     mgr = ckpt.CheckpointManager(tmp_path / "run", keep_last=None)
     for s in (5, 10):
         mgr.save(s, {"w": np.arange(4.0)})
@@ -97,7 +98,7 @@ def test_cli_inspect_run_folder_and_closed_pipe(tmp_path):
     assert "2 complete checkpoint(s)" in r.stdout and "step-00000010" in r.stdout and "incomplete" in r.stdout
     # a closed pipe (| head) ends quietly: no BrokenPipeError traceback
     p = subprocess.Popen([sys.executable, "-m", "axonmpi", "ckpt", "inspect", str(mgr.path_for(10))],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=mpiexec_env())
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
