@@ -98,6 +98,11 @@ def check_launcher(world_size: int) -> Optional[str]:
 
 
 def apply_launch_defaults(world) -> None:
-    """What ``init()`` does once its World exists: :func:`check_launcher`, then :func:`limit_threads`."""
-    check_launcher(world.world_size)
+    """What ``init()`` does while it builds the World: :func:`check_launcher`, then :func:`limit_threads`.
+
+    The launcher check looks at ``MPI.COMM_WORLD`` (a World built on a sub-communicator is no mismatch).
+    """
+    from mpi4py import MPI
+
+    check_launcher(MPI.COMM_WORLD.Get_size())
     limit_threads(world.local_size, world.rank)

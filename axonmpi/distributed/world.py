@@ -8,7 +8,7 @@ from typing import Iterable, List, Optional
 
 from mpi4py import MPI
 
-from .. import backend, env as _env
+from .. import backend
 from .group import ProcessGroup
 
 __all__ = ["World", "init", "get_world", "is_initialized", "destroy", "resolve_group"]
@@ -37,7 +37,8 @@ class World:
         self.rank = self._comm.Get_rank()
         self.world_size = self._comm.Get_size()
         if debug is None:
-            debug = _env.get_bool("AXONMPI_DEBUG")
+            from ..env import get_bool
+            debug = get_bool("AXONMPI_DEBUG")
         self.debug = bool(debug)
         self._destroyed = False
 
@@ -60,6 +61,9 @@ class World:
 
         self.default_group = ProcessGroup(self, self._comm, range(self.world_size), name="world")
         self._groups: List[ProcessGroup] = []
+        from .launch import apply_launch_defaults
+        apply_launch_defaults(self)  # one BLAS thread per rank on shared nodes; launcher/MPI mismatch
+
         if abort_on_exception:
             install_abort_on_exception(self._comm)
 
@@ -178,8 +182,6 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None
     global _WORLD
     if _WORLD is None or _WORLD._destroyed:
         _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception)
-        from .launch import apply_launch_defaults
-        apply_launch_defaults(_WORLD)
     return _WORLD
 
 
