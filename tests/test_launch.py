@@ -11,7 +11,8 @@ from axonmpi.distributed import launch
 from axonmpi.testing import mpiexec_env, mpiexec_path
 
 _PROBE = ("import axonmpi; w = axonmpi.init(); from threadpoolctl import threadpool_info; "
-          "print('threads', w.rank, max([i['num_threads'] for i in threadpool_info()] or [1]), flush=True)")
+          "n = max([i['num_threads'] for i in threadpool_info()] or [1]); r = axonmpi.gather_object((w.rank, n)); "
+          "w.rank == 0 and print(' '.join(f'threads {a} {b}' for a, b in r), flush=True)")
 
 
 def _run(n, extra=None, drop=launch.THREAD_VARS):
