@@ -1,5 +1,5 @@
 # axonmpi — two commands for a new machine with python3 and pip:
-#   make demo   installs into .venv, then trains the char GPT with DDP on 4 local ranks
+#   make demo   installs into .venv, then trains the char GPT with DDP on RANKS (default 4) local ranks
 #   make test   installs, then runs the whole test suite at 1, 2, 3 and 4 ranks
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,18 +8,20 @@ MPIEXEC := $(VENV)/bin/mpiexec
 NPS ?= 1 2 3 4
 PYTEST_ARGS ?= -q
 DEMO_ARGS ?=
-export OMP_NUM_THREADS ?= 1
-export OPENBLAS_NUM_THREADS ?= 1
+RANKS ?= 4
+DEMO_DIR ?= checkpoints/gpt
 export PYTHONUNBUFFERED := 1
+# a new demo replaces the last demo's checkpoints; DEMO_ARGS="--resume --steps 600" continues them
+DEMO_FRESH := $(if $(findstring resume,$(DEMO_ARGS)),,--overwrite)
 
 .PHONY: install test demo bench clean help
 
 help:
-	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on 4 local ranks"
+	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on RANKS=$(RANKS) local ranks"
 	@echo "make test   - install and run the suite under mpiexec -n N for N in $(NPS)"
 	@echo "make bench  - run the benchmarks in bench/ beside the anchors in ../shared/anchors"
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[mpich,test]'
 	@touch $@
@@ -29,6 +31,7 @@ install: $(VENV)/.installed
 test: install
 	@rm -rf .test-logs; set -e; for n in $(NPS); do \
 	  echo "=== pytest --with-mpi on $$n rank(s) ==="; \
+	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
 	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider $(PYTEST_ARGS) || { \
 	    status=$$?; echo "*** the $$n-rank run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
@@ -36,7 +39,8 @@ test: install
 	done; echo "=== all passes green: $(NPS) rank(s) ==="
 
 demo: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash jobs/local.sh -n 4 examples/train_gpt.py $(DEMO_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash jobs/local.sh -n $(RANKS) examples/train_gpt.py \
+	  --checkpoint-dir $(DEMO_DIR) $(DEMO_FRESH) $(DEMO_ARGS)
 
 bench: install
 	$(MPIEXEC) -n 2 $(PY) bench/collectives.py

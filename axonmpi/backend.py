@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Optional
 
 import numpy as np
+
+from . import env as _env
 
 __all__ = [
     "Device",
@@ -28,7 +29,7 @@ def get_cupy():
     The import is attempted once and lazily, so CPU installs never touch CUDA.
     Set ``AXONMPI_DISABLE_CUPY=1`` to force the CPU path even where CuPy is installed.
     """
-    if os.environ.get("AXONMPI_DISABLE_CUPY", "0") not in ("", "0"):
+    if _env.get_bool("AXONMPI_DISABLE_CUPY"):
         return None
     try:
         import cupy  # noqa: F401

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import List, Optional
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "data_dir"]
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -41,50 +41,106 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """``mpiexec -n N python SCRIPT ARGS`` with one BLAS thread per rank."""
+    """``mpiexec -n N python SCRIPT ARGS`` with the MPI beside this Python."""
     import subprocess
 
     from axonmpi.testing import mpiexec_path
 
     env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, str(args.threads))
+    if args.threads is not None:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(args.threads)
     env.setdefault("PYTHONUNBUFFERED", "1")
     cmd = [mpiexec_path(), "-n", str(args.n), sys.executable, args.script, *args.script_args]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=env)
 
 
+def data_dir(name: str) -> str:
+    """The folder of the shipped ``jobs`` or ``examples`` (package data in an install, the repo's in a clone)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "_data", name), os.path.join(os.path.dirname(here), name)):
+        if os.path.isdir(cand):
+            return cand
+    raise FileNotFoundError(f"no {name}/ shipped with this axonmpi install ({here}); reinstall with "
+                            "`pip install .` from a clone or `pip install git+<repo url>`")
+
+
+def _cmd_write(args: argparse.Namespace) -> int:
+    """Copy the shipped job templates into DIR/jobs (with ``--examples`` the example scripts into DIR/examples)."""
+    import shutil
+
+    os.makedirs(args.dir, exist_ok=True)
+    written = []
+    for name in ("jobs", "examples") if args.examples else ("jobs",):
+        src = data_dir(name)
+        dst = os.path.join(args.dir, name)
+        os.makedirs(dst, exist_ok=True)
+        for f in sorted(os.listdir(src)):
+            if f.startswith((".", "__")) or not os.path.isfile(os.path.join(src, f)):
+                continue
+            target = os.path.join(dst, f)
+            if os.path.exists(target) and not args.force:
+                raise FileExistsError(f"{target} exists (pass --force to replace it)")
+            shutil.copy2(os.path.join(src, f), target)
+            written.append(target)
+    for w in written:
+        print(w)
+    print(f"{len(written)} file(s) written; edit {os.path.join(args.dir, 'jobs', 'site.sh')} (modules, venv, "
+          f"scratch) and the #SBATCH lines, then submit from {args.dir}: sbatch jobs/slurm_ddp_1node.sbatch",
+          file=sys.stderr)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="axonmpi", description="axonmpi: MPI-native distributed deep learning.")
+    p = argparse.ArgumentParser(prog="axonmpi", description="axonmpi: MPI-native distributed deep learning.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--version", action="version", version=f"axonmpi {__import__('axonmpi').__version__}")
+    p.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sp = sub.add_parser("info", help="versions, MPI library, GPUs; under mpiexec also the rank layout")
     sp.add_argument("--ranks", action="store_true", help="list every rank's host, local rank and device")
     sp.set_defaults(func=_cmd_info)
-    sp = sub.add_parser("run", help="run a script on N local ranks (mpiexec -n N python SCRIPT ...)")
-    sp.add_argument("-n", type=int, default=4, help="number of ranks (default 4)")
-    sp.add_argument("--threads", type=int, default=1, help="BLAS/OpenMP threads per rank (default 1)")
+    sp = sub.add_parser("run", help="run a script on N local ranks (mpiexec -n N python SCRIPT ...)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp.add_argument("-n", type=_positive_int, default=4, help="number of ranks")
+    sp.add_argument("--threads", type=_positive_int, default=None,
+                    help="BLAS/OpenMP threads per rank (default: axonmpi.init() uses 1 when ranks share a node)")
     sp.add_argument("script", help="the Python script")
     sp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     sp.set_defaults(func=_cmd_run)
-    try:
-        from axonmpi.checkpoint import cli as ckpt_cli
-    except ImportError:  # pragma: no cover - checkpoint CLI always ships
-        ckpt_cli = None
-    if ckpt_cli is not None and hasattr(ckpt_cli, "add_subparser"):
-        ckpt_cli.add_subparser(sub)
+    sp = sub.add_parser("jobs", help="job templates (Slurm, local) shipped with axonmpi")
+    jsub = sp.add_subparsers(dest="jobs_command", required=True, metavar="{write}")
+    w = jsub.add_parser("write", help="copy the job templates into DIR/jobs (with --examples also DIR/examples)")
+    w.add_argument("dir", help="destination folder (created)")
+    w.add_argument("--examples", action="store_true", help="also write the example scripts into DIR/examples/")
+    w.add_argument("--force", action="store_true", help="replace files that exist")
+    w.set_defaults(func=_cmd_write)
+    from axonmpi.checkpoint import cli as ckpt_cli
+    ckpt_cli.add_subparser(sub)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``axonmpi`` console script."""
+    """Entry point of the ``axonmpi`` console script (and ``python -m axonmpi``)."""
+    from axonmpi.log import run_main
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return run_main(args.func, args, traceback=args.traceback)
 
 
 if __name__ == "__main__":

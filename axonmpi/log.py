@@ -4,9 +4,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
-__all__ = ["get_logger", "print0", "print_rank", "RankFilter"]
+if TYPE_CHECKING:
+    import argparse
+
+from . import env as _env
+
+__all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0", "run_main"]
 
 _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
 
@@ -54,7 +59,7 @@ def get_logger(name: str = "axonmpi", level: Optional[int] = None, rank0_only: b
         h.addFilter(RankFilter(rank0_only))
         logger.addHandler(h)
         logger.propagate = False
-    lvl = level if level is not None else os.environ.get("AXONMPI_LOG_LEVEL", "INFO").upper()
+    lvl = level if level is not None else _env.get_log_level()
     logger.setLevel(lvl)
     return logger
 
@@ -71,3 +76,65 @@ def print_rank(*args: Any, **kwargs: Any) -> None:
     r, n = _rank_info()
     kwargs.setdefault("flush", True)
     print(f"[rank {r}/{n}]", *args, **kwargs)
+
+
+def rank0_parser(parser: "argparse.ArgumentParser") -> "argparse.ArgumentParser":
+    """Make ``parser`` print usage, errors and ``--help`` on world rank 0 only; returns it.
+
+    Under ``mpiexec -n 4`` a bad option then prints one usage and one error, not four run
+    together; every rank still exits with argparse's code. Works before :func:`axonmpi.init`
+    (the rank comes from the launcher's variables).
+
+    Example:
+        >>> args = rank0_parser(argparse.ArgumentParser()).parse_args()
+    """
+    if _rank_info()[0] != 0:
+        parser._print_message = lambda message, file=None: None
+    return parser
+
+
+def exit0(message: str, code: int = 2) -> "NoReturn":
+    """End this rank with ``code``, printing ``error: message`` on world rank 0 only.
+
+    For conditions every rank evaluates the same way (a bad option value): one clean line
+    instead of one per rank and no traceback.
+
+    Example:
+        >>> if args.global_batch % world.world_size:
+        ...     exit0(f"--global-batch {args.global_batch} must divide by the {world.world_size} ranks")
+    """
+    if _rank_info()[0] == 0:
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def run_main(func: "Callable[..., Optional[int]]", *args: Any, traceback: bool = False) -> int:
+    """Run a command-line entry point: its exit code, one ``error: ...`` line instead of a traceback.
+
+    A closed pipe (``axonmpi ckpt inspect DIR | head``) ends quietly with 0; Ctrl-C with 130.
+    ``traceback=True`` re-raises (the CLIs' ``--traceback`` flag).
+
+    Example:
+        >>> sys.exit(run_main(args.func, args))
+    """
+    try:
+        return int(func(*args) or 0)
+    except BrokenPipeError:
+        try:  # stdout's buffer still holds data for the closed pipe: point it at /dev/null before exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a CLI reports every failure in one line
+        if traceback:
+            raise
+        text = str(e) or type(e).__name__
+        if isinstance(e, KeyError) and e.args:
+            text = str(e.args[0])
+        kind = "" if isinstance(e, (OSError, ValueError, KeyError, RuntimeError)) else f"{type(e).__name__}: "
+        sys.stderr.write(f"error: {kind}{text}\n")
+        return 1

@@ -109,14 +109,14 @@ def main() -> None:
         have_torch = torchrun is not None
     except ImportError:
         have_torch = False
+    have_anchors = os.path.isdir(ANCHORS)
     best = {}
     for _ in range(args.repeats):
         for n in args.ranks:
-            runs = {
-                "axonmpi": [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker"],
-                "numpy+mpi": [mpiexec, "-n", str(n), sys.executable, os.path.join(ANCHORS, "numpy_mpi_mlp.py")],
-            }
-            if have_torch:
+            runs = {"axonmpi": [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker"]}
+            if have_anchors:
+                runs["numpy+mpi"] = [mpiexec, "-n", str(n), sys.executable, os.path.join(ANCHORS, "numpy_mpi_mlp.py")]
+            if have_torch and have_anchors:
                 runs["torch"] = ([torchrun, f"--nproc_per_node={n}", "--master_port=29561",
                                   os.path.join(ANCHORS, "torch_ddp_mlp.py")] if n > 1
                                  else [sys.executable, os.path.join(ANCHORS, "torch_ddp_mlp.py")])
@@ -133,7 +133,7 @@ def main() -> None:
     base = best.get(("axonmpi", args.ranks[0]))
     for n in args.ranks:
         a = best[("axonmpi", n)]
-        m = best[("numpy+mpi", n)]
+        m = best.get(("numpy+mpi", n), (float("nan"), "n/a"))
         t = best.get(("torch", n))
         eff = a[0] / (n / args.ranks[0] * base[0]) if base else float("nan")
         print(f"{n:>5} | {a[0]:>7.0f} ({a[1]:>5} ms) | {m[0]:>7.0f} ({m[1]:>5} ms) | "
@@ -141,7 +141,10 @@ def main() -> None:
               + f" | {a[0] / m[0]:>8.2f} | " + (f"{a[0] / t[0]:>8.2f}" if t else f"{'n/a':>8}") + f" | {eff:>7.2f}")
     print("samples/s (step time); ratios are axonmpi / peer samples/s (higher is better for axonmpi); "
           "scaling = samples/s at N / (N x samples/s at the first size)")
-    if not have_torch:
+    if not have_anchors:
+        print(f"note: anchor comparison skipped: {os.path.normpath(ANCHORS)} not found (../shared/anchors "
+              "beside the repository)")
+    elif not have_torch:
         print("torch not installed: pip install torch==2.13.0 for the PyTorch DDP column")
 
 

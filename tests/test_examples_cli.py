@@ -50,7 +50,8 @@ def test_train_gpt_help_and_bad_batch():
     from axonmpi.testing import run_mpiexec
 
     r = run_mpiexec([script, "--global-batch", "7", "--no-save"], n=2, timeout=60)
-    assert r.returncode != 0 and "--global-batch 7 must divide by the 2 ranks" in r.stderr
+    assert r.returncode != 0 and r.stderr.count("--global-batch 7 must divide by the 2 ranks") == 1, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.serial
@@ -64,3 +65,98 @@ def test_cli_info_and_help():
     r = subprocess.run([sys.executable, "-m", "axonmpi.cli", "--help"], capture_output=True, text=True, timeout=60,
                        env=mpiexec_env())
     assert r.returncode == 0 and "info" in r.stdout and "run" in r.stdout
+
+
+def _cli(*args, module="axonmpi", **kw):
+    from axonmpi.testing import mpiexec_env
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60,
+                          env=mpiexec_env(), **kw)
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("module", ["axonmpi", "axonmpi.checkpoint"])
+def test_cli_error_is_one_line_without_traceback(tmp_path, module):
+    pre = ["ckpt"] if module == "axonmpi" else []
+    r = _cli(*pre, "inspect", str(tmp_path / "missing"), module=module)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: "), r.stderr
+    os.makedirs(tmp_path / "empty")
+    r = _cli(*pre, "inspect", str(tmp_path / "empty"), module=module)   # on main: a traceback under `axonmpi`
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.startswith("error: "), r.stderr
+
+
+@pytest.mark.serial
+def test_cli_inspect_run_folder_and_closed_pipe(tmp_path):
+    from axonmpi import checkpoint as ckpt
+    from axonmpi.testing import mpiexec_env
+    mgr = ckpt.CheckpointManager(tmp_path / "run", keep_last=None)
+    for s in (5, 10):
+        mgr.save(s, {"w": np.arange(4.0)})
+    os.makedirs(tmp_path / "run" / "step-00000015.tmp-x")
+    r = _cli("ckpt", "inspect", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert "2 complete checkpoint(s)" in r.stdout and "step-00000010" in r.stdout and "incomplete" in r.stdout
+    # a closed pipe (| head) ends quietly: no BrokenPipeError traceback
+    p = subprocess.Popen([sys.executable, "-m", "axonmpi", "ckpt", "inspect", str(mgr.path_for(10))],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=mpiexec_env())
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.serial
+def test_cli_run_rejects_zero_ranks_and_python_m_works():
+    r = _cli("run", "-n", "0", "x.py")
+    assert r.returncode == 2 and "expected a whole number >= 1, got 0" in r.stderr
+    r = _cli("--version")
+    assert r.returncode == 0 and axonmpi.__version__ in r.stdout
+
+
+@pytest.mark.serial
+def test_cli_jobs_write(tmp_path):
+    r = _cli("jobs", "write", str(tmp_path / "site"), "--examples")
+    assert r.returncode == 0, r.stderr
+    jobs = sorted(os.listdir(tmp_path / "site" / "jobs"))
+    assert {"site.sh", "local.sh", "slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch"} <= set(jobs)
+    assert os.path.exists(tmp_path / "site" / "examples" / "train_gpt.py")
+    r = _cli("jobs", "write", str(tmp_path / "site"))
+    assert r.returncode == 1 and "exists (pass --force" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.serial
+def test_slurm_templates_have_the_batch_essentials():
+    for name in ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch"):
+        text = open(os.path.join(ROOT, "jobs", name)).read()
+        for needle in ("SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK", "--auto-resume", "--no-progress",
+                       "$AXONMPI_SCRATCH", 'source "${AXONMPI_SITE:-jobs/site.sh}"'):
+            assert needle in text, (name, needle)
+        assert "module load" not in text and "activate" not in text  # edited once, in jobs/site.sh
+
+
+@pytest.mark.serial
+def test_train_gpt_no_tqdm_when_not_a_terminal(tmp_path):
+    from axonmpi.testing import mpiexec_env
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    r = subprocess.run([sys.executable, script, *TINY[:-1], "--steps", "4", "--global-batch", "2", "--no-save",
+                        "--sample-chars", "0", "--log-every", "2"], capture_output=True, text=True, timeout=120,
+                       env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stdout + r.stderr and "step 2/4 loss" in r.stderr and "step 4/4 loss" in r.stderr
+
+
+@pytest.mark.serial
+def test_train_mlp_data_parallel_matches_one_rank_and_shows_defaults():
+    from axonmpi.testing import mpiexec_env, run_mpiexec
+    script = os.path.join(ROOT, "examples", "train_mlp.py")
+    args = [script, "--samples", "1200", "--epochs", "2", "--hidden", "16", "--batch-size", "32"]
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=mpiexec_env())
+    two = run_mpiexec(args, n=2, timeout=120)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    last = [[ln for ln in r.stdout.splitlines() if ln.startswith("epoch  2")] for r in (one, two)]
+    assert len(last[1]) == 1 and last[0] == last[1], (one.stdout, two.stdout)   # same trajectory, printed once
+    wide = mpiexec_env({"COLUMNS": "400"})
+    h = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60, env=wide)
+    assert "(default: 64)" in h.stdout and "(default: 0.6)" in h.stdout
+    g = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--help"],
+                       capture_output=True, text=True, timeout=60, env=wide)
+    assert "(default: 300)" in g.stdout and "(default 300)" not in g.stdout

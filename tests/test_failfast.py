@@ -24,6 +24,7 @@ def test_exception_on_one_rank_ends_the_job():
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert "boom on rank one" in r.stderr and "[axonmpi rank 1/3]" in r.stderr
+    assert "root cause: rank 1 of 3 raised RuntimeError: boom on rank one" in r.stderr
     assert elapsed < 30, f"job took {elapsed:.1f}s to die"
 
 
@@ -67,3 +68,35 @@ def test_debug_mode_in_process(world):
             axonmpi.all_reduce(np.ones(3), op)
     finally:
         world.debug = old
+
+
+RAISE_EVERYWHERE = """
+import axonmpi
+w = axonmpi.init()
+raise ValueError(f"the same bad value on every rank")
+"""
+
+
+@pytest.mark.serial
+def test_failure_on_every_rank_gives_one_root_cause():
+    r = run_mpiexec(["-c", RAISE_EVERYWHERE], n=3, timeout=90)
+    assert r.returncode != 0
+    # on main: three identical tracebacks; now the lowest failing rank reports, the others are aborted
+    assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
+    assert "[axonmpi] root cause: rank 0 of 3 raised ValueError: the same bad value on every rank" in r.stderr
+
+
+ARGPARSE_ON_RANKS = """
+import argparse, sys
+import axonmpi
+p = axonmpi.log.rank0_parser(argparse.ArgumentParser(prog="demo"))
+p.add_argument("--steps", type=int)
+p.parse_args(["--steps", "ten"])
+"""
+
+
+@pytest.mark.serial
+def test_bad_option_on_three_ranks_prints_one_usage():
+    r = run_mpiexec(["-c", ARGPARSE_ON_RANKS], n=3, timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.count("usage: demo") == 1 and r.stderr.count("invalid int value: 'ten'") == 1, r.stderr

@@ -67,3 +67,95 @@ def test_resume_is_bitwise_exact(world, tmp_path_factory, dtype):
         for name, val in st.items():
             np.testing.assert_array_equal(got_opt["state"][i][name], val, err_msg=f"state[{i}][{name}]")
     assert sched2.get_last_lr() == sched.get_last_lr()
+
+
+# -- the example's resume path (examples/train_gpt.py) and the manager's pruning ------------------------
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-bytes", "60000",
+        "--eval-batches", "1", "--no-progress", "--sample-chars", "0", "--global-batch", "2", "--warmup", "2"]
+
+
+def _gpt(*extra):
+    import train_gpt
+    train_gpt.main(TINY + [str(a) for a in extra])
+
+
+@pytest.mark.serial
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path, keep_last=2)
+    for s in (300, 320):
+        mgr.save(s, {"w": np.full(3, float(s))})
+    mgr.save(10, {"w": np.full(3, 10.0)})   # on main: step-10 was pruned at once, 300 and 320 kept
+    assert 10 in mgr.steps() and len(mgr.steps()) == 2
+    np.testing.assert_array_equal(ckpt.load(mgr.path_for(10))["w"], np.full(3, 10.0))
+
+
+@pytest.mark.serial
+def test_fresh_run_into_old_folder_is_refused(tmp_path, capsys):
+    d = str(tmp_path / "ck")
+    _gpt("--steps", 3, "--checkpoint-dir", d)
+    with pytest.raises(SystemExit) as e:
+        _gpt("--steps", 2, "--checkpoint-dir", d)
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert "already holds checkpoints of steps [3]" in err and "--resume" in err and "--overwrite" in err
+    assert ckpt.CheckpointManager(d).steps() == [3]          # nothing lost
+    _gpt("--steps", 2, "--checkpoint-dir", d, "--overwrite")
+    assert ckpt.CheckpointManager(d).steps() == [2]
+
+
+@pytest.mark.serial
+def test_resume_names_the_config_difference(tmp_path, capsys):
+    d = str(tmp_path / "ck")
+    _gpt("--steps", 2, "--checkpoint-dir", d)
+    capsys.readouterr()
+    args = [a if a != "16" else "32" for a in TINY[:4]] + TINY[4:]   # --n-embd 32
+    import train_gpt
+    with pytest.raises(SystemExit):
+        train_gpt.main(args + ["--steps", "4", "--checkpoint-dir", d, "--resume"])
+    err = capsys.readouterr().err
+    assert "--n-embd 32 vs saved 16" in err and len(err) < 400, err
+
+
+@pytest.mark.serial
+def test_resume_with_more_steps_extends_the_schedule(tmp_path):
+    d, m = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
+    _gpt("--steps", 6, "--checkpoint-dir", d)
+    _gpt("--steps", 9, "--checkpoint-dir", d, "--resume", "--metrics-json", m)
+    rows = [json.loads(x) for x in open(m)]
+    assert [r["step"] for r in rows] == [7, 8, 9]
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_s"}
+    opt = AdamW([axonmpi.Tensor(np.zeros(1), requires_grad=True)], lr=3e-3)
+    want = LinearWarmupCosine(opt, warmup_steps=2, total_steps=9, min_lr=3e-4)
+    expect = [want.lr_at(3e-3, t) for t in (6, 7, 8)]      # lr used by steps 7, 8, 9 of a 9-step schedule
+    np.testing.assert_allclose([r["lr"] for r in rows], expect, rtol=1e-12)
+    assert rows[0]["lr"] > 3e-4 * 1.5                        # on main: min_lr for every extra step
+
+
+@pytest.mark.serial
+def test_resume_with_no_save_finds_the_checkpoint(tmp_path):
+    d = str(tmp_path / "ck")
+    _gpt("--steps", 2, "--checkpoint-dir", d, "--save-every", "1")
+    _gpt("--steps", 3, "--checkpoint-dir", d, "--resume", "--no-save")   # on main: "no checkpoint found"
+    assert ckpt.CheckpointManager(d).steps() == [1, 2]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_resume_one_rank_rng_on_more_ranks_warns(world):
+    from axonmpi import random as _random
+    one = json.dumps([_random.get_rng_state()])
+    records = []
+    h = logging.Handler()
+    h.emit = records.append
+    lg = logging.getLogger("axonmpi.checkpoint.state")
+    lg.addHandler(h)
+    try:
+        ckpt.restore_training_state({"rng": one, "meta": {"world_size": 1}})
+    finally:
+        lg.removeHandler(h)
+    assert any("saved by 1 ranks and are restored on" in r.getMessage() for r in records), records

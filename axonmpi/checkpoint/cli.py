@@ -14,9 +14,10 @@ from typing import List, Optional
 
 import numpy as np
 
-from .format import META_GROUP, CheckpointError
+from .format import META_GROUP
 from .index import write_entry_view
 from .read import CheckpointReader
+from .manager import list_run_folder
 
 __all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate"]
 
@@ -48,6 +49,8 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
         0, or 1 when a shard file is missing, unreadable or short.
     """
     out = out or sys.stdout
+    if list_run_folder(path, as_json, out):  # a run folder of step-* checkpoints: list them
+        return 0
     with CheckpointReader(path) as r:
         a = r.attrs
         files = r.files()
@@ -217,8 +220,5 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      description="Inspect, verify or consolidate axonmpi sharded HDF5 checkpoints.")
     add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,consolidate}"))
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (CheckpointError, OSError) as e:  # OSError: FileExistsError, a missing output folder, a full disk
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    from ..log import run_main
+    return run_main(args.func, args)  # one "error: ..." line, quiet on a closed pipe

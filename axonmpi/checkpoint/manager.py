@@ -5,11 +5,14 @@ import glob
 import os
 import re
 import shutil
+import json
+import sys
+import time
 from typing import List, Optional
 
 from .io import is_checkpoint, load, save
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "list_run_folder"]
 
 
 class CheckpointManager:
@@ -18,7 +21,9 @@ class CheckpointManager:
     ``save`` and ``load_latest`` are collective over ``group``; ``latest``/``steps`` only
     look at the (shared) file system. A save replaces nothing until it is complete (see
     :func:`axonmpi.checkpoint.save`); pruning happens after the new checkpoint is in place,
-    so at least one complete checkpoint survives any crash.
+    so at least one complete checkpoint survives any crash, and the checkpoint just written is
+    never pruned (even when the directory holds later steps of another run: pruning then removes
+    the oldest of those others and logs a warning).
 
     Args:
         directory: where checkpoints live (created on first save).
@@ -93,6 +98,20 @@ class CheckpointManager:
             self._prune(keep_step=int(step))
         return path
 
+    def clear(self) -> List[int]:
+        """Delete every checkpoint of this manager's directory (rank 0 of ``group``; collective).
+
+        For a fresh run that was told to overwrite an old one. Returns the steps removed.
+        """
+        from ..distributed import broadcast_object, resolve_group
+        g = resolve_group(self.group)
+        removed = []
+        if g.rank == 0:
+            removed = self.steps()
+            for s in removed:
+                shutil.rmtree(self.path_for(s), ignore_errors=True)
+        return broadcast_object(removed, group=g)  # the others wait here until rank 0 is done
+
     def load_latest(self, state: Optional[dict] = None, **kw) -> Optional[dict]:
         """Load the newest checkpoint (collective); None when there is none.
 
@@ -111,11 +130,16 @@ class CheckpointManager:
         from ..log import get_logger
         log = get_logger(__name__)
         doomed = []
+        others = [s for s in self.steps() if s != keep_step]
+        later = [s for s in others if s > keep_step]
+        if later:
+            log.warning("%s also holds checkpoints of later steps %s than the one just written (%d); "
+                        "latest() returns the highest step", self.directory, later, keep_step)
         if self.keep_last is not None:
-            steps = [s for s in self.steps() if s != keep_step]
-            steps.append(keep_step)
-            steps.sort()
-            doomed = [self.path_for(s) for s in steps[:-self.keep_last]]
+            # the checkpoint just written always survives, whatever its step; the others go
+            # oldest-step first until keep_last remain
+            n_drop = max(0, len(others) + 1 - self.keep_last)
+            doomed = [self.path_for(s) for s in others[:n_drop]]
         # leftovers of crashed saves: only where the checkpoint they belong to is complete or doomed
         # (after a crash between the two renames of a non-atomic replace, <p>.old-* is the only copy)
         for pat in (".tmp-*", ".old-*"):
@@ -134,3 +158,43 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, keep_last={self.keep_last}, "
                 f"every_steps={self.every_steps}, latest_step={self.latest_step()})")
+
+
+def list_run_folder(path: "str | os.PathLike", as_json: bool = False, out=None, *, prefix: str = "step-") -> bool:
+    """Print the ``step-*`` checkpoints of a run folder (step, size, time); False when ``path`` is not one.
+
+    What ``axonmpi ckpt inspect RUN_DIR`` shows for a folder a :class:`CheckpointManager` writes
+    into; unfinished saves (no index) are listed as such.
+
+    Example:
+        >>> list_run_folder("checkpoints/gpt")
+        True
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path) or is_checkpoint(path):
+        return False
+    pattern = re.compile(re.escape(prefix) + r"(\d+)(.*)$")
+    rows = []
+    for name in sorted(os.listdir(path)):
+        m = pattern.match(name)
+        full = os.path.join(path, name)
+        if not m or not os.path.isdir(full):
+            continue
+        size = sum(os.path.getsize(os.path.join(full, f)) for f in os.listdir(full)
+                   if os.path.isfile(os.path.join(full, f)))
+        complete = is_checkpoint(full) and not m.group(2)
+        rows.append({"step": int(m.group(1)), "path": full, "complete": complete, "bytes": size,
+                     "modified": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(full)))})
+    if not rows:
+        return False
+    out = out or sys.stdout
+    if as_json:
+        out.write(json.dumps({"run_folder": path, "checkpoints": rows}, indent=1) + "\n")
+        return True
+    out.write(f"run folder  {path}: {sum(r['complete'] for r in rows)} complete checkpoint(s)\n\n")
+    out.write(f"{'step':>10}  {'MiB':>9}  {'modified':<19}  path\n")
+    for r in rows:
+        note = "" if r["complete"] else "   (incomplete: an unfinished or crashed save)"
+        out.write(f"{r['step']:>10}  {r['bytes'] / 2**20:>9.1f}  {r['modified']:<19}  {r['path']}{note}\n")
+    out.write(f"\ninspect one with: axonmpi ckpt inspect {rows[-1]['path']}\n")
+    return True

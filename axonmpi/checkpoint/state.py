@@ -71,9 +71,10 @@ def restore_training_state(loaded: Dict[str, Any], model=None, optimizer=None, s
                            *, rng: bool = True, strict: bool = True, group=None) -> Dict[str, Any]:
     """Put a loaded :func:`training_state` back into the given objects; returns ``meta`` (+ ``extra``).
 
-    The RNG: with the same number of ranks each rank gets its own saved state; with a
-    different number, identical saved states are applied everywhere, otherwise rank ``r``
-    takes saved state ``r % n`` and a warning says the random streams are not a continuation.
+    The RNG: with the same number of ranks each rank gets its own saved state; on fewer ranks
+    than saved, identical saved states are applied everywhere; otherwise (also 1 -> 2 ranks,
+    where every rank would get the same stream) rank ``r`` takes saved state ``r % n`` and a
+    warning says the random streams are not a continuation.
 
     Example:
         >>> loaded = axonmpi.checkpoint.load(mgr.latest())
@@ -91,7 +92,7 @@ def restore_training_state(loaded: Dict[str, Any], model=None, optimizer=None, s
         from .. import random as _random
         g = resolve_group(group)
         states = json.loads(loaded["rng"])
-        if len(states) == g.size or all(s == states[0] for s in states):
+        if len(states) == g.size or (g.size < len(states) and all(s == states[0] for s in states)):
             mine = states[g.rank % len(states)]
         else:
             from ..log import get_logger

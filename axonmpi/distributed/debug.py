@@ -1,11 +1,12 @@
 """Debug mode (``AXONMPI_DEBUG=1``): check that all ranks of a group call the same collective alike."""
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
+
+from .. import env as _env
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "check_collective", "check_same_object"]
 
@@ -21,7 +22,7 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 def _timeout() -> float:
-    return float(os.environ.get("AXONMPI_DEBUG_TIMEOUT", "300"))
+    return _env.get_float("AXONMPI_DEBUG_TIMEOUT")
 
 
 def _describe(sig: Tuple) -> str:

@@ -1,7 +1,6 @@
 """The World: every rank of the job, its node layout, device and groups; the one piece of global state."""
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import traceback
@@ -43,7 +42,8 @@ class World:
         self.rank = self._comm.Get_rank()
         self.world_size = self._comm.Get_size()
         if debug is None:
-            debug = os.environ.get("AXONMPI_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+            from ..env import get_bool
+            debug = get_bool("AXONMPI_DEBUG")
         self.debug = bool(debug)
         self._destroyed = False
 
@@ -66,6 +66,9 @@ class World:
 
         self.default_group = ProcessGroup(self, self._comm, range(self.world_size), name="world")
         self._groups: List[ProcessGroup] = []
+        from .launch import apply_launch_defaults
+        apply_launch_defaults(self)  # one BLAS thread per rank on shared nodes; launcher/MPI mismatch
+
         if abort_on_exception:
             install_abort_on_exception(self._comm)
         self.grid = ProcessGrid(self, **sizes)
@@ -286,12 +289,20 @@ def install_abort_on_exception(comm: "MPI.Comm") -> None:
 
     def _abort(exc_type, exc, tb, where="") -> None:
         try:
+            sys.stdout.flush()
+            # when several ranks fail together (the same bad value everywhere), the lowest one
+            # reports first and its MPI_Abort ends the others before they print a copy
+            if rank:
+                import time
+                time.sleep(1.0 + 0.1 * min(rank, 20))
             text = "".join(traceback.format_exception(exc_type, exc, tb))
+            first = (str(exc).strip().splitlines() or [""])[0]
             sys.stderr.write(
                 f"[axonmpi rank {rank}/{size}] uncaught exception{where}; aborting all ranks:\n{text}"
+                f"[axonmpi] root cause: rank {rank} of {size} raised {exc_type.__name__}: {first} "
+                f"(the other {size - 1} rank(s) are aborted)\n"
             )
             sys.stderr.flush()
-            sys.stdout.flush()
         finally:
             MPI.COMM_WORLD.Abort(1)
 

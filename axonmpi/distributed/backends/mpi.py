@@ -1,11 +1,11 @@
 """MPI backend: collectives on an mpi4py communicator (host buffers, or device buffers if CUDA-aware)."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from mpi4py import MPI
 
+from ... import env as _env
 from ..reduce_op import mpi_op
 from .base import Backend
 
@@ -18,7 +18,7 @@ def cuda_aware_mpi() -> bool:
     MPI libraries offer no portable query, so this is the user's declaration; without it
     CuPy arrays are staged through host memory (correct everywhere, slower).
     """
-    return os.environ.get("AXONMPI_CUDA_AWARE_MPI", "0").strip().lower() in ("1", "true", "yes")
+    return _env.get_bool("AXONMPI_CUDA_AWARE_MPI")
 
 
 def _displs(counts):

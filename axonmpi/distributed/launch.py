@@ -1,0 +1,108 @@
+"""Launch-time defaults and checks run by ``init()``: one BLAS thread per rank, launcher/MPI mismatch."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Optional, Tuple
+
+from .. import env as _env
+
+__all__ = ["THREAD_VARS", "LauncherMismatchWarning", "limit_threads", "launcher_world_size",
+           "check_launcher", "apply_launch_defaults"]
+
+#: variables a user sets to choose the BLAS/OpenMP thread count; any of them set means "leave it alone"
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+# (variable, launcher) pairs that carry the number of processes a launcher started, most specific first
+_SIZE_VARS = (
+    ("SLURM_STEP_NUM_TASKS", "srun"),
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+    ("PMI_SIZE", "a PMI launcher (MPICH/Intel MPI mpiexec, srun --mpi=pmi2)"),
+    ("PMIX_SIZE", "a PMIx launcher"),
+    ("MV2_COMM_WORLD_SIZE", "MVAPICH's mpirun"),
+    ("SLURM_NTASKS", "Slurm"),
+)
+
+
+class LauncherMismatchWarning(RuntimeWarning):
+    """The launcher started several processes but MPI gave this one a world of one."""
+
+
+def limit_threads(local_size: int, rank: int) -> Optional[int]:
+    """Limit BLAS/OpenMP pools to one thread when ``local_size`` ranks share this node.
+
+    Nothing changes when the user set any of :data:`THREAD_VARS` (or ``AXONMPI_NO_THREAD_LIMIT=1``)
+    or when the rank is alone on its node. The variables are also set for child processes.
+    Rank 0 says so once on stderr (as torchrun does).
+
+    Args:
+        local_size: ranks on this node.
+        rank: this process's world rank (only rank 0 prints).
+
+    Returns:
+        The thread count applied (1), or None when nothing was changed.
+
+    Example:
+        >>> limit_threads(world.local_size, world.rank)
+    """
+    if local_size <= 1 or _env.get_bool("AXONMPI_NO_THREAD_LIMIT") or any(v in os.environ for v in THREAD_VARS):
+        return None
+    from threadpoolctl import threadpool_limits
+
+    for v in THREAD_VARS:
+        os.environ[v] = "1"
+    threadpool_limits(limits=1)  # applied now, kept for the life of the process
+    if rank == 0:
+        sys.stderr.write(
+            f"axonmpi: {local_size} ranks share this node; using 1 BLAS/OpenMP thread per rank "
+            f"(set OMP_NUM_THREADS to choose another count, or AXONMPI_NO_THREAD_LIMIT=1 to keep the default)\n")
+        sys.stderr.flush()
+    return 1
+
+
+def launcher_world_size() -> Optional[Tuple[int, str, str]]:
+    """``(n, variable, launcher)`` from the first launcher variable present that parses as an int, else None."""
+    for var, who in _SIZE_VARS:
+        v = os.environ.get(var, "").strip()
+        if v.isdigit():
+            return int(v), var, who
+    return None
+
+
+def check_launcher(world_size: int) -> Optional[str]:
+    """Warn loudly (:class:`LauncherMismatchWarning`) when a launcher started N > 1 processes but MPI sees one.
+
+    That happens when mpi4py is built against another MPI than the launcher's: every process
+    then runs as an independent rank 0, all writing into the same folders.
+
+    Args:
+        world_size: the size of ``MPI.COMM_WORLD`` this process sees.
+
+    Returns:
+        The warning text, or None when the launch looks consistent.
+    """
+    found = launcher_world_size()
+    if world_size != 1 or found is None or found[0] <= 1:
+        return None
+    n, var, who = found
+    msg = (f"axonmpi: {who} started {n} processes ({var}={n}) but MPI gives this one a world of 1: "
+           "mpi4py is built against a different MPI library than the launcher uses, so every process "
+           "runs as an independent rank 0. Fix: under srun pass the matching PMI plugin "
+           "(`srun --mpi=pmix`, or `--mpi=pmi2`; `srun --mpi=list` shows them), or use the mpiexec of "
+           "the MPI that mpi4py was built with (`python -c 'import mpi4py; print(mpi4py.get_config())'`), "
+           "or rebuild mpi4py against the system MPI: "
+           "`module load <mpi>; pip install --force-reinstall --no-binary=mpi4py mpi4py` (docs/cluster.md)")
+    warnings.warn(msg, LauncherMismatchWarning, stacklevel=3)
+    return msg
+
+
+def apply_launch_defaults(world) -> None:
+    """What ``init()`` does while it builds the World: :func:`check_launcher`, then :func:`limit_threads`.
+
+    The launcher check looks at ``MPI.COMM_WORLD`` (a World built on a sub-communicator is no mismatch).
+    """
+    from mpi4py import MPI
+
+    check_launcher(MPI.COMM_WORLD.Get_size())
+    limit_threads(world.local_size, world.rank)

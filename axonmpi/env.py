@@ -1,0 +1,101 @@
+"""Every AXONMPI_* environment variable, parsed and validated in one place (imports nothing from axonmpi)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+__all__ = ["EnvVar", "VARIABLES", "EnvError", "get_bool", "get_float", "get_log_level", "get", "describe"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value that cannot be parsed; the message names it and the valid forms."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One documented variable: its name, kind (``bool``, ``float``, ``level``), default and meaning."""
+    name: str
+    kind: str
+    default: str
+    help: str
+
+
+VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("AXONMPI_DEBUG", "bool", "0",
+           "check before each collective that all ranks call it with the same shapes and dtypes"),
+    EnvVar("AXONMPI_DEBUG_TIMEOUT", "float", "300",
+           "seconds (> 0) before a collective some ranks never reach is reported (debug mode)"),
+    EnvVar("AXONMPI_LOG_LEVEL", "level", "INFO", "level of axonmpi loggers: " + ", ".join(_LOG_LEVELS)),
+    EnvVar("AXONMPI_DISABLE_CUPY", "bool", "0", "use NumPy even where CuPy and a GPU are present"),
+    EnvVar("AXONMPI_CUDA_AWARE_MPI", "bool", "0", "hand CuPy buffers to MPI directly (no host staging)"),
+    EnvVar("AXONMPI_NO_THREAD_LIMIT", "bool", "0",
+           "keep the BLAS/OpenMP thread pools as they are when several ranks share a node"),
+)}
+
+
+def _raw(name: str) -> Optional[str]:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not an axonmpi environment variable; known: {sorted(VARIABLES)}")
+    v = os.environ.get(name)
+    return None if v is None else v.strip()
+
+
+def get_bool(name: str) -> bool:
+    """``1/true/yes/on`` -> True, ``0/false/no/off/''`` -> False (any case); anything else raises :class:`EnvError`.
+
+    Example:
+        >>> os.environ["AXONMPI_DEBUG"] = "false"; get_bool("AXONMPI_DEBUG")
+        False
+    """
+    v = _raw(name)
+    v = VARIABLES[name].default if v is None else v
+    if v.lower() in _TRUE:
+        return True
+    if v.lower() in _FALSE:
+        return False
+    raise EnvError(f"{name}={v!r} is not a boolean; expected one of 1/true/yes/on or 0/false/no/off")
+
+
+def get_float(name: str, *, positive: bool = True) -> float:
+    """A number of seconds etc.; a unit suffix (``5s``) or a non-positive value raises :class:`EnvError`."""
+    v = _raw(name)
+    v = VARIABLES[name].default if v is None or v == "" else v
+    try:
+        x = float(v)
+    except ValueError:
+        raise EnvError(f"{name}={v!r} is not a number; expected a plain number such as "
+                       f"{VARIABLES[name].default} (no unit)") from None
+    if positive and not x > 0:
+        raise EnvError(f"{name}={v!r} must be a number > 0")
+    return x
+
+
+def get_log_level(name: str = "AXONMPI_LOG_LEVEL") -> str:
+    """The upper-cased level name; unknown names raise :class:`EnvError` listing the valid ones."""
+    v = _raw(name)
+    v = VARIABLES[name].default if v is None or v == "" else v.upper()
+    if v not in _LOG_LEVELS:
+        raise EnvError(f"{name}={v!r} is not a log level; expected one of {', '.join(_LOG_LEVELS)}")
+    return v
+
+
+_READERS: Dict[str, Callable[[str], object]] = {"bool": get_bool, "float": get_float, "level": get_log_level}
+
+
+def get(name: str):
+    """The parsed value of any variable in :data:`VARIABLES`."""
+    if name not in VARIABLES:
+        _raw(name)
+    return _READERS[VARIABLES[name].kind](name)
+
+
+def describe() -> str:
+    """A Markdown table of every variable (README.md holds it; tests/test_env.py checks it)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | `{v.default}` | {v.help} |" for v in VARIABLES.values()]
+    return "\n".join(rows)

@@ -1,0 +1,70 @@
+"""init()'s launch defaults: one BLAS thread per rank when ranks share a node; launcher/MPI mismatch warned."""
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from axonmpi.distributed import launch
+from axonmpi.testing import mpiexec_env, mpiexec_path
+
+_PROBE = ("import axonmpi; w = axonmpi.init(); from threadpoolctl import threadpool_info; "
+          "n = max([i['num_threads'] for i in threadpool_info()] or [1]); r = axonmpi.gather_object((w.rank, n)); "
+          "w.rank == 0 and print(' '.join(f'threads {a} {b}' for a, b in r), flush=True)")
+
+
+def _run(n, extra=None, drop=launch.THREAD_VARS):
+    env = {k: v for k, v in mpiexec_env().items() if k not in drop}
+    env.update(extra or {})
+    return subprocess.run([mpiexec_path(), "-n", str(n), sys.executable, "-c", _PROBE], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+@pytest.mark.serial
+def test_two_ranks_get_one_thread_and_one_notice():
+    r = _run(2)
+    assert r.returncode == 0, r.stderr
+    found = sorted(re.findall(r"threads (\d) (\d+)", r.stdout))
+    assert found == [("0", "1"), ("1", "1")], (r.stdout, r.stderr)
+    assert r.stderr.count("ranks share this node; using 1 BLAS/OpenMP thread per rank") == 1, r.stderr
+
+
+@pytest.mark.serial
+def test_user_choice_is_kept():
+    r = _run(2, {"OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr
+    assert "using 1 BLAS/OpenMP thread" not in r.stderr
+
+
+def test_limit_threads_unit(monkeypatch):
+    for v in launch.THREAD_VARS:
+        monkeypatch.delenv(v, raising=False)
+    assert launch.limit_threads(1, 0) is None  # alone on the node: untouched
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.limit_threads(4, 0) is None  # the user's choice wins
+
+
+@pytest.mark.parametrize("var", ["SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_launcher_mismatch_warns_with_the_fix(monkeypatch, var):
+    for v, _ in launch._SIZE_VARS:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(var, "4")
+    with pytest.warns(launch.LauncherMismatchWarning, match=rf"started 4 processes \({var}=4\).*--mpi=pmix.*mpi4py"):
+        launch.check_launcher(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert launch.check_launcher(4) is None  # consistent
+    monkeypatch.setenv(var, "1")
+    assert launch.check_launcher(1) is None
+
+
+@pytest.mark.serial
+def test_init_warns_under_fake_srun():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_"))}
+    env["SLURM_NTASKS"] = "4"
+    r = subprocess.run([sys.executable, "-c", "import axonmpi; axonmpi.init()"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "LauncherMismatchWarning" in r.stderr and "SLURM_NTASKS=4" in r.stderr
