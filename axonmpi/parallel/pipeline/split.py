@@ -62,20 +62,21 @@ def _param_count(m: Module) -> int:
 
 
 def _balanced(weights: Sequence[int], k: int) -> List[int]:
-    """Start indices of ``k`` contiguous non-empty parts minimising the largest part's weight."""
+    """Start indices of ``k`` contiguous non-empty parts minimising the largest part's weight
+    (ties: the smallest largest module count, then the earliest cuts)."""
     n = len(weights)
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[j][i]: smallest max-part weight splitting the first i items into j parts
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    worst = (float("inf"), float("inf"))
+    # best[j][i]: smallest (max weight, max count) splitting the first i items into j parts
+    best = [[worst] * (n + 1) for _ in range(k + 1)]
     cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0
+    best[0][0] = (0, 0)
     for j in range(1, k + 1):
         for i in range(j, n - (k - j) + 1):
             for h in range(j - 1, i):
-                c = max(best[j - 1][h], prefix[i] - prefix[h])
+                c = max(best[j - 1][h], (prefix[i] - prefix[h], i - h))
                 if c < best[j][i]:
                     best[j][i], cut[j][i] = c, h
     starts, i = [], n
