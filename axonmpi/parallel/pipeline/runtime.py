@@ -1,6 +1,7 @@
 """``Pipeline``: runs a schedule's action lists over MPI, micro-batch by micro-batch, and measures memory."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -18,7 +19,29 @@ from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, enc
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, make_schedule, simulate)
 from .stage import PipelineStage
 
-__all__ = ["Pipeline", "PipelineMemoryStats"]
+__all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """Where this rank's time went in the last :meth:`Pipeline.step` (wall-clock seconds).
+
+    Attributes:
+        step_seconds: from the start of the action list to its end (transfers completed).
+        forward_seconds / backward_seconds: time inside FORWARD / BACKWARD actions.
+        forward_count / backward_count: how many of each ran.
+    """
+
+    step_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    forward_count: int
+    backward_count: int
+
+    @property
+    def busy_seconds(self) -> float:
+        """Compute time (forward + backward)."""
+        return self.forward_seconds + self.backward_seconds
 
 
 @dataclass(frozen=True)
@@ -177,6 +200,7 @@ class Pipeline:
         self._predicted = {s: sim.peak_activations_per_stage[s] for s in self.stages}
         self._predicted_rank = sim.peak_activations[r]
         self._stats: Optional[PipelineMemoryStats] = None
+        self._timing: Optional[PipelineTiming] = None
 
     # -- public ----------------------------------------------------------------------------------
     @property
@@ -195,6 +219,12 @@ class Pipeline:
         header; call this before a step whose activations have another trailing shape.
         """
         self._meta.clear()
+
+    def timing(self) -> PipelineTiming:
+        """Compute and wall time of the last :meth:`step` on this rank (see :class:`PipelineTiming`)."""
+        if self._timing is None:
+            raise RuntimeError(f"rank {self.rank}: timing() is available after the first step()")
+        return self._timing
 
     def memory_stats(self) -> PipelineMemoryStats:
         """Activation memory of the last :meth:`step` (see :class:`PipelineMemoryStats`)."""
@@ -294,6 +324,7 @@ class Pipeline:
                 value = float(all_reduce(np.array([value]), ReduceOp.MEAN, self.data_group)[0])
         if train:
             self._stats = ex.memory_stats()
+            self._timing = ex.timing
         return value
 
 
@@ -484,6 +515,9 @@ class _Executor:
         self.grad_in_local: Dict[Tuple[int, int], Any] = {}
         acts = self.acts
         n = len(acts)
+        t_start = time.perf_counter()
+        spent = {ActionKind.FORWARD: 0.0, ActionKind.BACKWARD: 0.0}
+        count = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 0}
         computes = [k for k, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
         nxt = {computes[j]: (computes[j + 1] if j + 1 < len(computes) else n) for j in range(len(computes))}
         for k, a in enumerate(acts):
@@ -499,11 +533,16 @@ class _Executor:
                                                          and (b.stage, b.microbatch) in self.y):
                         self._post(b)
                 self.sends = [w for w in self.sends if not w.is_completed()]
+                t0 = time.perf_counter()
                 with enable_grad() if self.train else no_grad():
                     (self._forward if kind is ActionKind.FORWARD else self._backward)(a)
+                spent[kind] += time.perf_counter() - t0
+                count[kind] += 1
         for w in self.sends:
             w.wait()
         self.sends = []
+        self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD],
+                                     spent[ActionKind.BACKWARD], count[ActionKind.FORWARD], count[ActionKind.BACKWARD])
         if not self.train and self.targets is None:
             if self.pipe.last_stage not in self.pipe.stages:
                 return None
