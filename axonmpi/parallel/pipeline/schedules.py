@@ -453,7 +453,7 @@ def format_schedule(schedule: Schedule, forward_time=1, backward_time=1, comm_ti
                 cells[r][t] = str(a)
     width = max([len(c) for row in cells for c in row] + [len(str(T - 1)), 3])
     head = "time    " + " ".join(f"{t:>{width}}" for t in range(T))
-    rows = [f"rank {r:<3}" + " ".join(f"{c:>{width}}" for c in row) for r, row in enumerate(cells)]
+    rows = [(f"rank {r:<3}" + " ".join(f"{c:>{width}}" for c in row)).rstrip() for r, row in enumerate(cells)]
     return "\n".join([head] + rows)
 
 
