@@ -128,9 +128,12 @@ def _compare(world, ref, ref_losses, got, got_losses, names):
     return counts
 
 
-def _schedules(p):
-    out = [(PipelineSchedule.GPIPE, 1), (PipelineSchedule.ONE_F_ONE_B, 1), (PipelineSchedule.INTERLEAVED_ONE_F_ONE_B, 2)]
-    return out
+def _gpt_setup(kind):
+    """(world, p, v, m, n_layer) for a GPT run: enough layers for p v chunks, m a multiple of p when interleaved."""
+    world = axonmpi.init()
+    p = world.world_size
+    v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
+    return world, p, v, (p if v > 1 else 3), max(1, p * v - 2)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -150,11 +153,7 @@ def test_mlp_parity(kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", list(PipelineSchedule))
 def test_gpt_parity(kind):
-    world = axonmpi.init()
-    p = world.world_size
-    v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
-    m = p if v > 1 else 3
-    n_layer = max(1, p * v - 2)
+    world, p, v, m, n_layer = _gpt_setup(kind)
     ref, ref_losses = _serial(lambda: _gpt(n_layer), _gpt_data, p, v, m, microbatched=False)
     got, losses, names, _ = _pipelined(lambda: _gpt(n_layer), _gpt_data, kind, v, m, world.default_group)
     _compare(world, ref, ref_losses, got, losses, names)
@@ -163,11 +162,7 @@ def test_gpt_parity(kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", list(PipelineSchedule))
 def test_dropout_and_checkpointing_parity(kind):
-    world = axonmpi.init()
-    p = world.world_size
-    v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
-    m = p if v > 1 else 3
-    n_layer = max(1, p * v - 2)
+    world, p, v, m, n_layer = _gpt_setup(kind)
     make = lambda: _gpt(n_layer, dropout=0.2)  # noqa: E731
     ref, ref_losses = _serial(make, _gpt_data, p, v, m, microbatched=True)
     got, losses, names, pipe = _pipelined(make, _gpt_data, kind, v, m, world.default_group, checkpointed=True)
