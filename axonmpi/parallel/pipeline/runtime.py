@@ -166,7 +166,7 @@ class Pipeline:
             sched = make_schedule(schedule, p, num_microbatches, virtual_stages)
         if sched.num_stages != p:
             raise ValueError(f"rank {r}: the schedule is for {sched.num_stages} pipeline ranks but the group has {p}")
-        simulate(sched)          # refuses schedules that deadlock or skip work, on every rank alike
+        sim = simulate(sched)    # refuses schedules that deadlock or skip work, on every rank alike
         _check_fifo(sched)
         self.schedule = sched
         v = sched.virtual_stages
@@ -196,7 +196,6 @@ class Pipeline:
         self._step = 0
         self._meta: Dict[int, Tuple[Tuple[int, ...], np.dtype]] = {}   # stage -> agreed input (trailing shape, dtype)
         self._param_ids = {id(q.data) for st in self.stages.values() for q in st.parameters()}
-        sim = simulate(sched)
         self._predicted = {s: sim.peak_activations_per_stage[s] for s in self.stages}
         self._predicted_rank = sim.peak_activations[r]
         self._stats: Optional[PipelineMemoryStats] = None

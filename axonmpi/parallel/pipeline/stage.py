@@ -4,12 +4,10 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 from ...distributed.group import ProcessGroup
-from ._comm import _default_group
 from ...nn.module import Module
+from ._comm import _default_group
 
 __all__ = ["PipelineStage"]
-
-
 
 
 class PipelineStage:
