@@ -3,7 +3,10 @@
 One invocation runs, for each p in --ranks (default 2 4) and each schedule (GPipe, 1F1B,
 interleaved 1F1B with v=2), ``mpiexec -n p python bench/pipeline.py --worker`` on a stack of
 fixed-size layers (Linear WIDTH x WIDTH + tanh, LAYERS of them, split evenly so every stage has the
-same compute), m=--microbatches (default 8) micro-batches of MB samples. It prints:
+same compute), m=--microbatches (default 8) micro-batches of MB samples. A second set of runs
+(``--compute sleep``) adds to each layer a step that sleeps 2 ms in forward and 4 ms in
+backward (and a Linear of width 8): stages of known compute time that do not compete for cores, so the bubble can be
+compared with the simulator even on a machine with fewer cores than ranks. It prints:
 
   * samples/s beside the ideal ``m / (m + p - 1) x p x (1-rank speed)`` (interleaved:
     ``v m / (v m + p - 1)``), where the 1-rank speed is the same model trained by one process
@@ -32,9 +35,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH = int(os.environ.get("WIDTH", "256"))
 LAYERS = int(os.environ.get("LAYERS", "8"))
 MB = int(os.environ.get("MB", "64"))
+SLEEP_WIDTH = 8
 
 
-def worker(schedule: str, m: int, steps: int) -> None:
+def _sleep_layer(nn, forward_s: float, backward_s: float):
+    """A layer whose forward takes ``forward_s`` and backward ``backward_s`` of wall time without using a core."""
+    import time
+
+    from axonmpi.autograd import Function
+
+    class _Sleep(Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(forward_s)
+            return x.copy()
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(backward_s)
+            return g
+
+    class Sleep(nn.Module):
+        def forward(self, x):
+            return _Sleep.apply(x)
+
+    return Sleep()
+
+
+def worker(schedule: str, m: int, steps: int, compute: str) -> None:
     import time
 
     import numpy as np
@@ -50,14 +78,18 @@ def worker(schedule: str, m: int, steps: int) -> None:
     v = 2 if schedule == "interleaved" else 1
     axonmpi.random.manual_seed(0)
     mods = []
+    width = SLEEP_WIDTH if compute == "sleep" else WIDTH
     for _ in range(LAYERS):
-        mods += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        if compute == "sleep":   # 2 ms forward, 4 ms backward per layer, a narrow Linear for parameters
+            mods += [nn.Linear(width, width), _sleep_layer(nn, 0.002, 0.004)]
+        else:
+            mods += [nn.Linear(width, width), nn.Tanh()]
     model = nn.Sequential(*mods)
     pipe = Pipeline(split_module(model, p, v, by="layers"), schedule, num_microbatches=m, loss_fn=F.mse_loss,
                     virtual_stages=v)
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((m * MB, WIDTH)).astype(np.float32)
-    y = rng.standard_normal((m * MB, WIDTH)).astype(np.float32)
+    x = rng.standard_normal((m * MB, width)).astype(np.float32)
+    y = rng.standard_normal((m * MB, width)).astype(np.float32)
     rows = []
     for step in range(steps + 2):
         for q in model.parameters():
@@ -85,16 +117,16 @@ def worker(schedule: str, m: int, steps: int) -> None:
         print("RESULT " + json.dumps({"samples_per_s": m * MB / max(r["wall"] for r in gathered), "ranks": gathered}))
 
 
-def best(p: int, schedule: str, m: int, steps: int, repeats: int) -> dict:
+def best(p: int, schedule: str, m: int, steps: int, repeats: int, compute: str) -> dict:
     """The fastest of ``repeats`` runs (damps noise from other jobs on the machine)."""
-    return max((run(p, schedule, m, steps) for _ in range(repeats)), key=lambda r: r["samples_per_s"])
+    return max((run(p, schedule, m, steps, compute) for _ in range(repeats)), key=lambda r: r["samples_per_s"])
 
 
-def run(p: int, schedule: str, m: int, steps: int) -> dict:
+def run(p: int, schedule: str, m: int, steps: int, compute: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(p), sys.executable, __file__, "--worker",
-           "--schedule", schedule, "--m", str(m), "--steps", str(steps)]
+           "--schedule", schedule, "--m", str(m), "--steps", str(steps), "--compute", compute]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
@@ -109,15 +141,16 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compute", nargs="+", default=["matmul", "sleep"], choices=["matmul", "sleep"])
     a = ap.parse_args()
     if a.worker:
-        worker(a.schedule, a.m, a.steps)
+        worker(a.schedule, a.m, a.steps, a.compute[0])
         return
     print(f"model: {LAYERS} x (Linear {WIDTH}x{WIDTH} + tanh), float32, micro-batch {MB} samples, one BLAS thread "
           f"per rank, {os.cpu_count()} cores")
-    for m in a.microbatches:
-        base = best(1, "1f1b", m, a.steps, a.repeats)["samples_per_s"]
-        print(f"\nm={m}: 1 rank (whole model): {base:.0f} samples/s")
+    for compute, m in [(c, m) for c in a.compute for m in a.microbatches]:
+        base = best(1, "1f1b", m, a.steps, a.repeats, compute)["samples_per_s"]
+        print(f"\n{compute} layers, m={m}: 1 rank (whole model): {base:.0f} samples/s")
         print(f"{'p':>2} {'schedule':<12} {'samples/s':>10} {'ideal':>10} {'ratio':>6}   "
               "idle per rank: measured / simulated (difference)")
         mem_rows = []
@@ -126,7 +159,7 @@ def main() -> None:
                 if sched == "interleaved" and m % p:
                     continue
                 v = 2 if sched == "interleaved" else 1
-                res = best(p, sched, m, a.steps, a.repeats)
+                res = best(p, sched, m, a.steps, a.repeats, compute)
                 ideal = v * m / (v * m + p - 1) * p * base
                 idle = "  ".join(f"{r['idle']:.3f}/{r['pred_idle']:.3f} ({r['idle'] - r['pred_idle']:+.3f})"
                                  for r in sorted(res["ranks"], key=lambda r: r["rank"]))
