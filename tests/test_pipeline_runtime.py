@@ -29,6 +29,7 @@ def test_measured_in_flight_matches_the_schedule(kind):
                     virtual_stages=v)
     x = np.random.default_rng(0).standard_normal((3 * m, 4))
     pipe.step(x, np.zeros((3 * m, 6)))
+    assert pipe._executed == make_schedule(kind, p, m, v).actions(r)     # exactly the schedule's list
     st = pipe.memory_stats()
     sim = simulate(make_schedule(kind, p, m, v))
     assert st.peak_in_flight == {s: sim.peak_activations_per_stage[s] for s in st.stages}

@@ -324,6 +324,7 @@ class Pipeline:
         if train:
             self._stats = ex.memory_stats()
             self._timing = ex.timing
+            self._executed = ex.executed      # what ran, in order (tests compare it with the schedule)
         return value
 
 
@@ -519,8 +520,10 @@ class _Executor:
         count = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 0}
         computes = [k for k, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
         nxt = {computes[j]: (computes[j + 1] if j + 1 < len(computes) else n) for j in range(len(computes))}
+        self.executed: List[Action] = []
         for k, a in enumerate(acts):
             kind = a.kind
+            self.executed.append(a)
             if kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
                 self._received[(a.stage, a.microbatch)] = self._receive(a)
             elif kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
