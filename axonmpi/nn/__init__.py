@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import functional, init
+from .checkpointing import checkpoint, checkpoint_sequential
 from .layers import (GELU, Dropout, Embedding, Flatten, Identity, LayerNorm, Linear, ReLU, Sigmoid,
                      SiLU, Softmax, Tanh)
 from .module import IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential
@@ -12,4 +13,5 @@ __all__ = [
     "CausalSelfAttention", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
     "LayerNorm", "Linear", "MLP", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
     "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "TransformerBlock", "functional", "init",
+    "checkpoint", "checkpoint_sequential",
 ]

@@ -1,5 +1,5 @@
 """Parallel strategies: data parallel (DDP), the flat parameter the sharded strategies build on, tensor
-parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in ``intra_layer``, ``auto_parallelize``)."""
+parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in ``intra_layer``, ``auto_parallelize``), pipeline parallel (``pipeline``)."""
 from ._flat import FlatLayout, FlatParameter, FlatSegment
 from .ddp import (
     DDP, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy, allreduce_hook,
@@ -8,9 +8,12 @@ from .ddp import (
 from . import intra_layer, tensor
 from .auto_parallelize import auto_parallelize
 from .tensor.groups import TensorParallelGroups
+from .pipeline import *  # noqa: F401,F403  (Pipeline, PipelineSchedule, make_schedule, split_module, ...)
+from . import pipeline
 
 __all__ = [
     "DDP", "DistributedDataParallel", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
     "TensorParallelGroups", "FlatLayout", "FlatParameter", "FlatSegment",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
+__all__ += pipeline.__all__

@@ -1,0 +1,59 @@
+"""The pipeline's two swap points: its default process group and its point-to-point transfers."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ...distributed.collectives import irecv, isend
+from ...distributed.group import ProcessGroup
+from ...distributed.work import Work
+from ...distributed.world import resolve_group
+from ...distributed.world import get_grid
+
+__all__: List[str] = []
+
+_DTYPES = (np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8, np.uint8, np.bool_,
+           np.complex64, np.complex128)
+_MAX_DIMS = 13
+HEADER_SIZE = _MAX_DIMS + 2
+
+
+def _default_group(group: Optional[ProcessGroup] = None) -> ProcessGroup:
+    """The pipeline group: ``group`` if given, else the grid's ``inter_group`` (``axonmpi.init(G_inter=p)``)."""
+    if group is None:
+        return get_grid().inter_group
+    return resolve_group(group)
+
+
+def _communicate(sends: Sequence[Tuple[object, int, int]], recvs: Sequence[Tuple[object, int, int]],
+                 group: ProcessGroup) -> List[Work]:
+    """Start every receive ``(buffer, peer, tag)`` then every send ``(array, peer, tag)``; peers are
+    group ranks. Returns their :class:`Work` handles (receives first); the caller waits.
+
+    Every activation, gradient and shape header of the pipeline goes through here.
+    """
+    works = [irecv(buf, peer, group, tag) for buf, peer, tag in recvs]
+    works += [isend(arr, peer, group, tag) for arr, peer, tag in sends]
+    return works
+
+
+def encode_header(trailing_shape: Tuple[int, ...], dtype) -> np.ndarray:
+    """A fixed-size int64 array describing an activation: dtype code, ndim, trailing dims."""
+    dtype = np.dtype(dtype)
+    codes = [np.dtype(d) for d in _DTYPES]
+    if dtype not in codes:
+        raise TypeError(f"pipeline activations of dtype {dtype} cannot be sent; supported: {[str(c) for c in codes]}")
+    if len(trailing_shape) > _MAX_DIMS:
+        raise ValueError(f"pipeline activations may have at most {_MAX_DIMS + 1} dimensions, "
+                         f"got trailing shape {trailing_shape}")
+    h = np.zeros(HEADER_SIZE, np.int64)
+    h[0], h[1] = codes.index(dtype), len(trailing_shape)
+    h[2:2 + len(trailing_shape)] = trailing_shape
+    return h
+
+
+def decode_header(h: np.ndarray) -> Tuple[Tuple[int, ...], np.dtype]:
+    """Inverse of :func:`encode_header`: ``(trailing_shape, dtype)``."""
+    n = int(h[1])
+    return tuple(int(d) for d in h[2:2 + n]), np.dtype(_DTYPES[int(h[0])])

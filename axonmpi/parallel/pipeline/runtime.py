@@ -1,0 +1,567 @@
+"""``Pipeline``: runs a schedule's action lists over MPI, micro-batch by micro-batch, and measures memory."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ...autograd.grad_mode import enable_grad, no_grad
+from ...autograd.tensor import Tensor
+from ...backend import get_array_module
+from ...distributed.collectives import all_reduce, broadcast
+from ...distributed.group import ProcessGroup
+from ...distributed.reduce_op import ReduceOp
+from ...nn.module import Module
+from ...random import fork_rng, initial_seed
+from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, encode_header
+from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, make_schedule, simulate)
+from .stage import PipelineStage
+
+__all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """Where this rank's time went in the last :meth:`Pipeline.step` (wall-clock seconds).
+
+    Attributes:
+        step_seconds: from the start of the action list to its end (transfers completed).
+        forward_seconds / backward_seconds: time inside FORWARD / BACKWARD actions.
+        forward_count / backward_count: how many of each ran.
+    """
+
+    step_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    forward_count: int
+    backward_count: int
+
+    @property
+    def busy_seconds(self) -> float:
+        """Compute time (forward + backward)."""
+        return self.forward_seconds + self.backward_seconds
+
+
+@dataclass(frozen=True)
+class PipelineMemoryStats:
+    """Activation memory of this rank's stages during the last :meth:`Pipeline.step`, measured and predicted.
+
+    Attributes:
+        stages: the global stage ids on this rank.
+        peak_in_flight: per stage, the most micro-batches whose activations were held at once (measured).
+        predicted_in_flight: per stage, the same from :func:`simulate` (GPipe m, 1F1B p - stage, ...).
+        peak_rank_in_flight / predicted_rank_in_flight: the same summed over the rank's stages at once.
+        microbatch_bytes: per stage, the largest activation bytes one micro-batch held (the stage's
+            input plus every array its autograd graph saved, parameters excluded).
+        peak_activation_bytes: per stage, the most activation bytes held at once (measured).
+        estimated_activation_bytes: per stage, ``predicted_in_flight x microbatch_bytes``.
+    """
+
+    stages: Tuple[int, ...]
+    peak_in_flight: Dict[int, int]
+    predicted_in_flight: Dict[int, int]
+    peak_rank_in_flight: int
+    predicted_rank_in_flight: int
+    microbatch_bytes: Dict[int, int]
+    peak_activation_bytes: Dict[int, int]
+    estimated_activation_bytes: Dict[int, int]
+
+
+def _graph_bytes(roots: Sequence[Tensor], exclude: set) -> int:
+    """Bytes of the arrays the autograd graph behind ``roots`` keeps for backward (each counted once)."""
+    seen_nodes, seen_arrays, total = set(), set(), 0
+    stack = [t.grad_fn for t in roots if t is not None and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen_nodes:
+            continue
+        seen_nodes.add(id(fn))
+        saved = getattr(fn, "_saved", None) or ()
+        extra = [v for v in getattr(fn, "__dict__", {}).values() if hasattr(v, "nbytes") and hasattr(v, "dtype")]
+        for a in list(saved) + extra:
+            if a is None or not hasattr(a, "nbytes"):
+                continue
+            base = a if getattr(a, "base", None) is None else a.base
+            if id(base) in seen_arrays or id(base) in exclude:
+                continue
+            seen_arrays.add(id(base))
+            total += int(base.nbytes)
+        for e in getattr(fn, "_edges", ()) or ():
+            if e is not None and e[1] >= 0:
+                stack.append(e[0])
+    return total
+
+
+def _microbatch_seed(base: int, step: int, stage: int, microbatch: int) -> int:
+    """The seed of the random stream (dropout) of one stage on one micro-batch of one step."""
+    return int(np.random.SeedSequence([base, step, stage, microbatch]).generate_state(1, np.uint64)[0])
+
+
+def _split_sizes(n: int, m: int) -> List[int]:
+    q, extra = divmod(n, m)
+    return [q + (1 if i < extra else 0) for i in range(m)]
+
+
+def _raw(x):
+    return x.data if isinstance(x, Tensor) else x
+
+
+class Pipeline:
+    """Pipeline-parallel training of model chunks over a process group, by a schedule.
+
+    Each rank passes its stages (from :func:`split_module`, or :class:`PipelineStage` objects);
+    :meth:`step` cuts the batch into ``num_microbatches`` micro-batches and executes exactly the
+    rank's action list from :func:`make_schedule` (checked with :func:`simulate` at
+    construction, so a schedule that would deadlock is refused before anything runs). Gradients
+    accumulate into the parameters' ``.grad`` scaled so that they equal those of the mean loss
+    over the whole batch; zero them and step the optimizer yourself.
+
+    Dropout: each stage's forward on micro-batch ``i`` of step ``t`` draws from its own random
+    stream seeded from ``(axonmpi.random.initial_seed(), t, stage, i)``, so masks do not depend
+    on the schedule or on how many ranks run it, and recomputation (activation checkpointing)
+    sees the same masks.
+
+    Data parallel: with ``data_group``, after the last backward each stage's gradients are
+    averaged over ``data_group`` (the ranks holding the same stage for other data), and the
+    returned loss is averaged there too, so replicas stay identical. Clip with
+    ``clip_grad_norm_(params, max_norm, group=pipeline_group)``: stages hold disjoint parameters.
+
+    Args:
+        stages: this rank's chunks: a Module or :class:`PipelineStage`, or a list of ``virtual_stages`` of them
+            (chunk k of pipeline rank r is global stage ``r + k p``).
+        schedule: a :class:`PipelineSchedule` (or its value string), or a ready :class:`Schedule`.
+        num_microbatches: micro-batches ``m`` per step (the batch may not divide evenly: the
+            first ``B % m`` micro-batches take one more sample).
+        loss_fn: ``loss_fn(output, target) -> scalar Tensor``, the mean over the micro-batch.
+        group: the pipeline group (default: all ranks).
+        virtual_stages: chunks per rank ``v`` (interleaved schedule).
+        data_group: the data-parallel group of this rank's stages, or ``None``.
+        track_memory: measure activation bytes (walks each micro-batch's graph once).
+
+    Example:
+        >>> chunks = split_module(model, num_stages=world.world_size)
+        >>> pipe = Pipeline(chunks, PipelineSchedule.ONE_F_ONE_B, num_microbatches=4, loss_fn=F.cross_entropy)
+        >>> opt.zero_grad(); loss = pipe.step(x, y); opt.step()
+    """
+
+    def __init__(self, stages, schedule: Union[PipelineSchedule, str, Schedule] = PipelineSchedule.ONE_F_ONE_B,
+                 num_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
+                 group: Optional[ProcessGroup] = None, virtual_stages: int = 1, *,
+                 data_group: Optional[ProcessGroup] = None, track_memory: bool = True):
+        self.group = _default_group(group)
+        p, r = self.group.size, self.group.rank
+        if isinstance(schedule, Schedule):
+            sched = schedule
+            if num_microbatches is not None and num_microbatches != sched.num_microbatches:
+                raise ValueError(f"rank {r}: num_microbatches={num_microbatches} disagrees with the given "
+                                 f"schedule's {sched.num_microbatches}")
+            if virtual_stages != sched.virtual_stages and virtual_stages != 1:
+                raise ValueError(f"rank {r}: virtual_stages={virtual_stages} disagrees with the given "
+                                 f"schedule's {sched.virtual_stages}")
+        else:
+            if num_microbatches is None:
+                raise ValueError(f"rank {r}: Pipeline needs num_microbatches (a positive int)")
+            sched = make_schedule(schedule, p, num_microbatches, virtual_stages)
+        if sched.num_stages != p:
+            raise ValueError(f"rank {r}: the schedule is for {sched.num_stages} pipeline ranks but the group has {p}")
+        sim = simulate(sched)    # refuses schedules that deadlock or skip work, on every rank alike
+        _check_fifo(sched)
+        self.schedule = sched
+        v = sched.virtual_stages
+        if not isinstance(stages, (list, tuple)):
+            stages = [stages]
+        if len(stages) != v:
+            raise ValueError(f"rank {r}: Pipeline got {len(stages)} stages; virtual_stages={v} needs {v} per rank")
+        self.stages: Dict[int, PipelineStage] = {}
+        for k, st in enumerate(stages):
+            sid = r + k * p
+            if isinstance(st, Module):
+                st = PipelineStage(st, sid, p, self.group)
+            if not isinstance(st, PipelineStage):
+                raise TypeError(f"rank {r}: stages must be Modules or PipelineStages, got {type(st).__name__}")
+            if st.stage_id != sid:
+                raise ValueError(f"rank {r}: stage {k} of this rank must be global stage {sid} (rank + k * p), "
+                                 f"got stage_id={st.stage_id}")
+            if st.group is not self.group and st.group.ranks != self.group.ranks:
+                raise ValueError(f"rank {r}: stage {sid} was made for another pipeline group")
+            self.stages[sid] = st
+        self.loss_fn = loss_fn
+        self.data_group = data_group
+        self.track_memory = bool(track_memory)
+        self.num_microbatches = sched.num_microbatches
+        self.virtual_stages = v
+        self.last_stage = sched.total_stages - 1
+        self._step = 0
+        self._meta: Dict[int, Tuple[Tuple[int, ...], np.dtype]] = {}   # stage -> agreed input (trailing shape, dtype)
+        self._param_ids = {id(q.data) for st in self.stages.values() for q in st.parameters()}
+        self._predicted = {s: sim.peak_activations_per_stage[s] for s in self.stages}
+        self._predicted_rank = sim.peak_activations[r]
+        self._stats: Optional[PipelineMemoryStats] = None
+        self._timing: Optional[PipelineTiming] = None
+
+    # -- public ----------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the pipeline group."""
+        return self.group.rank
+
+    def parameters(self) -> List[Tensor]:
+        """The parameters of this rank's stages."""
+        return [q for s in sorted(self.stages) for q in self.stages[s].parameters()]
+
+    def reset_shapes(self) -> None:
+        """Forget the agreed activation shapes (collective over the pipeline group: call it on every rank).
+
+        The trailing shape and dtype of each stage's input is agreed on the first step through a
+        header; call this before a step whose activations have another trailing shape.
+        """
+        self._meta.clear()
+
+    def timing(self) -> PipelineTiming:
+        """Compute and wall time of the last :meth:`step` on this rank (see :class:`PipelineTiming`)."""
+        if self._timing is None:
+            raise RuntimeError(f"rank {self.rank}: timing() is available after the first step()")
+        return self._timing
+
+    def memory_stats(self) -> PipelineMemoryStats:
+        """Activation memory of the last :meth:`step` (see :class:`PipelineMemoryStats`)."""
+        if self._stats is None:
+            raise RuntimeError(f"rank {self.rank}: memory_stats() is available after the first step()")
+        return self._stats
+
+    def step(self, inputs, targets):
+        """Forward and backward over ``num_microbatches`` micro-batches by the schedule; return the loss.
+
+        Args:
+            inputs: the batch (array or Tensor, batch on axis 0); needed on the rank of stage 0
+                (others may pass it or ``None``).
+            targets: the targets; needed on the rank of the last stage.
+
+        Returns:
+            The mean loss over the batch as a float, the same on every rank of the pipeline
+            (and of ``data_group``).
+        """
+        if self.loss_fn is None:
+            raise ValueError(f"rank {self.rank}: Pipeline.step needs loss_fn")
+        sizes = self._agree_sizes(inputs, targets)
+        loss = self._run(self.schedule_actions(), sizes, inputs, targets, train=True)
+        self._reduce_data_parallel()
+        self._step += 1
+        return loss
+
+    def eval_step(self, inputs, targets=None):
+        """Forward only (no graph), running the forward actions of the schedule in their order.
+
+        Returns:
+            With ``targets`` (and ``loss_fn``): the mean loss, on every rank. Without: the
+            last stage's outputs concatenated over the micro-batches on its rank, ``None`` elsewhere.
+        """
+        sizes = self._agree_sizes(inputs, targets if targets is not None else None, need_targets=targets is not None)
+        acts = [a for a in self.schedule_actions() if a.kind in (ActionKind.FORWARD, ActionKind.SEND_ACT,
+                                                                 ActionKind.RECV_ACT)]
+        with no_grad():
+            out = self._run(acts, sizes, inputs, targets, train=False)
+        if targets is not None and self.data_group is not None and self.data_group.size > 1:
+            out = float(all_reduce(np.array([out]), ReduceOp.MEAN, self.data_group)[0])
+        return out
+
+    def schedule_actions(self) -> List[Action]:
+        """This rank's action list (what :meth:`step` executes)."""
+        return self.schedule.actions(self.rank)
+
+    # -- private ---------------------------------------------------------------------------------
+    def _agree_sizes(self, inputs, targets, need_targets: bool = True) -> List[int]:
+        """Micro-batch sizes, decided on pipeline rank 0 (stage 0) and broadcast."""
+        m, r = self.num_microbatches, self.rank
+        sizes = np.zeros(m, np.int64)
+        if r == 0:
+            if inputs is None:
+                raise ValueError(f"rank {r}: the rank of stage 0 needs the inputs, got None")
+            n = len(_raw(inputs))
+            if n < m:
+                raise ValueError(f"rank {r}: a batch of {n} samples cannot make {m} micro-batches "
+                                 f"(needs at least num_microbatches={m})")
+            sizes[:] = _split_sizes(n, m)
+        if self.group.size > 1:
+            broadcast(sizes, 0, self.group)
+        sizes = [int(s) for s in sizes]
+        if need_targets and self.last_stage in self.stages:
+            if targets is None:
+                raise ValueError(f"rank {r}: the rank of the last stage needs the targets, got None")
+            if len(_raw(targets)) != sum(sizes):
+                raise ValueError(f"rank {r}: targets hold {len(_raw(targets))} samples but the inputs "
+                                 f"on stage 0 hold {sum(sizes)}")
+        return sizes
+
+    def _reduce_data_parallel(self) -> None:
+        g = self.data_group
+        if g is None or g.size == 1:
+            return
+        for sid in sorted(self.stages):
+            grads = [q.grad.data for q in self.stages[sid].parameters() if q.grad is not None]
+            if not grads:
+                continue
+            xp = get_array_module(grads[0])
+            flat = xp.concatenate([x.reshape(-1) for x in grads])
+            all_reduce(flat, ReduceOp.MEAN, g, out=flat)
+            at = 0
+            for x in grads:
+                x[...] = flat[at:at + x.size].reshape(x.shape)
+                at += x.size
+
+    def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool):
+        ex = _Executor(self, acts, sizes, inputs, targets, train)
+        value = ex.run()
+        if train or targets is not None:
+            if self.group.size > 1:
+                src = self.schedule.rank_of(self.last_stage)
+                value = float(all_reduce(np.array([value if self.rank == src else 0.0]), ReduceOp.SUM,
+                                         self.group)[0])
+            if train and self.data_group is not None and self.data_group.size > 1:
+                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, self.data_group)[0])
+        if train:
+            self._stats = ex.memory_stats()
+            self._timing = ex.timing
+            self._executed = ex.executed      # what ran, in order (tests compare it with the schedule)
+        return value
+
+
+def _tag(kind: ActionKind, stage: int) -> int:
+    """Message tag of a transfer into ``stage`` (its input activation, or its output gradient)."""
+    return 3 * stage + {ActionKind.SEND_ACT: 0, ActionKind.RECV_ACT: 0, ActionKind.SEND_GRAD: 1,
+                        ActionKind.RECV_GRAD: 1}[kind]
+
+
+def _header_tag(stage: int) -> int:
+    return 3 * stage + 2
+
+
+class _Executor:
+    """One step: walks the rank's action list, pre-posting each compute's receives one compute ahead."""
+
+    def __init__(self, pipe: Pipeline, acts: List[Action], sizes: List[int], inputs, targets, train: bool):
+        self.pipe, self.acts, self.sizes, self.train = pipe, acts, sizes, train
+        self.group = pipe.group
+        r = pipe.rank
+        self.inputs = inputs
+        self.targets = targets
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+        self.total = sum(sizes)
+        self.x: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage input
+        self.y: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage output (or scaled loss)
+        self.grad_in: Dict[Tuple[int, int], Any] = {}    # (stage, mb) -> gradient of the stage's output
+        self.recvs: Dict[Action, Tuple[Any, Any]] = {}   # posted receive -> (work, buffer)
+        self.headers: Dict[int, Tuple[Any, Any]] = {}    # stage -> (work, header buffer)
+        self.sends: List[Any] = []
+        self.loss = 0.0
+        self.outputs: List[Any] = []
+        self.held = {s: 0 for s in pipe.stages}
+        self.held_bytes = {s: 0 for s in pipe.stages}
+        self.mb_bytes: Dict[Tuple[int, int], int] = {}
+        self.peak = dict(self.held)
+        self.peak_bytes = dict(self.held_bytes)
+        self.max_mb_bytes = dict(self.held_bytes)
+        self.peak_rank = 0
+        self.rank = r
+
+    # -- inputs and targets of a micro-batch ------------------------------------------------------
+    def _slice(self, batch, mb: int):
+        a, b = self.offsets[mb], self.offsets[mb + 1]
+        return _raw(batch)[a:b]
+
+    # -- transfers -----------------------------------------------------------------------------------
+    def _post(self, a: Action) -> None:
+        """Post the receive of action ``a`` (or, the first time for a stage, its shape header)."""
+        if a in self.recvs:
+            return
+        p = self.pipe
+        if a.kind is ActionKind.RECV_ACT:
+            meta = p._meta.get(a.stage)
+            peer = p.schedule.rank_of(a.stage - 1)
+            if meta is None:
+                if a.stage not in self.headers:
+                    h = np.zeros(HEADER_SIZE, np.int64)
+                    self.headers[a.stage] = (_communicate([], [(h, peer, _header_tag(a.stage))], self.group)[0], h)
+                return
+            trailing, dtype = meta
+            xp = self._xp()
+            buf = xp.empty((self.sizes[a.microbatch],) + trailing, dtype)
+        else:
+            peer = p.schedule.rank_of(a.stage + 1)
+            out = self.y[(a.stage, a.microbatch)]
+            buf = get_array_module(out.data).empty(out.shape, out.dtype)
+        self.recvs[a] = (_communicate([], [(buf, peer, _tag(a.kind, a.stage))], self.group)[0], buf)
+
+    def _xp(self):
+        for st in self.pipe.stages.values():
+            for q in st.parameters():
+                return get_array_module(q.data)
+        return np
+
+    def _receive(self, a: Action):
+        p = self.pipe
+        if a.kind is ActionKind.RECV_ACT and a.stage not in p._meta:
+            self._post(a)
+            work, h = self.headers.pop(a.stage)
+            work.wait()
+            p._meta[a.stage] = decode_header(h)
+        self._post(a)
+        work, buf = self.recvs.pop(a)
+        work.wait()
+        return buf
+
+    def _send(self, a: Action) -> None:
+        p = self.pipe
+        key = (a.stage, a.microbatch)
+        if a.kind is ActionKind.SEND_ACT:
+            arr = (self.y[key] if self.train else self.y.pop(key)).data
+            peer, into = p.schedule.rank_of(a.stage + 1), a.stage + 1
+            trailing, dtype = tuple(arr.shape[1:]), arr.dtype
+            if arr.ndim == 0 or arr.shape[0] != self.sizes[a.microbatch]:
+                raise ValueError(f"rank {self.rank}: stage {a.stage} output of shape {tuple(arr.shape)} must have "
+                                 f"the micro-batch ({self.sizes[a.microbatch]}) on axis 0")
+            meta = p._meta.get(("out", a.stage))
+            sends = [(arr, peer, _tag(a.kind, into))]
+            if meta is None:
+                p._meta[("out", a.stage)] = (trailing, dtype)
+                sends.insert(0, (encode_header(trailing, dtype), peer, _header_tag(into)))
+            elif meta != (trailing, np.dtype(dtype)):
+                raise ValueError(f"rank {self.rank}: stage {a.stage} output changed from (trailing shape, dtype) "
+                                 f"{meta} to {(trailing, dtype)}; call pipe.reset_shapes() on every rank first")
+        else:
+            x = self.x.pop(key)
+            arr = x.grad.data if x.grad is not None else get_array_module(x.data).zeros_like(x.data)
+            peer, into = p.schedule.rank_of(a.stage - 1), a.stage - 1
+            sends = [(arr, peer, _tag(a.kind, into))]
+        self.sends.extend(_communicate(sends, [], self.group))
+
+    # -- compute -----------------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        p, s, i = self.pipe, a.stage, a.microbatch
+        if s == 0:
+            x = self._slice(self.inputs, i)
+            x = Tensor(x) if not isinstance(x, Tensor) else x
+        else:
+            if p.schedule.rank_of(s - 1) == self.rank:
+                prev = self.y[(s - 1, i)] if self.train else self.y.pop((s - 1, i))
+                data = prev.data
+            else:
+                data = self._received.pop((s, i))
+            x = Tensor._wrap(data)
+            if self.train and data.dtype.kind == "f":
+                x.requires_grad = True
+        seed = _microbatch_seed(initial_seed(), p._step, s, i)
+        with fork_rng(seed):
+            y = p.stages[s](x)
+        if s == p.last_stage:
+            if self.targets is not None and p.loss_fn is not None:
+                w = self.sizes[i] / self.total
+                loss = p.loss_fn(y, Tensor._wrap(self._slice(self.targets, i))) * w
+                self.loss += float(loss.item())
+                y = loss
+            if not self.train:
+                if self.targets is None:
+                    self.outputs.append(y.data)
+                return
+        if not self.train:
+            self.y[(s, i)] = y
+            return
+        self.x[(s, i)] = x
+        self.y[(s, i)] = y
+        self._track(s, i, +1, x, y)
+
+    def _backward(self, a: Action) -> None:
+        p, s, i = self.pipe, a.stage, a.microbatch
+        y = self.y.pop((s, i))
+        if s != p.last_stage and p.schedule.rank_of(s + 1) == self.rank:
+            g = self.grad_in_local.pop((s, i))
+        elif s != p.last_stage:
+            g = self._received.pop((s, i))
+        else:
+            g = None
+        if y.requires_grad:
+            y.backward(g)
+        if s > 0 and p.schedule.rank_of(s - 1) == self.rank:
+            x = self.x.pop((s, i))
+            self.grad_in_local[(s - 1, i)] = (x.grad.data if x.grad is not None
+                                              else get_array_module(x.data).zeros_like(x.data))
+        elif s == 0:
+            self.x.pop((s, i), None)
+        self._track(s, i, -1)
+
+    def _track(self, s: int, i: int, delta: int, x: Tensor = None, y: Tensor = None) -> None:
+        if delta > 0:
+            nbytes = 0
+            if self.pipe.track_memory:
+                roots = [y] if y is not None else []
+                nbytes = _graph_bytes(roots, self.pipe._param_ids)
+                xb = x.data if getattr(x.data, "base", None) is None else x.data.base
+                nbytes += 0 if s == 0 else int(xb.nbytes)
+            self.mb_bytes[(s, i)] = nbytes
+            self.max_mb_bytes[s] = max(self.max_mb_bytes[s], nbytes)
+        else:
+            nbytes = self.mb_bytes.pop((s, i))
+        self.held[s] += delta
+        self.held_bytes[s] += delta * nbytes
+        self.peak[s] = max(self.peak[s], self.held[s])
+        self.peak_bytes[s] = max(self.peak_bytes[s], self.held_bytes[s])
+        self.peak_rank = max(self.peak_rank, sum(self.held.values()))
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def run(self):
+        self._received: Dict[Tuple[int, int], Any] = {}
+        self.grad_in_local: Dict[Tuple[int, int], Any] = {}
+        acts = self.acts
+        n = len(acts)
+        t_start = time.perf_counter()
+        spent = {ActionKind.FORWARD: 0.0, ActionKind.BACKWARD: 0.0}
+        count = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 0}
+        computes = [k for k, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+        nxt = {computes[j]: (computes[j + 1] if j + 1 < len(computes) else n) for j in range(len(computes))}
+        self.executed: List[Action] = []
+        for k, a in enumerate(acts):
+            kind = a.kind
+            self.executed.append(a)
+            if kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
+                self._received[(a.stage, a.microbatch)] = self._receive(a)
+            elif kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
+                self._send(a)
+            else:
+                # post the receives the next compute action needs, so they arrive while this one runs
+                for b in acts[k + 1:nxt[k]]:
+                    if b.kind is ActionKind.RECV_ACT or (b.kind is ActionKind.RECV_GRAD
+                                                         and (b.stage, b.microbatch) in self.y):
+                        self._post(b)
+                self.sends = [w for w in self.sends if not w.is_completed()]
+                t0 = time.perf_counter()
+                with enable_grad() if self.train else no_grad():
+                    (self._forward if kind is ActionKind.FORWARD else self._backward)(a)
+                spent[kind] += time.perf_counter() - t0
+                count[kind] += 1
+        for w in self.sends:
+            w.wait()
+        self.sends = []
+        self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD],
+                                     spent[ActionKind.BACKWARD], count[ActionKind.FORWARD], count[ActionKind.BACKWARD])
+        if not self.train and self.targets is None:
+            if self.pipe.last_stage not in self.pipe.stages:
+                return None
+            xp = get_array_module(self.outputs[0])
+            return xp.concatenate(self.outputs, axis=0)
+        return self.loss
+
+    def memory_stats(self) -> PipelineMemoryStats:
+        pipe = self.pipe
+        stages = tuple(sorted(pipe.stages))
+        return PipelineMemoryStats(
+            stages=stages,
+            peak_in_flight=dict(self.peak),
+            predicted_in_flight=dict(pipe._predicted),
+            peak_rank_in_flight=self.peak_rank,
+            predicted_rank_in_flight=pipe._predicted_rank,
+            microbatch_bytes=dict(self.max_mb_bytes),
+            peak_activation_bytes=dict(self.peak_bytes),
+            estimated_activation_bytes={s: pipe._predicted[s] * self.max_mb_bytes[s] for s in stages},
+        )

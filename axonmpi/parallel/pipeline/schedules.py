@@ -1,0 +1,475 @@
+"""Pipeline schedules as data: per-rank action lists, a printer and a dry-run simulator (no MPI).
+
+Stages are numbered globally ``0 .. num_stages * virtual_stages - 1``; stage ``s`` lives on
+pipeline rank ``s % num_stages`` (round-robin, Megatron's interleaving). Every rank's list holds
+its compute actions (``FORWARD``/``BACKWARD``) and the transfers around them: a ``RECV_ACT``
+right before each forward whose input comes from another rank, a ``SEND_ACT`` right after each
+forward whose output goes to another rank, and ``RECV_GRAD``/``SEND_GRAD`` likewise around each
+backward. Sends never block; a receive blocks until its matching send has run. The runtime
+(:mod:`axonmpi.parallel.pipeline.runtime`) executes these lists unchanged, and :func:`simulate`
+runs them under the same rule, so a schedule that finishes in the simulator cannot deadlock in
+the runtime.
+
+[Note: zero-bubble] A zero-bubble schedule splits ``BACKWARD`` into an input-gradient and a
+weight-gradient action. ``ActionKind`` and the simulator's per-kind duration table are the two
+places such kinds are added; the dependency rules key on "the backward that produces the input
+gradient", which would become the input-gradient action.
+
+Example:
+    >>> from axonmpi.parallel.pipeline import make_schedule, PipelineSchedule, simulate
+    >>> s = make_schedule(PipelineSchedule.ONE_F_ONE_B, num_stages=2, num_microbatches=4)
+    >>> [str(a) for a in s.actions(1)][:4]
+    ['1RECV_F0', '1F0', '1B0', '1SEND_B0']
+    >>> simulate(s).idle_fraction
+    [0.2, 0.2]
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "Action", "ActionKind", "PipelineSchedule", "Schedule", "ScheduleDeadlockError", "SimulationResult",
+    "format_schedule", "make_schedule", "simulate",
+]
+
+
+class PipelineSchedule(enum.Enum):
+    """Which pipeline schedule to build (see :func:`make_schedule`)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_ONE_F_ONE_B = "interleaved"
+
+    @classmethod
+    def parse(cls, value: Union["PipelineSchedule", str]) -> "PipelineSchedule":
+        """The member for ``value`` (a member, its value such as ``"1f1b"``, or its name)."""
+        if isinstance(value, cls):
+            return value
+        for m in cls:
+            if isinstance(value, str) and value.lower() in (m.value, m.name.lower()):
+                return m
+        raise ValueError(f"unknown pipeline schedule {value!r}; expected one of "
+                         f"{[m.value for m in cls]} or a PipelineSchedule member")
+
+
+class ActionKind(enum.Enum):
+    """What one entry of a rank's action list does."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_ACT = "SEND_F"
+    RECV_ACT = "RECV_F"
+    SEND_GRAD = "SEND_B"
+    RECV_GRAD = "RECV_B"
+
+
+_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+
+class Action(NamedTuple):
+    """One step of a rank's schedule: ``kind`` on micro-batch ``microbatch`` of global stage ``stage``.
+
+    ``str(Action(ActionKind.FORWARD, 0, 2)) == "2F0"`` (PyTorch's notation); transfers print as
+    ``"2SEND_F0"``, ``"3RECV_F0"``, ``"3SEND_B0"``, ``"2RECV_B0"``. For a transfer, ``stage`` is
+    the stage on this rank that sends or receives.
+    """
+
+    kind: ActionKind
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+
+class ScheduleDeadlockError(RuntimeError):
+    """The simulator found ranks blocked forever (or an action whose inputs can never exist)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank action lists of one pipeline schedule.
+
+    Args:
+        num_stages: pipeline ranks ``p``.
+        num_microbatches: micro-batches ``m`` per step.
+        virtual_stages: model chunks per rank ``v`` (stage ``s`` on rank ``s % p``).
+        rank_actions: one tuple of :class:`Action` per rank.
+        kind: the :class:`PipelineSchedule` it was made by (``None`` for hand-made lists).
+    """
+
+    num_stages: int
+    num_microbatches: int
+    virtual_stages: int
+    rank_actions: Tuple[Tuple[Action, ...], ...]
+    kind: Optional[PipelineSchedule] = None
+
+    def __post_init__(self):
+        if len(self.rank_actions) != self.num_stages:
+            raise ValueError(f"Schedule needs one action list per rank ({self.num_stages}), "
+                             f"got {len(self.rank_actions)}")
+        object.__setattr__(self, "rank_actions", tuple(tuple(Action(*a) for a in acts)
+                                                        for acts in self.rank_actions))
+
+    @property
+    def total_stages(self) -> int:
+        """``num_stages * virtual_stages``: the number of model chunks."""
+        return self.num_stages * self.virtual_stages
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that holds global stage ``stage``."""
+        return stage % self.num_stages
+
+    def stages_of(self, rank: int) -> List[int]:
+        """The global stages held by ``rank``: ``[rank, rank + p, ...]``."""
+        return [rank + k * self.num_stages for k in range(self.virtual_stages)]
+
+    def actions(self, rank: int) -> List[Action]:
+        """The ordered action list of pipeline rank ``rank``."""
+        if not 0 <= rank < self.num_stages:
+            raise ValueError(f"rank {rank} out of range [0, {self.num_stages})")
+        return list(self.rank_actions[rank])
+
+    def __str__(self) -> str:
+        return format_schedule(self)
+
+
+# -- builders -------------------------------------------------------------------------------------
+def _check_positive(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+class _Builder:
+    """Appends compute actions with their surrounding transfers to one rank's list."""
+
+    def __init__(self, p: int, total: int):
+        self.p, self.total, self.acts = p, total, []
+
+    def forward(self, stage: int, mb: int) -> None:
+        remote_in = stage > 0 and (stage - 1) % self.p != stage % self.p
+        remote_out = stage < self.total - 1 and (stage + 1) % self.p != stage % self.p
+        if remote_in:
+            self.acts.append(Action(ActionKind.RECV_ACT, mb, stage))
+        self.acts.append(Action(ActionKind.FORWARD, mb, stage))
+        if remote_out:
+            self.acts.append(Action(ActionKind.SEND_ACT, mb, stage))
+
+    def backward(self, stage: int, mb: int) -> None:
+        remote_in = stage < self.total - 1 and (stage + 1) % self.p != stage % self.p
+        remote_out = stage > 0 and (stage - 1) % self.p != stage % self.p
+        if remote_in:
+            self.acts.append(Action(ActionKind.RECV_GRAD, mb, stage))
+        self.acts.append(Action(ActionKind.BACKWARD, mb, stage))
+        if remote_out:
+            self.acts.append(Action(ActionKind.SEND_GRAD, mb, stage))
+
+
+def _gpipe(p: int, m: int, r: int) -> List[Action]:
+    b = _Builder(p, p)
+    for i in range(m):
+        b.forward(r, i)
+    for i in range(m):
+        b.backward(r, i)
+    return b.acts
+
+
+def _one_f_one_b(p: int, m: int, r: int) -> List[Action]:
+    b = _Builder(p, p)
+    warmup = min(p - r - 1, m)
+    for i in range(warmup):
+        b.forward(r, i)
+    for k in range(m - warmup):
+        b.forward(r, warmup + k)
+        b.backward(r, k)
+    for k in range(m - warmup, m):
+        b.backward(r, k)
+    return b.acts
+
+
+def _interleaved(p: int, m: int, v: int, r: int) -> List[Action]:
+    # Megatron-LM's order: the k-th forward of a rank runs chunk (k // p) % v on micro-batch
+    # (k // (p v)) p + k % p; backwards walk the chunks in reverse. Warm-up is long enough
+    # that the first backward's gradient has arrived when it is needed.
+    b = _Builder(p, p * v)
+    total = m * v
+
+    def unit(k: int, forward: bool) -> Tuple[int, int]:
+        chunk = (k % (p * v)) // p
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk * p + r, (k // (p * v)) * p + k % p
+
+    warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+    for k in range(warmup):
+        b.forward(*unit(k, True))
+    for k in range(total - warmup):
+        b.forward(*unit(k + warmup, True))
+        b.backward(*unit(k, False))
+    for k in range(total - warmup, total):
+        b.backward(*unit(k, False))
+    return b.acts
+
+
+def make_schedule(kind: Union[PipelineSchedule, str], num_stages: int, num_microbatches: int,
+                  virtual_stages: int = 1) -> Schedule:
+    """Build the per-rank action lists of a pipeline schedule.
+
+    Args:
+        kind: :class:`PipelineSchedule` (or ``"gpipe"``, ``"1f1b"``, ``"interleaved"``).
+        num_stages: the number of pipeline ranks ``p``.
+        num_microbatches: micro-batches ``m`` per step.
+        virtual_stages: model chunks per rank ``v`` (interleaved only; GPipe and 1F1B need 1).
+
+    Returns:
+        A :class:`Schedule`; ``schedule.actions(rank)`` is rank ``rank``'s ordered list.
+
+    Raises:
+        ValueError: interleaved with ``m`` not a multiple of ``p``, or ``v > 1`` for GPipe/1F1B.
+
+    Example:
+        >>> s = make_schedule("interleaved", num_stages=2, num_microbatches=4, virtual_stages=2)
+        >>> print(format_schedule(s))
+    """
+    kind = PipelineSchedule.parse(kind)
+    p = _check_positive("num_stages", num_stages)
+    m = _check_positive("num_microbatches", num_microbatches)
+    v = _check_positive("virtual_stages", virtual_stages)
+    if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
+        if m % p:
+            raise ValueError(f"the interleaved 1F1B schedule needs num_microbatches to be a multiple of "
+                             f"num_stages; got num_microbatches={m}, num_stages={p}")
+        lists = [_interleaved(p, m, v, r) for r in range(p)]
+    elif v != 1:
+        raise ValueError(f"{kind.name} runs one model chunk per rank; got virtual_stages={v} "
+                         "(use PipelineSchedule.INTERLEAVED_ONE_F_ONE_B for virtual stages)")
+    elif kind is PipelineSchedule.GPIPE:
+        lists = [_gpipe(p, m, r) for r in range(p)]
+    else:
+        lists = [_one_f_one_b(p, m, r) for r in range(p)]
+    return Schedule(p, m, v, tuple(tuple(a) for a in lists), kind)
+
+
+# -- simulator --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` measured.
+
+    Attributes:
+        makespan: time from the first action to the last one finishing.
+        busy: compute time per rank.
+        idle_fraction: ``1 - busy / makespan`` per rank.
+        peak_activations: per rank, the most (stage, micro-batch) pairs forwarded and not yet
+            backwarded at once (activations held).
+        peak_activations_per_stage: the same per global stage.
+        timeline: per rank, ``(start, end, action)`` of every compute action.
+    """
+
+    makespan: Union[int, float, Fraction]
+    busy: List[Union[int, float, Fraction]]
+    idle_fraction: List[float]
+    peak_activations: List[int]
+    peak_activations_per_stage: List[int]
+    timeline: List[List[Tuple[object, object, Action]]]
+
+
+_MATCH = {ActionKind.RECV_ACT: ActionKind.SEND_ACT, ActionKind.RECV_GRAD: ActionKind.SEND_GRAD}
+
+
+def _peer_stage(a: Action) -> int:
+    """The stage whose send a receive waits for."""
+    return a.stage - 1 if a.kind is ActionKind.RECV_ACT else a.stage + 1
+
+
+def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0) -> SimulationResult:
+    """Execute a schedule's action lists without MPI and time them.
+
+    Time model: every ``FORWARD`` action (one model chunk on one micro-batch) takes
+    ``forward_time`` and every ``BACKWARD`` ``backward_time``, whatever the chunk; a send costs
+    nothing to its rank and its data is available to the receiver ``comm_time`` later; a rank
+    runs its list in order, waiting at a receive until the data is there. With integer times the
+    results are exact (``makespan`` and ``busy`` are ints).
+
+    Args:
+        schedule: a :class:`Schedule` (from :func:`make_schedule` or hand-made).
+        forward_time, backward_time, comm_time: durations (non-negative numbers).
+
+    Returns:
+        A :class:`SimulationResult`.
+
+    Raises:
+        ScheduleDeadlockError: some ranks wait forever; the message names each blocked rank and
+            the action it waits on. Also raised for an action whose input is never produced on
+            its rank (a forward before its receive, a backward before its forward, ...).
+
+    Example:
+        >>> r = simulate(make_schedule("gpipe", 4, 8))
+        >>> r.makespan, r.idle_fraction[0]      # 3 (m + p - 1) and (p - 1) / (m + p - 1)
+        (33, 0.2727272727272727)
+    """
+    for name, t in (("forward_time", forward_time), ("backward_time", backward_time), ("comm_time", comm_time)):
+        if not t >= 0:
+            raise ValueError(f"simulate: {name} must be >= 0, got {t!r}")
+    duration = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time}
+    p, S, m = schedule.num_stages, schedule.total_stages, schedule.num_microbatches
+    lists = [schedule.actions(r) for r in range(p)]
+    pos = [0] * p
+    clock = [0] * p
+    busy = [0] * p
+    sent: Dict[Tuple[ActionKind, int, int], object] = {}     # (send kind, mb, stage) -> time sent
+    done: Dict[Tuple[ActionKind, int, int], object] = {}     # compute/recv completions per rank-local key
+    held = [0] * p
+    peak = [0] * p
+    held_stage = [0] * S
+    peak_stage = [0] * S
+    timeline: List[List[Tuple[object, object, Action]]] = [[] for _ in range(p)]
+
+    def fail(r: int, a: Action, why: str):
+        raise ScheduleDeadlockError(f"rank {r}: action {a} (position {pos[r]}) {why}")
+
+    def check(r: int, a: Action) -> None:
+        if not 0 <= a.stage < S or schedule.rank_of(a.stage) != r:
+            fail(r, a, f"names stage {a.stage}, which is not on rank {r} (stages {schedule.stages_of(r)})")
+        if not 0 <= a.microbatch < m:
+            fail(r, a, f"names micro-batch {a.microbatch}, outside [0, {m})")
+
+    def ready_time(r: int, a: Action):
+        """When the inputs of compute action ``a`` are there, or raise if they never will be."""
+        t = clock[r]
+        if a.kind is ActionKind.FORWARD:
+            if (ActionKind.FORWARD, a.microbatch, a.stage) in done:
+                fail(r, a, "runs a second time")
+            if a.stage > 0:
+                local = schedule.rank_of(a.stage - 1) == r
+                key = (ActionKind.FORWARD if local else ActionKind.RECV_ACT, a.microbatch, a.stage - 1 if local else a.stage)
+                if key not in done:
+                    fail(r, a, "has no input: " + ("the previous stage's forward has not run on this rank"
+                                                   if local else "no RECV_ACT before it"))
+                t = max(t, done[key])
+        else:
+            if (ActionKind.FORWARD, a.microbatch, a.stage) not in done:
+                fail(r, a, "runs before the forward of the same stage and micro-batch")
+            if (ActionKind.BACKWARD, a.microbatch, a.stage) in done:
+                fail(r, a, "runs a second time")
+            if a.stage < S - 1:
+                local = schedule.rank_of(a.stage + 1) == r
+                key = (ActionKind.BACKWARD if local else ActionKind.RECV_GRAD, a.microbatch, a.stage + 1 if local else a.stage)
+                if key not in done:
+                    fail(r, a, "has no output gradient: " + ("the next stage's backward has not run on this rank"
+                                                             if local else "no RECV_GRAD before it"))
+                t = max(t, done[key])
+        return t
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                check(r, a)
+                if a.kind in _COMPUTE:
+                    start = ready_time(r, a)
+                    end = start + duration[a.kind]
+                    clock[r] = end
+                    busy[r] += duration[a.kind]
+                    done[(a.kind, a.microbatch, a.stage)] = end
+                    timeline[r].append((start, end, a))
+                    delta = 1 if a.kind is ActionKind.FORWARD else -1
+                    held[r] += delta
+                    held_stage[a.stage] += delta
+                    peak[r] = max(peak[r], held[r])
+                    peak_stage[a.stage] = max(peak_stage[a.stage], held_stage[a.stage])
+                elif a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
+                    src = ActionKind.FORWARD if a.kind is ActionKind.SEND_ACT else ActionKind.BACKWARD
+                    if (src, a.microbatch, a.stage) not in done:
+                        fail(r, a, f"sends before {Action(src, a.microbatch, a.stage)} has run")
+                    if (a.kind, a.microbatch, a.stage) in sent:
+                        fail(r, a, "sends a second time")
+                    sent[(a.kind, a.microbatch, a.stage)] = clock[r]
+                else:
+                    peer = _peer_stage(a)
+                    key = (_MATCH[a.kind], a.microbatch, peer)
+                    if key not in sent:
+                        break  # blocked: the matching send has not run yet
+                    done[(a.kind, a.microbatch, a.stage)] = max(clock[r], sent[key] + comm_time)
+                pos[r] += 1
+                progress = True
+    blocked = [r for r in range(p) if pos[r] < len(lists[r])]
+    if blocked:
+        lines = []
+        for r in blocked:
+            a = lists[r][pos[r]]
+            peer = _peer_stage(a)
+            lines.append(f"rank {r} waits at {a} (position {pos[r]}) for "
+                         f"{Action(_MATCH[a.kind], a.microbatch, peer)} from rank {schedule.rank_of(peer) if 0 <= peer < S else '?'}")
+        raise ScheduleDeadlockError("pipeline schedule deadlocks: ranks " + str(blocked) + " are blocked:\n  "
+                                    + "\n  ".join(lines))
+    for r in range(p):
+        for s in schedule.stages_of(r):
+            for i in range(m):
+                for kind in _COMPUTE:
+                    if (kind, i, s) not in done:
+                        raise ScheduleDeadlockError(
+                            f"rank {r}: the schedule never runs {Action(kind, i, s)}; every micro-batch must pass "
+                            "every stage forward and backward once")
+    makespan = max(clock) if clock else 0
+    idle = [0.0 if makespan == 0 else float(1 - Fraction(b) / Fraction(makespan)) if _exact(b, makespan)
+            else 1.0 - b / makespan for b in busy]
+    return SimulationResult(makespan, busy, idle, peak, peak_stage, timeline)
+
+
+def _exact(*xs) -> bool:
+    return all(isinstance(x, (int, Fraction)) for x in xs)
+
+
+# -- printer -----------------------------------------------------------------------------------------
+def format_schedule(schedule: Schedule, forward_time=1, backward_time=1, comm_time=0) -> str:
+    """The rank x time grid of a schedule: one row per rank, one column per time unit.
+
+    Compute actions are placed where :func:`simulate` runs them (default: every action one time
+    unit, so each column is one step); a cell reads ``"2F0"`` (stage 2, forward, micro-batch 0)
+    or ``"1B3"``; a blank cell is bubble. An action longer than one unit fills its columns.
+
+    Args:
+        schedule: a :class:`Schedule`.
+        forward_time, backward_time, comm_time: durations passed to :func:`simulate` (integers).
+
+    Returns:
+        The grid as a string.
+
+    Example:
+        >>> print(format_schedule(make_schedule("1f1b", 2, 3)))
+    """
+    res = simulate(schedule, forward_time, backward_time, comm_time)
+    T = int(res.makespan)
+    cells = [[""] * T for _ in range(schedule.num_stages)]
+    for r, events in enumerate(res.timeline):
+        for start, end, a in events:
+            for t in range(int(start), int(end)):
+                cells[r][t] = str(a)
+    width = max([len(c) for row in cells for c in row] + [len(str(T - 1)), 3])
+    head = "time    " + " ".join(f"{t:>{width}}" for t in range(T))
+    rows = [(f"rank {r:<3}" + " ".join(f"{c:>{width}}" for c in row)).rstrip() for r, row in enumerate(cells)]
+    return "\n".join([head] + rows)
+
+
+def _compute_order(schedule: Schedule, rank: int) -> List[Action]:
+    """Rank ``rank``'s compute actions in order."""
+    return [a for a in schedule.actions(rank) if a.kind in _COMPUTE]
+
+
+def _check_fifo(schedule: Schedule) -> None:
+    """Each stage's forwards and backwards run in micro-batch order (the runtime's message matching needs it)."""
+    for r in range(schedule.num_stages):
+        last: Dict[Tuple[ActionKind, int], int] = {}
+        for a in schedule.actions(r):
+            key = (a.kind, a.stage)
+            if key in last and a.microbatch < last[key]:
+                raise ValueError(f"rank {r}: {a} comes after micro-batch {last[key]} of the same stage and kind; "
+                                 "the runtime needs each stage's transfers in micro-batch order")
+            last[key] = a.microbatch
+

@@ -1,0 +1,179 @@
+"""Cutting a ``Sequential`` (or a GPT) into balanced pipeline chunks that share the model's parameters."""
+from __future__ import annotations
+
+import enum
+from typing import List, Optional, Sequence, Union
+
+from ...autograd.tensor import Tensor
+from ...backend import get_array_module
+from ...distributed.group import ProcessGroup
+from ...nn.module import Module, Sequential
+from ._comm import _default_group
+
+__all__ = ["SplitBy", "split_module", "split_points"]
+
+
+class SplitBy(enum.Enum):
+    """How :func:`split_module` balances the chunks."""
+
+    PARAMS = "params"   # minimise the largest chunk's parameter count
+    LAYERS = "layers"   # equal numbers of modules (the first chunks take one more when uneven)
+
+
+class GPTEmbedding(Module):
+    """The GPT's input end as a pipeline layer: token + position embeddings, then dropout."""
+
+    def __init__(self, wte: Module, wpe: Module, drop: Module):
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, idx):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        xp = get_array_module(self.wte.weight.data)
+        idx = xp.asarray(idx)
+        return self.drop(self.wte(idx) + self.wpe(xp.arange(idx.shape[1])))
+
+
+class GPTHead(Module):
+    """The GPT's output end as a pipeline layer: final LayerNorm, then the vocabulary projection."""
+
+    def __init__(self, ln_f: Module, lm_head: Module):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+def _layers(model: Module) -> List[Module]:
+    """The model as an ordered list of modules, each fed the previous one's output."""
+    from ...models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return [GPTEmbedding(model.wte, model.wpe, model.drop), *model.blocks, GPTHead(model.ln_f, model.lm_head)]
+    if isinstance(model, Sequential):
+        return list(model)
+    raise TypeError(f"split_module cuts an axonmpi.nn.Sequential or an axonmpi.models.GPT, "
+                    f"got {type(model).__name__}")
+
+
+def _param_count(m: Module) -> int:
+    return sum(int(p.data.size) for p in m.parameters())
+
+
+def _balanced(weights: Sequence[int], k: int) -> List[int]:
+    """Start indices of ``k`` contiguous non-empty parts minimising the largest part's weight
+    (ties: the smallest largest module count, then the earliest cuts)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    worst = (float("inf"), float("inf"))
+    # best[j][i]: smallest (max weight, max count) splitting the first i items into j parts
+    best = [[worst] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = (0, 0)
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for h in range(j - 1, i):
+                c = max(best[j - 1][h], (prefix[i] - prefix[h], i - h))
+                if c < best[j][i]:
+                    best[j][i], cut[j][i] = c, h
+    starts, i = [], n
+    for j in range(k, 0, -1):
+        i = cut[j][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def split_points(model: Module, num_stages: int, virtual_stages: int = 1,
+                 by: Union[SplitBy, str] = SplitBy.PARAMS, boundaries: Optional[Sequence[int]] = None) -> List[int]:
+    """Start index (into the model's layer list) of each of the ``num_stages * virtual_stages`` chunks.
+
+    Same arguments as :func:`split_module`; needs no MPI. The layer list of a ``Sequential`` is
+    its children; of a GPT it is ``[embedding, block 0, ..., block n-1, head]``.
+    """
+    layers = _layers(model)
+    for name, v in (("num_stages", num_stages), ("virtual_stages", virtual_stages)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"split_module: {name} must be a positive int, got {v!r}")
+    k, n = num_stages * virtual_stages, len(layers)
+    if n < k:
+        raise ValueError(f"split_module: {n} layers cannot fill {k} chunks (num_stages={num_stages} x "
+                         f"virtual_stages={virtual_stages}); every chunk needs at least one module")
+    if boundaries is not None:
+        b = [int(x) for x in boundaries]
+        if len(b) != k - 1 or any(not 0 < x < n for x in b) or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"split_module: boundaries must be {k - 1} strictly increasing start indices in "
+                             f"(0, {n}) for {k} chunks of {n} layers, got {list(boundaries)}")
+        return [0] + b
+    try:
+        by = SplitBy(by.value if isinstance(by, SplitBy) else by)
+    except ValueError:
+        raise ValueError(f"split_module: by must be 'params' or 'layers', got {by!r}") from None
+    if by is SplitBy.LAYERS:
+        q, extra = divmod(n, k)
+        starts, at = [], 0
+        for c in range(k):
+            starts.append(at)
+            at += q + (1 if c < extra else 0)
+        return starts
+    return _balanced([_param_count(m) for m in layers], k)
+
+
+def _check_untied(chunks: List[Sequential]) -> None:
+    owner = {}
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            first = owner.setdefault(id(p), (c, name))
+            if first[0] != c:
+                raise ValueError(
+                    f"split_module: parameter {first[1]!r} of chunk {first[0]} is also {name!r} of chunk {c}; "
+                    "tied weights across pipeline stages are not supported — untie them (separate parameters) "
+                    "or choose boundaries that keep both uses in one chunk")
+
+
+def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Union[SplitBy, str] = "params",
+                 boundaries: Optional[Sequence[int]] = None, *, group: Optional[ProcessGroup] = None,
+                 rank: Optional[int] = None) -> List[Sequential]:
+    """Cut ``model`` into ``num_stages * virtual_stages`` chunks; return this rank's.
+
+    Chunk ``s`` lives on pipeline rank ``s % num_stages``; the result is
+    ``[chunk r, chunk r + p, ...]`` for pipeline rank ``r``. Every chunk is a ``Sequential`` of at
+    least one of the model's own modules (parameters are shared, never copied, so
+    ``model.state_dict()`` on a rank shows its stages' trained values); chunks without
+    parameters are allowed. A parameter used by two chunks (tied weights) is refused with a
+    ``ValueError``.
+
+    Args:
+        model: an ``axonmpi.nn.Sequential``, or an ``axonmpi.models.GPT`` (cut as
+            ``[embedding, blocks..., head]``; pair it with ``loss_fn=cross_entropy``).
+        num_stages: the number of pipeline ranks ``p``.
+        virtual_stages: chunks per rank ``v`` (for the interleaved schedule).
+        by: ``"params"`` (balance parameter counts) or ``"layers"`` (balance module counts).
+        boundaries: explicit start indices of chunks 1 .. p v - 1 (overrides ``by``).
+        group: the pipeline group whose rank picks the chunks (default: all ranks).
+        rank: pick the chunks of this pipeline rank instead (no MPI needed).
+
+    Returns:
+        This rank's chunks, a list of ``v`` ``Sequential`` modules.
+
+    Example:
+        >>> model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+        >>> [len(c) for c in split_module(model, num_stages=2, rank=0)]
+        [2]
+    """
+    starts = split_points(model, num_stages, virtual_stages, by, boundaries)
+    layers = _layers(model)
+    ends = starts[1:] + [len(layers)]
+    chunks = [Sequential(*layers[a:b]) for a, b in zip(starts, ends)]
+    _check_untied(chunks)
+    if rank is None:
+        g = _default_group(group)
+        if g.size != num_stages:
+            raise ValueError(f"rank {g.rank}: split_module num_stages={num_stages} must equal the pipeline "
+                             f"group's size {g.size}")
+        rank = g.rank
+    if not 0 <= rank < num_stages:
+        raise ValueError(f"split_module: rank {rank} out of range [0, {num_stages})")
+    return chunks[rank::num_stages]
