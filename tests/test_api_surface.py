@@ -192,6 +192,10 @@ EXAMPLES = {
     "axonmpi.nn.IncompatibleKeys": lambda: nn.IncompatibleKeys([], []).missing_keys == [],
     "axonmpi.nn.LayerNorm": lambda: _close(nn.LayerNorm(3, dtype=np.float64)(X).mean(dim=-1), [0, 0]),
     "axonmpi.nn.Linear": lambda: nn.Linear(3, 5)(X.float()).shape == (2, 5),
+    "axonmpi.nn.checkpoint": lambda: _close(nn.checkpoint(lambda t: (t * t).sum(), _x(3)).item(),
+                                            float((_x(3).data ** 2).sum())),
+    "axonmpi.nn.checkpoint_sequential": lambda: _close(
+        nn.checkpoint_sequential([nn.Tanh(), nn.Tanh()], 2, _x(2, 3)).data, np.tanh(np.tanh(_x(2, 3).data))),
     "axonmpi.nn.MLP": lambda: nn.MLP(4, dtype=np.float64)(_x(2, 4)).shape == (2, 4),
     "axonmpi.nn.Module": _module_api,
     "axonmpi.nn.ModuleDict": lambda: list(nn.ModuleDict({"a": nn.ReLU()})) == ["a"],
