@@ -18,6 +18,7 @@ from .distributed import (
     is_main_process, isend, rank, recv, reduce, reduce_scatter, reduce_scatter_mean,
     reduce_scatter_sum, scatter, send, world_size,
 )
+from .distributed import P2POp, batch_isend_irecv
 from . import random
 from .random import manual_seed
 from . import autograd
