@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import backend as _be
 from .backends.base import P2PBuffer
-from .backends.mpi import MPIBackend, cuda_aware_mpi
+from .backends.mpi import CudaAwareMPIBackend, MPIBackend, cuda_aware_mpi
 from .group import ProcessGroup
 from .reduce_op import ReduceOp, mpi_op
 from .work import Work
@@ -87,12 +87,12 @@ def _backend(g: ProcessGroup, arr) -> MPIBackend:
     """The backend serving ``arr`` on group ``g`` (cached per group)."""
     if type(arr) is _ND:
         return g._host or _host_backend(g)
-    if _be.is_cupy_array(arr):
-        b = g._backends.get("device")
+    if _be.is_cupy_array(arr) and cuda_aware_mpi():
+        b = g._backends.get("mpi-cuda")
         if b is None:
-            b = g._backends["device"] = MPIBackend(g, device_buffers=cuda_aware_mpi())
+            b = g._backends["mpi-cuda"] = CudaAwareMPIBackend(g)
         return b
-    return g._host or _host_backend(g)
+    return g._host or _host_backend(g)   # device arrays are staged through the host for it
 
 
 def _as_array(x, name: str = "x"):
@@ -235,7 +235,8 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         >>> s = axonmpi.all_reduce(np.array([world.rank]))        # [0 + 1 + ... + (n-1)]
         >>> axonmpi.all_reduce(grad, op="mean", out=grad)           # in place average
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
     if type(x) is _ND and not async_op and g.size > 1 and not g.world.debug and x.flags.c_contiguous:
@@ -338,7 +339,8 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, *, async_op
         >>> w = np.empty(3) if world.rank else np.arange(3.0)
         >>> axonmpi.broadcast(w, src=0)        # now [0., 1., 2.] everywhere
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     if (type(x) is _ND and type(src) is int and 0 <= src < g.size and not g.world.debug
             and x.flags.c_contiguous and x.flags.writeable and x.dtype.kind in "biufc"):
         if g.size > 1:
@@ -375,7 +377,8 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     Example (3 ranks):
         >>> axonmpi.all_gather(np.full(2, world.rank))     # [0 0 1 1 2 2]
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     p = g.size
     if (type(x) is _ND and axis == 0 and not uneven and not async_op and p > 1 and not g.world.debug
             and x.ndim > 0 and x.flags.c_contiguous and x.dtype.kind in "biufc"):
@@ -464,7 +467,8 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
     Example (2 ranks):
         >>> axonmpi.reduce_scatter(np.arange(4.0))    # rank 0: [0, 2], rank 1: [4, 6]
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
     p = g.size
@@ -474,7 +478,7 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
         if out is None or (type(out) is _ND and out.shape == shape and out.dtype == x.dtype
                            and out.flags.c_contiguous):
             recv = np.empty(shape, x.dtype) if out is None else out
-            (g._host or _host_backend(g)).reduce_scatter(x, recv, [recv.size] * p, op)
+            (g._host or _host_backend(g)).reduce_scatter(x, recv, None, op)
             return recv
     x = _as_array(x)
     if x.ndim == 0:

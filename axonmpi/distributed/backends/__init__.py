@@ -4,6 +4,6 @@ An NCCL backend for CuPy arrays (``nccl.py``, communicators bootstrapped over MP
 until it lands, CuPy arrays go over MPI (directly when it is CUDA-aware, else via the host).
 """
 from .base import Backend, P2PBuffer
-from .mpi import MPIBackend, cuda_aware_mpi, mpi_has_float16
+from .mpi import CudaAwareMPIBackend, MPIBackend, cuda_aware_mpi, mpi_has_float16
 
-__all__ = ["Backend", "P2PBuffer", "MPIBackend", "cuda_aware_mpi", "mpi_has_float16"]
+__all__ = ["Backend", "P2PBuffer", "MPIBackend", "CudaAwareMPIBackend", "cuda_aware_mpi", "mpi_has_float16"]

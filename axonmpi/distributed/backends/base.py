@@ -135,7 +135,8 @@ class Backend(abc.ABC):
         """Reduce ``send`` (``sum(counts)`` elements) and give rank ``i`` the ``i``-th piece.
 
         Piece ``i`` is ``counts[i]`` elements starting at ``sum(counts[:i])``; ``recv`` holds
-        ``counts[rank]`` elements. Uneven ``counts`` are allowed.
+        ``counts[rank]`` elements. Uneven ``counts`` are allowed; ``counts=None`` means equal
+        pieces of ``recv.size`` elements (the common case, and NCCL's native one).
         """
 
     @abc.abstractmethod

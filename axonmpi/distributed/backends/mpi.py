@@ -12,7 +12,7 @@ from ... import backend as _be
 from ..reduce_op import ReduceOp, mpi_op
 from .base import Backend, P2PBuffer
 
-__all__ = ["MPIBackend", "cuda_aware_mpi", "mpi_has_float16"]
+__all__ = ["MPIBackend", "CudaAwareMPIBackend", "cuda_aware_mpi", "mpi_has_float16"]
 
 _IN_PLACE = MPI.IN_PLACE
 _MEAN = ReduceOp.MEAN
@@ -125,10 +125,7 @@ class _Then:
 class MPIBackend(Backend):
     """The Backend contract over ``group.comm`` with mpi4py's buffer (upper-case) methods.
 
-    Args:
-        group: the :class:`ProcessGroup` served.
-        device_buffers: accept CuPy arrays directly (a CUDA-aware MPI); each call then first
-            synchronizes the current CUDA stream so queued kernels have written its buffers.
+    Moves host (NumPy) buffers; :class:`CudaAwareMPIBackend` also takes CuPy arrays.
 
     float16 is handled here, once: where the MPI library has no half type
     (:func:`mpi_has_float16` is False) it is moved as 16-bit words and reduced in float32.
@@ -136,30 +133,24 @@ class MPIBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, group, device_buffers: bool = False) -> None:
+    def __init__(self, group) -> None:
         super().__init__(group)
         self.comm = group.comm
         self.rank = group.rank
         self.size = group.size
-        self.host_only = not device_buffers
-        self._dev = bool(device_buffers)
-        self._ops = {}  # (ReduceOp, dtype.num) -> MPI.Op, for pairs that reduce natively
+        self._ops = {}  # (ReduceOp value, dtype.num) -> MPI.Op, for pairs that reduce natively
 
     # -- helpers -----------------------------------------------------------------------------
     def _mop(self, op, dtype):
         """The MPI.Op for ``op`` on ``dtype``, or None for float16 without an MPI half type."""
-        mop = self._ops.get((op, dtype.num))
+        mop = self._ops.get((op._value_, dtype.num))
         if mop is None:
             mop = mpi_op(op, dtype, self.rank)
             if dtype == _HALF and not mpi_has_float16():
                 return None
             if dtype != _HALF:  # float16 is looked up each time: the fallback switch may change
-                self._ops[(op, dtype.num)] = mop
+                self._ops[(op._value_, dtype.num)] = mop
         return mop
-
-    def _sync(self):
-        """Before MPI touches device memory, finish the kernels queued on the current stream."""
-        _be.get_cupy().cuda.get_current_stream().synchronize()
 
     def _in_float32(self, send, recv, start, op):
         """Reduce float16 in float32 (no MPI half type): ``start(send32, recv32)`` runs the MPI
@@ -182,20 +173,18 @@ class MPIBackend(Backend):
 
     # -- reductions --------------------------------------------------------------------------
     def allreduce(self, send, recv, op):
-        mop = self._ops.get((op, recv.dtype.num)) or self._mop(op, recv.dtype)
+        mop = self._ops.get((op._value_, recv.dtype.num))
+        if mop is None:
+            mop = self._mop(op, recv.dtype)
         if mop is None:  # the nested call on the float32 copies synchronizes
             self._in_float32(send, recv, lambda s, r: self.allreduce(s, r, _inner(op)), op)
             return
-        if self._dev:
-            self._sync()
         self.comm.Allreduce(_IN_PLACE if send is recv else send, recv, mop)
         if op is _MEAN:
             _scale(recv, self.size)
 
     def iallreduce(self, send, recv, op):
         mop = self._mop(op, recv.dtype)
-        if self._dev:
-            self._sync()
         if mop is None:
             return self._in_float32(send, recv, lambda s, r: self.iallreduce(s, r, _inner(op)), op)
         req = self.comm.Iallreduce(_IN_PLACE if send is recv else send, recv, mop)
@@ -205,8 +194,6 @@ class MPIBackend(Backend):
 
     def reduce(self, send, recv, op, root):
         mop = self._mop(op, send.dtype)
-        if self._dev:
-            self._sync()
         mine = self.rank == root
         if mop is None:
             self._in_float32(send, recv if mine else None,
@@ -219,113 +206,91 @@ class MPIBackend(Backend):
         if mine and op is _MEAN:
             _scale(recv, self.size)
 
-    def _reduce_scatter(self, send, recv, counts, op, blocking):
-        mop = self._mop(op, send.dtype)
-        if self._dev:
-            self._sync()
+    def reduce_scatter(self, send, recv, counts, op):
+        mop = self._ops.get((op._value_, send.dtype.num))
         if mop is None:
-            return self._rs_float32(send, recv, counts, op, blocking)
-        counts = list(counts)
-        even = all(c == counts[0] for c in counts)
-        if blocking:
-            if even:
-                self.comm.Reduce_scatter_block(send, recv, mop)
-            else:
-                self.comm.Reduce_scatter(send, recv, counts, mop)
-            if op is _MEAN:
-                _scale(recv, self.size)
-            return None
-        if even:
+            mop = self._mop(op, send.dtype)
+        if mop is None:
+            self._rs_float32(send, recv, counts, op, self.reduce_scatter)
+            return
+        if counts is None or counts.count(counts[0]) == len(counts):
+            self.comm.Reduce_scatter_block(send, recv, mop)
+        else:
+            self.comm.Reduce_scatter(send, recv, list(counts), mop)
+        if op is _MEAN:
+            _scale(recv, self.size)
+
+    def ireduce_scatter(self, send, recv, counts, op):
+        mop = self._mop(op, send.dtype)
+        if mop is None:
+            return self._rs_float32(send, recv, counts, op, self.ireduce_scatter)
+        if counts is None or counts.count(counts[0]) == len(counts):
             req = self.comm.Ireduce_scatter_block(send, recv, mop)
         else:
-            req = self.comm.Ireduce_scatter(send, recv, counts, mop)
+            req = self.comm.Ireduce_scatter(send, recv, list(counts), mop)
         return _Then(req, lambda: _scale(recv, self.size)) if op is _MEAN else req
 
-    def _rs_float32(self, send, recv, counts, op, blocking):
+    def _rs_float32(self, send, recv, counts, op, run):
+        """float16 reduce-scatter in float32 (no MPI half type); ``run`` is the (i)reduce_scatter."""
         send32 = send.astype(np.float32)
-        recv32 = _be.get_array_module(send32).empty(counts[self.rank], np.float32)
+        n = send.size // self.size if counts is None else counts[self.rank]
+        recv32 = _be.get_array_module(send32).empty(n, np.float32)
 
         def back():
             if op is _MEAN:
                 _scale(recv32, self.size)
             recv[...] = recv32
 
-        req = self._reduce_scatter(send32, recv32, counts, _inner(op), blocking)
+        req = run(send32, recv32, counts, _inner(op))
         if req is None:
             back()
             return None
         return _Then(req, back, keep=(send32, recv32))
 
-    def reduce_scatter(self, send, recv, counts, op):
-        self._reduce_scatter(send, recv, counts, op, True)
-
-    def ireduce_scatter(self, send, recv, counts, op):
-        return self._reduce_scatter(send, recv, counts, op, False)
-
     # -- data movement ----------------------------------------------------------------------------
     def broadcast(self, buf, root):
-        if self._dev:
-            self._sync()
-        self.comm.Bcast(_wire(buf), root=root)
+        if buf.dtype.char not in _NATIVE:
+            buf = _wire(buf)
+        self.comm.Bcast(buf, root=root)
 
     def allgather(self, send, recv):
-        if self._dev:
-            self._sync()
-        self.comm.Allgather(_wire(send), _wire(recv))
+        if send.dtype.char not in _NATIVE:
+            send, recv = _wire(send), _wire(recv)
+        self.comm.Allgather(send, recv)
 
     def iallgather(self, send, recv):
-        if self._dev:
-            self._sync()
         return self.comm.Iallgather(_wire(send), _wire(recv))
 
     def allgatherv(self, send, recv, counts):
-        if self._dev:
-            self._sync()
         self.comm.Allgatherv(_wire(send), [_wire(recv), (list(counts), _displs(counts))])
 
     def gatherv(self, send, recv, counts, root):
-        if self._dev:
-            self._sync()
         rbuf = [_wire(recv), (list(counts), _displs(counts))] if self.rank == root else None
         self.comm.Gatherv(_wire(send), rbuf, root=root)
 
     def scatterv(self, send, counts, recv, root):
-        if self._dev:
-            self._sync()
         sbuf = [_wire(send), (list(counts), _displs(counts))] if self.rank == root else None
         self.comm.Scatterv(sbuf, _wire(recv), root=root)
 
     def alltoallv(self, send, scounts, recv, rcounts):
-        if self._dev:
-            self._sync()
         self.comm.Alltoallv([_wire(send), (list(scounts), _displs(scounts))],
                             [_wire(recv), (list(rcounts), _displs(rcounts))])
 
     # -- point-to-point ---------------------------------------------------------------------------
     def send(self, buf, dst, tag):
-        if self._dev:
-            self._sync()
         self.comm.Send(_wire(buf), dest=dst, tag=tag)
 
     def recv(self, buf, src, tag):
-        if self._dev:
-            self._sync()
         self.comm.Recv(_wire(buf), source=src, tag=tag)
 
     def isend(self, buf, dst, tag):
-        if self._dev:
-            self._sync()
         return self.comm.Isend(_wire(buf), dest=dst, tag=tag)
 
     def irecv(self, buf, src, tag):
-        if self._dev:
-            self._sync()
         return self.comm.Irecv(_wire(buf), source=src, tag=tag)
 
     def batch_isend_irecv(self, ops: Sequence[P2PBuffer]) -> List[Any]:
         """Post every receive, then every send, all non-blocking; one request per op, in order."""
-        if self._dev:
-            self._sync()
         reqs: List[Any] = [None] * len(ops)
         for i, o in enumerate(ops):
             if not o.is_send:
@@ -351,3 +316,30 @@ class MPIBackend(Backend):
     def alltoall_object(self, objs):
         return self.comm.alltoall(list(objs))
 
+
+def _stream_synced(method):
+    """``method`` preceded by a sync of the current CUDA stream (kernels queued on it may still
+    be writing the send buffer or reading the receive buffer)."""
+    @functools.wraps(method)
+    def run(self, *args):
+        _be.get_cupy().cuda.get_current_stream().synchronize()
+        return method(self, *args)
+    return run
+
+
+class CudaAwareMPIBackend(MPIBackend):
+    """:class:`MPIBackend` handing CuPy arrays to a CUDA-aware MPI (``AXONMPI_CUDA_AWARE_MPI=1``).
+
+    Every call first synchronizes the caller's current CUDA stream, so MPI reads device memory
+    after the kernels that wrote it and writes it after the kernels that still read it; when
+    a call (or its request) completes, later work on any stream sees the data.
+    """
+
+    host_only = False
+
+
+for _name in ("allreduce", "iallreduce", "reduce", "reduce_scatter", "ireduce_scatter", "broadcast",
+              "allgather", "iallgather", "allgatherv", "gatherv", "scatterv", "alltoallv", "send",
+              "recv", "isend", "irecv", "batch_isend_irecv"):
+    setattr(CudaAwareMPIBackend, _name, _stream_synced(getattr(MPIBackend, _name)))
+del _name
