@@ -108,9 +108,11 @@ class ProcessGroup:
 
     # -- lifecycle --------------------------------------------------------------------------
     def barrier(self) -> None:
-        """Block until every member has reached this call."""
+        """Block until every member has reached this call (:func:`axonmpi.barrier` on this group)."""
         self.check_member()
-        self.comm.Barrier()
+        from .collectives import barrier  # collectives import this module
+
+        barrier(self)
 
     def free(self) -> None:
         """Release the communicator (the World's default group is freed by ``World.destroy``)."""
