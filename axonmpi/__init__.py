@@ -19,6 +19,7 @@ from .distributed import (
     reduce_scatter_sum, scatter, send, world_size,
 )
 from .distributed import GridCoords, ProcessGrid, get_grid
+from .distributed import P2POp, batch_isend_irecv
 from . import random
 from .random import manual_seed
 from . import autograd

@@ -33,6 +33,8 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("AXONMPI_LOG_LEVEL", "level", "INFO", "level of axonmpi loggers: " + ", ".join(_LOG_LEVELS)),
     EnvVar("AXONMPI_DISABLE_CUPY", "bool", "0", "use NumPy even where CuPy and a GPU are present"),
     EnvVar("AXONMPI_CUDA_AWARE_MPI", "bool", "0", "hand CuPy buffers to MPI directly (no host staging)"),
+    EnvVar("AXONMPI_MPI_FLOAT16", "bool", "1",
+           "0 forces the float16 path for MPI libraries without a half type (moved as 16-bit words, reduced in float32)"),
     EnvVar("AXONMPI_NO_THREAD_LIMIT", "bool", "0",
            "keep the BLAS/OpenMP thread pools as they are when several ranks share a node"),
 )}

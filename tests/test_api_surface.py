@@ -151,6 +151,10 @@ EXAMPLES = {
     "axonmpi.get_logger": lambda: axonmpi.get_logger("axonmpi.api_surface").name == "axonmpi.api_surface",
     "axonmpi.get_world": lambda: axonmpi.get_world().world_size == axonmpi.world_size(),
     "axonmpi.get_grid": lambda: axonmpi.get_grid().G_data == axonmpi.world_size(),
+    "axonmpi.P2POp": lambda: axonmpi.P2POp(axonmpi.isend, np.zeros(2), 0).peer == 0,
+    "axonmpi.batch_isend_irecv": lambda: [w.wait() for w in axonmpi.batch_isend_irecv([
+        axonmpi.P2POp(axonmpi.isend, np.arange(2.0), axonmpi.rank()),
+        axonmpi.P2POp(axonmpi.irecv, np.zeros(2), axonmpi.rank())])][1].tolist() == [0.0, 1.0],
     "axonmpi.GridCoords": lambda: axonmpi.GridCoords(0, 0, 0, 0, 1).col == 1,
     "axonmpi.ProcessGrid": lambda: isinstance(axonmpi.get_grid(), axonmpi.ProcessGrid)
     and axonmpi.get_grid().rank_of(axonmpi.get_grid().coords) == axonmpi.rank(),

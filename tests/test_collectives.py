@@ -10,6 +10,17 @@ DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.c
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 4)]
 
 
+@pytest.fixture(autouse=True, params=["native-half", "no-half"])
+def half_mode(request, monkeypatch):
+    """Run the whole suite twice: with the MPI library's float16 type, and with the fallback
+    for libraries that have none forced (float16 moved as 16-bit words, reduced in float32)."""
+    if request.param == "no-half":
+        monkeypatch.setenv("AXONMPI_MPI_FLOAT16", "0")
+    else:
+        monkeypatch.delenv("AXONMPI_MPI_FLOAT16", raising=False)
+    return request.param
+
+
 def _groups(world):
     """The World's default group, an even/odd split and a reversed new_group of all ranks."""
     n = world.world_size
@@ -257,21 +268,61 @@ def test_chunk_rule():
 
 
 @pytest.mark.mpi(min_size=1)
-def test_float16_reductions_without_an_mpi_half_type(world, monkeypatch):
-    """Where MPI lacks float16, reductions run in float32 and are cast back (into out= too)."""
-    from axonmpi.distributed import collectives
+def test_half_mode_switch_takes_the_fallback(half_mode):
+    from axonmpi.distributed.backends.mpi import _wire, mpi_has_float16
 
-    monkeypatch.setattr(collectives, "_mpi_has_float16", lambda: False)
-    monkeypatch.setattr(collectives, "_FAST_OPS", {})
+    x = np.ones(3, np.float16)
+    if half_mode == "no-half":
+        assert not mpi_has_float16() and _wire(x).dtype == np.uint16
+    elif mpi_has_float16():
+        assert _wire(x) is x
+
+
+@pytest.mark.mpi(min_size=1)
+def test_float16_moves_whole_elements(world):
+    """Issue 16: without a half type, counts were elements but buffers bytes ([1,2,96,0,0])."""
+    n, r = world.world_size, world.rank
+    x = np.full(r + 2, r + 1, np.float16)                     # rank 0 [1,1], rank 1 [2,2,2], ...
+    want = np.concatenate([np.full(k + 2, k + 1, np.float16) for k in range(n)])
+    got = axonmpi.all_gather(x, uneven=True)
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, want)
+    for dst in range(n):
+        got = axonmpi.gather(x, dst=dst)
+        if r == dst:
+            assert [a.tolist() for a in got] == [[k + 1.0] * (k + 2) for k in range(n)]
+    chunks = [np.full(k + 1, 0.5 * k, np.float16) for k in range(n)] if r == 0 else None
+    np.testing.assert_array_equal(axonmpi.scatter(chunks, src=0), np.full(r + 1, 0.5 * r, np.float16))
+    data = np.arange(7 * 2, dtype=np.float16).reshape(7, 2) if r == n - 1 else None
+    lo, hi = chunk_bounds(7, n, r)
+    np.testing.assert_array_equal(axonmpi.scatter(data, src=n - 1), np.arange(14, dtype=np.float16).reshape(7, 2)[lo:hi])
+    pieces = [np.full(j + r + 1, 10 * r + j, np.float16) for j in range(n)]
+    assert [p.tolist() for p in axonmpi.all_to_all(pieces)] == [[10.0 * j + r] * (r + j + 1) for j in range(n)]
+    blocks = np.array([[r * 10 + j] * 3 for j in range(n)], np.float16)
+    np.testing.assert_array_equal(axonmpi.all_to_all(blocks), np.array([[j * 10 + r] * 3 for j in range(n)], np.float16))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_float16_reductions(world):
+    """float16 reductions are exact on small integers, natively or in float32 and cast back."""
     n = world.world_size
     x = np.full(6, world.rank + 1, np.float16)
     got = axonmpi.all_reduce(x)
     assert got.dtype == np.float16 and np.all(got == n * (n + 1) / 2)
     axonmpi.all_reduce(x, "max", out=x)
     assert x.dtype == np.float16 and np.all(x == n)
-    out = np.empty(chunk_sizes(6, n)[world.rank], np.float16)
-    work = axonmpi.reduce_scatter(np.ones(6, np.float16), out=out, async_op=True)
+    y = np.full(5, world.rank + 1, np.float16)
+    assert axonmpi.all_reduce(y, "mean", async_op=True, out=y).wait() is y and np.all(y == (n + 1) / 2)
+    out = np.empty(chunk_sizes(7, n)[world.rank], np.float16)
+    work = axonmpi.reduce_scatter(np.ones(7, np.float16), out=out, async_op=True)
     assert work.wait() is out and np.all(out == n)
+    got = axonmpi.reduce_scatter_mean(np.full(7, world.rank + 1, np.float16))
+    assert got.shape == out.shape and np.all(got == (n + 1) / 2)
+    for dst in range(n):
+        got = axonmpi.reduce(np.full(3, 2.0, np.float16), dst=dst)
+        assert (got is None) == (world.rank != dst)
+        if got is not None:
+            assert got.dtype == np.float16 and np.all(got == 2 * n)
     b = np.full(3, world.rank, np.float16)
-    axonmpi.broadcast(b, src=0)                      # moved as raw bytes
-    assert np.all(b == 0)
+    axonmpi.broadcast(b, src=n - 1)
+    assert np.all(b == n - 1)

@@ -5,6 +5,7 @@ from .collectives import (
     broadcast_object, chunk_bounds, chunk_sizes, gather, gather_object, irecv, isend, recv, reduce,
     reduce_scatter, reduce_scatter_mean, reduce_scatter_sum, scatter, send,
 )
+from .collectives import P2POp, batch_isend_irecv
 from .debug import CollectiveMismatchError, CollectiveTimeoutError
 from .grid import GridCoords, ProcessGrid
 from .group import GroupMembershipError, ProcessGroup
@@ -20,6 +21,7 @@ __all__ = [
     "all_reduce_product", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_sum", "reduce_scatter_mean", "all_to_all", "barrier", "send", "recv", "isend",
     "irecv", "broadcast_object", "all_gather_object", "gather_object",
+    "P2POp", "batch_isend_irecv",
 ]
 
 

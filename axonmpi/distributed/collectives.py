@@ -9,9 +9,10 @@ Conventions (shared by every function here):
 * Uneven sizes follow one rule, the :func:`chunk_sizes` rule (``numpy.array_split``'s):
   ``n`` rows over ``p`` ranks gives the first ``n % p`` ranks one extra row. No padding.
 * ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns the result.
-* CuPy arrays go to the backend directly when it can take device memory (NCCL, or MPI
-  declared CUDA-aware with ``AXONMPI_CUDA_AWARE_MPI=1``); otherwise they are staged
-  through host memory. The CPU path never imports CuPy.
+* Every call goes through the group's :class:`~axonmpi.distributed.backends.Backend` (the
+  MPI backend today; an NCCL backend is planned). CuPy arrays go to it directly when MPI is
+  declared CUDA-aware (``AXONMPI_CUDA_AWARE_MPI=1``); otherwise they are staged through host
+  memory, and ``async_op=True`` then completes before returning. The CPU path never imports CuPy.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import functools
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import backend as _be
-from .backends.mpi import MPIBackend, cuda_aware_mpi
+from .backends.base import P2PBuffer
+from .backends.mpi import CudaAwareMPIBackend, MPIBackend, cuda_aware_mpi
 from .group import ProcessGroup
 from .reduce_op import ReduceOp, mpi_op
 from .work import Work
@@ -34,15 +35,13 @@ __all__ = [
     "all_reduce", "all_reduce_sum", "all_reduce_mean", "all_reduce_min", "all_reduce_max",
     "all_reduce_product", "reduce", "broadcast", "all_gather", "gather", "scatter",
     "reduce_scatter", "reduce_scatter_sum", "reduce_scatter_mean", "all_to_all", "barrier",
-    "send", "recv", "isend", "irecv",
+    "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv",
     "broadcast_object", "all_gather_object", "gather_object",
 ]
 
 _SUM = ReduceOp.SUM
 _MEAN = ReduceOp.MEAN
 _ND = np.ndarray
-_IN_PLACE = MPI.IN_PLACE
-_FAST_OPS = {}  # (op name, dtype.num) -> MPI.Op, filled once a pair has passed the checks
 
 
 # -- the one split rule (defined in sharding.py) ------------------------------------------
@@ -59,23 +58,24 @@ def _group(group):
     return resolve_group(group)
 
 
+def _host_backend(g: ProcessGroup) -> MPIBackend:
+    """The group's backend for host arrays and picklable objects (created once per group)."""
+    be = g._host
+    if be is None:
+        be = g._host = g._backends["mpi"] = MPIBackend(g)
+    return be
+
+
 def _backend(g: ProcessGroup, arr) -> MPIBackend:
     """The backend serving ``arr`` on group ``g`` (cached per group)."""
     if type(arr) is _ND:
-        b = g._backends.get("mpi")
+        return g._host or _host_backend(g)
+    if _be.is_cupy_array(arr) and cuda_aware_mpi():
+        b = g._backends.get("mpi-cuda")
         if b is None:
-            b = g._backends["mpi"] = MPIBackend(g)
+            b = g._backends["mpi-cuda"] = CudaAwareMPIBackend(g)
         return b
-    if _be.is_cupy_array(arr):
-        b = g._backends.get("device")
-        if b is None:
-            b = g._backends["device"] = _device_backend(g)
-        return b
-    return _backend(g, np.asarray(arr))
-
-
-def _device_backend(g: ProcessGroup):
-    return MPIBackend(g, device_buffers=cuda_aware_mpi())
+    return g._host or _host_backend(g)   # device arrays are staged through the host for it
 
 
 def _as_array(x, name: str = "x"):
@@ -84,7 +84,7 @@ def _as_array(x, name: str = "x"):
     if hasattr(x, "data") and (type(x.data) is _ND or _be.is_cupy_array(x.data)):
         raise TypeError(
             f"{name} is a {type(x).__name__}; collectives move arrays — pass {name}.data "
-            "(differentiable collectives live in axonmpi.parallel.tensor)"
+            "(differentiable collectives are planned in axonmpi.parallel.tensor)"
         )
     try:
         return np.asarray(x)
@@ -101,41 +101,61 @@ def _flat(a):
     return _contig(a).reshape(-1)
 
 
+def _check_dtype(g, dtype, what):
+    """Arrays of Python objects cannot be moved as buffers; everything else can."""
+    if dtype.hasobject:
+        raise TypeError(
+            f"rank {g.world.rank}: {what} moves numeric arrays, got dtype {dtype}; "
+            "use the *_object collectives for Python objects"
+        )
+
+
 @functools.lru_cache(maxsize=None)
-def _mpi_has_float16() -> bool:
-    try:
-        a = np.ones(1, np.float16)
-        b = np.zeros(1, np.float16)
-        MPI.COMM_SELF.Allreduce(a, b, MPI.SUM)
-        return bool(b[0] == 1)
-    except Exception:
-        return False
-
-
-def _movable(a):
-    """A view MPI can move: float16 as raw bytes where the MPI lacks a half type."""
-    if a.dtype.kind == "V" or (a.dtype == np.float16 and not _mpi_has_float16()):
-        return a.view(np.uint8)
-    return a
+def _note_blocking_async() -> None:
+    """Say once (rank 0, info) that async_op on CuPy arrays blocks without a CUDA-aware MPI."""
+    w = _world_mod._WORLD
+    if w is not None and w.rank == 0:
+        from ..log import get_logger
+        get_logger("axonmpi.distributed").info(
+            "async_op=True on CuPy arrays completes before returning: without a CUDA-aware MPI "
+            "(AXONMPI_CUDA_AWARE_MPI=1) device arrays are staged through host memory, so "
+            "communication does not overlap computation (DDP overlap included)"
+        )
 
 
 class _Staged:
-    """Stage device arrays through the host for a backend that only moves host memory."""
+    """Stage device arrays through the host for a backend that only moves host memory.
+
+    ``dev``: staged through host copies; ``direct``: device arrays handed to the backend
+    (which orders itself after the current stream, see the Backend contract).
+    """
 
     __slots__ = ("dev", "direct")
 
     def __init__(self, be, arr):
         on_gpu = type(arr) is not _ND and _be.is_cupy_array(arr)
-        self.dev = on_gpu and be.host_only          # staged through host copies
-        self.direct = on_gpu and not be.host_only   # device pointers handed to the backend
+        self.dev = on_gpu and be.host_only
+        self.direct = on_gpu and not be.host_only
 
     def host(self, a):
+        """``a`` as the backend takes it (a host copy when staged)."""
         return a.get() if (self.dev and a is not None) else a
 
-    def sync(self):
-        """Before a backend reads device memory directly, finish the kernels that wrote it."""
-        if self.direct:
-            _be.get_cupy().cuda.get_current_stream().synchronize()
+    def empty(self, like, n, dtype=None):
+        """A new 1-D buffer of ``n`` elements the backend can write (host when staged)."""
+        xp = np if self.dev else _be.get_array_module(like)
+        return xp.empty(n, like.dtype if dtype is None else dtype)
+
+    def back(self, res, like):
+        """``res`` on the device of ``like`` (the caller's array) when staged."""
+        return _be.to_device(res, _be.device_of(like)) if self.dev else res
+
+    def fill(self, x, buf):
+        """Copy the received flat ``buf`` into the caller's array ``x`` (any layout, any device)."""
+        if self.dev:
+            x[...] = _be.get_cupy().asarray(buf.reshape(x.shape))
+        else:
+            x[...] = buf.reshape(x.shape)
 
 
 def _check_root(g: ProcessGroup, root: int, what: str) -> int:
@@ -164,33 +184,19 @@ def _debug(g, name, **fields):
 
 
 def _complete(g, async_op, stage, send, recv, start, run, finish):
-    """Run a prepared collective: a copy at size 1, a non-blocking :class:`Work` when asked (host
-    buffers), else blocking; ``finish`` turns ``recv`` into the caller's result."""
+    """Run a prepared collective: a copy at size 1, a non-blocking :class:`Work` when asked (and
+    the backend moves the caller's memory), else blocking; ``finish`` makes the result."""
     if g.size == 1:
         if send is not recv:
             recv[...] = send
     elif async_op and not stage.dev:
         return Work(start(), finish=finish, keep=(send, recv))
     else:
+        if async_op:
+            _note_blocking_async()
         run()
     res = finish()
     return Work(result=res) if async_op else res
-
-
-def _via_float32(fn, x, out, async_op):
-    """Reduce float16 in float32 where the MPI has no half type; cast back into ``out`` if given."""
-    res = fn(x.astype(np.float32)).astype(np.float16)
-    if out is not None:
-        out[...] = res
-        res = out
-    return Work(result=res) if async_op else res
-
-
-def _scale_mean(arr, size):
-    if size != 1:
-        xp = _be.get_array_module(arr)
-        xp.true_divide(arr, size, out=arr)
-    return arr
 
 
 # -- all_reduce ------------------------------------------------------------------------------
@@ -212,38 +218,30 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         >>> s = axonmpi.all_reduce(np.array([world.rank]))        # [0 + 1 + ... + (n-1)]
         >>> axonmpi.all_reduce(grad, op="mean", out=grad)           # in place average
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
     if type(x) is _ND and not async_op and g.size > 1 and not g.world.debug and x.flags.c_contiguous:
-        mop = _FAST_OPS.get((op._value_, x.dtype.num))          # hot path: one MPI call, no staging
-        if mop is not None:
-            if out is x:
-                g.comm.Allreduce(_IN_PLACE, x, mop)
-                recv = x
-            elif out is None:
-                recv = np.empty_like(x)
-                g.comm.Allreduce(x, recv, mop)
-            else:
-                recv = None
-            if recv is not None:
-                if op is _MEAN:
-                    np.true_divide(recv, g.size, out=recv)
-                return recv
+        if out is x:                                         # hot path: one backend call, no staging
+            recv = x
+        elif out is None:
+            recv = np.empty_like(x)
+        else:
+            recv = None
+        if recv is not None:
+            (g._host or _host_backend(g)).allreduce(x, recv, op)
+            return recv
     x = _as_array(x)
     if g.world.debug:
         _debug(g, "all_reduce", shape=x.shape, dtype=x.dtype, op=op)
     be = _backend(g, x)
-    mop = mpi_op(op, x.dtype, g.world.rank)  # dtype/op check on every rank, even at size 1
-    if x.dtype != np.float16 or _mpi_has_float16():
-        _FAST_OPS[(op._value_, x.dtype.num)] = mop
+    mpi_op(op, x.dtype, g.world.rank)  # dtype/op check on every rank, even at size 1
     if out is not None and out is not x:
         _check_out(g, out, x.shape, x.dtype, "all_reduce")
     target = out
-    if x.dtype == np.float16 and not _mpi_has_float16():
-        return _via_float32(lambda y: all_reduce(y, op, g), x, target, async_op)
     stage = _Staged(be, x)
-    direct = False  # True when MPI writes straight into the caller's array
+    direct = False  # True when the backend writes straight into the caller's array
     if target is x and x.flags.c_contiguous and not stage.dev:
         send = recv = x.reshape(-1)
         direct = True
@@ -252,17 +250,12 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         if target is not None and target.flags.c_contiguous and not stage.dev:
             recv, direct = target.reshape(-1), True
         else:
-            recv = (np if stage.dev else _be.get_array_module(send)).empty(send.shape, send.dtype)
-    stage.sync()
+            recv = stage.empty(send, send.size)
 
     def finish():
-        if op is _MEAN:
-            _scale_mean(recv, g.size)
         if direct:
             return target
-        res = recv.reshape(x.shape)
-        if stage.dev:
-            res = _be.to_device(res, _be.device_of(x))
+        res = stage.back(recv.reshape(x.shape), x)
         if target is None:
             return res
         target[...] = res
@@ -308,21 +301,14 @@ def reduce(x, dst: int = 0, op: ReduceOp = _SUM, group: Optional[ProcessGroup] =
     mpi_op(op, x.dtype, g.world.rank)
     stage = _Staged(be, x)
     send = stage.host(_flat(x))
-    stage.sync()
-    if x.dtype == np.float16 and not _mpi_has_float16():
-        r = reduce(x.astype(np.float32), dst, op, g)
-        return None if r is None else r.astype(np.float16)
-    recv = np.empty_like(send) if stage.dev else _be.get_array_module(send).empty_like(send)
+    recv = stage.empty(send, send.size) if g.rank == dst else None
     if g.size == 1:
         recv[...] = send
     else:
         be.reduce(send, recv, op, dst)
     if g.rank != dst:
         return None
-    if op is _MEAN:
-        _scale_mean(recv, g.size)
-    res = recv.reshape(x.shape)
-    return _be.to_device(res, _be.device_of(x)) if stage.dev else res
+    return stage.back(recv.reshape(x.shape), x)
 
 
 # -- broadcast ---------------------------------------------------------------------------------
@@ -336,28 +322,26 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, *, async_op
         >>> w = np.empty(3) if world.rank else np.arange(3.0)
         >>> axonmpi.broadcast(w, src=0)        # now [0., 1., 2.] everywhere
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     if (type(x) is _ND and type(src) is int and 0 <= src < g.size and not g.world.debug
-            and x.flags.c_contiguous and x.flags.writeable and x.dtype.kind in "biufc"
-            and x.dtype.char != "e"):
+            and x.flags.c_contiguous and x.flags.writeable and x.dtype.kind in "biufc"):
         if g.size > 1:
-            g.comm.Bcast(x, root=src)
+            (g._host or _host_backend(g)).broadcast(x, src)
         return Work(result=x) if async_op else x
     x = _as_array(x)
     if type(x) is _ND and not x.flags.writeable:
         raise ValueError(f"rank {g.world.rank}: broadcast writes into x in place; x is read-only")
     src = _check_root(g, src, "src")
+    _check_dtype(g, x.dtype, "broadcast")
     _debug(g, "broadcast", shape=x.shape, dtype=x.dtype, src=src)
     if g.size > 1:
         be = _backend(g, x)
         stage = _Staged(be, x)
         buf = stage.host(_flat(x))
-        stage.sync()
-        be.broadcast(_movable(buf), src)
-        if stage.dev:
-            x[...] = _be.get_cupy().asarray(buf.reshape(x.shape))
-        elif not np.shares_memory(buf, x):
-            x[...] = buf.reshape(x.shape)
+        be.broadcast(buf, src)
+        if stage.dev or not np.shares_memory(buf, x):
+            stage.fill(x, buf)
     return Work(result=x) if async_op else x
 
 
@@ -376,17 +360,18 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     Example (3 ranks):
         >>> axonmpi.all_gather(np.full(2, world.rank))     # [0 0 1 1 2 2]
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     p = g.size
     if (type(x) is _ND and axis == 0 and not uneven and not async_op and p > 1 and not g.world.debug
-            and x.ndim > 0 and x.flags.c_contiguous and x.dtype.kind in "biufc" and x.dtype.char != "e"):
+            and x.ndim > 0 and x.flags.c_contiguous and x.dtype.kind in "biufc"):
         shape = (p * x.shape[0],) + x.shape[1:]
         if out is None:
             out = np.empty(shape, x.dtype)
         elif not (type(out) is _ND and out.shape == shape and out.dtype == x.dtype and out.flags.c_contiguous):
             shape = None
         if shape is not None:
-            g.comm.Allgather(x, out)
+            (g._host or _host_backend(g)).allgather(x, out)
             return out
     x = _as_array(x)
     if x.ndim == 0:
@@ -394,6 +379,7 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"rank {g.world.rank}: axis {axis} out of range for a {x.ndim}-d array")
     axis %= x.ndim
+    _check_dtype(g, x.dtype, "all_gather")
     if g.world.debug:
         shape = list(x.shape)
         if uneven:
@@ -403,17 +389,19 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     stage = _Staged(be, x)
     xm = np.moveaxis(x, axis, 0) if axis else x
     send = stage.host(_flat(xm))
-    stage.sync()
     xp = np if stage.dev else _be.get_array_module(send)
     rest = xm.shape[1:]
     if uneven:
         rows = np.empty(p, np.int64)
-        g.comm.Allgather(np.array([xm.shape[0]], np.int64), rows) if p > 1 else rows.fill(xm.shape[0])
+        if p > 1:
+            _host_backend(g).allgather(np.array([xm.shape[0]], np.int64), rows)
+        else:
+            rows.fill(xm.shape[0])
         rowsize = int(np.prod(rest, dtype=np.int64))
         counts = [int(r) * rowsize for r in rows]
-        recv = xp.empty(sum(counts), send.dtype)
+        recv = stage.empty(send, sum(counts))
         if p > 1:
-            be.allgatherv(_movable(send), _movable(recv), counts)
+            be.allgatherv(send, recv, counts)
         else:
             recv[...] = send
         total = (int(rows.sum()),) + rest
@@ -428,7 +416,7 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     direct = (recv is None and out is not None and not axis and not stage.dev
               and type(out) is type(send) and out.flags.c_contiguous)
     if recv is None:
-        recv = out.reshape(-1) if direct else xp.empty(p * send.size, send.dtype)
+        recv = out.reshape(-1) if direct else stage.empty(send, p * send.size)
 
     def finish():
         if direct:
@@ -437,8 +425,7 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
         if axis:
             res = np.moveaxis(res, 0, axis)
             res = xp.ascontiguousarray(res)
-        if stage.dev:
-            res = _be.to_device(res, _be.device_of(x))
+        res = stage.back(res, x)
         if out is not None:
             out[...] = res
             return out
@@ -447,9 +434,8 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     if uneven:  # already exchanged above
         res = finish()
         return Work(result=res) if async_op else res
-    ms, mr = _movable(send), _movable(recv)
-    return _complete(g, async_op, stage, send, recv, lambda: be.iallgather(ms, mr),
-                     lambda: be.allgather(ms, mr), finish)
+    return _complete(g, async_op, stage, send, recv, lambda: be.iallgather(send, recv),
+                     lambda: be.allgather(send, recv), finish)
 
 
 # -- reduce_scatter --------------------------------------------------------------------------
@@ -464,30 +450,24 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
     Example (2 ranks):
         >>> axonmpi.reduce_scatter(np.arange(4.0))    # rank 0: [0, 2], rank 1: [4, 6]
     """
-    g = _group(group)
+    w = _world_mod._WORLD                                        # inline _group(None): hot path
+    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
     p = g.size
     if (type(x) is _ND and not async_op and p > 1 and not g.world.debug and x.ndim > 0
             and x.shape[0] % p == 0 and x.flags.c_contiguous):
-        mop = _FAST_OPS.get((op._value_, x.dtype.num))
         shape = (x.shape[0] // p,) + x.shape[1:]
-        if mop is not None and (out is None or (type(out) is _ND and out.shape == shape
-                                                and out.dtype == x.dtype and out.flags.c_contiguous)):
+        if out is None or (type(out) is _ND and out.shape == shape and out.dtype == x.dtype
+                           and out.flags.c_contiguous):
             recv = np.empty(shape, x.dtype) if out is None else out
-            g.comm.Reduce_scatter_block(x, recv, mop)
-            if op is _MEAN:
-                np.true_divide(recv, p, out=recv)
+            (g._host or _host_backend(g)).reduce_scatter(x, recv, None, op)
             return recv
     x = _as_array(x)
     if x.ndim == 0:
         raise ValueError(f"rank {g.world.rank}: reduce_scatter needs at least 1-d input, got a 0-d array")
     _debug(g, "reduce_scatter", shape=x.shape, dtype=x.dtype, op=op)
-    mop = mpi_op(op, x.dtype, g.world.rank)
-    if x.dtype != np.float16 or _mpi_has_float16():
-        _FAST_OPS[(op._value_, x.dtype.num)] = mop
-    if x.dtype == np.float16 and not _mpi_has_float16():
-        return _via_float32(lambda y: reduce_scatter(y, op, g), x, out, async_op)
+    mpi_op(op, x.dtype, g.world.rank)
     rows = chunk_sizes(x.shape[0], p)
     rowsize = int(np.prod(x.shape[1:], dtype=np.int64))
     counts = [r * rowsize for r in rows]
@@ -497,25 +477,21 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
     be = _backend(g, x)
     stage = _Staged(be, x)
     send = stage.host(_flat(x))
-    stage.sync()
-    xp = np if stage.dev else _be.get_array_module(send)
     if out is not None and out.flags.c_contiguous and not stage.dev:
         recv = out.reshape(-1)
     else:
-        recv = xp.empty(counts[g.rank], send.dtype)
+        recv = stage.empty(send, counts[g.rank])
 
     def finish():
-        if op is _MEAN:
-            _scale_mean(recv, p)
-        res = recv.reshape(my_shape)
-        if stage.dev:
-            res = _be.to_device(res, _be.device_of(x))
+        res = stage.back(recv.reshape(my_shape), x)
         if out is not None:
             if stage.dev or not np.shares_memory(res, out):
                 out[...] = res
             return out
         return res
 
+    if p == 1:
+        send = send[:counts[0]]
     return _complete(g, async_op, stage, send, recv, lambda: be.ireduce_scatter(send, recv, counts, op),
                      lambda: be.reduce_scatter(send, recv, counts, op), finish)
 
@@ -531,9 +507,13 @@ def reduce_scatter_mean(x, group=None, **kw):
 
 
 # -- gather / scatter --------------------------------------------------------------------------
-def _exchange_meta(g, meta, root):
-    """Gather small picklable metadata on ``root`` (list there, None elsewhere)."""
-    return g.comm.gather(meta, root=root) if g.size > 1 else [meta]
+def _split_flat(recv, shapes, counts, stage, like):
+    """The pieces of the flat ``recv``: ``counts[i]`` elements each, reshaped to ``shapes[i]``."""
+    out, o = [], 0
+    for s, c in zip(shapes, counts):
+        out.append(stage.back(recv[o:o + c].reshape(s), like))
+        o += c
+    return out
 
 
 def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[Any]]:
@@ -545,30 +525,23 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[Li
     g = _group(group)
     x = _as_array(x)
     dst = _check_root(g, dst, "dst")
+    _check_dtype(g, x.dtype, "gather")
     _debug(g, "gather", dtype=x.dtype, dst=dst)
     be = _backend(g, x)
     stage = _Staged(be, x)
     send = stage.host(_flat(x))
-    stage.sync()
-    shapes = _exchange_meta(g, x.shape, dst)
-    recv = None
-    counts = None
+    shapes = _host_backend(g).gather_object(x.shape, dst) if g.size > 1 else [x.shape]
+    recv = counts = None
     if g.rank == dst:
         counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-        xp = np if stage.dev else _be.get_array_module(send)
-        recv = xp.empty(sum(counts), send.dtype)
+        recv = stage.empty(send, sum(counts))
     if g.size == 1:
         recv[...] = send
     else:
-        be.gatherv(_movable(send), None if recv is None else _movable(recv), counts or [0] * g.size, dst)
+        be.gatherv(send, recv, counts, dst)
     if g.rank != dst:
         return None
-    out, o = [], 0
-    for s, c in zip(shapes, counts):
-        piece = recv[o:o + c].reshape(s)
-        out.append(_be.to_device(piece, _be.device_of(x)) if stage.dev else piece)
-        o += c
-    return out
+    return _split_flat(recv, shapes, counts, stage, x)
 
 
 def scatter(chunks, src: int = 0, group: Optional[ProcessGroup] = None):
@@ -576,6 +549,8 @@ def scatter(chunks, src: int = 0, group: Optional[ProcessGroup] = None):
 
     On ``src``, ``chunks`` is a list of ``size`` arrays of one dtype (shapes may differ), or
     one array split along axis 0 by the :func:`chunk_sizes` rule. Other ranks pass ``None``.
+    The result is a NumPy array, or a CuPy array on the current device when ``src`` passed
+    CuPy arrays.
     """
     g = _group(group)
     src = _check_root(g, src, "src")
@@ -600,27 +575,29 @@ def scatter(chunks, src: int = 0, group: Optional[ProcessGroup] = None):
             sizes = chunk_sizes(arr.shape[0], g.size)
             bounds = np.cumsum([0] + sizes)
             chunks = [arr[bounds[i]:bounds[i + 1]] for i in range(g.size)]
+        _check_dtype(g, chunks[0].dtype, "scatter")
         meta = ([c.shape for c in chunks], chunks[0].dtype.str, _be.is_cupy_array(chunks[0]))
     if g.size > 1:
-        meta = g.comm.bcast(meta, root=src)
+        meta = _host_backend(g).broadcast_object(meta, src)
     shapes, dtstr, on_dev = meta
-    dtype = np.dtype(dtstr)
-    counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     if g.size == 1:
         return chunks[0].copy()
-    be = _backend(g, np.empty(0)) if not on_dev else _backend(g, chunks[0] if chunks else None)
+    dtype = np.dtype(dtstr)
+    counts = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    if on_dev:  # every rank builds the device backend, also those that pass no chunks
+        cp = _be.get_cupy()
+        like = chunks[0] if g.rank == src else cp.empty(0, dtype)
+    else:
+        like = chunks[0] if g.rank == src else np.empty(0, dtype)
+    be = _backend(g, like)
+    stage = _Staged(be, like)
     send = None
     if g.rank == src:
         xp = _be.get_array_module(chunks[0])
-        send = xp.concatenate([xp.ravel(c) for c in chunks]) if chunks else None
-        if on_dev and be.host_only:
-            send = send.get()
-    recv = np.empty(counts[g.rank], dtype)
-    be.scatterv(None if send is None else _movable(send), counts, _movable(recv), src)
-    res = recv.reshape(shapes[g.rank])
-    if on_dev:
-        res = _be.to_device(res, _be.Device("cuda", _be.get_cupy().cuda.Device().id))
-    return res
+        send = stage.host(xp.concatenate([xp.ravel(c) for c in chunks]))
+    recv = stage.empty(like, counts[g.rank], dtype)
+    be.scatterv(send, counts, recv, src)
+    return stage.back(recv.reshape(shapes[g.rank]), like)
 
 
 # -- all_to_all ----------------------------------------------------------------------------------
@@ -642,46 +619,40 @@ def all_to_all(x, group: Optional[ProcessGroup] = None):
         if len(dtypes) > 1:
             raise TypeError(f"rank {g.world.rank}: all_to_all pieces must share one dtype, got {sorted(map(str, dtypes))}")
         dtype = pieces[0].dtype
+        _check_dtype(g, dtype, "all_to_all")
         _debug(g, "all_to_all", dtype=dtype, form="list")
-        shapes_in = g.comm.alltoall([c.shape for c in pieces]) if p > 1 else [pieces[0].shape]
+        shapes_in = _host_backend(g).alltoall_object([c.shape for c in pieces]) if p > 1 else [pieces[0].shape]
         xp = _be.get_array_module(pieces[0])
-        send = xp.concatenate([xp.ravel(c) for c in pieces]) if pieces else xp.empty(0, dtype)
+        send = xp.concatenate([xp.ravel(c) for c in pieces])
         scounts = [int(c.size) for c in pieces]
         rcounts = [int(np.prod(s, dtype=np.int64)) for s in shapes_in]
         be = _backend(g, send)
         stage = _Staged(be, send)
         hsend = stage.host(send)
-        stage.sync()
-        recv = (np if stage.dev else xp).empty(sum(rcounts), dtype)
+        recv = stage.empty(hsend, sum(rcounts))
         if p == 1:
             recv[...] = hsend
         else:
-            be.alltoallv(_movable(hsend), scounts, _movable(recv), rcounts)
-        out, o = [], 0
-        for s, c in zip(shapes_in, rcounts):
-            piece = recv[o:o + c].reshape(s)
-            out.append(_be.to_device(piece, _be.device_of(send)) if stage.dev else piece)
-            o += c
-        return out
+            be.alltoallv(hsend, scounts, recv, rcounts)
+        return _split_flat(recv, shapes_in, rcounts, stage, send)
     x = _as_array(x)
     if x.ndim == 0 or x.shape[0] % p:
         raise ValueError(
             f"rank {g.world.rank}: all_to_all on an array needs axis 0 divisible by the group size {p}, "
             f"got shape {x.shape}; pass a list of {p} pieces for uneven exchanges"
         )
+    _check_dtype(g, x.dtype, "all_to_all")
     _debug(g, "all_to_all", shape=x.shape, dtype=x.dtype)
     be = _backend(g, x)
     stage = _Staged(be, x)
     send = stage.host(_flat(x))
-    stage.sync()
-    recv = (np if stage.dev else _be.get_array_module(send)).empty_like(send)
+    recv = stage.empty(send, send.size)
     if p == 1:
         recv[...] = send
     else:
         c = send.size // p
-        be.alltoallv(_movable(send), [c] * p, _movable(recv), [c] * p)
-    res = recv.reshape(x.shape)
-    return _be.to_device(res, _be.device_of(x)) if stage.dev else res
+        be.alltoallv(send, [c] * p, recv, [c] * p)
+    return stage.back(recv.reshape(x.shape), x)
 
 
 # -- barrier and point-to-point ----------------------------------------------------------------------
@@ -689,78 +660,194 @@ def barrier(group: Optional[ProcessGroup] = None) -> None:
     """Block until every rank of the group reaches this call."""
     g = _group(group)
     _debug(g, "barrier")
-    g.comm.Barrier()
+    _host_backend(g).barrier()
 
 
-def _check_peer(g, peer, what):
+def _check_peer(g, peer, what, allow_self=False):
     if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
         raise TypeError(f"rank {g.world.rank}: {what} must be an int group rank, got {peer!r}")
     if not 0 <= peer < g.size:
         raise ValueError(
             f"rank {g.world.rank}: {what}={peer} is out of range for {g.name} of size {g.size} "
-            f"(valid: 0..{g.size - 1})"
+            f"(valid: 0..{g.size - 1}; ranks are group-relative)"
         )
-    if peer == g.rank:
-        raise ValueError(f"rank {g.world.rank}: {what}={peer} is this rank itself; blocking self-send would hang")
+    if peer == g.rank and not allow_self:
+        raise ValueError(
+            f"rank {g.world.rank}: {what}={peer} is this rank itself; a self-send would hang "
+            "(pair it with its receive in one batch_isend_irecv)"
+        )
     return int(peer)
+
+
+def _check_tag(g, tag, what="tag"):
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= g.max_tag:
+        raise ValueError(f"rank {g.world.rank}: {what}={tag!r} must be an int in 0..{g.max_tag}")
+    return int(tag)
+
+
+def _send_buf(g, x, what):
+    """(backend, the contiguous buffer to send) for array ``x``."""
+    x = _as_array(x, what)
+    _check_dtype(g, x.dtype, what)
+    be = _backend(g, x)
+    return be, _Staged(be, x).host(_flat(x))
+
+
+def _recv_buf(g, x, what):
+    """(x, backend, buffer the backend fills, finish) for receiving into array ``x``.
+
+    The backend writes straight into ``x`` when it can (contiguous, memory it moves);
+    otherwise into a temporary that ``finish()`` copies into ``x``.
+    """
+    x = _as_array(x, what)
+    _check_dtype(g, x.dtype, what)
+    if type(x) is _ND and not x.flags.writeable:
+        raise ValueError(f"rank {g.world.rank}: {what} is read-only; a receive writes into it")
+    be = _backend(g, x)
+    stage = _Staged(be, x)
+    if not stage.dev and x.flags.c_contiguous:
+        return x, be, x.reshape(-1), None
+    buf = stage.empty(x, x.size)
+
+    def finish():
+        stage.fill(x, buf)
+        return x
+
+    return x, be, buf, finish
 
 
 def send(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
     """Send array ``x`` to group rank ``dst`` (blocking). The receiver needs a buffer of the same size."""
     g = _group(group)
-    x = _as_array(x)
     dst = _check_peer(g, dst, "dst")
-    be = _backend(g, x)
-    stage = _Staged(be, x)
-    buf = stage.host(_flat(x))
-    stage.sync()
-    be.send(_movable(buf), dst, tag)
+    tag = _check_tag(g, tag)
+    be, buf = _send_buf(g, x, "x")
+    be.send(buf, dst, tag)
 
 
 def recv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0):
     """Receive into array ``x`` (in place) from group rank ``src``; return ``x``."""
     g = _group(group)
-    x = _as_array(x)
     src = _check_peer(g, src, "src")
-    be = _backend(g, x)
-    stage = _Staged(be, x)
-    if not stage.dev and x.flags.c_contiguous:
-        be.recv(_movable(x.reshape(-1)), src, tag)
-        return x
-    buf = np.empty(x.size, x.dtype) if stage.dev else np.empty_like(x).reshape(-1)
-    be.recv(_movable(buf), src, tag)
-    x[...] = _be.get_cupy().asarray(buf.reshape(x.shape)) if stage.dev else buf.reshape(x.shape)
-    return x
+    tag = _check_tag(g, tag)
+    x, be, buf, finish = _recv_buf(g, x, "x")
+    be.recv(buf, src, tag)
+    return x if finish is None else finish()
 
 
 def isend(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
-    """Non-blocking :func:`send`; returns a :class:`Work` (keep it and ``wait()`` on it)."""
+    """Non-blocking :func:`send`; returns a :class:`Work` (keep it and ``wait()`` on it).
+
+    ``x`` must stay unmodified until the Work completes (it may be sent from in place).
+    """
     g = _group(group)
-    x = _as_array(x)
     dst = _check_peer(g, dst, "dst")
-    be = _backend(g, x)
-    stage = _Staged(be, x)
-    buf = stage.host(_flat(x))
-    stage.sync()
-    return Work(be.isend(_movable(buf), dst, tag), keep=buf)
+    tag = _check_tag(g, tag)
+    be, buf = _send_buf(g, x, "x")
+    return Work(be.isend(buf, dst, tag), keep=buf)
 
 
 def irecv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
     """Non-blocking :func:`recv` into ``x``; ``wait()`` returns ``x`` once filled."""
     g = _group(group)
-    x = _as_array(x)
     src = _check_peer(g, src, "src")
-    be = _backend(g, x)
-    stage = _Staged(be, x)
-    if not stage.dev and x.flags.c_contiguous:
-        return Work(be.irecv(_movable(x.reshape(-1)), src, tag), result=x, keep=x)
-    buf = np.empty(x.size, x.dtype)
+    tag = _check_tag(g, tag)
+    x, be, buf, finish = _recv_buf(g, x, "x")
+    if finish is None:
+        return Work(be.irecv(buf, src, tag), result=x, keep=x)
+    return Work(be.irecv(buf, src, tag), finish=finish, keep=buf)
 
-    def finish():
-        x[...] = _be.get_cupy().asarray(buf.reshape(x.shape)) if stage.dev else buf.reshape(x.shape)
-        return x
 
-    return Work(be.irecv(_movable(buf), src, tag), finish=finish, keep=buf)
+class P2POp:
+    """One point-to-point operation for :func:`batch_isend_irecv` (PyTorch's ``P2POp``).
+
+    Args:
+        op: :func:`axonmpi.isend` or :func:`axonmpi.irecv`.
+        tensor: the NumPy/CuPy array to send, or to receive into (in place).
+        peer: the group rank to send to or receive from (with ``group=None``, the world rank,
+            as in PyTorch). May be this rank itself when the batch also holds the other end.
+        group: the process group (default: all ranks). Every op of a batch uses one group.
+        tag: message tag, an int in ``0..group.max_tag`` (matched by the MPI backend).
+
+    Example:
+        >>> ops = [P2POp(axonmpi.isend, x, (r + 1) % n), P2POp(axonmpi.irecv, y, (r - 1) % n)]
+        >>> for work in axonmpi.batch_isend_irecv(ops):
+        ...     work.wait()
+    """
+
+    __slots__ = ("op", "tensor", "peer", "group", "tag")
+
+    def __init__(self, op, tensor, peer: int, group: Optional[ProcessGroup] = None, tag: int = 0):
+        if op is not isend and op is not irecv:
+            name = getattr(op, "__name__", repr(op))
+            raise ValueError(f"P2POp op must be axonmpi.isend or axonmpi.irecv, got {name}")
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+    def __repr__(self) -> str:
+        shape = getattr(self.tensor, "shape", "?")
+        return f"P2POp({self.op.__name__}, shape={shape}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> List[Work]:
+    """Start a batch of sends and receives together; return one :class:`Work` per op, in order.
+
+    PyTorch's ``batch_isend_irecv``. The operations may be listed in any order — all sends
+    before all receives included — without deadlock, as long as each peer posts the matching
+    operations; a rank may send to itself within a batch. Every argument is checked on every
+    op before anything starts. Arrays must stay alive and unmodified (sends) or unread
+    (receives) until their Work completes; ``wait()`` on a receive returns its array.
+
+    Args:
+        p2p_op_list: a non-empty list of :class:`P2POp`, all on one group.
+
+    Returns:
+        A list of :class:`Work`, one per op.
+
+    Example (a ring over all ranks):
+        >>> r, n = axonmpi.rank(), axonmpi.world_size()
+        >>> got = np.empty(3)
+        >>> works = axonmpi.batch_isend_irecv([
+        ...     P2POp(axonmpi.irecv, got, (r - 1) % n), P2POp(axonmpi.isend, np.full(3, r), (r + 1) % n)])
+        >>> [w.wait() for w in works]              # got == rank r - 1's values
+    """
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError(f"batch_isend_irecv needs a non-empty list of P2POp, got {p2p_op_list!r}")
+    for i, o in enumerate(p2p_op_list):
+        if not isinstance(o, P2POp):
+            raise TypeError(f"batch_isend_irecv op {i} must be a P2POp, got {type(o).__name__}")
+    g = _group(p2p_op_list[0].group)
+    plans = []
+    for i, o in enumerate(p2p_op_list):
+        if o.group is not p2p_op_list[0].group and _group(o.group) is not g:
+            raise ValueError(
+                f"rank {g.world.rank}: batch_isend_irecv op {i} is on {_group(o.group).name}, op 0 on "
+                f"{g.name}; all ops of one batch use one group"
+            )
+        what = f"batch_isend_irecv op {i} ({o.op.__name__}) peer"
+        peer = _check_peer(g, o.peer, what, allow_self=True)
+        tag = _check_tag(g, o.tag, f"batch_isend_irecv op {i} tag")
+        if o.op is isend:
+            be, buf = _send_buf(g, o.tensor, f"op {i} tensor")
+            plans.append((be, P2PBuffer(True, buf, peer, tag), None, buf))
+        else:
+            x, be, buf, finish = _recv_buf(g, o.tensor, f"op {i} tensor")
+            plans.append((be, P2PBuffer(False, buf, peer, tag), finish, x))
+    reqs: List[Any] = [None] * len(plans)
+    by_backend = {}
+    for i, (be, pb, _, _) in enumerate(plans):
+        by_backend.setdefault(id(be), (be, []))[1].append(i)
+    for be, idx in by_backend.values():
+        for i, req in zip(idx, be.batch_isend_irecv([plans[i][1] for i in idx])):
+            reqs[i] = req
+    works = []
+    for (be, pb, finish, x), req in zip(plans, reqs):
+        if pb.is_send:
+            works.append(Work(req, keep=pb.buf))
+        elif finish is None:
+            works.append(Work(req, result=x, keep=x))
+        else:
+            works.append(Work(req, finish=finish, keep=pb.buf))
+    return works
 
 
 # -- picklable objects ---------------------------------------------------------------------------
@@ -769,14 +856,14 @@ def broadcast_object(obj: Any, src: int = 0, group: Optional[ProcessGroup] = Non
     g = _group(group)
     src = _check_root(g, src, "src")
     _debug(g, "broadcast_object", src=src)
-    return g.comm.bcast(obj, root=src) if g.size > 1 else obj
+    return _host_backend(g).broadcast_object(obj, src) if g.size > 1 else obj
 
 
 def all_gather_object(obj: Any, group: Optional[ProcessGroup] = None) -> List[Any]:
     """Gather a picklable object from every rank onto every rank (list in group-rank order)."""
     g = _group(group)
     _debug(g, "all_gather_object")
-    return g.comm.allgather(obj) if g.size > 1 else [obj]
+    return _host_backend(g).allgather_object(obj) if g.size > 1 else [obj]
 
 
 def gather_object(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[Any]]:
@@ -784,5 +871,4 @@ def gather_object(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) 
     g = _group(group)
     dst = _check_root(g, dst, "dst")
     _debug(g, "gather_object", dst=dst)
-    return g.comm.gather(obj, root=dst) if g.size > 1 else [obj]
-
+    return _host_backend(g).gather_object(obj, dst) if g.size > 1 else [obj]

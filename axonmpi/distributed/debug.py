@@ -1,16 +1,37 @@
-"""Debug mode (``AXONMPI_DEBUG=1``): check that all ranks of a group call the same collective alike."""
+"""Debug mode (``AXONMPI_DEBUG=1``): check that all ranks of a group call the same collective alike.
+
+[Note: how a debug check names the ranks that never arrive]
+Each check is a point-to-point exchange on the group's communicator with tags that users
+cannot pass (the top ``DEBUG_TAGS`` tags, see :mod:`axonmpi.distributed.group`). Every rank
+sends its call's signature to group rank 0, the collector, which acknowledges each one as it
+arrives, compares them once all are in, and sends every rank the verdict (agree, or which
+ranks called what). When a rank does not arrive within ``AXONMPI_DEBUG_TIMEOUT`` seconds, the
+collector knows exactly who is missing and every rank that did arrive raises
+:class:`CollectiveTimeoutError` naming them; a rank whose signature the collector never
+acknowledges names the collector. Nothing is left in flight: the collector only receives
+messages that have arrived (probe, then receive), and a signature send that was never
+received stays referenced by the group until it completes. (A non-blocking collective, as
+used before, cannot be cancelled or freed while pending: a late rank would then write into
+freed memory.) After a timeout the group's collectives no longer line up; the uncaught
+exception ends the job (see :func:`axonmpi.init`).
+"""
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import env as _env
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "check_collective", "check_same_object"]
 
-_SIG_BYTES = 1024
+_SIG_CHARS = 4096
+_ACK = b"A"
+_OK = b"OK"
+_MISMATCH = b"MISMATCH\n"
+_TIMEOUT = b"TIMEOUT\n"
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -25,27 +46,6 @@ def _timeout() -> float:
     return _env.get_float("AXONMPI_DEBUG_TIMEOUT")
 
 
-def _describe(sig: Tuple) -> str:
-    name, fields = sig[0], sig[1:]
-    return f"{name}(" + ", ".join(f"{k}={v}" for k, v in fields) + ")"
-
-
-def check_collective(group, name: str, **fields: Any) -> None:
-    """Raise on every rank of ``group`` unless all ranks pass the same ``name`` and ``fields``.
-
-    Uses a fixed-size non-blocking all-gather of the call's signature, so a rank that never
-    arrives is reported as a timeout (``AXONMPI_DEBUG_TIMEOUT`` seconds, default 300)
-    instead of a silent hang.
-    """
-    sig = (name,) + tuple(sorted((k, _fmt(v)) for k, v in fields.items()))
-    _exchange(group, sig, _describe(sig))
-
-
-def check_same_object(group, obj: Tuple, what: str) -> None:
-    """Raise on every rank unless all ranks of ``group`` pass an equal ``obj`` (for group setup)."""
-    _exchange(group, (what, ("value", repr(obj))), what)
-
-
 def _fmt(v: Any) -> str:
     if isinstance(v, np.dtype):
         return str(v)
@@ -54,41 +54,140 @@ def _fmt(v: Any) -> str:
     return repr(v) if not isinstance(v, str) else v
 
 
-def _exchange(group, sig: Tuple, text: str) -> None:
-    comm = group.comm
-    raw = repr(sig).encode()[:_SIG_BYTES]
-    send = np.zeros(_SIG_BYTES + 4, np.uint8)
-    send[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), np.uint8)
-    send[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
-    recv = np.empty((group.size, _SIG_BYTES + 4), np.uint8)
-    req = comm.Iallgather(send, recv)
-    deadline = time.monotonic() + _timeout()
+def _describe(name: str, fields: Dict[str, Any]) -> str:
+    text = f"{name}(" + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(fields.items())) + ")"
+    return text[:_SIG_CHARS]
+
+
+def _rank_list(ranks: List[int]) -> str:
+    """``[0, 2]``; long lists as ranges: ``[0-255, 257-511] (511 ranks)``."""
+    ranks = sorted(ranks)
+    if len(ranks) <= 16:
+        return str(ranks)
+    runs, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return "[" + ", ".join(runs) + f"] ({len(ranks)} ranks)"
+
+
+def check_collective(group, name: str, **fields: Any) -> None:
+    """Raise on every rank of ``group`` unless all ranks pass the same ``name`` and ``fields``.
+
+    A rank that never arrives is reported after ``AXONMPI_DEBUG_TIMEOUT`` seconds (default
+    300) by a :class:`CollectiveTimeoutError` on every rank that did, naming the missing
+    world ranks, instead of a silent hang.
+    """
+    desc = _describe(name, fields)
+    _exchange(group, desc, desc)
+
+
+def check_same_object(group, obj: Any, what: str) -> None:
+    """Raise on every rank unless all ranks of ``group`` pass an equal ``obj`` (for group setup)."""
+    _exchange(group, _describe(what, {"value": repr(obj)}), what)
+
+
+def _tags(group, seq: int):
+    """The (to collector, from collector) tags of check number ``seq`` on ``group``."""
+    base = group.max_tag + 1
+    slot = seq % ((group.comm.Get_attr(MPI.TAG_UB) - base + 1) // 2)
+    return base + 2 * slot, base + 2 * slot + 1
+
+
+def _poll(comm, source: int, tag: int, deadline: Optional[float], status):
+    """Receive the next message from ``source`` with ``tag`` once it has arrived; None when the
+    deadline passes first. Nothing is posted before the message is there."""
     delay = 1e-5
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise CollectiveTimeoutError(
-                f"rank {group.world.rank}: waited {_timeout():.0f} s in {text} on {group.name} "
-                f"{list(group.ranks)}; some ranks of the group never called it (they are stuck "
-                "elsewhere or called a different sequence of collectives)"
-            )
+    while not comm.Iprobe(source=source, tag=tag, status=status):
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
-    sigs: List[bytes] = []
-    for row in recv:
-        n = int(np.frombuffer(row[:4].tobytes(), np.uint32)[0])
-        sigs.append(row[4:4 + n].tobytes())
-    if all(s == sigs[0] for s in sigs):
+    buf = bytearray(status.Get_count(MPI.BYTE))
+    comm.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=tag)
+    return bytes(buf)
+
+
+def _exchange(group, sig: str, text: str) -> None:
+    if group.size == 1:
         return
-    by_sig: Dict[bytes, List[int]] = {}
-    for grank, s in enumerate(sigs):
-        by_sig.setdefault(s, []).append(group.ranks[grank])
-    lines = []
-    for s, ranks in by_sig.items():
-        try:
-            desc = _describe(eval(s.decode(), {"__builtins__": {}}))  # our own repr of str tuples
-        except Exception:
-            desc = s.decode(errors="replace")
-        lines.append(f"  world ranks {ranks} called {desc}")
-    raise CollectiveMismatchError(
-        f"rank {group.world.rank}: ranks of {group.name} disagree on a collective:\n" + "\n".join(lines)
-    )
+    group._debug_pending[:] = [p for p in group._debug_pending if not p[0].Test()]
+    seq = group._debug_seq
+    group._debug_seq += 1
+    up, down = _tags(group, seq)
+    where = f"rank {group.world.rank}: "
+    if group.rank == 0:
+        verdict = _collect(group, sig, text, up, down)
+    else:
+        verdict = _report(group, sig, text, up, down)
+    if verdict == _OK:
+        return
+    if verdict.startswith(_MISMATCH):
+        raise CollectiveMismatchError(
+            where + f"ranks of {group.name} disagree on a collective:\n" + verdict[len(_MISMATCH):].decode()
+        )
+    raise CollectiveTimeoutError(where + verdict[len(_TIMEOUT):].decode())
+
+
+def _collect(group, sig: str, text: str, up: int, down: int) -> bytes:
+    """Group rank 0: gather the signatures (until the timeout), decide, tell every rank that came."""
+    comm, size, timeout = group.comm, group.size, _timeout()
+    sigs = {0: sig}
+    sends = []
+    status = MPI.Status()
+    deadline = time.monotonic() + timeout
+    while len(sigs) < size:
+        msg = _poll(comm, MPI.ANY_SOURCE, up, deadline, status)
+        if msg is None:
+            break
+        src = status.Get_source()
+        sigs[src] = msg.decode(errors="replace")
+        sends.append(comm.Isend([_ACK, MPI.BYTE], dest=src, tag=down))
+    if len(sigs) < size:
+        missing = [group.ranks[i] for i in range(size) if i not in sigs]
+        came = [group.ranks[i] for i in sorted(sigs)]
+        verdict = _TIMEOUT + (
+            f"waited {timeout:.0f} s in {text} on {group.name}: world ranks {_rank_list(missing)} never "
+            f"called it (stuck elsewhere, finished, or called a different sequence of collectives); "
+            f"world ranks {_rank_list(came)} did"
+        ).encode()
+    elif all(s == sig for s in sigs.values()):
+        verdict = _OK
+    else:
+        by_sig: Dict[str, List[int]] = {}
+        for grank in range(size):
+            by_sig.setdefault(sigs[grank], []).append(group.ranks[grank])
+        lines = [f"  world ranks {_rank_list(ranks)} called {s}" for s, ranks in by_sig.items()]
+        verdict = _MISMATCH + "\n".join(lines).encode()
+    for src in sigs:
+        if src != 0:
+            sends.append(comm.Isend([verdict, MPI.BYTE], dest=src, tag=down))
+    MPI.Request.Waitall(sends)      # each receiver has sent and is waiting: these complete
+    return verdict
+
+
+def _report(group, sig: str, text: str, up: int, down: int) -> bytes:
+    """Any other rank: send the signature to rank 0, wait for its acknowledgement, then the verdict."""
+    comm, timeout = group.comm, _timeout()
+    payload = sig.encode()
+    req = comm.Isend([payload, MPI.BYTE], dest=0, tag=up)
+    status = MPI.Status()
+    ack = _poll(comm, 0, down, time.monotonic() + timeout, status)
+    if ack is None:
+        if not req.Test():
+            group._debug_pending.append((req, payload))  # completes if rank 0 ever receives it
+        return _TIMEOUT + (
+            f"waited {timeout:.0f} s in {text} on {group.name}: world rank {group.ranks[0]} (group rank 0, "
+            "which collects the debug checks) never called it (stuck elsewhere, finished, called a "
+            "different sequence of collectives, or gave up on this check earlier); other ranks may be "
+            "missing too"
+        ).encode()
+    req.Wait()                                        # rank 0 has received it
+    verdict = _poll(comm, 0, down, time.monotonic() + timeout + 60, status)  # within rank 0's timeout
+    if verdict is None:
+        return _TIMEOUT + (
+            f"world rank {group.ranks[0]} received this rank's {text} on {group.name} but sent no "
+            f"verdict within {timeout + 60:.0f} s"
+        ).encode()
+    return verdict

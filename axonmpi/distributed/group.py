@@ -11,6 +11,17 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ProcessGroup", "GroupMembershipError"]
 
 
+# Debug mode's signature exchange uses the top tags of every group's communicator.
+DEBUG_TAGS = 2048
+
+
+def _user_tag_ub(comm) -> int:
+    from mpi4py import MPI
+
+    ub = comm.Get_attr(MPI.TAG_UB)
+    return int(ub if ub is not None else 32767) - DEBUG_TAGS
+
+
 class GroupMembershipError(RuntimeError):
     """Raised when a rank uses a group it does not belong to."""
 
@@ -30,6 +41,8 @@ class ProcessGroup:
         ranks: world ranks of the members, in group-rank order.
         comm: the underlying ``mpi4py.MPI.Intracomm`` (``None`` on non-members).
         name: a label used in error messages.
+        max_tag: the largest point-to-point tag users may pass (``MPI_TAG_UB`` less the
+            tags debug mode reserves; at least 30719 on every MPI).
 
     Example:
         >>> world = axonmpi.init()
@@ -38,7 +51,8 @@ class ProcessGroup:
         ...     total = axonmpi.all_reduce(np.array([world.rank]), group=evens)
     """
 
-    __slots__ = ("comm", "rank", "size", "ranks", "name", "world", "_index", "_backends", "_freed")
+    __slots__ = ("comm", "rank", "size", "ranks", "name", "world", "max_tag", "_index", "_backends", "_host",
+                 "_freed", "_debug_seq", "_debug_pending")
 
     def __init__(self, world: "World", comm: "Optional[MPI.Intracomm]", ranks: Sequence[int],
                  name: str = "group"):
@@ -49,8 +63,12 @@ class ProcessGroup:
         self.rank = comm.Get_rank() if comm is not None else -1
         self.name = name
         self._index = {r: i for i, r in enumerate(self.ranks)}
-        self._backends = {}
+        self.max_tag = _user_tag_ub(comm) if comm is not None else -1
+        self._backends = {}   # backend name -> Backend, made on first use by the collectives
+        self._host = None     # the MPI backend for host arrays and objects (also in _backends)
         self._freed = False
+        self._debug_seq = 0   # debug mode: checks made on this group (picks their message tags)
+        self._debug_pending = []  # debug mode: sends of a timed-out check, kept until they complete
 
     # -- membership and rank translation -------------------------------------------------
     @property
@@ -90,9 +108,11 @@ class ProcessGroup:
 
     # -- lifecycle --------------------------------------------------------------------------
     def barrier(self) -> None:
-        """Block until every member has reached this call."""
+        """Block until every member has reached this call (:func:`axonmpi.barrier` on this group)."""
         self.check_member()
-        self.comm.Barrier()
+        from .collectives import barrier  # collectives import this module
+
+        barrier(self)
 
     def free(self) -> None:
         """Release the communicator (the World's default group is freed by ``World.destroy``)."""
@@ -102,6 +122,7 @@ class ProcessGroup:
         for b in self._backends.values():
             b.close()
         self._backends.clear()
+        self._host = None
         if self.comm is not None and not self.world._is_builtin_comm(self.comm):
             try:
                 self.comm.Free()

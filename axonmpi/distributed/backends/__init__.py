@@ -1,5 +1,9 @@
-"""Communication backends under the collectives: MPI (always) and NCCL (CuPy GPUs)."""
-from .base import Backend
-from .mpi import MPIBackend, cuda_aware_mpi
+"""Communication backends under the collectives: the documented Backend contract and its MPI implementation.
 
-__all__ = ["Backend", "MPIBackend", "cuda_aware_mpi"]
+An NCCL backend for CuPy arrays (``nccl.py``, communicators bootstrapped over MPI) is planned;
+until it lands, CuPy arrays go over MPI (directly when it is CUDA-aware, else via the host).
+"""
+from .base import Backend, P2PBuffer
+from .mpi import CudaAwareMPIBackend, MPIBackend, cuda_aware_mpi, mpi_has_float16
+
+__all__ = ["Backend", "P2PBuffer", "MPIBackend", "CudaAwareMPIBackend", "cuda_aware_mpi", "mpi_has_float16"]

@@ -1,11 +1,11 @@
-"""The pipeline's two swap points: its default process group and its point-to-point transfers."""
+"""The pipeline's process group (the grid's inter_group by default) and its batched point-to-point transfers."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...distributed.collectives import irecv, isend
+from ...distributed.collectives import P2POp, batch_isend_irecv, irecv, isend
 from ...distributed.group import ProcessGroup
 from ...distributed.work import Work
 from ...distributed.world import resolve_group
@@ -28,14 +28,15 @@ def _default_group(group: Optional[ProcessGroup] = None) -> ProcessGroup:
 
 def _communicate(sends: Sequence[Tuple[object, int, int]], recvs: Sequence[Tuple[object, int, int]],
                  group: ProcessGroup) -> List[Work]:
-    """Start every receive ``(buffer, peer, tag)`` then every send ``(array, peer, tag)``; peers are
-    group ranks. Returns their :class:`Work` handles (receives first); the caller waits.
+    """Start every receive ``(buffer, peer, tag)`` and every send ``(array, peer, tag)`` as one
+    :func:`batch_isend_irecv`; peers are group ranks. Returns their :class:`Work` handles
+    (receives first); the caller waits.
 
     Every activation, gradient and shape header of the pipeline goes through here.
     """
-    works = [irecv(buf, peer, group, tag) for buf, peer, tag in recvs]
-    works += [isend(arr, peer, group, tag) for arr, peer, tag in sends]
-    return works
+    ops = [P2POp(irecv, buf, peer, group, tag) for buf, peer, tag in recvs]
+    ops += [P2POp(isend, arr, peer, group, tag) for arr, peer, tag in sends]
+    return batch_isend_irecv(ops) if ops else []
 
 
 def encode_header(trailing_shape: Tuple[int, ...], dtype) -> np.ndarray:
