@@ -25,8 +25,8 @@ def test_measured_in_flight_matches_the_schedule(kind):
     v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
     m = 2 * p
     model = _model([4] + [6] * (2 * p * v), seed=1)
-    pipe = Pipeline(split_module(model, p, v, by="layers"), kind, num_microbatches=m, loss_fn=F.mse_loss,
-                    virtual_stages=v)
+    pipe = Pipeline(split_module(model, p, v, by="layers", group=world.default_group), kind, num_microbatches=m, loss_fn=F.mse_loss,
+                    virtual_stages=v, group=world.default_group)
     x = np.random.default_rng(0).standard_normal((3 * m, 4))
     pipe.step(x, np.zeros((3 * m, 6)))
     assert pipe._executed == make_schedule(kind, p, m, v).actions(r)     # exactly the schedule's list
@@ -55,8 +55,8 @@ def test_stages_with_different_activation_shapes_and_eval():
     model = nn.Sequential(*mods)
     x = np.random.default_rng(1).standard_normal((7, 2, 3))      # (batch, time, features)
     bounds = [2 + 2 * k for k in range(1, p)]
-    pipe = Pipeline(split_module(model, p, boundaries=bounds), "1f1b", num_microbatches=3,
-                    loss_fn=lambda out, t: (out * out).mean())
+    pipe = Pipeline(split_module(model, p, boundaries=bounds, group=world.default_group), "1f1b", num_microbatches=3,
+                    loss_fn=lambda out, t: (out * out).mean(), group=world.default_group)
     out = pipe.eval_step(x)
     with axonmpi.no_grad():
         ref = model(Tensor(x)).numpy()
@@ -92,16 +92,17 @@ def test_errors_name_rank_and_expectation():
     world = axonmpi.init()
     p, r = world.world_size, world.rank
     model = _model([3] + [3] * p)
-    chunks = split_module(model, p, by="layers")
+    g = world.default_group
+    chunks = split_module(model, p, by="layers", group=g)
     with pytest.raises(ValueError, match=f"rank {r}: stage {(r + 1) % p} lives on pipeline rank {(r + 1) % p}"):
-        PipelineStage(chunks[0], (r + 1) % p, p)
+        PipelineStage(chunks[0], (r + 1) % p, p, group=g)
     with pytest.raises(ValueError, match=f"rank {r}: PipelineStage num_stages={p + 1}"):
-        PipelineStage(chunks[0], r, p + 1)
+        PipelineStage(chunks[0], r, p + 1, group=g)
     with pytest.raises(ValueError, match=f"rank {r}: Pipeline got 1 stages; virtual_stages=2 needs 2"):
-        Pipeline(chunks, "interleaved", num_microbatches=p, loss_fn=F.mse_loss, virtual_stages=2)
+        Pipeline(chunks, "interleaved", num_microbatches=p, loss_fn=F.mse_loss, virtual_stages=2, group=g)
     with pytest.raises(ValueError, match="num_microbatches"):
-        Pipeline(chunks, "1f1b", loss_fn=F.mse_loss)
-    pipe = Pipeline(chunks, "1f1b", num_microbatches=4, loss_fn=F.mse_loss)
+        Pipeline(chunks, "1f1b", loss_fn=F.mse_loss, group=g)
+    pipe = Pipeline(chunks, "1f1b", num_microbatches=4, loss_fn=F.mse_loss, group=g)
     if r == 0:   # the failure is raised where the data is; other ranks are not involved yet
         with pytest.raises(ValueError, match="rank 0: a batch of 3 samples cannot make 4 micro-batches"):
             pipe._agree_sizes(np.ones((3, 3)), None, need_targets=False)
