@@ -1,4 +1,6 @@
 """AxoNN 3-D intra-layer Linear: float64 parity with the serial nn.Linear over every grid shape that fits."""
+import math
+
 import numpy as np
 import pytest
 
@@ -164,6 +166,8 @@ def test_no_grad_sync_and_clip_grad_norm(tp_groups):
         np.testing.assert_array_equal(p.grad.data, q)
     intra_layer.sync_gradients(layer, groups=g)
     expect = np.sqrt(sum(float((p.grad.data ** 2).sum()) for p in ref.parameters()))
+    expect_inf = max(float(np.abs(p.grad.data).max()) for p in ref.parameters())
+    assert abs(intra_layer.clip_grad_norm_(layer.parameters(), 1e30, norm_type=math.inf) - expect_inf) <= 1e-12 * expect_inf
     total = intra_layer.clip_grad_norm_(layer.parameters(), 0.5 * expect)
     assert abs(total - expect) <= 1e-12 * expect
     axonmpi.optim.clip_grad_norm_(ref.parameters(), 0.5 * expect)

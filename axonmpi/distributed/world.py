@@ -153,8 +153,8 @@ class World:
 
     # -- lifecycle ----------------------------------------------------------------------
     def barrier(self) -> None:
-        """Block until every rank reaches this call."""
-        self._comm.Barrier()
+        """Block until every rank reaches this call (through the default group's backend)."""
+        self.default_group.barrier()
 
     def destroy(self) -> None:
         """Free every group and communicator of this World (collective over all ranks)."""

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from typing import Iterable, Optional, Union
-
-import numpy as np
 
 from ...autograd import no_grad
 from ...autograd.tensor import Tensor
-from ...backend import get_array_module
 from ...distributed import all_reduce
+from ...optim.clip import clip_grad_norm_ as _clip_grad_norm
 from ..tensor.groups import TensorParallelGroups, default_groups
 
 __all__ = ["clip_grad_norm_", "no_grad_sync", "sync_gradients"]
@@ -80,36 +77,12 @@ def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float
                     error_if_nonfinite: bool = False) -> float:
     """Clip the gradients so that the norm of the whole (unsharded) gradient is at most ``max_norm``.
 
-    Each shard's ``norm_type``-th power is summed over its ``process_group_for_norm_reduction`` (each
-    element once); replicated parameters count once.  Returns the total norm before clipping.
+    AxoNN's name for :func:`axonmpi.optim.clip_grad_norm_`, which reads the layers' AxoNN tags:
+    each shard's ``norm_type``-th power is summed over its ``process_group_for_norm_reduction``
+    (each element once, max for ``math.inf``); replicated parameters count once. Returns the total
+    norm before clipping.
 
     Example:
         >>> total = clip_grad_norm_(model.parameters(), 1.0)
     """
-    if norm_type == math.inf:
-        raise NotImplementedError("intra_layer.clip_grad_norm_: norm_type=inf is not supported; use a finite p")
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    per_group = {}
-    local = 0.0
-    for p in params:
-        v = float(get_array_module(p.grad.data).sum(np.abs(p.grad.data) ** norm_type if norm_type != 2
-                                                    else p.grad.data * p.grad.data))
-        grp = getattr(p, "process_group_for_norm_reduction", None) if getattr(p, "is_tensor_parallel", False) else None
-        if grp is None:
-            local += v
-        else:
-            per_group.setdefault(id(grp), [grp, 0.0])[1] += v
-    total = local
-    for grp, v in per_group.values():
-        total += float(all_reduce(np.array([v]), group=grp)[0]) if grp.size > 1 else v
-    total = total ** (1.0 / norm_type)
-    if error_if_nonfinite and not math.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total}); "
-                           "pass error_if_nonfinite=False to clip anyway")
-    coef = min(float(max_norm) / (total + 1e-6), 1.0)
-    if coef < 1.0:
-        for p in params:
-            p.grad.data *= coef
-    return total
+    return _clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
