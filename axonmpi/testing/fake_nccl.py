@@ -38,7 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["available", "NcclError", "NcclCommunicator", "get_unique_id", "get_version",
-           "get_build_version", "groupStart", "groupEnd", "cuda", "enabled", "uid_root",
+           "get_build_version", "groupStart", "groupEnd", "cuda", "enabled", "active", "uid_root",
            "NCCL_INT8", "NCCL_UINT8", "NCCL_INT32", "NCCL_UINT32", "NCCL_INT64", "NCCL_UINT64",
            "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_SUM", "NCCL_PROD", "NCCL_MAX",
            "NCCL_MIN", "NCCL_AVG"]
@@ -172,6 +172,45 @@ def enabled() -> Iterator[None]:
             os.environ.pop("AXONMPI_FAKE_NCCL", None)
         else:
             os.environ["AXONMPI_FAKE_NCCL"] = old
+
+
+def _reset_backends(world) -> None:
+    """Drop every group's cached backends (closing NCCL communicators, in the same order everywhere)."""
+    groups = [world.default_group, *world._groups, *getattr(world.grid, "_groups", {}).values()]
+    for g in groups:
+        if g.comm is None:
+            continue
+        for b in list(g._backends.values()):
+            if getattr(b, "name", "") == "nccl":
+                b.close()
+        g._backends.clear()
+        g._host = None
+
+
+@contextlib.contextmanager
+def active(world) -> Iterator:
+    """Serve ``world``'s groups with the NCCL backend on the stand-in while the block runs.
+
+    Like ``axonmpi.init(backend="nccl")`` with ``AXONMPI_FAKE_NCCL=1`` on an existing World
+    (the test suite's session World): host arrays go through
+    :class:`~axonmpi.distributed.backends.nccl.NcclBackend`; after the block the groups'
+    communicators are destroyed and the World's backend choice restored. Collective: every
+    rank enters and leaves it together.
+
+    Example:
+        >>> with fake_nccl.active(world):
+        ...     axonmpi.all_reduce(np.ones(3))       # NcclBackend -> fake_nccl -> MPI
+    """
+    from ..distributed.backends.nccl import BackendKind
+    old = world.backend
+    with enabled():
+        _reset_backends(world)
+        world.backend = BackendKind.NCCL
+        try:
+            yield world
+        finally:
+            _reset_backends(world)
+            world.backend = old
 
 
 def groupStart() -> None:  # noqa: N802 - cupy's names

@@ -306,11 +306,11 @@ class NcclBackend(Backend):
         return req
 
     def _scale(self, buf):
+        """``buf /= size`` (MEAN after a SUM), queued on the caller's stream when it runs."""
+        size = self.size
+
         def run():
-            if type(buf) is np.ndarray:
-                np.true_divide(buf, self.size, out=buf)
-            else:
-                buf /= self.size
+            _be.get_array_module(buf).true_divide(buf, size, out=buf)
         return run
 
     def _fallback(self, name, send, recv, *args):
