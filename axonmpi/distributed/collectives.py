@@ -168,13 +168,15 @@ class _Staged:
         self.direct = on_gpu and not be.host_only
 
     def host(self, a):
-        """``a`` as the backend takes it (a host copy when staged)."""
-        return a.get() if (self.dev and a is not None) else a
+        """``a`` as the backend takes it (a pinned host copy when staged)."""
+        return _be.to_host_pinned(a) if (self.dev and a is not None) else a
 
     def empty(self, like, n, dtype=None):
-        """A new 1-D buffer of ``n`` elements the backend can write (host when staged)."""
-        xp = np if self.dev else _be.get_array_module(like)
-        return xp.empty(n, like.dtype if dtype is None else dtype)
+        """A new 1-D buffer of ``n`` elements the backend can write (pinned host memory when staged)."""
+        dtype = like.dtype if dtype is None else dtype
+        if self.dev:
+            return _be.empty_pinned(n, dtype)
+        return _be.get_array_module(like).empty(n, dtype)
 
     def back(self, res, like):
         """``res`` on the device of ``like`` (the caller's array) when staged."""
