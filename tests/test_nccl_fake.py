@@ -299,3 +299,31 @@ def test_cuda_aware_override_and_alias(monkeypatch):
     monkeypatch.delenv("AXONMPI_CUDA_AWARE_MPI")
     assert cuda_aware_mpi() is bool(query_cuda_support())
     assert query_cuda_support() in (True, False, None)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unique_id_failure_on_rank0_is_raised_on_every_member(nworld, monkeypatch):
+    def broken():
+        raise fake_nccl.NcclError(3, "no network")
+    monkeypatch.setattr(fake_nccl, "get_unique_id", broken)
+    g = nworld.split(0, name="noid")
+    with pytest.raises(NcclBackendError, match=rf"rank {nworld.rank}: NCCL get_unique_id \(on group rank 0, "
+                                               rf"world rank {g.ranks[0]}\) failed on noid.*no network"):
+        NcclBackend(g).communicator()
+
+
+@pytest.mark.serial
+def test_cli_info_json_reports_versions_and_gpus():
+    import json
+    import subprocess
+    import sys
+    from axonmpi.testing import mpiexec_env
+    r = subprocess.run([sys.executable, "-m", "axonmpi", "info", "--json"], capture_output=True, text=True,
+                       timeout=60, env=mpiexec_env({"AXONMPI_CUDA_AWARE": "1"}))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["axonmpi"] == axonmpi.__version__ and d["numpy"] == np.__version__
+    assert d["mpi"]["thread_level"] in ("single", "funneled", "serialized", "multiple")
+    assert d["mpi"]["cuda_aware"] == "yes (declared)" and d["mpi"]["library"]
+    assert d["ranks"][0]["rank"] == 0 and isinstance(d["ranks"][0]["gpus_visible"], int)
+    assert set(d) >= {"python", "mpi4py", "cupy", "cuda", "nccl", "backend"}

@@ -65,7 +65,10 @@ class World:
         self.local_ranks = tuple(node.allgather(self.rank))
         node.Free()
 
-        self.backend = BackendKind.coerce(backend)
+        try:
+            self.backend = BackendKind.coerce(backend)
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: {e}") from None
         self.device = _bind_device(device, self.local_rank, self.rank)
         if self.device.type == "cuda":
             _devices.get_cupy().cuda.Device(self.device.index).use()

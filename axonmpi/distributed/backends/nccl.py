@@ -221,13 +221,15 @@ class NcclBackend(Backend):
         if g.world.debug:
             from ..debug import check_collective
             check_collective(g, "nccl_communicator_init", size=g.size)
-        uid = None
+        made = None
         if self.rank == 0:
             try:
-                uid = self.lib.get_unique_id()
-            except Exception as e:
-                raise self._error("get_unique_id", e) from e
-        uid = g.comm.bcast(uid, root=0)
+                made = (self.lib.get_unique_id(), None)
+            except Exception as e:   # tell the other members too, so none waits for an id
+                made = (None, f"{type(e).__name__}: {e}")
+        uid, failed = g.comm.bcast(made, root=0)
+        if failed is not None:
+            raise self._error(f"get_unique_id (on group rank 0, world rank {g.ranks[0]})", failed)
         try:
             comm = self.lib.NcclCommunicator(self.size, uid, self.rank)
         except Exception as e:
@@ -236,7 +238,7 @@ class NcclBackend(Backend):
         self._stream = self.runtime.Stream(non_blocking=True)
         return comm
 
-    def _error(self, what: str, exc: BaseException) -> NcclBackendError:
+    def _error(self, what: str, exc) -> NcclBackendError:
         g = self.group
         return NcclBackendError(
             f"rank {g.world.rank}: NCCL {what} failed on {g.name} (group rank {self.rank} of "
