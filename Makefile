@@ -14,11 +14,12 @@ export PYTHONUNBUFFERED := 1
 # a new demo replaces the last demo's checkpoints; DEMO_ARGS="--resume --steps 600" continues them
 DEMO_FRESH := $(if $(findstring resume,$(DEMO_ARGS)),,--overwrite)
 
-.PHONY: install test demo bench clean help
+.PHONY: install test test-gpu demo bench clean help
 
 help:
 	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on RANKS=$(RANKS) local ranks"
 	@echo "make test   - install and run the suite under mpiexec -n N for N in $(NPS)"
+	@echo "make test-gpu - run the GPU tests (-m gpu) at 1..number-of-GPUs ranks (NCCL, CuPy; skipped without a GPU)"
 	@echo "make bench  - run the benchmarks in bench/ beside the anchors in ../shared/anchors"
 
 $(VENV)/.installed: pyproject.toml setup.py
@@ -37,6 +38,17 @@ test: install
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
 	done; echo "=== all passes green: $(NPS) rank(s) ==="
+
+test-gpu: install
+	@rm -rf .test-logs; ngpus=$$($(PY) -c "from axonmpi.backend import device_count; print(device_count())"); \
+	if [ "$$ngpus" -lt 1 ]; then echo "no GPU visible to CuPy: the gpu tests skip (pip install -e '.[cuda12]')"; ngpus=1; fi; \
+	set -e; for n in $$(seq 1 $$ngpus); do \
+	  echo "=== pytest -m gpu --with-mpi on $$n rank(s) ==="; \
+	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -m gpu \
+	    -p no:cacheprovider $(PYTEST_ARGS) tests/test_gpu_nccl.py tests/test_collectives_gpu.py || { \
+	    status=$$?; for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
+	    exit $$status; }; \
+	done; echo "=== gpu passes green: 1..$$ngpus rank(s) ==="
 
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash jobs/local.sh -n $(RANKS) examples/train_gpt.py \

@@ -6,37 +6,104 @@ import os
 import sys
 from typing import List, Optional
 
-__all__ = ["main", "build_parser", "data_dir"]
+__all__ = ["main", "build_parser", "data_dir", "info_dict"]
 
 
-def _cmd_info(args: argparse.Namespace) -> int:
-    """Print versions, the MPI library, CUDA/CuPy status and (under mpiexec) the rank layout."""
+_THREAD_LEVELS = {0: "single", 1: "funneled", 2: "serialized", 3: "multiple"}
+
+
+def _cuda_aware_text() -> str:
+    """``yes``/``no`` (declared by AXONMPI_CUDA_AWARE or reported by MPI) or ``unknown``."""
+    from axonmpi import env
+    from axonmpi.distributed.backends.mpi import query_cuda_support
+
+    v = env.get_tribool("AXONMPI_CUDA_AWARE")
+    if v is None:
+        v = env.get_tribool("AXONMPI_CUDA_AWARE_MPI")
+    src = "declared"
+    if v is None:
+        v, src = query_cuda_support(), "reported by MPI"
+    return "unknown" if v is None else f"{'yes' if v else 'no'} ({src})"
+
+
+def info_dict(world) -> dict:
+    """Everything ``axonmpi info`` reports, as a dict (collective: every rank reports its GPUs).
+
+    Example:
+        >>> d = info_dict(axonmpi.init()); d["mpi"]["thread_level"]
+        'multiple'
+    """
     import h5py
+    import mpi4py
     import numpy as np
     from mpi4py import MPI
 
     import axonmpi
     from axonmpi import backend
-    from axonmpi.distributed.backends.mpi import cuda_aware_mpi
+    from axonmpi.distributed.backends.nccl import nccl_available, nccl_version
+
+    cp = backend.get_cupy()
+    cuda = None
+    if cp is not None:
+        rt = cp.cuda.runtime
+        v, d = rt.runtimeGetVersion(), rt.driverGetVersion()
+        cuda = {"runtime": f"{v // 1000}.{v % 1000 // 10}", "driver": f"{d // 1000}.{d % 1000 // 10}"}
+    me = {"rank": world.rank, "host": MPI.Get_processor_name(), "local_rank": world.local_rank,
+          "device": str(world.device), "gpus_visible": backend.device_count(),
+          "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    ranks = axonmpi.gather_object(me)
+    return {
+        "axonmpi": axonmpi.__version__,
+        "python": sys.version.split()[0],
+        "python_executable": sys.executable,
+        "numpy": np.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpi": {"standard": ".".join(map(str, MPI.Get_version())),
+                "library": MPI.Get_library_version().splitlines()[0].strip(),
+                "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
+                "cuda_aware": _cuda_aware_text()},
+        "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "parallel_hdf5": bool(h5py.get_config().mpi),
+        "cupy": None if cp is None else cp.__version__,
+        "cuda": cuda,
+        "nccl": nccl_version() if (cp is not None or nccl_available()) else None,
+        "backend": world.backend.value,
+        "debug": world.debug,
+        "world_size": world.world_size, "num_nodes": world.num_nodes,
+        "ranks": ranks,
+    }
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    """Print versions, the MPI library, CUDA/CuPy/NCCL status and GPUs per rank (``--json``: as JSON)."""
+    import axonmpi
 
     world = axonmpi.init()
-    if world.rank == 0:
-        lib = MPI.Get_library_version().splitlines()[0].strip()
-        print(f"axonmpi      {axonmpi.__version__}")
-        print(f"python       {sys.version.split()[0]}  ({sys.executable})")
-        print(f"numpy        {np.__version__}")
-        print(f"mpi4py       {__import__('mpi4py').__version__}   MPI {'.'.join(map(str, MPI.Get_version()))}: {lib}")
-        print(f"h5py         {h5py.__version__}   HDF5 {h5py.version.hdf5_version}   parallel HDF5: "
-              f"{'yes' if h5py.get_config().mpi else 'no'}")
-        cp = backend.get_cupy()
-        print(f"cupy         {'not available' if cp is None else cp.__version__}   CUDA devices: {backend.device_count()}")
-        print(f"CUDA-aware MPI declared (AXONMPI_CUDA_AWARE_MPI): {'yes' if cuda_aware_mpi() else 'no'}")
-        print(f"debug mode (AXONMPI_DEBUG): {'on' if world.debug else 'off'}")
-        print(f"world        {world.world_size} rank(s) on {world.num_nodes} node(s)")
-    layout = axonmpi.gather_object((world.rank, MPI.Get_processor_name(), world.local_rank, str(world.device)))
-    if world.rank == 0 and args.ranks:
-        for r, host, lr, dev in layout:
-            print(f"  rank {r:>4}  host {host}  local_rank {lr}  device {dev}")
+    d = info_dict(world)
+    if world.rank != 0:
+        return 0
+    if args.json:
+        import json
+        print(json.dumps(d, indent=2))
+        return 0
+    mpi, cuda = d["mpi"], d["cuda"]
+    print(f"axonmpi      {d['axonmpi']}")
+    print(f"python       {d['python']}  ({d['python_executable']})")
+    print(f"numpy        {d['numpy']}")
+    print(f"mpi4py       {d['mpi4py']}   MPI {mpi['standard']}: {mpi['library']}")
+    print(f"MPI threads  {mpi['thread_level']}")
+    print(f"CUDA-aware MPI: {mpi['cuda_aware']}")
+    print(f"h5py         {d['h5py']}   HDF5 {d['hdf5']}   parallel HDF5: {'yes' if d['parallel_hdf5'] else 'no'}")
+    print(f"cupy         {d['cupy'] or 'not available'}   CUDA "
+          f"{'-' if cuda is None else cuda['runtime'] + ' (driver ' + cuda['driver'] + ')'}   "
+          f"NCCL {d['nccl'] or '-'}")
+    print(f"backend      {d['backend']} (device arrays)   debug mode (AXONMPI_DEBUG): {'on' if d['debug'] else 'off'}")
+    print(f"world        {d['world_size']} rank(s) on {d['num_nodes']} node(s)")
+    gpus = sorted({r["gpus_visible"] for r in d["ranks"]})
+    print(f"GPUs visible per rank: {', '.join(map(str, gpus))}")
+    if args.ranks:
+        for r in d["ranks"]:
+            print(f"  rank {r['rank']:>4}  host {r['host']}  local_rank {r['local_rank']}  device {r['device']}  "
+                  f"GPUs visible {r['gpus_visible']}  CUDA_VISIBLE_DEVICES={r['CUDA_VISIBLE_DEVICES']}")
     return 0
 
 
@@ -109,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sp = sub.add_parser("info", help="versions, MPI library, GPUs; under mpiexec also the rank layout")
-    sp.add_argument("--ranks", action="store_true", help="list every rank's host, local rank and device")
+    sp.add_argument("--ranks", action="store_true", help="list every rank's host, local rank, device and GPUs")
+    sp.add_argument("--json", action="store_true", help="print everything as one JSON object (rank 0)")
     sp.set_defaults(func=_cmd_info)
     sp = sub.add_parser("run", help="run a script on N local ranks (mpiexec -n N python SCRIPT ...)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -5,7 +5,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-__all__ = ["EnvVar", "VARIABLES", "EnvError", "get_bool", "get_float", "get_log_level", "get", "describe"]
+__all__ = ["EnvVar", "VARIABLES", "EnvError", "get_bool", "get_tribool", "get_float", "get_log_level", "get",
+           "describe"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -32,7 +33,12 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "seconds (> 0) before a collective some ranks never reach is reported (debug mode)"),
     EnvVar("AXONMPI_LOG_LEVEL", "level", "INFO", "level of axonmpi loggers: " + ", ".join(_LOG_LEVELS)),
     EnvVar("AXONMPI_DISABLE_CUPY", "bool", "0", "use NumPy even where CuPy and a GPU are present"),
-    EnvVar("AXONMPI_CUDA_AWARE_MPI", "bool", "0", "hand CuPy buffers to MPI directly (no host staging)"),
+    EnvVar("AXONMPI_CUDA_AWARE", "tribool", "auto",
+           "1/0: declare the MPI library CUDA-aware or not (CuPy buffers go to MPI directly, or are staged "
+           "through pinned host memory); auto asks MPI (Query_cuda_support / MPIX_Query_cuda_support)"),
+    EnvVar("AXONMPI_CUDA_AWARE_MPI", "tribool", "auto", "older name of AXONMPI_CUDA_AWARE (used when that is unset)"),
+    EnvVar("AXONMPI_FAKE_NCCL", "bool", "0",
+           "tests only: run the NCCL backend on axonmpi.testing.fake_nccl (NCCL's API over MPI on host arrays)"),
     EnvVar("AXONMPI_MPI_FLOAT16", "bool", "1",
            "0 forces the float16 path for MPI libraries without a half type (moved as 16-bit words, reduced in float32)"),
     EnvVar("AXONMPI_NO_THREAD_LIMIT", "bool", "0",
@@ -63,6 +69,23 @@ def get_bool(name: str) -> bool:
     raise EnvError(f"{name}={v!r} is not a boolean; expected one of 1/true/yes/on or 0/false/no/off")
 
 
+def get_tribool(name: str) -> Optional[bool]:
+    """Like :func:`get_bool`, but unset, empty or ``auto`` gives ``None`` (decide automatically).
+
+    Example:
+        >>> os.environ["AXONMPI_CUDA_AWARE"] = "auto"; get_tribool("AXONMPI_CUDA_AWARE") is None
+        True
+    """
+    v = _raw(name)
+    if v is None or v.lower() in ("", "auto"):
+        return None
+    if v.lower() in _TRUE:
+        return True
+    if v.lower() in _FALSE:
+        return False
+    raise EnvError(f"{name}={v!r} is not a boolean; expected one of 1/true/yes/on, 0/false/no/off or auto")
+
+
 def get_float(name: str, *, positive: bool = True) -> float:
     """A number of seconds etc.; a unit suffix (``5s``) or a non-positive value raises :class:`EnvError`."""
     v = _raw(name)
@@ -86,7 +109,8 @@ def get_log_level(name: str = "AXONMPI_LOG_LEVEL") -> str:
     return v
 
 
-_READERS: Dict[str, Callable[[str], object]] = {"bool": get_bool, "float": get_float, "level": get_log_level}
+_READERS: Dict[str, Callable[[str], object]] = {"bool": get_bool, "tribool": get_tribool, "float": get_float,
+                                                 "level": get_log_level}
 
 
 def get(name: str):

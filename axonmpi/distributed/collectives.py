@@ -9,10 +9,11 @@ Conventions (shared by every function here):
 * Uneven sizes follow one rule, the :func:`chunk_sizes` rule (``numpy.array_split``'s):
   ``n`` rows over ``p`` ranks gives the first ``n % p`` ranks one extra row. No padding.
 * ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns the result.
-* Every call goes through the group's :class:`~axonmpi.distributed.backends.Backend` (the
-  MPI backend today; an NCCL backend is planned). CuPy arrays go to it directly when MPI is
-  declared CUDA-aware (``AXONMPI_CUDA_AWARE_MPI=1``); otherwise they are staged through host
-  memory, and ``async_op=True`` then completes before returning. The CPU path never imports CuPy.
+* Every call goes through the group's :class:`~axonmpi.distributed.backends.Backend`. CuPy
+  arrays go to NCCL when ``axonmpi.init(backend=...)`` gives it (``"auto"`` with CuPy's NCCL,
+  or ``"nccl"``), else to MPI directly when it is CUDA-aware (``AXONMPI_CUDA_AWARE``), else
+  they are staged through host memory, and ``async_op=True`` then completes before returning.
+  Host arrays and objects go over MPI. The CPU path never imports CuPy.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from .. import backend as _be
 from .backends.base import P2PBuffer
+from .backends import device_backend, host_backend
 from .backends.mpi import CudaAwareMPIBackend, MPIBackend, cuda_aware_mpi
 from .group import ProcessGroup
 from .reduce_op import ReduceOp, mpi_op
@@ -59,22 +61,50 @@ def _group(group):
 
 
 def _host_backend(g: ProcessGroup) -> MPIBackend:
-    """The group's backend for host arrays and picklable objects (created once per group)."""
+    """The group's backend for host arrays and picklable objects (created once per group).
+
+    MPI, except on the test stand-in with ``init(backend="nccl")``, where it is the NCCL
+    backend (whose object calls go over MPI).
+    """
     be = g._host
     if be is None:
-        be = g._host = g._backends["mpi"] = MPIBackend(g)
+        be = g._host = host_backend(g)
+        g._backends[be.name] = be
     return be
 
 
+class _MPIServesDevice:
+    """``g._backends["device"]`` when MPI serves the group's CuPy arrays (the choice is made once)."""
+
+    name = "mpi"
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+_NO_DEVICE_BACKEND = _MPIServesDevice()
+
+
 def _backend(g: ProcessGroup, arr) -> MPIBackend:
-    """The backend serving ``arr`` on group ``g`` (cached per group)."""
+    """The backend serving ``arr`` on group ``g`` (cached per group).
+
+    CuPy arrays: the group's NCCL backend when the World's backend choice gives NCCL (see
+    :func:`~axonmpi.distributed.backends.device_backend`), else the CUDA-aware MPI backend,
+    else the host backend (arrays staged through host memory).
+    """
     if type(arr) is _ND:
         return g._host or _host_backend(g)
-    if _be.is_cupy_array(arr) and cuda_aware_mpi():
-        b = g._backends.get("mpi-cuda")
-        if b is None:
-            b = g._backends["mpi-cuda"] = CudaAwareMPIBackend(g)
-        return b
+    if _be.is_cupy_array(arr):
+        d = g._backends.get("device")
+        if d is None:
+            d = g._backends["device"] = device_backend(g) or _NO_DEVICE_BACKEND
+        if d is not _NO_DEVICE_BACKEND:
+            return d
+        if cuda_aware_mpi():
+            b = g._backends.get("mpi-cuda")
+            if b is None:
+                b = g._backends["mpi-cuda"] = CudaAwareMPIBackend(g)
+            return b
     return g._host or _host_backend(g)   # device arrays are staged through the host for it
 
 
@@ -138,13 +168,15 @@ class _Staged:
         self.direct = on_gpu and not be.host_only
 
     def host(self, a):
-        """``a`` as the backend takes it (a host copy when staged)."""
-        return a.get() if (self.dev and a is not None) else a
+        """``a`` as the backend takes it (a pinned host copy when staged)."""
+        return _be.to_host_pinned(a) if (self.dev and a is not None) else a
 
     def empty(self, like, n, dtype=None):
-        """A new 1-D buffer of ``n`` elements the backend can write (host when staged)."""
-        xp = np if self.dev else _be.get_array_module(like)
-        return xp.empty(n, like.dtype if dtype is None else dtype)
+        """A new 1-D buffer of ``n`` elements the backend can write (pinned host memory when staged)."""
+        dtype = like.dtype if dtype is None else dtype
+        if self.dev:
+            return _be.empty_pinned(n, dtype)
+        return _be.get_array_module(like).empty(n, dtype)
 
     def back(self, res, like):
         """``res`` on the device of ``like`` (the caller's array) when staged."""

@@ -8,7 +8,7 @@ from typing import Iterable, List, Optional
 
 from mpi4py import MPI
 
-from .. import backend
+from .. import backend as _devices
 from .grid import ProcessGrid, resolve_grid_sizes
 from .group import ProcessGroup
 
@@ -26,14 +26,20 @@ class World:
             not launcher variables, so it works with mpiexec, srun and anything else).
         node_rank, num_nodes: index of this node and number of nodes (``node_index`` is an alias).
         default_group: the group of all ranks (collectives use it when ``group=None``).
-        device: ``cpu``, or ``cuda:<local_rank % device_count>`` when CuPy and a GPU are present.
+        device: ``cpu``, or ``cuda:<local_rank % device_count>`` when CuPy and a GPU are present
+            (the count CuPy sees honours ``CUDA_VISIBLE_DEVICES``, so Slurm's per-task binding,
+            which leaves each rank one GPU, gives ``cuda:0`` everywhere).
+        backend: the :class:`~axonmpi.distributed.backends.BackendKind` for device arrays
+            (``AUTO``: NCCL when available, else MPI). Host arrays and objects go over MPI.
         debug: True when ``AXONMPI_DEBUG=1`` (collectives check their arguments across ranks).
         grid: the :class:`ProcessGrid` (AxoNN's 5-D layout; the trivial grid is pure data parallel).
     """
 
     def __init__(self, comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
                  abort_on_exception: bool = True, G_inter: int = 1, G_data: Optional[int] = None,
-                 G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1):
+                 G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, device: str = "auto",
+                 backend: str = "auto"):
+        from .backends.nccl import BackendKind, nccl_available
         base = comm if comm is not None else MPI.COMM_WORLD
         sizes = resolve_grid_sizes(base.Get_size(), G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
                                    G_intra_c=G_intra_c, G_intra_d=G_intra_d, rank=base.Get_rank())
@@ -59,10 +65,17 @@ class World:
         self.local_ranks = tuple(node.allgather(self.rank))
         node.Free()
 
-        ndev = backend.device_count()
-        self.device = backend.Device("cuda", self.local_rank % ndev) if ndev > 0 else backend.Device("cpu")
-        if ndev > 0:
-            backend.get_cupy().cuda.Device(self.device.index).use()
+        try:
+            self.backend = BackendKind.coerce(backend)
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: {e}") from None
+        self.device = _bind_device(device, self.local_rank, self.rank)
+        if self.device.type == "cuda":
+            _devices.get_cupy().cuda.Device(self.device.index).use()
+        if self.backend is BackendKind.NCCL and not nccl_available():
+            raise RuntimeError(
+                f"rank {self.rank}: backend='nccl' needs CuPy with NCCL and a GPU (pip install "
+                "'axonmpi[cuda12]'); none is available here. Use backend='auto' or 'mpi'")
 
         self.default_group = ProcessGroup(self, self._comm, range(self.world_size), name="world")
         self._groups: List[ProcessGroup] = []
@@ -72,6 +85,13 @@ class World:
         if abort_on_exception:
             install_abort_on_exception(self._comm)
         self.grid = ProcessGrid(self, **sizes)
+
+    @property
+    def nccl_for_host_arrays(self) -> bool:
+        """True when host arrays go through the NCCL backend too: only with ``backend='nccl'``
+        on the test stand-in (``AXONMPI_FAKE_NCCL=1``)."""
+        from .backends.nccl import BackendKind, _fake_requested
+        return self.backend is BackendKind.NCCL and _fake_requested()
 
     @property
     def node_index(self) -> int:
@@ -175,7 +195,7 @@ class World:
 
 def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Optional[int] = None,
          G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, debug: Optional[bool] = None,
-         abort_on_exception: bool = True) -> World:
+         abort_on_exception: bool = True, device: str = "auto", backend: str = "auto") -> World:
     """Create (once) and return the current :class:`World` and its :class:`ProcessGrid`.
 
     Idempotent: a later call with no grid sizes, or with the same grid, returns the same World;
@@ -191,6 +211,14 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
         debug: check collective arguments across ranks (default: ``AXONMPI_DEBUG`` env var).
         abort_on_exception: end the whole job (``MPI_Abort``) when any rank dies of an
             uncaught exception, after printing its traceback, instead of leaving others hanging.
+        device: ``"auto"`` (GPU ``local_rank % n_gpus`` when CuPy sees one, else CPU), ``"cpu"``,
+            or ``"cuda"`` (raises without a GPU). Local rank comes from
+            ``Split_type(COMM_TYPE_SHARED)``; the GPU count honours ``CUDA_VISIBLE_DEVICES``.
+        backend: who moves device (CuPy) arrays: ``"auto"`` (NCCL when CuPy has it, else MPI:
+            directly when CUDA-aware, else staged through the host), ``"mpi"`` or ``"nccl"``
+            (raises where NCCL is missing). Host arrays and object collectives always use MPI,
+            except on the test stand-in (``AXONMPI_FAKE_NCCL=1``), where ``"nccl"`` routes
+            host arrays through the NCCL backend as well.
 
     Raises:
         ValueError: sizes that are not positive ints or whose product is not the world size
@@ -206,8 +234,16 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
     asked = dict(G_data=G_data, G_inter=G_inter, G_intra_r=G_intra_r, G_intra_c=G_intra_c,
                  G_intra_d=G_intra_d)
     if _WORLD is None or _WORLD._destroyed:
-        _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception, **asked)
+        _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception, device=device,
+                       backend=backend, **asked)
         return _WORLD
+    from .backends.nccl import BackendKind
+    if backend != "auto" and BackendKind.coerce(backend) is not _WORLD.backend:
+        raise ValueError(f"rank {_WORLD.rank}: axonmpi.init asked for backend={backend!r} but the World has "
+                         f"backend={_WORLD.backend.value!r}; call axonmpi.distributed.destroy() first to change it")
+    if device != "auto" and _devices.as_device(device).type != _WORLD.device.type:
+        raise ValueError(f"rank {_WORLD.rank}: axonmpi.init asked for device={device!r} but the World is on "
+                         f"{_WORLD.device}; call axonmpi.distributed.destroy() first to change it")
     if asked != dict(G_data=None, G_inter=1, G_intra_r=1, G_intra_c=1, G_intra_d=1):
         have = _WORLD.grid.sizes
         want = resolve_grid_sizes(_WORLD.world_size, rank=_WORLD.rank, **asked)
@@ -218,6 +254,22 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
                 f"already has the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to "
                 "change it")
     return _WORLD
+
+
+def _bind_device(device, local_rank: int, rank: int):
+    """The device of this rank: GPU ``local_rank % n_gpus`` (``auto``/``cuda``), or the CPU."""
+    kind = str(device).lower()
+    if kind not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"rank {rank}: device={device!r} is not a device choice; expected 'auto', 'cpu' or 'cuda'")
+    if kind == "cpu":
+        return _devices.Device("cpu")
+    ndev = _devices.device_count()
+    if ndev == 0:
+        if kind == "cuda":
+            raise RuntimeError(f"rank {rank}: device='cuda' but CuPy sees no GPU here (check "
+                               "CUDA_VISIBLE_DEVICES, AXONMPI_DISABLE_CUPY and pip install 'axonmpi[cuda12]')")
+        return _devices.Device("cpu")
+    return _devices.Device("cuda", local_rank % ndev)
 
 
 def is_initialized() -> bool:

@@ -12,7 +12,7 @@ from ... import env as _env
 from ..reduce_op import ReduceOp, mpi_op
 from .base import Backend, P2PBuffer
 
-__all__ = ["MPIBackend", "CudaAwareMPIBackend", "cuda_aware_mpi", "mpi_has_float16"]
+__all__ = ["MPIBackend", "CudaAwareMPIBackend", "cuda_aware_mpi", "query_cuda_support", "mpi_has_float16"]
 
 _IN_PLACE = MPI.IN_PLACE
 _MEAN = ReduceOp.MEAN
@@ -23,13 +23,45 @@ _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def cuda_aware_mpi() -> bool:
-    """True when ``AXONMPI_CUDA_AWARE_MPI=1``: device buffers then go to MPI without staging.
+    """True when CuPy buffers may go to MPI directly (no staging through host memory).
 
-    MPI libraries offer no portable query, so this is the user's declaration; without it
-    CuPy arrays are staged through host memory (correct everywhere, slower, and blocking:
-    ``async_op=True`` on a CuPy array then completes before it returns).
+    ``AXONMPI_CUDA_AWARE=1/0`` decides (its older name ``AXONMPI_CUDA_AWARE_MPI`` is used when
+    it is unset); left at ``auto``, the MPI library is asked (:func:`query_cuda_support`), and
+    an MPI that cannot say counts as not CUDA-aware. Without it CuPy arrays are staged through
+    host memory (correct everywhere, slower, and blocking: ``async_op=True`` on a CuPy array
+    then completes before it returns).
     """
-    return _env.get_bool("AXONMPI_CUDA_AWARE_MPI")
+    v = _env.get_tribool("AXONMPI_CUDA_AWARE")
+    if v is None:
+        v = _env.get_tribool("AXONMPI_CUDA_AWARE_MPI")
+    if v is None:
+        v = query_cuda_support()
+    return bool(v)
+
+
+@functools.lru_cache(maxsize=None)
+def query_cuda_support():
+    """What the MPI library says about CUDA support: True, False, or None when it cannot say.
+
+    Asks mpi4py's ``MPI.Query_cuda_support()`` where it exists, else the library's
+    ``MPIX_Query_cuda_support()`` (Open MPI, MPICH) through ctypes. Asked once per process.
+    """
+    q = getattr(MPI, "Query_cuda_support", None)
+    if q is not None:
+        try:
+            return bool(q())
+        except Exception:
+            return None
+    try:
+        import ctypes
+        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    try:
+        return bool(fn())
+    except Exception:
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,7 +360,7 @@ def _stream_synced(method):
 
 
 class CudaAwareMPIBackend(MPIBackend):
-    """:class:`MPIBackend` handing CuPy arrays to a CUDA-aware MPI (``AXONMPI_CUDA_AWARE_MPI=1``).
+    """:class:`MPIBackend` handing CuPy arrays to a CUDA-aware MPI (see :func:`cuda_aware_mpi`).
 
     Every call first synchronizes the caller's current CUDA stream, so MPI reads device memory
     after the kernels that wrote it and writes it after the kernels that still read it; when

@@ -1,4 +1,4 @@
-"""Helpers for testing MPI programs: run a script under a fresh ``mpiexec`` from inside Python."""
+"""Helpers for testing MPI programs: run a script under a fresh ``mpiexec``; ``fake_nccl``, a CPU stand-in for NCCL."""
 from __future__ import annotations
 
 import os
@@ -29,7 +29,7 @@ def mpiexec_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if extra:
         env.update(extra)
