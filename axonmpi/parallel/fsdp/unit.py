@@ -1,0 +1,225 @@
+"""One FSDP unit: its FlatParameter's gather/free/reduce lifecycle and the unit-boundary Function.
+
+[Note: FULL_SHARD unit boundary]
+NumPy cannot shrink an array that views still point at, so a unit whose forward recorded a
+graph would keep its gathered weights alive (every saved input of a matmul is a view of the
+gathered buffer) until backward, and "free after forward" would free nothing. A FULL_SHARD
+unit therefore runs its forward inside :class:`_UnitCall`: a Function whose forward computes
+the unit under ``no_grad`` with the gathered parameters and frees them right after, keeping
+only the unit's inputs; its backward gathers the parameters again (the backward prefetch of
+the unit before it is issued first), recomputes the unit's forward with the RNG state of the
+first pass, back-propagates the incoming gradient through it (the parameters' gradients land
+in the unit's flat gradient buffer), frees the parameters and hands the unit to the runtime,
+which launches its reduce-scatter at once, non-blocking. The price is one extra forward of
+each unit (as activation checkpointing); the gain is that no gathered unit outlives its
+compute, so the peak is the sharded state plus the unit(s) in flight.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from ...autograd import Function, Tensor, backward, enable_grad, no_grad
+from ...backend import get_array_module
+from ...distributed import ReduceOp, Work, all_reduce
+from ... import random as _random
+from .._flat import FlatParameter
+
+__all__ = ["FSDPUnit"]
+
+
+class FSDPUnit:
+    """A module whose parameters FSDP gathers, frees and reduces together (one FlatParameter).
+
+    Attributes:
+        name: qualified name of the module (``""`` for the root unit).
+        module: the module.
+        flat: its :class:`FlatParameter` (``None`` when it holds no parameters).
+        recompute: True when the unit runs through :class:`_UnitCall` (FULL_SHARD / HYBRID_SHARD
+            child units).
+    """
+
+    def __init__(self, name: str, module, flat: Optional[FlatParameter], runtime, *, recompute: bool):
+        self.name = name
+        self.module = module
+        self.flat = flat
+        self.rt = runtime
+        self.recompute = recompute
+        self.n_params = 0 if flat is None else len(flat.params)
+        self.n_ready = 0            # parameters whose gradient of this backward is final
+        self.n_fwd = 0              # forward calls this step
+        self.n_bwd = 0              # backward calls completed this step
+        self.complete = False
+        self.work: Optional[Work] = None
+        self._orig_forward: Optional[Callable] = None
+
+    @property
+    def label(self) -> str:
+        return self.name or "<root>"
+
+    # -- parameters ----------------------------------------------------------------------------
+    def _gather_args(self):
+        return dict(dtype=self.rt.param_dtype, device=self.rt.compute_device)
+
+    def prefetch(self) -> None:
+        """Start the all-gather of this unit, non-blocking (no-op when gathered or in flight)."""
+        f = self.flat
+        if f is None or f.full is not None or f._gather is not None:
+            return
+        self.rt._event("prefetch", self.name)
+        f.unshard(async_op=True, **self._gather_args())
+        self.rt._note_gathered()
+
+    def gather(self) -> None:
+        """Make the parameters whole (waits for a prefetch in flight)."""
+        if self.flat is None:
+            return
+        self.rt._event("gather", self.name)
+        self.flat.unshard(**self._gather_args())
+        self.rt._note_gathered()
+
+    def free(self) -> None:
+        """Free the gathered parameters (the shard stays)."""
+        if self.flat is not None and (self.flat.full is not None or self.flat._gather is not None):
+            self.flat.reshard()
+            self.rt._event("free", self.name)
+
+    # -- gradients -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.n_ready = self.n_fwd = self.n_bwd = 0
+        self.complete = self.flat is None or not self.flat.requires_grad
+        self.work = None
+
+    def on_param_ready(self, _param) -> None:
+        self.n_ready += 1
+        if self.n_ready == self.n_params:
+            self.rt._unit_complete(self)
+
+    def launch_reduce(self) -> None:
+        """Reduce-scatter the unit's gradients over its shard group, non-blocking."""
+        self.rt._event("reduce", self.name)
+        self.work = self.flat.reduce_grad(ReduceOp.MEAN, async_op=True, reduce_dtype=self.rt.reduce_dtype)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter; average the shard's gradient over the replicas (HYBRID / NO_SHARD)."""
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        rep = self.rt.replicate_group
+        if rep is not None and rep.size > 1:
+            g = self.flat.grad.data
+            all_reduce(g, ReduceOp.MEAN, rep, out=g)
+
+    # -- the FULL_SHARD boundary ---------------------------------------------------------------
+    def call(self, *args, **kwargs):
+        """The unit's forward as the wrapped model calls it."""
+        rt = self.rt
+        rt._check_active(self)
+        pos = rt._enter_forward(self)
+        self.gather()
+        rt._prefetch_after(pos)
+        training = self.recompute and self.flat is not None and self.flat.requires_grad and _grad_on()
+        rt._event("forward_start", self.name)
+        try:
+            if not training:
+                out = self._orig_forward(*args, **kwargs)
+                if self.recompute:
+                    self.free()
+            else:
+                for k, v in kwargs.items():
+                    if isinstance(v, Tensor) and v.requires_grad:
+                        raise NotImplementedError(
+                            f"FSDP unit {self.label}: keyword argument {k!r} is a Tensor that requires grad; "
+                            "pass differentiable inputs positionally")
+                self.n_fwd += 1
+                call = _Call(self, args, kwargs, pos)
+                tensors = [a for a in args if isinstance(a, Tensor)]
+                res = _UnitCall.apply(call, rt._anchor, *tensors)
+                out = res if call.out_kind == "tensor" else tuple(res)
+        finally:
+            rt._event("forward_end", self.name)
+        return out
+
+
+def _grad_on() -> bool:
+    from ...autograd import is_grad_enabled
+    return is_grad_enabled()
+
+
+class _Call:
+    """One forward call of a FULL_SHARD unit: what its backward needs to recompute it."""
+
+    def __init__(self, unit: FSDPUnit, args: Sequence[Any], kwargs, pos: int):
+        self.unit = unit
+        self.args = list(args)
+        self.kwargs = kwargs
+        self.pos = pos
+        self.tensor_pos = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        self.rng = _random.get_rng_state()
+        self.out_kind = "tensor"
+
+    def _rebuild(self, arrays, needs):
+        args = list(self.args)
+        for i, a, n in zip(self.tensor_pos, arrays, needs):
+            args[i] = Tensor(a, requires_grad=n)
+        return args
+
+    def _outputs(self, out) -> List[Tensor]:
+        if isinstance(out, Tensor):
+            self.out_kind = "tensor"
+            return [out]
+        if isinstance(out, tuple) and out and all(isinstance(o, Tensor) for o in out):
+            self.out_kind = "tuple"
+            return list(out)
+        raise NotImplementedError(
+            f"FSDP unit {self.unit.label} returned {type(out).__name__}; a FULL_SHARD unit must return a "
+            "Tensor or a tuple of Tensors")
+
+    def forward(self, arrays):
+        with no_grad():
+            outs = self._outputs(self.unit._orig_forward(*self._rebuild(arrays, [False] * len(arrays)),
+                                                         **self.kwargs))
+        self.unit.free()
+        data = [o.data for o in outs]
+        return data[0] if self.out_kind == "tensor" else tuple(data)
+
+    def backward(self, arrays, needs, grads):
+        unit, rt = self.unit, self.unit.rt
+        unit.gather()
+        rt._prefetch_before(self.pos)
+        unit.flat.bind_grads()
+        now = _random.get_rng_state()
+        _random.set_rng_state(self.rng)
+        try:
+            with enable_grad():
+                inputs = self._rebuild(arrays, needs)
+                outs = self._outputs(unit._orig_forward(*inputs, **self.kwargs))
+            roots, gs = [], []
+            for o, g in zip(outs, grads):
+                if g is not None and o.requires_grad:
+                    roots.append(o)
+                    gs.append(g)
+            if roots:
+                backward(roots, gs)
+        finally:
+            _random.set_rng_state(now)
+        unit.free()
+        unit.n_bwd += 1
+        if unit.n_bwd == unit.n_fwd:
+            rt._unit_complete(unit)
+        return [None if t.grad is None else t.grad.data for t in (inputs[i] for i in self.tensor_pos)]
+
+
+class _UnitCall(Function):
+    """Forward: the unit under ``no_grad`` on gathered parameters. Backward: re-gather, recompute, backprop."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, anchor, *arrays):
+        ctx.call = call
+        ctx.arrays = arrays
+        return call.forward(arrays)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[2:]
+        return (None, None, *ctx.call.backward(ctx.arrays, needs, grads))
