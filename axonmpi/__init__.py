@@ -28,4 +28,5 @@ from .autograd import (
 )
 from . import nn, optim, data, models, parallel, checkpoint
 from .parallel import DDP, DistributedDataParallel, GradSyncStrategy
+from .parallel import FSDP, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from .data.distributed import DistributedSampler, create_dataloader
