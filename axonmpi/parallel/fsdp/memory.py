@@ -87,7 +87,7 @@ def estimate_memory(module_or_num_params: Any, sharding_strategy=ShardingStrateg
     ``(P + G + K) Psi / N``. Gathered units and activations come on top.
 
     Args:
-        module_or_num_params: a Module (its parameter count is used) or an int.
+        module_or_num_params: a Module or an FSDP model (its parameter count is used) or an int.
         sharding_strategy: a :class:`ShardingStrategy`.
         group_size: ranks the state is sharded over.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` or ``"sgd_momentum"``.
@@ -101,8 +101,11 @@ def estimate_memory(module_or_num_params: Any, sharding_strategy=ShardingStrateg
         >>> estimate_memory(10_000_000, ShardingStrategy.FULL_SHARD, 4).total_mb   # 16 B * 10M / 4
         38.14697265625
     """
-    psi = module_or_num_params if isinstance(module_or_num_params, (int, np.integer)) else sum(
-        int(p.data.size) for p in module_or_num_params.parameters())
+    m = module_or_num_params
+    if isinstance(m, (int, np.integer)):
+        psi = int(m)
+    else:     # an FSDP model counts its flat parameters' full sizes
+        psi = sum(int(getattr(p, "total_numel", p.data.size)) for p in m.parameters())
     psi = int(psi)
     n = int(group_size)
     if n < 1:
