@@ -375,22 +375,90 @@ class FullyShardedDataParallel(Module):
         """
         out: Dict[str, Any] = {}
         for u in self._all_units:
-            f = u.flat
-            if f is None:
-                continue
-            prefix = f"{u.name}." if u.name else ""
-            segs = {s.index: s for s in f.segments()}
-            for i, (name, numel) in enumerate(zip(f.names, f.layout.numels)):
-                s = segs.get(i)
-                if s is None:
-                    local, start = to_host(f.data[:0]).copy(), 0
-                else:
-                    local = to_host(f.data[s.offset:s.offset + s.param_stop - s.param_start]).copy()
-                    start = s.param_start
-                out[prefix + name] = ShardedArray(local, (numel,), (start,))
+            if u.flat is not None:
+                for fn, (_, blk) in zip(self._param_names(u.flat), self._blocks(u.flat, u.flat.data)):
+                    out[fn] = blk
         for k, b in self.module.named_buffers():
             out[k] = to_host(b.data).copy()
         return out
+
+    def _blocks(self, f: FlatParameter, arr) -> List[Tuple[str, ShardedArray]]:
+        """Split a chunk-shaped array of ``f`` into one 1-D ShardedArray per original parameter."""
+        segs = {s.index: s for s in f.segments()}
+        out = []
+        for i, (name, numel) in enumerate(zip(f.names, f.layout.numels)):
+            s = segs.get(i)
+            if s is None:
+                local, start = to_host(arr[:0]).copy(), 0
+            else:
+                local = to_host(arr[s.offset:s.offset + s.param_stop - s.param_start]).copy()
+                start = s.param_start
+            out.append((name, ShardedArray(local, (numel,), (start,))))
+        return out
+
+    def _param_names(self, f: FlatParameter) -> List[str]:
+        prefix = f"{f.fsdp_unit}." if f.fsdp_unit else ""
+        return [prefix + n for n in f.names]
+
+    def optim_state_dict(self, optimizer) -> Dict[str, Any]:
+        """The optimizer's state keyed by original parameter names, as 1-D ShardedArray blocks.
+
+        ``{"state": {name: {"step": int, "exp_avg": ShardedArray, ...}}, "param_groups":
+        [{options..., "params": [names]}]}``: PyTorch's full optimizer state dict with names for
+        keys and each array flattened; nothing is gathered. Save it with
+        :func:`axonmpi.checkpoint.save`; :meth:`load_optim_state_dict` reads it back at any
+        world size.
+        """
+        state: Dict[str, Dict[str, Any]] = {}
+        groups = []
+        for g in optimizer.param_groups:
+            names = []
+            for f in g["params"]:
+                if not isinstance(f, FlatParameter) or not hasattr(f, "fsdp_unit"):
+                    raise ValueError("FSDP.optim_state_dict: the optimizer must be built on fsdp.parameters()")
+                names += self._param_names(f)
+                st = optimizer.state.get(f)
+                if not st:
+                    continue
+                full_names = self._param_names(f)
+                for key, v in st.items():
+                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                        for (n, blk), fn in zip(self._blocks(f, v), full_names):
+                            state.setdefault(fn, {})[key] = blk
+                    else:
+                        for fn in full_names:
+                            state.setdefault(fn, {})[key] = v
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return {"state": state, "param_groups": groups}
+
+    def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
+        """Load an :meth:`optim_state_dict` (any world size) into ``optimizer`` (built on ``parameters()``)."""
+        for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        saved = state_dict["state"]
+        for g in optimizer.param_groups:
+            for f in g["params"]:
+                names = self._param_names(f)
+                st: Dict[str, Any] = {}
+                c = f.shard_range[1] - f.shard_range[0]
+                for s in f.segments():
+                    ps = saved.get(names[s.index])
+                    if ps is None:
+                        continue
+                    for key, v in ps.items():
+                        if isinstance(v, ShardedArray) or (hasattr(v, "shape") and getattr(v, "ndim", 0) > 0):
+                            if isinstance(v, ShardedArray):
+                                a, local = v.offsets[0], np.asarray(v.local).reshape(-1)
+                            else:
+                                a, local = 0, np.asarray(to_host(v)).reshape(-1)
+                            if key not in st:
+                                st[key] = get_array_module(f.data).zeros(c, dtype=f.data.dtype)
+                            n = s.param_stop - s.param_start
+                            st[key][s.offset:s.offset + n] = local[s.param_start - a:s.param_stop - a]
+                        else:
+                            st[key] = int(v) if key == "step" else v
+                if st:
+                    optimizer.state[f] = st
 
     def _load_sharded(self, state_dict, strict: bool):
         missing, used = [], set()
