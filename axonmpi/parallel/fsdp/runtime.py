@@ -18,6 +18,7 @@ order because the order follows the model's (deterministic) execution.
 from __future__ import annotations
 
 import contextlib
+import mmap
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -149,10 +150,12 @@ class FullyShardedDataParallel(Module):
         inside = {id(p) for _, m in specs for p in m.parameters()}
         root_named = [(n, p) for n, p in params if id(p) not in inside]
         full_shard = self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        self.root_unit = self._make_unit("", module, root_named, owner, recompute=False)
+        remap = get_array_module(params[0][1].data) is np and hasattr(mmap, "MADV_DONTNEED")
+        child_mode = ("remap" if remap else "recompute") if full_shard else "keep"
+        self.root_unit = self._make_unit("", module, root_named, owner, mode="keep")
         for qname, m in specs:
             named = [(f"{qname}.{n}", p) for n, p in m.named_parameters()]
-            unit = self._make_unit(qname, m, named, owner, recompute=full_shard)
+            unit = self._make_unit(qname, m, named, owner, mode=child_mode)
             unit._orig_forward = m.forward
             object.__setattr__(m, "forward", unit.call)
             self.units.append(unit)
@@ -173,7 +176,7 @@ class FullyShardedDataParallel(Module):
         for u in self._all_units:
             u.reset()
 
-    def _make_unit(self, name: str, module: Module, named, owner: Dict[int, str], *, recompute: bool) -> FSDPUnit:
+    def _make_unit(self, name: str, module: Module, named, owner: Dict[int, str], *, mode: str) -> FSDPUnit:
         for n, p in named:
             if id(p) in owner:
                 raise ValueError(f"FSDP: parameter {n!r} is shared with {owner[id(p)]!r} in another unit; "
@@ -189,7 +192,7 @@ class FullyShardedDataParallel(Module):
                 flat.move_shard("cpu")
             flat.shard_group = self.shard_group if self.shard_group.size > 1 else None
             flat.fsdp_unit = name
-        return FSDPUnit(name, module, flat, self, recompute=recompute)
+        return FSDPUnit(name, module, flat, self, mode=mode)
 
     # -- events / memory bookkeeping ------------------------------------------------------------
     def _event(self, kind: str, unit: str) -> None:
@@ -288,7 +291,7 @@ class FullyShardedDataParallel(Module):
         if is_grad_enabled():
             self._phase = "armed"
             for u in self._all_units:
-                if u.flat is not None and not u.recompute:
+                if u.flat is not None and u.mode == "keep":
                     u.flat.bind_grads()
         else:
             for u in self._all_units:

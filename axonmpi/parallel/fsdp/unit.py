@@ -1,10 +1,21 @@
-"""One FSDP unit: its FlatParameter's gather/free/reduce lifecycle and the unit-boundary Function.
+"""One FSDP unit: its FlatParameter's gather/free/reduce lifecycle and the unit-boundary Functions.
 
 [Note: FULL_SHARD unit boundary]
 NumPy cannot shrink an array that views still point at, so a unit whose forward recorded a
 graph would keep its gathered weights alive (every saved input of a matmul is a view of the
-gathered buffer) until backward, and "free after forward" would free nothing. A FULL_SHARD
-unit therefore runs its forward inside :class:`_UnitCall`: a Function whose forward computes
+gathered buffer) until backward, and dropping our reference would free nothing. Two ways out:
+
+* NumPy (``mode="remap"``): each unit gathers into one buffer of its own, an anonymous memory
+  mapping. The forward records its graph as usual (saved arrays view the buffer); "free" drops
+  the parameters' views and returns the buffer's pages to the OS (``madvise(MADV_DONTNEED)``:
+  the mapping stays, its memory is released, reads would give zeros). :class:`_PreBackward`, an
+  identity Function on the unit's outputs, runs in backward before any node of the unit: it
+  gathers the unit again into the same buffer (so every saved view sees the parameters again)
+  and issues the prefetch of the unit before it. When the unit's last parameter gradient is
+  final (post-accumulate-grad hooks) its reduce-scatter is launched, non-blocking, and the
+  pages are released again. This is PyTorch's "resize the storage to 0" in NumPy terms.
+* Other array modules (``mode="recompute"``): the unit runs inside :class:`_UnitCall`, a
+  Function whose forward computes
 the unit under ``no_grad`` with the gathered parameters and frees them right after, keeping
 only the unit's inputs; its backward gathers the parameters again (the backward prefetch of
 the unit before it is issued first), recomputes the unit's forward with the RNG state of the
@@ -16,7 +27,10 @@ compute, so the peak is the sharded state plus the unit(s) in flight.
 """
 from __future__ import annotations
 
+import mmap
 from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ...autograd import Function, Tensor, backward, enable_grad, no_grad
 from ...backend import get_array_module
@@ -34,16 +48,20 @@ class FSDPUnit:
         name: qualified name of the module (``""`` for the root unit).
         module: the module.
         flat: its :class:`FlatParameter` (``None`` when it holds no parameters).
-        recompute: True when the unit runs through :class:`_UnitCall` (FULL_SHARD / HYBRID_SHARD
-            child units).
+        mode: ``"keep"`` (gathered from forward until its gradients are complete: root unit,
+            SHARD_GRAD_OP, NO_SHARD), ``"remap"`` or ``"recompute"`` (FULL_SHARD / HYBRID_SHARD
+            child units; see the module notes).
     """
 
-    def __init__(self, name: str, module, flat: Optional[FlatParameter], runtime, *, recompute: bool):
+    def __init__(self, name: str, module, flat: Optional[FlatParameter], runtime, *, mode: str):
         self.name = name
         self.module = module
         self.flat = flat
         self.rt = runtime
-        self.recompute = recompute
+        self.mode = mode
+        self.recompute = mode == "recompute"
+        self._map = None            # "remap": the mmap behind the gather buffer
+        self._buf = None
         self.n_params = 0 if flat is None else len(flat.params)
         self.n_ready = 0            # parameters whose gradient of this backward is final
         self.n_fwd = 0              # forward calls this step
@@ -58,7 +76,16 @@ class FSDPUnit:
 
     # -- parameters ----------------------------------------------------------------------------
     def _gather_args(self):
-        return dict(dtype=self.rt.param_dtype, device=self.rt.compute_device)
+        kw = dict(dtype=self.rt.param_dtype, device=self.rt.compute_device)
+        if self.mode == "remap":
+            if self._buf is None:
+                f = self.flat
+                dt = np.dtype(self.rt.param_dtype or f.data.dtype)
+                count = f.world_size * f.padded_size
+                self._map = mmap.mmap(-1, max(1, count * dt.itemsize))
+                self._buf = np.frombuffer(self._map, dtype=dt, count=count)
+            kw["out"] = self._buf
+        return kw
 
     def prefetch(self) -> None:
         """Start the all-gather of this unit, non-blocking (no-op when gathered or in flight)."""
@@ -81,6 +108,8 @@ class FSDPUnit:
         """Free the gathered parameters (the shard stays)."""
         if self.flat is not None and (self.flat.full is not None or self.flat._gather is not None):
             self.flat.reshard()
+            if self._map is not None:
+                self._map.madvise(mmap.MADV_DONTNEED)
             self.rt._event("free", self.name)
 
     # -- gradients -----------------------------------------------------------------------------
@@ -118,13 +147,20 @@ class FSDPUnit:
         pos = rt._enter_forward(self)
         self.gather()
         rt._prefetch_after(pos)
-        training = self.recompute and self.flat is not None and self.flat.requires_grad and _grad_on()
+        training = self.flat is not None and self.flat.requires_grad and _grad_on()
         rt._event("forward_start", self.name)
         try:
-            if not training:
+            if not training or self.mode == "keep":
                 out = self._orig_forward(*args, **kwargs)
-                if self.recompute:
+                if self.mode != "keep":
                     self.free()
+            elif self.mode == "remap":
+                out = self._orig_forward(*args, **kwargs)
+                outs = _outputs(self, out)
+                if any(o.requires_grad for o in outs):
+                    res = _PreBackward.apply(self, pos, rt._anchor, *outs)
+                    out = res if isinstance(out, Tensor) else tuple(res)
+                self.free()
             else:
                 for k, v in kwargs.items():
                     if isinstance(v, Tensor) and v.requires_grad:
@@ -139,6 +175,34 @@ class FSDPUnit:
         finally:
             rt._event("forward_end", self.name)
         return out
+
+
+def _outputs(unit: FSDPUnit, out) -> List[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, tuple) and out and all(isinstance(o, Tensor) for o in out):
+        return list(out)
+    raise NotImplementedError(
+        f"FSDP unit {unit.label} returned {type(out).__name__}; a FULL_SHARD unit must return a "
+        "Tensor or a tuple of Tensors")
+
+
+class _PreBackward(Function):
+    """Identity on a unit's outputs; in backward, re-gathers the unit before any of its nodes runs."""
+
+    @staticmethod
+    def forward(ctx, unit, pos, anchor, *arrays):
+        ctx.unit, ctx.pos = unit, pos
+        return arrays[0] if len(arrays) == 1 else tuple(arrays)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        if not unit.complete:
+            unit.gather()
+            unit.rt._prefetch_before(ctx.pos)
+            unit.flat.bind_grads()
+        return (None, None, None, *grads)
 
 
 def _grad_on() -> bool:
