@@ -82,7 +82,7 @@ class FSDPUnit:
                 f = self.flat
                 dt = np.dtype(self.rt.param_dtype or f.data.dtype)
                 count = f.world_size * f.padded_size
-                self._map = mmap.mmap(-1, max(1, count * dt.itemsize))
+                self._map = mmap.mmap(-1, max(1, count * dt.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 self._buf = np.frombuffer(self._map, dtype=dt, count=count)
             kw["out"] = self._buf
         return kw
