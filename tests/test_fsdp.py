@@ -350,3 +350,15 @@ def test_prefetch_and_reduce_scatter_overlap_compute():
     # the last unit's reduce-scatter starts before the first unit's backward has even gathered
     assert reduces[0] < back_gathers[1] < ev.index(("backward_end", ""))
     assert ev[reduces[0]] == ("reduce", names[-1])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_recompute_path_parity(monkeypatch):
+    """Where pages cannot be released (CuPy, or no madvise) FULL_SHARD units recompute in backward:
+    forced here on NumPy, the same parity holds, with no_sync accumulation too."""
+    from axonmpi.parallel.fsdp import runtime
+    monkeypatch.delattr(runtime.mmap, "MADV_DONTNEED")
+    world = axonmpi.init()
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
+        model = _check_parity(world, lambda m: FSDP(m, sharding_strategy=strategy), steps=5, micro=2)
+        assert {u.mode for u in model.units} == {"recompute"}

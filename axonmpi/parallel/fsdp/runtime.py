@@ -5,11 +5,11 @@ Forward: the root unit (the parameters outside every child unit) is gathered, th
 model runs; each child unit's forward first gathers the unit (waiting for its prefetch), then
 issues the non-blocking all-gather of the unit that ran next in the previous step (forward
 prefetch), then computes. FULL_SHARD / HYBRID_SHARD child units free their parameters right
-after (see the note in ``unit.py``); SHARD_GRAD_OP / NO_SHARD units stay gathered until their
-gradients are complete. Backward: a unit is complete when every parameter's gradient of this
-backward is final (post-accumulate-grad hooks; FULL_SHARD units: when their recomputing
-backward returned); its reduce-scatter is launched at once, non-blocking, and a unit kept
-gathered is freed. When the last unit is complete, every reduction is waited on in launch
+after and gather them again in backward (see the note in ``unit.py``); SHARD_GRAD_OP /
+NO_SHARD units stay gathered until their gradients are complete. Backward: a unit is complete
+when every parameter's gradient of this backward is final (post-accumulate-grad hooks; units
+that recompute: when their backward returned); its reduce-scatter is launched at once,
+non-blocking, and the unit is freed. When the last unit is complete, every reduction is waited on in launch
 order and, with replicas (HYBRID_SHARD, NO_SHARD), all-reduced across them, so
 ``loss.backward()`` returns with each flat parameter's ``.grad`` holding this rank's chunk of
 the gradient averaged over the global batch. Every rank issues the same collectives in the same
