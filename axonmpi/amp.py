@@ -128,7 +128,8 @@ class GradScaler:
         self._per_opt = {}
 
     def state_dict(self) -> Dict[str, Any]:
-        """``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker`` (PyTorch's keys)."""
+        """The scaler's state under PyTorch's keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``)."""
         return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
 

@@ -78,8 +78,8 @@ def worker(mode: str) -> None:
         step()
         st = model.memory_stats(opt)
         est = FSDP.estimate_memory(model, mode, model.shard_group.size)
-        mem = (f" state_mb={st.params_mb + st.grads_mb + st.optimizer_state_mb:.2f}"
-               f" est_mb={est.total_mb:.2f} peak_gathered_mb={st.peak_memory_mb - st.params_mb - st.grads_mb - st.optimizer_state_mb:.2f}")
+        state = st.params_mb + st.grads_mb + st.optimizer_state_mb
+        mem = f" state_mb={state:.2f} est_mb={est.total_mb:.2f} peak_gathered_mb={st.peak_memory_mb - state:.2f}"
     if world.rank == 0:
         print(f"{mode} ws={world.world_size} step={dt * 1e3:.1f} ms samples/s={B * world.world_size / dt:.0f}{mem}",
               flush=True)
@@ -115,8 +115,8 @@ def torch_worker() -> None:
     dist.barrier()
     dt = (time.perf_counter() - t) / STEPS
     if dist.get_rank() == 0:
-        print(f"torch_fsdp ws={dist.get_world_size()} step={dt * 1e3:.1f} ms samples/s={B * dist.get_world_size() / dt:.0f}",
-              flush=True)
+        n = dist.get_world_size()
+        print(f"torch_fsdp ws={n} step={dt * 1e3:.1f} ms samples/s={B * n / dt:.0f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,5 @@
 """FSDP checkpoints: shards written without gathering, loaded at another world size (FSDP 4 -> FSDP 2 ->
-serial 1), parameters and optimizer state equal (training continues identically)."""
+DDP 3 -> serial 1), parameters and optimizer state equal (training continues identically)."""
 import numpy as np
 import pytest
 
@@ -47,11 +47,12 @@ def _assert_close(a, b, what):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_fsdp4_to_fsdp2_to_serial(tmp_path_factory):
+def test_fsdp4_to_fsdp2_to_ddp3_to_serial(tmp_path_factory):
     world = axonmpi.init()
     path = axonmpi.broadcast_object(str(tmp_path_factory.mktemp("ckpt")) if world.rank == 0 else None) + "/fsdp"
     g4 = world.new_group([0, 1, 2, 3])
     g2 = world.new_group([0, 1])
+    g3 = world.new_group([0, 1, 2])
     g1 = world.new_group([0])
     if g4.is_member:
         m = FSDP(_make(), group=g4)
@@ -73,19 +74,30 @@ def test_fsdp4_to_fsdp2_to_serial(tmp_path_factory):
         _steps(m2, opt2, range(3, 6), g2.rank, 2)
         for k, v in m2.state_dict().items():
             _assert_close(v, want[k], f"FSDP 2: {k}")
+    if g3.is_member:                         # DDP at 3 ranks reads the full arrays and the named state
+        ddp = axonmpi.DDP(_make(), group=g3)
+        dopt = _load_full(ddp.module, checkpoint.load(path, None, group=g3))
+        _steps(ddp, dopt, range(3, 6), g3.rank, 3)
+        for k, v in ddp.state_dict().items():
+            _assert_close(v, want[k], f"DDP 3: {k}")
     if g1.is_member:                         # a serial model (and a serial AdamW) from the same files
         ref = _make()
-        sd = ref.state_dict()
-        full = checkpoint.load(path, None, group=g1)
-        ref.load_state_dict({k: np.asarray(full["model"][k]).reshape(sd[k].shape) for k in sd})
-        ropt = axonmpi.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-        names = [n for n, _ in ref.named_parameters()]
-        osd = full["optim"]
-        ropt.load_state_dict({
-            "state": {i: {k: (np.asarray(v).reshape(sd[n].shape) if np.ndim(v) else v)
-                          for k, v in osd["state"][n].items()} for i, n in enumerate(names)},
-            "param_groups": [{**{k: v for k, v in osd["param_groups"][0].items() if k != "params"},
-                              "params": list(range(len(names)))}]})
+        ropt = _load_full(ref, checkpoint.load(path, None, group=g1))
         _steps(ref, ropt, range(3, 6), 0, 1)
         for k, v in ref.state_dict().items():
             _assert_close(v, want[k], f"serial: {k}")
+
+
+def _load_full(model, full):
+    """Load FSDP's named, flattened checkpoint into an unsharded model and a fresh AdamW."""
+    sd = model.state_dict()
+    model.load_state_dict({k: np.asarray(full["model"][k]).reshape(sd[k].shape) for k in sd})
+    opt = axonmpi.optim.AdamW(model.parameters(), lr=1.0)
+    names = [n for n, _ in model.named_parameters()]
+    osd = full["optim"]
+    opt.load_state_dict({
+        "state": {i: {k: (np.asarray(v).reshape(sd[n].shape) if np.ndim(v) else v)
+                      for k, v in osd["state"][n].items()} for i, n in enumerate(names)},
+        "param_groups": [{**{k: v for k, v in osd["param_groups"][0].items() if k != "params"},
+                          "params": list(range(len(names)))}]})
+    return opt

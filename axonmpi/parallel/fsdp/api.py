@@ -10,6 +10,15 @@ import numpy as np
 __all__ = ["ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats"]
 
 
+def _by_value(cls, value: Any, what: str):
+    """The member of enum ``cls`` whose value or name is ``value`` (any case), else ValueError."""
+    if isinstance(value, str):
+        for s in cls:
+            if value.lower() == s.value:
+                return s
+    raise ValueError(f"unknown {what} {value!r}; expected one of {[s.name for s in cls]}")
+
+
 class ShardingStrategy(enum.Enum):
     """How FSDP spreads parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -31,13 +40,7 @@ class ShardingStrategy(enum.Enum):
     @classmethod
     def coerce(cls, value: Any) -> "ShardingStrategy":
         """Accept the enum, its value or its name (``"full_shard"``, ``"FULL_SHARD"``)."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            for s in cls:
-                if value.lower() == s.value:
-                    return s
-        raise ValueError(f"unknown sharding_strategy {value!r}; expected one of {[s.name for s in cls]}")
+        return value if isinstance(value, cls) else _by_value(cls, value, "sharding_strategy")
 
 
 class CPUOffload(enum.Enum):
@@ -65,11 +68,7 @@ class CPUOffload(enum.Enum):
             return cls.NONE
         if value is True:
             return cls.FULL
-        if isinstance(value, str):
-            for s in cls:
-                if value.lower() == s.value:
-                    return s
-        raise ValueError(f"unknown cpu_offload {value!r}; expected one of {[s.name for s in cls]}")
+        return _by_value(cls, value, "cpu_offload")
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,8 @@ class FullyShardedDataParallel(Module):
         inside = {id(p) for _, m in specs for p in m.parameters()}
         root_named = [(n, p) for n, p in params if id(p) not in inside]
         full_shard = self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        remap = get_array_module(params[0][1].data) is np and hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap, "MAP_PRIVATE")
+        remap = (get_array_module(params[0][1].data) is np and hasattr(mmap, "MADV_DONTNEED")
+                 and hasattr(mmap, "MAP_PRIVATE"))
         child_mode = ("remap" if remap else "recompute") if full_shard else "keep"
         self.root_unit = self._make_unit("", module, root_named, owner, mode="keep")
         for qname, m in specs:
