@@ -58,12 +58,19 @@ def _resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Option
         return data, None
     if strategy is ShardingStrategy.NO_SHARD:
         return world.split(data.rank, parent=data, name="fsdp_self"), data
-    k = world.local_size if hybrid_shard_size is None else int(hybrid_shard_size)
-    if k < 1 or data.size % k:
-        raise ValueError(f"rank {world.rank}: HYBRID_SHARD shard size {k} does not divide the data group size "
-                         f"{data.size} ({'ranks per node' if hybrid_shard_size is None else 'hybrid_shard_size'})")
-    shard = world.split(data.rank // k, parent=data, name=f"fsdp_shard{k}")
-    rep = world.split(data.rank % k, parent=data, name=f"fsdp_replicate{data.size // k}")
+    if hybrid_shard_size is None:             # the data ranks of this node
+        shard = world.split(world.node_rank, parent=data, name="fsdp_shard_node")
+        sizes = data.comm.allgather(shard.size)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"rank {world.rank}: HYBRID_SHARD needs the same number of data ranks on every "
+                             f"node, got {sorted(set(sizes))}; pass hybrid_shard_size or group=(shard, replicate)")
+    else:
+        k = int(hybrid_shard_size)
+        if k < 1 or data.size % k:
+            raise ValueError(f"rank {world.rank}: HYBRID_SHARD hybrid_shard_size={k} does not divide the data "
+                             f"group size {data.size}")
+        shard = world.split(data.rank // k, parent=data, name=f"fsdp_shard{k}")
+    rep = world.split(shard.rank, parent=data, name=f"fsdp_replicate{data.size // shard.size}")
     return shard, rep
 
 
