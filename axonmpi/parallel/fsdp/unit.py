@@ -61,6 +61,7 @@ class FSDPUnit:
         self.mode = mode
         self.recompute = mode == "recompute"
         self._map = None            # "remap": the mmap behind the gather buffer
+        self._replicas_done = True
         self._buf = None
         self.n_params = 0 if flat is None else len(flat.params)
         self.n_ready = 0            # parameters whose gradient of this backward is final
@@ -127,6 +128,13 @@ class FSDPUnit:
         """Reduce-scatter the unit's gradients over its shard group, non-blocking."""
         self.rt._event("reduce", self.name)
         self.work = self.flat.reduce_grad(ReduceOp.MEAN, async_op=True, reduce_dtype=self.rt.reduce_dtype)
+        rep = self.rt.replicate_group
+        self._replicas_done = rep is None or rep.size == 1
+        if not self._replicas_done and self.flat.world_size == 1:     # NO_SHARD: overlap the all-reduce too
+            self.work.wait()
+            g = self.flat.grad.data
+            self.work = all_reduce(g, ReduceOp.MEAN, rep, out=g, async_op=True)
+            self._replicas_done = True
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; average the shard's gradient over the replicas (HYBRID / NO_SHARD)."""
@@ -134,10 +142,9 @@ class FSDPUnit:
             return
         self.work.wait()
         self.work = None
-        rep = self.rt.replicate_group
-        if rep is not None and rep.size > 1:
+        if not self._replicas_done:
             g = self.flat.grad.data
-            all_reduce(g, ReduceOp.MEAN, rep, out=g)
+            all_reduce(g, ReduceOp.MEAN, self.rt.replicate_group, out=g)
 
     # -- the FULL_SHARD boundary ---------------------------------------------------------------
     def call(self, *args, **kwargs):
