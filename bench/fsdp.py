@@ -11,9 +11,12 @@ and prints samples/s with the ratio to DDP, then a table of measured per-rank pa
 gradient + optimizer-state memory (``FSDP.memory_stats``, counted from the arrays alive after a
 step) beside ``FSDP.estimate_memory`` (the ZeRO paper's formula), and the measured peak of
 gathered units. Env vars HIDDEN, BATCH and STEPS size the run (defaults 2048, 128, 20).
+``--model gpt`` runs a GPT instead (6 layers, width 384, 6 heads, vocabulary 512, sequences of
+64 tokens, BATCH sequences per rank, default 8); no PyTorch column there.
 
     python bench/fsdp.py                 # 1 and 2 ranks
     python bench/fsdp.py --ranks 1 2 4 --repeats 2
+    BATCH=4 STEPS=3 python bench/fsdp.py --model gpt
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def _mlp(nn, H):
     return nn.Sequential(nn.Linear(784, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU(), nn.Linear(H, 10))
 
 
-def worker(mode: str) -> None:
+def worker(mode: str, model_name: str = "mlp") -> None:
     """One run under mpiexec; prints samples/s and the memory figures."""
     import numpy as np
 
@@ -46,25 +49,33 @@ def worker(mode: str) -> None:
 
     world = axonmpi.init()
     H = int(os.environ.get("HIDDEN", "2048"))
-    B = int(os.environ.get("BATCH", "128"))
+    B = int(os.environ.get("BATCH", "128" if model_name == "mlp" else "8"))
     STEPS = int(os.environ.get("STEPS", "20"))
     axonmpi.manual_seed(0)
-    net = _mlp(nn, H)
+    rng = np.random.default_rng(world.rank)
+    if model_name == "gpt":
+        from axonmpi.models.gpt import GPT, GPTConfig
+        net = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=6, n_head=6, n_embd=384))
+        idx = rng.integers(0, 512, (B, 64))
+        tgt = rng.integers(0, 512, (B, 64))
+        loss_fn = lambda: model(idx, tgt)[1]  # noqa: E731
+    else:
+        net = _mlp(nn, H)
+        x = axonmpi.Tensor(rng.standard_normal((B, 784)).astype(np.float32))
+        y = axonmpi.Tensor(rng.integers(0, 10, B))
+        loss_fn = lambda: F.cross_entropy(model(x), y)  # noqa: E731
     if mode == "ddp":
         model = axonmpi.DDP(net)
     else:
         model = FSDP(net, sharding_strategy=ShardingStrategy.coerce(mode))
     opt = Adam(model.parameters(), lr=1e-3)
-    rng = np.random.default_rng(world.rank)
-    x = axonmpi.Tensor(rng.standard_normal((B, 784)).astype(np.float32))
-    y = axonmpi.Tensor(rng.integers(0, 10, B))
 
     def step():
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss_fn().backward()
         opt.step()
 
-    for _ in range(3):
+    for _ in range(3 if model_name == "mlp" else 1):
         step()
     axonmpi.barrier()
     t = time.perf_counter()
@@ -132,12 +143,13 @@ def _run(cmd, env):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp", help="the MLP (default) or a GPT")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
     ap.add_argument("--repeats", type=int, default=1, help="repeat the whole set, keep the best (default 1)")
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker)
+        worker(args.worker, args.model)
         return
     if args.torch_worker:
         torch_worker()
@@ -156,17 +168,20 @@ def main() -> None:
     best = {}
     for _ in range(args.repeats):
         for n in args.ranks:
-            runs = {m: [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", m] for m in MODES}
-            if have_torch:
+            runs = {m: [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", m,
+                        "--model", args.model] for m in MODES}
+            if have_torch and args.model == "mlp":
                 runs["torch_fsdp"] = [torchrun, f"--nproc_per_node={n}", "--master_port=29563",
                                       os.path.abspath(__file__), "--torch-worker"]
             for name, cmd in runs.items():
                 res = _run(cmd, env)
                 if (name, n) not in best or res[0] > best[(name, n)][0]:
                     best[(name, n)] = res
-    H, B = os.environ.get("HIDDEN", "2048"), os.environ.get("BATCH", "128")
-    print(f"MLP 784-{H}-{H}-10, batch {B}/rank, Adam, float32, 1 thread/rank, best of {args.repeats}")
-    cols = MODES + (["torch_fsdp"] if have_torch else [])
+    H, B = os.environ.get("HIDDEN", "2048"), os.environ.get("BATCH", "128" if args.model == "mlp" else "8")
+    what = (f"MLP 784-{H}-{H}-10, batch {B}/rank" if args.model == "mlp" else
+            f"GPT 6 layers x 384, vocab 512, {B} sequences of 64 tokens/rank")
+    print(f"{what}, Adam, float32, 1 thread/rank, best of {args.repeats}")
+    cols = MODES + (["torch_fsdp"] if have_torch and args.model == "mlp" else [])
     hdr = f"{'ranks':>5} | " + " | ".join(f"{c:>22}" for c in cols)
     print(hdr)
     print("-" * len(hdr))
@@ -175,7 +190,7 @@ def main() -> None:
         cells = [f"{best[(c, n)][0]:>7.0f} ({best[(c, n)][1]:>6} ms) {best[(c, n)][0] / ddp:4.2f}x" for c in cols]
         print(f"{n:>5} | " + " | ".join(f"{c:>22}" for c in cells))
     print("samples/s (step time) and the ratio to axonmpi DDP")
-    if not have_torch:
+    if not have_torch and args.model == "mlp":
         print("torch not installed: PyTorch FSDP column skipped (pip install torch==2.13.0)")
     print()
     print("per-rank memory of parameters + gradients + Adam state after a step (MiB): measured vs formula")
