@@ -92,7 +92,7 @@ def worker(mode: str, model_name: str = "mlp") -> None:
         state = st.params_mb + st.grads_mb + st.optimizer_state_mb
         mem = f" state_mb={state:.2f} est_mb={est.total_mb:.2f} peak_gathered_mb={st.peak_memory_mb - state:.2f}"
     if world.rank == 0:
-        print(f"{mode} ws={world.world_size} step={dt * 1e3:.1f} ms samples/s={B * world.world_size / dt:.0f}{mem}",
+        print(f"{mode} ws={world.world_size} step={dt * 1e3:.1f} ms samples/s={B * world.world_size / dt:.1f}{mem}",
               flush=True)
 
 
@@ -127,13 +127,13 @@ def torch_worker() -> None:
     dt = (time.perf_counter() - t) / STEPS
     if dist.get_rank() == 0:
         n = dist.get_world_size()
-        print(f"torch_fsdp ws={n} step={dt * 1e3:.1f} ms samples/s={B * n / dt:.0f}", flush=True)
+        print(f"torch_fsdp ws={n} step={dt * 1e3:.1f} ms samples/s={B * n / dt:.1f}", flush=True)
     dist.destroy_process_group()
 
 
 def _run(cmd, env):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    m = re.search(r"step=([0-9.]+) ms samples/s=(\d+)(.*)", r.stdout)
+    m = re.search(r"step=([0-9.]+) ms samples/s=([0-9.]+)(.*)", r.stdout)
     if r.returncode != 0 or m is None:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr[-2000:]}")
     extra = dict(kv.split("=") for kv in m.group(3).split())
@@ -187,7 +187,7 @@ def main() -> None:
     print("-" * len(hdr))
     for n in args.ranks:
         ddp = best[("ddp", n)][0]
-        cells = [f"{best[(c, n)][0]:>7.0f} ({best[(c, n)][1]:>6} ms) {best[(c, n)][0] / ddp:4.2f}x" for c in cols]
+        cells = [f"{best[(c, n)][0]:>7.1f} ({best[(c, n)][1]:>6} ms) {best[(c, n)][0] / ddp:4.2f}x" for c in cols]
         print(f"{n:>5} | " + " | ".join(f"{c:>22}" for c in cells))
     print("samples/s (step time) and the ratio to axonmpi DDP")
     if not have_torch and args.model == "mlp":
