@@ -362,3 +362,16 @@ def test_recompute_path_parity(monkeypatch):
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
         model = _check_parity(world, lambda m: FSDP(m, sharding_strategy=strategy), steps=5, micro=2)
         assert {u.mode for u in model.units} == {"recompute"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sync_module_states_from_data_rank_0():
+    world = axonmpi.init()
+    for strategy, k in _strategies(world.world_size):
+        kw = {} if k is None else {"hybrid_shard_size": k}
+        axonmpi.manual_seed(world.rank)                 # every rank starts different
+        model = FSDP(Net(), sharding_strategy=strategy, **kw)
+        sd = model.state_dict()
+        ref = axonmpi.broadcast_object(sd if world.rank == 0 else None)
+        for key in sd:
+            np.testing.assert_array_equal(sd[key], ref[key], err_msg=f"{strategy.name} {k} {key}")

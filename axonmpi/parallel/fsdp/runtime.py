@@ -140,13 +140,11 @@ class FullyShardedDataParallel(Module):
         mp = mixed_precision
         self.param_dtype = None if mp is None or mp.param_dtype is None else mp.param_dtype
         self.reduce_dtype = None if mp is None else (mp.reduce_dtype or mp.param_dtype)
-        if sync_module_states:
-            data = self.shard_group if self.replicate_group is None else self.replicate_group
+        if sync_module_states:      # shard group from its rank 0, then the replicas from shard group 0
             with no_grad():
                 for g in (self.shard_group, self.replicate_group):
                     if g is not None and g.size > 1:
                         _broadcast_flat([p for _, p in params] + [b for _, b in module.named_buffers()], g)
-            del data
         if mp is not None and mp.buffer_dtype is not None:
             for _, b in module.named_buffers():
                 if b.data.dtype.kind == "f":
