@@ -27,6 +27,7 @@ from .autograd import (
     Function, Tensor, arange, empty, enable_grad, full, gradcheck, is_grad_enabled, no_grad, ones, ones_like,
     rand, randn, set_grad_enabled, tensor, zeros, zeros_like,
 )
-from . import nn, optim, data, models, parallel, checkpoint
+from . import nn, optim, data, models, parallel, checkpoint, amp
 from .parallel import DDP, DistributedDataParallel, GradSyncStrategy
+from .parallel import FSDP, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from .data.distributed import DistributedSampler, create_dataloader

@@ -88,6 +88,16 @@ def _ddp():
     return _backward_ok(out, m.module[0].weight)
 
 
+def _fsdp():
+    m = axonmpi.FSDP(_model(), sharding_strategy=axonmpi.ShardingStrategy.FULL_SHARD)
+    before = [p.numpy().copy() for p in m.parameters()]
+    opt = optim.Adam(m.parameters(), lr=0.1)
+    m(_x(4, 3)).pow(2).mean().backward()
+    opt.step()
+    return list(m.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"] and not all(
+        np.allclose(b, p.numpy()) for b, p in zip(before, m.parameters()))
+
+
 def _sampler():
     s = axonmpi.DistributedSampler(list(range(7)), num_replicas=1, rank=0, shuffle=False)
     return list(s) == list(range(7))
@@ -119,6 +129,11 @@ EXAMPLES = {
     # ---- axonmpi ---------------------------------------------------------------------------
     "axonmpi.DDP": _ddp,
     "axonmpi.DistributedDataParallel": lambda: axonmpi.DistributedDataParallel is axonmpi.DDP or _ddp(),
+    "axonmpi.FSDP": _fsdp,
+    "axonmpi.FullyShardedDataParallel": lambda: axonmpi.FullyShardedDataParallel is axonmpi.FSDP or _fsdp(),
+    "axonmpi.ShardingStrategy": lambda: axonmpi.ShardingStrategy.coerce("full_shard") is axonmpi.ShardingStrategy.FULL_SHARD,
+    "axonmpi.CPUOffload": lambda: axonmpi.CPUOffload.coerce(True) is axonmpi.CPUOffload.FULL,
+    "axonmpi.MixedPrecision": lambda: axonmpi.MixedPrecision(param_dtype=np.float16).param_dtype == np.float16,
     "axonmpi.Device": lambda: str(axonmpi.Device("cuda:1")) == "cuda:1",
     "axonmpi.DistributedSampler": _sampler,
     "axonmpi.Function": lambda: axonmpi.Function.apply is not None,
@@ -271,6 +286,8 @@ EXAMPLES = {
     # ---- axonmpi.optim ---------------------------------------------------------------------
     "axonmpi.optim.Adam": lambda: _train_step(optim.Adam, lr=0.1),
     "axonmpi.optim.AdamW": lambda: _train_step(optim.AdamW, lr=0.1, weight_decay=0.1),
+    "axonmpi.optim.ZeroRedundancyOptimizer": lambda: _train_step(
+        lambda ps, **kw: optim.ZeroRedundancyOptimizer(ps, optim.Adam, **kw), lr=0.1),
     "axonmpi.optim.SGD": lambda: _train_step(optim.SGD, lr=0.1, momentum=0.9),
     "axonmpi.optim.Optimizer": lambda: isinstance(optim.SGD(_model().parameters(), lr=0.1), optim.Optimizer),
     "axonmpi.optim.LRScheduler": lambda: _scheduler(optim.StepLR, 1) and issubclass(optim.StepLR, optim.LRScheduler),

@@ -4,6 +4,7 @@ from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
 from .lr_scheduler import CosineAnnealingLR, LambdaLR, LinearWarmupCosine, LRScheduler, StepLR
 from .optimizer import Optimizer
 from .sgd import SGD
+from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "Adam",
@@ -15,6 +16,7 @@ __all__ = [
     "Optimizer",
     "SGD",
     "StepLR",
+    "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
     "grad_norm",

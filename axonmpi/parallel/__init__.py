@@ -5,7 +5,11 @@ from .ddp import (
     DDP, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy, allreduce_hook,
     fp16_compress_hook,
 )
-from . import intra_layer, tensor
+from . import fsdp, intra_layer, tensor
+from .fsdp import (
+    FSDP, CPUOffload, FSDPMemoryStats, FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy, ShardingStrategy,
+    SizeWrapPolicy,
+)
 from .auto_parallelize import auto_parallelize
 from .tensor.groups import TensorParallelGroups
 from .pipeline import *  # noqa: F401,F403  (Pipeline, PipelineSchedule, make_schedule, split_module, ...)
@@ -14,6 +18,8 @@ from . import pipeline
 __all__ = [
     "DDP", "DistributedDataParallel", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
     "TensorParallelGroups", "FlatLayout", "FlatParameter", "FlatSegment",
+    "FSDP", "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats",
+    "ModuleWrapPolicy", "SizeWrapPolicy", "fsdp",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
 __all__ += pipeline.__all__

@@ -278,7 +278,7 @@ class FlatParameter(Parameter):
         if not self.is_sharded:
             raise RuntimeError(f"FlatParameter.{what}() needs shard(group) first")
 
-    def unshard(self, *, async_op: bool = False, dtype=None, device=None) -> Optional[Work]:
+    def unshard(self, *, async_op: bool = False, dtype=None, device=None, out=None) -> Optional[Work]:
         """All-gather the chunks into the full buffer and point every parameter at its view.
 
         Args:
@@ -288,6 +288,8 @@ class FlatParameter(Parameter):
                 the parameters then hold that dtype. Default: the shard's dtype.
             device: where the full buffer lives (CPU offload keeps the shard on the host and
                 gathers on the compute device). Default: the shard's device.
+            out: a 1-D buffer of ``world_size * padded_size`` elements of that dtype to gather
+                into (FSDP reuses one per unit); the full buffer is then its first ``n``.
 
         Returns:
             The Work with ``async_op=True`` (its result is the full buffer), else ``None``.
@@ -310,7 +312,13 @@ class FlatParameter(Parameter):
             if send.dtype != want:
                 send = send.astype(want)
             xp = get_array_module(send)
-            padded = xp.empty(k * size, send.dtype)
+            if out is None:
+                padded = xp.empty(k * size, send.dtype)
+            elif out.shape != (k * size,) or out.dtype != send.dtype:
+                raise ValueError(f"rank {self.group.world.rank}: unshard out= must be 1-D of {k * size} "
+                                 f"{send.dtype} elements, got {out.shape} {out.dtype}")
+            else:
+                padded = out
             inner = all_gather(send, group=self.group, out=padded, async_op=True)
             token = self._gather_token = object()
 

@@ -1,0 +1,142 @@
+"""Loss scaling for float16 training: ``GradScaler`` with PyTorch's semantics (inf check agreed across ranks)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from .backend import get_array_module
+from .distributed import ReduceOp, all_reduce, resolve_group
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler:
+    """Scale the loss so float16 gradients do not underflow; skip steps whose gradients overflow.
+
+    ``scale(loss)`` multiplies the loss by the current scale; ``unscale_(optimizer)`` divides
+    the optimizer's gradients by it and checks them for inf/nan (the flag is all-reduced over
+    ``group``, so every rank skips the same steps even when only one rank's shard overflowed);
+    ``step(optimizer)`` steps unless an inf/nan was found; ``update()`` halves the scale
+    (``backoff_factor``) after an overflow and doubles it (``growth_factor``) after
+    ``growth_interval`` clean steps in a row.
+
+    Args:
+        init_scale: the first scale.
+        growth_factor: multiplier after ``growth_interval`` steps without inf/nan.
+        backoff_factor: multiplier after a step with inf/nan.
+        growth_interval: clean steps between growths.
+        enabled: False makes every method a pass-through.
+        group: ranks that agree on the inf check (default: all ranks).
+
+    Example:
+        >>> scaler = GradScaler()
+        >>> scaler.scale(loss).backward()
+        >>> scaler.unscale_(opt); model.clip_grad_norm_(1.0)
+        >>> scaler.step(opt); scaler.update()
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, *, group=None):
+        if not init_scale > 0:
+            raise ValueError(f"GradScaler: init_scale must be > 0, got {init_scale}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"GradScaler: growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"GradScaler: backoff_factor must be in (0, 1), got {backoff_factor}")
+        if int(growth_interval) < 1:
+            raise ValueError(f"GradScaler: growth_interval must be >= 1, got {growth_interval}")
+        self._scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.enabled = bool(enabled)
+        self._group = group
+        self._growth_tracker = 0
+        self._per_opt: Dict[int, Dict[str, Any]] = {}
+
+    def get_scale(self) -> float:
+        """The current scale (1.0 when disabled)."""
+        return self._scale if self.enabled else 1.0
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on."""
+        return self.enabled
+
+    def scale(self, outputs):
+        """``outputs * scale`` (a Tensor, or a list/tuple of them)."""
+        if not self.enabled:
+            return outputs
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(o * self._scale for o in outputs)
+        return outputs * self._scale
+
+    def unscale_(self, optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale, in place, and record whether any is inf/nan.
+
+        Raises:
+            RuntimeError: when called twice for one optimizer before :meth:`update`.
+        """
+        if not self.enabled:
+            return
+        st = self._per_opt.setdefault(id(optimizer), {"unscaled": False, "found_inf": None})
+        if st["unscaled"]:
+            raise RuntimeError("GradScaler.unscale_() was already called on this optimizer since the last update()")
+        inv = 1.0 / self._scale
+        bad = 0.0
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                a = p.grad.data
+                xp = get_array_module(a)
+                a *= np.asarray(inv, a.dtype)
+                if a.size and not bool(xp.isfinite(a).all()):
+                    bad = 1.0
+        found = all_reduce(np.array(bad), ReduceOp.MAX, resolve_group(self._group))
+        st["unscaled"] = True
+        st["found_inf"] = bool(found > 0)
+
+    def step(self, optimizer, *args, **kwargs):
+        """Unscale if needed, then ``optimizer.step()`` unless an inf/nan was found (returns its result or None)."""
+        if not self.enabled:
+            return optimizer.step(*args, **kwargs)
+        st = self._per_opt.get(id(optimizer))
+        if st is None or not st["unscaled"]:
+            self.unscale_(optimizer)
+            st = self._per_opt[id(optimizer)]
+        if st["found_inf"]:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: Optional[float] = None) -> None:
+        """Adjust the scale after the step(s) of this iteration (or set it to ``new_scale``)."""
+        if not self.enabled:
+            return
+        if new_scale is not None:
+            self._scale = float(new_scale)
+        else:
+            found = any(st["found_inf"] for st in self._per_opt.values())
+            if found:
+                self._scale *= self.backoff_factor
+                self._growth_tracker = 0
+            else:
+                self._growth_tracker += 1
+                if self._growth_tracker == self.growth_interval:
+                    self._scale *= self.growth_factor
+                    self._growth_tracker = 0
+        self._per_opt = {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The scaler's state under PyTorch's keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``)."""
+        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+        self._scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self._growth_tracker = int(state["_growth_tracker"])

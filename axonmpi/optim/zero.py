@@ -1,0 +1,259 @@
+"""ZeroRedundancyOptimizer (ZeRO-1): each rank keeps and steps the optimizer state of 1/N of the parameters.
+
+[Note: ZeRO-1 layout]
+Per parameter group and dtype, the parameters are packed back to back into one flat buffer
+(a :class:`~axonmpi.parallel._flat.FlatLayout`) of ``n`` elements, allocated padded to
+``k * S`` (``S = ceil(n / k)``), and every parameter's ``.data`` becomes a view of its slice of
+the first ``n`` elements. Rank ``i`` owns elements ``chunk_bounds(n, k, i)`` (the project's one
+uneven rule) as a private parameter of its own, on which the wrapped optimizer is built, so
+its state covers only that chunk. ``step()`` copies the (already averaged, e.g. by DDP)
+gradients of the chunk into the chunk's gradient, steps the wrapped optimizer, then
+all-gathers every rank's updated chunk straight into the padded buffer (chunk ``i`` in slot
+``i``) and compacts it in place: one collective per buffer, no per-parameter broadcast.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from ..autograd import Tensor, no_grad
+from ..backend import get_array_module, to_host
+from ..distributed import all_gather, chunk_bounds, resolve_group
+from ..distributed.sharding import ShardedArray
+from ..nn.parameter import Parameter
+from .optimizer import Optimizer
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+
+class _Bucket:
+    """One flat buffer: the parameters of one group and dtype, and this rank's chunk of them."""
+
+    def __init__(self, group_index: int, params: List[Any], indices: List[int], grp, names: List[str]):
+        from ..parallel._flat import FlatLayout
+        self.group_index = group_index
+        self.params = params
+        self.indices = indices            # the parameters' global indices (state dict numbering)
+        self.names = names
+        first = params[0].data
+        xp = get_array_module(first)
+        self.layout = FlatLayout([p.data.shape for p in params])
+        n, k, r = self.layout.numel, grp.size, grp.rank
+        self.n, self.k = n, k
+        self.size = max(1, -(-n // k))
+        self.lo, self.hi = chunk_bounds(n, k, r)
+        self.buffer = xp.zeros(k * self.size, first.dtype)
+        self.layout.pack([p.data for p in params], self.buffer)
+        for p, v in zip(params, self.layout.views(self.buffer)):
+            p.data = v
+        self.send = xp.zeros(self.size, first.dtype)
+        self.send[:self.hi - self.lo] = self.buffer[self.lo:self.hi]
+        self.shard = Parameter(self.send[:self.hi - self.lo])
+        self.segments = self.layout.segments(self.lo, self.hi, [str(i) for i in range(len(params))])
+
+    def gather_grad(self) -> None:
+        """This chunk's gradient from the parameters' gradients (``None`` counts as zero)."""
+        if all(self.params[s.index].grad is None for s in self.segments):
+            self.shard.grad = None
+            return
+        xp = get_array_module(self.send)
+        g = xp.zeros(self.hi - self.lo, self.send.dtype)
+        for s in self.segments:
+            pg = self.params[s.index].grad
+            if pg is not None:
+                g[s.offset:s.offset + s.param_stop - s.param_start] = pg.data.reshape(-1)[s.param_start:s.param_stop]
+        self.shard.grad = Tensor(g)
+
+    def all_gather_params(self, grp) -> None:
+        from ..parallel._flat import _compact
+        if self.shard.data is not self.send[:self.hi - self.lo] and self.shard.data.base is not self.send:
+            self.send[:self.hi - self.lo] = self.shard.data
+        all_gather(self.send, group=grp, out=self.buffer)
+        _compact(self.buffer, self.n, self.k, self.size)
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """Wrap an optimizer so each rank keeps the state of, and updates, only its 1/N of the parameters.
+
+    Use it with replicated parameters whose gradients are already averaged (e.g. under
+    :class:`~axonmpi.parallel.DistributedDataParallel`): after ``step()`` every rank holds the
+    same updated parameters, as if the wrapped optimizer had stepped them all, while the
+    optimizer state per rank is about 1/N.
+
+    Args:
+        params: parameters, or parameter-group dicts (per-group options as usual).
+        optimizer_class: the optimizer to wrap (``axonmpi.optim.AdamW`` ...).
+        group: the process group sharing the state (default: the grid's data group).
+        **defaults: the wrapped optimizer's options (``lr=...``).
+
+    Example:
+        >>> model = DDP(net)
+        >>> opt = ZeroRedundancyOptimizer(model.parameters(), axonmpi.optim.AdamW, lr=1e-3)
+        >>> loss.backward(); opt.step()
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class, *, group=None, **defaults):
+        from ..distributed import get_world
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be an Optimizer subclass, "
+                            f"got {optimizer_class!r}")
+        self.process_group = get_world().grid.data_group if group is None else resolve_group(group)
+        groups = list(params)
+        if not groups:
+            raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.buckets: List[_Bucket] = []
+        inner_groups = []
+        index = 0
+        for gi, g in enumerate(groups):
+            ps = g["params"]
+            ps = [ps] if isinstance(ps, Tensor) else list(ps)
+            by_dtype: Dict[Any, List[Tuple[int, Any]]] = {}
+            for p in ps:
+                by_dtype.setdefault((str(p.data.dtype), str(p.device)), []).append((index, p))
+                index += 1
+            for items in by_dtype.values():
+                b = _Bucket(gi, [p for _, p in items], [i for i, _ in items], self.process_group,
+                            [str(i) for i, _ in items])
+                self.buckets.append(b)
+                inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [b.shard]})
+        self.optim = optimizer_class(inner_groups, **defaults)
+        self.optimizer_class = optimizer_class
+        super().__init__(groups, self.optim.defaults)
+        self._consolidated: Optional[Dict[str, Any]] = None
+
+    def _validate(self, options: Dict[str, Any]) -> None:
+        if hasattr(self, "optim"):
+            self.optim._validate(options)
+
+    def _sync_options(self) -> None:
+        for b, ig in zip(self.buckets, self.optim.param_groups):
+            for k, v in self.param_groups[b.group_index].items():
+                if k != "params":
+                    ig[k] = v
+
+    def step(self, closure=None):
+        """Step this rank's chunk with the wrapped optimizer, then all-gather the updated parameters."""
+        loss = None
+        if closure is not None:
+            from ..autograd.grad_mode import enable_grad
+            with enable_grad():
+                loss = closure()
+        self._sync_options()
+        for b in self.buckets:
+            b.gather_grad()
+        self.optim.step()
+        with no_grad():
+            for b in self.buckets:
+                b.all_gather_params(self.process_group)
+        return loss
+
+    # -- state dicts ---------------------------------------------------------------------------
+    def local_state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict of this rank's chunks (not consolidated)."""
+        return self.optim.state_dict()
+
+    def _full_state(self) -> Dict[int, Dict[str, Any]]:
+        out: Dict[int, Dict[str, Any]] = {}
+        for b in self.buckets:
+            st = self.optim.state.get(b.shard, {})
+            keys = sorted(st)
+            for key in keys:
+                v = st[key]
+                if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                    xp = get_array_module(v)
+                    send = xp.zeros(b.size, v.dtype)
+                    send[:v.shape[0]] = v
+                    full = all_gather(send, group=self.process_group)
+                    from ..parallel._flat import _compact
+                    _compact(full, b.n, b.k, b.size)
+                    for i, piece in zip(b.indices, b.layout.views(full)):
+                        out.setdefault(i, {})[key] = to_host(piece).copy()
+                else:
+                    for i in b.indices:
+                        out.setdefault(i, {})[key] = v
+        return out
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state (PyTorch's per-parameter format) onto group rank ``to``.
+
+        Collective over the group. Afterwards :meth:`state_dict` on rank ``to`` returns it.
+        """
+        full = self._full_state()
+        groups = []
+        for g in self.param_groups:
+            ids = [i for b in self.buckets if self.param_groups[b.group_index] is g for i in b.indices]
+            groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}), "params": sorted(ids)})
+        self._consolidated = {"state": full, "param_groups": groups} if self.process_group.rank == to else None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The consolidated state (after :meth:`consolidate_state_dict` on this rank)."""
+        if self._consolidated is None:
+            raise RuntimeError(f"rank {self.process_group.world.rank}: ZeroRedundancyOptimizer.state_dict() needs "
+                               "consolidate_state_dict(to=this rank) first (or use sharded_state_dict())")
+        return self._consolidated
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """Per parameter index, its state arrays as 1-D ShardedArray blocks of the flattened state.
+
+        No gathering; for :func:`axonmpi.checkpoint.save`. ``{"state": {index: {key: ...}},
+        "param_groups": [...]}`` as the full format, each array flattened.
+        """
+        state: Dict[int, Dict[str, Any]] = {}
+        for b in self.buckets:
+            st = self.optim.state.get(b.shard, {})
+            segs = {s.index: s for s in b.segments}
+            for j, (i, numel) in enumerate(zip(b.indices, b.layout.numels)):
+                for key, v in st.items():
+                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                        s = segs.get(j)
+                        if s is None:
+                            local, start = to_host(v[:0]).copy(), 0
+                        else:
+                            local = to_host(v[s.offset:s.offset + s.param_stop - s.param_start]).copy()
+                            start = s.param_start
+                        state.setdefault(i, {})[key] = ShardedArray(local, (numel,), (start,))
+                    else:
+                        state.setdefault(i, {})[key] = v
+        groups = []
+        for gi, g in enumerate(self.param_groups):
+            ids = sorted(i for b in self.buckets if b.group_index == gi for i in b.indices)
+            groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}), "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a full (consolidated, any world size) or sharded state dict; every rank keeps its chunk."""
+        xp_state = state_dict["state"]
+        for g, sg in zip(self.param_groups, state_dict["param_groups"]):
+            g.update({k: copy.deepcopy(v) for k, v in sg.items() if k != "params"})
+        for b in self.buckets:
+            st: Dict[str, Any] = {}
+            for s in b.segments:
+                ps = xp_state.get(b.indices[s.index], xp_state.get(str(b.indices[s.index])))
+                if ps is None:
+                    continue
+                for key, v in ps.items():
+                    if isinstance(v, ShardedArray):
+                        a = v.offsets[0]
+                        piece = np.asarray(v.local).reshape(-1)[s.param_start - a:s.param_stop - a]
+                    elif hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                        piece = np.asarray(to_host(v)).reshape(-1)[s.param_start:s.param_stop]
+                    else:
+                        st[key] = int(v) if key == "step" else v
+                        continue
+                    if key not in st:
+                        xp = get_array_module(b.send)
+                        st[key] = xp.zeros(b.hi - b.lo, dtype=self.optim.state.get(b.shard, {}).get(
+                            key, b.shard.data).dtype if b.shard in self.optim.state else b.shard.data.dtype)
+                    n = s.param_stop - s.param_start
+                    st[key][s.offset:s.offset + n] = piece
+            if st:
+                self.optim.state[b.shard] = st
+        self._sync_options()
+
+    def __repr__(self) -> str:
+        return (f"ZeroRedundancyOptimizer({self.optimizer_class.__name__}, group={self.process_group.name}"
+                f"(size={self.process_group.size}), buckets={len(self.buckets)})")

@@ -1,0 +1,11 @@
+"""Sharded data parallel (ZeRO-2/3, hybrid shard, CPU offload, mixed precision): ``FullyShardedDataParallel``."""
+from .api import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
+from .memory import MemoryEstimate, estimate_memory
+from .runtime import FSDP, FullyShardedDataParallel
+from .unit import FSDPUnit
+from .wrap import ModuleWrapPolicy, SizeWrapPolicy, find_units
+
+__all__ = [
+    "CPUOffload", "FSDP", "FSDPMemoryStats", "FSDPUnit", "FullyShardedDataParallel", "MemoryEstimate",
+    "MixedPrecision", "ModuleWrapPolicy", "ShardingStrategy", "SizeWrapPolicy", "estimate_memory", "find_units",
+]

@@ -1,0 +1,528 @@
+"""FullyShardedDataParallel: the wrapper, its process groups, the per-step protocol and state dicts.
+
+[Note: FSDP step]
+Forward: the root unit (the parameters outside every child unit) is gathered, then the wrapped
+model runs; each child unit's forward first gathers the unit (waiting for its prefetch), then
+issues the non-blocking all-gather of the unit that ran next in the previous step (forward
+prefetch), then computes. FULL_SHARD / HYBRID_SHARD child units free their parameters right
+after and gather them again in backward (see the note in ``unit.py``); SHARD_GRAD_OP /
+NO_SHARD units stay gathered until their gradients are complete. Backward: a unit is complete
+when every parameter's gradient of this backward is final (post-accumulate-grad hooks; units
+that recompute: when their backward returned); its reduce-scatter is launched at once,
+non-blocking, and the unit is freed. When the last unit is complete, every reduction is waited on in launch
+order and, with replicas (HYBRID_SHARD, NO_SHARD), all-reduced across them, so
+``loss.backward()`` returns with each flat parameter's ``.grad`` holding this rank's chunk of
+the gradient averaged over the global batch. Every rank issues the same collectives in the same
+order because the order follows the model's (deterministic) execution.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ...autograd import Tensor, is_grad_enabled, no_grad
+from ...backend import device_of, get_array_module, to_host
+from ...distributed import get_world, resolve_group
+from ...distributed.sharding import ShardedArray
+from ...nn import Module
+from .._flat import FlatParameter
+from ..ddp import _broadcast_flat
+from .api import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
+from .memory import estimate_memory, measure
+from .unit import FSDPUnit
+from .wrap import find_units
+
+__all__ = ["FullyShardedDataParallel", "FSDP"]
+
+
+def _resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Optional[int]):
+    """``(shard_group, replicate_group or None)`` for a strategy (collective over the data group)."""
+    world = get_world()
+    if strategy is ShardingStrategy.HYBRID_SHARD and isinstance(group, tuple):
+        if len(group) != 2:
+            raise ValueError(f"rank {world.rank}: HYBRID_SHARD group must be (shard_group, replicate_group), "
+                             f"got a tuple of {len(group)}")
+        if hybrid_shard_size is not None:
+            raise ValueError(f"rank {world.rank}: give either group=(shard, replicate) or hybrid_shard_size, not both")
+        return resolve_group(group[0]), resolve_group(group[1])
+    if isinstance(group, tuple):
+        raise ValueError(f"rank {world.rank}: a (shard_group, replicate_group) tuple needs "
+                         f"sharding_strategy=HYBRID_SHARD, got {strategy.name}")
+    if hybrid_shard_size is not None and strategy is not ShardingStrategy.HYBRID_SHARD:
+        raise ValueError(f"rank {world.rank}: hybrid_shard_size needs HYBRID_SHARD, got {strategy.name}")
+    data = world.grid.data_group if group is None else resolve_group(group)
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        return data, None
+    if strategy is ShardingStrategy.NO_SHARD:
+        return world.split(data.rank, parent=data, name="fsdp_self"), data
+    if hybrid_shard_size is None:             # the data ranks of this node
+        shard = world.split(world.node_rank, parent=data, name="fsdp_shard_node")
+        sizes = data.comm.allgather(shard.size)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"rank {world.rank}: HYBRID_SHARD needs the same number of data ranks on every "
+                             f"node, got {sorted(set(sizes))}; pass hybrid_shard_size or group=(shard, replicate)")
+    else:
+        k = int(hybrid_shard_size)
+        if k < 1 or data.size % k:
+            raise ValueError(f"rank {world.rank}: HYBRID_SHARD hybrid_shard_size={k} does not divide the data "
+                             f"group size {data.size}")
+        shard = world.split(data.rank // k, parent=data, name=f"fsdp_shard{k}")
+    rep = world.split(shard.rank, parent=data, name=f"fsdp_replicate{data.size // shard.size}")
+    return shard, rep
+
+
+class FullyShardedDataParallel(Module):
+    """Sharded data parallelism (ZeRO-2/3, PyTorch's FSDP): each rank keeps 1/N of the state.
+
+    Each unit (by default every child block holding parameters; the root unit holds the rest)
+    is packed into one :class:`~axonmpi.parallel.FlatParameter` and sharded over the shard
+    group by the project's chunk rule. Build the optimizer on ``fsdp.parameters()`` (the flat
+    shards): its state is sharded too. After ``loss.backward()``, each flat parameter's
+    ``.grad`` is this rank's chunk of the gradient averaged over the global batch, so one
+    optimizer step on N ranks equals one serial step on the N-times larger batch.
+
+    Args:
+        module: the model.
+        group: the data-parallel group (default: the grid's ``data_group``); for HYBRID_SHARD
+            also ``(shard_group, replicate_group)``.
+        sharding_strategy: a :class:`ShardingStrategy` (or its name).
+        cpu_offload: a :class:`CPUOffload` mode.
+        mixed_precision: a :class:`MixedPrecision` (compute in ``param_dtype``, reduce in
+            ``reduce_dtype``, fp32 master shards for the optimizer).
+        auto_wrap_policy: which submodules are units: ``None`` (each child holding parameters,
+            looking through containers), a set of module classes, a minimum parameter count,
+            or a callable ``(module) -> bool``.
+        prefetch: issue the next unit's all-gather, non-blocking, in forward and backward.
+        sync_module_states: broadcast parameters and buffers from data rank 0 first.
+        hybrid_shard_size: HYBRID_SHARD shard group size (default: the ranks of one node).
+        record_events: keep ``fsdp.events``: ``(kind, unit)`` for gather / prefetch / free /
+            forward_start / forward_end / reduce / backward_end (for overlap tests).
+
+    Example:
+        >>> model = FSDP(GPT(cfg), sharding_strategy=ShardingStrategy.FULL_SHARD)
+        >>> opt = axonmpi.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> loss = model(x, y); loss.backward()
+        >>> model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, module: Module, *, group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
+                 cpu_offload=CPUOffload.NONE, mixed_precision: Optional[MixedPrecision] = None,
+                 auto_wrap_policy=None, prefetch: bool = True, sync_module_states: bool = True,
+                 hybrid_shard_size: Optional[int] = None, record_events: bool = False):
+        super().__init__()
+        if not isinstance(module, Module):
+            raise TypeError(f"FullyShardedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
+        for name, m in module.named_modules():
+            if isinstance(m, FullyShardedDataParallel):
+                raise NotImplementedError(f"FSDP: {name or 'the module'} is already wrapped in FSDP; nested FSDP "
+                                          "is not supported: wrap the outer model once and choose units with "
+                                          "auto_wrap_policy")
+        world = get_world()
+        self.sharding_strategy = ShardingStrategy.coerce(sharding_strategy)
+        self.cpu_offload = CPUOffload.coerce(cpu_offload)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}")
+        self.mixed_precision = mixed_precision
+        self.prefetch = bool(prefetch)
+        self.module = module
+        self.shard_group, self.replicate_group = _resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
+        self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
+        params = list(module.named_parameters())
+        if not params:
+            raise ValueError("FSDP: the module has no parameters")
+        frozen = [n for n, p in params if not p.requires_grad]
+        if frozen:
+            raise NotImplementedError(f"FSDP: frozen parameters are not supported (requires_grad=False: {frozen})")
+        self.compute_device = device_of(params[0][1].data)
+        mp = mixed_precision
+        self.param_dtype = None if mp is None or mp.param_dtype is None else mp.param_dtype
+        self.reduce_dtype = None if mp is None else (mp.reduce_dtype or mp.param_dtype)
+        if sync_module_states:      # shard group from its rank 0, then the replicas from shard group 0
+            with no_grad():
+                for g in (self.shard_group, self.replicate_group):
+                    if g is not None and g.size > 1:
+                        _broadcast_flat([p for _, p in params] + [b for _, b in module.named_buffers()], g)
+        if mp is not None and mp.buffer_dtype is not None:
+            for _, b in module.named_buffers():
+                if b.data.dtype.kind == "f":
+                    b.data = b.data.astype(mp.buffer_dtype)
+        self.units: List[FSDPUnit] = []
+        owner: Dict[int, str] = {}
+        specs = find_units(module, auto_wrap_policy)
+        inside = {id(p) for _, m in specs for p in m.parameters()}
+        root_named = [(n, p) for n, p in params if id(p) not in inside]
+        full_shard = self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        remap = (get_array_module(params[0][1].data) is np and hasattr(mmap, "MADV_DONTNEED")
+                 and hasattr(mmap, "MAP_PRIVATE"))
+        child_mode = ("remap" if remap else "recompute") if full_shard else "keep"
+        self.root_unit = self._make_unit("", module, root_named, owner, mode="keep")
+        for qname, m in specs:
+            named = [(f"{qname}.{n}", p) for n, p in m.named_parameters()]
+            unit = self._make_unit(qname, m, named, owner, mode=child_mode)
+            unit._orig_forward = m.forward
+            object.__setattr__(m, "forward", unit.call)
+            self.units.append(unit)
+        self._all_units = [self.root_unit] + self.units
+        self._order: List[FSDPUnit] = list(self.units)     # forward order of the last step
+        self._seq: List[FSDPUnit] = []                      # forward order of this step
+        self._anchor = Tensor(np.zeros(()), requires_grad=True)
+        self._sync = True
+        self._phase = "outside"
+        self._n_complete = 0
+        self._launched: List[FSDPUnit] = []
+        self._peak_gathered = 0
+        self._hooks = []
+        for u in self._all_units:
+            if u.flat is not None and not u.recompute:
+                for p in u.flat.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(u.on_param_ready))
+        for u in self._all_units:
+            u.reset()
+
+    def _make_unit(self, name: str, module: Module, named, owner: Dict[int, str], *, mode: str) -> FSDPUnit:
+        for n, p in named:
+            if id(p) in owner:
+                raise ValueError(f"FSDP: parameter {n!r} is shared with {owner[id(p)]!r} in another unit; "
+                                 "shared parameters must live in one unit (put the modules sharing it in "
+                                 "the same unit, or in the root)")
+            owner[id(p)] = n
+        flat = None
+        if named:
+            prefix = f"{name}." if name else ""
+            flat = FlatParameter([p for _, p in named], [n[len(prefix):] for n, _ in named])
+            flat.shard(self.shard_group)
+            if self.cpu_offload is not CPUOffload.NONE:
+                flat.move_shard("cpu")
+            flat.shard_group = self.shard_group if self.shard_group.size > 1 else None
+            flat.fsdp_unit = name
+        return FSDPUnit(name, module, flat, self, mode=mode)
+
+    # -- events / memory bookkeeping ------------------------------------------------------------
+    def _event(self, kind: str, unit: str) -> None:
+        if self.events is not None:
+            self.events.append((kind, unit))
+
+    def _gathered_bytes(self) -> int:
+        total = 0
+        for u in self._all_units:
+            f = u.flat
+            if f is None:
+                continue
+            if f.full is not None:
+                total += int(f.full.nbytes)
+            elif f._gather is not None:
+                total += f.world_size * f.padded_size * np.dtype(self.param_dtype or f.data.dtype).itemsize
+        return total
+
+    def _note_gathered(self) -> None:
+        self._peak_gathered = max(self._peak_gathered, self._gathered_bytes())
+
+    # -- the step protocol ------------------------------------------------------------------------
+    def _check_active(self, unit: FSDPUnit) -> None:
+        if self._phase != "forward":
+            raise RuntimeError(f"FSDP unit {unit.label} was called outside its FSDP wrapper's forward; "
+                               "call the FSDP model, not the wrapped module")
+
+    def _enter_forward(self, unit: FSDPUnit) -> int:
+        self._seq.append(unit)
+        return len(self._seq) - 1
+
+    def _prefetch_after(self, pos: int) -> None:
+        if self.prefetch and pos + 1 < len(self._order):
+            self._order[pos + 1].prefetch()
+
+    def _prefetch_before(self, pos: int) -> None:
+        if self.prefetch and pos >= 1 and pos - 1 < len(self._seq):
+            self._seq[pos - 1].prefetch()
+
+    def _unit_complete(self, unit: FSDPUnit) -> None:
+        if unit.complete:
+            return
+        unit.complete = True
+        if self._phase == "armed":
+            self._phase = "running"
+        if self._sync:
+            unit.launch_reduce()
+            self._launched.append(unit)
+        unit.free()
+        if all(u.complete for u in self._all_units):
+            self._finish()
+
+    def _finish(self) -> None:
+        for u in self._launched:
+            u.finish_reduce()
+        self._launched = []
+        for u in self._all_units:
+            u.free()
+        self._event("backward_end", "")
+        self._phase = "outside"
+
+    def _start_step(self) -> None:
+        if self._phase == "running" or self._launched:
+            missing = [u.label for u in self._all_units if not u.complete]
+            for u in self._launched:
+                u.work.wait()
+            self._launched = []
+            for u in self._all_units:
+                u.free()
+                u.reset()
+            self._phase = "outside"
+            raise RuntimeError(f"FSDP: the previous backward did not finish: units {missing} got no complete "
+                               "gradient (every parameter must take part in the loss)")
+        for u in self._all_units:
+            u.free()
+            u.reset()
+        if len(self._seq) == len(self.units):
+            self._order = list(self._seq)
+        self._seq = []
+
+    def forward(self, *args, **kwargs):
+        self._start_step()
+        if self.param_dtype is not None:
+            args = tuple(a.astype(self.param_dtype) if isinstance(a, Tensor) and a.dtype.kind == "f" else a
+                         for a in args)
+        self.root_unit.gather()
+        if self.root_unit.flat is not None and is_grad_enabled():
+            self.root_unit.flat.bind_grads()
+        if self.prefetch and self._order:
+            self._order[0].prefetch()
+        self._phase = "forward"
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._phase = "outside"
+        if is_grad_enabled():
+            self._phase = "armed"
+            for u in self._all_units:
+                if u.flat is not None and u.mode == "keep":
+                    u.flat.bind_grads()
+        else:
+            for u in self._all_units:
+                u.free()
+        return out
+
+    # -- parameters ---------------------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True):
+        """The flat shards, named ``"<unit>._flat_param"`` (``"_flat_param"`` for the root unit)."""
+        for u in self._all_units:
+            if u.flat is not None:
+                n = f"{u.name}._flat_param" if u.name else "_flat_param"
+                yield (f"{prefix}.{n}" if prefix else n), u.flat
+
+    def parameters(self, recurse: bool = True):
+        """The sharded flat parameters (build the optimizer on these)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_buffers(self, *args, **kwargs):
+        return self.module.named_buffers(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip the gradients by their total norm over all shards (each element once, replicas once).
+
+        Returns:
+            The total norm before clipping (a float64 0-d array, the same on every rank).
+        """
+        from ...optim.clip import clip_grad_norm_
+        return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate full gradients locally, without any reduce-scatter.
+
+        The first backward outside reduces the accumulated sum once. The unsharded gradients of
+        every unit stay alive meanwhile (as in PyTorch).
+        """
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    # -- state dicts --------------------------------------------------------------------------------
+    def _gather_full(self) -> None:
+        for u in self._all_units:
+            if u.flat is not None:
+                u.flat.reshard()
+                u.flat.unshard()
+
+    def state_dict(self):
+        """The full model state, gathered (keys identical to the unwrapped module's); collective."""
+        self._gather_full()
+        try:
+            return self.module.state_dict()
+        finally:
+            for u in self._all_units:
+                u.free()
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load a full state dict (as :meth:`state_dict` gives) or a :meth:`sharded_state_dict`."""
+        if any(isinstance(v, ShardedArray) for v in state_dict.values()):
+            return self._load_sharded(state_dict, strict)
+        self._gather_full()
+        try:
+            res = self.module.load_state_dict(state_dict, strict=strict)
+            for u in self._all_units:
+                f = u.flat
+                if f is not None:
+                    lo, hi = f.shard_range
+                    f.data[...] = f.full[lo:hi]
+        finally:
+            for u in self._all_units:
+                u.free()
+        return res
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """Each original parameter's part held here as a ShardedArray of its flattened values.
+
+        Keys are the unwrapped module's names; each value is a 1-D ``ShardedArray`` of global
+        shape ``(numel,)`` whose block is the elements this rank's chunk holds (possibly
+        empty). Nothing is gathered. Buffers appear as plain (replicated) arrays.
+        """
+        out: Dict[str, Any] = {}
+        for u in self._all_units:
+            if u.flat is not None:
+                for fn, (_, blk) in zip(self._param_names(u.flat), self._blocks(u.flat, u.flat.data)):
+                    out[fn] = blk
+        for k, b in self.module.named_buffers():
+            out[k] = to_host(b.data).copy()
+        return out
+
+    def _blocks(self, f: FlatParameter, arr) -> List[Tuple[str, ShardedArray]]:
+        """Split a chunk-shaped array of ``f`` into one 1-D ShardedArray per original parameter."""
+        segs = {s.index: s for s in f.segments()}
+        out = []
+        for i, (name, numel) in enumerate(zip(f.names, f.layout.numels)):
+            s = segs.get(i)
+            if s is None:
+                local, start = to_host(arr[:0]).copy(), 0
+            else:
+                local = to_host(arr[s.offset:s.offset + s.param_stop - s.param_start]).copy()
+                start = s.param_start
+            out.append((name, ShardedArray(local, (numel,), (start,))))
+        return out
+
+    def _param_names(self, f: FlatParameter) -> List[str]:
+        prefix = f"{f.fsdp_unit}." if f.fsdp_unit else ""
+        return [prefix + n for n in f.names]
+
+    def optim_state_dict(self, optimizer) -> Dict[str, Any]:
+        """The optimizer's state keyed by original parameter names, as 1-D ShardedArray blocks.
+
+        ``{"state": {name: {"step": int, "exp_avg": ShardedArray, ...}}, "param_groups":
+        [{options..., "params": [names]}]}``: PyTorch's full optimizer state dict with names for
+        keys and each array flattened; nothing is gathered. Save it with
+        :func:`axonmpi.checkpoint.save`; :meth:`load_optim_state_dict` reads it back at any
+        world size.
+        """
+        state: Dict[str, Dict[str, Any]] = {}
+        groups = []
+        for g in optimizer.param_groups:
+            names = []
+            for f in g["params"]:
+                if not isinstance(f, FlatParameter) or not hasattr(f, "fsdp_unit"):
+                    raise ValueError("FSDP.optim_state_dict: the optimizer must be built on fsdp.parameters()")
+                names += self._param_names(f)
+                st = optimizer.state.get(f)
+                if not st:
+                    continue
+                full_names = self._param_names(f)
+                for key, v in st.items():
+                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                        for (n, blk), fn in zip(self._blocks(f, v), full_names):
+                            state.setdefault(fn, {})[key] = blk
+                    else:
+                        for fn in full_names:
+                            state.setdefault(fn, {})[key] = v
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return {"state": state, "param_groups": groups}
+
+    def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
+        """Load an :meth:`optim_state_dict` (any world size) into ``optimizer`` (built on ``parameters()``)."""
+        for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        saved = state_dict["state"]
+        for g in optimizer.param_groups:
+            for f in g["params"]:
+                names = self._param_names(f)
+                st: Dict[str, Any] = {}
+                c = f.shard_range[1] - f.shard_range[0]
+                for s in f.segments():
+                    ps = saved.get(names[s.index])
+                    if ps is None:
+                        continue
+                    for key, v in ps.items():
+                        if isinstance(v, ShardedArray) or (hasattr(v, "shape") and getattr(v, "ndim", 0) > 0):
+                            if isinstance(v, ShardedArray):
+                                a, local = v.offsets[0], np.asarray(v.local).reshape(-1)
+                            else:
+                                a, local = 0, np.asarray(to_host(v)).reshape(-1)
+                            if key not in st:
+                                st[key] = get_array_module(f.data).zeros(c, dtype=f.data.dtype)
+                            n = s.param_stop - s.param_start
+                            st[key][s.offset:s.offset + n] = local[s.param_start - a:s.param_stop - a]
+                        else:
+                            st[key] = int(v) if key == "step" else v
+                if st:
+                    optimizer.state[f] = st
+
+    def _load_sharded(self, state_dict, strict: bool):
+        missing, used = [], set()
+        for u in self._all_units:
+            f = u.flat
+            if f is None:
+                continue
+            prefix = f"{u.name}." if u.name else ""
+            for s in f.segments():
+                key = prefix + f.names[s.index]
+                v = state_dict.get(key)
+                if v is None:
+                    missing.append(key)
+                    continue
+                used.add(key)
+                if not isinstance(v, ShardedArray) or v.shape != (f.layout.numels[s.index],):
+                    raise ValueError(f"FSDP.load_state_dict: {key!r} must be a ShardedArray of shape "
+                                     f"({f.layout.numels[s.index]},), got {v!r}")
+                a, b = v.offsets[0], v.offsets[0] + v.local_shape[0]
+                if s.param_start < a or s.param_stop > b:
+                    raise ValueError(f"rank {get_world().rank}: {key!r} block [{a}, {b}) does not cover this "
+                                     f"rank's elements [{s.param_start}, {s.param_stop})")
+                n = s.param_stop - s.param_start
+                f.data[s.offset:s.offset + n] = np.asarray(v.local)[s.param_start - a:s.param_stop - a]
+        for k, b in self.module.named_buffers():
+            if k in state_dict:
+                b.data[...] = state_dict[k]
+                used.add(k)
+        if strict and missing:
+            raise RuntimeError(f"FSDP.load_state_dict: missing keys {missing}")
+        return None
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def memory_stats(self, optimizer=None, *, reset_peak: bool = False) -> FSDPMemoryStats:
+        """This rank's memory, measured from the arrays alive (see :class:`FSDPMemoryStats`).
+
+        Args:
+            optimizer: the optimizer over ``parameters()``, to count its state.
+            reset_peak: start a new peak window after reading.
+        """
+        stats = measure(self, optimizer, self._peak_gathered)
+        if reset_peak:
+            self._peak_gathered = self._gathered_bytes()
+        return stats
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new window for ``peak_memory_mb``."""
+        self._peak_gathered = self._gathered_bytes()
+
+    estimate_memory = staticmethod(estimate_memory)
+
+    def extra_repr(self) -> str:
+        return (f"sharding_strategy={self.sharding_strategy.name}, shard_group={self.shard_group.name}"
+                f"(size={self.shard_group.size}), units={len(self._all_units)}, "
+                f"cpu_offload={self.cpu_offload.name}")
+
+
+FSDP = FullyShardedDataParallel
