@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from typing import Iterable, List, Optional
 
@@ -345,8 +346,7 @@ def install_abort_on_exception(comm: "MPI.Comm") -> None:
             # when several ranks fail together (the same bad value everywhere), the lowest one
             # reports first and its MPI_Abort ends the others before they print a copy
             if rank:
-                import time
-                time.sleep(1.0 + 0.1 * min(rank, 20))
+                time.sleep(1.5 + 0.1 * min(rank, 20))
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             first = (str(exc).strip().splitlines() or [""])[0]
             sys.stderr.write(
@@ -355,6 +355,9 @@ def install_abort_on_exception(comm: "MPI.Comm") -> None:
                 f"(the other {size - 1} rank(s) are aborted)\n"
             )
             sys.stderr.flush()
+            # the launcher forwards our stderr asynchronously; MPI_Abort right away can kill the job
+            # before the report reaches the user's terminal on a loaded node
+            time.sleep(0.5)
         finally:
             MPI.COMM_WORLD.Abort(1)
 
