@@ -247,7 +247,7 @@ def main(argv=None):
 
     def save(step):
         path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step,
-                                                  extra={"config": vars(args), "layout": str(hyb.layout)}))
+                                                  extra={"config": vars(args), "layout": hyb.layout_record()}))
         log.info("checkpoint saved to %s (step %d; continue with --resume)", path, step)
         return path
 

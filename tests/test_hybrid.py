@@ -69,3 +69,90 @@ def test_layout_matches_one_process(sizes, extra, serial, tmp_path):
         scale = max(np.abs(v).max(), 1e-300)
         assert params[k].shape == v.shape and np.abs(params[k] - v).max() <= 1e-9 * scale, k
     assert r.stdout.count("ProcessGrid(") == 1          # rank 0 prints the grid table once
+
+
+def _flags(sizes):
+    return [f for k, v in zip(("--G-data", "--G-inter", "--G-intra-r", "--G-intra-c", "--G-intra-d"), sizes)
+            for f in (k, str(v))]
+
+
+@pytest.mark.serial
+def test_checkpoint_reshards_across_four_layouts(tmp_path):
+    """TP2 x PP2 (Megatron) -> DP4 -> AxoNN (2,1,2) -> serial: each run resumes the last one's checkpoint;
+    every step's loss, the final parameters and the optimizer state equal an uninterrupted serial run."""
+    from axonmpi import checkpoint as ckpt
+    from axonmpi.testing import mpiexec_env, run_mpiexec
+    base = [SCRIPT, *[a for a in TINY if a != "--no-save"]]
+    base[base.index("--steps") + 1] = "8"
+    base += ["--save-every", "2", "--keep-last", "10"]
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    r = subprocess.run([sys.executable, *base, "--checkpoint-dir", ref_dir, "--metrics-json", str(tmp_path / "ref.jsonl")],
+                       capture_output=True, text=True, timeout=120, env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = {x["step"]: x["loss"] for x in map(json.loads, open(tmp_path / "ref.jsonl"))}
+    chain = [((1, 2, 1, 2, 1), ["--tp-style", "megatron", "--microbatches", "2"]), ((4, 1, 1, 1, 1), []),
+             ((1, 1, 2, 1, 2), ["--tp-style", "axonn"]), (None, [])]
+    mgr = ckpt.CheckpointManager(run_dir, keep_last=None)
+    got = {}
+    for k, (sizes, extra) in enumerate(chain):
+        metrics = str(tmp_path / f"run{k}.jsonl")
+        args = base + ["--checkpoint-dir", run_dir, "--metrics-json", metrics, *extra] + (["--resume"] if k else [])
+        if sizes is None:
+            r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                               env=mpiexec_env(), cwd=tmp_path)
+        else:
+            r = run_mpiexec(args + _flags(sizes), n=int(np.prod(sizes)), timeout=240, cwd=str(tmp_path))
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(ln) for ln in open(metrics)]
+        assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
+        got.update({x["step"]: x["loss"] for x in rows[:2]})
+        for x in rows:
+            assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
+        if k < len(chain) - 1:                      # "interrupt" after two steps: drop the later checkpoints
+            for s in mgr.steps():
+                if s > 2 * (k + 1):
+                    import shutil
+                    shutil.rmtree(mgr.path_for(s))
+            saved = ckpt.load(mgr.path_for(2 * (k + 1)))
+            want = {"G_data": 1, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1}
+            if sizes is not None:
+                want = dict(zip(want, sizes))
+            assert {kk: saved["extra"]["layout"][kk] for kk in want} == want
+    assert sorted(got) == list(range(1, 9))
+    a, b = ckpt.load(mgr.path_for(8)), ckpt.load(ckpt.CheckpointManager(ref_dir).path_for(8))
+    assert a["model"].keys() == b["model"].keys()
+    for name, v in b["model"].items():
+        assert np.abs(a["model"][name] - v).max() <= 1e-9 * max(np.abs(v).max(), 1e-300), name
+    for name, st in b["optimizer"]["state"].items():
+        for key, v in st.items():
+            w = a["optimizer"]["state"][name][key]
+            assert np.abs(np.asarray(w) - np.asarray(v)).max() <= 1e-9 * max(np.abs(np.asarray(v)).max(), 1e-300), \
+                (name, key)
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("n,flags,needles", [
+    (3, ["--G-intra-c", "3", "--tp-style", "megatron"], ["n_head=2 does not divide by G_intra_c=3",
+                                                         "vocab_size=94 does not divide by G_intra_c=3"]),
+    (2, ["--G-inter", "2", "--G-intra-r", "1", "--n-layer", "1", "--schedule", "interleaved", "--microbatches", "3"],
+     ["G_inter=2 x 2 virtual stages needs at least one each", "num_microbatches=3 to be a multiple of G_inter=2"]),
+    (2, ["--G-intra-r", "2", "--tp-style", "megatron"], ["--tp-style megatron splits over one dimension"]),
+    (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
+    (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
+])
+def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):
+    from axonmpi.testing import run_mpiexec
+    args = [SCRIPT, *TINY]
+    r = run_mpiexec(args + flags, n=n, timeout=120, cwd=str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for needle in needles:
+        assert r.stderr.count(needle) == 1, (needle, r.stderr[-2000:])
+    assert "step 1" not in r.stderr                     # refused before any work
+
+
+@pytest.mark.serial
+def test_fsdp_flag_names_the_missing_piece(tmp_path):
+    from axonmpi.testing import mpiexec_env
+    r = subprocess.run([sys.executable, SCRIPT, *TINY, "--fsdp", "full_shard"], capture_output=True, text=True,
+                       timeout=60, env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode != 0 and "NotImplementedError" in r.stderr and "issue 10" in r.stderr, r.stderr[-2000:]

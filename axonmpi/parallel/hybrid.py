@@ -279,6 +279,7 @@ class HybridGPT:
             self._params = self.pipe.parameters()
         mine = {id(p) for p in self._params}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine]
+        self._owned = set(self.param_names)
 
     # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -385,6 +386,21 @@ class HybridGPT:
             return m._tp_shard(local, np.asarray(full))
         return np.asarray(full)
 
+    def _block(self, name: str, local):
+        """A ``ShardedArray`` of parameter ``name``'s full array holding ``local`` (this rank's shard of it,
+        or of an array shaped like it); an empty block where another pipeline stage owns ``name``."""
+        from ..backend import to_host
+        from ..distributed.sharding import ShardedArray
+        tp = self._tp_map()
+        p = dict(self.model.named_parameters())[name]
+        full = tuple(tp[name][0]._tp_full_shape(tp[name][1])) if name in tp else tuple(p.shape)
+        if name not in self._owned:
+            return ShardedArray(np.empty((0,) + full[1:], dtype=p.dtype), full, (0,) * len(full))
+        if name in tp:
+            m, local_name = tp[name]
+            return m._tp_block(local_name, local)
+        return ShardedArray(np.asarray(to_host(local)), full, (0,) * len(full))
+
     def full_state_dict(self) -> "OrderedDict[str, np.ndarray]":
         """The whole serial model's parameters (gathered over tensor and pipeline groups), on every rank.
 
@@ -418,10 +434,17 @@ class HybridGPT:
         return OrderedDict((n, sd[n]) for n in self.param_names)
 
     def checkpoint_state(self, optimizer) -> "tuple":
-        """``(model_state, optimizer_state)``: objects with ``state_dict``/``load_state_dict`` in serial
-        names and full shapes, for :func:`axonmpi.checkpoint.training_state` -- a checkpoint saved
-        under one layout loads under any other (and into the serial GPT's names)."""
+        """``(model_state, optimizer_state)``: objects with ``state_dict``/``load_state_dict`` for
+        :func:`axonmpi.checkpoint.training_state`.  They save serial-named ``ShardedArray`` blocks
+        (no gather: TP shards as blocks, each pipeline stage its own parameters) and load full
+        arrays, so a checkpoint saved under one layout loads under any other and into the serial GPT."""
         return _ModelState(self), _OptimizerState(self, optimizer)
+
+    def layout_record(self) -> Dict[str, Any]:
+        """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
+        return {**self.layout.as_dict(), "tp_style": self.style.value if self.style else "none",
+                "schedule": "ddp" if self.ddp is not None else self.schedule.name.lower(),
+                "microbatches": self.num_microbatches}
 
     def describe(self) -> str:
         """One line: the layout, the TP style, the schedule and what this rank holds."""
@@ -431,30 +454,50 @@ class HybridGPT:
                 f"rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
 
 
+def _is_array(v) -> bool:
+    return hasattr(v, "shape") and getattr(v, "ndim", 0) > 0
+
+
 class _ModelState:
-    """The hybrid model's parameters as a full, serial-named state dict (gathered on save, cut on load)."""
+    """The hybrid model's parameters under serial names as ``ShardedArray`` blocks of the full arrays.
+
+    Every rank lists every parameter (the checkpoint's rule: the same keys everywhere): its own
+    stage's as its TP block (or the whole array, written once over replicas), other stages' as
+    an empty block.  Loading takes full arrays (any layout's checkpoint) and keeps the shard.
+    """
 
     def __init__(self, hyb: HybridGPT):
         self.hyb = hyb
 
     def state_dict(self):
-        return self.hyb.full_state_dict()
+        return OrderedDict((n, self.hyb._block(n, p.data)) for n, p in self.hyb.model.named_parameters())
 
     def load_state_dict(self, state_dict, strict: bool = True):
         self.hyb.load_full_state_dict(state_dict, strict=strict)
 
 
 class _OptimizerState:
-    """An optimizer's per-parameter state keyed by serial parameter names and in full shapes."""
+    """An optimizer's per-parameter state keyed by serial parameter names, as blocks like the parameters'."""
 
     def __init__(self, hyb: HybridGPT, optimizer):
         self.hyb, self.opt = hyb, optimizer
 
     def state_dict(self):
-        named = dict(self.hyb.model.named_parameters())
-        local = {n: dict(self.opt.state.get(named[n], {})) for n in self.hyb.param_names}
+        hyb = self.hyb
+        named = dict(hyb.model.named_parameters())
+        own = [n for n in hyb.param_names if self.opt.state.get(named[n])]
+        # the per-parameter keys (and scalar values such as AdamW's step) are the same for every parameter
+        sample = {k: (None if _is_array(v) else v) for k, v in self.opt.state[named[own[0]]].items()} if own else None
+        inter = hyb.grid.inter_group
+        samples = [x for x in (all_gather_object(sample, group=inter) if inter.size > 1 else [sample]) if x]
+        state = OrderedDict()
+        if samples:
+            keys = samples[0]
+            for n, p in named.items():
+                st = self.opt.state.get(p, {}) if n in hyb.param_names else {}
+                state[n] = {k: (hyb._block(n, st.get(k)) if v is None else v) for k, v in keys.items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
-        return {"state": self.hyb._gather(local), "param_groups": groups}
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict, strict: bool = True):
         from ..backend import get_array_module
@@ -467,13 +510,9 @@ class _OptimizerState:
             g.update({k: v for k, v in saved.items() if k != "params"})
         for n in self.hyb.param_names:
             saved = state_dict["state"].get(n)
-            if saved is None:
+            if not saved:
                 continue
             p = named[n]
             xp = get_array_module(p.data)
-            st = {}
-            for k, v in saved.items():
-                if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
-                    v = xp.asarray(self.hyb._shard(n, v), dtype=np.asarray(v).dtype)
-                st[k] = v
-            self.opt.state[p] = st
+            self.opt.state[p] = {k: (xp.asarray(self.hyb._shard(n, v), dtype=np.asarray(v).dtype) if _is_array(v)
+                                     else v) for k, v in saved.items()}
