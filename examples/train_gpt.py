@@ -234,7 +234,6 @@ def main(argv=None):
     hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule, num_microbatches=args.microbatches,
                     activation_checkpointing=args.activation_checkpointing, dtype=dtype,
                     global_batch=args.global_batch)
-    log.info("%s", hyb.describe())
     opt = AdamW(hyb.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     model, opt_state = hyb.checkpoint_state(opt)
     sched = LinearWarmupCosine(opt, warmup_steps=min(args.warmup, args.steps // 2), total_steps=max(args.steps, 1),
@@ -244,6 +243,7 @@ def main(argv=None):
     mgr, latest = open_checkpoints(args, world, log)
     step = 0 if latest is None else resume(latest, args, world, log, model, opt_state, sched, sampler)
     saving = mgr is not None and not args.no_save
+    log.info("%s", hyb.describe())
 
     def save(step):
         path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step,
