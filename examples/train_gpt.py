@@ -175,7 +175,7 @@ def resume(path, args, world, log, model, opt, sched, sampler):
     if saved_ranks != world.world_size:
         # a continuation of the random streams is impossible on another rank count: derive one
         # independent stream per rank from the seed and the step, the same way on every rank
-        axonmpi.manual_seed(args.seed * 1000 + world.rank + 7919 * step)
+        axonmpi.manual_seed(model.hyb.dropout_seed(args.seed) + 7919 * step)
         log.warning("saved on %d ranks, resumed on %d: dropout/sampling streams re-seeded per rank "
                     "(deterministic, not a continuation)", saved_ranks, world.world_size)
     if args.steps != sched.total_steps and args.steps > step:
@@ -238,7 +238,7 @@ def main(argv=None):
     model, opt_state = hyb.checkpoint_state(opt)
     sched = LinearWarmupCosine(opt, warmup_steps=min(args.warmup, args.steps // 2), total_steps=max(args.steps, 1),
                                min_lr=args.lr * 0.1)
-    axonmpi.manual_seed(args.seed * 1000 + world.rank)  # per-rank stream for dropout and sampling
+    axonmpi.manual_seed(hyb.dropout_seed(args.seed))  # one stream per row slice for dropout and sampling
 
     mgr, latest = open_checkpoints(args, world, log)
     step = 0 if latest is None else resume(latest, args, world, log, model, opt_state, sched, sampler)

@@ -29,6 +29,8 @@
 * **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
   ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
   parameters, so a checkpoint saved under one layout loads under any other.
+* **Dropout.** :meth:`HybridGPT.dropout_seed`: one random stream per row slice, so Megatron's
+  tensor-parallel ranks draw identical masks and data-parallel replicas distinct ones.
 """
 from __future__ import annotations
 
@@ -439,6 +441,16 @@ class HybridGPT:
         (no gather: TP shards as blocks, each pipeline stage its own parameters) and load full
         arrays, so a checkpoint saved under one layout loads under any other and into the serial GPT."""
         return _ModelState(self), _OptimizerState(self, optimizer)
+
+    def dropout_seed(self, seed: int) -> int:
+        """The seed of this rank's random stream (dropout): ranks holding the same rows share it.
+
+        Megatron tensor-parallel ranks must draw the same masks on their replicated activations,
+        so the stream follows the row slice (``seed * 1000 + shard_index``), not the world rank;
+        data-parallel replicas (and AxoNN's per-rank rows) get distinct masks.  The pipeline
+        derives each stage's per-micro-batch stream from this seed.
+        """
+        return int(seed) * 1000 + self.shard_index
 
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
