@@ -105,7 +105,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.measure:
         bw = P.measure_bandwidth()
         hw = P.Hardware(bw_intra=bw["intra"] or hw.bw_intra, bw_inter=bw["inter"] or hw.bw_inter, flops=hw.flops,
-                        gpus_per_node=hw.gpus_per_node)
+                        gpus_per_node=hw.gpus_per_node, latency=bw["latency"])
     model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
                     vocab=args.vocab, dtype_bytes=args.dtype_bytes)
     limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
@@ -114,7 +114,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"GPT {model.params / 1e6:.1f}M weights on {args.world} ranks ({hw.gpus_per_node} per node); "
           f"bandwidth intra {hw.bw_intra / 1e9:.1f} GB/s, inter {hw.bw_inter / 1e9:.1f} GB/s"
-          f"{' (measured)' if args.measure else ''}; {hw.flops / 1e12:.1f} TFLOP/s per rank")
+          f"{' (measured)' if args.measure else ''}, latency {hw.latency * 1e6:.1f} us; "
+          f"{hw.flops / 1e12:.1f} TFLOP/s per rank")
     print(P.format_plan(P.plan(model, args.world, hw, memory_limit=limit), top=args.top))
     return 0
 

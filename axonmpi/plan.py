@@ -23,6 +23,10 @@ micro-batches.  Elements are ``dtype_bytes`` wide.
   else ``bw_inter``.  Grid order (fastest first): col, row, depth, inter, data.
 * Compute: ``6 P B S`` flops (``P`` all weights) plus attention ``12 L B S^2 H``, spread over
   ``N`` ranks at ``flops`` per second, stretched by the pipeline bubble ``(m + G_inter - 1) / m``.
+* Latency: each collective call costs ``latency`` seconds more (0 by default, measured by
+  ``--measure``): per block and micro-batch one column all-reduce, one row all-reduce and two
+  depth collectives per Linear; two point-to-point messages per micro-batch on the pipeline; one
+  data all-reduce per step.
 * Step time = compute + the sum of all communication times (no overlap assumed).
 * Memory per rank: weights, gradients and two AdamW moments (``4 x`` the rank's parameters)
   plus activations ``34 t_mb H x L/G_inter x min(m, G_inter)`` bytes-elements per micro-batch
@@ -75,11 +79,12 @@ class Model:
 
 @dataclass(frozen=True)
 class Hardware:
-    """Bandwidths in bytes/s, compute in flop/s per rank, ranks per node."""
+    """Bandwidths in bytes/s, compute in flop/s per rank, ranks per node, seconds per collective call."""
     bw_intra: float = 50e9
     bw_inter: float = 12.5e9
     flops: float = 50e12
     gpus_per_node: int = 8
+    latency: float = 0.0
 
 
 @dataclass
@@ -163,7 +168,10 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
         vol["inter"] = 2.0 * t * model.width
     kinds = {"col": "allreduce", "row": "allreduce", "depth": "gather_scatter", "inter": "p2p", "data": "allreduce"}
     sizes = _sizes(layout)
-    times = {g: _factor(kinds[g], sizes[g]) * vol[g] * b / _bandwidth(layout, g, hw) for g in vol}
+    nlin = layers_here * len(model.linears()) * m
+    calls = {"col": nlin, "row": nlin, "depth": 2 * nlin, "inter": 2 * m, "data": 1}
+    times = {g: _factor(kinds[g], sizes[g]) * vol[g] * b / _bandwidth(layout, g, hw)
+             + (calls[g] * hw.latency if sizes[g] > 1 else 0.0) for g in vol}
     flops = 6.0 * model.params * model.global_batch * model.seq
     flops += 12.0 * model.layers * model.global_batch * model.seq ** 2 * model.width
     compute = flops / (layout.world_size * hw.flops) * (m + p - 1) / m
@@ -230,8 +238,9 @@ def format_plan(estimates: List[Estimate], top: int = 20) -> str:
 def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 5) -> Dict[str, float]:
     """Time all-reduces on this allocation (collective; call on every rank under mpiexec/srun).
 
-    Returns ``{"intra": bytes/s, "inter": bytes/s}``: the bus bandwidth ``2 (p-1)/p n / t`` of an
-    all-reduce among the ranks of one node, and among one rank per node (equal to ``intra`` on one node).
+    Returns ``{"intra": bytes/s, "inter": bytes/s, "latency": s}``: the bus bandwidth ``2 (p-1)/p n / t``
+    of an all-reduce among the ranks of one node, and among one rank per node (equal to ``intra`` on
+    one node; 0.0 where there is nothing to measure), and the time of an 8-byte all-reduce of all ranks.
 
     Example:
         >>> bw = measure_bandwidth(1 << 16)
@@ -267,4 +276,12 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 5) -> Dict[str, floa
     vals = _ar(np.array([intra if math.isfinite(intra) else 0.0, inter if math.isfinite(inter) else 0.0]),
                op="max")
     intra, inter = float(vals[0]), float(vals[1])
-    return {"intra": intra, "inter": inter if inter > 0 else intra}
+    small = np.zeros(1)
+    lat = float("inf")
+    if world.world_size > 1:
+        for _ in range(max(repeats, 20)):
+            t0 = time.perf_counter()
+            all_reduce(small)
+            lat = min(lat, time.perf_counter() - t0)
+    lat = float(_ar(np.array([lat if math.isfinite(lat) else 0.0]), op="max")[0])
+    return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": lat}

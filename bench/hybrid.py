@@ -10,7 +10,8 @@ Rows: one per layout ``(G_data, G_inter, G_r, G_c, G_d)``.  Measured: the median
 the steps after the first (warm-up), from ``--metrics-json``.  Predicted: ``axonmpi.plan.estimate``
 with the flop rate calibrated on a 1-rank run of the same model and the bandwidth measured
 on this machine (``axonmpi.plan.measure_bandwidth`` under ``mpiexec -n N``).  The last line is
-Spearman's rank correlation between the predicted and measured step times.
+Spearman's rank correlation between the predicted and measured step times.  With more ranks than
+cores the per-rank flop rate is scaled by cores / ranks.
 """
 from __future__ import annotations
 
@@ -92,10 +93,14 @@ def main():
                      "bw = measure_bandwidth(1 << 22)\nif axonmpi.get_world().rank == 0: print(json.dumps(bw))"],
                     n=args.ranks, timeout=600)
     bw = json.loads(r.stdout.strip().splitlines()[-1])
-    hw = Hardware(bw_intra=bw["intra"], bw_inter=bw["inter"], flops=flops, gpus_per_node=args.ranks)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = min(1.0, cores / args.ranks)       # ranks oversubscribing the cores share them
+    hw = Hardware(bw_intra=bw["intra"], bw_inter=bw["inter"], flops=flops * share, gpus_per_node=args.ranks,
+                  latency=bw["latency"])
     print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, global batch {args.global_batch}, "
           f"{args.dtype}, {args.ranks} ranks | 1 rank: {serial:,.0f} tokens/s ({flops / 1e9:.1f} GFLOP/s) | "
-          f"all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} GB/s")
+          f"all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} GB/s, latency {bw['latency'] * 1e6:.0f} us, "
+          f"{cores} cores")
     rows = []
     for sizes in LAYOUTS:
         if sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4] != args.ranks:
