@@ -156,3 +156,54 @@ def test_fsdp_flag_names_the_missing_piece(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, *TINY, "--fsdp", "full_shard"], capture_output=True, text=True,
                        timeout=60, env=mpiexec_env(), cwd=tmp_path)
     assert r.returncode != 0 and "NotImplementedError" in r.stderr and "issue 10" in r.stderr, r.stderr[-2000:]
+
+
+# -- in process, on the pass's ranks: HybridGPT against the serial GPT --------------------------------------
+IN_PROCESS = {2: [((1, 2, 1, 1, 1), "axonn", "gpipe"), ((1, 1, 1, 2, 1), "megatron", "1f1b")],
+              3: [((1, 1, 3, 1, 1), "axonn", "1f1b")],
+              4: [((1, 2, 2, 1, 1), "axonn", "1f1b"), ((2, 2, 1, 1, 1), "megatron", "interleaved")]}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hybrid_gpt_in_process_equals_serial():
+    import axonmpi
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.optim import AdamW, clip_grad_norm_
+    from axonmpi.parallel.hybrid import HybridGPT
+    world = axonmpi.init()
+    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    rng = np.random.default_rng(3)
+    batches = [(rng.integers(0, 12, (12, 6)), rng.integers(0, 12, (12, 6))) for _ in range(4)]
+    axonmpi.manual_seed(7)
+    ref = GPT(cfg, dtype="float64")
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        _, loss = ref(x, y)
+        loss.backward()
+        clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        ref_losses.append(float(loss.item()))
+    want = ref.state_dict()
+    for sizes, style, sched in IN_PROCESS.get(world.world_size, []):
+        grid = axonmpi.ProcessGrid(world, **dict(zip(("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d"),
+                                                     sizes)))
+        axonmpi.manual_seed(7)
+        hyb = HybridGPT(cfg, grid, tp_style=style, schedule=sched, num_microbatches=2, dtype="float64",
+                        global_batch=12)
+        opt = AdamW(hyb.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = []
+        for x, y in batches:
+            opt.zero_grad()
+            losses.append(hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y)))
+            hyb.clip_grad_norm_(0.05)
+            opt.step()
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(sizes))
+        got = hyb.full_state_dict()
+        for k, v in want.items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-10, atol=1e-13, err_msg=f"{sizes} {k}")
+        # dropout streams: shared by the ranks holding the same rows, distinct across row slices
+        seeds = axonmpi.all_gather_object((hyb.shard_index, hyb.dropout_seed(5)))
+        assert len({s for _, s in seeds}) == len({i for i, _ in seeds}) == hyb.shards
+        grid.free()
