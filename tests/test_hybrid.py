@@ -207,3 +207,28 @@ def test_hybrid_gpt_in_process_equals_serial():
         seeds = axonmpi.all_gather_object((hyb.shard_index, hyb.dropout_seed(5)))
         assert len({s for _, s in seeds}) == len({i for i, _ in seeds}) == hyb.shards
         grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_data_replicas_draw_their_own_dropout_masks():
+    """On main the pipeline's dropout seed ignored the data-parallel rank: replicas fed the same
+    samples drew identical masks.  Now replica r > 0 has its own stream (replica 0 keeps the old one)."""
+    import axonmpi
+    import axonmpi.nn as nn
+    from axonmpi.parallel.pipeline import Pipeline
+    world = axonmpi.init()
+    pp = world.split(world.rank, name="own-pipeline")           # one stage per rank; data group: everyone
+    axonmpi.manual_seed(3)
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 2, dtype="float64"))
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append(np.array(out.data, copy=True))
+        return ((out - y) * (out - y)).mean()
+
+    pipe = Pipeline([model], "gpipe", num_microbatches=1, loss_fn=loss_fn, group=pp,
+                    data_group=world.default_group)
+    x = np.ones((8, 4))
+    pipe.step(x, np.zeros((8, 2)))
+    outs = axonmpi.all_gather_object(seen[0])
+    assert not np.array_equal(outs[0], outs[1])                  # replicas 0 and 1: different masks
