@@ -119,6 +119,11 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
                 want = dict(zip(want, sizes))
             assert {kk: saved["extra"]["layout"][kk] for kk in want} == want
     assert sorted(got) == list(range(1, 9))
+    import re
+    r = subprocess.run([sys.executable, "-m", "axonmpi", "ckpt", "inspect", str(mgr.path_for(2))], capture_output=True,
+                       text=True, timeout=60, env=mpiexec_env())
+    assert r.returncode == 0 and re.search(r"extra/layout/G_inter\s+int\s+2\n", r.stdout) \
+        and re.search(r"extra/layout/G_intra_c\s+int\s+2\n", r.stdout) and "'megatron'" in r.stdout, r.stdout
     a, b = ckpt.load(mgr.path_for(8)), ckpt.load(ckpt.CheckpointManager(ref_dir).path_for(8))
     assert a["model"].keys() == b["model"].keys()
     for name, v in b["model"].items():
