@@ -160,12 +160,12 @@ def open_checkpoints(args, world, log):
 
 def resume(path, args, world, log, model, opt, sched, sampler):
     """Restore the run saved at ``path``; check its config first; extend the LR schedule to ``--steps``."""
-    loaded = ckpt.load(path)
-    saved = (loaded.get("extra") or {}).get("config") or {}
+    saved = (ckpt.load(path, {"extra": {}}, strict=False).get("extra") or {}).get("config") or {}
     diff = config_mismatch(saved, args)
     if diff:
         axonmpi.log.exit0(f"{path} was saved with another model: {'; '.join(diff)}. Pass the saved values "
                           "to resume, or start a new run in another --checkpoint-dir")
+    loaded = ckpt.load(path, model.hyb.checkpoint_template())   # the model: each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
     saved_ranks = int(meta.get("world_size", world.world_size))

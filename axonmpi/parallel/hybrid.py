@@ -381,8 +381,14 @@ class HybridGPT:
         return merged
 
     def _shard(self, name: str, full) -> np.ndarray:
-        """This rank's shard of the full array of parameter ``name``."""
+        """This rank's shard of parameter ``name`` from its full array, or from a loaded block of
+        :meth:`_block` (a ``ShardedArray``: its TP block, or the whole array)."""
         tp = self._tp_map()
+        if hasattr(full, "global_shape"):
+            if name in tp:
+                m, local = tp[name]
+                return np.asarray(m._tp_unblock(local, full.local))
+            return np.asarray(full.local)
         if name in tp:
             m, local = tp[name]
             return m._tp_shard(local, np.asarray(full))
@@ -413,7 +419,8 @@ class HybridGPT:
         return OrderedDict((n, full[n]["v"]) for n in named)
 
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
-        """Load a full (serial-named) state dict: each rank copies in its shard of its stage's parameters."""
+        """Load a full (serial-named) state dict, or one read into :meth:`checkpoint_template`'s blocks:
+        each rank copies in its shard of its stage's parameters."""
         named = dict(self.model.named_parameters())
         if strict:
             missing = sorted(set(named) - set(state_dict))
@@ -428,6 +435,18 @@ class HybridGPT:
                                      f"the parameter {tuple(p.shape)}")
                 from ..backend import get_array_module
                 p.data[...] = get_array_module(p.data).asarray(shard, dtype=p.data.dtype)
+
+    def checkpoint_template(self) -> Dict[str, Any]:
+        """A ``checkpoint.load`` template for a :func:`~axonmpi.checkpoint.training_state` saved by any
+        layout: the model entries as this layout's blocks (each rank reads only its shard), the
+        rest (optimizer, scheduler, sampler, RNG, meta, extra) as saved.
+
+        Example:
+            >>> loaded = axonmpi.checkpoint.load(path, hyb.checkpoint_template())
+            >>> restore_training_state(loaded, *hyb.checkpoint_state(opt), sched, sampler)
+        """
+        return {"model": _ModelState(self).state_dict(), "optimizer": {}, "scheduler": {}, "sampler": {},
+                "rng": None, "meta": {}, "extra": {}}
 
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
         """This rank's entries under serial names: TP shards as ``ShardedArray`` blocks, only its stage's."""
