@@ -165,7 +165,7 @@ def resume(path, args, world, log, model, opt, sched, sampler):
     if diff:
         axonmpi.log.exit0(f"{path} was saved with another model: {'; '.join(diff)}. Pass the saved values "
                           "to resume, or start a new run in another --checkpoint-dir")
-    loaded = ckpt.load(path, model.hyb.checkpoint_template())   # the model: each rank reads only its blocks
+    loaded = ckpt.load(path, model.hyb.checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
     saved_ranks = int(meta.get("world_size", world.world_size))

@@ -436,16 +436,36 @@ class HybridGPT:
                 from ..backend import get_array_module
                 p.data[...] = get_array_module(p.data).asarray(shard, dtype=p.data.dtype)
 
-    def checkpoint_template(self) -> Dict[str, Any]:
+    def checkpoint_template(self, path: Optional[str] = None) -> Dict[str, Any]:
         """A ``checkpoint.load`` template for a :func:`~axonmpi.checkpoint.training_state` saved by any
-        layout: the model entries as this layout's blocks (each rank reads only its shard), the
-        rest (optimizer, scheduler, sampler, RNG, meta, extra) as saved.
+        layout: the model entries as this layout's blocks (each rank reads only its shard); with
+        ``path`` (the checkpoint, to learn the optimizer's per-parameter keys) the optimizer's
+        moments too; the rest (scheduler, sampler, RNG, meta, extra) as saved.  Collective.
 
         Example:
             >>> loaded = axonmpi.checkpoint.load(path, hyb.checkpoint_template())
             >>> restore_training_state(loaded, *hyb.checkpoint_state(opt), sched, sampler)
         """
-        return {"model": _ModelState(self).state_dict(), "optimizer": {}, "scheduler": {}, "sampler": {},
+        optimizer: Dict[str, Any] = {}
+        if path is not None:
+            from ..distributed import broadcast_object
+            keys = None
+            if self.grid.world.rank == 0:
+                from ..checkpoint import CheckpointReader
+                keys = {}
+                for name in CheckpointReader(path, verify=False).names():
+                    parts = name.split("/")
+                    if len(parts) == 4 and parts[:2] == ["optimizer", "state"]:
+                        keys.setdefault(parts[2], []).append(parts[3])
+            keys = broadcast_object(keys, group=self.grid.world.default_group)
+            named = dict(self.model.named_parameters())
+            if keys and set(keys) == set(named):
+                state = OrderedDict()
+                for n, p in named.items():
+                    state[n] = {k: (self._block(n, np.zeros(p.shape, p.dtype)) if k in _MOMENTS else None)
+                                for k in keys[n]}
+                optimizer = {"state": state, "param_groups": None}
+        return {"model": _ModelState(self).state_dict(), "optimizer": optimizer, "scheduler": {}, "sampler": {},
                 "rng": None, "meta": {}, "extra": {}}
 
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
@@ -485,8 +505,16 @@ class HybridGPT:
                 f"rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
 
 
+# optimizer state entries shaped like their parameter (read block-wise on resume); others are read whole
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum")
+
+
 def _is_array(v) -> bool:
-    return hasattr(v, "shape") and getattr(v, "ndim", 0) > 0
+    return hasattr(v, "global_shape") or (hasattr(v, "shape") and getattr(v, "ndim", 0) > 0)
+
+
+def _dtype(v):
+    return v.local.dtype if hasattr(v, "global_shape") else np.asarray(v).dtype
 
 
 class _ModelState:
@@ -545,5 +573,5 @@ class _OptimizerState:
                 continue
             p = named[n]
             xp = get_array_module(p.data)
-            self.opt.state[p] = {k: (xp.asarray(self.hyb._shard(n, v), dtype=np.asarray(v).dtype) if _is_array(v)
-                                     else v) for k, v in saved.items()}
+            self.opt.state[p] = {k: (xp.asarray(self.hyb._shard(n, v), dtype=_dtype(v)) if _is_array(v) else v)
+                                 for k, v in saved.items()}
