@@ -159,6 +159,34 @@ def _cmd_write(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from axonmpi.plot import plot_metrics
+    print(plot_metrics(args.files, args.output))
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from axonmpi import plan as P
+    hw = P.Hardware(bw_intra=args.bw_intra * 1e9, bw_inter=args.bw_inter * 1e9, flops=args.tflops * 1e12,
+                    gpus_per_node=args.gpus_per_node)
+    if args.measure:
+        bw = P.measure_bandwidth()
+        hw = P.Hardware(bw_intra=bw["intra"] or hw.bw_intra, bw_inter=bw["inter"] or hw.bw_inter, flops=hw.flops,
+                        gpus_per_node=hw.gpus_per_node, latency=bw["latency"])
+    model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
+                    vocab=args.vocab, dtype_bytes=args.dtype_bytes)
+    limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
+    import axonmpi
+    if axonmpi.is_initialized() and axonmpi.get_world().rank != 0:
+        return 0
+    print(f"GPT {model.params / 1e6:.1f}M weights on {args.world} ranks ({hw.gpus_per_node} per node); "
+          f"bandwidth intra {hw.bw_intra / 1e9:.1f} GB/s, inter {hw.bw_inter / 1e9:.1f} GB/s"
+          f"{' (measured)' if args.measure else ''}, latency {hw.latency * 1e6:.1f} us; "
+          f"{hw.flops / 1e12:.1f} TFLOP/s per rank")
+    print(P.format_plan(P.plan(model, args.world, hw, memory_limit=limit), top=args.top))
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -194,6 +222,28 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--examples", action="store_true", help="also write the example scripts into DIR/examples/")
     w.add_argument("--force", action="store_true", help="replace files that exist")
     w.set_defaults(func=_cmd_write)
+    sp = sub.add_parser("plan", help="rank the (G_data, G_inter, G_intra_r, G_intra_c, G_intra_d) layouts of a GPT "
+                        "by predicted step time (axonmpi.plan)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
+    sp.add_argument("--layers", type=_positive_int, required=True, help="transformer blocks")
+    sp.add_argument("--width", type=_positive_int, required=True, help="hidden size")
+    sp.add_argument("--seq", type=_positive_int, required=True, help="sequence length")
+    sp.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
+    sp.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size")
+    sp.add_argument("--gpus-per-node", type=_positive_int, default=8, help="ranks per node")
+    sp.add_argument("--dtype-bytes", type=_positive_int, default=4, help="bytes per element")
+    sp.add_argument("--bw-intra", type=float, default=50.0, help="GB/s inside a node")
+    sp.add_argument("--bw-inter", type=float, default=12.5, help="GB/s between nodes")
+    sp.add_argument("--tflops", type=float, default=50.0, help="TFLOP/s per rank")
+    sp.add_argument("--memory-gib", type=float, default=None, help="leave out layouts needing more per rank")
+    sp.add_argument("--top", type=_positive_int, default=20, help="rows shown")
+    sp.add_argument("--measure", action="store_true",
+                    help="time all-reduces on this allocation for the bandwidths (run under mpiexec/srun)")
+    sp.set_defaults(func=_cmd_plan)
+    sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot)")
+    sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")
+    sp.add_argument("-o", "--output", default="metrics.png", help="the PNG to write")
+    sp.set_defaults(func=_cmd_plot)
     from axonmpi.checkpoint import cli as ckpt_cli
     ckpt_cli.add_subparser(sub)
     return p

@@ -1,12 +1,17 @@
-"""Train a character-level GPT on the Python standard library's own source code, data parallel over MPI ranks.
+"""Train a character-level GPT on the Python standard library's own source code over MPI ranks.
 
 Run on 4 local ranks (what `make demo` does):
 
     mpiexec -n 4 python examples/train_gpt.py
     mpiexec -n 4 python examples/train_gpt.py --resume          # continue from the last checkpoint
+    mpiexec -n 4 python examples/train_gpt.py --G-inter 2 --G-intra-c 2     # pipeline x tensor parallel
 
-Each rank holds the whole model (DistributedDataParallel); the global batch is split across
-ranks, gradients are averaged with bucketed all-reduces overlapped with backward. Rank 0
+By default each rank holds the whole model (DistributedDataParallel); the global batch is split
+across ranks, gradients are averaged with bucketed all-reduces overlapped with backward. The
+five AxoNN sizes (--G-data, --G-inter, --G-intra-r, --G-intra-c, --G-intra-d) lay the ranks out
+as data x pipeline x tensor parallel (axonmpi.parallel.hybrid; docs/hybrid.md); the loss printed
+is the mean over the whole global batch under every layout, and checkpoints load under any other
+layout. Rank 0
 shows a progress bar (loss, tokens/s, ETA), evaluates on held-out text, prints a generated
 sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps).
 """
@@ -23,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import axonmpi  # noqa: E402
 from axonmpi import checkpoint as ckpt  # noqa: E402
 from axonmpi.data import CharDataset, CharTokenizer, load_stdlib_corpus, unigram_entropy  # noqa: E402
-from axonmpi.models import GPT, GPTConfig  # noqa: E402
-from axonmpi.optim import AdamW, clip_grad_norm_  # noqa: E402
+from axonmpi.models import GPTConfig  # noqa: E402
+from axonmpi.optim import AdamW  # noqa: E402
+from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
 
 
@@ -34,6 +40,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
 ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype")
+LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "tp_style", "schedule", "microbatches")
 
 
 def parse_args(argv=None):
@@ -55,6 +62,23 @@ def parse_args(argv=None):
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm; 0 disables")
     g.add_argument("--seed", type=int, default=0, help="seed of init, data order and sampling")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameter dtype")
+    g = p.add_argument_group("layout (AxoNN's five sizes; their product is the number of ranks)")
+    g.add_argument("--G-data", type=int, default=None, help="data-parallel replicas (default: what the others leave)")
+    g.add_argument("--G-inter", type=int, default=1, help="pipeline stages")
+    g.add_argument("--G-intra-r", type=int, default=1, help="tensor parallel: rows of each weight (AxoNN)")
+    g.add_argument("--G-intra-c", type=int, default=1, help="tensor parallel: columns of each weight")
+    g.add_argument("--G-intra-d", type=int, default=1, help="tensor parallel: depth (AxoNN's weight sharding)")
+    g.add_argument("--tp-style", choices=["megatron", "axonn"], default="axonn",
+                   help="megatron: heads/MLP/vocabulary over G-intra-c; axonn: every Linear over r x c x d")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b",
+                   help="pipeline schedule (interleaved: 2 virtual stages per rank)")
+    g.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches per step")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each pipeline chunk's activations in backward")
+    g.add_argument("--fsdp", choices=["none", "shard_grad_op", "full_shard", "hybrid_shard"], default="none",
+                   help="shard over the data dimension (FSDP, issue 10); only none for now")
+    g.add_argument("--dump-params", default=None, metavar="PATH",
+                   help="rank 0 writes the final full (serial-named) parameters to PATH (.npz)")
     g = p.add_argument_group("data")
     g.add_argument("--corpus-bytes", type=int, default=1 << 20, help="bytes of standard-library source to train on")
     g.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final evaluation")
@@ -79,6 +103,9 @@ def parse_args(argv=None):
     for name in ("steps", "global_batch", "log_every", "keep_last"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.fsdp != "none":
+        raise NotImplementedError(f"--fsdp {args.fsdp}: sharding over the data dimension needs FSDP (issue 10), "
+                                  "which is not built into this script yet; use --fsdp none")
     if args.overwrite and (args.resume or args.auto_resume):
         p.error("--overwrite starts fresh; it cannot be combined with --resume/--auto-resume")
     return args
@@ -93,21 +120,18 @@ def config_mismatch(saved: dict, args) -> list:
     return out
 
 
-def evaluate(model, tokens, block, batches, batch, seed):
-    """Mean loss on ``batches`` random windows of the held-out tokens (each rank its own share)."""
-    world = axonmpi.get_world()
-    rng = np.random.default_rng((seed, 99, world.rank))
+def evaluate(hyb, tokens, block, batches, batch, seed):
+    """Mean loss on ``batches`` random global batches of windows of the held-out tokens."""
+    rng = np.random.default_rng((seed, 99))
     ds = CharDataset(tokens, block)
-    model.eval()
+    hyb.model.eval()
     losses = []
-    with axonmpi.no_grad():
-        for _ in range(batches):
-            idx = rng.integers(0, len(ds), batch)
-            x, y = ds.get_batch(idx)
-            _, loss = model.module(x, y)
-            losses.append(float(loss.item()))
-    model.train()
-    return float(axonmpi.all_reduce_mean(np.array(np.mean(losses))))
+    for _ in range(batches):
+        idx = rng.integers(0, len(ds), batch)
+        x, y = ds.get_batch(idx)
+        losses.append(hyb.eval_loss(hyb.local_batch(x), hyb.local_batch(y)))
+    hyb.model.train()
+    return float(np.mean(losses))
 
 
 def open_checkpoints(args, world, log):
@@ -136,20 +160,22 @@ def open_checkpoints(args, world, log):
 
 def resume(path, args, world, log, model, opt, sched, sampler):
     """Restore the run saved at ``path``; check its config first; extend the LR schedule to ``--steps``."""
-    loaded = ckpt.load(path)
-    saved = (loaded.get("extra") or {}).get("config") or {}
+    saved = (ckpt.load(path, {"extra": {}}, strict=False).get("extra") or {}).get("config") or {}
     diff = config_mismatch(saved, args)
     if diff:
         axonmpi.log.exit0(f"{path} was saved with another model: {'; '.join(diff)}. Pass the saved values "
                           "to resume, or start a new run in another --checkpoint-dir")
+    loaded = ckpt.load(path, model.hyb.checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
     saved_ranks = int(meta.get("world_size", world.world_size))
-    log.info("resumed from %s at step %d (saved on %d ranks)", path, step, saved_ranks)
+    layout = {k: saved[k] for k in LAYOUT_OPTIONS if k in saved}
+    log.info("resumed from %s at step %d (saved on %d ranks%s)", path, step, saved_ranks,
+             ", layout " + " ".join(f"{k}={v}" for k, v in layout.items()) if layout else "")
     if saved_ranks != world.world_size:
         # a continuation of the random streams is impossible on another rank count: derive one
         # independent stream per rank from the seed and the step, the same way on every rank
-        axonmpi.manual_seed(args.seed * 1000 + world.rank + 7919 * step)
+        axonmpi.manual_seed(model.hyb.dropout_seed(args.seed) + 7919 * step)
         log.warning("saved on %d ranks, resumed on %d: dropout/sampling streams re-seeded per rank "
                     "(deterministic, not a continuation)", saved_ranks, world.world_size)
     if args.steps != sched.total_steps and args.steps > step:
@@ -166,9 +192,18 @@ def resume(path, args, world, log, model, opt, sched, sampler):
 
 def main(argv=None):
     args = parse_args(argv)
-    world = axonmpi.init()
+    sizes = dict(G_data=args.G_data, G_inter=args.G_inter, G_intra_r=args.G_intra_r, G_intra_c=args.G_intra_c,
+                 G_intra_d=args.G_intra_d)
+    world = axonmpi.get_world() if axonmpi.is_initialized() else None
+    if world is None or any(v not in (None, 1) for v in sizes.values()):
+        try:
+            world = axonmpi.init(**sizes)
+        except ValueError as e:
+            axonmpi.log.exit0(f"impossible layout: {e}")
+    grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
-    if args.global_batch % world.world_size:
+    pure_dp = grid.G_data == world.world_size
+    if pure_dp and args.global_batch % world.world_size:
         n = world.world_size
         axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "
                           f"(e.g. --global-batch {max(n, args.global_batch // n * n)})")
@@ -181,30 +216,45 @@ def main(argv=None):
     train_tokens, val_tokens = data[:split], data[split:]
     h_unigram = unigram_entropy(train_tokens)
     train_ds = CharDataset(train_tokens, args.block_size)
-    loader = axonmpi.create_dataloader(train_ds, global_batch_size=args.global_batch, seed=args.seed)
-    sampler = loader.sampler
-
     cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    try:
+        check_layout(cfg, Layout.from_grid(grid), global_batch=args.global_batch, num_microbatches=args.microbatches,
+                     schedule=args.schedule, tp_style=args.tp_style, world_size=world.world_size)
+    except ValueError as e:
+        axonmpi.log.exit0(str(e))
+    if world.rank == 0:
+        print(grid.describe(), flush=True)
+    # every rank reads the whole global batch (same order as one process) and keeps its rows
+    loader = axonmpi.create_dataloader(train_ds, global_batch_size=args.global_batch, seed=args.seed,
+                                       group=world.split(world.rank, name="self"))
+    sampler = loader.sampler
+
     axonmpi.manual_seed(args.seed)
-    model = axonmpi.DDP(GPT(cfg).to(dtype=dtype))
-    opt = AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule, num_microbatches=args.microbatches,
+                    activation_checkpointing=args.activation_checkpointing, dtype=dtype,
+                    global_batch=args.global_batch)
+    opt = AdamW(hyb.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    model, opt_state = hyb.checkpoint_state(opt)
     sched = LinearWarmupCosine(opt, warmup_steps=min(args.warmup, args.steps // 2), total_steps=max(args.steps, 1),
                                min_lr=args.lr * 0.1)
-    axonmpi.manual_seed(args.seed * 1000 + world.rank)  # per-rank stream for dropout and sampling
+    axonmpi.manual_seed(hyb.dropout_seed(args.seed))  # one stream per row slice for dropout and sampling
 
     mgr, latest = open_checkpoints(args, world, log)
-    step = 0 if latest is None else resume(latest, args, world, log, model, opt, sched, sampler)
+    step = 0 if latest is None else resume(latest, args, world, log, model, opt_state, sched, sampler)
     saving = mgr is not None and not args.no_save
+    log.info("%s", hyb.describe())
 
     def save(step):
-        path = mgr.save(step, ckpt.training_state(model, opt, sched, sampler, step=step, extra={"config": vars(args)}))
+        path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step,
+                                                  extra={"config": vars(args), "layout": hyb.layout_record()}))
         log.info("checkpoint saved to %s (step %d; continue with --resume)", path, step)
         return path
 
-    log.info("GPT %.2fM parameters | %d ranks x %d sequences x %d chars | %d steps | %d train chars, vocab %d, "
-             "unigram entropy %.3f nats", model.module.num_parameters() / 1e6, world.world_size,
-             args.global_batch // world.world_size, args.block_size, args.steps, len(train_tokens),
+    log.info("GPT (rank 0 trains %.2fM parameters) | %d ranks, %d row slices x %d sequences x %d chars | %d steps | "
+             "%d train chars, vocab %d, unigram entropy %.3f nats",
+             sum(int(np.prod(q.shape)) for q in hyb.parameters()) / 1e6, world.world_size, hyb.shards,
+             args.global_batch // hyb.shards, args.block_size, args.steps, len(train_tokens),
              tok.vocab_size, h_unigram)
 
     bar = None
@@ -229,25 +279,21 @@ def main(argv=None):
             continue
         sampler.advance(len(x))
         opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+        lval = hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y))   # mean over the global batch
+        grad_norm = hyb.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else float("inf"))
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         step += 1
-        lval = float(loss.item())
         if not math.isfinite(lval):
             raise FloatingPointError(f"rank {world.rank}: loss became {lval} at step {step}; lower --lr")
         loss_ema = lval if loss_ema is None else 0.9 * loss_ema + 0.1 * lval
         now = time.perf_counter()
         tok_s = tokens_per_step / max(now - t_last, 1e-9)
-        if args.metrics_json:
-            mean_loss = float(axonmpi.all_reduce_mean(np.array(lval)))  # every rank: the all-reduce is collective
-            if metrics is not None:
-                metrics.write(json.dumps({"step": step, "loss": mean_loss, "grad_norm": float(grad_norm), "lr": lr,
-                                          "tokens_per_s": tok_s}) + "\n")
-                metrics.flush()
+        if metrics is not None:
+            metrics.write(json.dumps({"step": step, "loss": lval, "grad_norm": float(grad_norm), "lr": lr,
+                                      "tokens_per_s": tok_s}) + "\n")
+            metrics.flush()
         if bar is not None:
             bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}", refresh=False)
             bar.update(1)
@@ -262,18 +308,23 @@ def main(argv=None):
         metrics.close()
     elapsed = time.perf_counter() - t0
 
-    val = evaluate(model, val_tokens, args.block_size, args.eval_batches, args.global_batch // world.world_size,
-                   args.seed)
+    val = evaluate(hyb, val_tokens, args.block_size, args.eval_batches, args.global_batch, args.seed)
     log.info("done: step %d (%d this run) in %.1f s | train loss %s | held-out loss %.3f vs unigram entropy %.3f "
              "nats (%s)", step, step - start_step, elapsed, "n/a" if loss_ema is None else f"{loss_ema:.3f}", val,
              h_unigram,
              "learned structure beyond character frequencies" if val < h_unigram else "not yet below unigram")
     if saving and step > start_step:
         save(step)
-    if args.sample_chars > 0 and world.rank == 0:
+    if args.dump_params:
+        full = hyb.full_state_dict()
+        if world.rank == 0:
+            np.savez(args.dump_params, **full)
+    if args.sample_chars > 0 and hyb.ddp is None:
+        log.info("no sample: generation needs the whole model on one rank (pure data parallel layouts)")
+    elif args.sample_chars > 0 and world.rank == 0:
         prompt = "def "
         idx = tok.encode(prompt)[None, :]
-        out = model.module.generate(idx, args.sample_chars, temperature=0.8, top_k=20)
+        out = hyb.model.generate(idx, args.sample_chars, temperature=0.8, top_k=20)
         print("---- sample ----\n" + tok.decode(out[0]) + "\n----------------", flush=True)
     axonmpi.barrier()
 

@@ -125,7 +125,7 @@ def test_cli_jobs_write(tmp_path):
 
 @pytest.mark.serial
 def test_slurm_templates_have_the_batch_essentials():
-    for name in ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch"):
+    for name in ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch"):
         text = open(os.path.join(ROOT, "jobs", name)).read()
         for needle in ("SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK", "--auto-resume", "--no-progress",
                        "$AXONMPI_SCRATCH", 'source "${AXONMPI_SITE:-jobs/site.sh}"'):
@@ -160,3 +160,43 @@ def test_train_mlp_data_parallel_matches_one_rank_and_shows_defaults():
     g = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--help"],
                        capture_output=True, text=True, timeout=60, env=wide)
     assert "(default: 300)" in g.stdout and "(default 300)" not in g.stdout
+
+
+@pytest.mark.serial
+def test_slurm_3d_checks_the_sizes_against_ntasks_and_passes_them(tmp_path):
+    """The five sizes are variables checked against SLURM_NTASKS before srun; srun gets them as flags."""
+    from axonmpi.testing import mpiexec_env
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
+    os.chmod(fake / "srun", 0o755)
+    env = mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_JOB_NAME": "t",
+                       "SLURM_JOB_NODELIST": "n[1-2]", "AXONMPI_SCRATCH": str(tmp_path),
+                       "AXONMPI_SITE": os.path.join(ROOT, "jobs", "site.sh"), "G_INTER": "2", "G_INTRA_C": "2"})
+    job = os.path.join(ROOT, "jobs", "slurm_3d.sbatch")
+    r = subprocess.run(["bash", job, "--steps", "10"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ("--G-data 2 --G-inter 2 --G-intra-r 1 --G-intra-c 2 --G-intra-d 1 --tp-style axonn --schedule 1f1b "
+            "--steps 10") in r.stdout, r.stdout
+    r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60, env={**env, "G_INTER": "3"})
+    assert r.returncode == 2 and "= 6 does not divide SLURM_NTASKS=8" in r.stderr, r.stderr
+    r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60, env={**env, "G_DATA": "3"})
+    assert r.returncode == 2 and "= 12 but SLURM_NTASKS=8" in r.stderr, r.stderr
+
+
+@pytest.mark.serial
+def test_local_sh_takes_the_layout_flags_and_variables(tmp_path):
+    from axonmpi.testing import mpiexec_env
+    env = mpiexec_env({"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHON": sys.executable})
+    job = os.path.join(ROOT, "jobs", "local.sh")
+    common = ["-n", "2", os.path.join(ROOT, "examples", "train_gpt.py"), *TINY, "--steps", "1", "--global-batch", "2",
+              "--no-save", "--sample-chars", "0"]
+    r = subprocess.run(["bash", job, *common, "--G-inter", "2"], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and "G_inter=2" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(["bash", job, *common], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**env, "G_INTRA_C": "2", "TP_STYLE": "megatron"})
+    assert r.returncode == 0 and "G_intra_c=2 G_intra_d=1 | tp-style megatron" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(["bash", job, *common], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env={**env, "G_INTER": "3"})
+    assert r.returncode == 2 and "= 3 does not divide -n 2" in r.stderr, r.stderr

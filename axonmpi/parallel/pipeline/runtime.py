@@ -94,9 +94,14 @@ def _graph_bytes(roots: Sequence[Tensor], exclude: set) -> int:
     return total
 
 
-def _microbatch_seed(base: int, step: int, stage: int, microbatch: int) -> int:
-    """The seed of the random stream (dropout) of one stage on one micro-batch of one step."""
-    return int(np.random.SeedSequence([base, step, stage, microbatch]).generate_state(1, np.uint64)[0])
+def _microbatch_seed(base: int, step: int, stage: int, microbatch: int, replica: int = 0) -> int:
+    """The seed of the random stream (dropout) of one stage on one micro-batch of one step.
+
+    ``replica``: the rank in the data-parallel group (replica 0 keeps the stream of a run without
+    data parallelism; the others draw their own masks for their own samples).
+    """
+    key = [base, step, stage, microbatch] + ([replica] if replica else [])
+    return int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0])
 
 
 def _split_sizes(n: int, m: int) -> List[int]:
@@ -119,9 +124,10 @@ class Pipeline:
     over the whole batch; zero them and step the optimizer yourself.
 
     Dropout: each stage's forward on micro-batch ``i`` of step ``t`` draws from its own random
-    stream seeded from ``(axonmpi.random.initial_seed(), t, stage, i)``, so masks do not depend
-    on the schedule or on how many ranks run it, and recomputation (activation checkpointing)
-    sees the same masks.
+    stream seeded from ``(axonmpi.random.initial_seed(), t, stage, i)`` (and the rank in
+    ``data_group`` when it is not 0, so data-parallel replicas draw different masks), so masks do
+    not depend on the schedule or on how many pipeline ranks run it, and recomputation
+    (activation checkpointing) sees the same masks.
 
     Data parallel: with ``data_group``, after the last backward each stage's gradients are
     averaged over ``data_group`` (the ranks holding the same stage for other data), and the
@@ -452,7 +458,7 @@ class _Executor:
             x = Tensor._wrap(data)
             if self.train and data.dtype.kind == "f":
                 x.requires_grad = True
-        seed = _microbatch_seed(initial_seed(), p._step, s, i)
+        seed = _microbatch_seed(initial_seed(), p._step, s, i, p.data_group.rank if p.data_group is not None else 0)
         with fork_rng(seed):
             y = p.stages[s](x)
         if s == p.last_stage:

@@ -1,0 +1,577 @@
+"""Hybrid DP x TP x PP training of the GPT on the 5-D grid: the composition rules, implemented once.
+
+[Note: composition rules]  One rank of the grid ``(data, inter, depth, row, col)``:
+
+* **Model.** Every rank builds the serial GPT from the same seed (so initial values equal the
+  serial model's), then: ``tp_style="megatron"`` swaps attention/MLP/embedding/head for the 1-D
+  layers over ``intra_group`` (needs ``G_intra_r == G_intra_d == 1``); ``tp_style="axonn"`` builds
+  it inside ``auto_parallelize`` (every Linear split over row x column x depth).  With
+  ``G_inter > 1`` the model is cut by :func:`split_module` into ``G_inter * v`` chunks
+  (``v = 2`` for the interleaved schedule) and this rank keeps its stage's chunks.
+* **Rows.** The global batch is cut into equal contiguous slices, one per *batch shard*:
+  Megatron and pure data parallel: the ``G_data`` replicas (tensor-parallel ranks of one block
+  read the same rows); AxoNN easy mode: every rank of a stage, ``G_data*G_intra_r*G_intra_c*G_intra_d``
+  slices (rank index ``data * |intra| + intra rank``).  Pipeline ranks of one replica read the same rows.
+* **Gradients.** Megatron / pure DP: each gradient is averaged over ``data_group`` (DDP without a
+  pipeline, :class:`Pipeline` ``data_group`` with one); sharded TP weights are never reduced over
+  the tensor group, replicated ones (LayerNorm, ``wpe``) get identical gradients there already.
+  AxoNN: :func:`intra_layer.sync_gradients` with ``mean=True`` -- 3-D weights (already
+  reduce-scattered over depth) all-reduced over data, depth-replicated biases over data and depth,
+  every other parameter over the stage's replica ranks (data x intra), all divided by that count.
+  Pipeline stages hold disjoint parameters: nothing is reduced over ``inter_group``.
+* **Loss.** Computed on the last pipeline stage (the whole model without a pipeline) as the mean
+  over the rank's rows (micro-batches weighted by their size), summed over ``inter_group`` (only
+  the last stage contributes), then averaged over the batch shards: every rank reports the mean over
+  the *whole global batch*, the same number under every layout.
+* **Clipping.** :meth:`HybridGPT.clip_grad_norm_`: the stage's norm from
+  :func:`axonmpi.optim.clip.grad_norm` (TP shards summed over the group their tags name,
+  replicated parameters counted once), squared, summed over ``inter_group``: one global norm.
+* **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
+  ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
+  parameters, so a checkpoint saved under one layout loads under any other.
+* **Dropout.** :meth:`HybridGPT.dropout_seed`: one random stream per row slice, so Megatron's
+  tensor-parallel ranks draw identical masks and data-parallel replicas distinct ones.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .. import nn
+from ..distributed import ReduceOp, all_gather_object, all_reduce
+from ..distributed.grid import ProcessGrid
+from ..distributed.world import get_grid
+from ..models.gpt import GPT, GPTConfig
+from ..nn import functional as F
+from ..optim.clip import grad_norm
+
+__all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout"]
+
+
+class TPStyle(enum.Enum):
+    """How the tensor dimensions of the grid split the GPT."""
+    MEGATRON = "megatron"   # 1-D: heads / MLP columns / vocabulary over intra_group (G_intra_c only)
+    AXONN = "axonn"         # 3-D: every Linear over row x column x depth (auto_parallelize)
+
+
+_SCHEDULES = {"gpipe": "GPIPE", "1f1b": "ONE_F_ONE_B", "interleaved": "INTERLEAVED_ONE_F_ONE_B"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """AxoNN's five sizes of a run.
+
+    Example:
+        >>> Layout(G_data=2, G_inter=2).world_size
+        4
+    """
+    G_data: int = 1
+    G_inter: int = 1
+    G_intra_r: int = 1
+    G_intra_c: int = 1
+    G_intra_d: int = 1
+
+    @classmethod
+    def from_grid(cls, grid: ProcessGrid) -> "Layout":
+        """The sizes of ``grid``."""
+        return cls(grid.G_data, grid.G_inter, grid.G_intra_r, grid.G_intra_c, grid.G_intra_d)
+
+    @property
+    def world_size(self) -> int:
+        """The product of the five sizes."""
+        return self.G_data * self.G_inter * self.tensor_size
+
+    @property
+    def tensor_size(self) -> int:
+        """``G_intra_r * G_intra_c * G_intra_d``."""
+        return self.G_intra_r * self.G_intra_c * self.G_intra_d
+
+    def as_dict(self) -> Dict[str, int]:
+        """``{"G_data": .., "G_inter": .., "G_intra_r": .., "G_intra_c": .., "G_intra_d": ..}``."""
+        return {"G_data": self.G_data, "G_inter": self.G_inter, "G_intra_r": self.G_intra_r,
+                "G_intra_c": self.G_intra_c, "G_intra_d": self.G_intra_d}
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+def _style(tp_style) -> TPStyle:
+    try:
+        return TPStyle(getattr(tp_style, "value", tp_style))
+    except ValueError:
+        raise ValueError(f"tp_style must be one of {[s.value for s in TPStyle]}, got {tp_style!r}") from None
+
+
+def _schedule(schedule):
+    from .pipeline import PipelineSchedule
+    if isinstance(schedule, PipelineSchedule):
+        return schedule
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
+    return PipelineSchedule[_SCHEDULES[schedule]]
+
+
+def batch_shards(layout: Layout, tp_style="axonn") -> int:
+    """Into how many equal row slices the global batch is cut (see the module's note).
+
+    Example:
+        >>> batch_shards(Layout(G_data=2, G_intra_c=2), "megatron"), batch_shards(Layout(G_data=2, G_intra_c=2))
+        (2, 4)
+    """
+    if layout.tensor_size > 1 and _style(tp_style) is TPStyle.AXONN:
+        return layout.G_data * layout.tensor_size
+    return layout.G_data
+
+
+def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_microbatches: int = 1,
+                 schedule="1f1b", tp_style="axonn", world_size: Optional[int] = None) -> None:
+    """Refuse a layout the GPT cannot run on, before any work, naming every size that does not fit.
+
+    Args:
+        config: the model.
+        layout: the five sizes.
+        global_batch: sequences per optimizer step over all ranks.
+        num_microbatches: pipeline micro-batches per step.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        tp_style: ``"megatron"`` or ``"axonn"``.
+        world_size: the number of ranks (checked against the product when given).
+
+    Raises:
+        ValueError: listing every problem, e.g. ``n_head=4 does not divide by G_intra_c=3``.
+
+    Example:
+        >>> check_layout(GPTConfig(vocab_size=16, n_layer=1), Layout(G_inter=4), global_batch=8)
+        Traceback (most recent call last):
+        ValueError: ...the GPT has 3 pipeline layers (embedding, 1 blocks, head) but G_inter=4 ...
+    """
+    style, sched = _style(tp_style), _schedule(schedule)
+    errs: List[str] = []
+    if world_size is not None and layout.world_size != world_size:
+        errs.append(f"G_data*G_inter*G_intra_r*G_intra_c*G_intra_d = {layout.world_size} but there are "
+                    f"{world_size} ranks")
+    for k, v in layout.as_dict().items():
+        if v < 1:
+            errs.append(f"{k}={v} must be >= 1")
+    if errs:
+        raise ValueError(f"impossible layout {layout}: " + "; ".join(errs))
+    tp = layout.tensor_size
+    if tp > 1 and style is TPStyle.MEGATRON:
+        if layout.G_intra_r > 1 or layout.G_intra_d > 1:
+            errs.append(f"--tp-style megatron splits over one dimension (G_intra_c); got G_intra_r={layout.G_intra_r}, "
+                        f"G_intra_d={layout.G_intra_d} (use --tp-style axonn)")
+        c = layout.G_intra_c
+        for what, n in (("n_head", config.n_head), ("4*n_embd (MLP width)", 4 * config.n_embd),
+                        ("vocab_size", config.vocab_size)):
+            if n % c:
+                errs.append(f"{what}={n} does not divide by G_intra_c={c}")
+    n_layers = config.n_layer + 2
+    v = 2 if sched.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+    if layout.G_inter * v > n_layers:
+        errs.append(f"the GPT has {n_layers} pipeline layers (embedding, {config.n_layer} blocks, head) but "
+                    f"G_inter={layout.G_inter}" + (f" x {v} virtual stages" if v > 1 else "")
+                    + " needs at least one each")
+    if num_microbatches < 1:
+        errs.append(f"num_microbatches={num_microbatches} must be >= 1")
+    elif v > 1 and num_microbatches % layout.G_inter:
+        errs.append(f"the interleaved schedule needs num_microbatches={num_microbatches} to be a multiple of "
+                    f"G_inter={layout.G_inter}")
+    shards = batch_shards(layout, style)
+    if global_batch % shards:
+        errs.append(f"global batch {global_batch} does not divide into {shards} equal row slices "
+                    f"({'G_data*G_intra_r*G_intra_c*G_intra_d' if shards != layout.G_data else 'G_data'} = {shards})")
+    elif global_batch // shards < num_microbatches:
+        errs.append(f"{global_batch // shards} rows per rank cannot make num_microbatches={num_microbatches}")
+    if errs:
+        raise ValueError(f"impossible layout {layout} (tp_style={style.value}, schedule={schedule}): "
+                         + "; ".join(errs))
+
+
+class _Checkpointed(nn.Module):
+    """A pipeline chunk whose forward is recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return nn.checkpoint(self.inner, x)
+
+
+class _Params:
+    """What ``intra_layer.sync_gradients`` needs from a model: ``parameters()``."""
+
+    def __init__(self, params):
+        self._params = params
+
+    def parameters(self):
+        return iter(self._params)
+
+
+class HybridGPT:
+    """The GPT on this rank under any layout of the grid, with one ``step``/``clip`` for all of them.
+
+    Args:
+        config: the model.
+        grid: the process grid (default: ``axonmpi.get_grid()``).
+        tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
+        schedule: pipeline schedule ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (2 virtual stages).
+        num_microbatches: micro-batches per step.
+        activation_checkpointing: recompute each pipeline chunk's activations in backward.
+        dtype: parameter dtype.
+        global_batch: sequences per step (checked against the layout).
+
+    Example:
+        >>> grid = axonmpi.init(G_data=2, G_inter=2).grid
+        >>> hyb = HybridGPT(cfg, global_batch=8, num_microbatches=2)
+        >>> x, y = hyb.local_batch(x_global), hyb.local_batch(y_global)
+        >>> opt = AdamW(hyb.parameters()); opt.zero_grad()
+        >>> loss = hyb.forward_backward(x, y); norm = hyb.clip_grad_norm_(1.0); opt.step()
+    """
+
+    def __init__(self, config: GPTConfig, grid: Optional[ProcessGrid] = None, *, tp_style="axonn",
+                 schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
+                 dtype="float32", global_batch: int):
+        from ..random import manual_seed  # noqa: F401  (the caller seeds; documented)
+        self.grid = get_grid() if grid is None else grid
+        self.layout = Layout.from_grid(self.grid)
+        self.config = config
+        self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
+        self.schedule = _schedule(schedule)
+        self.num_microbatches = int(num_microbatches)
+        self.global_batch = int(global_batch)
+        check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
+                     schedule=schedule, tp_style=tp_style, world_size=self.grid.world.world_size)
+        self.shards = batch_shards(self.layout, self.style or "megatron")
+        g = self.grid
+        self.groups = None
+        if self.style is TPStyle.AXONN:
+            from .auto_parallelize import auto_parallelize
+            from .tensor import TensorParallelGroups
+            self.groups = TensorParallelGroups.from_grid(g)
+            with auto_parallelize(groups=self.groups):
+                self.model = GPT(config, dtype=dtype)
+            self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank
+        else:
+            self.model = GPT(config, dtype=dtype)
+            if self.style is TPStyle.MEGATRON:
+                from .tensor import parallelize_gpt
+                parallelize_gpt(self.model, group=g.intra_group)
+            self.shard_index = g.coords.data
+        self.ddp = None
+        self.pipe = None
+        if self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
+            from .ddp import DistributedDataParallel
+            self.ddp = DistributedDataParallel(self.model, group=g.data_group)
+            self._params = list(self.model.parameters())
+        else:
+            from .pipeline import Pipeline, split_module
+            v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+            chunks = split_module(self.model, g.G_inter, v, group=g.inter_group)
+            if activation_checkpointing:
+                chunks = [_Checkpointed(c) for c in chunks]
+            self.pipe = Pipeline(chunks, self.schedule, num_microbatches=self.num_microbatches,
+                                 loss_fn=F.cross_entropy, group=g.inter_group, virtual_stages=v,
+                                 data_group=None if self.style is TPStyle.AXONN else g.data_group,
+                                 track_memory=False)
+            self._params = self.pipe.parameters()
+        mine = {id(p) for p in self._params}
+        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine]
+        self._owned = set(self.param_names)
+
+    # -- training -----------------------------------------------------------------------------------
+    def parameters(self) -> List[Any]:
+        """The parameters this rank trains (its stage's; its shards of tensor-parallel ones)."""
+        return list(self._params)
+
+    def local_batch(self, batch):
+        """This rank's rows of a global batch (the slice ``shard_index`` of ``shards`` equal slices)."""
+        n = len(batch)
+        if n % self.shards:
+            raise ValueError(f"rank {self.grid.world.rank}: a batch of {n} rows does not divide into "
+                             f"{self.shards} equal slices")
+        b = n // self.shards
+        return batch[self.shard_index * b:(self.shard_index + 1) * b]
+
+    def forward_backward(self, x, y) -> float:
+        """Forward and backward on this rank's rows; gradients reduced as the layout needs.
+
+        Returns:
+            The mean loss over the whole global batch (the same on every rank and every layout).
+        """
+        g = self.grid
+        if self.ddp is not None:
+            _, loss = self.ddp(x, y)
+            loss.backward()
+            value = float(loss.item())
+            if g.data_group.size > 1:
+                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, g.data_group)[0])
+            return value
+        value = self.pipe.step(x, y)       # Megatron / pure PP: already averaged over data_group
+        if self.style is TPStyle.AXONN:
+            from .intra_layer import sync_gradients
+            sync_gradients(_Params(self._params), mean=True, groups=self.groups)
+            for grp in self.groups.replica:
+                if grp.size > 1:
+                    value = float(all_reduce(np.array([value]), ReduceOp.MEAN, grp)[0])
+        return value
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip all gradients of the global model to ``max_norm``; return the global norm before clipping."""
+        total = grad_norm(self._params) ** 2
+        inter = self.grid.inter_group
+        if inter.size > 1:
+            total = float(all_reduce(np.array([total]), ReduceOp.SUM, inter)[0])
+        total = math.sqrt(total)
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.data *= coef
+        return total
+
+    def eval_loss(self, x, y) -> float:
+        """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
+        from ..autograd import no_grad
+        g = self.grid
+        if self.ddp is not None:
+            with no_grad():
+                _, loss = self.model(x, y)
+            value = float(loss.item())
+            groups = [g.data_group]
+        else:
+            value = self.pipe.eval_step(x, y)
+            groups = list(self.groups.replica) if self.style is TPStyle.AXONN else []
+        for grp in groups:
+            if grp.size > 1:
+                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, grp)[0])
+        return value
+
+    # -- state ------------------------------------------------------------------------------------------
+    def _tp_map(self) -> Dict[str, Any]:
+        if self.style is None:
+            return {}
+        from .tensor.state import _tp_entries
+        return {key: (m, name) for key, m, name, _ in _tp_entries(self.model)}
+
+    def _gather(self, local: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+        """``{name: {key: local shard}}`` of this rank's parameters -> full arrays of every stage's
+        (collective: TP gathers in ``param_names`` order, then one all-gather over ``inter_group``)."""
+        from ..backend import to_host
+        tp = self._tp_map()
+        own: Dict[str, Dict[str, Any]] = {}
+        for n in self.param_names:
+            ent = {}
+            for k, v in local.get(n, {}).items():
+                if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                    if n in tp:
+                        m, name = tp[n]
+                        v = m._tp_gather(name, v)
+                    v = np.array(to_host(v), copy=True)
+                ent[k] = v
+            own[n] = ent
+        inter = self.grid.inter_group
+        merged: Dict[str, Dict[str, Any]] = {}
+        for part in (all_gather_object(own, group=inter) if inter.size > 1 else [own]):
+            merged.update(part)
+        return merged
+
+    def _shard(self, name: str, full) -> np.ndarray:
+        """This rank's shard of parameter ``name`` from its full array, or from a loaded block of
+        :meth:`_block` (a ``ShardedArray``: its TP block, or the whole array)."""
+        tp = self._tp_map()
+        if hasattr(full, "global_shape"):
+            if name in tp:
+                m, local = tp[name]
+                return np.asarray(m._tp_unblock(local, full.local))
+            return np.asarray(full.local)
+        if name in tp:
+            m, local = tp[name]
+            return m._tp_shard(local, np.asarray(full))
+        return np.asarray(full)
+
+    def _block(self, name: str, local):
+        """A ``ShardedArray`` of parameter ``name``'s full array holding ``local`` (this rank's shard of it,
+        or of an array shaped like it); an empty block where another pipeline stage owns ``name``."""
+        from ..backend import to_host
+        from ..distributed.sharding import ShardedArray
+        tp = self._tp_map()
+        p = dict(self.model.named_parameters())[name]
+        full = tuple(tp[name][0]._tp_full_shape(tp[name][1])) if name in tp else tuple(p.shape)
+        if name not in self._owned:
+            return ShardedArray(np.empty((0,) + full[1:], dtype=p.dtype), full, (0,) * len(full))
+        if name in tp:
+            m, local_name = tp[name]
+            return m._tp_block(local_name, local)
+        return ShardedArray(np.asarray(to_host(local)), full, (0,) * len(full))
+
+    def full_state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """The whole serial model's parameters (gathered over tensor and pipeline groups), on every rank.
+
+        Collective over the grid.  Keys and shapes are the serial GPT's (PyTorch names).
+        """
+        named = dict(self.model.named_parameters())
+        full = self._gather({n: {"v": named[n].data} for n in self.param_names})
+        return OrderedDict((n, full[n]["v"]) for n in named)
+
+    def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load a full (serial-named) state dict, or one read into :meth:`checkpoint_template`'s blocks:
+        each rank copies in its shard of its stage's parameters."""
+        named = dict(self.model.named_parameters())
+        if strict:
+            missing = sorted(set(named) - set(state_dict))
+            if missing:
+                raise KeyError(f"rank {self.grid.world.rank}: the state dict lacks {missing}")
+        for n in self.param_names:
+            if n in state_dict:
+                p = named[n]
+                shard = self._shard(n, state_dict[n])
+                if tuple(shard.shape) != tuple(p.shape):
+                    raise ValueError(f"rank {self.grid.world.rank}: {n!r} shard has shape {tuple(shard.shape)}, "
+                                     f"the parameter {tuple(p.shape)}")
+                from ..backend import get_array_module
+                p.data[...] = get_array_module(p.data).asarray(shard, dtype=p.data.dtype)
+
+    def checkpoint_template(self, path: Optional[str] = None) -> Dict[str, Any]:
+        """A ``checkpoint.load`` template for a :func:`~axonmpi.checkpoint.training_state` saved by any
+        layout: the model entries as this layout's blocks (each rank reads only its shard); with
+        ``path`` (the checkpoint, to learn the optimizer's per-parameter keys) the optimizer's
+        moments too; the rest (scheduler, sampler, RNG, meta, extra) as saved.  Collective.
+
+        Example:
+            >>> loaded = axonmpi.checkpoint.load(path, hyb.checkpoint_template())
+            >>> restore_training_state(loaded, *hyb.checkpoint_state(opt), sched, sampler)
+        """
+        optimizer: Dict[str, Any] = {}
+        if path is not None:
+            from ..distributed import broadcast_object
+            keys = None
+            if self.grid.world.rank == 0:
+                from ..checkpoint import CheckpointReader
+                keys = {}
+                for name in CheckpointReader(path, verify=False).names():
+                    parts = name.split("/")
+                    if len(parts) == 4 and parts[:2] == ["optimizer", "state"]:
+                        keys.setdefault(parts[2], []).append(parts[3])
+            keys = broadcast_object(keys, group=self.grid.world.default_group)
+            named = dict(self.model.named_parameters())
+            if keys and set(keys) == set(named):
+                state = OrderedDict()
+                for n, p in named.items():
+                    state[n] = {k: (self._block(n, np.zeros(p.shape, p.dtype)) if k in _MOMENTS else None)
+                                for k in keys[n]}
+                optimizer = {"state": state, "param_groups": None}
+        return {"model": _ModelState(self).state_dict(), "optimizer": optimizer, "scheduler": {}, "sampler": {},
+                "rng": None, "meta": {}, "extra": {}}
+
+    def sharded_state_dict(self) -> "OrderedDict[str, Any]":
+        """This rank's entries under serial names: TP shards as ``ShardedArray`` blocks, only its stage's."""
+        from .tensor import sharded_state_dict
+        sd = sharded_state_dict(self.model) if self.style is not None else self.model.state_dict()
+        return OrderedDict((n, sd[n]) for n in self.param_names)
+
+    def checkpoint_state(self, optimizer) -> "tuple":
+        """``(model_state, optimizer_state)``: objects with ``state_dict``/``load_state_dict`` for
+        :func:`axonmpi.checkpoint.training_state`.  They save serial-named ``ShardedArray`` blocks
+        (no gather: TP shards as blocks, each pipeline stage its own parameters) and load full
+        arrays, so a checkpoint saved under one layout loads under any other and into the serial GPT."""
+        return _ModelState(self), _OptimizerState(self, optimizer)
+
+    def dropout_seed(self, seed: int) -> int:
+        """The seed of this rank's random stream (dropout): ranks holding the same rows share it.
+
+        Megatron tensor-parallel ranks must draw the same masks on their replicated activations,
+        so the stream follows the row slice (``seed * 1000 + shard_index``), not the world rank;
+        data-parallel replicas (and AxoNN's per-rank rows) get distinct masks.  The pipeline
+        derives each stage's per-micro-batch stream from this seed.
+        """
+        return int(seed) * 1000 + self.shard_index
+
+    def layout_record(self) -> Dict[str, Any]:
+        """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
+        return {**self.layout.as_dict(), "tp_style": self.style.value if self.style else "none",
+                "schedule": "ddp" if self.ddp is not None else self.schedule.name.lower(),
+                "microbatches": self.num_microbatches}
+
+    def describe(self) -> str:
+        """One line: the layout, the TP style, the schedule and what this rank holds."""
+        style = self.style.value if self.style else "none"
+        how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}"
+        return (f"{self.layout} | tp-style {style} | {how} | batch in {self.shards} row slices | "
+                f"rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
+
+
+# optimizer state entries shaped like their parameter (read block-wise on resume); others are read whole
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum")
+
+
+def _is_array(v) -> bool:
+    return hasattr(v, "global_shape") or (hasattr(v, "shape") and getattr(v, "ndim", 0) > 0)
+
+
+def _dtype(v):
+    return v.local.dtype if hasattr(v, "global_shape") else np.asarray(v).dtype
+
+
+class _ModelState:
+    """The hybrid model's parameters under serial names as ``ShardedArray`` blocks of the full arrays.
+
+    Every rank lists every parameter (the checkpoint's rule: the same keys everywhere): its own
+    stage's as its TP block (or the whole array, written once over replicas), other stages' as
+    an empty block.  Loading takes full arrays (any layout's checkpoint) and keeps the shard.
+    """
+
+    def __init__(self, hyb: HybridGPT):
+        self.hyb = hyb
+
+    def state_dict(self):
+        return OrderedDict((n, self.hyb._block(n, p.data)) for n, p in self.hyb.model.named_parameters())
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        self.hyb.load_full_state_dict(state_dict, strict=strict)
+
+
+class _OptimizerState:
+    """An optimizer's per-parameter state keyed by serial parameter names, as blocks like the parameters'."""
+
+    def __init__(self, hyb: HybridGPT, optimizer):
+        self.hyb, self.opt = hyb, optimizer
+
+    def state_dict(self):
+        hyb = self.hyb
+        named = dict(hyb.model.named_parameters())
+        own = [n for n in hyb.param_names if self.opt.state.get(named[n])]
+        # the per-parameter keys (and scalar values such as AdamW's step) are the same for every parameter
+        sample = {k: (None if _is_array(v) else v) for k, v in self.opt.state[named[own[0]]].items()} if own else None
+        inter = hyb.grid.inter_group
+        samples = [x for x in (all_gather_object(sample, group=inter) if inter.size > 1 else [sample]) if x]
+        state = OrderedDict()
+        if samples:
+            keys = samples[0]
+            for n, p in named.items():
+                st = self.opt.state.get(p, {}) if n in hyb.param_names else {}
+                state[n] = {k: (hyb._block(n, st.get(k)) if v is None else v) for k, v in keys.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        from ..backend import get_array_module
+        named = dict(self.hyb.model.named_parameters())
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.opt.param_groups):
+            raise ValueError(f"rank {self.hyb.grid.world.rank}: the checkpoint has {len(saved_groups)} parameter "
+                             f"groups, the optimizer {len(self.opt.param_groups)}")
+        for g, saved in zip(self.opt.param_groups, saved_groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for n in self.hyb.param_names:
+            saved = state_dict["state"].get(n)
+            if not saved:
+                continue
+            p = named[n]
+            xp = get_array_module(p.data)
+            self.opt.state[p] = {k: (xp.asarray(self.hyb._shard(n, v), dtype=_dtype(v)) if _is_array(v) else v)
+                                 for k, v in saved.items()}

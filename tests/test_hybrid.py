@@ -1,0 +1,239 @@
+"""Hybrid DP x TP x PP through the user-facing path: examples/train_gpt.py under every layout equals one process."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
+# float64, 5 AdamW steps with active clipping (norms ~1 vs --grad-clip 0.05), a tiny GPT
+TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--corpus-bytes", "60000",
+        "--eval-batches", "1", "--no-progress", "--sample-chars", "0", "--global-batch", "12", "--steps", "5",
+        "--dtype", "float64", "--no-save", "--lr", "1e-2", "--grad-clip", "0.05", "--warmup", "2"]
+
+# (G_data, G_inter, G_intra_r, G_intra_c, G_intra_d), extra flags
+LAYOUTS = [
+    ((2, 2, 1, 1, 1), ["--microbatches", "2"]),
+    ((2, 1, 1, 2, 1), ["--tp-style", "megatron"]),
+    ((2, 1, 1, 2, 1), ["--tp-style", "axonn"]),
+    ((1, 2, 1, 2, 1), ["--tp-style", "megatron", "--schedule", "gpipe", "--microbatches", "3"]),
+    ((1, 2, 1, 1, 2), ["--schedule", "interleaved", "--microbatches", "2"]),
+    ((1, 1, 2, 1, 2), []),
+    ((1, 1, 2, 2, 1), ["--activation-checkpointing"]),
+    ((4, 1, 1, 1, 1), []),
+    ((3, 1, 1, 1, 1), []),
+    ((1, 3, 1, 1, 1), ["--microbatches", "3"]),
+    ((1, 1, 1, 3, 1), ["--tp-style", "axonn"]),
+]
+
+
+def _run(tmp, name, sizes=None, extra=()):
+    from axonmpi.testing import mpiexec_env, run_mpiexec
+    metrics, params = str(tmp / f"{name}.jsonl"), str(tmp / f"{name}.npz")
+    args = [SCRIPT, *TINY, "--metrics-json", metrics, "--dump-params", params, *extra]
+    if sizes is None:
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=mpiexec_env(),
+                           cwd=tmp)
+    else:
+        flags = [f for k, v in zip(("--G-data", "--G-inter", "--G-intra-r", "--G-intra-c", "--G-intra-d"), sizes)
+                 for f in (k, str(v))]
+        r = run_mpiexec(args + flags, n=int(np.prod(sizes)), timeout=240, cwd=str(tmp))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(ln) for ln in open(metrics)]
+    return rows, dict(np.load(params)), r
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serial")
+    return _run(tmp, "serial")
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("sizes,extra", LAYOUTS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+                         else "-".join(a.strip("-") for a in v) or "default")
+def test_layout_matches_one_process(sizes, extra, serial, tmp_path):
+    ref_rows, ref_params, _ = serial
+    rows, params, r = _run(tmp_path, "layout", sizes, extra)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    ref_loss, loss = np.array([x["loss"] for x in ref_rows]), np.array([x["loss"] for x in rows])
+    assert np.abs(loss - ref_loss).max() <= 1e-9 * np.abs(ref_loss).max(), (loss, ref_loss)
+    ref_norm, norm = np.array([x["grad_norm"] for x in ref_rows]), np.array([x["grad_norm"] for x in rows])
+    assert np.all(ref_norm > 0.05)                      # clipping is active
+    assert np.abs(norm - ref_norm).max() <= 1e-9 * ref_norm.max(), (norm, ref_norm)
+    assert params.keys() == ref_params.keys()
+    for k, v in ref_params.items():
+        scale = max(np.abs(v).max(), 1e-300)
+        assert params[k].shape == v.shape and np.abs(params[k] - v).max() <= 1e-9 * scale, k
+    assert r.stdout.count("ProcessGrid(") == 1          # rank 0 prints the grid table once
+
+
+def _flags(sizes):
+    return [f for k, v in zip(("--G-data", "--G-inter", "--G-intra-r", "--G-intra-c", "--G-intra-d"), sizes)
+            for f in (k, str(v))]
+
+
+@pytest.mark.serial
+def test_checkpoint_reshards_across_four_layouts(tmp_path):
+    """TP2 x PP2 (Megatron) -> DP4 -> AxoNN (2,1,2) -> serial: each run resumes the last one's checkpoint;
+    every step's loss, the final parameters and the optimizer state equal an uninterrupted serial run."""
+    from axonmpi import checkpoint as ckpt
+    from axonmpi.testing import mpiexec_env, run_mpiexec
+    base = [SCRIPT, *[a for a in TINY if a != "--no-save"]]
+    base[base.index("--steps") + 1] = "8"
+    base += ["--save-every", "2", "--keep-last", "10"]
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    r = subprocess.run([sys.executable, *base, "--checkpoint-dir", ref_dir, "--metrics-json", str(tmp_path / "ref.jsonl")],
+                       capture_output=True, text=True, timeout=120, env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = {x["step"]: x["loss"] for x in map(json.loads, open(tmp_path / "ref.jsonl"))}
+    chain = [((1, 2, 1, 2, 1), ["--tp-style", "megatron", "--microbatches", "2"]), ((4, 1, 1, 1, 1), []),
+             ((1, 1, 2, 1, 2), ["--tp-style", "axonn"]), (None, [])]
+    mgr = ckpt.CheckpointManager(run_dir, keep_last=None)
+    got = {}
+    for k, (sizes, extra) in enumerate(chain):
+        metrics = str(tmp_path / f"run{k}.jsonl")
+        args = base + ["--checkpoint-dir", run_dir, "--metrics-json", metrics, *extra] + (["--resume"] if k else [])
+        if sizes is None:
+            r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                               env=mpiexec_env(), cwd=tmp_path)
+        else:
+            r = run_mpiexec(args + _flags(sizes), n=int(np.prod(sizes)), timeout=240, cwd=str(tmp_path))
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(ln) for ln in open(metrics)]
+        assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
+        got.update({x["step"]: x["loss"] for x in rows[:2]})
+        for x in rows:
+            assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
+        if k < len(chain) - 1:                      # "interrupt" after two steps: drop the later checkpoints
+            for s in mgr.steps():
+                if s > 2 * (k + 1):
+                    import shutil
+                    shutil.rmtree(mgr.path_for(s))
+            saved = ckpt.load(mgr.path_for(2 * (k + 1)))
+            want = {"G_data": 1, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1}
+            if sizes is not None:
+                want = dict(zip(want, sizes))
+            assert {kk: saved["extra"]["layout"][kk] for kk in want} == want
+    assert sorted(got) == list(range(1, 9))
+    import re
+    r = subprocess.run([sys.executable, "-m", "axonmpi", "ckpt", "inspect", str(mgr.path_for(2))], capture_output=True,
+                       text=True, timeout=60, env=mpiexec_env())
+    assert r.returncode == 0 and re.search(r"extra/layout/G_inter\s+int\s+2\n", r.stdout) \
+        and re.search(r"extra/layout/G_intra_c\s+int\s+2\n", r.stdout) and "'megatron'" in r.stdout, r.stdout
+    a, b = ckpt.load(mgr.path_for(8)), ckpt.load(ckpt.CheckpointManager(ref_dir).path_for(8))
+    assert a["model"].keys() == b["model"].keys()
+    for name, v in b["model"].items():
+        assert np.abs(a["model"][name] - v).max() <= 1e-9 * max(np.abs(v).max(), 1e-300), name
+    for name, st in b["optimizer"]["state"].items():
+        for key, v in st.items():
+            w = a["optimizer"]["state"][name][key]
+            assert np.abs(np.asarray(w) - np.asarray(v)).max() <= 1e-9 * max(np.abs(np.asarray(v)).max(), 1e-300), \
+                (name, key)
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("n,flags,needles", [
+    (3, ["--G-intra-c", "3", "--tp-style", "megatron"], ["n_head=2 does not divide by G_intra_c=3",
+                                                         "vocab_size=94 does not divide by G_intra_c=3"]),
+    (2, ["--G-inter", "2", "--G-intra-r", "1", "--n-layer", "1", "--schedule", "interleaved", "--microbatches", "3"],
+     ["G_inter=2 x 2 virtual stages needs at least one each", "num_microbatches=3 to be a multiple of G_inter=2"]),
+    (2, ["--G-intra-r", "2", "--tp-style", "megatron"], ["--tp-style megatron splits over one dimension"]),
+    (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
+    (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
+])
+def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):
+    from axonmpi.testing import run_mpiexec
+    args = [SCRIPT, *TINY]
+    r = run_mpiexec(args + flags, n=n, timeout=120, cwd=str(tmp_path))
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for needle in needles:
+        assert r.stderr.count(needle) == 1, (needle, r.stderr[-2000:])
+    assert "step 1" not in r.stderr                     # refused before any work
+
+
+@pytest.mark.serial
+def test_fsdp_flag_names_the_missing_piece(tmp_path):
+    from axonmpi.testing import mpiexec_env
+    r = subprocess.run([sys.executable, SCRIPT, *TINY, "--fsdp", "full_shard"], capture_output=True, text=True,
+                       timeout=60, env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode != 0 and "NotImplementedError" in r.stderr and "issue 10" in r.stderr, r.stderr[-2000:]
+
+
+# -- in process, on the pass's ranks: HybridGPT against the serial GPT --------------------------------------
+IN_PROCESS = {2: [((1, 2, 1, 1, 1), "axonn", "gpipe"), ((1, 1, 1, 2, 1), "megatron", "1f1b")],
+              3: [((1, 1, 3, 1, 1), "axonn", "1f1b")],
+              4: [((1, 2, 2, 1, 1), "axonn", "1f1b"), ((2, 2, 1, 1, 1), "megatron", "interleaved")]}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hybrid_gpt_in_process_equals_serial():
+    import axonmpi
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.optim import AdamW, clip_grad_norm_
+    from axonmpi.parallel.hybrid import HybridGPT
+    world = axonmpi.init()
+    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    rng = np.random.default_rng(3)
+    batches = [(rng.integers(0, 12, (12, 6)), rng.integers(0, 12, (12, 6))) for _ in range(4)]
+    axonmpi.manual_seed(7)
+    ref = GPT(cfg, dtype="float64")
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        _, loss = ref(x, y)
+        loss.backward()
+        clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        ref_losses.append(float(loss.item()))
+    want = ref.state_dict()
+    for sizes, style, sched in IN_PROCESS.get(world.world_size, []):
+        grid = axonmpi.ProcessGrid(world, **dict(zip(("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d"),
+                                                     sizes)))
+        axonmpi.manual_seed(7)
+        hyb = HybridGPT(cfg, grid, tp_style=style, schedule=sched, num_microbatches=2, dtype="float64",
+                        global_batch=12)
+        opt = AdamW(hyb.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = []
+        for x, y in batches:
+            opt.zero_grad()
+            losses.append(hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y)))
+            hyb.clip_grad_norm_(0.05)
+            opt.step()
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(sizes))
+        got = hyb.full_state_dict()
+        for k, v in want.items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-10, atol=1e-13, err_msg=f"{sizes} {k}")
+        # dropout streams: shared by the ranks holding the same rows, distinct across row slices
+        seeds = axonmpi.all_gather_object((hyb.shard_index, hyb.dropout_seed(5)))
+        assert len({s for _, s in seeds}) == len({i for i, _ in seeds}) == hyb.shards
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_data_replicas_draw_their_own_dropout_masks():
+    """On main the pipeline's dropout seed ignored the data-parallel rank: replicas fed the same
+    samples drew identical masks.  Now replica r > 0 has its own stream (replica 0 keeps the old one)."""
+    import axonmpi
+    import axonmpi.nn as nn
+    from axonmpi.parallel.pipeline import Pipeline
+    world = axonmpi.init()
+    pp = world.split(world.rank, name="own-pipeline")           # one stage per rank; data group: everyone
+    axonmpi.manual_seed(3)
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 2, dtype="float64"))
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append(np.array(out.data, copy=True))
+        return ((out - y) * (out - y)).mean()
+
+    pipe = Pipeline([model], "gpipe", num_microbatches=1, loss_fn=loss_fn, group=pp,
+                    data_group=world.default_group)
+    x = np.ones((8, 4))
+    pipe.step(x, np.zeros((8, 2)))
+    outs = axonmpi.all_gather_object(seen[0])
+    assert not np.array_equal(outs[0], outs[1])                  # replicas 0 and 1: different masks
