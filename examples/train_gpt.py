@@ -170,6 +170,11 @@ def resume(path, args, world, log, model, opt, sched, sampler):
     step = int(meta["step"])
     saved_ranks = int(meta.get("world_size", world.world_size))
     layout = {k: saved[k] for k in LAYOUT_OPTIONS if k in saved}
+    if layout.get("G_data", 0) is None:   # "whatever is left" when saved: show the size it was
+        rest = 1
+        for k in ("G_inter", "G_intra_r", "G_intra_c", "G_intra_d"):
+            rest *= int(layout.get(k) or 1)
+        layout["G_data"] = saved_ranks // rest
     log.info("resumed from %s at step %d (saved on %d ranks%s)", path, step, saved_ranks,
              ", layout " + " ".join(f"{k}={v}" for k, v in layout.items()) if layout else "")
     if saved_ranks != world.world_size:
