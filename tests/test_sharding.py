@@ -14,7 +14,9 @@ def test_one_rule_exported_everywhere():
     assert axonmpi.checkpoint.ShardedArray is ShardedArray
     from axonmpi.checkpoint.sharded import ShardedArray as Old
     assert Old is ShardedArray
-    assert sharding.__all__ == ["chunk_sizes", "chunk_bounds", "ShardedArray"]
+    assert sharding.__all__ == ["chunk_sizes", "chunk_bounds", "ShardedArray", "FlatLayout", "FlatSegment",
+                                "compact_slots", "expand_slots"]
+    assert axonmpi.parallel.FlatLayout is sharding.FlatLayout        # one layout type for DDP, FSDP and ZeRO
 
 
 def test_chunk_rule_closed_form():

@@ -2,7 +2,7 @@
 
 [Note: ZeRO-1 layout]
 Per parameter group and dtype, the parameters are packed back to back into one flat buffer
-(a :class:`~axonmpi.parallel._flat.FlatLayout`) of ``n`` elements, allocated padded to
+(a :class:`~axonmpi.distributed.sharding.FlatLayout`) of ``n`` elements, allocated padded to
 ``k * S`` (``S = ceil(n / k)``), and every parameter's ``.data`` becomes a view of its slice of
 the first ``n`` elements. Rank ``i`` owns elements ``chunk_bounds(n, k, i)`` (the project's one
 uneven rule) as a private parameter of its own, on which the wrapped optimizer is built, so
@@ -21,7 +21,7 @@ import numpy as np
 from ..autograd import Tensor, no_grad
 from ..backend import get_array_module, to_host
 from ..distributed import all_gather, chunk_bounds, resolve_group
-from ..distributed.sharding import ShardedArray
+from ..distributed.sharding import FlatLayout, ShardedArray, compact_slots
 from ..nn.parameter import Parameter
 from .optimizer import Optimizer
 
@@ -32,7 +32,6 @@ class _Bucket:
     """One flat buffer: the parameters of one group and dtype, and this rank's chunk of them."""
 
     def __init__(self, group_index: int, params: List[Any], indices: List[int], grp, names: List[str]):
-        from ..parallel._flat import FlatLayout
         self.group_index = group_index
         self.params = params
         self.indices = indices            # the parameters' global indices (state dict numbering)
@@ -67,11 +66,10 @@ class _Bucket:
         self.shard.grad = Tensor(g)
 
     def all_gather_params(self, grp) -> None:
-        from ..parallel._flat import _compact
         if self.shard.data is not self.send[:self.hi - self.lo] and self.shard.data.base is not self.send:
             self.send[:self.hi - self.lo] = self.shard.data
         all_gather(self.send, group=grp, out=self.buffer)
-        _compact(self.buffer, self.n, self.k, self.size)
+        compact_slots(self.buffer, self.n, self.k, self.size)
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -168,8 +166,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                     send = xp.zeros(b.size, v.dtype)
                     send[:v.shape[0]] = v
                     full = all_gather(send, group=self.process_group)
-                    from ..parallel._flat import _compact
-                    _compact(full, b.n, b.k, b.size)
+                    compact_slots(full, b.n, b.k, b.size)
                     for i, piece in zip(b.indices, b.layout.views(full)):
                         out.setdefault(i, {})[key] = to_host(piece).copy()
                 else:

@@ -15,109 +15,17 @@ its :class:`Work` and not touched until it completes.
 """
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
 from ..autograd import Tensor
 from ..backend import as_device, device_of, get_array_module, to_device
 from ..distributed import ReduceOp, Work, all_gather, chunk_bounds, reduce_scatter, resolve_group
+from ..distributed.sharding import FlatLayout, FlatSegment, compact_slots as _compact, expand_slots as _expand
 from ..nn.parameter import Parameter
 
 __all__ = ["FlatLayout", "FlatSegment", "FlatParameter"]
-
-
-class FlatSegment(NamedTuple):
-    """Part of one parameter inside a range of the flat buffer.
-
-    Attributes:
-        index: position of the parameter in the FlatParameter.
-        name: its name.
-        param_start, param_stop: the range of its flattened elements.
-        offset: where that range starts inside the queried flat range.
-    """
-
-    index: int
-    name: str
-    param_start: int
-    param_stop: int
-    offset: int
-
-
-class FlatLayout:
-    """Where each of several arrays lies in one flat 1-D buffer (back to back, in order).
-
-    Args:
-        shapes: the arrays' shapes (``()`` for 0-d).
-
-    Attributes:
-        shapes, numels, offsets: per array; ``numel``: the total.
-
-    Example:
-        >>> lay = FlatLayout([(2, 3), (3,)])
-        >>> lay.offsets, lay.numel
-        ((0, 6), 9)
-        >>> w, b = lay.views(np.arange(9.0))       # w is a (2, 3) view, b a (3,) view
-    """
-
-    __slots__ = ("shapes", "numels", "offsets", "numel")
-
-    def __init__(self, shapes: Sequence[Tuple[int, ...]]):
-        self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        self.numels = tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
-        offs, acc = [], 0
-        for c in self.numels:
-            offs.append(acc)
-            acc += c
-        self.offsets = tuple(offs)
-        self.numel = acc
-
-    def views(self, flat) -> List[Any]:
-        """Views of ``flat`` (1-D, at least ``numel`` long), one per array, in its shape."""
-        return [flat[o:o + c].reshape(s) for o, c, s in zip(self.offsets, self.numels, self.shapes)]
-
-    def pack(self, arrays: Sequence[Any], out) -> Any:
-        """Copy ``arrays`` into their slices of ``out``; ``None`` entries become zeros."""
-        for a, o, c in zip(arrays, self.offsets, self.numels):
-            if a is None:
-                out[o:o + c] = 0
-            else:
-                out[o:o + c] = a.reshape(-1)
-        return out
-
-    def segments(self, start: int, stop: int, names: Sequence[str]) -> List[FlatSegment]:
-        """The parts of every array that fall inside flat range ``[start, stop)``."""
-        out = []
-        for i, (o, c) in enumerate(zip(self.offsets, self.numels)):
-            lo, hi = max(start, o), min(stop, o + c)
-            if lo < hi:
-                out.append(FlatSegment(i, names[i], lo - o, hi - o, lo - start))
-        return out
-
-    def __repr__(self) -> str:
-        return f"FlatLayout(arrays={len(self.shapes)}, numel={self.numel})"
-
-
-def _compact(padded, n: int, k: int, size: int) -> None:
-    """Slot layout (chunk ``i`` at ``i * size``) -> contiguous layout, in place."""
-    for i in range(k):
-        lo, hi = chunk_bounds(n, k, i)
-        src = i * size
-        if src != lo and hi > lo:
-            padded[lo:hi] = padded[src:src + hi - lo]
-
-
-def _expand(padded, n: int, k: int, size: int) -> None:
-    """Contiguous layout -> slot layout with zero padding, in place (inverse of :func:`_compact`)."""
-    for i in reversed(range(k)):
-        lo, hi = chunk_bounds(n, k, i)
-        dst = i * size
-        if dst != lo and hi > lo:
-            padded[dst:dst + hi - lo] = padded[lo:hi]
-    for i in range(k):
-        lo, hi = chunk_bounds(n, k, i)
-        if hi - lo < size:
-            padded[i * size + hi - lo:(i + 1) * size] = 0
 
 
 class FlatParameter(Parameter):
