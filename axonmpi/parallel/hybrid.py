@@ -285,6 +285,7 @@ class HybridGPT:
         self.ddp = None
         self.pipe = None
         self.fsdp = None
+        self._shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}   # FSDP frees them
         if self.sharding is not None:
             from .fsdp import FSDP
             self.fsdp = FSDP(self.model, group=g.data_group, sharding_strategy=self.sharding,
@@ -441,7 +442,7 @@ class HybridGPT:
         tp = self._tp_map()
         if name in tp:
             return tuple(tp[name][0]._tp_full_shape(tp[name][1]))
-        return tuple(dict(self.model.named_parameters())[name].shape)
+        return self._shapes[name]
 
     def _fsdp_ranges(self) -> Dict[str, tuple]:
         """``{name: (start, stop)}``: the elements of each flattened parameter this rank's FSDP shard holds."""
