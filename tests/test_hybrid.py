@@ -314,3 +314,26 @@ def test_pipeline_data_replicas_draw_their_own_dropout_masks():
     pipe.step(x, np.zeros((8, 2)))
     outs = axonmpi.all_gather_object(seen[0])
     assert not np.array_equal(outs[0], outs[1])                  # replicas 0 and 1: different masks
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hybrid_gpt_fsdp_refuses_tensor_and_pipeline_layouts():
+    """HybridGPT(fsdp=...) is built for the pure data-parallel layout; others are refused at construction,
+    naming the layout and the rank; offload / mixed precision without a sharding strategy are refused too."""
+    import axonmpi
+    from axonmpi.models import GPTConfig
+    from axonmpi.parallel.hybrid import HybridGPT
+    world = axonmpi.init()
+    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    half = world.world_size // 2
+    cases = [({"G_data": world.world_size}, {"activation_checkpointing": True})]
+    if world.world_size % 2 == 0:
+        cases += [({"G_inter": 2, "G_data": half}, {}), ({"G_intra_c": 2, "G_data": half}, {})]
+    for sizes, extra in cases:
+        grid = axonmpi.ProcessGrid(world, **sizes)
+        with pytest.raises(NotImplementedError, match=rf"rank {world.rank}: fsdp=full_shard is built for the pure "
+                                                      r"data-parallel layout.*FSDP combined with tensor or pipeline"):
+            HybridGPT(cfg, grid, fsdp="full_shard", global_batch=12, **extra)
+        grid.free()
+    with pytest.raises(ValueError, match="cpu_offload='full'.*need fsdp"):
+        HybridGPT(cfg, fsdp="none", cpu_offload="full", global_batch=12)
