@@ -81,6 +81,21 @@ def _flags(sizes):
             for f in (k, str(v))]
 
 
+def _check_link(metrics, k, last, ref, mgr):
+    """Link ``k`` of a resume chain ran steps ``2k+1..8`` with the uninterrupted run's losses; unless it is
+    the ``last``, "interrupt" it after two steps: drop its later checkpoints.  Returns its metric rows."""
+    import shutil
+    rows = [json.loads(ln) for ln in open(metrics)]
+    assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
+    for x in rows:
+        assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
+    if not last:
+        for s in mgr.steps():
+            if s > 2 * (k + 1):
+                shutil.rmtree(mgr.path_for(s))
+    return rows
+
+
 @pytest.mark.serial
 def test_checkpoint_reshards_across_four_layouts(tmp_path):
     """TP2 x PP2 (Megatron) -> DP4 -> AxoNN (2,1,2) -> serial: each run resumes the last one's checkpoint;
@@ -108,16 +123,9 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
         else:
             r = run_mpiexec(args + _flags(sizes), n=int(np.prod(sizes)), timeout=240, cwd=str(tmp_path))
         assert r.returncode == 0, r.stderr[-3000:]
-        rows = [json.loads(ln) for ln in open(metrics)]
-        assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
+        rows = _check_link(metrics, k, k == len(chain) - 1, ref, mgr)
         got.update({x["step"]: x["loss"] for x in rows[:2]})
-        for x in rows:
-            assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
-        if k < len(chain) - 1:                      # "interrupt" after two steps: drop the later checkpoints
-            for s in mgr.steps():
-                if s > 2 * (k + 1):
-                    import shutil
-                    shutil.rmtree(mgr.path_for(s))
+        if k < len(chain) - 1:
             saved = ckpt.load(mgr.path_for(2 * (k + 1)))
             want = {"G_data": 1, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1}
             if sizes is not None:
@@ -194,15 +202,8 @@ def test_checkpoint_chain_fsdp_ddp_serial_fsdp(tmp_path):
         else:
             r = run_mpiexec(args, n=n, timeout=240, cwd=str(tmp_path))
         assert r.returncode == 0, r.stderr[-3000:]
-        rows = [json.loads(ln) for ln in open(metrics)]
-        assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
-        for x in rows:
-            assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
-        if k < len(chain) - 1:                      # "interrupt" after two steps: drop the later checkpoints
-            import shutil
-            for s in mgr.steps():
-                if s > 2 * (k + 1):
-                    shutil.rmtree(mgr.path_for(s))
+        _check_link(metrics, k, k == len(chain) - 1, ref, mgr)
+        if k < len(chain) - 1:
             saved = ckpt.load(mgr.path_for(2 * (k + 1)))
             assert saved["extra"]["layout"]["fsdp"] == (extra[1] if extra else "none")
     a, b = ckpt.load(mgr.path_for(8)), ckpt.load(ckpt.CheckpointManager(ref_dir).path_for(8))
