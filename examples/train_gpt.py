@@ -81,6 +81,8 @@ def parse_args(argv=None):
     g.add_argument("--fsdp", choices=["none", "shard_grad_op", "full_shard", "hybrid_shard"], default="none",
                    help="shard parameters, gradients and optimizer state over the data ranks "
                         "(FullyShardedDataParallel; pure data-parallel layouts only)")
+    g.add_argument("--hybrid-shard-size", type=int, default=None,
+                   help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
     g.add_argument("--cpu-offload", action="store_true",
                    help="with --fsdp: keep the parameter shards, gradients and optimizer state on the host")
     g.add_argument("--mixed-precision", choices=["none", "fp16"], default="none",
@@ -111,6 +113,8 @@ def parse_args(argv=None):
     for name in ("steps", "global_batch", "log_every", "keep_last"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.hybrid_shard_size is not None and args.fsdp != "hybrid_shard":
+        p.error(f"--hybrid-shard-size {args.hybrid_shard_size} needs --fsdp hybrid_shard, got --fsdp {args.fsdp}")
     if args.fsdp == "none" and (args.cpu_offload or args.mixed_precision != "none"):
         p.error("--cpu-offload and --mixed-precision fp16 need --fsdp shard_grad_op|full_shard|hybrid_shard")
     if args.overwrite and (args.resume or args.auto_resume):
@@ -253,7 +257,8 @@ def main(argv=None):
                     global_batch=args.global_batch, fsdp=args.fsdp,
                     cpu_offload="full" if args.cpu_offload else None,
                     mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
-                                     if args.mixed_precision == "fp16" else None))
+                                     if args.mixed_precision == "fp16" else None),
+                    hybrid_shard_size=args.hybrid_shard_size)
     scaler = GradScaler() if args.mixed_precision == "fp16" else None
     opt = AdamW(hyb.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     model, opt_state = hyb.checkpoint_state(opt)

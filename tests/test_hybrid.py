@@ -31,6 +31,7 @@ LAYOUTS = [
     ((4, 1, 1, 1, 1), ["--fsdp", "full_shard"]),
     ((4, 1, 1, 1, 1), ["--fsdp", "shard_grad_op"]),
     ((2, 1, 1, 1, 1), ["--fsdp", "hybrid_shard"]),
+    ((4, 1, 1, 1, 1), ["--fsdp", "hybrid_shard", "--hybrid-shard-size", "2"]),     # 2 shards x 2 replicas
     ((3, 1, 1, 1, 1), ["--fsdp", "full_shard", "--cpu-offload"]),
 ]
 

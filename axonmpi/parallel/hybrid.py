@@ -231,6 +231,8 @@ class HybridGPT:
             other layouts raise ``NotImplementedError`` at construction.
         cpu_offload: FSDP's :class:`~axonmpi.parallel.fsdp.CPUOffload` mode (with ``fsdp``).
         mixed_precision: FSDP's :class:`~axonmpi.parallel.fsdp.MixedPrecision` (with ``fsdp``).
+        hybrid_shard_size: with ``fsdp="hybrid_shard"``: data ranks per shard group (default: the
+            data ranks of one node); the shard groups are replicas of each other.
 
     Example:
         >>> grid = axonmpi.init(G_data=2, G_inter=2).grid
@@ -242,7 +244,8 @@ class HybridGPT:
 
     def __init__(self, config: GPTConfig, grid: Optional[ProcessGrid] = None, *, tp_style="axonn",
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
-                 dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None):
+                 dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
+                 hybrid_shard_size: Optional[int] = None):
         from ..random import manual_seed  # noqa: F401  (the caller seeds; documented)
         from .fsdp import ShardingStrategy
         self.grid = get_grid() if grid is None else grid
@@ -289,7 +292,8 @@ class HybridGPT:
         if self.sharding is not None:
             from .fsdp import FSDP
             self.fsdp = FSDP(self.model, group=g.data_group, sharding_strategy=self.sharding,
-                             cpu_offload=cpu_offload, mixed_precision=mixed_precision)
+                             cpu_offload=cpu_offload, mixed_precision=mixed_precision,
+                             hybrid_shard_size=hybrid_shard_size)
             self._params = list(self.fsdp.parameters())
         elif self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
             from .ddp import DistributedDataParallel
@@ -613,7 +617,8 @@ class HybridGPT:
 
     def _how(self) -> str:
         if self.fsdp is not None:
-            return f"FSDP {self.sharding.name}"
+            rep = self.fsdp.replicate_group.size if self.fsdp.replicate_group is not None else 1
+            return f"FSDP {self.sharding.name} (shards over {self.fsdp.shard_group.size} ranks x {rep} replicas)"
         return "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}"
 
     def describe(self) -> str:
