@@ -29,6 +29,12 @@
 * **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
   ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
   parameters, so a checkpoint saved under one layout loads under any other.
+* **FSDP.** ``fsdp=`` a sharding strategy (pure data parallel only): the GPT is wrapped in
+  :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP; the optimizer runs on the flat
+  shards, clipping uses FSDP's norm (each element once), and checkpoints hold each parameter
+  flattened under its serial name (1-D blocks).  Templates reshape between the two forms: the other
+  layouts read a flattened entry whole, FSDP reads the whole rows of a full-shape entry covering its
+  elements.
 * **Dropout.** :meth:`HybridGPT.dropout_seed`: one random stream per row slice, so Megatron's
   tensor-parallel ranks draw identical masks and data-parallel replicas distinct ones.
 """
