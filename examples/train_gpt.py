@@ -30,6 +30,8 @@ from axonmpi import checkpoint as ckpt  # noqa: E402
 from axonmpi.data import CharDataset, CharTokenizer, load_stdlib_corpus, unigram_entropy  # noqa: E402
 from axonmpi.models import GPTConfig  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
+from axonmpi.amp import GradScaler  # noqa: E402
+from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
 from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
 
@@ -40,7 +42,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
 ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype")
-LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "tp_style", "schedule", "microbatches")
+LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "tp_style", "schedule", "microbatches",
+                  "fsdp")
 
 
 def parse_args(argv=None):
@@ -76,7 +79,14 @@ def parse_args(argv=None):
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each pipeline chunk's activations in backward")
     g.add_argument("--fsdp", choices=["none", "shard_grad_op", "full_shard", "hybrid_shard"], default="none",
-                   help="shard over the data dimension (FSDP, issue 10); only none for now")
+                   help="shard parameters, gradients and optimizer state over the data ranks "
+                        "(FullyShardedDataParallel; pure data-parallel layouts only)")
+    g.add_argument("--hybrid-shard-size", type=int, default=None,
+                   help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
+    g.add_argument("--cpu-offload", action="store_true",
+                   help="with --fsdp: keep the parameter shards, gradients and optimizer state on the host")
+    g.add_argument("--mixed-precision", choices=["none", "fp16"], default="none",
+                   help="with --fsdp: compute in float16, reduce gradients in float32, dynamic loss scaling")
     g.add_argument("--dump-params", default=None, metavar="PATH",
                    help="rank 0 writes the final full (serial-named) parameters to PATH (.npz)")
     g = p.add_argument_group("data")
@@ -103,9 +113,10 @@ def parse_args(argv=None):
     for name in ("steps", "global_batch", "log_every", "keep_last"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.fsdp != "none":
-        raise NotImplementedError(f"--fsdp {args.fsdp}: sharding over the data dimension needs FSDP (issue 10), "
-                                  "which is not built into this script yet; use --fsdp none")
+    if args.hybrid_shard_size is not None and args.fsdp != "hybrid_shard":
+        p.error(f"--hybrid-shard-size {args.hybrid_shard_size} needs --fsdp hybrid_shard, got --fsdp {args.fsdp}")
+    if args.fsdp == "none" and (args.cpu_offload or args.mixed_precision != "none"):
+        p.error("--cpu-offload and --mixed-precision fp16 need --fsdp shard_grad_op|full_shard|hybrid_shard")
     if args.overwrite and (args.resume or args.auto_resume):
         p.error("--overwrite starts fresh; it cannot be combined with --resume/--auto-resume")
     return args
@@ -208,6 +219,11 @@ def main(argv=None):
     grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
     pure_dp = grid.G_data == world.world_size
+    if args.fsdp != "none" and (not pure_dp or args.activation_checkpointing):
+        axonmpi.log.exit0(f"--fsdp {args.fsdp} is built for the pure data-parallel layout (G_inter = G_intra_r = "
+                          f"G_intra_c = G_intra_d = 1, no --activation-checkpointing); got {Layout.from_grid(grid)}"
+                          f"{' with --activation-checkpointing' if args.activation_checkpointing else ''}: FSDP "
+                          "combined with tensor or pipeline parallelism is not built (use --fsdp none)")
     if pure_dp and args.global_batch % world.world_size:
         n = world.world_size
         axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "
@@ -238,7 +254,12 @@ def main(argv=None):
     axonmpi.manual_seed(args.seed)
     hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule, num_microbatches=args.microbatches,
                     activation_checkpointing=args.activation_checkpointing, dtype=dtype,
-                    global_batch=args.global_batch)
+                    global_batch=args.global_batch, fsdp=args.fsdp,
+                    cpu_offload="full" if args.cpu_offload else None,
+                    mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
+                                     if args.mixed_precision == "fp16" else None),
+                    hybrid_shard_size=args.hybrid_shard_size)
+    scaler = GradScaler() if args.mixed_precision == "fp16" else None
     opt = AdamW(hyb.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     model, opt_state = hyb.checkpoint_state(opt)
     sched = LinearWarmupCosine(opt, warmup_steps=min(args.warmup, args.steps // 2), total_steps=max(args.steps, 1),
@@ -284,10 +305,16 @@ def main(argv=None):
             continue
         sampler.advance(len(x))
         opt.zero_grad()
-        lval = hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y))   # mean over the global batch
+        lval = hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y), scaler=scaler)  # mean over the batch
+        if scaler is not None:
+            scaler.unscale_(opt)
         grad_norm = hyb.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else float("inf"))
         lr = opt.param_groups[0]["lr"]
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)           # skipped (and the scale halved) when a gradient overflowed
+            scaler.update()
+        else:
+            opt.step()
         sched.step()
         step += 1
         if not math.isfinite(lval):
@@ -325,7 +352,8 @@ def main(argv=None):
         if world.rank == 0:
             np.savez(args.dump_params, **full)
     if args.sample_chars > 0 and hyb.ddp is None:
-        log.info("no sample: generation needs the whole model on one rank (pure data parallel layouts)")
+        log.info("no sample: generation needs the whole model on one rank (pure data parallel layouts with "
+                 "--fsdp none)")
     elif args.sample_chars > 0 and world.rank == 0:
         prompt = "def "
         idx = tok.encode(prompt)[None, :]

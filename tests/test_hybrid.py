@@ -27,6 +27,12 @@ LAYOUTS = [
     ((3, 1, 1, 1, 1), []),
     ((1, 3, 1, 1, 1), ["--microbatches", "3"]),
     ((1, 1, 1, 3, 1), ["--tp-style", "axonn"]),
+    # FullyShardedDataParallel over the data ranks (ZeRO-3, ZeRO-2, hybrid shard, host offload)
+    ((4, 1, 1, 1, 1), ["--fsdp", "full_shard"]),
+    ((4, 1, 1, 1, 1), ["--fsdp", "shard_grad_op"]),
+    ((2, 1, 1, 1, 1), ["--fsdp", "hybrid_shard"]),
+    ((4, 1, 1, 1, 1), ["--fsdp", "hybrid_shard", "--hybrid-shard-size", "2"]),     # 2 shards x 2 replicas
+    ((3, 1, 1, 1, 1), ["--fsdp", "full_shard", "--cpu-offload"]),
 ]
 
 
@@ -76,6 +82,21 @@ def _flags(sizes):
             for f in (k, str(v))]
 
 
+def _check_link(metrics, k, last, ref, mgr):
+    """Link ``k`` of a resume chain ran steps ``2k+1..8`` with the uninterrupted run's losses; unless it is
+    the ``last``, "interrupt" it after two steps: drop its later checkpoints.  Returns its metric rows."""
+    import shutil
+    rows = [json.loads(ln) for ln in open(metrics)]
+    assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
+    for x in rows:
+        assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
+    if not last:
+        for s in mgr.steps():
+            if s > 2 * (k + 1):
+                shutil.rmtree(mgr.path_for(s))
+    return rows
+
+
 @pytest.mark.serial
 def test_checkpoint_reshards_across_four_layouts(tmp_path):
     """TP2 x PP2 (Megatron) -> DP4 -> AxoNN (2,1,2) -> serial: each run resumes the last one's checkpoint;
@@ -103,16 +124,9 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
         else:
             r = run_mpiexec(args + _flags(sizes), n=int(np.prod(sizes)), timeout=240, cwd=str(tmp_path))
         assert r.returncode == 0, r.stderr[-3000:]
-        rows = [json.loads(ln) for ln in open(metrics)]
-        assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
+        rows = _check_link(metrics, k, k == len(chain) - 1, ref, mgr)
         got.update({x["step"]: x["loss"] for x in rows[:2]})
-        for x in rows:
-            assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
-        if k < len(chain) - 1:                      # "interrupt" after two steps: drop the later checkpoints
-            for s in mgr.steps():
-                if s > 2 * (k + 1):
-                    import shutil
-                    shutil.rmtree(mgr.path_for(s))
+        if k < len(chain) - 1:
             saved = ckpt.load(mgr.path_for(2 * (k + 1)))
             want = {"G_data": 1, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1}
             if sizes is not None:
@@ -144,6 +158,11 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-intra-r", "2", "--tp-style", "megatron"], ["--tp-style megatron splits over one dimension"]),
     (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
     (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
+    (2, ["--G-inter", "2", "--fsdp", "full_shard"], ["--fsdp full_shard is built for the pure data-parallel layout",
+                                                     "got G_data=1 G_inter=2 G_intra_r=1",
+                                                     "FSDP combined with tensor or pipeline parallelism is not built"]),
+    (2, ["--fsdp", "shard_grad_op", "--activation-checkpointing"], ["with --activation-checkpointing: FSDP"]),
+    (2, ["--cpu-offload"], ["--cpu-offload and --mixed-precision fp16 need --fsdp"]),
 ])
 def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):
     from axonmpi.testing import run_mpiexec
@@ -156,11 +175,71 @@ def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_
 
 
 @pytest.mark.serial
-def test_fsdp_flag_names_the_missing_piece(tmp_path):
-    from axonmpi.testing import mpiexec_env
-    r = subprocess.run([sys.executable, SCRIPT, *TINY, "--fsdp", "full_shard"], capture_output=True, text=True,
-                       timeout=60, env=mpiexec_env(), cwd=tmp_path)
-    assert r.returncode != 0 and "NotImplementedError" in r.stderr and "issue 10" in r.stderr, r.stderr[-2000:]
+def test_checkpoint_chain_fsdp_ddp_serial_fsdp(tmp_path):
+    """FSDP full_shard at 4 ranks -> DDP at 2 -> serial -> FSDP shard_grad_op at 3: each run resumes the last
+    one's checkpoint (FSDP saves flattened shards under serial names, the others full-shape blocks); every
+    step's loss and the final parameters and AdamW moments equal an uninterrupted serial run."""
+    from axonmpi import checkpoint as ckpt
+    from axonmpi.testing import mpiexec_env, run_mpiexec
+    base = [SCRIPT, *[a for a in TINY if a != "--no-save"]]
+    base[base.index("--steps") + 1] = "8"
+    base += ["--save-every", "2", "--keep-last", "10"]
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    r = subprocess.run([sys.executable, *base, "--checkpoint-dir", ref_dir, "--metrics-json", str(tmp_path / "ref.jsonl"),
+                        "--dump-params", str(tmp_path / "ref.npz")],
+                       capture_output=True, text=True, timeout=120, env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = {x["step"]: x["loss"] for x in map(json.loads, open(tmp_path / "ref.jsonl"))}
+    chain = [(4, ["--fsdp", "full_shard"]), (2, []), (None, []), (3, ["--fsdp", "shard_grad_op"])]
+    mgr = ckpt.CheckpointManager(run_dir, keep_last=None)
+    for k, (n, extra) in enumerate(chain):
+        metrics = str(tmp_path / f"run{k}.jsonl")
+        args = base + ["--checkpoint-dir", run_dir, "--metrics-json", metrics, *extra] + (["--resume"] if k else [])
+        if k == len(chain) - 1:
+            args += ["--dump-params", str(tmp_path / "run.npz")]
+        if n is None:
+            r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                               env=mpiexec_env(), cwd=tmp_path)
+        else:
+            r = run_mpiexec(args, n=n, timeout=240, cwd=str(tmp_path))
+        assert r.returncode == 0, r.stderr[-3000:]
+        _check_link(metrics, k, k == len(chain) - 1, ref, mgr)
+        if k < len(chain) - 1:
+            saved = ckpt.load(mgr.path_for(2 * (k + 1)))
+            assert saved["extra"]["layout"]["fsdp"] == (extra[1] if extra else "none")
+    a, b = ckpt.load(mgr.path_for(8)), ckpt.load(ckpt.CheckpointManager(ref_dir).path_for(8))
+    assert a["model"].keys() == b["model"].keys()
+    for name, v in b["model"].items():              # FSDP's entries are the flattened parameters
+        assert a["model"][name].shape == (v.size,)
+        assert np.abs(a["model"][name].reshape(v.shape) - v).max() <= 1e-9 * max(np.abs(v).max(), 1e-300), name
+    for name, st in b["optimizer"]["state"].items():
+        for key, v in st.items():
+            w, v = np.asarray(a["optimizer"]["state"][name][key]), np.asarray(v)
+            assert np.abs(w.reshape(v.shape) - v).max() <= 1e-9 * max(np.abs(v).max(), 1e-300), (name, key)
+    got, want = np.load(tmp_path / "run.npz"), np.load(tmp_path / "ref.npz")
+    assert sorted(got.keys()) == sorted(want.keys())
+    for name in want:                               # --dump-params: full serial-named arrays under FSDP
+        assert got[name].shape == want[name].shape
+        assert np.abs(got[name] - want[name]).max() <= 1e-9 * max(np.abs(want[name]).max(), 1e-300), name
+
+
+@pytest.mark.serial
+def test_fsdp_fp16_mixed_precision_trains(tmp_path):
+    """--fsdp full_shard --mixed-precision fp16 (float16 compute, float32 reduction, loss scaling) learns:
+    its loss follows the float32 run's within float16 rounding."""
+    from axonmpi.testing import run_mpiexec
+    base = [SCRIPT, *TINY, "--fsdp", "full_shard"]
+    base[base.index("--dtype") + 1] = "float32"
+    base[base.index("--steps") + 1] = "12"
+    base[base.index("--grad-clip") + 1] = "1.0"
+    out = {}
+    for name, extra in (("fp32", []), ("fp16", ["--mixed-precision", "fp16"])):
+        metrics = str(tmp_path / f"{name}.jsonl")
+        r = run_mpiexec(base + extra + ["--metrics-json", metrics], n=2, timeout=240, cwd=str(tmp_path))
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[name] = np.array([json.loads(ln)["loss"] for ln in open(metrics)])
+    assert np.all(np.isfinite(out["fp16"])) and out["fp16"][-1] < out["fp16"][0] - 0.3, out["fp16"]
+    assert np.abs(out["fp16"] - out["fp32"]).max() < 0.05, (out["fp16"], out["fp32"])
 
 
 # -- in process, on the pass's ranks: HybridGPT against the serial GPT --------------------------------------
@@ -237,3 +316,26 @@ def test_pipeline_data_replicas_draw_their_own_dropout_masks():
     pipe.step(x, np.zeros((8, 2)))
     outs = axonmpi.all_gather_object(seen[0])
     assert not np.array_equal(outs[0], outs[1])                  # replicas 0 and 1: different masks
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hybrid_gpt_fsdp_refuses_tensor_and_pipeline_layouts():
+    """HybridGPT(fsdp=...) is built for the pure data-parallel layout; others are refused at construction,
+    naming the layout and the rank; offload / mixed precision without a sharding strategy are refused too."""
+    import axonmpi
+    from axonmpi.models import GPTConfig
+    from axonmpi.parallel.hybrid import HybridGPT
+    world = axonmpi.init()
+    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    half = world.world_size // 2
+    cases = [({"G_data": world.world_size}, {"activation_checkpointing": True})]
+    if world.world_size % 2 == 0:
+        cases += [({"G_inter": 2, "G_data": half}, {}), ({"G_intra_c": 2, "G_data": half}, {})]
+    for sizes, extra in cases:
+        grid = axonmpi.ProcessGrid(world, **sizes)
+        with pytest.raises(NotImplementedError, match=rf"rank {world.rank}: fsdp=full_shard is built for the pure "
+                                                      r"data-parallel layout.*FSDP combined with tensor or pipeline"):
+            HybridGPT(cfg, grid, fsdp="full_shard", global_batch=12, **extra)
+        grid.free()
+    with pytest.raises(ValueError, match="cpu_offload='full'.*need fsdp"):
+        HybridGPT(cfg, fsdp="none", cpu_offload="full", global_batch=12)

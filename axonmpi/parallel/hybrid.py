@@ -29,6 +29,12 @@
 * **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
   ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
   parameters, so a checkpoint saved under one layout loads under any other.
+* **FSDP.** ``fsdp=`` a sharding strategy (pure data parallel only): the GPT is wrapped in
+  :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP; the optimizer runs on the flat
+  shards, clipping uses FSDP's norm (each element once), and checkpoints hold each parameter
+  flattened under its serial name (1-D blocks).  Templates reshape between the two forms: the other
+  layouts read a flattened entry whole, FSDP reads the whole rows of a full-shape entry covering its
+  elements.
 * **Dropout.** :meth:`HybridGPT.dropout_seed`: one random stream per row slice, so Megatron's
   tensor-parallel ranks draw identical masks and data-parallel replicas distinct ones.
 """
@@ -224,6 +230,15 @@ class HybridGPT:
         activation_checkpointing: recompute each pipeline chunk's activations in backward.
         dtype: parameter dtype.
         global_batch: sequences per step (checked against the layout).
+        fsdp: ``None``/``"none"`` (replicated parameters) or a
+            :class:`~axonmpi.parallel.fsdp.ShardingStrategy` (or its name): wrap the GPT in
+            :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP. Built for the pure
+            data-parallel layout only (``G_inter = G_intra_* = 1``, no activation checkpointing);
+            other layouts raise ``NotImplementedError`` at construction.
+        cpu_offload: FSDP's :class:`~axonmpi.parallel.fsdp.CPUOffload` mode (with ``fsdp``).
+        mixed_precision: FSDP's :class:`~axonmpi.parallel.fsdp.MixedPrecision` (with ``fsdp``).
+        hybrid_shard_size: with ``fsdp="hybrid_shard"``: data ranks per shard group (default: the
+            data ranks of one node); the shard groups are replicas of each other.
 
     Example:
         >>> grid = axonmpi.init(G_data=2, G_inter=2).grid
@@ -235,11 +250,25 @@ class HybridGPT:
 
     def __init__(self, config: GPTConfig, grid: Optional[ProcessGrid] = None, *, tp_style="axonn",
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
-                 dtype="float32", global_batch: int):
+                 dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
+                 hybrid_shard_size: Optional[int] = None):
         from ..random import manual_seed  # noqa: F401  (the caller seeds; documented)
+        from .fsdp import ShardingStrategy
         self.grid = get_grid() if grid is None else grid
         self.layout = Layout.from_grid(self.grid)
+        self.sharding = None if fsdp is None or fsdp == "none" else ShardingStrategy.coerce(fsdp)
+        if self.sharding is None and (cpu_offload not in (None, False, "none") or mixed_precision is not None):
+            raise ValueError(f"rank {self.grid.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
+                             f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
+        if self.sharding is not None and (self.layout.G_inter > 1 or self.layout.tensor_size > 1
+                                          or activation_checkpointing):
+            raise NotImplementedError(
+                f"rank {self.grid.world.rank}: fsdp={self.sharding.value} is built for the pure data-parallel "
+                f"layout (G_inter = G_intra_r = G_intra_c = G_intra_d = 1, no activation checkpointing); got "
+                f"{self.layout}{' with activation checkpointing' if activation_checkpointing else ''}: FSDP "
+                "combined with tensor or pipeline parallelism is not built")
         self.config = config
+        self.dtype = np.dtype(dtype)
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
         self.schedule = _schedule(schedule)
         self.num_microbatches = int(num_microbatches)
@@ -264,7 +293,15 @@ class HybridGPT:
             self.shard_index = g.coords.data
         self.ddp = None
         self.pipe = None
-        if self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
+        self.fsdp = None
+        self._shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}   # FSDP frees them
+        if self.sharding is not None:
+            from .fsdp import FSDP
+            self.fsdp = FSDP(self.model, group=g.data_group, sharding_strategy=self.sharding,
+                             cpu_offload=cpu_offload, mixed_precision=mixed_precision,
+                             hybrid_shard_size=hybrid_shard_size)
+            self._params = list(self.fsdp.parameters())
+        elif self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
             from .ddp import DistributedDataParallel
             self.ddp = DistributedDataParallel(self.model, group=g.data_group)
             self._params = list(self.model.parameters())
@@ -280,7 +317,7 @@ class HybridGPT:
                                  track_memory=False)
             self._params = self.pipe.parameters()
         mine = {id(p) for p in self._params}
-        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine]
+        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
         self._owned = set(self.param_names)
 
     # -- training -----------------------------------------------------------------------------------
@@ -297,20 +334,28 @@ class HybridGPT:
         b = n // self.shards
         return batch[self.shard_index * b:(self.shard_index + 1) * b]
 
-    def forward_backward(self, x, y) -> float:
+    def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows; gradients reduced as the layout needs.
+
+        Args:
+            x, y: this rank's rows (:meth:`local_batch`).
+            scaler: an :class:`axonmpi.amp.GradScaler` whose ``scale`` multiplies the loss before
+                backward (DDP and FSDP layouts; ``None``: no scaling).
 
         Returns:
             The mean loss over the whole global batch (the same on every rank and every layout).
         """
         g = self.grid
-        if self.ddp is not None:
-            _, loss = self.ddp(x, y)
-            loss.backward()
+        if self.ddp is not None or self.fsdp is not None:
+            _, loss = (self.ddp or self.fsdp)(x, y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
             value = float(loss.item())
             if g.data_group.size > 1:
                 value = float(all_reduce(np.array([value]), ReduceOp.MEAN, g.data_group)[0])
             return value
+        if scaler is not None:
+            raise NotImplementedError(f"rank {g.world.rank}: loss scaling is built for the DDP and FSDP layouts, "
+                                      f"not {self.layout} with a pipeline or tensor parallelism")
         value = self.pipe.step(x, y)       # Megatron / pure PP: already averaged over data_group
         if self.style is TPStyle.AXONN:
             from .intra_layer import sync_gradients
@@ -322,6 +367,8 @@ class HybridGPT:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip all gradients of the global model to ``max_norm``; return the global norm before clipping."""
+        if self.fsdp is not None:   # each element of the flat shards once, over the shard group
+            return float(self.fsdp.clip_grad_norm_(max_norm))
         total = grad_norm(self._params) ** 2
         inter = self.grid.inter_group
         if inter.size > 1:
@@ -338,9 +385,9 @@ class HybridGPT:
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
         g = self.grid
-        if self.ddp is not None:
+        if self.ddp is not None or self.fsdp is not None:
             with no_grad():
-                _, loss = self.model(x, y)
+                _, loss = (self.fsdp or self.model)(x, y)
             value = float(loss.item())
             groups = [g.data_group]
         else:
@@ -384,6 +431,12 @@ class HybridGPT:
         """This rank's shard of parameter ``name`` from its full array, or from a loaded block of
         :meth:`_block` (a ``ShardedArray``: its TP block, or the whole array)."""
         tp = self._tp_map()
+        shape = self._full_shape(name)
+        if hasattr(full, "global_shape") and tuple(full.global_shape) != shape:   # FSDP's flattened save
+            full = np.asarray(full.local).reshape(shape)
+        elif not hasattr(full, "global_shape") and tuple(np.shape(full)) != shape \
+                and int(np.prod(np.shape(full))) == int(np.prod(shape)):
+            full = np.asarray(full).reshape(shape)
         if hasattr(full, "global_shape"):
             if name in tp:
                 m, local = tp[name]
@@ -393,6 +446,56 @@ class HybridGPT:
             m, local = tp[name]
             return m._tp_shard(local, np.asarray(full))
         return np.asarray(full)
+
+    def _full_shape(self, name: str) -> tuple:
+        """The serial GPT's shape of parameter ``name``."""
+        tp = self._tp_map()
+        if name in tp:
+            return tuple(tp[name][0]._tp_full_shape(tp[name][1]))
+        return self._shapes[name]
+
+    def _fsdp_ranges(self) -> Dict[str, tuple]:
+        """``{name: (start, stop)}``: the elements of each flattened parameter this rank's FSDP shard holds."""
+        return {n: (v.offsets[0], v.offsets[0] + v.local_shape[0])
+                for n, v in self.fsdp.sharded_state_dict().items() if hasattr(v, "global_shape")}
+
+    def _template_block(self, name: str, saved_shape, dtype, ranges=None):
+        """A ``checkpoint.load`` template block of parameter ``name`` (or a moment shaped like it) for an
+        entry saved with ``saved_shape``: the full shape (replicated / TP layouts) or ``(numel,)`` (FSDP's
+        flattened save).  FSDP reads the whole rows covering its elements of a full-shape entry; the
+        other layouts read the whole of a flattened entry they own."""
+        from ..distributed.sharding import ShardedArray
+        shape = self._full_shape(name)
+        numel = int(np.prod(shape))
+        saved_shape = tuple(saved_shape)
+        if self.fsdp is not None:
+            a, b = ranges[name]
+            if saved_shape == (numel,):
+                return ShardedArray(np.zeros(b - a, dtype), (numel,), (a,))
+            row = int(np.prod(shape[1:]))
+            r0, r1 = (a // row, -(-b // row)) if b > a else (0, 0)
+            return ShardedArray(np.zeros((r1 - r0,) + shape[1:], dtype), shape, (r0,) + (0,) * (len(shape) - 1))
+        if saved_shape == shape or saved_shape != (numel,):
+            return self._block(name, np.zeros(self._local_shape(name), dtype))
+        n = numel if name in self._owned else 0
+        return ShardedArray(np.zeros(n, dtype), (numel,), (0,))
+
+    def _local_shape(self, name: str) -> tuple:
+        return tuple(dict(self.model.named_parameters())[name].shape)
+
+    def _flat_block(self, name: str, v):
+        """A loaded value of parameter ``name`` (full array, a block of whole rows, or FSDP's flattened
+        block) as the 1-D ``ShardedArray`` FSDP's loaders take."""
+        from ..backend import to_host
+        from ..distributed.sharding import ShardedArray
+        shape = self._full_shape(name)
+        numel = int(np.prod(shape))
+        if hasattr(v, "global_shape"):
+            if tuple(v.global_shape) == (numel,):
+                return v
+            row = int(np.prod(shape[1:]))
+            return ShardedArray(np.asarray(v.local).reshape(-1), (numel,), (v.offsets[0] * row,))
+        return ShardedArray(np.asarray(to_host(v)).reshape(-1), (numel,), (0,))
 
     def _block(self, name: str, local):
         """A ``ShardedArray`` of parameter ``name``'s full array holding ``local`` (this rank's shard of it,
@@ -415,6 +518,10 @@ class HybridGPT:
         Collective over the grid.  Keys and shapes are the serial GPT's (PyTorch names).
         """
         named = dict(self.model.named_parameters())
+        if self.fsdp is not None:
+            from ..backend import to_host
+            sd = self.fsdp.state_dict()
+            return OrderedDict((n, np.array(to_host(sd[n]), copy=True)) for n in named)
         full = self._gather({n: {"v": named[n].data} for n in self.param_names})
         return OrderedDict((n, full[n]["v"]) for n in named)
 
@@ -426,6 +533,10 @@ class HybridGPT:
             missing = sorted(set(named) - set(state_dict))
             if missing:
                 raise KeyError(f"rank {self.grid.world.rank}: the state dict lacks {missing}")
+        if self.fsdp is not None:
+            self.fsdp.load_state_dict({n: self._flat_block(n, v) for n, v in state_dict.items() if n in named},
+                                      strict=strict)
+            return
         for n in self.param_names:
             if n in state_dict:
                 p = named[n]
@@ -447,30 +558,42 @@ class HybridGPT:
             >>> restore_training_state(loaded, *hyb.checkpoint_state(opt), sched, sampler)
         """
         optimizer: Dict[str, Any] = {}
+        model = _ModelState(self).state_dict()
         if path is not None:
             from ..distributed import broadcast_object
-            keys = None
+            keys = shapes = None
             if self.grid.world.rank == 0:
                 from ..checkpoint import CheckpointReader
-                keys = {}
-                for name in CheckpointReader(path, verify=False).names():
+                keys, shapes = {}, {}
+                reader = CheckpointReader(path, verify=False)
+                for name in reader.names():
                     parts = name.split("/")
                     if len(parts) == 4 and parts[:2] == ["optimizer", "state"]:
                         keys.setdefault(parts[2], []).append(parts[3])
-            keys = broadcast_object(keys, group=self.grid.world.default_group)
+                    if parts[0] in ("model", "optimizer"):
+                        e = reader.entry(name)
+                        shapes[name] = tuple(e.shape) if e.kind == "array" else None
+            keys, shapes = broadcast_object((keys, shapes), group=self.grid.world.default_group)
             named = dict(self.model.named_parameters())
+            ranges = self._fsdp_ranges() if self.fsdp is not None else None
+            model = OrderedDict((n, self._template_block(n, shapes.get(f"model/{n}") or self._full_shape(n),
+                                                         self.dtype, ranges)) for n in named)
             if keys and set(keys) == set(named):
                 state = OrderedDict()
-                for n, p in named.items():
-                    state[n] = {k: (self._block(n, np.zeros(p.shape, p.dtype)) if k in _MOMENTS else None)
-                                for k in keys[n]}
+                for n in named:
+                    state[n] = {k: (self._template_block(n, shapes.get(f"optimizer/state/{n}/{k}")
+                                                         or self._full_shape(n), self.dtype, ranges)
+                                    if k in _MOMENTS else None) for k in keys[n]}
                 optimizer = {"state": state, "param_groups": None}
-        return {"model": _ModelState(self).state_dict(), "optimizer": optimizer, "scheduler": {}, "sampler": {},
+        return {"model": model, "optimizer": optimizer, "scheduler": {}, "sampler": {},
                 "rng": None, "meta": {}, "extra": {}}
 
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
         """This rank's entries under serial names: TP shards as ``ShardedArray`` blocks, only its stage's."""
         from .tensor import sharded_state_dict
+        if self.fsdp is not None:     # FSDP: 1-D blocks of the flattened parameters
+            sd = self.fsdp.sharded_state_dict()
+            return OrderedDict((n, sd[n]) for n in self.param_names)
         sd = sharded_state_dict(self.model) if self.style is not None else self.model.state_dict()
         return OrderedDict((n, sd[n]) for n in self.param_names)
 
@@ -494,13 +617,20 @@ class HybridGPT:
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
         return {**self.layout.as_dict(), "tp_style": self.style.value if self.style else "none",
-                "schedule": "ddp" if self.ddp is not None else self.schedule.name.lower(),
+                "schedule": ("fsdp" if self.fsdp is not None else "ddp" if self.ddp is not None
+                             else self.schedule.name.lower()), "fsdp": self.sharding.value if self.sharding else "none",
                 "microbatches": self.num_microbatches}
+
+    def _how(self) -> str:
+        if self.fsdp is not None:
+            rep = self.fsdp.replicate_group.size if self.fsdp.replicate_group is not None else 1
+            return f"FSDP {self.sharding.name} (shards over {self.fsdp.shard_group.size} ranks x {rep} replicas)"
+        return "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}"
 
     def describe(self) -> str:
         """One line: the layout, the TP style, the schedule and what this rank holds."""
         style = self.style.value if self.style else "none"
-        how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}"
+        how = self._how()
         return (f"{self.layout} | tp-style {style} | {how} | batch in {self.shards} row slices | "
                 f"rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
 
@@ -529,6 +659,8 @@ class _ModelState:
         self.hyb = hyb
 
     def state_dict(self):
+        if self.hyb.fsdp is not None:
+            return self.hyb.sharded_state_dict()
         return OrderedDict((n, self.hyb._block(n, p.data)) for n, p in self.hyb.model.named_parameters())
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -544,6 +676,10 @@ class _OptimizerState:
     def state_dict(self):
         hyb = self.hyb
         named = dict(hyb.model.named_parameters())
+        if hyb.fsdp is not None:     # FSDP: keyed by serial names, moments as 1-D blocks of the flattened arrays
+            osd = hyb.fsdp.optim_state_dict(self.opt)
+            return {"state": OrderedDict((n, osd["state"][n]) for n in named if n in osd["state"]),
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]}
         own = [n for n in hyb.param_names if self.opt.state.get(named[n])]
         # the per-parameter keys (and scalar values such as AdamW's step) are the same for every parameter
         sample = {k: (None if _is_array(v) else v) for k, v in self.opt.state[named[own[0]]].items()} if own else None
@@ -567,6 +703,11 @@ class _OptimizerState:
                              f"groups, the optimizer {len(self.opt.param_groups)}")
         for g, saved in zip(self.opt.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
+        if self.hyb.fsdp is not None:
+            state = {n: {k: (self.hyb._flat_block(n, v) if _is_array(v) else v) for k, v in st.items()}
+                     for n, st in state_dict["state"].items() if st}
+            self.hyb.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
+            return
         for n in self.hyb.param_names:
             saved = state_dict["state"].get(n)
             if not saved:
