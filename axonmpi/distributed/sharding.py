@@ -11,6 +11,8 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..backend import to_host
+
 __all__ = ["chunk_sizes", "chunk_bounds", "ShardedArray", "FlatLayout", "FlatSegment", "compact_slots", "expand_slots"]
 
 
@@ -298,6 +300,24 @@ class FlatLayout:
             lo, hi = max(start, o), min(stop, o + c)
             if lo < hi:
                 out.append(FlatSegment(i, names[i], lo - o, hi - o, lo - start))
+        return out
+
+    def shard_blocks(self, segments: Sequence["FlatSegment"], chunk) -> List["ShardedArray"]:
+        """One 1-D host :class:`ShardedArray` per array, holding the elements of ``chunk``.
+
+        ``chunk`` is shaped like this rank's range of the flat buffer and ``segments`` says which
+        parts of which arrays it covers (:meth:`segments`); an array it does not touch gets an
+        empty block. Used for sharded state dicts (FSDP parameters, ZeRO/FSDP optimizer state).
+        """
+        segs = {s.index: s for s in segments}
+        out = []
+        for i, numel in enumerate(self.numels):
+            s = segs.get(i)
+            if s is None:
+                out.append(ShardedArray(to_host(chunk[:0]).copy(), (numel,), (0,)))
+            else:
+                piece = chunk[s.offset:s.offset + s.param_stop - s.param_start]
+                out.append(ShardedArray(to_host(piece).copy(), (numel,), (s.param_start,)))
         return out
 
     def __repr__(self) -> str:

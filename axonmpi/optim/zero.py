@@ -202,18 +202,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         state: Dict[int, Dict[str, Any]] = {}
         for b in self.buckets:
             st = self.optim.state.get(b.shard, {})
-            segs = {s.index: s for s in b.segments}
-            for j, (i, numel) in enumerate(zip(b.indices, b.layout.numels)):
-                for key, v in st.items():
-                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
-                        s = segs.get(j)
-                        if s is None:
-                            local, start = to_host(v[:0]).copy(), 0
-                        else:
-                            local = to_host(v[s.offset:s.offset + s.param_stop - s.param_start]).copy()
-                            start = s.param_start
-                        state.setdefault(i, {})[key] = ShardedArray(local, (numel,), (start,))
-                    else:
+            for key, v in st.items():
+                if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                    for i, blk in zip(b.indices, b.layout.shard_blocks(b.segments, v)):
+                        state.setdefault(i, {})[key] = blk
+                else:
+                    for i in b.indices:
                         state.setdefault(i, {})[key] = v
         groups = []
         for gi, g in enumerate(self.param_groups):

@@ -120,7 +120,7 @@ class FullyShardedDataParallel(Module):
                 raise NotImplementedError(f"FSDP: {name or 'the module'} is already wrapped in FSDP; nested FSDP "
                                           "is not supported: wrap the outer model once and choose units with "
                                           "auto_wrap_policy")
-        world = get_world()
+        get_world()   # initialise the World (and its grid) before groups are resolved
         self.sharding_strategy = ShardingStrategy.coerce(sharding_strategy)
         self.cpu_offload = CPUOffload.coerce(cpu_offload)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -393,17 +393,7 @@ class FullyShardedDataParallel(Module):
 
     def _blocks(self, f: FlatParameter, arr) -> List[Tuple[str, ShardedArray]]:
         """Split a chunk-shaped array of ``f`` into one 1-D ShardedArray per original parameter."""
-        segs = {s.index: s for s in f.segments()}
-        out = []
-        for i, (name, numel) in enumerate(zip(f.names, f.layout.numels)):
-            s = segs.get(i)
-            if s is None:
-                local, start = to_host(arr[:0]).copy(), 0
-            else:
-                local = to_host(arr[s.offset:s.offset + s.param_stop - s.param_start]).copy()
-                start = s.param_start
-            out.append((name, ShardedArray(local, (numel,), (start,))))
-        return out
+        return list(zip(f.names, f.layout.shard_blocks(f.segments(), arr)))
 
     def _param_names(self, f: FlatParameter) -> List[str]:
         prefix = f"{f.fsdp_unit}." if f.fsdp_unit else ""
