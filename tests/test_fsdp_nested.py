@@ -164,6 +164,44 @@ def test_nested_parity_every_strategy():
             assert sum(f.total_numel for f in flats) == 42 + 7 + 24 + 3 + 8 + 2
 
 
+def _mixed(root, b1, b2, lin):
+    """Each instance its own options (PyTorch's rule): b2.lin in FSDP(**lin), inside FSDP(b2, **b2)."""
+    def build(net):
+        net.b1 = FSDP(net.b1, **b1)
+        net.b2.lin = FSDP(net.b2.lin, **lin)
+        net.b2 = FSDP(net.b2, **b2)
+        return FSDP(net, **root)
+    return build
+
+
+@pytest.mark.mpi(min_size=1)
+def test_nested_instances_keep_their_own_strategy_groups_and_offload():
+    world = axonmpi.init()
+    S = ShardingStrategy
+    k = 2 if world.world_size in (2, 4) else 1
+    hyb = {"sharding_strategy": S.HYBRID_SHARD, "hybrid_shard_size": k}
+    cases = [
+        ({"sharding_strategy": S.FULL_SHARD}, {"sharding_strategy": S.SHARD_GRAD_OP},
+         {"sharding_strategy": S.NO_SHARD}, hyb),
+        ({"sharding_strategy": S.SHARD_GRAD_OP}, {}, hyb, {"sharding_strategy": S.NO_SHARD}),
+        (hyb, {"cpu_offload": "full"}, {"sharding_strategy": S.SHARD_GRAD_OP}, {}),
+        ({"sharding_strategy": S.NO_SHARD, "cpu_offload": "optimizer_states"}, hyb, {}, {"sharding_strategy": S.FULL_SHARD}),
+    ]
+    for root, b1, b2, lin in cases:
+        model, _ = _check_parity(world, _mixed(root, b1, b2, lin), micro=2)
+        strategies = {u.name: model._unit_strategy[id(u)] for u in model._all_units}
+        want = {"": root, "head": root, "b1": b1, "b1.lin": b1, "b2": b2, "b2.lin": lin}
+        for name, kw in want.items():
+            assert strategies[name] is kw.get("sharding_strategy", S.FULL_SHARD), (name, strategies)
+        units = {u.name: u for u in model._all_units}
+        for name, kw in want.items():        # each unit reduces over its own instance's groups
+            u = units[name]
+            if u.flat is not None:
+                assert u.flat.world_size == (world.world_size if kw.get("sharding_strategy") in
+                                             (None, S.FULL_SHARD, S.SHARD_GRAD_OP) else
+                                             1 if kw["sharding_strategy"] is S.NO_SHARD else k), name
+
+
 @pytest.mark.mpi(min_size=1)
 def test_nested_no_sync_and_recompute(monkeypatch):
     world = axonmpi.init()
@@ -298,14 +336,14 @@ def test_nested_checkpoint_round_trip_into_serial_and_flat(tmp_path_factory):
 def test_nested_errors_are_clear():
     world = axonmpi.init()
     net = _make()
-    net.b1 = FSDP(net.b1, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
-    with pytest.raises(NotImplementedError, match="nested at 'b1' has sharding_strategy SHARD_GRAD_OP"):
+    net.b1 = FSDP(net.b1, mixed_precision=MixedPrecision(param_dtype=np.float32))
+    with pytest.raises(NotImplementedError, match="nested at 'b1' has mixed_precision=MixedPrecision"):
         FSDP(net)
-    if world.world_size > 1:
+    if world.world_size > 1:          # the inner shards over half the data ranks: not the same data ranks
         net = _make()
-        net.b1 = FSDP(net.b1, sharding_strategy="hybrid_shard", hybrid_shard_size=1)
-        with pytest.raises(NotImplementedError, match="shard group ranks"):
-            FSDP(net, sharding_strategy="hybrid_shard", hybrid_shard_size=world.world_size)
+        net.b1 = FSDP(net.b1, group=world.split(world.rank % 2))
+        with pytest.raises(ValueError, match=f"nested at 'b1' spans the data-parallel ranks \\[{world.rank % 2}[,\\]]"):
+            FSDP(net)
     model = _two_inner(_make())
     inner = model.module.b1
     with pytest.raises(RuntimeError, match="outside its FSDP"):

@@ -153,6 +153,9 @@ class FullyShardedDataParallel(Module):
         self._nested_in: Optional["FullyShardedDataParallel"] = None   # the root, once nested in one
         self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
         self.shard_group, self.replicate_group = _resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
+        rep = self.replicate_group
+        self._data_ranks = tuple(sorted({r for rs in (rep.comm.allgather(self.shard_group.ranks) if rep is not None
+                                                      else [self.shard_group.ranks]) for r in rs}))
         self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
         plan = plan_units(module, auto_wrap_policy)
         nested = [(q, m) for q, m, is_nested in plan if is_nested]
@@ -198,6 +201,7 @@ class FullyShardedDataParallel(Module):
                     b.data = b.data.astype(mp.buffer_dtype)
         self.units: List[FSDPUnit] = []
         self._frozen: List[Tuple[str, Tensor]] = []     # requires_grad=False: replicated, never reduced
+        self._unit_strategy: Dict[int, ShardingStrategy] = {}     # id(unit) -> the strategy of the instance built it
         self._hooks = []
         owner: Dict[int, str] = {}
         inside = {id(p) for q, m, is_nested in plan if not is_nested for p in m.parameters()}
@@ -212,11 +216,11 @@ class FullyShardedDataParallel(Module):
             unit._orig_forward = m.forward
             object.__setattr__(m, "forward", unit.call)
             self.units.append(unit)
-        full_shard = self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         remap = (get_array_module(first.data) is np and hasattr(mmap, "MADV_DONTNEED")
                  and hasattr(mmap, "MAP_PRIVATE"))
         names = [u.name for u in self.units]
         for u in self.units:      # a unit holding other units (a nested FSDP's root) cannot recompute them
+            full_shard = self._unit_strategy[id(u)] in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
             mode = (("remap" if remap else "recompute") if full_shard else "keep")
             if mode == "recompute" and any(n.startswith(u.name + ".") for n in names):
                 mode = "keep"
@@ -257,34 +261,31 @@ class FullyShardedDataParallel(Module):
                 flat.move_shard("cpu")
             flat.shard_group = self.shard_group if self.shard_group.size > 1 else None
             flat.fsdp_unit = name
-        return FSDPUnit(name, module, flat, self, mode=mode)
+        unit = FSDPUnit(name, module, flat, self, mode=mode)
+        self._unit_strategy[id(unit)] = self.sharding_strategy
+        return unit
 
     # -- nesting --------------------------------------------------------------------------------
     def _check_nestable(self, qname: str, inner: "FullyShardedDataParallel") -> None:
-        """Raise unless ``inner`` (found at ``qname``) runs with this root's options."""
+        """Raise unless ``inner`` (found at ``qname``) can run inside this root's step.
+
+        Each nested instance keeps its own sharding strategy, groups and CPU offload (as in
+        PyTorch); it must shard over the same data-parallel ranks and compute in the same precision.
+        """
         rank = get_world().rank
         if inner._nested_in is not None:
             raise ValueError(f"rank {rank}: the FSDP instance at {qname!r} is already nested in another FSDP "
                              "model; an FSDP instance belongs to one root")
-
-        def ranks(g):
-            return None if g is None else tuple(g.ranks)
-
-        diffs = []
-        for what, mine, theirs in (
-                ("sharding_strategy", self.sharding_strategy.name, inner.sharding_strategy.name),
-                ("cpu_offload", self.cpu_offload.name, inner.cpu_offload.name),
-                ("mixed_precision", self.mixed_precision, inner.mixed_precision),
-                ("shard group ranks", ranks(self.shard_group), ranks(inner.shard_group)),
-                ("replicate group ranks", ranks(self.replicate_group), ranks(inner.replicate_group))):
-            if mine != theirs:
-                diffs.append(f"{what} {theirs} (root: {mine})")
-        if diffs:
+        if inner._data_ranks != self._data_ranks:
+            raise ValueError(f"rank {rank}: the FSDP instance nested at {qname!r} spans the data-parallel ranks "
+                             f"{list(inner._data_ranks)} but its root spans {list(self._data_ranks)}; every nested "
+                             "instance must cover the root's data ranks (its own shard / replicate split of them "
+                             "is fine)")
+        if inner.mixed_precision != self.mixed_precision:
             raise NotImplementedError(
-                f"rank {rank}: the FSDP instance nested at {qname!r} has {'; '.join(diffs)}. Nested FSDP "
-                "instances run with their root's options; per-instance strategies, groups, offload or "
-                "precision are not built: pass the same sharding_strategy, group / hybrid_shard_size, "
-                "cpu_offload and mixed_precision to every FSDP(...) of the model")
+                f"rank {rank}: the FSDP instance nested at {qname!r} has mixed_precision={inner.mixed_precision} "
+                f"but its root {self.mixed_precision}; per-instance precision is not built: pass the same "
+                "mixed_precision to every FSDP(...) of the model")
 
     def _adopt(self, qname: str, inner: "FullyShardedDataParallel", owner: Dict[int, str]) -> List[FSDPUnit]:
         """Take over the units of the FSDP instance nested at ``qname``: this root now gathers, frees and
@@ -296,6 +297,7 @@ class FullyShardedDataParallel(Module):
         for u in inner._all_units:
             u.name = f"{qname}.{u.name}" if u.name else qname
             u.rt = self
+            self._unit_strategy[id(u)] = inner._unit_strategy[id(u)]
             if u.flat is not None:
                 u.flat.fsdp_unit = u.name
                 for n, p in zip(self._param_names(u.flat), u.flat.params):
