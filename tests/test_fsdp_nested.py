@@ -64,10 +64,17 @@ def _with_policy(net, **kw):
     return FSDP(net, auto_wrap_policy={nn.Linear}, **kw)
 
 
-BUILDS = {"two_inner": _two_inner, "deep": _deep, "policy": _with_policy}
+def _policy_around(net, **kw):
+    """The root's policy makes a unit of each Block; b2's unit holds the FSDP instance b2.lin."""
+    net.b2.lin = FSDP(net.b2.lin, **kw)
+    return FSDP(net, auto_wrap_policy={Block}, **kw)
+
+
+BUILDS = {"two_inner": _two_inner, "deep": _deep, "policy": _with_policy, "policy_around": _policy_around}
 UNITS = {"two_inner": ["b1", "b1.lin", "b2", "b2.lin", "head"],
          "deep": ["b1", "b2", "b2.lin", "head"],
-         "policy": ["b1", "b1.lin", "b2.lin", "head"]}
+         "policy": ["b1", "b1.lin", "b2.lin", "head"],
+         "policy_around": ["b1", "b2", "b2.lin"]}
 
 
 def _data(world, steps):
@@ -160,7 +167,7 @@ def test_nested_parity_every_strategy():
             model, _ = _check_parity(world, lambda m: build(m, **kw))
             assert [u.name for u in model.units] == UNITS[name], (name, [u.name for u in model.units])
             flats = list(model.parameters())          # every unit's flat shard, once: the optimizer sees all
-            assert len({id(f) for f in flats}) == len(flats) == len(model.units) + 1
+            assert len({id(f) for f in flats}) == len(flats) == len(model.units) + 1     # + the root unit (bias)
             assert sum(f.total_numel for f in flats) == 42 + 7 + 24 + 3 + 8 + 2
 
 
@@ -244,11 +251,11 @@ def test_nested_state_dict_sharded_and_memory():
 
 @pytest.mark.mpi(min_size=1)
 def test_frozen_parameters_parity_no_grad_no_optimizer_state():
-    """A frozen unit (b1: all frozen), a mixed unit (b2.lin: weight frozen) and a frozen root parameter;
-    nested and flat. Frozen parameters keep their values, get no gradient and no optimizer state, and the
-    all-frozen unit launches no reduce-scatter."""
+    """A frozen unit in the middle (b2: all frozen; b1 learns through it), a mixed unit (b1.lin: weight
+    frozen) and a frozen root parameter; nested and flat. Frozen parameters keep their values, get no
+    gradient and no optimizer state, and the all-frozen unit launches no reduce-scatter."""
     world = axonmpi.init()
-    freeze = ("b1.lin.weight", "b1.lin.bias", "b1.scale", "b2.lin.weight", "bias")
+    freeze = ("b2.lin.weight", "b2.lin.bias", "b2.scale", "b1.lin.weight", "bias")
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
         for build in (lambda m: FSDP(m, sharding_strategy=strategy, record_events=True),
                       lambda m: _two_inner(m, sharding_strategy=strategy, record_events=True)):
@@ -266,7 +273,7 @@ def test_frozen_parameters_parity_no_grad_no_optimizer_state():
                 {k for k in _make().state_dict() if k not in freeze}
             reduced = {u for kind, u in model.events if kind == "reduce"}
             assert reduced == {u.name for u in model.units if u.flat is not None}, reduced
-            assert not reduced & {"", "b1", "b1.lin"} and "b2" in reduced, reduced   # b2 (or b2.lin) mixed
+            assert not reduced & {"", "b2", "b2.lin"} and "b1" in reduced, reduced   # b1 (or b1.lin) mixed
 
 
 @pytest.mark.mpi(min_size=1)
@@ -346,6 +353,7 @@ def test_nested_errors_are_clear():
             FSDP(net)
     model = _two_inner(_make())
     inner = model.module.b1
+    assert all(m is not model for m in inner.modules()) and "(b1): FullyShardedDataParallel" in repr(model)
     with pytest.raises(RuntimeError, match="outside its FSDP"):
         inner(Tensor(np.zeros((1, 5))))
     for call in (inner.state_dict, inner.sharded_state_dict, inner.memory_stats, lambda: inner.clip_grad_norm_(1.0)):

@@ -309,7 +309,7 @@ class FullyShardedDataParallel(Module):
         stack = [inner]           # instances nested deeper were adopted by ``inner``: they now belong here
         while stack:
             f = stack.pop()
-            f._nested_in = self
+            object.__setattr__(f, "_nested_in", self)     # a back reference, not a submodule
             stack += f._nested
         self._nested.append(inner)
         return units
