@@ -380,3 +380,20 @@ def test_nested_errors_are_clear():
     net = _make(("bias",))
     with pytest.raises(NotImplementedError, match="frozen parameters .* MixedPrecision"):
         FSDP(net, mixed_precision=MixedPrecision(param_dtype=np.float16))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_nested_full_shard_frees_each_unit_and_keeps_only_the_enclosing_ones():
+    """Inside b2.lin's forward (three levels deep) the units gathered are the root, its enclosing b2 and
+    itself, never the finished b1 / b1.lin; after backward nothing is gathered."""
+    axonmpi.init()
+    model = _deep(_make())
+    seen = []
+    lin = model.module.b2.module.lin.module
+    lin.register_forward_hook(lambda m, a, o: seen.append(
+        {u.name for u in model._all_units if u.flat is not None and u.flat.full is not None}))
+    for _ in range(2):
+        model(Tensor(np.ones((2, 5)))).sum().backward()
+        assert model.memory_stats().gathered_mb == 0.0
+    for s in seen:
+        assert {"", "b2", "b2.lin"} <= s and not s & {"b1", "b1.lin"}, seen
