@@ -106,6 +106,13 @@ class FullyShardedDataParallel(Module):
     ``.grad`` is this rank's chunk of the gradient averaged over the global batch, so one
     optimizer step on N ranks equals one serial step on the N-times larger batch.
 
+    FSDP instances inside ``module`` (``FSDP(Sequential(FSDP(block), head))``) are nested: this
+    root adopts their units and runs them in its step; each keeps its own strategy, groups and
+    CPU offload, and must span the same data ranks with the same ``mixed_precision``. Names
+    (state dicts, checkpoints) are the unwrapped model's. Frozen parameters
+    (``requires_grad=False`` when wrapping) stay whole on every rank, outside the flat
+    parameters: no gradient, no optimizer state, no communication.
+
     Args:
         module: the model.
         group: the data-parallel group (default: the grid's ``data_group``); for HYBRID_SHARD
