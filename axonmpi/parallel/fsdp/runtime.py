@@ -86,7 +86,8 @@ def _load_into(module: Module, state_dict, strict: bool):
         ([f"unexpected keys: {unexpected}"] if strict and unexpected else []) + \
         ([f"shape mismatches: {'; '.join(bad)}"] if bad else [])
     if errors:
-        raise RuntimeError(f"Error(s) in loading state_dict for FSDP({type(module).__name__}):\n  " + "\n  ".join(errors))
+        raise RuntimeError(f"Error(s) in loading state_dict for FSDP({type(module).__name__}):\n  "
+                           + "\n  ".join(errors))
     with no_grad():
         for k, t in own.items():
             if k in state_dict:
@@ -161,8 +162,8 @@ class FullyShardedDataParallel(Module):
         self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
         self.shard_group, self.replicate_group = _resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
         rep = self.replicate_group
-        self._data_ranks = tuple(sorted({r for rs in (rep.comm.allgather(self.shard_group.ranks) if rep is not None
-                                                      else [self.shard_group.ranks]) for r in rs}))
+        spans = [self.shard_group.ranks] if rep is None else rep.comm.allgather(self.shard_group.ranks)
+        self._data_ranks = tuple(sorted({r for rs in spans for r in rs}))      # shard x replicate
         self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
         plan = plan_units(module, auto_wrap_policy)
         nested = [(q, m) for q, m, is_nested in plan if is_nested]
@@ -208,17 +209,18 @@ class FullyShardedDataParallel(Module):
                     b.data = b.data.astype(mp.buffer_dtype)
         self.units: List[FSDPUnit] = []
         self._frozen: List[Tuple[str, Tensor]] = []     # requires_grad=False: replicated, never reduced
-        self._unit_strategy: Dict[int, ShardingStrategy] = {}     # id(unit) -> the strategy of the instance built it
+        self._unit_strategy: Dict[int, ShardingStrategy] = {}     # id(unit) -> its FSDP instance's strategy
         self._hooks = []
         owner: Dict[int, str] = {}
         inside = {id(p) for q, m, is_nested in plan if not is_nested for p in m.parameters()}
-        self.root_unit = self._make_unit("", module, [(n, p) for n, p in params if id(p) not in inside], owner,
-                                         mode="keep")
+        root_named = [(n, p) for n, p in params if id(p) not in inside]
+        self.root_unit = self._make_unit("", module, root_named, owner, mode="keep")
         for qname, m, is_nested in plan:
             if is_nested:
                 self.units += self._adopt(qname, m, owner)
                 continue
-            named = [(f"{qname}.{n}", p) for n, p in unwrapped_state_items(m, "params") if id(p) not in inner_params]
+            named = [(f"{qname}.{n}", p) for n, p in unwrapped_state_items(m, "params")
+                     if id(p) not in inner_params]
             unit = self._make_unit(qname, m, named, owner, mode="keep")
             unit._orig_forward = m.forward
             object.__setattr__(m, "forward", unit.call)
@@ -227,7 +229,8 @@ class FullyShardedDataParallel(Module):
                  and hasattr(mmap, "MAP_PRIVATE"))
         names = [u.name for u in self.units]
         for u in self.units:      # a unit holding other units (a nested FSDP's root) cannot recompute them
-            full_shard = self._unit_strategy[id(u)] in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+            strategy = self._unit_strategy[id(u)]
+            full_shard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
             mode = (("remap" if remap else "recompute") if full_shard else "keep")
             if mode == "recompute" and any(n.startswith(u.name + ".") for n in names):
                 mode = "keep"
@@ -284,14 +287,15 @@ class FullyShardedDataParallel(Module):
             raise ValueError(f"rank {rank}: the FSDP instance at {qname!r} is already nested in another FSDP "
                              "model; an FSDP instance belongs to one root")
         if inner._data_ranks != self._data_ranks:
-            raise ValueError(f"rank {rank}: the FSDP instance nested at {qname!r} spans the data-parallel ranks "
-                             f"{list(inner._data_ranks)} but its root spans {list(self._data_ranks)}; every nested "
-                             "instance must cover the root's data ranks (its own shard / replicate split of them "
-                             "is fine)")
+            raise ValueError(f"rank {rank}: the FSDP instance nested at {qname!r} spans the data-parallel "
+                             f"ranks {list(inner._data_ranks)} but its root spans {list(self._data_ranks)}; "
+                             "every nested instance must cover the root's data ranks (its own shard / "
+                             "replicate split of them is fine)")
         if inner.mixed_precision != self.mixed_precision:
             raise NotImplementedError(
-                f"rank {rank}: the FSDP instance nested at {qname!r} has mixed_precision={inner.mixed_precision} "
-                f"but its root {self.mixed_precision}; per-instance precision is not built: pass the same "
+                f"rank {rank}: the FSDP instance nested at {qname!r} has "
+                f"mixed_precision={inner.mixed_precision} but its root {self.mixed_precision}; per-instance "
+                "precision is not built: pass the same "
                 "mixed_precision to every FSDP(...) of the model")
 
     def _adopt(self, qname: str, inner: "FullyShardedDataParallel", owner: Dict[int, str]) -> List[FSDPUnit]:
@@ -323,8 +327,8 @@ class FullyShardedDataParallel(Module):
 
     def _check_root(self, what: str) -> None:
         if self._nested_in is not None:
-            raise RuntimeError(f"FSDP.{what}: this FSDP instance is nested in another FSDP model, which runs its "
-                               f"units; call {what} on the root (outermost) FSDP model")
+            raise RuntimeError(f"FSDP.{what}: this FSDP instance is nested in another FSDP model, which runs "
+                               f"its units; call {what} on the root (outermost) FSDP model")
 
     # -- events / memory bookkeeping ------------------------------------------------------------
     def _event(self, kind: str, unit: str) -> None:
@@ -634,14 +638,15 @@ class FullyShardedDataParallel(Module):
             v = state_dict[k]
             if isinstance(v, ShardedArray):
                 if v.local_shape != v.shape:
-                    raise ValueError(f"rank {get_world().rank}: FSDP.load_state_dict: {k!r} is replicated here "
-                                     f"(frozen or a buffer); its ShardedArray block {v.local_shape} must be the "
-                                     f"whole {v.shape} (load the checkpoint with this model's sharded_state_dict() "
-                                     "as the template)")
+                    raise ValueError(f"rank {get_world().rank}: FSDP.load_state_dict: {k!r} is replicated "
+                                     f"here (frozen or a buffer); its ShardedArray block {v.local_shape} must "
+                                     f"be the whole {v.shape} (load the checkpoint with this model's "
+                                     "sharded_state_dict() as the template)")
                 v = v.local
             v = np.asarray(to_host(v))
             if v.size != t.data.size:
-                raise ValueError(f"FSDP.load_state_dict: {k!r} has {v.size} elements, the model {t.data.size}")
+                raise ValueError(f"FSDP.load_state_dict: {k!r} has {v.size} elements, the model "
+                                 f"{t.data.size}")
             t.data[...] = v.reshape(t.data.shape)
             used.add(k)
         if strict and missing:

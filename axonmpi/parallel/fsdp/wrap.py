@@ -6,8 +6,8 @@ from typing import Any, Callable, Iterable, Iterator, List, Tuple, Type, Union
 from ...nn import Module
 from ...nn.module import ModuleDict, ModuleList, Sequential
 
-__all__ = ["ModuleWrapPolicy", "SizeWrapPolicy", "find_units", "is_fsdp", "plan_units", "unwrapped_named_modules",
-           "unwrapped_state_items"]
+__all__ = ["ModuleWrapPolicy", "SizeWrapPolicy", "find_units", "is_fsdp", "plan_units",
+           "unwrapped_named_modules", "unwrapped_state_items"]
 
 _CONTAINERS = (ModuleList, ModuleDict, Sequential)
 
@@ -83,9 +83,10 @@ def plan_units(root: Module, policy: Policy = None) -> List[Tuple[str, Module, b
 
     The walk is pre-order in registration order. A nested FSDP instance (``nested=True``) is
     kept as given: it is not looked into (its units are its own) and the policy is not asked
-    about it; one may lie inside a policy unit (the unit then holds it). Otherwise ``policy`` picks units as :func:`find_units` describes. Names are the
-    unwrapped module's (a nested FSDP adds no ``module.`` component), so ``FSDP(Sequential(
-    FSDP(a), b))`` names its inner instance ``"0"``.
+    about it; one may lie inside a policy unit (the unit then holds it). Otherwise ``policy``
+    picks units as :func:`find_units` describes. Names are the unwrapped module's (a nested
+    FSDP adds no ``module.`` component), so ``FSDP(Sequential(FSDP(a), b))`` names its inner
+    instance ``"0"``.
     """
     pred = _as_policy(policy)
     out: List[Tuple[str, Module, bool]] = []
@@ -155,7 +156,8 @@ def unwrapped_state_items(root: Module, kind: str = "state") -> Iterator[Tuple[s
         if kind in ("state", "params"):
             items += list(m._parameters.items())
         if kind in ("state", "buffers"):
-            items += [(n, b) for n, b in m._buffers.items() if kind == "buffers" or n not in m._non_persistent]
+            items += [(n, b) for n, b in m._buffers.items()
+                      if kind == "buffers" or n not in m._non_persistent]
         for name, t in items:
             if t is None or (kind != "state" and id(t) in seen):
                 continue
