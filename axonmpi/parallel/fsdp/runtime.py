@@ -193,11 +193,6 @@ class FullyShardedDataParallel(Module):
         mp = mixed_precision
         self.param_dtype = None if mp is None or mp.param_dtype is None else mp.param_dtype
         self.reduce_dtype = None if mp is None else (mp.reduce_dtype or mp.param_dtype)
-        frozen = [n for n, p in params if not p.requires_grad]
-        if frozen and self.param_dtype is not None:
-            raise NotImplementedError(f"FSDP: frozen parameters (requires_grad=False: {frozen}) with "
-                                      f"MixedPrecision(param_dtype={self.param_dtype}) are not built; "
-                                      "train them in full precision or drop mixed_precision")
         if sync_module_states:      # shard group from its rank 0, then the replicas from shard group 0
             with no_grad():
                 for g in (self.shard_group, self.replicate_group):
@@ -209,6 +204,7 @@ class FullyShardedDataParallel(Module):
                     b.data = b.data.astype(mp.buffer_dtype)
         self.units: List[FSDPUnit] = []
         self._frozen: List[Tuple[str, Tensor]] = []     # requires_grad=False: replicated, never reduced
+        self._frozen_master: Dict[int, Any] = {}        # id(frozen param) -> its full-precision values (MP)
         self._unit_strategy: Dict[int, ShardingStrategy] = {}     # id(unit) -> its FSDP instance's strategy
         self._hooks = []
         owner: Dict[int, str] = {}
@@ -254,7 +250,12 @@ class FullyShardedDataParallel(Module):
     def _make_unit(self, name: str, module: Module, named, owner: Dict[int, str], *, mode: str) -> FSDPUnit:
         """One unit over ``named`` (unwrapped names): the trainable parameters flattened and sharded,
         the frozen ones (``requires_grad=False``) left in place, replicated, in ``self._frozen``."""
-        self._frozen += [(n, p) for n, p in named if not p.requires_grad]
+        for n, p in named:
+            if not p.requires_grad:
+                self._frozen.append((n, p))
+                if self.param_dtype is not None and p.data.dtype.kind == "f" and p.data.dtype != self.param_dtype:
+                    self._frozen_master[id(p)] = p.data        # compute in param_dtype, keep the master
+                    p.data = p.data.astype(self.param_dtype)
         named = [(n, p) for n, p in named if p.requires_grad]
         for n, p in named:
             if id(p) in owner:
@@ -315,6 +316,7 @@ class FullyShardedDataParallel(Module):
                     owner[id(p)] = n
             units.append(u)
         self._frozen += [(f"{qname}.{n}", p) for n, p in inner._frozen]
+        self._frozen_master.update(inner._frozen_master)
         inner.root_unit._orig_forward = inner.module      # the wrapped module's __call__ (its hooks run)
         object.__setattr__(inner, "forward", inner.root_unit.call)
         stack = [inner]           # instances nested deeper were adopted by ``inner``: they now belong here
@@ -492,7 +494,7 @@ class FullyShardedDataParallel(Module):
         self._check_root("state_dict")
         self._gather_full()
         try:
-            return OrderedDict((k, np.array(to_host(t.data), copy=True))
+            return OrderedDict((k, np.array(to_host(self._frozen_master.get(id(t), t.data)), copy=True))
                                for k, t in unwrapped_state_items(self.module))
         finally:
             for u in self._all_units:
@@ -506,6 +508,10 @@ class FullyShardedDataParallel(Module):
         self._gather_full()
         try:
             res = _load_into(self.module, state_dict, strict)
+            for k, p in self._frozen:
+                if k in state_dict and id(p) in self._frozen_master:   # exact values into the master too
+                    v = state_dict[k]
+                    self._set_replicated(p, to_host(v.data if isinstance(v, Tensor) else v))
             for u in self._all_units:
                 f = u.flat
                 if f is not None:
@@ -531,11 +537,20 @@ class FullyShardedDataParallel(Module):
                 for fn, (_, blk) in zip(self._param_names(u.flat), self._blocks(u.flat, u.flat.data)):
                     out[fn] = blk
         for k, p in self._frozen:
-            out[k] = to_host(p.data).copy()
+            out[k] = to_host(self._frozen_master.get(id(p), p.data)).copy()
         for k, b in self.named_buffers():
             out[k] = to_host(b.data).copy()
         order = [k for k, _ in unwrapped_state_items(self.module)]
         return {**{k: out[k] for k in order if k in out}, **out}
+
+    def _set_replicated(self, t: Tensor, value) -> None:
+        """Copy ``value`` into a frozen parameter (its full-precision master and compute copy) or buffer."""
+        master = self._frozen_master.get(id(t))
+        xp = get_array_module(t.data)
+        if master is not None:
+            master[...] = xp.asarray(value).astype(master.dtype, copy=False)
+            value = master
+        t.data[...] = xp.asarray(value).astype(t.data.dtype, copy=False)
 
     def _blocks(self, f: FlatParameter, arr) -> List[Tuple[str, ShardedArray]]:
         """Split a chunk-shaped array of ``f`` into one 1-D ShardedArray per original parameter."""
@@ -647,7 +662,7 @@ class FullyShardedDataParallel(Module):
             if v.size != t.data.size:
                 raise ValueError(f"FSDP.load_state_dict: {k!r} has {v.size} elements, the model "
                                  f"{t.data.size}")
-            t.data[...] = v.reshape(t.data.shape)
+            self._set_replicated(t, v.reshape(t.data.shape))
             used.add(k)
         if strict and missing:
             raise RuntimeError(f"FSDP.load_state_dict: missing keys {missing}")
