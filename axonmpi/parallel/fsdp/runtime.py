@@ -296,8 +296,7 @@ class FullyShardedDataParallel(Module):
             raise NotImplementedError(
                 f"rank {rank}: the FSDP instance nested at {qname!r} has "
                 f"mixed_precision={inner.mixed_precision} but its root {self.mixed_precision}; per-instance "
-                "precision is not built: pass the same "
-                "mixed_precision to every FSDP(...) of the model")
+                "precision is not built: pass the same mixed_precision to every FSDP(...) of the model")
 
     def _adopt(self, qname: str, inner: "FullyShardedDataParallel", owner: Dict[int, str]) -> List[FSDPUnit]:
         """Take over the units of the FSDP instance nested at ``qname``: this root now gathers, frees and
