@@ -117,7 +117,8 @@ def test_cli_jobs_write(tmp_path):
     r = _cli("jobs", "write", str(tmp_path / "site"), "--examples")
     assert r.returncode == 0, r.stderr
     jobs = sorted(os.listdir(tmp_path / "site" / "jobs"))
-    assert {"site.sh", "local.sh", "slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch"} <= set(jobs)
+    assert {"site.sh", "local.sh", "slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch",
+            "slurm_fsdp.sbatch"} <= set(jobs)
     assert os.path.exists(tmp_path / "site" / "examples" / "train_gpt.py")
     r = _cli("jobs", "write", str(tmp_path / "site"))
     assert r.returncode == 1 and "exists (pass --force" in r.stderr and "Traceback" not in r.stderr
@@ -125,7 +126,7 @@ def test_cli_jobs_write(tmp_path):
 
 @pytest.mark.serial
 def test_slurm_templates_have_the_batch_essentials():
-    for name in ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch"):
+    for name in ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch", "slurm_fsdp.sbatch"):
         text = open(os.path.join(ROOT, "jobs", name)).read()
         for needle in ("SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK", "--auto-resume", "--no-progress",
                        "$AXONMPI_SCRATCH", 'source "${AXONMPI_SITE:-jobs/site.sh}"'):
@@ -182,6 +183,38 @@ def test_slurm_3d_checks_the_sizes_against_ntasks_and_passes_them(tmp_path):
     assert r.returncode == 2 and "= 6 does not divide SLURM_NTASKS=8" in r.stderr, r.stderr
     r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60, env={**env, "G_DATA": "3"})
     assert r.returncode == 2 and "= 12 but SLURM_NTASKS=8" in r.stderr, r.stderr
+
+
+@pytest.mark.serial
+def test_slurm_fsdp_passes_the_strategy_and_shards_hybrid_per_node(tmp_path):
+    """FSDP options are variables; hybrid_shard's shard group defaults to the tasks of one node."""
+    from axonmpi.testing import mpiexec_env
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
+    os.chmod(fake / "srun", 0o755)
+    env = mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
+                       "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "n[1-2]", "AXONMPI_SCRATCH": str(tmp_path),
+                       "AXONMPI_SITE": os.path.join(ROOT, "jobs", "site.sh")})
+    job = os.path.join(ROOT, "jobs", "slurm_fsdp.sbatch")
+
+    def run(**kw):
+        return subprocess.run(["bash", job, "--steps", "10"], capture_output=True, text=True, timeout=60,
+                              env={**env, **kw})
+
+    r = run()
+    assert r.returncode == 0, r.stderr
+    assert "srun python -m axonmpi info --ranks" in r.stdout, r.stdout
+    assert "--fsdp full_shard --mixed-precision none --steps 10" in r.stdout, r.stdout
+    r = run(FSDP="hybrid_shard", CPU_OFFLOAD="1", MIXED_PRECISION="fp16")
+    assert r.returncode == 0, r.stderr
+    assert "--fsdp hybrid_shard --mixed-precision fp16 --cpu-offload --hybrid-shard-size 4 --steps 10" in r.stdout
+    r = run(FSDP="hybrid_shard", HYBRID_SHARD_SIZE="3")
+    assert r.returncode == 2 and "HYBRID_SHARD_SIZE=3 does not divide SLURM_NTASKS=8" in r.stderr, r.stderr
+    r = run(FSDP="zero4")
+    assert r.returncode == 2 and "FSDP=zero4; expected" in r.stderr, r.stderr
+    r = run(HYBRID_SHARD_SIZE="2")
+    assert r.returncode == 2 and "needs FSDP=hybrid_shard" in r.stderr, r.stderr
 
 
 @pytest.mark.serial

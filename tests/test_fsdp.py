@@ -239,8 +239,8 @@ def test_errors_are_clear():
 
     with pytest.raises(ValueError, match="shared"):
         FSDP(Shared())
-    with pytest.raises(NotImplementedError, match="nested"):
-        FSDP(nn.Sequential(FSDP(_make())))
+    with pytest.raises(ValueError, match="already an FSDP model"):
+        FSDP(FSDP(_make()))               # nesting itself works: tests/test_fsdp_nested.py
 
 
 class Tower(nn.Module):

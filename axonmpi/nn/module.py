@@ -51,11 +51,13 @@ class Module:
                 raise AttributeError(f"call Module.__init__() before assigning {name!r}")
             object.__setattr__(self, name, value)
             return
-        if isinstance(value, Parameter):
-            self._drop(name)
+        if isinstance(value, Parameter):       # replacing one keeps its place (state-dict order), as PyTorch
+            if name not in d["_parameters"]:
+                self._drop(name)
             d["_parameters"][name] = value
         elif isinstance(value, Module):
-            self._drop(name)
+            if name not in d["_modules"]:
+                self._drop(name)
             d["_modules"][name] = value
         elif name in d["_parameters"]:
             if value is not None:

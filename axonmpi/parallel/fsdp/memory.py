@@ -46,6 +46,8 @@ def measure(fsdp, optimizer, peak_gathered: int) -> FSDPMemoryStats:
             grads += int(f.grad.data.nbytes)
         if f.full_grad is not None:
             grads += int(f.full_grad.nbytes)
+    for _, p in getattr(fsdp, "_frozen", ()):       # frozen parameters: replicated, whole on every rank
+        params += int(p.data.nbytes) + int(getattr(fsdp._frozen_master.get(id(p)), "nbytes", 0))
     opt = optimizer_state_bytes(optimizer, flats)
     gathered = fsdp._gathered_bytes()
     base = params + grads + opt

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -27,13 +28,13 @@ from ...autograd import Tensor, is_grad_enabled, no_grad
 from ...backend import device_of, get_array_module, to_host
 from ...distributed import get_world, resolve_group
 from ...distributed.sharding import ShardedArray
-from ...nn import Module
+from ...nn import IncompatibleKeys, Module, Parameter
 from .._flat import FlatParameter
 from ..ddp import _broadcast_flat
 from .api import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
 from .memory import estimate_memory, measure
 from .unit import FSDPUnit
-from .wrap import find_units
+from .wrap import is_fsdp, plan_units, unwrapped_named_modules, unwrapped_state_items
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
 
@@ -74,6 +75,28 @@ def _resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Option
     return shard, rep
 
 
+def _load_into(module: Module, state_dict, strict: bool):
+    """``module.load_state_dict`` under the unwrapped names (nested FSDP instances add no key parts)."""
+    own = OrderedDict(unwrapped_state_items(module))
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    bad = [f"{k}: checkpoint shape {tuple(np.shape(state_dict[k]))}, model shape {tuple(t.shape)}"
+           for k, t in own.items() if k in state_dict and tuple(np.shape(state_dict[k])) != tuple(t.shape)]
+    errors = ([f"missing keys: {missing}"] if strict and missing else []) + \
+        ([f"unexpected keys: {unexpected}"] if strict and unexpected else []) + \
+        ([f"shape mismatches: {'; '.join(bad)}"] if bad else [])
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for FSDP({type(module).__name__}):\n  "
+                           + "\n  ".join(errors))
+    with no_grad():
+        for k, t in own.items():
+            if k in state_dict:
+                v = state_dict[k]
+                v = to_host(v.data if isinstance(v, Tensor) else v)
+                t.data[...] = get_array_module(t.data).asarray(v).astype(t.data.dtype, copy=False)
+    return IncompatibleKeys(missing, unexpected)
+
+
 class FullyShardedDataParallel(Module):
     """Sharded data parallelism (ZeRO-2/3, PyTorch's FSDP): each rank keeps 1/N of the state.
 
@@ -83,6 +106,13 @@ class FullyShardedDataParallel(Module):
     shards): its state is sharded too. After ``loss.backward()``, each flat parameter's
     ``.grad`` is this rank's chunk of the gradient averaged over the global batch, so one
     optimizer step on N ranks equals one serial step on the N-times larger batch.
+
+    FSDP instances inside ``module`` (``FSDP(Sequential(FSDP(block), head))``) are nested: this
+    root adopts their units and runs them in its step; each keeps its own strategy, groups and
+    CPU offload, and must span the same data ranks with the same ``mixed_precision``. Names
+    (state dicts, checkpoints) are the unwrapped model's. Frozen parameters
+    (``requires_grad=False`` when wrapping) stay whole on every rank, outside the flat
+    parameters: no gradient, no optimizer state, no communication.
 
     Args:
         module: the model.
@@ -108,6 +138,8 @@ class FullyShardedDataParallel(Module):
         >>> model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
     """
 
+    _is_fsdp = True     # wrap.is_fsdp tells nested instances apart without importing this module
+
     def __init__(self, module: Module, *, group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
                  cpu_offload=CPUOffload.NONE, mixed_precision: Optional[MixedPrecision] = None,
                  auto_wrap_policy=None, prefetch: bool = True, sync_module_states: bool = True,
@@ -115,11 +147,9 @@ class FullyShardedDataParallel(Module):
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"FullyShardedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
-        for name, m in module.named_modules():
-            if isinstance(m, FullyShardedDataParallel):
-                raise NotImplementedError(f"FSDP: {name or 'the module'} is already wrapped in FSDP; nested FSDP "
-                                          "is not supported: wrap the outer model once and choose units with "
-                                          "auto_wrap_policy")
+        if is_fsdp(module):
+            raise ValueError("FSDP: the module is already an FSDP model; wrap it once (to nest, wrap a plain "
+                             "module that holds FSDP instances: FSDP(Sequential(FSDP(block), head)))")
         get_world()   # initialise the World (and its grid) before groups are resolved
         self.sharding_strategy = ShardingStrategy.coerce(sharding_strategy)
         self.cpu_offload = CPUOffload.coerce(cpu_offload)
@@ -128,43 +158,79 @@ class FullyShardedDataParallel(Module):
         self.mixed_precision = mixed_precision
         self.prefetch = bool(prefetch)
         self.module = module
+        self._nested_in: Optional["FullyShardedDataParallel"] = None   # the root, once nested in one
+        self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
         self.shard_group, self.replicate_group = _resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
+        rep = self.replicate_group
+        spans = [self.shard_group.ranks] if rep is None else rep.comm.allgather(self.shard_group.ranks)
+        self._data_ranks = tuple(sorted({r for rs in spans for r in rs}))      # shard x replicate
         self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
-        params = list(module.named_parameters())
-        if not params:
+        plan = plan_units(module, auto_wrap_policy)
+        nested = [(q, m) for q, m, is_nested in plan if is_nested]
+        for q, inner in nested:
+            self._check_nestable(q, inner)
+        inner_mods = {id(x) for _, inner in nested for x in inner.module.modules()}
+        inner_params = {id(p): q for q, inner in nested for p in inner.module.parameters()}
+        params, buffers = [], []           # this instance's own (outside every nested FSDP), unwrapped names
+        seen = set()
+        for pre, m in unwrapped_named_modules(module):
+            if id(m) in inner_mods:
+                continue
+            for n, p in m._parameters.items():
+                name = f"{pre}.{n}" if pre else n
+                if p is not None and id(p) in inner_params:
+                    raise ValueError(f"FSDP: parameter {name!r} is shared with the FSDP instance nested at "
+                                     f"{inner_params[id(p)]!r}; a parameter must live in one unit (wrap the "
+                                     "modules sharing it in the same FSDP instance)")
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append((name, p))
+            buffers += [((f"{pre}.{n}" if pre else n), b) for n, b in m._buffers.items() if b is not None]
+        if not params and not nested:
             raise ValueError("FSDP: the module has no parameters")
-        frozen = [n for n, p in params if not p.requires_grad]
-        if frozen:
-            raise NotImplementedError(f"FSDP: frozen parameters are not supported (requires_grad=False: {frozen})")
-        self.compute_device = device_of(params[0][1].data)
+        first = params[0][1] if params else next(nested[0][1].module.parameters())
+        self.compute_device = device_of(first.data)
         mp = mixed_precision
         self.param_dtype = None if mp is None or mp.param_dtype is None else mp.param_dtype
         self.reduce_dtype = None if mp is None else (mp.reduce_dtype or mp.param_dtype)
         if sync_module_states:      # shard group from its rank 0, then the replicas from shard group 0
             with no_grad():
                 for g in (self.shard_group, self.replicate_group):
-                    if g is not None and g.size > 1:
-                        _broadcast_flat([p for _, p in params] + [b for _, b in module.named_buffers()], g)
+                    if g is not None and g.size > 1 and (params or buffers):
+                        _broadcast_flat([p for _, p in params] + [b for _, b in buffers], g)
         if mp is not None and mp.buffer_dtype is not None:
-            for _, b in module.named_buffers():
+            for _, b in buffers:
                 if b.data.dtype.kind == "f":
                     b.data = b.data.astype(mp.buffer_dtype)
         self.units: List[FSDPUnit] = []
+        self._frozen: List[Tuple[str, Tensor]] = []     # requires_grad=False: replicated, never reduced
+        self._frozen_master: Dict[int, Any] = {}        # id(frozen param) -> its full-precision values (MP)
+        self._unit_strategy: Dict[int, ShardingStrategy] = {}     # id(unit) -> its FSDP instance's strategy
+        self._hooks = []
         owner: Dict[int, str] = {}
-        specs = find_units(module, auto_wrap_policy)
-        inside = {id(p) for _, m in specs for p in m.parameters()}
+        inside = {id(p) for q, m, is_nested in plan if not is_nested for p in m.parameters()}
         root_named = [(n, p) for n, p in params if id(p) not in inside]
-        full_shard = self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        remap = (get_array_module(params[0][1].data) is np and hasattr(mmap, "MADV_DONTNEED")
-                 and hasattr(mmap, "MAP_PRIVATE"))
-        child_mode = ("remap" if remap else "recompute") if full_shard else "keep"
         self.root_unit = self._make_unit("", module, root_named, owner, mode="keep")
-        for qname, m in specs:
-            named = [(f"{qname}.{n}", p) for n, p in m.named_parameters()]
-            unit = self._make_unit(qname, m, named, owner, mode=child_mode)
+        for qname, m, is_nested in plan:
+            if is_nested:
+                self.units += self._adopt(qname, m, owner)
+                continue
+            named = [(f"{qname}.{n}", p) for n, p in unwrapped_state_items(m, "params")
+                     if id(p) not in inner_params]
+            unit = self._make_unit(qname, m, named, owner, mode="keep")
             unit._orig_forward = m.forward
             object.__setattr__(m, "forward", unit.call)
             self.units.append(unit)
+        remap = (get_array_module(first.data) is np and hasattr(mmap, "MADV_DONTNEED")
+                 and hasattr(mmap, "MAP_PRIVATE"))
+        names = [u.name for u in self.units]
+        for u in self.units:      # a unit holding other units (a nested FSDP's root) cannot recompute them
+            strategy = self._unit_strategy[id(u)]
+            full_shard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+            mode = (("remap" if remap else "recompute") if full_shard else "keep")
+            if mode == "recompute" and any(n.startswith(u.name + ".") for n in names):
+                mode = "keep"
+            u.mode, u.recompute = mode, mode == "recompute"
         self._all_units = [self.root_unit] + self.units
         self._order: List[FSDPUnit] = list(self.units)     # forward order of the last step
         self._seq: List[FSDPUnit] = []                      # forward order of this step
@@ -174,7 +240,6 @@ class FullyShardedDataParallel(Module):
         self._n_complete = 0
         self._launched: List[FSDPUnit] = []
         self._peak_gathered = 0
-        self._hooks = []
         for u in self._all_units:
             if u.flat is not None and not u.recompute:
                 for p in u.flat.params:
@@ -183,6 +248,15 @@ class FullyShardedDataParallel(Module):
             u.reset()
 
     def _make_unit(self, name: str, module: Module, named, owner: Dict[int, str], *, mode: str) -> FSDPUnit:
+        """One unit over ``named`` (unwrapped names): the trainable parameters flattened and sharded,
+        the frozen ones (``requires_grad=False``) left in place, replicated, in ``self._frozen``."""
+        for n, p in named:
+            if not p.requires_grad:
+                self._frozen.append((n, p))
+                if self.param_dtype is not None and p.data.dtype.kind == "f" and p.data.dtype != self.param_dtype:
+                    self._frozen_master[id(p)] = p.data        # compute in param_dtype, keep the master
+                    p.data = p.data.astype(self.param_dtype)
+        named = [(n, p) for n, p in named if p.requires_grad]
         for n, p in named:
             if id(p) in owner:
                 raise ValueError(f"FSDP: parameter {n!r} is shared with {owner[id(p)]!r} in another unit; "
@@ -198,7 +272,64 @@ class FullyShardedDataParallel(Module):
                 flat.move_shard("cpu")
             flat.shard_group = self.shard_group if self.shard_group.size > 1 else None
             flat.fsdp_unit = name
-        return FSDPUnit(name, module, flat, self, mode=mode)
+        unit = FSDPUnit(name, module, flat, self, mode=mode)
+        self._unit_strategy[id(unit)] = self.sharding_strategy
+        return unit
+
+    # -- nesting --------------------------------------------------------------------------------
+    def _check_nestable(self, qname: str, inner: "FullyShardedDataParallel") -> None:
+        """Raise unless ``inner`` (found at ``qname``) can run inside this root's step.
+
+        Each nested instance keeps its own sharding strategy, groups and CPU offload (as in
+        PyTorch); it must shard over the same data-parallel ranks and compute in the same precision.
+        """
+        rank = get_world().rank
+        if inner._nested_in is not None:
+            raise ValueError(f"rank {rank}: the FSDP instance at {qname!r} is already nested in another FSDP "
+                             "model; an FSDP instance belongs to one root")
+        if inner._data_ranks != self._data_ranks:
+            raise ValueError(f"rank {rank}: the FSDP instance nested at {qname!r} spans the data-parallel "
+                             f"ranks {list(inner._data_ranks)} but its root spans {list(self._data_ranks)}; "
+                             "every nested instance must cover the root's data ranks (its own shard / "
+                             "replicate split of them is fine)")
+        if inner.mixed_precision != self.mixed_precision:
+            raise NotImplementedError(
+                f"rank {rank}: the FSDP instance nested at {qname!r} has "
+                f"mixed_precision={inner.mixed_precision} but its root {self.mixed_precision}; per-instance "
+                "precision is not built: pass the same mixed_precision to every FSDP(...) of the model")
+
+    def _adopt(self, qname: str, inner: "FullyShardedDataParallel", owner: Dict[int, str]) -> List[FSDPUnit]:
+        """Take over the units of the FSDP instance nested at ``qname``: this root now gathers, frees and
+        reduces them in its step (renamed under ``qname``); calling ``inner`` runs its root unit."""
+        for h in inner._hooks:            # re-registered by this root (unit modes may change)
+            h.remove()
+        inner._hooks = []
+        units = []
+        for u in inner._all_units:
+            u.name = f"{qname}.{u.name}" if u.name else qname
+            u.rt = self
+            self._unit_strategy[id(u)] = inner._unit_strategy[id(u)]
+            if u.flat is not None:
+                u.flat.fsdp_unit = u.name
+                for n, p in zip(self._param_names(u.flat), u.flat.params):
+                    owner[id(p)] = n
+            units.append(u)
+        self._frozen += [(f"{qname}.{n}", p) for n, p in inner._frozen]
+        self._frozen_master.update(inner._frozen_master)
+        inner.root_unit._orig_forward = inner.module      # the wrapped module's __call__ (its hooks run)
+        object.__setattr__(inner, "forward", inner.root_unit.call)
+        stack = [inner]           # instances nested deeper were adopted by ``inner``: they now belong here
+        while stack:
+            f = stack.pop()
+            object.__setattr__(f, "_nested_in", self)     # a back reference, not a submodule
+            stack += f._nested
+        self._nested.append(inner)
+        return units
+
+    def _check_root(self, what: str) -> None:
+        if self._nested_in is not None:
+            raise RuntimeError(f"FSDP.{what}: this FSDP instance is nested in another FSDP model, which runs "
+                               f"its units; call {what} on the root (outermost) FSDP model")
 
     # -- events / memory bookkeeping ------------------------------------------------------------
     def _event(self, kind: str, unit: str) -> None:
@@ -317,8 +448,10 @@ class FullyShardedDataParallel(Module):
         for _, p in self.named_parameters():
             yield p
 
-    def named_buffers(self, *args, **kwargs):
-        return self.module.named_buffers(*args, **kwargs)
+    def named_buffers(self, prefix: str = "", recurse: bool = True):
+        """The wrapped model's buffers, under the unwrapped model's names (nested FSDP adds none)."""
+        for n, b in unwrapped_state_items(self.module, "buffers"):
+            yield (f"{prefix}.{n}" if prefix else n), b
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clip the gradients by their total norm over all shards (each element once, replicas once).
@@ -326,6 +459,7 @@ class FullyShardedDataParallel(Module):
         Returns:
             The total norm before clipping (a float64 0-d array, the same on every rank).
         """
+        self._check_root("clip_grad_norm_")
         from ...optim.clip import clip_grad_norm_
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
 
@@ -336,6 +470,7 @@ class FullyShardedDataParallel(Module):
         The first backward outside reduces the accumulated sum once. The unsharded gradients of
         every unit stay alive meanwhile (as in PyTorch).
         """
+        self._check_root("no_sync")
         prev, self._sync = self._sync, False
         try:
             yield
@@ -350,21 +485,32 @@ class FullyShardedDataParallel(Module):
                 u.flat.unshard()
 
     def state_dict(self):
-        """The full model state, gathered (keys identical to the unwrapped module's); collective."""
+        """The full model state, gathered (keys identical to the unwrapped module's); collective.
+
+        Nested FSDP instances add nothing to the keys: ``FSDP(Sequential(FSDP(a), b))`` gives the
+        keys of ``Sequential(a, b)``. Frozen parameters are included.
+        """
+        self._check_root("state_dict")
         self._gather_full()
         try:
-            return self.module.state_dict()
+            return OrderedDict((k, np.array(to_host(self._frozen_master.get(id(t), t.data)), copy=True))
+                               for k, t in unwrapped_state_items(self.module))
         finally:
             for u in self._all_units:
                 u.free()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a full state dict (as :meth:`state_dict` gives) or a :meth:`sharded_state_dict`."""
+        self._check_root("load_state_dict")
         if any(isinstance(v, ShardedArray) for v in state_dict.values()):
             return self._load_sharded(state_dict, strict)
         self._gather_full()
         try:
-            res = self.module.load_state_dict(state_dict, strict=strict)
+            res = _load_into(self.module, state_dict, strict)
+            for k, p in self._frozen:
+                if k in state_dict and id(p) in self._frozen_master:   # exact values into the master too
+                    v = state_dict[k]
+                    self._set_replicated(p, to_host(v.data if isinstance(v, Tensor) else v))
             for u in self._all_units:
                 f = u.flat
                 if f is not None:
@@ -380,16 +526,30 @@ class FullyShardedDataParallel(Module):
 
         Keys are the unwrapped module's names; each value is a 1-D ``ShardedArray`` of global
         shape ``(numel,)`` whose block is the elements this rank's chunk holds (possibly
-        empty). Nothing is gathered. Buffers appear as plain (replicated) arrays.
+        empty). Nothing is gathered. Frozen parameters and buffers appear as plain (replicated)
+        arrays of their own shape. Keys follow the :meth:`state_dict` order.
         """
+        self._check_root("sharded_state_dict")
         out: Dict[str, Any] = {}
         for u in self._all_units:
             if u.flat is not None:
                 for fn, (_, blk) in zip(self._param_names(u.flat), self._blocks(u.flat, u.flat.data)):
                     out[fn] = blk
-        for k, b in self.module.named_buffers():
+        for k, p in self._frozen:
+            out[k] = to_host(self._frozen_master.get(id(p), p.data)).copy()
+        for k, b in self.named_buffers():
             out[k] = to_host(b.data).copy()
-        return out
+        order = [k for k, _ in unwrapped_state_items(self.module)]
+        return {**{k: out[k] for k in order if k in out}, **out}
+
+    def _set_replicated(self, t: Tensor, value) -> None:
+        """Copy ``value`` into a frozen parameter (its full-precision master and compute copy) or buffer."""
+        master = self._frozen_master.get(id(t))
+        xp = get_array_module(t.data)
+        if master is not None:
+            master[...] = xp.asarray(value).astype(master.dtype, copy=False)
+            value = master
+        t.data[...] = xp.asarray(value).astype(t.data.dtype, copy=False)
 
     def _blocks(self, f: FlatParameter, arr) -> List[Tuple[str, ShardedArray]]:
         """Split a chunk-shaped array of ``f`` into one 1-D ShardedArray per original parameter."""
@@ -406,8 +566,9 @@ class FullyShardedDataParallel(Module):
         [{options..., "params": [names]}]}``: PyTorch's full optimizer state dict with names for
         keys and each array flattened; nothing is gathered. Save it with
         :func:`axonmpi.checkpoint.save`; :meth:`load_optim_state_dict` reads it back at any
-        world size.
+        world size. Frozen parameters have no optimizer state and do not appear.
         """
+        self._check_root("optim_state_dict")
         state: Dict[str, Dict[str, Any]] = {}
         groups = []
         for g in optimizer.param_groups:
@@ -432,6 +593,7 @@ class FullyShardedDataParallel(Module):
 
     def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
         """Load an :meth:`optim_state_dict` (any world size) into ``optimizer`` (built on ``parameters()``)."""
+        self._check_root("load_optim_state_dict")
         for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in sg.items() if k != "params"})
         saved = state_dict["state"]
@@ -482,10 +644,25 @@ class FullyShardedDataParallel(Module):
                                      f"rank's elements [{s.param_start}, {s.param_stop})")
                 n = s.param_stop - s.param_start
                 f.data[s.offset:s.offset + n] = np.asarray(v.local)[s.param_start - a:s.param_stop - a]
-        for k, b in self.module.named_buffers():
-            if k in state_dict:
-                b.data[...] = state_dict[k]
-                used.add(k)
+        for k, t in self._frozen + list(self.named_buffers()):
+            if k not in state_dict:
+                if isinstance(t, Parameter):
+                    missing.append(k)
+                continue
+            v = state_dict[k]
+            if isinstance(v, ShardedArray):
+                if v.local_shape != v.shape:
+                    raise ValueError(f"rank {get_world().rank}: FSDP.load_state_dict: {k!r} is replicated "
+                                     f"here (frozen or a buffer); its ShardedArray block {v.local_shape} must "
+                                     f"be the whole {v.shape} (load the checkpoint with this model's "
+                                     "sharded_state_dict() as the template)")
+                v = v.local
+            v = np.asarray(to_host(v))
+            if v.size != t.data.size:
+                raise ValueError(f"FSDP.load_state_dict: {k!r} has {v.size} elements, the model "
+                                 f"{t.data.size}")
+            self._set_replicated(t, v.reshape(t.data.shape))
+            used.add(k)
         if strict and missing:
             raise RuntimeError(f"FSDP.load_state_dict: missing keys {missing}")
         return None
@@ -498,6 +675,7 @@ class FullyShardedDataParallel(Module):
             optimizer: the optimizer over ``parameters()``, to count its state.
             reset_peak: start a new peak window after reading.
         """
+        self._check_root("memory_stats")
         stats = measure(self, optimizer, self._peak_gathered)
         if reset_peak:
             self._peak_gathered = self._gathered_bytes()

@@ -58,6 +58,7 @@ class FSDPUnit:
         self.module = module
         self.flat = flat
         self.rt = runtime
+        self.replicate_group = runtime.replicate_group    # its own FSDP instance's (nested FSDP keeps it)
         self.mode = mode
         self.recompute = mode == "recompute"
         self._map = None            # "remap": the mmap behind the gather buffer
@@ -128,7 +129,7 @@ class FSDPUnit:
         """Reduce-scatter the unit's gradients over its shard group, non-blocking."""
         self.rt._event("reduce", self.name)
         self.work = self.flat.reduce_grad(ReduceOp.MEAN, async_op=True, reduce_dtype=self.rt.reduce_dtype)
-        rep = self.rt.replicate_group
+        rep = self.replicate_group
         self._replicas_done = rep is None or rep.size == 1
         if not self._replicas_done and self.flat.world_size == 1:     # NO_SHARD: overlap the all-reduce too
             self.work.wait()
@@ -144,7 +145,7 @@ class FSDPUnit:
         self.work = None
         if not self._replicas_done:
             g = self.flat.grad.data
-            all_reduce(g, ReduceOp.MEAN, self.rt.replicate_group, out=g)
+            all_reduce(g, ReduceOp.MEAN, self.replicate_group, out=g)
 
     # -- the FULL_SHARD boundary ---------------------------------------------------------------
     def call(self, *args, **kwargs):

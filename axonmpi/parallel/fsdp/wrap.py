@@ -1,12 +1,13 @@
-"""Which submodules become FSDP units: the default rule and auto-wrap policies (by type or size)."""
+"""Which submodules become FSDP units: the default rule, auto-wrap policies (by type or size), nested FSDP."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Tuple, Type, Union
+from typing import Any, Callable, Iterable, Iterator, List, Tuple, Type, Union
 
 from ...nn import Module
 from ...nn.module import ModuleDict, ModuleList, Sequential
 
-__all__ = ["ModuleWrapPolicy", "SizeWrapPolicy", "find_units"]
+__all__ = ["ModuleWrapPolicy", "SizeWrapPolicy", "find_units", "is_fsdp", "plan_units",
+           "unwrapped_named_modules", "unwrapped_state_items"]
 
 _CONTAINERS = (ModuleList, ModuleDict, Sequential)
 
@@ -72,30 +73,93 @@ def _as_policy(policy: Policy) -> Callable[[Module], bool]:
     return ModuleWrapPolicy(classes)
 
 
+def is_fsdp(module: Any) -> bool:
+    """True for a :class:`FullyShardedDataParallel` instance (without importing the runtime)."""
+    return bool(getattr(type(module), "_is_fsdp", False))
+
+
+def plan_units(root: Module, policy: Policy = None) -> List[Tuple[str, Module, bool]]:
+    """``(qualified name, module, nested)`` of every unit below ``root`` and every FSDP instance in it.
+
+    The walk is pre-order in registration order. A nested FSDP instance (``nested=True``) is
+    kept as given: it is not looked into (its units are its own) and the policy is not asked
+    about it; one may lie inside a policy unit (the unit then holds it). Otherwise ``policy``
+    picks units as :func:`find_units` describes. Names are the unwrapped module's (a nested
+    FSDP adds no ``module.`` component), so ``FSDP(Sequential(FSDP(a), b))`` names its inner
+    instance ``"0"``.
+    """
+    pred = _as_policy(policy)
+    out: List[Tuple[str, Module, bool]] = []
+
+    def walk(mod: Module, prefix: str, in_unit: bool) -> None:
+        for name, child in mod.named_children():
+            if child is None:
+                continue
+            q = f"{prefix}.{name}" if prefix else name
+            if is_fsdp(child):
+                out.append((q, child, True))
+            elif not in_unit and not isinstance(child, _CONTAINERS) and pred(child):
+                out.append((q, child, False))
+                walk(child, q, True)          # only nested FSDP instances below a unit
+            else:
+                walk(child, q, in_unit)
+
+    walk(root, "", False)
+    return out
+
+
 def find_units(root: Module, policy: Policy = None) -> List[Tuple[str, Module]]:
     """The ``(qualified name, module)`` of every unit below ``root``, in registration order.
 
     Default (``policy=None``): each child holding parameters is a unit, looking through
     containers (so each block of a ``ModuleList`` of transformer blocks is one). With a policy,
     the first module on each path from the root for which ``policy(module)`` is true. The
-    parameters not inside any unit belong to the root unit.
+    parameters not inside any unit belong to the root unit. Nested FSDP instances are not
+    looked into (see :func:`plan_units`).
 
     Example:
         >>> [n for n, _ in find_units(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)))]
         ['0', '2']
     """
-    pred = _as_policy(policy)
-    out: List[Tuple[str, Module]] = []
+    return [(q, m) for q, m, nested in plan_units(root, policy) if not nested]
 
-    def walk(mod: Module, prefix: str) -> None:
-        for name, child in mod.named_children():
-            if child is None:
+
+def unwrapped_named_modules(root: Module, prefix: str = "") -> Iterator[Tuple[str, Module]]:
+    """``named_modules()`` as if every nested FSDP wrapper were replaced by the module it wraps.
+
+    Each module once, ``root`` first; an FSDP instance is not yielded, its wrapped module is,
+    under the FSDP instance's name (PyTorch's names without ``_fsdp_wrapped_module``).
+    """
+    memo = set()
+
+    def walk(mod: Module, pre: str) -> Iterator[Tuple[str, Module]]:
+        while is_fsdp(mod):
+            mod = mod.module
+        if id(mod) in memo:
+            return
+        memo.add(id(mod))
+        yield pre, mod
+        for name, child in mod._modules.items():
+            if child is not None:
+                yield from walk(child, f"{pre}.{name}" if pre else name)
+
+    yield from walk(root, prefix)
+
+
+def unwrapped_state_items(root: Module, kind: str = "state") -> Iterator[Tuple[str, Any]]:
+    """``(unwrapped name, tensor)``: ``kind="state"`` parameters then persistent buffers per module
+    (the state-dict order: a tensor shared by two modules appears under both names), ``"params"`` /
+    ``"buffers"`` only those, each tensor once (``named_parameters()`` order)."""
+    seen = set()
+    for pre, m in unwrapped_named_modules(root):
+        items: List[Tuple[str, Any]] = []
+        if kind in ("state", "params"):
+            items += list(m._parameters.items())
+        if kind in ("state", "buffers"):
+            items += [(n, b) for n, b in m._buffers.items()
+                      if kind == "buffers" or n not in m._non_persistent]
+        for name, t in items:
+            if t is None or (kind != "state" and id(t) in seen):
                 continue
-            q = f"{prefix}.{name}" if prefix else name
-            if not isinstance(child, _CONTAINERS) and pred(child):
-                out.append((q, child))
-            else:
-                walk(child, q)
-
-    walk(root, "")
-    return out
+            seen.add(id(t))
+            yield (f"{pre}.{name}" if pre else name), t
