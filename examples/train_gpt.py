@@ -32,7 +32,7 @@ from axonmpi.models import GPTConfig  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
-from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout  # noqa: E402
+from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout, fsdp_refusal  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def parse_args(argv=None):
                    help="recompute each pipeline chunk's activations in backward")
     g.add_argument("--fsdp", choices=["none", "shard_grad_op", "full_shard", "hybrid_shard"], default="none",
                    help="shard parameters, gradients and optimizer state over the data ranks "
-                        "(FullyShardedDataParallel; pure data-parallel layouts only)")
+                        "(FullyShardedDataParallel; pure data parallel, or combined with --tp-style megatron)")
     g.add_argument("--hybrid-shard-size", type=int, default=None,
                    help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
     g.add_argument("--cpu-offload", action="store_true",
@@ -219,11 +219,9 @@ def main(argv=None):
     grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
     pure_dp = grid.G_data == world.world_size
-    if args.fsdp != "none" and (not pure_dp or args.activation_checkpointing):
-        axonmpi.log.exit0(f"--fsdp {args.fsdp} is built for the pure data-parallel layout (G_inter = G_intra_r = "
-                          f"G_intra_c = G_intra_d = 1, no --activation-checkpointing); got {Layout.from_grid(grid)}"
-                          f"{' with --activation-checkpointing' if args.activation_checkpointing else ''}: FSDP "
-                          "combined with tensor or pipeline parallelism is not built (use --fsdp none)")
+    why = fsdp_refusal(Layout.from_grid(grid), args.tp_style, args.activation_checkpointing)
+    if args.fsdp != "none" and why:
+        axonmpi.log.exit0(f"--fsdp {args.fsdp} {why} (use --fsdp none)")
     if pure_dp and args.global_batch % world.world_size:
         n = world.world_size
         axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "

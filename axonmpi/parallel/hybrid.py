@@ -56,7 +56,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..nn import functional as F
 from ..optim.clip import grad_norm
 
-__all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout"]
+__all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout", "fsdp_refusal"]
 
 
 class TPStyle(enum.Enum):
@@ -197,6 +197,29 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
                          + "; ".join(errs))
 
 
+def fsdp_refusal(layout: Layout, tp_style="axonn", activation_checkpointing: bool = False) -> Optional[str]:
+    """Why FSDP over the data dimension cannot run on ``layout`` (``None`` when it can).
+
+    Built: pure data parallel, and data parallel x Megatron tensor parallel (``G_intra_c``).
+    Not built: pipelines (``G_inter > 1``), AxoNN's 3-D tensor parallelism, activation checkpointing.
+
+    Example:
+        >>> fsdp_refusal(Layout(G_data=2, G_intra_c=2), "megatron") is None
+        True
+    """
+    tp = layout.tensor_size > 1
+    axonn = tp and _style(tp_style) is TPStyle.AXONN
+    if layout.G_inter == 1 and not activation_checkpointing and not axonn:
+        return None
+    what = ("pipeline parallelism" if layout.G_inter > 1 else "AxoNN tensor parallelism" if axonn
+            else "activation checkpointing")
+    return (f"is built for pure data parallel and for data parallel x Megatron tensor parallel (G_inter = "
+            f"G_intra_r = G_intra_d = 1, tp-style megatron, no activation checkpointing); got {layout}"
+            + (f" tp-style {_style(tp_style).value}" if tp else "")
+            + (" with activation checkpointing" if activation_checkpointing else "")
+            + f": FSDP combined with {what} is not built")
+
+
 class _Checkpointed(nn.Module):
     """A pipeline chunk whose forward is recomputed in backward (activation checkpointing)."""
 
@@ -260,13 +283,10 @@ class HybridGPT:
         if self.sharding is None and (cpu_offload not in (None, False, "none") or mixed_precision is not None):
             raise ValueError(f"rank {self.grid.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
-        if self.sharding is not None and (self.layout.G_inter > 1 or self.layout.tensor_size > 1
-                                          or activation_checkpointing):
-            raise NotImplementedError(
-                f"rank {self.grid.world.rank}: fsdp={self.sharding.value} is built for the pure data-parallel "
-                f"layout (G_inter = G_intra_r = G_intra_c = G_intra_d = 1, no activation checkpointing); got "
-                f"{self.layout}{' with activation checkpointing' if activation_checkpointing else ''}: FSDP "
-                "combined with tensor or pipeline parallelism is not built")
+        if self.sharding is not None:
+            why = fsdp_refusal(self.layout, tp_style, activation_checkpointing)
+            if why:
+                raise NotImplementedError(f"rank {self.grid.world.rank}: fsdp={self.sharding.value} {why}")
         self.config = config
         self.dtype = np.dtype(dtype)
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
@@ -319,6 +339,8 @@ class HybridGPT:
         mine = {id(p) for p in self._params}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
         self._owned = set(self.param_names)
+        # FSDP over data x Megatron TP: FSDP shards the TP-local parameters; checkpoints keep the TP form
+        self._fsdp_tp = self.fsdp is not None and self.style is not None
 
     # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -367,6 +389,8 @@ class HybridGPT:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip all gradients of the global model to ``max_norm``; return the global norm before clipping."""
+        if self._fsdp_tp:
+            return self._clip_fsdp_tp(max_norm)
         if self.fsdp is not None:   # each element of the flat shards once, over the shard group
             return float(self.fsdp.clip_grad_norm_(max_norm))
         total = grad_norm(self._params) ** 2
@@ -379,6 +403,34 @@ class HybridGPT:
             for p in self._params:
                 if p.grad is not None:
                     p.grad.data *= coef
+        return total
+
+    def _clip_fsdp_tp(self, max_norm: float) -> float:
+        """FSDP x Megatron TP: the squares of each flat shard's segments, split by the original parameter's
+        kind, summed over the shard group (each element of the TP-local arrays once); the tensor-parallel
+        ones then summed over ``intra_group`` too, the replicated ones (LayerNorm, ``wpe``, row-parallel
+        biases: equal on every tensor rank) counted once."""
+        from ..backend import get_array_module
+        from ..optim.clip import shard_group_of
+        parts = np.zeros(2)          # [tensor-parallel, replicated] sums of squares
+        flats = [f for f in self.fsdp.parameters() if f.grad is not None]
+        for f in flats:
+            g = f.grad.data
+            xp = get_array_module(g)
+            for seg in f.segments():
+                n = seg.param_stop - seg.param_start
+                v = g[seg.offset:seg.offset + n].astype(np.float64, copy=False)
+                grp = shard_group_of(f.params[seg.index])
+                parts[0 if grp is not None and grp.size > 1 else 1] += float(xp.vdot(v, v))
+        shard = self.fsdp.shard_group
+        if shard.size > 1:
+            parts = np.asarray(all_reduce(parts, ReduceOp.SUM, shard), dtype=np.float64)
+        tp = float(all_reduce(parts[:1].copy(), ReduceOp.SUM, self.grid.intra_group)[0])
+        total = math.sqrt(tp + float(parts[1]))
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            for f in flats:
+                f.grad.data *= coef
         return total
 
     def eval_loss(self, x, y) -> float:
@@ -468,7 +520,7 @@ class HybridGPT:
         shape = self._full_shape(name)
         numel = int(np.prod(shape))
         saved_shape = tuple(saved_shape)
-        if self.fsdp is not None:
+        if self.fsdp is not None and not self._fsdp_tp:
             a, b = ranges[name]
             if saved_shape == (numel,):
                 return ShardedArray(np.zeros(b - a, dtype), (numel,), (a,))
@@ -481,7 +533,58 @@ class HybridGPT:
         return ShardedArray(np.zeros(n, dtype), (numel,), (0,))
 
     def _local_shape(self, name: str) -> tuple:
-        return tuple(dict(self.model.named_parameters())[name].shape)
+        return self._shapes[name]      # this rank's (TP-local) shape, kept from before FSDP flattened them
+
+    def _tp_flat(self, name: str, v):
+        """FSDP x TP: this rank's TP shard of a loaded value of ``name`` (any layout's save), flattened, as
+        the 1-D ``ShardedArray`` FSDP's loaders take (they keep the elements of this rank's chunk)."""
+        from ..distributed.sharding import ShardedArray
+        local = np.ascontiguousarray(self._shard(name, v)).reshape(-1)
+        if local.size != int(np.prod(self._shapes[name])):
+            raise ValueError(f"rank {self.grid.world.rank}: {name!r} shard has {local.size} elements, the "
+                             f"parameter {self._shapes[name]}")
+        return ShardedArray(local, (local.size,), (0,))
+
+    def _fsdp_local(self, optimizer=None) -> Dict[str, Any]:
+        """FSDP x TP: this rank's whole TP-local arrays, gathered over FSDP's shard group (collective):
+        ``{name: array}`` of the parameters, or with ``optimizer`` ``{name: {key: array or scalar}}`` of
+        its state (moments gathered like the parameters, scalars such as ``step`` as they are)."""
+        from ..backend import to_host
+        from ..distributed import all_gather
+        from ..distributed.sharding import compact_slots
+        out: Dict[str, Any] = {}
+        for f in self.fsdp.parameters():
+            names = self.fsdp._param_names(f)
+            k, size, n = f.world_size, f.padded_size, f.total_numel
+
+            def gather(chunk):
+                chunk = np.asarray(to_host(chunk))
+                send = np.zeros(size, chunk.dtype)
+                send[:chunk.size] = chunk
+                buf = np.empty(k * size, chunk.dtype)
+                if k > 1:
+                    all_gather(send, group=f.group, out=buf)
+                else:
+                    buf[:] = send
+                compact_slots(buf, n, k, size)
+                return [np.array(v, copy=True) for v in f.layout.views(buf[:n])]
+
+            if optimizer is None:
+                for nm, v in zip(names, gather(f.data)):
+                    out[nm] = v
+                continue
+            st = optimizer.state.get(f) or {}
+            for nm in names:
+                out[nm] = {}
+            for key in sorted(st):
+                v = st[key]
+                if _is_array(v):
+                    for nm, a in zip(names, gather(v)):
+                        out[nm][key] = a
+                else:
+                    for nm in names:
+                        out[nm][key] = v
+        return out
 
     def _flat_block(self, name: str, v):
         """A loaded value of parameter ``name`` (full array, a block of whole rows, or FSDP's flattened
@@ -503,10 +606,10 @@ class HybridGPT:
         from ..backend import to_host
         from ..distributed.sharding import ShardedArray
         tp = self._tp_map()
-        p = dict(self.model.named_parameters())[name]
-        full = tuple(tp[name][0]._tp_full_shape(tp[name][1])) if name in tp else tuple(p.shape)
+        full = self._full_shape(name)
         if name not in self._owned:
-            return ShardedArray(np.empty((0,) + full[1:], dtype=p.dtype), full, (0,) * len(full))
+            dt = dict(self.model.named_parameters())[name].dtype
+            return ShardedArray(np.empty((0,) + full[1:], dtype=dt), full, (0,) * len(full))
         if name in tp:
             m, local_name = tp[name]
             return m._tp_block(local_name, local)
@@ -518,6 +621,10 @@ class HybridGPT:
         Collective over the grid.  Keys and shapes are the serial GPT's (PyTorch names).
         """
         named = dict(self.model.named_parameters())
+        if self._fsdp_tp:
+            local = self._fsdp_local()
+            full = self._gather({n: {"v": local[n]} for n in self.param_names})
+            return OrderedDict((n, full[n]["v"]) for n in named)
         if self.fsdp is not None:
             from ..backend import to_host
             sd = self.fsdp.state_dict()
@@ -533,6 +640,10 @@ class HybridGPT:
             missing = sorted(set(named) - set(state_dict))
             if missing:
                 raise KeyError(f"rank {self.grid.world.rank}: the state dict lacks {missing}")
+        if self._fsdp_tp:     # this rank's TP shard, flattened: FSDP keeps the elements of its chunk
+            self.fsdp.load_state_dict({n: self._tp_flat(n, v) for n, v in state_dict.items() if n in named},
+                                      strict=strict)
+            return
         if self.fsdp is not None:
             self.fsdp.load_state_dict({n: self._flat_block(n, v) for n, v in state_dict.items() if n in named},
                                       strict=strict)
@@ -575,7 +686,7 @@ class HybridGPT:
                         shapes[name] = tuple(e.shape) if e.kind == "array" else None
             keys, shapes = broadcast_object((keys, shapes), group=self.grid.world.default_group)
             named = dict(self.model.named_parameters())
-            ranges = self._fsdp_ranges() if self.fsdp is not None else None
+            ranges = self._fsdp_ranges() if self.fsdp is not None and not self._fsdp_tp else None
             model = OrderedDict((n, self._template_block(n, shapes.get(f"model/{n}") or self._full_shape(n),
                                                          self.dtype, ranges)) for n in named)
             if keys and set(keys) == set(named):
@@ -591,6 +702,8 @@ class HybridGPT:
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
         """This rank's entries under serial names: TP shards as ``ShardedArray`` blocks, only its stage's."""
         from .tensor import sharded_state_dict
+        if self._fsdp_tp:             # FSDP x TP: the TP blocks (gathered over data; replicas write once)
+            return _ModelState(self).state_dict()
         if self.fsdp is not None:     # FSDP: 1-D blocks of the flattened parameters
             sd = self.fsdp.sharded_state_dict()
             return OrderedDict((n, sd[n]) for n in self.param_names)
@@ -659,6 +772,9 @@ class _ModelState:
         self.hyb = hyb
 
     def state_dict(self):
+        if self.hyb._fsdp_tp:
+            local = self.hyb._fsdp_local()
+            return OrderedDict((n, self.hyb._block(n, local[n])) for n, _ in self.hyb.model.named_parameters())
         if self.hyb.fsdp is not None:
             return self.hyb.sharded_state_dict()
         return OrderedDict((n, self.hyb._block(n, p.data)) for n, p in self.hyb.model.named_parameters())
@@ -676,6 +792,12 @@ class _OptimizerState:
     def state_dict(self):
         hyb = self.hyb
         named = dict(hyb.model.named_parameters())
+        if hyb._fsdp_tp:             # FSDP x TP: the moments gathered over data, saved as TP blocks
+            local = hyb._fsdp_local(self.opt)
+            state = OrderedDict((n, {k: (hyb._block(n, v) if _is_array(v) else v) for k, v in local[n].items()})
+                                for n in named if local.get(n))
+            return {"state": state,
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]}
         if hyb.fsdp is not None:     # FSDP: keyed by serial names, moments as 1-D blocks of the flattened arrays
             osd = hyb.fsdp.optim_state_dict(self.opt)
             return {"state": OrderedDict((n, osd["state"][n]) for n in named if n in osd["state"]),
@@ -703,6 +825,11 @@ class _OptimizerState:
                              f"groups, the optimizer {len(self.opt.param_groups)}")
         for g, saved in zip(self.opt.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
+        if self.hyb._fsdp_tp:
+            state = {n: {k: (self.hyb._tp_flat(n, v) if _is_array(v) else v) for k, v in st.items()}
+                     for n, st in state_dict["state"].items() if st}
+            self.hyb.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
+            return
         if self.hyb.fsdp is not None:
             state = {n: {k: (self.hyb._flat_block(n, v) if _is_array(v) else v) for k, v in st.items()}
                      for n, st in state_dict["state"].items() if st}
