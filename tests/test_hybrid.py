@@ -260,6 +260,39 @@ def test_fsdp_fp16_mixed_precision_trains(tmp_path):
     assert np.abs(out["fp16"] - out["fp32"]).max() < 0.05, (out["fp16"], out["fp32"])
 
 
+@pytest.mark.serial
+def test_fp16_resume_continues_with_the_saved_loss_scale(tmp_path):
+    """--mixed-precision fp16 checkpoints hold the GradScaler's state (scale, growth tracker): a run resumed
+    at step 4 continues with the uninterrupted run's loss scale and losses, overflow skips included (a fresh
+    scaler would restart at --init-loss-scale and skip other steps)."""
+    import shutil
+    from axonmpi import checkpoint as ckpt
+    from axonmpi.testing import run_mpiexec
+    base = [SCRIPT, *[a for a in TINY if a != "--no-save"], "--fsdp", "full_shard", "--mixed-precision", "fp16",
+            "--init-loss-scale", "1e6", "--loss-scale-growth-interval", "2", "--save-every", "4", "--keep-last", "10"]
+    for opt, v in (("--dtype", "float32"), ("--steps", "8"), ("--grad-clip", "1.0")):
+        base[base.index(opt) + 1] = v
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    r = run_mpiexec(base + ["--checkpoint-dir", whole, "--metrics-json", str(tmp_path / "whole.jsonl")], n=2,
+                    timeout=240, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = [json.loads(ln) for ln in open(tmp_path / "whole.jsonl")]
+    scales = [x["loss_scale"] for x in ref]
+    assert scales[0] < 1e6 and len(set(scales)) >= 3, scales        # backoffs and growth both happened
+    saved = ckpt.load(ckpt.CheckpointManager(whole).path_for(4))["extra"]["scaler"]
+    assert saved["scale"] == scales[3] and saved["_growth_tracker"] >= 1, (saved, scales)
+    shutil.copytree(whole, part)
+    shutil.rmtree(ckpt.CheckpointManager(part).path_for(8))
+    r = run_mpiexec(base + ["--checkpoint-dir", part, "--metrics-json", str(tmp_path / "part.jsonl"), "--resume"],
+                    n=2, timeout=240, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"loss scale {scales[3]:g} (growth tracker {saved['_growth_tracker']}) restored" in r.stderr
+    got = [json.loads(ln) for ln in open(tmp_path / "part.jsonl")]
+    assert [x["step"] for x in got] == [5, 6, 7, 8]
+    assert [x["loss_scale"] for x in got] == scales[4:]
+    np.testing.assert_allclose([x["loss"] for x in got], [x["loss"] for x in ref[4:]], rtol=1e-6)
+
+
 # -- in process, on the pass's ranks: HybridGPT against the serial GPT --------------------------------------
 IN_PROCESS = {2: [((1, 2, 1, 1, 1), "axonn", "gpipe"), ((1, 1, 1, 2, 1), "megatron", "1f1b"),
                   ((1, 1, 1, 2, 1), "megatron", "1f1b", "full_shard")],
