@@ -80,7 +80,7 @@ def parse_args(argv=None):
                    help="recompute each pipeline chunk's activations in backward")
     g.add_argument("--fsdp", choices=["none", "shard_grad_op", "full_shard", "hybrid_shard"], default="none",
                    help="shard parameters, gradients and optimizer state over the data ranks "
-                        "(FullyShardedDataParallel; pure data parallel, or combined with --tp-style megatron)")
+                        "(FullyShardedDataParallel; pure data parallel or with tensor parallel, not with a pipeline)")
     g.add_argument("--hybrid-shard-size", type=int, default=None,
                    help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
     g.add_argument("--cpu-offload", action="store_true",
@@ -265,13 +265,16 @@ def main(argv=None):
     sampler = loader.sampler
 
     axonmpi.manual_seed(args.seed)
-    hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule, num_microbatches=args.microbatches,
-                    activation_checkpointing=args.activation_checkpointing, dtype=dtype,
-                    global_batch=args.global_batch, fsdp=args.fsdp,
-                    cpu_offload="full" if args.cpu_offload else None,
-                    mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
-                                     if args.mixed_precision == "fp16" else None),
-                    hybrid_shard_size=args.hybrid_shard_size)
+    try:
+        hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule,
+                        num_microbatches=args.microbatches, activation_checkpointing=args.activation_checkpointing,
+                        dtype=dtype, global_batch=args.global_batch, fsdp=args.fsdp,
+                        cpu_offload="full" if args.cpu_offload else None,
+                        mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
+                                         if args.mixed_precision == "fp16" else None),
+                        hybrid_shard_size=args.hybrid_shard_size)
+    except NotImplementedError as e:     # a combination not built, found the same way on every rank
+        axonmpi.log.exit0(str(e))
     scaler = (GradScaler(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
               if args.mixed_precision == "fp16" else None)
     opt = AdamW(hyb.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)

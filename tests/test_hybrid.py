@@ -33,9 +33,13 @@ LAYOUTS = [
     ((2, 1, 1, 1, 1), ["--fsdp", "hybrid_shard"]),
     ((4, 1, 1, 1, 1), ["--fsdp", "hybrid_shard", "--hybrid-shard-size", "2"]),     # 2 shards x 2 replicas
     ((3, 1, 1, 1, 1), ["--fsdp", "full_shard", "--cpu-offload"]),
-    # FSDP over the data ranks x Megatron tensor parallel: FSDP shards each rank's TP-local parameters
+    # FSDP over the data ranks x tensor parallel: FSDP shards each rank's TP-local parameters
     ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "full_shard"]),
     ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "shard_grad_op"]),
+    ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "hybrid_shard", "--hybrid-shard-size", "1",
+                       "--cpu-offload"]),
+    ((2, 1, 1, 2, 1), ["--tp-style", "axonn", "--fsdp", "full_shard"]),
+    ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "shard_grad_op"]),
 ]
 
 
@@ -162,11 +166,9 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
     (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
     (2, ["--G-inter", "2", "--fsdp", "full_shard"], ["--fsdp full_shard is built for pure data parallel and for data "
-                                                     "parallel x Megatron tensor parallel",
+                                                     "parallel x tensor parallel",
                                                      "got G_data=1 G_inter=2 G_intra_r=1",
                                                      "FSDP combined with pipeline parallelism is not built"]),
-    (2, ["--G-intra-c", "2", "--fsdp", "full_shard"], ["G_intra_c=2 G_intra_d=1 tp-style axonn: FSDP combined with "
-                                                       "AxoNN tensor parallelism is not built"]),
     (2, ["--fsdp", "shard_grad_op", "--activation-checkpointing"],
      ["with activation checkpointing: FSDP combined with activation checkpointing is not built"]),
     (2, ["--cpu-offload"], ["--cpu-offload and --mixed-precision fp16 need --fsdp"]),
@@ -182,11 +184,11 @@ def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_
 
 
 @pytest.mark.serial
-def test_checkpoint_chain_fsdp_tp_ddp_serial_fsdp(tmp_path):
-    """FSDP full_shard at 4 ranks -> FSDP full_shard x Megatron TP 2 (2,1,1,2,1) -> DDP at 4 -> serial -> FSDP
-    shard_grad_op at 3: each run resumes the last one's checkpoint (pure FSDP saves flattened shards under
-    serial names, FSDP x TP and the others full-shape blocks); every step's loss and the final parameters
-    and AdamW moments equal an uninterrupted serial run."""
+def test_checkpoint_chain_fsdp_tp_serial_fsdp(tmp_path):
+    """FSDP full_shard at 4 ranks -> FSDP x Megatron TP 2 (2,1,1,2,1) -> FSDP x AxoNN depth 2 (2,1,1,1,2) ->
+    serial -> FSDP shard_grad_op at 3: each run resumes the last one's checkpoint (pure FSDP saves flattened
+    shards under serial names, FSDP x TP and serial full-shape blocks); every step's loss and the final
+    parameters and AdamW moments equal an uninterrupted serial run."""
     from axonmpi import checkpoint as ckpt
     from axonmpi.testing import mpiexec_env, run_mpiexec
     total = 10
@@ -201,7 +203,8 @@ def test_checkpoint_chain_fsdp_tp_ddp_serial_fsdp(tmp_path):
     ref = {x["step"]: x["loss"] for x in map(json.loads, open(tmp_path / "ref.jsonl"))}
     chain = [((4, 1, 1, 1, 1), ["--fsdp", "full_shard"]),
              ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "full_shard"]),
-             ((4, 1, 1, 1, 1), []), (None, []), ((3, 1, 1, 1, 1), ["--fsdp", "shard_grad_op"])]
+             ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "full_shard"]), (None, []),
+             ((3, 1, 1, 1, 1), ["--fsdp", "shard_grad_op"])]
     mgr = ckpt.CheckpointManager(run_dir, keep_last=None)
     for k, (sizes, extra) in enumerate(chain):
         metrics = str(tmp_path / f"run{k}.jsonl")
@@ -298,7 +301,7 @@ IN_PROCESS = {2: [((1, 2, 1, 1, 1), "axonn", "gpipe"), ((1, 1, 1, 2, 1), "megatr
                   ((1, 1, 1, 2, 1), "megatron", "1f1b", "full_shard")],
               3: [((1, 1, 3, 1, 1), "axonn", "1f1b")],
               4: [((1, 2, 2, 1, 1), "axonn", "1f1b"), ((2, 2, 1, 1, 1), "megatron", "interleaved"),
-                  ((2, 1, 1, 2, 1), "megatron", "1f1b", "shard_grad_op")]}
+                  ((2, 1, 1, 2, 1), "megatron", "1f1b", "shard_grad_op"), ((2, 1, 2, 1, 1), "axonn", "1f1b", "full_shard")]}
 
 
 @pytest.mark.mpi(min_size=2)
@@ -372,9 +375,10 @@ def test_pipeline_data_replicas_draw_their_own_dropout_masks():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_hybrid_gpt_fsdp_refuses_tensor_and_pipeline_layouts():
-    """HybridGPT(fsdp=...) is built for the pure data-parallel layout; others are refused at construction,
-    naming the layout and the rank; offload / mixed precision without a sharding strategy are refused too."""
+def test_hybrid_gpt_fsdp_refuses_pipeline_and_activation_checkpointing():
+    """HybridGPT(fsdp=...) is built for data parallel, alone or with tensor parallel; a pipeline or activation
+    checkpointing is refused at construction, naming the layout and the rank; offload / mixed precision
+    without a sharding strategy are refused too."""
     import axonmpi
     from axonmpi.models import GPTConfig
     from axonmpi.parallel.hybrid import HybridGPT
@@ -383,12 +387,14 @@ def test_hybrid_gpt_fsdp_refuses_tensor_and_pipeline_layouts():
     half = world.world_size // 2
     cases = [({"G_data": world.world_size}, {"activation_checkpointing": True})]
     if world.world_size % 2 == 0:
-        cases += [({"G_inter": 2, "G_data": half}, {}), ({"G_intra_c": 2, "G_data": half}, {})]
+        cases += [({"G_inter": 2, "G_data": half}, {}), ({"G_intra_c": 2, "G_data": half}, {"tp_style": "megatron",
+                                                                                           "schedule": "gpipe",
+                                                                                           "activation_checkpointing": True})]
     for sizes, extra in cases:
         grid = axonmpi.ProcessGrid(world, **sizes)
         with pytest.raises(NotImplementedError, match=rf"rank {world.rank}: fsdp=full_shard is built for pure "
                                                       r"data parallel and .*FSDP combined with (pipeline parallelism|"
-                                                      r"AxoNN tensor parallelism|activation checkpointing) is not"):
+                                                      r"activation checkpointing) is not built"):
             HybridGPT(cfg, grid, fsdp="full_shard", global_batch=12, **extra)
         grid.free()
     with pytest.raises(ValueError, match="cpu_offload='full'.*need fsdp"):

@@ -206,22 +206,19 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
 def fsdp_refusal(layout: Layout, tp_style="axonn", activation_checkpointing: bool = False) -> Optional[str]:
     """Why FSDP over the data dimension cannot run on ``layout`` (``None`` when it can).
 
-    Built: pure data parallel, and data parallel x Megatron tensor parallel (``G_intra_c``).
-    Not built: pipelines (``G_inter > 1``), AxoNN's 3-D tensor parallelism, activation checkpointing.
+    Built: pure data parallel, and data parallel x tensor parallel (Megatron or AxoNN, ``G_inter = 1``).
+    Not built: pipelines (``G_inter > 1``), activation checkpointing.
 
     Example:
         >>> fsdp_refusal(Layout(G_data=2, G_intra_c=2), "megatron") is None
         True
     """
-    tp = layout.tensor_size > 1
-    axonn = tp and _style(tp_style) is TPStyle.AXONN
-    if layout.G_inter == 1 and not activation_checkpointing and not axonn:
+    if layout.G_inter == 1 and not activation_checkpointing:
         return None
-    what = ("pipeline parallelism" if layout.G_inter > 1 else "AxoNN tensor parallelism" if axonn
-            else "activation checkpointing")
-    return (f"is built for pure data parallel and for data parallel x Megatron tensor parallel (G_inter = "
-            f"G_intra_r = G_intra_d = 1, tp-style megatron, no activation checkpointing); got {layout}"
-            + (f" tp-style {_style(tp_style).value}" if tp else "")
+    what = "pipeline parallelism" if layout.G_inter > 1 else "activation checkpointing"
+    tp = layout.tensor_size > 1
+    return (f"is built for pure data parallel and for data parallel x tensor parallel (G_inter = 1, no "
+            f"activation checkpointing); got {layout}" + (f" tp-style {_style(tp_style).value}" if tp else "")
             + (" with activation checkpointing" if activation_checkpointing else "")
             + f": FSDP combined with {what} is not built")
 
@@ -346,8 +343,18 @@ class HybridGPT:
         mine = {id(p) for p in self._params}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
         self._owned = set(self.param_names)
-        # FSDP over data x Megatron TP: FSDP shards the TP-local parameters; checkpoints keep the TP form
+        # FSDP over data x TP: FSDP shards the TP-local parameters; checkpoints keep the TP form
         self._fsdp_tp = self.fsdp is not None and self.style is not None
+        if self._fsdp_tp and self.style is TPStyle.AXONN:
+            # the replicated parameters' gradients are summed over intra_group segment by segment of the
+            # flat shards: every rank of the tensor block must pack the same TP-local shapes
+            shapes = all_gather_object([self._shapes[n] for n in self.param_names], group=g.intra_group)
+            for i, n in enumerate(self.param_names):
+                if len({tuple(x[i]) for x in shapes}) > 1:
+                    raise NotImplementedError(
+                        f"rank {g.world.rank}: fsdp with tp_style='axonn' needs every tensor-parallel rank to hold "
+                        f"the same shape of each parameter; {n!r} has shapes {[tuple(x[i]) for x in shapes]} over "
+                        "intra_group (choose sizes that divide the GPT's dimensions evenly)")
 
     # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -379,8 +386,11 @@ class HybridGPT:
             _, loss = (self.ddp or self.fsdp)(x, y)
             (loss if scaler is None else scaler.scale(loss)).backward()
             value = float(loss.item())
-            if g.data_group.size > 1:
-                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, g.data_group)[0])
+            for grp in self._loss_groups():
+                if grp.size > 1:
+                    value = float(all_reduce(np.array([value]), ReduceOp.MEAN, grp)[0])
+            if self._fsdp_tp and self.style is TPStyle.AXONN:
+                self._sync_axonn_fsdp()
             return value
         if scaler is not None:
             raise NotImplementedError(f"rank {g.world.rank}: loss scaling is built for the DDP and FSDP layouts, "
@@ -412,15 +422,53 @@ class HybridGPT:
                     p.grad.data *= coef
         return total
 
+    def _loss_groups(self) -> list:
+        """DDP / FSDP layouts: the groups the rank's mean loss is averaged over (its row slices)."""
+        if self._fsdp_tp and self.style is TPStyle.AXONN:
+            return [self.grid.data_group, self.grid.intra_group]
+        return [self.grid.data_group]
+
+    def _sync_axonn_fsdp(self) -> None:
+        """FSDP x AxoNN TP, after FSDP's reduce-scatter averaged every gradient over ``data_group``: the rest
+        of :func:`intra_layer.sync_gradients` on the flat shards' segments -- depth-replicated biases
+        summed over ``depth_group``, replicated parameters over ``intra_group`` -- and everything divided
+        by the tensor block's size (each rank of it read its own rows).  The shard of every rank of a
+        tensor block covers the same elements (same TP-local shapes, checked at construction)."""
+        g = self.grid
+        inv = 1.0 / self.layout.tensor_size
+        for f in self.fsdp.parameters():
+            if f.grad is None:
+                continue
+            grad = f.grad.data
+            for seg in f.segments():
+                p = f.params[seg.index]
+                v = grad[seg.offset:seg.offset + seg.param_stop - seg.param_start]
+                if getattr(p, "is_tensor_parallel", False):
+                    grp = g.depth_group if getattr(p, "needs_depth_parallel_gradient_sync", False) else None
+                else:
+                    grp = g.intra_group
+                if grp is not None and grp.size > 1:
+                    all_reduce(v, group=grp, out=v)
+                v *= inv
+
     def _clip_fsdp_tp(self, max_norm: float) -> float:
-        """FSDP x Megatron TP: the squares of each flat shard's segments, split by the original parameter's
-        kind, summed over the shard group (each element of the TP-local arrays once); the tensor-parallel
-        ones then summed over ``intra_group`` too, the replicated ones (LayerNorm, ``wpe``, row-parallel
-        biases: equal on every tensor rank) counted once."""
+        """FSDP x TP: the squares of each flat shard's segments, split by the group that shards the original
+        parameter (its tags, as :func:`~axonmpi.optim.clip.grad_norm` reads them), summed over FSDP's shard
+        group (each element of the TP-local arrays once); each TP part then summed over its sharding
+        group, the replicated parameters (LayerNorm, ``wpe``, ...: equal on every tensor rank after the
+        gradient reduction) counted once."""
         from ..backend import get_array_module
         from ..optim.clip import shard_group_of
-        parts = np.zeros(2)          # [tensor-parallel, replicated] sums of squares
-        flats = [f for f in self.fsdp.parameters() if f.grad is not None]
+        flats = list(self.fsdp.parameters())
+        groups, slot = [], {}            # the groups sharding TP parameters, in model order (same on every rank)
+        for f in flats:
+            for p in f.params:
+                grp = shard_group_of(p)
+                if grp is not None and grp.size > 1 and id(grp) not in slot:
+                    slot[id(grp)] = len(groups) + 1
+                    groups.append(grp)
+        parts = np.zeros(len(groups) + 1)        # [replicated, one sum of squares per sharding group]
+        flats = [f for f in flats if f.grad is not None]
         for f in flats:
             g = f.grad.data
             xp = get_array_module(g)
@@ -428,12 +476,14 @@ class HybridGPT:
                 n = seg.param_stop - seg.param_start
                 v = g[seg.offset:seg.offset + n].astype(np.float64, copy=False)
                 grp = shard_group_of(f.params[seg.index])
-                parts[0 if grp is not None and grp.size > 1 else 1] += float(xp.vdot(v, v))
+                parts[slot.get(id(grp), 0) if grp is not None else 0] += float(xp.vdot(v, v))
         shard = self.fsdp.shard_group
         if shard.size > 1:
             parts = np.asarray(all_reduce(parts, ReduceOp.SUM, shard), dtype=np.float64)
-        tp = float(all_reduce(parts[:1].copy(), ReduceOp.SUM, self.grid.intra_group)[0])
-        total = math.sqrt(tp + float(parts[1]))
+        tp = 0.0
+        for i, grp in enumerate(groups, 1):
+            tp += float(all_reduce(parts[i:i + 1].copy(), ReduceOp.SUM, grp)[0])
+        total = math.sqrt(tp + float(parts[0]))
         coef = float(max_norm) / (total + 1e-6)
         if coef < 1.0:
             for f in flats:
@@ -448,7 +498,7 @@ class HybridGPT:
             with no_grad():
                 _, loss = (self.fsdp or self.model)(x, y)
             value = float(loss.item())
-            groups = [g.data_group]
+            groups = self._loss_groups()
         else:
             value = self.pipe.eval_step(x, y)
             groups = list(self.groups.replica) if self.style is TPStyle.AXONN else []
