@@ -29,16 +29,18 @@
 * **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
   ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
   parameters, so a checkpoint saved under one layout loads under any other.
-* **FSDP.** ``fsdp=`` a sharding strategy (pure data parallel, or data parallel x Megatron tensor
-  parallel with ``G_inter = 1``; :func:`fsdp_refusal` names what is not built): the (TP-local) GPT
+* **FSDP.** ``fsdp=`` a sharding strategy (pure data parallel, or data parallel x tensor parallel of
+  either style with ``G_inter = 1``; :func:`fsdp_refusal` names what is not built): the (TP-local) GPT
   is wrapped in :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP; the optimizer
   runs on the flat shards.  Pure DP: clipping uses FSDP's norm (each element once), and checkpoints
   hold each parameter flattened under its serial name (1-D blocks); templates reshape between the
   two forms: the other layouts read a flattened entry whole, FSDP reads the whole rows of a
   full-shape entry covering its elements.  With Megatron TP: FSDP's reduce-scatter over data is
   the whole gradient reduction (replicated parameters get identical gradients on the TP ranks);
-  clipping sums the squares of the flat shards' segments over the shard group, the TP-sharded
-  parameters' also over ``intra_group`` (replicated ones once); checkpoints keep the TP form (each
+  with AxoNN TP the rest of ``sync_gradients`` follows on the flat shards' segments (depth biases
+  over depth, replicated parameters over ``intra_group``, all / tensor size) and the loss is
+  averaged over data x intra; clipping sums the squares of the flat shards' segments over the
+  shard group, each TP-sharded part also over its sharding group (replicated ones once); checkpoints keep the TP form (each
   TP-local array gathered over data, written as its TP block), and loading keeps the elements of
   this rank's FSDP chunk of its TP shard.
 * **Dropout.** :meth:`HybridGPT.dropout_seed`: one random stream per row slice, so Megatron's
@@ -259,7 +261,7 @@ class HybridGPT:
         fsdp: ``None``/``"none"`` (replicated parameters) or a
             :class:`~axonmpi.parallel.fsdp.ShardingStrategy` (or its name): wrap the GPT in
             :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP. Built for the pure
-            data-parallel layout and for data parallel x Megatron tensor parallel (``G_inter = 1``,
+            data-parallel layout and for data parallel x tensor parallel (``G_inter = 1``,
             no activation checkpointing); other layouts raise ``NotImplementedError`` at
             construction (:func:`fsdp_refusal`).
         cpu_offload: FSDP's :class:`~axonmpi.parallel.fsdp.CPUOffload` mode (with ``fsdp``).
