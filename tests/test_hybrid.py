@@ -399,3 +399,38 @@ def test_hybrid_gpt_fsdp_refuses_pipeline_and_activation_checkpointing():
         grid.free()
     with pytest.raises(ValueError, match="cpu_offload='full'.*need fsdp"):
         HybridGPT(cfg, fsdp="none", cpu_offload="full", global_batch=12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_ranks_build_only_their_layers():
+    """With G_inter > 1 each rank builds only its stage's layers: the other layers' parameters are zero-stride
+    stand-ins (their full shapes, no memory), the arrays held are exactly the rank's trained parameters, and
+    their values equal the serial GPT's init (the random stream replayed layer by layer); Megatron TP too."""
+    import axonmpi
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.parallel.hybrid import HybridGPT
+    world = axonmpi.init()
+    n = world.world_size
+    cfg = GPTConfig(vocab_size=16, block_size=6, n_layer=2 * n, n_head=2, n_embd=8)
+    axonmpi.manual_seed(11)
+    want = GPT(cfg, dtype="float64").state_dict()
+    full_bytes = sum(v.nbytes for v in want.values())
+    cases = [({"G_inter": n}, "axonn", "1f1b")]
+    if n % 2 == 0:
+        cases.append(({"G_inter": n // 2, "G_intra_c": 2}, "megatron", "interleaved"))
+    for sizes, style, sched in cases:
+        grid = axonmpi.ProcessGrid(world, **sizes)
+        axonmpi.manual_seed(11)
+        hyb = HybridGPT(cfg, grid, tp_style=style, schedule=sched, num_microbatches=2, dtype="float64",
+                        global_batch=4)
+        named = dict(hyb.model.named_parameters())
+        assert named.keys() == want.keys()
+        held = [p for p in named.values() if p.data.size and all(s != 0 for s in p.data.strides)]
+        assert {id(p) for p in held} == {id(p) for p in hyb.parameters()}, sizes
+        assert sum(p.data.nbytes for p in held) < 0.75 * full_bytes or grid.G_inter == 1   # not the whole GPT
+        full = hyb.full_state_dict()          # gathered over tensor and pipeline groups
+        for k, v in want.items():
+            assert full[k].shape == v.shape and np.array_equal(full[k], v), (sizes, k)
+        for k in set(named) - set(hyb.param_names):
+            assert hyb._full_shape(k) == want[k].shape
+        grid.free()

@@ -225,6 +225,101 @@ def fsdp_refusal(layout: Layout, tp_style="axonn", activation_checkpointing: boo
             + f": FSDP combined with {what} is not built")
 
 
+class _StagedBuild:
+    """The GPT of one pipeline rank with only its stage's layers built (a pipeline layer is the embedding,
+    a block or the head, as :func:`split_module` cuts the GPT); every other layer is a stand-in of the
+    same modules whose parameters are zero-stride views (their shapes and dtypes, one element of memory).
+
+    [Note: staged build, same init as the serial GPT]  The serial GPT draws from one random stream:
+    first each layer's constructor (PyTorch's default init), in order, then ``GPT._init_weights``
+    over all modules (GPT-2's N(0, 0.02)).  The stream cannot be skipped ahead (normal draws reject a
+    variable number of bits), so the draws are replayed, one layer at a time, never holding more than
+    one foreign layer: (A) with the stream saved and restored, each layer is built in its tensor-parallel
+    form, turned into its stand-in and kept: their sizes give the split points (as ``split_module``
+    balances them) and so this rank's layers; (B) each layer is constructed in order, foreign ones
+    dropped at once; (C) ``GPT._init_weights``'s pass, layer by layer: this rank's layers in place,
+    a foreign one on a temporary copy (constructed with the stream saved and restored), dropped after.
+    Megatron then swaps this rank's layers for their tensor-parallel form (as ``parallelize_gpt``).
+    So the stage's parameters equal the serial model's; the parity tests check it.
+    """
+
+    def __init__(self, hyb: "HybridGPT", config: GPTConfig, dtype):
+        from ..random import get_rng_state, set_rng_state
+        from .pipeline.split import split_points
+        self.hyb, self.config, self.dtype = hyb, config, dtype
+        n = config.n_layer + 2
+        start = get_rng_state()
+        stand_ins = [self._stand_in(self._tp_form(self._construct(i), i)) for i in range(n)]      # (A)
+        set_rng_state(start)
+        g = hyb.grid
+        k = g.G_inter * hyb._v
+        starts = split_points(nn.Sequential(*stand_ins), g.G_inter, hyb._v) + [n]
+        mine = {i for c in range(g.inter_group.rank, k, g.G_inter) for i in range(starts[c], starts[c + 1])}
+        layers = []
+        for i in range(n):                                                                      # (B)
+            layer = self._construct(i)
+            layers.append(layer if i in mine else None)
+            del layer
+        for i in range(n):                                                                      # (C)
+            if i in mine:
+                self._init(layers[i], i)
+            else:
+                state = get_rng_state()
+                tmp = self._construct(i)
+                set_rng_state(state)
+                self._init(tmp, i)
+                del tmp
+        layers = [self._tp_form(layer, i) if i in mine else stand_ins[i] for i, layer in enumerate(layers)]
+        model = GPT.__new__(GPT)
+        nn.Module.__init__(model)
+        model.config = config
+        emb, head = layers[0], layers[-1]
+        model.wte, model.wpe, model.drop = emb.wte, emb.wpe, emb.drop
+        model.blocks = nn.ModuleList(layers[1:-1])
+        model.ln_f, model.lm_head = head.ln_f, head.lm_head
+        self.model = model
+
+    def _construct(self, i: int):
+        """Pipeline layer ``i`` as ``GPT.__init__`` constructs it (inside ``auto_parallelize`` for AxoNN)."""
+        import contextlib
+        from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
+        from ..nn.transformer import TransformerBlock
+        from .pipeline.split import GPTEmbedding, GPTHead
+        c, dt, hyb = self.config, self.dtype, self.hyb
+        ctx = contextlib.nullcontext()
+        if hyb.style is TPStyle.AXONN:
+            from .auto_parallelize import auto_parallelize
+            ctx = auto_parallelize(groups=hyb.groups)
+        with ctx:
+            if i == 0:
+                return GPTEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dt), Embedding(c.block_size, c.n_embd, dtype=dt),
+                                    Dropout(c.dropout))
+            if i <= c.n_layer:
+                return TransformerBlock(c.n_embd, c.n_head, c.dropout, c.bias, dtype=dt)
+            return GPTHead(LayerNorm(c.n_embd, bias=c.bias, dtype=dt), Linear(c.n_embd, c.vocab_size, bias=False, dtype=dt))
+
+    def _init(self, layer, i: int) -> None:
+        """``GPT._init_weights`` on layer ``i`` alone (the same module names' suffixes, in the same order)."""
+        holder = nn.Module()
+        holder.config = self.config
+        holder.add_module("layer", layer)
+        GPT._init_weights(holder)
+
+    def _tp_form(self, layer, i: int):
+        """Megatron: the layer with attention / MLP / vocabulary split over ``intra_group`` (weights kept)."""
+        if self.hyb.style is TPStyle.MEGATRON:
+            from .tensor import parallelize_gpt
+            parallelize_gpt(layer, group=self.hyb.grid.intra_group)
+        return layer
+
+    @staticmethod
+    def _stand_in(layer):
+        """``layer`` with every parameter's data a zero-stride view of its shape (no memory)."""
+        for p in layer.parameters():
+            p.data = np.broadcast_to(np.zeros((), p.data.dtype), p.data.shape)
+        return layer
+
+
 class _Checkpointed(nn.Module):
     """A pipeline chunk whose forward is recomputed in backward (activation checkpointing)."""
 
@@ -304,19 +399,24 @@ class HybridGPT:
         self.shards = batch_shards(self.layout, self.style or "megatron")
         g = self.grid
         self.groups = None
+        self._v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
         if self.style is TPStyle.AXONN:
-            from .auto_parallelize import auto_parallelize
             from .tensor import TensorParallelGroups
             self.groups = TensorParallelGroups.from_grid(g)
+            self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank
+        else:
+            self.shard_index = g.coords.data
+        if self.layout.G_inter > 1:       # build only this stage's layers (the others: shape-only stand-ins)
+            self.model = _StagedBuild(self, config, self.dtype).model
+        elif self.style is TPStyle.AXONN:
+            from .auto_parallelize import auto_parallelize
             with auto_parallelize(groups=self.groups):
                 self.model = GPT(config, dtype=dtype)
-            self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank
         else:
             self.model = GPT(config, dtype=dtype)
             if self.style is TPStyle.MEGATRON:
                 from .tensor import parallelize_gpt
                 parallelize_gpt(self.model, group=g.intra_group)
-            self.shard_index = g.coords.data
         self.ddp = None
         self.pipe = None
         self.fsdp = None
@@ -333,7 +433,7 @@ class HybridGPT:
             self._params = list(self.model.parameters())
         else:
             from .pipeline import Pipeline, split_module
-            v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+            v = self._v
             chunks = split_module(self.model, g.G_inter, v, group=g.inter_group)
             if activation_checkpointing:
                 chunks = [_Checkpointed(c) for c in chunks]
