@@ -2,12 +2,14 @@
 
 [Note: composition rules]  One rank of the grid ``(data, inter, depth, row, col)``:
 
-* **Model.** Every rank builds the serial GPT from the same seed (so initial values equal the
-  serial model's), then: ``tp_style="megatron"`` swaps attention/MLP/embedding/head for the 1-D
-  layers over ``intra_group`` (needs ``G_intra_r == G_intra_d == 1``); ``tp_style="axonn"`` builds
-  it inside ``auto_parallelize`` (every Linear split over row x column x depth).  With
-  ``G_inter > 1`` the model is cut by :func:`split_module` into ``G_inter * v`` chunks
-  (``v = 2`` for the interleaved schedule) and this rank keeps its stage's chunks.
+* **Model.** Every rank builds the GPT from the same seed (so initial values equal the serial
+  model's): ``tp_style="megatron"`` swaps attention/MLP/embedding/head for the 1-D layers over
+  ``intra_group`` (needs ``G_intra_r == G_intra_d == 1``); ``tp_style="axonn"`` builds it inside
+  ``auto_parallelize`` (every Linear split over row x column x depth).  With ``G_inter > 1`` the
+  model is cut by :func:`split_module` into ``G_inter * v`` chunks (``v = 2`` for the interleaved
+  schedule) and a rank builds only its stage's layers (:class:`_StagedBuild`: the random stream is
+  replayed layer by layer, so the values are the serial model's; the other layers are zero-stride
+  stand-ins that keep the names and shapes checkpoints need).
 * **Rows.** The global batch is cut into equal contiguous slices, one per *batch shard*:
   Megatron and pure data parallel: the ``G_data`` replicas (tensor-parallel ranks of one block
   read the same rows); AxoNN easy mode: every rank of a stage, ``G_data*G_intra_r*G_intra_c*G_intra_d``
