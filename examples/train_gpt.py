@@ -289,9 +289,10 @@ def main(argv=None):
     log.info("%s", hyb.describe())
 
     def save(step):
-        path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step,
-                                                  extra={"config": vars(args), "layout": hyb.layout_record(),
-                                                         **({"scaler": scaler.state_dict()} if scaler is not None else {})}))
+        extra = {"config": vars(args), "layout": hyb.layout_record()}
+        if scaler is not None:
+            extra["scaler"] = scaler.state_dict()       # the loss scale and growth count continue on --resume
+        path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step, extra=extra))
         log.info("checkpoint saved to %s (step %d; continue with --resume)", path, step)
         return path
 

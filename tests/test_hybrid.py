@@ -387,9 +387,8 @@ def test_hybrid_gpt_fsdp_refuses_pipeline_and_activation_checkpointing():
     half = world.world_size // 2
     cases = [({"G_data": world.world_size}, {"activation_checkpointing": True})]
     if world.world_size % 2 == 0:
-        cases += [({"G_inter": 2, "G_data": half}, {}), ({"G_intra_c": 2, "G_data": half}, {"tp_style": "megatron",
-                                                                                           "schedule": "gpipe",
-                                                                                           "activation_checkpointing": True})]
+        cases += [({"G_inter": 2, "G_data": half}, {}),
+                  ({"G_intra_c": 2, "G_data": half}, {"tp_style": "megatron", "activation_checkpointing": True})]
     for sizes, extra in cases:
         grid = axonmpi.ProcessGrid(world, **sizes)
         with pytest.raises(NotImplementedError, match=rf"rank {world.rank}: fsdp=full_shard is built for pure "

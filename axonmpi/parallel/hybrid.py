@@ -294,11 +294,12 @@ class _StagedBuild:
             ctx = auto_parallelize(groups=hyb.groups)
         with ctx:
             if i == 0:
-                return GPTEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dt), Embedding(c.block_size, c.n_embd, dtype=dt),
-                                    Dropout(c.dropout))
+                return GPTEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dt),
+                                    Embedding(c.block_size, c.n_embd, dtype=dt), Dropout(c.dropout))
             if i <= c.n_layer:
                 return TransformerBlock(c.n_embd, c.n_head, c.dropout, c.bias, dtype=dt)
-            return GPTHead(LayerNorm(c.n_embd, bias=c.bias, dtype=dt), Linear(c.n_embd, c.vocab_size, bias=False, dtype=dt))
+            return GPTHead(LayerNorm(c.n_embd, bias=c.bias, dtype=dt),
+                           Linear(c.n_embd, c.vocab_size, bias=False, dtype=dt))
 
     def _init(self, layer, i: int) -> None:
         """``GPT._init_weights`` on layer ``i`` alone (the same module names' suffixes, in the same order)."""
