@@ -129,12 +129,34 @@ class GradScaler:
 
     def state_dict(self) -> Dict[str, Any]:
         """The scaler's state under PyTorch's keys (``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker``)."""
+        ``growth_interval``, ``_growth_tracker``); ``{}`` when disabled (as PyTorch).  Save it with the
+        checkpoint so a resumed run continues with the same scale and growth count.
+
+        Example:
+            >>> GradScaler(init_scale=8.0).state_dict()["scale"]
+            8.0
+        """
+        if not self.enabled:
+            return {}
         return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
+        """Restore a :meth:`state_dict` (values read from a checkpoint may be NumPy scalars).
+
+        Raises:
+            RuntimeError: ``state`` is empty (saved by a disabled scaler) while this one is enabled.
+            KeyError: a key is missing, naming it.
+        """
+        if not self.enabled:
+            return
+        if not state:
+            raise RuntimeError("GradScaler.load_state_dict: the state dict is empty, possibly because it was saved "
+                               "from a disabled GradScaler")
+        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+                   if k not in state]
+        if missing:
+            raise KeyError(f"GradScaler.load_state_dict: the state dict lacks {missing} (has {sorted(state)})")
         self._scale = float(state["scale"])
         self.growth_factor = float(state["growth_factor"])
         self.backoff_factor = float(state["backoff_factor"])

@@ -32,7 +32,7 @@ from axonmpi.models import GPTConfig  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
-from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout  # noqa: E402
+from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout, fsdp_refusal  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
 
 
@@ -80,13 +80,17 @@ def parse_args(argv=None):
                    help="recompute each pipeline chunk's activations in backward")
     g.add_argument("--fsdp", choices=["none", "shard_grad_op", "full_shard", "hybrid_shard"], default="none",
                    help="shard parameters, gradients and optimizer state over the data ranks "
-                        "(FullyShardedDataParallel; pure data-parallel layouts only)")
+                        "(FullyShardedDataParallel; pure data parallel or with tensor parallel, not with a pipeline)")
     g.add_argument("--hybrid-shard-size", type=int, default=None,
                    help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
     g.add_argument("--cpu-offload", action="store_true",
                    help="with --fsdp: keep the parameter shards, gradients and optimizer state on the host")
     g.add_argument("--mixed-precision", choices=["none", "fp16"], default="none",
                    help="with --fsdp: compute in float16, reduce gradients in float32, dynamic loss scaling")
+    g.add_argument("--init-loss-scale", type=float, default=2.0 ** 16,
+                   help="with --mixed-precision fp16: the loss scaler's first scale")
+    g.add_argument("--loss-scale-growth-interval", type=int, default=2000,
+                   help="with --mixed-precision fp16: clean steps before the loss scale doubles")
     g.add_argument("--dump-params", default=None, metavar="PATH",
                    help="rank 0 writes the final full (serial-named) parameters to PATH (.npz)")
     g = p.add_argument_group("data")
@@ -108,7 +112,8 @@ def parse_args(argv=None):
                    help="log lines instead of a progress bar (automatic when stdout is not a terminal)")
     g.add_argument("--log-every", type=int, default=25, help="a log line every N steps without a progress bar")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
-                   help="append one JSON line per step (step, loss, grad_norm, lr, tokens_per_s); rank 0 writes")
+                   help="append one JSON line per step (step, loss, grad_norm, lr, tokens_per_s, and loss_scale "
+                        "with --mixed-precision fp16); rank 0 writes")
     args = axonmpi.log.rank0_parser(p).parse_args(argv)
     for name in ("steps", "global_batch", "log_every", "keep_last"):
         if getattr(args, name) < 1:
@@ -169,9 +174,11 @@ def open_checkpoints(args, world, log):
     return mgr, (mgr.path_for(steps[-1]) if resuming and steps else None)
 
 
-def resume(path, args, world, log, model, opt, sched, sampler):
-    """Restore the run saved at ``path``; check its config first; extend the LR schedule to ``--steps``."""
-    saved = (ckpt.load(path, {"extra": {}}, strict=False).get("extra") or {}).get("config") or {}
+def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
+    """Restore the run saved at ``path`` (and the loss scaler's state with --mixed-precision fp16); check its
+    config first; extend the LR schedule to ``--steps``."""
+    extra = ckpt.load(path, {"extra": {}}, strict=False).get("extra") or {}
+    saved = extra.get("config") or {}
     diff = config_mismatch(saved, args)
     if diff:
         axonmpi.log.exit0(f"{path} was saved with another model: {'; '.join(diff)}. Pass the saved values "
@@ -179,6 +186,14 @@ def resume(path, args, world, log, model, opt, sched, sampler):
     loaded = ckpt.load(path, model.hyb.checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
+    if scaler is not None:
+        if extra.get("scaler"):
+            scaler.load_state_dict(extra["scaler"])
+            log.info("loss scale %g (growth tracker %d) restored", scaler.get_scale(),
+                     scaler.state_dict()["_growth_tracker"])
+        else:
+            log.warning("%s holds no loss-scaler state (saved without --mixed-precision fp16): starting from "
+                        "scale %g", path, scaler.get_scale())
     saved_ranks = int(meta.get("world_size", world.world_size))
     layout = {k: saved[k] for k in LAYOUT_OPTIONS if k in saved}
     if layout.get("G_data", 0) is None:   # "whatever is left" when saved: show the size it was
@@ -219,11 +234,9 @@ def main(argv=None):
     grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
     pure_dp = grid.G_data == world.world_size
-    if args.fsdp != "none" and (not pure_dp or args.activation_checkpointing):
-        axonmpi.log.exit0(f"--fsdp {args.fsdp} is built for the pure data-parallel layout (G_inter = G_intra_r = "
-                          f"G_intra_c = G_intra_d = 1, no --activation-checkpointing); got {Layout.from_grid(grid)}"
-                          f"{' with --activation-checkpointing' if args.activation_checkpointing else ''}: FSDP "
-                          "combined with tensor or pipeline parallelism is not built (use --fsdp none)")
+    why = fsdp_refusal(Layout.from_grid(grid), args.tp_style, args.activation_checkpointing)
+    if args.fsdp != "none" and why:
+        axonmpi.log.exit0(f"--fsdp {args.fsdp} {why} (use --fsdp none)")
     if pure_dp and args.global_batch % world.world_size:
         n = world.world_size
         axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "
@@ -252,14 +265,18 @@ def main(argv=None):
     sampler = loader.sampler
 
     axonmpi.manual_seed(args.seed)
-    hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule, num_microbatches=args.microbatches,
-                    activation_checkpointing=args.activation_checkpointing, dtype=dtype,
-                    global_batch=args.global_batch, fsdp=args.fsdp,
-                    cpu_offload="full" if args.cpu_offload else None,
-                    mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
-                                     if args.mixed_precision == "fp16" else None),
-                    hybrid_shard_size=args.hybrid_shard_size)
-    scaler = GradScaler() if args.mixed_precision == "fp16" else None
+    try:
+        hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule,
+                        num_microbatches=args.microbatches, activation_checkpointing=args.activation_checkpointing,
+                        dtype=dtype, global_batch=args.global_batch, fsdp=args.fsdp,
+                        cpu_offload="full" if args.cpu_offload else None,
+                        mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
+                                         if args.mixed_precision == "fp16" else None),
+                        hybrid_shard_size=args.hybrid_shard_size)
+    except NotImplementedError as e:     # a combination not built, found the same way on every rank
+        axonmpi.log.exit0(str(e))
+    scaler = (GradScaler(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
+              if args.mixed_precision == "fp16" else None)
     opt = AdamW(hyb.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     model, opt_state = hyb.checkpoint_state(opt)
     sched = LinearWarmupCosine(opt, warmup_steps=min(args.warmup, args.steps // 2), total_steps=max(args.steps, 1),
@@ -267,13 +284,15 @@ def main(argv=None):
     axonmpi.manual_seed(hyb.dropout_seed(args.seed))  # one stream per row slice for dropout and sampling
 
     mgr, latest = open_checkpoints(args, world, log)
-    step = 0 if latest is None else resume(latest, args, world, log, model, opt_state, sched, sampler)
+    step = 0 if latest is None else resume(latest, args, world, log, model, opt_state, sched, sampler, scaler)
     saving = mgr is not None and not args.no_save
     log.info("%s", hyb.describe())
 
     def save(step):
-        path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step,
-                                                  extra={"config": vars(args), "layout": hyb.layout_record()}))
+        extra = {"config": vars(args), "layout": hyb.layout_record()}
+        if scaler is not None:
+            extra["scaler"] = scaler.state_dict()       # the loss scale and growth count continue on --resume
+        path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step, extra=extra))
         log.info("checkpoint saved to %s (step %d; continue with --resume)", path, step)
         return path
 
@@ -323,8 +342,10 @@ def main(argv=None):
         now = time.perf_counter()
         tok_s = tokens_per_step / max(now - t_last, 1e-9)
         if metrics is not None:
-            metrics.write(json.dumps({"step": step, "loss": lval, "grad_norm": float(grad_norm), "lr": lr,
-                                      "tokens_per_s": tok_s}) + "\n")
+            row = {"step": step, "loss": lval, "grad_norm": float(grad_norm), "lr": lr, "tokens_per_s": tok_s}
+            if scaler is not None:
+                row["loss_scale"] = scaler.get_scale()     # after this step's update
+            metrics.write(json.dumps(row) + "\n")
             metrics.flush()
         if bar is not None:
             bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}", refresh=False)

@@ -92,3 +92,46 @@ def test_bfloat16_needs_ml_dtypes():
             MixedPrecision(param_dtype="bfloat16")
     else:
         assert MixedPrecision(param_dtype="bfloat16").param_dtype.name == "bfloat16"
+
+
+def _drive(s, steps, bad=()):
+    """Run ``steps`` (iteration numbers) of scale/unscale/step/update on a one-parameter model; ``bad``:
+    the iterations whose gradient overflows.  Returns the scale after each."""
+    p = nn.Parameter(np.ones(2, np.float32))
+    opt = axonmpi.optim.SGD([p], lr=0.0)
+    scales = []
+    for i in steps:
+        opt.zero_grad()
+        s.scale((p * 1.0).sum()).backward()
+        if i in bad:
+            p.grad.data[0] = np.inf
+        s.unscale_(opt)
+        s.step(opt)
+        s.update()
+        scales.append(s.get_scale())
+    return scales
+
+
+def test_grad_scaler_state_dict_resumes_the_same_schedule():
+    """A scaler restored from ``state_dict()`` mid-way (scale and growth tracker) continues exactly as the
+    uninterrupted one: the same scales after every later step (PyTorch's keys and semantics)."""
+    axonmpi.init()
+    kw = dict(init_scale=64.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    bad = {1, 8}
+    whole = _drive(GradScaler(**kw), range(10), bad)
+    a = GradScaler(**kw)
+    first = _drive(a, range(6), bad)
+    state = a.state_dict()
+    assert set(state) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    assert state["scale"] == 64.0 and state["_growth_tracker"] == 1      # 64 -> 16 at step 1 -> 64 at step 4
+    b = GradScaler()                                                     # defaults, overwritten by the load
+    b.load_state_dict({k: np.float64(v) if isinstance(v, float) else np.int64(v) for k, v in state.items()})
+    assert b.state_dict() == state
+    assert first + _drive(b, range(6, 10), bad) == whole
+    fresh = _drive(GradScaler(**kw), range(6, 10), bad)                   # what a resume without the state does
+    assert fresh != whole[6:]
+    assert GradScaler(enabled=False).state_dict() == {}
+    with pytest.raises(RuntimeError, match="empty.*disabled GradScaler"):
+        GradScaler().load_state_dict({})
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        GradScaler().load_state_dict({k: v for k, v in state.items() if k != "_growth_tracker"})

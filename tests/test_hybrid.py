@@ -33,6 +33,13 @@ LAYOUTS = [
     ((2, 1, 1, 1, 1), ["--fsdp", "hybrid_shard"]),
     ((4, 1, 1, 1, 1), ["--fsdp", "hybrid_shard", "--hybrid-shard-size", "2"]),     # 2 shards x 2 replicas
     ((3, 1, 1, 1, 1), ["--fsdp", "full_shard", "--cpu-offload"]),
+    # FSDP over the data ranks x tensor parallel: FSDP shards each rank's TP-local parameters
+    ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "full_shard"]),
+    ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "shard_grad_op"]),
+    ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "hybrid_shard", "--hybrid-shard-size", "1",
+                       "--cpu-offload"]),
+    ((2, 1, 1, 2, 1), ["--tp-style", "axonn", "--fsdp", "full_shard"]),
+    ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "shard_grad_op"]),
 ]
 
 
@@ -82,12 +89,12 @@ def _flags(sizes):
             for f in (k, str(v))]
 
 
-def _check_link(metrics, k, last, ref, mgr):
-    """Link ``k`` of a resume chain ran steps ``2k+1..8`` with the uninterrupted run's losses; unless it is
-    the ``last``, "interrupt" it after two steps: drop its later checkpoints.  Returns its metric rows."""
+def _check_link(metrics, k, last, ref, mgr, total=8):
+    """Link ``k`` of a resume chain ran steps ``2k+1..total`` with the uninterrupted run's losses; unless it
+    is the ``last``, "interrupt" it after two steps: drop its later checkpoints.  Returns its metric rows."""
     import shutil
     rows = [json.loads(ln) for ln in open(metrics)]
-    assert [x["step"] for x in rows] == list(range(2 * k + 1, 9)), rows
+    assert [x["step"] for x in rows] == list(range(2 * k + 1, total + 1)), rows
     for x in rows:
         assert abs(x["loss"] - ref[x["step"]]) <= 1e-9 * abs(ref[x["step"]]), (k, x, ref[x["step"]])
     if not last:
@@ -158,10 +165,12 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-intra-r", "2", "--tp-style", "megatron"], ["--tp-style megatron splits over one dimension"]),
     (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
     (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
-    (2, ["--G-inter", "2", "--fsdp", "full_shard"], ["--fsdp full_shard is built for the pure data-parallel layout",
+    (2, ["--G-inter", "2", "--fsdp", "full_shard"], ["--fsdp full_shard is built for pure data parallel and for data "
+                                                     "parallel x tensor parallel",
                                                      "got G_data=1 G_inter=2 G_intra_r=1",
-                                                     "FSDP combined with tensor or pipeline parallelism is not built"]),
-    (2, ["--fsdp", "shard_grad_op", "--activation-checkpointing"], ["with --activation-checkpointing: FSDP"]),
+                                                     "FSDP combined with pipeline parallelism is not built"]),
+    (2, ["--fsdp", "shard_grad_op", "--activation-checkpointing"],
+     ["with activation checkpointing: FSDP combined with activation checkpointing is not built"]),
     (2, ["--cpu-offload"], ["--cpu-offload and --mixed-precision fp16 need --fsdp"]),
 ])
 def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):
@@ -175,14 +184,16 @@ def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_
 
 
 @pytest.mark.serial
-def test_checkpoint_chain_fsdp_ddp_serial_fsdp(tmp_path):
-    """FSDP full_shard at 4 ranks -> DDP at 2 -> serial -> FSDP shard_grad_op at 3: each run resumes the last
-    one's checkpoint (FSDP saves flattened shards under serial names, the others full-shape blocks); every
-    step's loss and the final parameters and AdamW moments equal an uninterrupted serial run."""
+def test_checkpoint_chain_fsdp_tp_serial_fsdp(tmp_path):
+    """FSDP full_shard at 4 ranks -> FSDP x Megatron TP 2 (2,1,1,2,1) -> FSDP x AxoNN depth 2 (2,1,1,1,2) ->
+    serial -> FSDP shard_grad_op at 3: each run resumes the last one's checkpoint (pure FSDP saves flattened
+    shards under serial names, FSDP x TP and serial full-shape blocks); every step's loss and the final
+    parameters and AdamW moments equal an uninterrupted serial run."""
     from axonmpi import checkpoint as ckpt
     from axonmpi.testing import mpiexec_env, run_mpiexec
+    total = 10
     base = [SCRIPT, *[a for a in TINY if a != "--no-save"]]
-    base[base.index("--steps") + 1] = "8"
+    base[base.index("--steps") + 1] = str(total)
     base += ["--save-every", "2", "--keep-last", "10"]
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     r = subprocess.run([sys.executable, *base, "--checkpoint-dir", ref_dir, "--metrics-json", str(tmp_path / "ref.jsonl"),
@@ -190,24 +201,34 @@ def test_checkpoint_chain_fsdp_ddp_serial_fsdp(tmp_path):
                        capture_output=True, text=True, timeout=120, env=mpiexec_env(), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = {x["step"]: x["loss"] for x in map(json.loads, open(tmp_path / "ref.jsonl"))}
-    chain = [(4, ["--fsdp", "full_shard"]), (2, []), (None, []), (3, ["--fsdp", "shard_grad_op"])]
+    chain = [((4, 1, 1, 1, 1), ["--fsdp", "full_shard"]),
+             ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "full_shard"]),
+             ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "full_shard"]), (None, []),
+             ((3, 1, 1, 1, 1), ["--fsdp", "shard_grad_op"])]
     mgr = ckpt.CheckpointManager(run_dir, keep_last=None)
-    for k, (n, extra) in enumerate(chain):
+    for k, (sizes, extra) in enumerate(chain):
         metrics = str(tmp_path / f"run{k}.jsonl")
         args = base + ["--checkpoint-dir", run_dir, "--metrics-json", metrics, *extra] + (["--resume"] if k else [])
         if k == len(chain) - 1:
             args += ["--dump-params", str(tmp_path / "run.npz")]
-        if n is None:
+        if sizes is None:
             r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
                                env=mpiexec_env(), cwd=tmp_path)
         else:
-            r = run_mpiexec(args, n=n, timeout=240, cwd=str(tmp_path))
+            r = run_mpiexec(args + _flags(sizes), n=int(np.prod(sizes)), timeout=240, cwd=str(tmp_path))
         assert r.returncode == 0, r.stderr[-3000:]
-        _check_link(metrics, k, k == len(chain) - 1, ref, mgr)
+        _check_link(metrics, k, k == len(chain) - 1, ref, mgr, total)
         if k < len(chain) - 1:
             saved = ckpt.load(mgr.path_for(2 * (k + 1)))
-            assert saved["extra"]["layout"]["fsdp"] == (extra[1] if extra else "none")
-    a, b = ckpt.load(mgr.path_for(8)), ckpt.load(ckpt.CheckpointManager(ref_dir).path_for(8))
+            layout = saved["extra"]["layout"]
+            assert layout["fsdp"] == (extra[extra.index("--fsdp") + 1] if "--fsdp" in extra else "none")
+            if sizes is not None:
+                assert [layout[kk] for kk in ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d")] == \
+                    list(sizes)
+            if k == 1:      # FSDP x TP saves full-shape entries (TP blocks), loadable by any layout
+                assert layout["tp_style"] == "megatron"
+                assert saved["model"]["blocks.0.attn.qkv.weight"].shape == (48, 16)
+    a, b = ckpt.load(mgr.path_for(total)), ckpt.load(ckpt.CheckpointManager(ref_dir).path_for(total))
     assert a["model"].keys() == b["model"].keys()
     for name, v in b["model"].items():              # FSDP's entries are the flattened parameters
         assert a["model"][name].shape == (v.size,)
@@ -242,10 +263,45 @@ def test_fsdp_fp16_mixed_precision_trains(tmp_path):
     assert np.abs(out["fp16"] - out["fp32"]).max() < 0.05, (out["fp16"], out["fp32"])
 
 
+@pytest.mark.serial
+def test_fp16_resume_continues_with_the_saved_loss_scale(tmp_path):
+    """--mixed-precision fp16 checkpoints hold the GradScaler's state (scale, growth tracker): a run resumed
+    at step 4 continues with the uninterrupted run's loss scale and losses, overflow skips included (a fresh
+    scaler would restart at --init-loss-scale and skip other steps)."""
+    import shutil
+    from axonmpi import checkpoint as ckpt
+    from axonmpi.testing import run_mpiexec
+    base = [SCRIPT, *[a for a in TINY if a != "--no-save"], "--fsdp", "full_shard", "--mixed-precision", "fp16",
+            "--init-loss-scale", "1e6", "--loss-scale-growth-interval", "2", "--save-every", "4", "--keep-last", "10"]
+    for opt, v in (("--dtype", "float32"), ("--steps", "8"), ("--grad-clip", "1.0")):
+        base[base.index(opt) + 1] = v
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    r = run_mpiexec(base + ["--checkpoint-dir", whole, "--metrics-json", str(tmp_path / "whole.jsonl")], n=2,
+                    timeout=240, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = [json.loads(ln) for ln in open(tmp_path / "whole.jsonl")]
+    scales = [x["loss_scale"] for x in ref]
+    assert scales[0] < 1e6 and len(set(scales)) >= 3, scales        # backoffs and growth both happened
+    saved = ckpt.load(ckpt.CheckpointManager(whole).path_for(4))["extra"]["scaler"]
+    assert saved["scale"] == scales[3] and saved["_growth_tracker"] >= 1, (saved, scales)
+    shutil.copytree(whole, part)
+    shutil.rmtree(ckpt.CheckpointManager(part).path_for(8))
+    r = run_mpiexec(base + ["--checkpoint-dir", part, "--metrics-json", str(tmp_path / "part.jsonl"), "--resume"],
+                    n=2, timeout=240, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"loss scale {scales[3]:g} (growth tracker {saved['_growth_tracker']}) restored" in r.stderr
+    got = [json.loads(ln) for ln in open(tmp_path / "part.jsonl")]
+    assert [x["step"] for x in got] == [5, 6, 7, 8]
+    assert [x["loss_scale"] for x in got] == scales[4:]
+    np.testing.assert_allclose([x["loss"] for x in got], [x["loss"] for x in ref[4:]], rtol=1e-6)
+
+
 # -- in process, on the pass's ranks: HybridGPT against the serial GPT --------------------------------------
-IN_PROCESS = {2: [((1, 2, 1, 1, 1), "axonn", "gpipe"), ((1, 1, 1, 2, 1), "megatron", "1f1b")],
+IN_PROCESS = {2: [((1, 2, 1, 1, 1), "axonn", "gpipe"), ((1, 1, 1, 2, 1), "megatron", "1f1b"),
+                  ((1, 1, 1, 2, 1), "megatron", "1f1b", "full_shard")],
               3: [((1, 1, 3, 1, 1), "axonn", "1f1b")],
-              4: [((1, 2, 2, 1, 1), "axonn", "1f1b"), ((2, 2, 1, 1, 1), "megatron", "interleaved")]}
+              4: [((1, 2, 2, 1, 1), "axonn", "1f1b"), ((2, 2, 1, 1, 1), "megatron", "interleaved"),
+                  ((2, 1, 1, 2, 1), "megatron", "1f1b", "shard_grad_op"), ((2, 1, 2, 1, 1), "axonn", "1f1b", "full_shard")]}
 
 
 @pytest.mark.mpi(min_size=2)
@@ -270,12 +326,12 @@ def test_hybrid_gpt_in_process_equals_serial():
         opt.step()
         ref_losses.append(float(loss.item()))
     want = ref.state_dict()
-    for sizes, style, sched in IN_PROCESS.get(world.world_size, []):
+    for sizes, style, sched, *fsdp in IN_PROCESS.get(world.world_size, []):
         grid = axonmpi.ProcessGrid(world, **dict(zip(("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d"),
                                                      sizes)))
         axonmpi.manual_seed(7)
         hyb = HybridGPT(cfg, grid, tp_style=style, schedule=sched, num_microbatches=2, dtype="float64",
-                        global_batch=12)
+                        global_batch=12, fsdp=fsdp[0] if fsdp else None)
         opt = AdamW(hyb.parameters(), lr=1e-2, weight_decay=0.1)
         losses = []
         for x, y in batches:
@@ -319,9 +375,10 @@ def test_pipeline_data_replicas_draw_their_own_dropout_masks():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_hybrid_gpt_fsdp_refuses_tensor_and_pipeline_layouts():
-    """HybridGPT(fsdp=...) is built for the pure data-parallel layout; others are refused at construction,
-    naming the layout and the rank; offload / mixed precision without a sharding strategy are refused too."""
+def test_hybrid_gpt_fsdp_refuses_pipeline_and_activation_checkpointing():
+    """HybridGPT(fsdp=...) is built for data parallel, alone or with tensor parallel; a pipeline or activation
+    checkpointing is refused at construction, naming the layout and the rank; offload / mixed precision
+    without a sharding strategy are refused too."""
     import axonmpi
     from axonmpi.models import GPTConfig
     from axonmpi.parallel.hybrid import HybridGPT
@@ -330,12 +387,49 @@ def test_hybrid_gpt_fsdp_refuses_tensor_and_pipeline_layouts():
     half = world.world_size // 2
     cases = [({"G_data": world.world_size}, {"activation_checkpointing": True})]
     if world.world_size % 2 == 0:
-        cases += [({"G_inter": 2, "G_data": half}, {}), ({"G_intra_c": 2, "G_data": half}, {})]
+        cases += [({"G_inter": 2, "G_data": half}, {}),
+                  ({"G_intra_c": 2, "G_data": half}, {"tp_style": "megatron", "activation_checkpointing": True})]
     for sizes, extra in cases:
         grid = axonmpi.ProcessGrid(world, **sizes)
-        with pytest.raises(NotImplementedError, match=rf"rank {world.rank}: fsdp=full_shard is built for the pure "
-                                                      r"data-parallel layout.*FSDP combined with tensor or pipeline"):
+        with pytest.raises(NotImplementedError, match=rf"rank {world.rank}: fsdp=full_shard is built for pure "
+                                                      r"data parallel and .*FSDP combined with (pipeline parallelism|"
+                                                      r"activation checkpointing) is not built"):
             HybridGPT(cfg, grid, fsdp="full_shard", global_batch=12, **extra)
         grid.free()
     with pytest.raises(ValueError, match="cpu_offload='full'.*need fsdp"):
         HybridGPT(cfg, fsdp="none", cpu_offload="full", global_batch=12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_ranks_build_only_their_layers():
+    """With G_inter > 1 each rank builds only its stage's layers: the other layers' parameters are zero-stride
+    stand-ins (their full shapes, no memory), the arrays held are exactly the rank's trained parameters, and
+    their values equal the serial GPT's init (the random stream replayed layer by layer); Megatron TP too."""
+    import axonmpi
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.parallel.hybrid import HybridGPT
+    world = axonmpi.init()
+    n = world.world_size
+    cfg = GPTConfig(vocab_size=16, block_size=6, n_layer=2 * n, n_head=2, n_embd=8)
+    axonmpi.manual_seed(11)
+    want = GPT(cfg, dtype="float64").state_dict()
+    full_bytes = sum(v.nbytes for v in want.values())
+    cases = [({"G_inter": n}, "axonn", "1f1b")]
+    if n % 2 == 0:
+        cases.append(({"G_inter": n // 2, "G_intra_c": 2}, "megatron", "interleaved"))
+    for sizes, style, sched in cases:
+        grid = axonmpi.ProcessGrid(world, **sizes)
+        axonmpi.manual_seed(11)
+        hyb = HybridGPT(cfg, grid, tp_style=style, schedule=sched, num_microbatches=2, dtype="float64",
+                        global_batch=4)
+        named = dict(hyb.model.named_parameters())
+        assert named.keys() == want.keys()
+        held = [p for p in named.values() if p.data.size and all(s != 0 for s in p.data.strides)]
+        assert {id(p) for p in held} == {id(p) for p in hyb.parameters()}, sizes
+        assert sum(p.data.nbytes for p in held) < 0.75 * full_bytes or grid.G_inter == 1   # not the whole GPT
+        full = hyb.full_state_dict()          # gathered over tensor and pipeline groups
+        for k, v in want.items():
+            assert full[k].shape == v.shape and np.array_equal(full[k], v), (sizes, k)
+        for k in set(named) - set(hyb.param_names):
+            assert hyb._full_shape(k) == want[k].shape
+        grid.free()

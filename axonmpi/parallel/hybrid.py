@@ -2,12 +2,14 @@
 
 [Note: composition rules]  One rank of the grid ``(data, inter, depth, row, col)``:
 
-* **Model.** Every rank builds the serial GPT from the same seed (so initial values equal the
-  serial model's), then: ``tp_style="megatron"`` swaps attention/MLP/embedding/head for the 1-D
-  layers over ``intra_group`` (needs ``G_intra_r == G_intra_d == 1``); ``tp_style="axonn"`` builds
-  it inside ``auto_parallelize`` (every Linear split over row x column x depth).  With
-  ``G_inter > 1`` the model is cut by :func:`split_module` into ``G_inter * v`` chunks
-  (``v = 2`` for the interleaved schedule) and this rank keeps its stage's chunks.
+* **Model.** Every rank builds the GPT from the same seed (so initial values equal the serial
+  model's): ``tp_style="megatron"`` swaps attention/MLP/embedding/head for the 1-D layers over
+  ``intra_group`` (needs ``G_intra_r == G_intra_d == 1``); ``tp_style="axonn"`` builds it inside
+  ``auto_parallelize`` (every Linear split over row x column x depth).  With ``G_inter > 1`` the
+  model is cut by :func:`split_module` into ``G_inter * v`` chunks (``v = 2`` for the interleaved
+  schedule) and a rank builds only its stage's layers (:class:`_StagedBuild`: the random stream is
+  replayed layer by layer, so the values are the serial model's; the other layers are zero-stride
+  stand-ins that keep the names and shapes checkpoints need).
 * **Rows.** The global batch is cut into equal contiguous slices, one per *batch shard*:
   Megatron and pure data parallel: the ``G_data`` replicas (tensor-parallel ranks of one block
   read the same rows); AxoNN easy mode: every rank of a stage, ``G_data*G_intra_r*G_intra_c*G_intra_d``
@@ -29,12 +31,20 @@
 * **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
   ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
   parameters, so a checkpoint saved under one layout loads under any other.
-* **FSDP.** ``fsdp=`` a sharding strategy (pure data parallel only): the GPT is wrapped in
-  :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP; the optimizer runs on the flat
-  shards, clipping uses FSDP's norm (each element once), and checkpoints hold each parameter
-  flattened under its serial name (1-D blocks).  Templates reshape between the two forms: the other
-  layouts read a flattened entry whole, FSDP reads the whole rows of a full-shape entry covering its
-  elements.
+* **FSDP.** ``fsdp=`` a sharding strategy (pure data parallel, or data parallel x tensor parallel of
+  either style with ``G_inter = 1``; :func:`fsdp_refusal` names what is not built): the (TP-local) GPT
+  is wrapped in :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP; the optimizer
+  runs on the flat shards.  Pure DP: clipping uses FSDP's norm (each element once), and checkpoints
+  hold each parameter flattened under its serial name (1-D blocks); templates reshape between the
+  two forms: the other layouts read a flattened entry whole, FSDP reads the whole rows of a
+  full-shape entry covering its elements.  With Megatron TP: FSDP's reduce-scatter over data is
+  the whole gradient reduction (replicated parameters get identical gradients on the TP ranks);
+  with AxoNN TP the rest of ``sync_gradients`` follows on the flat shards' segments (depth biases
+  over depth, replicated parameters over ``intra_group``, all / tensor size) and the loss is
+  averaged over data x intra; clipping sums the squares of the flat shards' segments over the
+  shard group, each TP-sharded part also over its sharding group (replicated ones once); checkpoints keep the TP form (each
+  TP-local array gathered over data, written as its TP block), and loading keeps the elements of
+  this rank's FSDP chunk of its TP shard.
 * **Dropout.** :meth:`HybridGPT.dropout_seed`: one random stream per row slice, so Megatron's
   tensor-parallel ranks draw identical masks and data-parallel replicas distinct ones.
 """
@@ -56,7 +66,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..nn import functional as F
 from ..optim.clip import grad_norm
 
-__all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout"]
+__all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout", "fsdp_refusal"]
 
 
 class TPStyle(enum.Enum):
@@ -197,6 +207,122 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
                          + "; ".join(errs))
 
 
+def fsdp_refusal(layout: Layout, tp_style="axonn", activation_checkpointing: bool = False) -> Optional[str]:
+    """Why FSDP over the data dimension cannot run on ``layout`` (``None`` when it can).
+
+    Built: pure data parallel, and data parallel x tensor parallel (Megatron or AxoNN, ``G_inter = 1``).
+    Not built: pipelines (``G_inter > 1``), activation checkpointing.
+
+    Example:
+        >>> fsdp_refusal(Layout(G_data=2, G_intra_c=2), "megatron") is None
+        True
+    """
+    if layout.G_inter == 1 and not activation_checkpointing:
+        return None
+    what = "pipeline parallelism" if layout.G_inter > 1 else "activation checkpointing"
+    tp = layout.tensor_size > 1
+    return (f"is built for pure data parallel and for data parallel x tensor parallel (G_inter = 1, no "
+            f"activation checkpointing); got {layout}" + (f" tp-style {_style(tp_style).value}" if tp else "")
+            + (" with activation checkpointing" if activation_checkpointing else "")
+            + f": FSDP combined with {what} is not built")
+
+
+class _StagedBuild:
+    """The GPT of one pipeline rank with only its stage's layers built (a pipeline layer is the embedding,
+    a block or the head, as :func:`split_module` cuts the GPT); every other layer is a stand-in of the
+    same modules whose parameters are zero-stride views (their shapes and dtypes, one element of memory).
+
+    [Note: staged build, same init as the serial GPT]  The serial GPT draws from one random stream:
+    first each layer's constructor (PyTorch's default init), in order, then ``GPT._init_weights``
+    over all modules (GPT-2's N(0, 0.02)).  The stream cannot be skipped ahead (normal draws reject a
+    variable number of bits), so the draws are replayed, one layer at a time, never holding more than
+    one foreign layer: (A) with the stream saved and restored, each layer is built in its tensor-parallel
+    form, turned into its stand-in and kept: their sizes give the split points (as ``split_module``
+    balances them) and so this rank's layers; (B) each layer is constructed in order, foreign ones
+    dropped at once; (C) ``GPT._init_weights``'s pass, layer by layer: this rank's layers in place,
+    a foreign one on a temporary copy (constructed with the stream saved and restored), dropped after.
+    Megatron then swaps this rank's layers for their tensor-parallel form (as ``parallelize_gpt``).
+    So the stage's parameters equal the serial model's; the parity tests check it.
+    """
+
+    def __init__(self, hyb: "HybridGPT", config: GPTConfig, dtype):
+        from ..random import get_rng_state, set_rng_state
+        from .pipeline.split import split_points
+        self.hyb, self.config, self.dtype = hyb, config, dtype
+        n = config.n_layer + 2
+        start = get_rng_state()
+        stand_ins = [self._stand_in(self._tp_form(self._construct(i), i)) for i in range(n)]      # (A)
+        set_rng_state(start)
+        g = hyb.grid
+        k = g.G_inter * hyb._v
+        starts = split_points(nn.Sequential(*stand_ins), g.G_inter, hyb._v) + [n]
+        mine = {i for c in range(g.inter_group.rank, k, g.G_inter) for i in range(starts[c], starts[c + 1])}
+        layers = []
+        for i in range(n):                                                                      # (B)
+            layer = self._construct(i)
+            layers.append(layer if i in mine else None)
+            del layer
+        for i in range(n):                                                                      # (C)
+            if i in mine:
+                self._init(layers[i], i)
+            else:
+                state = get_rng_state()
+                tmp = self._construct(i)
+                set_rng_state(state)
+                self._init(tmp, i)
+                del tmp
+        layers = [self._tp_form(layer, i) if i in mine else stand_ins[i] for i, layer in enumerate(layers)]
+        model = GPT.__new__(GPT)
+        nn.Module.__init__(model)
+        model.config = config
+        emb, head = layers[0], layers[-1]
+        model.wte, model.wpe, model.drop = emb.wte, emb.wpe, emb.drop
+        model.blocks = nn.ModuleList(layers[1:-1])
+        model.ln_f, model.lm_head = head.ln_f, head.lm_head
+        self.model = model
+
+    def _construct(self, i: int):
+        """Pipeline layer ``i`` as ``GPT.__init__`` constructs it (inside ``auto_parallelize`` for AxoNN)."""
+        import contextlib
+        from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
+        from ..nn.transformer import TransformerBlock
+        from .pipeline.split import GPTEmbedding, GPTHead
+        c, dt, hyb = self.config, self.dtype, self.hyb
+        ctx = contextlib.nullcontext()
+        if hyb.style is TPStyle.AXONN:
+            from .auto_parallelize import auto_parallelize
+            ctx = auto_parallelize(groups=hyb.groups)
+        with ctx:
+            if i == 0:
+                return GPTEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dt),
+                                    Embedding(c.block_size, c.n_embd, dtype=dt), Dropout(c.dropout))
+            if i <= c.n_layer:
+                return TransformerBlock(c.n_embd, c.n_head, c.dropout, c.bias, dtype=dt)
+            return GPTHead(LayerNorm(c.n_embd, bias=c.bias, dtype=dt),
+                           Linear(c.n_embd, c.vocab_size, bias=False, dtype=dt))
+
+    def _init(self, layer, i: int) -> None:
+        """``GPT._init_weights`` on layer ``i`` alone (the same module names' suffixes, in the same order)."""
+        holder = nn.Module()
+        holder.config = self.config
+        holder.add_module("layer", layer)
+        GPT._init_weights(holder)
+
+    def _tp_form(self, layer, i: int):
+        """Megatron: the layer with attention / MLP / vocabulary split over ``intra_group`` (weights kept)."""
+        if self.hyb.style is TPStyle.MEGATRON:
+            from .tensor import parallelize_gpt
+            parallelize_gpt(layer, group=self.hyb.grid.intra_group)
+        return layer
+
+    @staticmethod
+    def _stand_in(layer):
+        """``layer`` with every parameter's data a zero-stride view of its shape (no memory)."""
+        for p in layer.parameters():
+            p.data = np.broadcast_to(np.zeros((), p.data.dtype), p.data.shape)
+        return layer
+
+
 class _Checkpointed(nn.Module):
     """A pipeline chunk whose forward is recomputed in backward (activation checkpointing)."""
 
@@ -233,8 +359,9 @@ class HybridGPT:
         fsdp: ``None``/``"none"`` (replicated parameters) or a
             :class:`~axonmpi.parallel.fsdp.ShardingStrategy` (or its name): wrap the GPT in
             :class:`~axonmpi.parallel.FSDP` over ``data_group`` instead of DDP. Built for the pure
-            data-parallel layout only (``G_inter = G_intra_* = 1``, no activation checkpointing);
-            other layouts raise ``NotImplementedError`` at construction.
+            data-parallel layout and for data parallel x tensor parallel (``G_inter = 1``,
+            no activation checkpointing); other layouts raise ``NotImplementedError`` at
+            construction (:func:`fsdp_refusal`).
         cpu_offload: FSDP's :class:`~axonmpi.parallel.fsdp.CPUOffload` mode (with ``fsdp``).
         mixed_precision: FSDP's :class:`~axonmpi.parallel.fsdp.MixedPrecision` (with ``fsdp``).
         hybrid_shard_size: with ``fsdp="hybrid_shard"``: data ranks per shard group (default: the
@@ -260,13 +387,10 @@ class HybridGPT:
         if self.sharding is None and (cpu_offload not in (None, False, "none") or mixed_precision is not None):
             raise ValueError(f"rank {self.grid.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
-        if self.sharding is not None and (self.layout.G_inter > 1 or self.layout.tensor_size > 1
-                                          or activation_checkpointing):
-            raise NotImplementedError(
-                f"rank {self.grid.world.rank}: fsdp={self.sharding.value} is built for the pure data-parallel "
-                f"layout (G_inter = G_intra_r = G_intra_c = G_intra_d = 1, no activation checkpointing); got "
-                f"{self.layout}{' with activation checkpointing' if activation_checkpointing else ''}: FSDP "
-                "combined with tensor or pipeline parallelism is not built")
+        if self.sharding is not None:
+            why = fsdp_refusal(self.layout, tp_style, activation_checkpointing)
+            if why:
+                raise NotImplementedError(f"rank {self.grid.world.rank}: fsdp={self.sharding.value} {why}")
         self.config = config
         self.dtype = np.dtype(dtype)
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
@@ -278,19 +402,24 @@ class HybridGPT:
         self.shards = batch_shards(self.layout, self.style or "megatron")
         g = self.grid
         self.groups = None
+        self._v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
         if self.style is TPStyle.AXONN:
-            from .auto_parallelize import auto_parallelize
             from .tensor import TensorParallelGroups
             self.groups = TensorParallelGroups.from_grid(g)
+            self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank
+        else:
+            self.shard_index = g.coords.data
+        if self.layout.G_inter > 1:       # build only this stage's layers (the others: shape-only stand-ins)
+            self.model = _StagedBuild(self, config, self.dtype).model
+        elif self.style is TPStyle.AXONN:
+            from .auto_parallelize import auto_parallelize
             with auto_parallelize(groups=self.groups):
                 self.model = GPT(config, dtype=dtype)
-            self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank
         else:
             self.model = GPT(config, dtype=dtype)
             if self.style is TPStyle.MEGATRON:
                 from .tensor import parallelize_gpt
                 parallelize_gpt(self.model, group=g.intra_group)
-            self.shard_index = g.coords.data
         self.ddp = None
         self.pipe = None
         self.fsdp = None
@@ -307,7 +436,7 @@ class HybridGPT:
             self._params = list(self.model.parameters())
         else:
             from .pipeline import Pipeline, split_module
-            v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+            v = self._v
             chunks = split_module(self.model, g.G_inter, v, group=g.inter_group)
             if activation_checkpointing:
                 chunks = [_Checkpointed(c) for c in chunks]
@@ -319,6 +448,18 @@ class HybridGPT:
         mine = {id(p) for p in self._params}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
         self._owned = set(self.param_names)
+        # FSDP over data x TP: FSDP shards the TP-local parameters; checkpoints keep the TP form
+        self._fsdp_tp = self.fsdp is not None and self.style is not None
+        if self._fsdp_tp and self.style is TPStyle.AXONN:
+            # the replicated parameters' gradients are summed over intra_group segment by segment of the
+            # flat shards: every rank of the tensor block must pack the same TP-local shapes
+            shapes = all_gather_object([self._shapes[n] for n in self.param_names], group=g.intra_group)
+            for i, n in enumerate(self.param_names):
+                if len({tuple(x[i]) for x in shapes}) > 1:
+                    raise NotImplementedError(
+                        f"rank {g.world.rank}: fsdp with tp_style='axonn' needs every tensor-parallel rank to hold "
+                        f"the same shape of each parameter; {n!r} has shapes {[tuple(x[i]) for x in shapes]} over "
+                        "intra_group (choose sizes that divide the GPT's dimensions evenly)")
 
     # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -350,8 +491,11 @@ class HybridGPT:
             _, loss = (self.ddp or self.fsdp)(x, y)
             (loss if scaler is None else scaler.scale(loss)).backward()
             value = float(loss.item())
-            if g.data_group.size > 1:
-                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, g.data_group)[0])
+            for grp in self._loss_groups():
+                if grp.size > 1:
+                    value = float(all_reduce(np.array([value]), ReduceOp.MEAN, grp)[0])
+            if self._fsdp_tp and self.style is TPStyle.AXONN:
+                self._sync_axonn_fsdp()
             return value
         if scaler is not None:
             raise NotImplementedError(f"rank {g.world.rank}: loss scaling is built for the DDP and FSDP layouts, "
@@ -367,6 +511,8 @@ class HybridGPT:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip all gradients of the global model to ``max_norm``; return the global norm before clipping."""
+        if self._fsdp_tp:
+            return self._clip_fsdp_tp(max_norm)
         if self.fsdp is not None:   # each element of the flat shards once, over the shard group
             return float(self.fsdp.clip_grad_norm_(max_norm))
         total = grad_norm(self._params) ** 2
@@ -381,6 +527,74 @@ class HybridGPT:
                     p.grad.data *= coef
         return total
 
+    def _loss_groups(self) -> list:
+        """DDP / FSDP layouts: the groups the rank's mean loss is averaged over (its row slices)."""
+        if self._fsdp_tp and self.style is TPStyle.AXONN:
+            return [self.grid.data_group, self.grid.intra_group]
+        return [self.grid.data_group]
+
+    def _sync_axonn_fsdp(self) -> None:
+        """FSDP x AxoNN TP, after FSDP's reduce-scatter averaged every gradient over ``data_group``: the rest
+        of :func:`intra_layer.sync_gradients` on the flat shards' segments -- depth-replicated biases
+        summed over ``depth_group``, replicated parameters over ``intra_group`` -- and everything divided
+        by the tensor block's size (each rank of it read its own rows).  The shard of every rank of a
+        tensor block covers the same elements (same TP-local shapes, checked at construction)."""
+        g = self.grid
+        inv = 1.0 / self.layout.tensor_size
+        for f in self.fsdp.parameters():
+            if f.grad is None:
+                continue
+            grad = f.grad.data
+            for seg in f.segments():
+                p = f.params[seg.index]
+                v = grad[seg.offset:seg.offset + seg.param_stop - seg.param_start]
+                if getattr(p, "is_tensor_parallel", False):
+                    grp = g.depth_group if getattr(p, "needs_depth_parallel_gradient_sync", False) else None
+                else:
+                    grp = g.intra_group
+                if grp is not None and grp.size > 1:
+                    all_reduce(v, group=grp, out=v)
+                v *= inv
+
+    def _clip_fsdp_tp(self, max_norm: float) -> float:
+        """FSDP x TP: the squares of each flat shard's segments, split by the group that shards the original
+        parameter (its tags, as :func:`~axonmpi.optim.clip.grad_norm` reads them), summed over FSDP's shard
+        group (each element of the TP-local arrays once); each TP part then summed over its sharding
+        group, the replicated parameters (LayerNorm, ``wpe``, ...: equal on every tensor rank after the
+        gradient reduction) counted once."""
+        from ..backend import get_array_module
+        from ..optim.clip import shard_group_of
+        flats = list(self.fsdp.parameters())
+        groups, slot = [], {}            # the groups sharding TP parameters, in model order (same on every rank)
+        for f in flats:
+            for p in f.params:
+                grp = shard_group_of(p)
+                if grp is not None and grp.size > 1 and id(grp) not in slot:
+                    slot[id(grp)] = len(groups) + 1
+                    groups.append(grp)
+        parts = np.zeros(len(groups) + 1)        # [replicated, one sum of squares per sharding group]
+        flats = [f for f in flats if f.grad is not None]
+        for f in flats:
+            g = f.grad.data
+            xp = get_array_module(g)
+            for seg in f.segments():
+                n = seg.param_stop - seg.param_start
+                v = g[seg.offset:seg.offset + n].astype(np.float64, copy=False)
+                grp = shard_group_of(f.params[seg.index])
+                parts[slot.get(id(grp), 0) if grp is not None else 0] += float(xp.vdot(v, v))
+        shard = self.fsdp.shard_group
+        if shard.size > 1:
+            parts = np.asarray(all_reduce(parts, ReduceOp.SUM, shard), dtype=np.float64)
+        tp = 0.0
+        for i, grp in enumerate(groups, 1):
+            tp += float(all_reduce(parts[i:i + 1].copy(), ReduceOp.SUM, grp)[0])
+        total = math.sqrt(tp + float(parts[0]))
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            for f in flats:
+                f.grad.data *= coef
+        return total
+
     def eval_loss(self, x, y) -> float:
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
@@ -389,7 +603,7 @@ class HybridGPT:
             with no_grad():
                 _, loss = (self.fsdp or self.model)(x, y)
             value = float(loss.item())
-            groups = [g.data_group]
+            groups = self._loss_groups()
         else:
             value = self.pipe.eval_step(x, y)
             groups = list(self.groups.replica) if self.style is TPStyle.AXONN else []
@@ -468,7 +682,7 @@ class HybridGPT:
         shape = self._full_shape(name)
         numel = int(np.prod(shape))
         saved_shape = tuple(saved_shape)
-        if self.fsdp is not None:
+        if self.fsdp is not None and not self._fsdp_tp:
             a, b = ranges[name]
             if saved_shape == (numel,):
                 return ShardedArray(np.zeros(b - a, dtype), (numel,), (a,))
@@ -481,7 +695,58 @@ class HybridGPT:
         return ShardedArray(np.zeros(n, dtype), (numel,), (0,))
 
     def _local_shape(self, name: str) -> tuple:
-        return tuple(dict(self.model.named_parameters())[name].shape)
+        return self._shapes[name]      # this rank's (TP-local) shape, kept from before FSDP flattened them
+
+    def _tp_flat(self, name: str, v):
+        """FSDP x TP: this rank's TP shard of a loaded value of ``name`` (any layout's save), flattened, as
+        the 1-D ``ShardedArray`` FSDP's loaders take (they keep the elements of this rank's chunk)."""
+        from ..distributed.sharding import ShardedArray
+        local = np.ascontiguousarray(self._shard(name, v)).reshape(-1)
+        if local.size != int(np.prod(self._shapes[name])):
+            raise ValueError(f"rank {self.grid.world.rank}: {name!r} shard has {local.size} elements, the "
+                             f"parameter {self._shapes[name]}")
+        return ShardedArray(local, (local.size,), (0,))
+
+    def _fsdp_local(self, optimizer=None) -> Dict[str, Any]:
+        """FSDP x TP: this rank's whole TP-local arrays, gathered over FSDP's shard group (collective):
+        ``{name: array}`` of the parameters, or with ``optimizer`` ``{name: {key: array or scalar}}`` of
+        its state (moments gathered like the parameters, scalars such as ``step`` as they are)."""
+        from ..backend import to_host
+        from ..distributed import all_gather
+        from ..distributed.sharding import compact_slots
+        out: Dict[str, Any] = {}
+        for f in self.fsdp.parameters():
+            names = self.fsdp._param_names(f)
+            k, size, n = f.world_size, f.padded_size, f.total_numel
+
+            def gather(chunk):
+                chunk = np.asarray(to_host(chunk))
+                send = np.zeros(size, chunk.dtype)
+                send[:chunk.size] = chunk
+                buf = np.empty(k * size, chunk.dtype)
+                if k > 1:
+                    all_gather(send, group=f.group, out=buf)
+                else:
+                    buf[:] = send
+                compact_slots(buf, n, k, size)
+                return [np.array(v, copy=True) for v in f.layout.views(buf[:n])]
+
+            if optimizer is None:
+                for nm, v in zip(names, gather(f.data)):
+                    out[nm] = v
+                continue
+            st = optimizer.state.get(f) or {}
+            for nm in names:
+                out[nm] = {}
+            for key in sorted(st):
+                v = st[key]
+                if _is_array(v):
+                    for nm, a in zip(names, gather(v)):
+                        out[nm][key] = a
+                else:
+                    for nm in names:
+                        out[nm][key] = v
+        return out
 
     def _flat_block(self, name: str, v):
         """A loaded value of parameter ``name`` (full array, a block of whole rows, or FSDP's flattened
@@ -503,10 +768,10 @@ class HybridGPT:
         from ..backend import to_host
         from ..distributed.sharding import ShardedArray
         tp = self._tp_map()
-        p = dict(self.model.named_parameters())[name]
-        full = tuple(tp[name][0]._tp_full_shape(tp[name][1])) if name in tp else tuple(p.shape)
+        full = self._full_shape(name)
         if name not in self._owned:
-            return ShardedArray(np.empty((0,) + full[1:], dtype=p.dtype), full, (0,) * len(full))
+            dt = dict(self.model.named_parameters())[name].dtype
+            return ShardedArray(np.empty((0,) + full[1:], dtype=dt), full, (0,) * len(full))
         if name in tp:
             m, local_name = tp[name]
             return m._tp_block(local_name, local)
@@ -518,6 +783,10 @@ class HybridGPT:
         Collective over the grid.  Keys and shapes are the serial GPT's (PyTorch names).
         """
         named = dict(self.model.named_parameters())
+        if self._fsdp_tp:
+            local = self._fsdp_local()
+            full = self._gather({n: {"v": local[n]} for n in self.param_names})
+            return OrderedDict((n, full[n]["v"]) for n in named)
         if self.fsdp is not None:
             from ..backend import to_host
             sd = self.fsdp.state_dict()
@@ -533,6 +802,10 @@ class HybridGPT:
             missing = sorted(set(named) - set(state_dict))
             if missing:
                 raise KeyError(f"rank {self.grid.world.rank}: the state dict lacks {missing}")
+        if self._fsdp_tp:     # this rank's TP shard, flattened: FSDP keeps the elements of its chunk
+            self.fsdp.load_state_dict({n: self._tp_flat(n, v) for n, v in state_dict.items() if n in named},
+                                      strict=strict)
+            return
         if self.fsdp is not None:
             self.fsdp.load_state_dict({n: self._flat_block(n, v) for n, v in state_dict.items() if n in named},
                                       strict=strict)
@@ -575,7 +848,7 @@ class HybridGPT:
                         shapes[name] = tuple(e.shape) if e.kind == "array" else None
             keys, shapes = broadcast_object((keys, shapes), group=self.grid.world.default_group)
             named = dict(self.model.named_parameters())
-            ranges = self._fsdp_ranges() if self.fsdp is not None else None
+            ranges = self._fsdp_ranges() if self.fsdp is not None and not self._fsdp_tp else None
             model = OrderedDict((n, self._template_block(n, shapes.get(f"model/{n}") or self._full_shape(n),
                                                          self.dtype, ranges)) for n in named)
             if keys and set(keys) == set(named):
@@ -591,6 +864,8 @@ class HybridGPT:
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
         """This rank's entries under serial names: TP shards as ``ShardedArray`` blocks, only its stage's."""
         from .tensor import sharded_state_dict
+        if self._fsdp_tp:             # FSDP x TP: the TP blocks (gathered over data; replicas write once)
+            return _ModelState(self).state_dict()
         if self.fsdp is not None:     # FSDP: 1-D blocks of the flattened parameters
             sd = self.fsdp.sharded_state_dict()
             return OrderedDict((n, sd[n]) for n in self.param_names)
@@ -659,6 +934,9 @@ class _ModelState:
         self.hyb = hyb
 
     def state_dict(self):
+        if self.hyb._fsdp_tp:
+            local = self.hyb._fsdp_local()
+            return OrderedDict((n, self.hyb._block(n, local[n])) for n, _ in self.hyb.model.named_parameters())
         if self.hyb.fsdp is not None:
             return self.hyb.sharded_state_dict()
         return OrderedDict((n, self.hyb._block(n, p.data)) for n, p in self.hyb.model.named_parameters())
@@ -676,6 +954,12 @@ class _OptimizerState:
     def state_dict(self):
         hyb = self.hyb
         named = dict(hyb.model.named_parameters())
+        if hyb._fsdp_tp:             # FSDP x TP: the moments gathered over data, saved as TP blocks
+            local = hyb._fsdp_local(self.opt)
+            state = OrderedDict((n, {k: (hyb._block(n, v) if _is_array(v) else v) for k, v in local[n].items()})
+                                for n in named if local.get(n))
+            return {"state": state,
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]}
         if hyb.fsdp is not None:     # FSDP: keyed by serial names, moments as 1-D blocks of the flattened arrays
             osd = hyb.fsdp.optim_state_dict(self.opt)
             return {"state": OrderedDict((n, osd["state"][n]) for n in named if n in osd["state"]),
@@ -703,6 +987,11 @@ class _OptimizerState:
                              f"groups, the optimizer {len(self.opt.param_groups)}")
         for g, saved in zip(self.opt.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
+        if self.hyb._fsdp_tp:
+            state = {n: {k: (self.hyb._tp_flat(n, v) if _is_array(v) else v) for k, v in st.items()}
+                     for n, st in state_dict["state"].items() if st}
+            self.hyb.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
+            return
         if self.hyb.fsdp is not None:
             state = {n: {k: (self.hyb._flat_block(n, v) if _is_array(v) else v) for k, v in st.items()}
                      for n, st in state_dict["state"].items() if st}
