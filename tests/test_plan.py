@@ -94,3 +94,32 @@ def test_plan_and_plot_commands(tmp_path):
     (tmp_path / "bad.json").write_text("not json\n")
     r = _cli("plot", str(tmp_path / "bad.json"))
     assert r.returncode == 1 and "bad.json:1: not a JSON line" in r.stderr
+
+
+@pytest.mark.serial
+def test_slurm_3d_gpu_binds_one_gpu_per_task_and_checks_the_sizes(tmp_path):
+    """The GPU 3-D job: sizes checked against SLURM_NTASKS, `axonmpi info` and the plan first, one GPU per task."""
+    from axonmpi.testing import mpiexec_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
+    os.chmod(fake / "srun", 0o755)
+    env = mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)",
+                       "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "n[1-2]", "AXONMPI_SCRATCH": str(tmp_path),
+                       "AXONMPI_SITE": os.path.join(root, "jobs", "site.sh"), "G_INTER": "2", "G_INTRA_C": "2",
+                       "PLAN_ARGS": "--layers 8 --width 512 --seq 128 --global-batch 32"})
+    job = os.path.join(root, "jobs", "slurm_3d_gpu.sbatch")
+    r = subprocess.run(["bash", job, "--steps", "10"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[1] == "srun --gpus-per-task=1 --gpu-bind=closest python -m axonmpi info --ranks", r.stdout
+    assert out[2] == ("srun --gpus-per-task=1 --gpu-bind=closest python -m axonmpi plan --world 8 --gpus-per-node 4 "
+                      "--measure --layers 8 --width 512 --seq 128 --global-batch 32"), r.stdout
+    assert ("--G-data 2 --G-inter 2 --G-intra-r 1 --G-intra-c 2 --G-intra-d 1 --tp-style axonn --schedule 1f1b "
+            "--steps 10") in out[3] and out[3].startswith("srun --gpus-per-task=1 --gpu-bind=closest"), r.stdout
+    r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60, env={**env, "G_INTER": "3"})
+    assert r.returncode == 2 and "= 6 does not divide SLURM_NTASKS=8" in r.stderr, r.stderr
+    r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60,
+                       env={**env, "G_INTER": "1", "G_INTRA_C": "8", "PLAN_ARGS": ""})
+    assert r.returncode == 0 and "tensor group (8 ranks) does not divide the 4 tasks per node" in r.stderr, r.stderr
