@@ -172,7 +172,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.measure:
         bw = P.measure_bandwidth()
         hw = P.Hardware(bw_intra=bw["intra"] or hw.bw_intra, bw_inter=bw["inter"] or hw.bw_inter, flops=bw["flops"],
-                        gpus_per_node=hw.gpus_per_node, latency=bw["latency"], cores=args.cores or int(bw["cores"]))
+                        gpus_per_node=hw.gpus_per_node, latency=bw["latency"], cores=args.cores or bw["cores"])
     model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
                     vocab=args.vocab, dtype_bytes=args.dtype_bytes)
     limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
@@ -183,7 +183,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"bandwidth intra {hw.bw_intra / 1e9:.1f} GB/s, inter {hw.bw_inter / 1e9:.1f} GB/s"
           f"{' (measured)' if args.measure else ''}, latency {hw.latency * 1e6:.1f} us; "
           f"{hw.flops / 1e12:.3f} TFLOP/s per rank{' (measured GEMM)' if args.measure else ''}"
-          f"{f', {hw.cores} cores per node' if hw.cores else ''}")
+          f"{f', {hw.cores:.2g} cores per node' if hw.cores else ''}")
     print(P.format_plan(P.plan(model, args.world, hw, memory_limit=limit), top=args.top, dtype_bytes=model.dtype_bytes))
     return 0
 
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bw-intra", type=float, default=50.0, help="GB/s inside a node")
     sp.add_argument("--bw-inter", type=float, default=12.5, help="GB/s between nodes")
     sp.add_argument("--tflops", type=float, default=50.0, help="TFLOP/s per rank")
-    sp.add_argument("--cores", type=int, default=0,
+    sp.add_argument("--cores", type=float, default=0.0,
                     help="cores per node; more ranks than cores stretch compute (0: one per rank)")
     sp.add_argument("--memory-gib", type=float, default=None, help="leave out layouts needing more per rank")
     sp.add_argument("--top", type=_positive_int, default=20, help="rows shown")

@@ -107,7 +107,7 @@ class Hardware:
     flops: float = 50e12
     gpus_per_node: int = 8
     latency: float = 0.0
-    cores: int = 0
+    cores: float = 0.0
 
 
 @dataclass
@@ -247,9 +247,8 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
         repl = sum(lay.replicated for lay in stage)
         repl_t = sum(lay.replicated_tensors for lay in stage)
         local = sum(lay.local for lay in stage)
-        bias_ok = model.bias
-        for k, lay in enumerate(stage):
-            is_head = lay is layers[-1]
+        for lay in stage:
+            has_bias = model.bias and lay is not layers[-1]        # lm_head has no bias
             flops += 12.0 * n * model.seq * H * lay.blocks
             for i, o, par in lay.linears:
                 flops += 6.0 * n * i * o
@@ -258,7 +257,6 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
                 for g, kinds in linear_volumes(i, o, n, G_r, G_c, G_d).items():
                     for kind, v in kinds.items():
                         vol[g][kind] += v * (m if g == "depth" else 1)    # the weight: every micro-batch
-                has_bias = bias_ok and not is_head
                 calls["col"] += 5 * m if G_c > 1 else 0
                 calls["row"] += 5 * m if G_r > 1 else 0
                 calls["depth"] += 2 * m if G_d > 1 else 0
@@ -268,16 +266,12 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
                 if G_d > 1 and has_bias:
                     vol["depth"]["allreduce"] += o / G_r
                     calls["depth"] += 1
-        if T > 1:                                    # sync_gradients: replicated parameters
-            if p == 1:
-                vol["repl"]["allreduce"] += repl
-                calls["repl"] += repl_t
-            else:
-                vol["repl"]["allreduce"] += repl
-                calls["repl"] += repl_t
-                if G_data > 1:
-                    vol["data"]["allreduce"] += repl
-                    calls["data"] += repl_t
+        if T > 1:            # sync_gradients: replicated parameters over all ranks, or data and then the block
+            vol["repl"]["allreduce"] += repl
+            calls["repl"] += repl_t
+            if p > 1 and G_data > 1:
+                vol["data"]["allreduce"] += repl
+                calls["data"] += repl_t
         elif G_data > 1:
             if fsdp == "full_shard":
                 vol["data"]["gather"] += 3.0 * local
@@ -365,19 +359,23 @@ def format_plan(estimates: List[Estimate], top: int = 20, dtype_bytes: int = 4) 
     return "\n".join(lines)
 
 
-def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 5, gemm: int = 256) -> Dict[str, float]:
+def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) -> Dict[str, float]:
     """Time all-reduces and a GEMM on this allocation (collective; call on every rank under mpiexec/srun).
 
-    Returns ``{"intra", "inter", "latency", "flops", "cores"}``: the bus bandwidth ``2 (p-1)/p n / t``
-    (bytes/s, best of ``repeats``) of an all-reduce among the ranks of one node and among one rank per
-    node (equal to ``intra`` on one node); the *median* time of an 8-byte all-reduce of all ranks (what
-    a small collective costs while ranks share cores); the float32 ``gemm``-cube GEMM rate of one rank
-    timed while every rank runs it, times ``ranks per node / cores`` when the ranks outnumber the cores
-    (the rate of a rank alone, as :class:`Hardware` wants it); the cores this node's ranks may use.
+    Returns ``{"intra", "inter", "latency", "flops", "cores"}``:
+
+    * ``intra``: bus bandwidth ``2 (p-1)/p n / t`` (bytes/s) of an all-reduce of ``nbytes`` among the
+      ranks of one node, the *median* of ``repeats`` (what a step meets when ranks share cores and
+      other jobs run; the best case overstates it); ``inter``: the same among one rank per node
+      (``intra`` on one node);
+    * ``latency``: the median time of an 8-byte all-reduce of all ranks;
+    * ``flops``: a float32 ``gemm``-cube GEMM's rate on one rank while the node's other ranks sleep;
+    * ``cores``: the cores the node's ranks get in effect: ranks per node x (the GEMM's rate per rank
+      while all of them run it) / ``flops``, at most the cores the process may use.
 
     Example:
         >>> bw = measure_bandwidth(1 << 16)
-        >>> bw["intra"] > 0 and bw["flops"] > 0
+        >>> bw["intra"] > 0 and bw["flops"] > 0 and bw["cores"] > 0
         True
     """
     import os
@@ -391,24 +389,23 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 5, gemm: int = 256) 
 
     def timed(group) -> float:
         if group is None or group.size <= 1:
-            return float("inf")
+            return 0.0
         x = np.ones(max(1, nbytes // 8))
         all_reduce(x, group=group)
         barrier()
-        best = float("inf")
+        ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             all_reduce(x, group=group)
-            best = min(best, time.perf_counter() - t0)
+            ts.append(time.perf_counter() - t0)
         p = group.size
-        return 2.0 * (p - 1) / p * x.nbytes / best
+        return 2.0 * (p - 1) / p * x.nbytes / statistics.median(ts)
 
     node = world.split(world.node_index, name="plan-node")
     leaders = world.split(0 if world.local_rank == 0 else None, name="plan-leaders")
     intra = timed(node)
     inter = timed(leaders) if world.local_rank == 0 else 0.0
-    vals = all_reduce(np.array([intra if math.isfinite(intra) else 0.0, inter if math.isfinite(inter) else 0.0]),
-                      op="max")
+    vals = all_reduce(np.array([intra, inter]), op="max")
     intra, inter = float(vals[0]), float(vals[1])
     small = np.zeros(1)
     lat = [0.0]
@@ -420,14 +417,28 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 5, gemm: int = 256) 
             lat.append(time.perf_counter() - t0)
     med = float(all_reduce(np.array([statistics.median(lat)]), op="max")[0])
     a = np.ones((gemm, gemm), np.float32)
-    a @ a
+
+    def rate() -> float:
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ a
+            ts.append(time.perf_counter() - t0)
+        return 2.0 * gemm ** 3 / statistics.median(ts)
+
+    rate()
     barrier()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ a
-    rate = 2.0 * gemm ** 3 * repeats / (time.perf_counter() - t0)
-    rate = float(all_reduce(np.array([rate]), op="min")[0])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    alone = 0.0
+    if world.local_rank == 0:                # the others sleep (a rank waiting in MPI would spin on a core)
+        alone = rate()
+    else:
+        time.sleep(0.5)
+    barrier()
+    shared = rate()
     per_node = node.size if node is not None else 1
-    return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med,
-            "flops": rate * max(1.0, per_node / cores), "cores": float(cores)}
+    alone = float(all_reduce(np.array([alone]), op="max")[0])
+    shared = float(all_reduce(np.array([shared]), op="min")[0])
+    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = min(float(avail), per_node * shared / alone) if alone > 0 else float(avail)
+    return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med, "flops": alone,
+            "cores": cores}

@@ -8,13 +8,15 @@ start of each training step), so the difference of two consecutive snapshots is 
 What one call counts (the convention of :mod:`axonmpi.plan`'s volumes): all-reduce, reduce,
 reduce-scatter and all-to-all: the send buffer; all-gather(v) and broadcast: the whole (gathered)
 buffer; point-to-point: every buffer sent *and* received.  Object collectives (pickles) and
-barriers count calls only (``calls`` counts every call, for the latency term).
+barriers count calls only (``calls`` counts every call, for the latency term).  Each snapshot also
+holds ``_clock``: this rank's CPU seconds and the wall clock, for the cores the job got in effect.
 """
 from __future__ import annotations
 
 import json
 import runpy
 import sys
+import time
 
 
 def install():
@@ -56,7 +58,9 @@ def install():
     zero = O.Optimizer.zero_grad
 
     def zero_grad(self, *a, **kw):
-        snaps.append({k: list(v) for k, v in counts.items()})
+        snap = {k: list(v) for k, v in counts.items()}
+        snap["_clock"] = [time.process_time(), time.perf_counter()]    # CPU seconds of this rank, wall seconds
+        snaps.append(snap)
         return zero(self, *a, **kw)
     O.Optimizer.zero_grad = zero_grad
     return counts, snaps
@@ -68,7 +72,7 @@ def main():
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
     import axonmpi
-    rank = axonmpi.get_world().rank
+    rank = axonmpi.get_world().rank if axonmpi.is_initialized() else 0
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"snapshots": snaps, "final": counts}, f)
 

@@ -10,7 +10,8 @@ Rows: one per layout ``(G_data, G_inter, G_r, G_c, G_d)`` (and ``+fsdp``: FSDP f
 Measured: the median tokens/s of the steps after the first (warm-up), from ``--metrics-json``.
 Predicted: ``axonmpi.plan.estimate`` with the flop rate calibrated on a 1-rank run of the same model,
 the bandwidth and the latency (median 8-byte all-reduce) measured by ``axonmpi.plan.measure_bandwidth``
-under ``mpiexec -n N``, and the cores this process may use (ranks sharing cores stretch compute).
+under ``mpiexec -n N``, and the cores the N ranks get in effect (from a GEMM timed alone and on all
+ranks at once: ranks sharing cores, with each other or with other jobs, stretch compute).
 Bytes: what every rank moved through the backend per group during the last complete step (from one
 ``zero_grad`` to the next), the busiest rank's, beside the planner's volume (``meas/pred`` in KiB;
 the ratio in the last column is the worst over the groups).  Spearman's rank correlation of the
@@ -19,6 +20,7 @@ predicted and measured step times closes the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -54,7 +56,11 @@ def _spearman(a, b):
 
 
 def _train(args, tmp, name, sizes, extra=()):
-    """Run one layout; returns (median tokens/s, {group: bytes of the last step, busiest rank}, error)."""
+    """Run one layout; returns (median tokens/s, {group: bytes of the last step, busiest rank}, error).
+
+    The dict also holds ``_cpu`` (CPU seconds of all ranks per step) and ``_cores`` (those over the wall
+    seconds: the cores the ranks got in effect, with each other and the machine's other jobs), both over
+    the steps after the first."""
     from axonmpi.testing import mpiexec_env, run_mpiexec
     metrics = os.path.join(tmp, f"{name}.jsonl")
     counts = os.path.join(tmp, f"{name}.count")
@@ -63,7 +69,8 @@ def _train(args, tmp, name, sizes, extra=()):
             "--no-save", "--no-progress", "--sample-chars", "0", "--eval-batches", "1", "--corpus-bytes", "200000",
             "--dtype", args.dtype, "--metrics-json", metrics, *extra]
     if sizes is None:
-        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=mpiexec_env(), cwd=tmp)
+        r = subprocess.run([sys.executable, COUNTER, counts, *argv], capture_output=True, text=True, env=mpiexec_env(),
+                           cwd=tmp)
     else:
         flags = [f for k, v in zip(("--G-data", "--G-inter", "--G-intra-r", "--G-intra-c", "--G-intra-d"), sizes)
                  for f in (k, str(v))]
@@ -72,19 +79,24 @@ def _train(args, tmp, name, sizes, extra=()):
         return None, None, r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
     rows = [json.loads(x) for x in open(metrics)]
     tok = statistics.median(x["tokens_per_s"] for x in rows[1:]) if len(rows) > 1 else rows[0]["tokens_per_s"]
-    per_group = {}
+    per_group = {"_cpu": 0.0, "_wall": 0.0}
     for f in glob.glob(counts + ".*.json"):
         snaps = json.load(open(f))["snapshots"]
         if len(snaps) < 2:
             continue
+        first = snaps[1] if len(snaps) > 2 else snaps[0]
+        per_group["_cpu"] += (snaps[-1]["_clock"][0] - first["_clock"][0]) / (len(snaps) - 1 - snaps.index(first))
+        per_group["_wall"] = max(per_group["_wall"], snaps[-1]["_clock"][1] - first["_clock"][1])
         a, b = snaps[-2], snaps[-1]
         mine = {}
-        for g, (nbytes, _) in b.items():
-            kind = GROUP_OF.get(g)
+        for g, v in b.items():
+            kind, nbytes = GROUP_OF.get(g), v[0]
             if kind is not None:
                 mine[kind] = mine.get(kind, 0) + nbytes - a.get(g, [0, 0])[0]
         for k, v in mine.items():
             per_group[k] = max(per_group.get(k, 0), v)
+        nsteps = len(snaps) - 1 - snaps.index(first)
+    per_group["_cores"] = per_group["_cpu"] * nsteps / per_group["_wall"] if per_group["_wall"] else 0.0
     return tok, per_group, None
 
 
@@ -112,24 +124,24 @@ def main():
     tmp = tempfile.mkdtemp()
     model = Model(layers=args.layers, width=args.width, seq=args.block, global_batch=args.global_batch,
                   vocab=_vocab(), dtype_bytes=4 if args.dtype == "float32" else 8)
-    serial, _, err = _train(args, tmp, "serial", None)
+    serial, one, err = _train(args, tmp, "serial", None)
     if serial is None:
         sys.exit(f"the 1-rank run failed: {err}")
-    t1 = args.global_batch * args.block / serial
-    flops = estimate(model, Layout(), Hardware(flops=1.0)).compute_time / t1     # flop/s of one rank alone
+    # flop/s of one rank alone on a core: the model's flops over the CPU seconds of a 1-rank step
+    flops = estimate(model, Layout(), Hardware(flops=1.0)).compute_time / one["_cpu"]
     r = run_mpiexec(["-c", "import json, axonmpi\nfrom axonmpi.plan import measure_bandwidth\n"
                      "bw = measure_bandwidth(1 << 22)\nif axonmpi.get_world().rank == 0: print(json.dumps(bw))"],
                     n=args.ranks, timeout=600)
     if r.returncode != 0:
         sys.exit(f"measure_bandwidth failed: {r.stderr.strip()[-2000:]}")
     bw = json.loads(r.stdout.strip().splitlines()[-1])
-    cores = int(bw["cores"])
+    cores = bw["cores"]
     hw = Hardware(bw_intra=bw["intra"], bw_inter=bw["inter"], flops=flops, gpus_per_node=args.ranks,
                   latency=bw["latency"], cores=cores)
     print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {model.vocab}, global batch "
-          f"{args.global_batch}, {args.dtype}, {args.ranks} ranks on {cores} cores, {args.steps} steps | 1 rank: "
-          f"{serial:,.0f} tokens/s ({flops / 1e9:.1f} GFLOP/s) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} "
-          f"GB/s, latency {bw['latency'] * 1e6:.0f} us (median), GEMM {bw['flops'] / 1e9:.1f} GFLOP/s per rank alone",
+          f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | 1 rank: {serial:,.0f} tokens/s "
+          f"({flops / 1e9:.1f} GFLOP/s per CPU second) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} "
+          f"GB/s, latency {bw['latency'] * 1e6:.0f} us (medians)",
           flush=True)
     rows = []
     for entry in LAYOUTS:
@@ -140,13 +152,15 @@ def main():
         extra = ["--microbatches", str(m)] + (["--fsdp", fsdp] if fsdp else [])
         name = "x".join(map(str, sizes)) + (f"-{fsdp}" if fsdp else "")
         tok, counted, err = _train(args, tmp, name, sizes, extra)
+        if counted and counted["_cores"] > 0:       # the cores the ranks got while this layout ran
+            hw = dataclasses.replace(hw, cores=min(counted["_cores"], float(args.ranks)))
         pred = estimate(model, Layout(*sizes), hw, microbatches=m, fsdp=fsdp)
         rows.append((sizes, fsdp, m, tok, counted, err, pred))
     ok = [r for r in rows if r[3] is not None]
     rho, rm, rp = _spearman([args.global_batch * args.block / r[3] for r in ok], [r[6].step_time for r in ok])
     rank_of = {id(r): (a, b) for r, a, b in zip(ok, rm, rp)}
     b = model.dtype_bytes
-    print(f"{'layout (d,i,r,c,d)':<24} {'m':>2} {'tokens/s':>9} {'vs 1':>5} {'step ms':>8} {'pred ms':>8} "
+    print(f"{'layout (d,i,r,c,d)':<24} {'m':>2} {'cores':>5} {'tokens/s':>9} {'vs 1':>5} {'step ms':>8} {'pred ms':>8} "
           f"{'rank':>4} {'pred':>4}  " + " ".join(f"{g + ' KiB meas/pred':>21}" for g in GROUPS) + f" {'worst':>6}")
     for r in rows:
         sizes, fsdp, m, tok, counted, err, pred = r
@@ -163,7 +177,7 @@ def main():
             if meas or want:
                 ratio = meas / want if want else float("inf")
                 worst = ratio if abs(ratio - 1) > abs(worst - 1) else worst
-        print(f"{label:<24} {m:>2} {tok:>9,.0f} {tok / serial:>5.2f} {step * 1e3:>8.0f} {pred.step_time * 1e3:>8.0f} "
+        print(f"{label:<24} {m:>2} {counted['_cores']:>5.2f} {tok:>9,.0f} {tok / serial:>5.2f} {step * 1e3:>8.0f} {pred.step_time * 1e3:>8.0f} "
               f"{a + 1:>4} {c + 1:>4}  " + " ".join(cells) + f" {worst:>6.3f}")
     print(f"Spearman rank correlation (predicted vs measured step time): {rho:.2f} over {len(ok)} layouts")
 
