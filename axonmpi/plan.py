@@ -49,7 +49,7 @@ Example:
     >>> m = Model(layers=2, width=64, seq=32, vocab=128, global_batch=8)
     >>> est = estimate(m, Layout(G_data=2, G_intra_c=2), Hardware())
     >>> round(est.volumes["col"])            # elements per step through the column group
-    172032
+    450560
 """
 from __future__ import annotations
 

@@ -11,7 +11,10 @@ Measured: the median tokens/s of the steps after the first (warm-up), from ``--m
 Predicted: ``axonmpi.plan.estimate`` with the flop rate calibrated on a 1-rank run of the same model,
 the bandwidth and the latency (median 8-byte all-reduce) measured by ``axonmpi.plan.measure_bandwidth``
 under ``mpiexec -n N``, and the cores the N ranks get in effect (from a GEMM timed alone and on all
-ranks at once: ranks sharing cores, with each other or with other jobs, stretch compute).
+ranks at once: ranks sharing cores, with each other or with other jobs, stretch compute).  The flop
+rate is the model's flops of one step over the CPU seconds of a 1-rank step (robust to other jobs).
+Column ``cores``: the ranks' CPU seconds over the wall seconds while each layout ran (information:
+how loaded the machine was; MPI's busy waiting counts as busy).
 Bytes: what every rank moved through the backend per group during the last complete step (from one
 ``zero_grad`` to the next), the busiest rank's, beside the planner's volume (``meas/pred`` in KiB;
 the ratio in the last column is the worst over the groups).  Spearman's rank correlation of the
@@ -20,7 +23,6 @@ predicted and measured step times closes the table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 import os
@@ -59,8 +61,7 @@ def _train(args, tmp, name, sizes, extra=()):
     """Run one layout; returns (median tokens/s, {group: bytes of the last step, busiest rank}, error).
 
     The dict also holds ``_cpu`` (CPU seconds of all ranks per step) and ``_cores`` (those over the wall
-    seconds: the cores the ranks got in effect, with each other and the machine's other jobs), both over
-    the steps after the first."""
+    seconds: the cores the ranks kept busy, computing or spinning in MPI), over the steps after the first."""
     from axonmpi.testing import mpiexec_env, run_mpiexec
     metrics = os.path.join(tmp, f"{name}.jsonl")
     counts = os.path.join(tmp, f"{name}.count")
@@ -152,8 +153,6 @@ def main():
         extra = ["--microbatches", str(m)] + (["--fsdp", fsdp] if fsdp else [])
         name = "x".join(map(str, sizes)) + (f"-{fsdp}" if fsdp else "")
         tok, counted, err = _train(args, tmp, name, sizes, extra)
-        if counted and counted["_cores"] > 0:       # the cores the ranks got while this layout ran
-            hw = dataclasses.replace(hw, cores=min(counted["_cores"], float(args.ranks)))
         pred = estimate(model, Layout(*sizes), hw, microbatches=m, fsdp=fsdp)
         rows.append((sizes, fsdp, m, tok, counted, err, pred))
     ok = [r for r in rows if r[3] is not None]
