@@ -368,7 +368,9 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
       ranks of one node, the *median* of ``repeats`` (what a step meets when ranks share cores and
       other jobs run; the best case overstates it); ``inter``: the same among one rank per node
       (``intra`` on one node);
-    * ``latency``: the median time of an 8-byte all-reduce of all ranks;
+    * ``latency``: what an 8-byte all-reduce of all ranks adds to a loop of GEMMs (one between each):
+      a collective's cost when ranks compute between collectives, as in a step (where ranks share
+      cores, mostly the wait for the others' turn on a core; on dedicated cores, the latency);
     * ``flops``: a float32 ``gemm``-cube GEMM's rate on one rank while the node's other ranks sleep;
     * ``cores``: the cores the node's ranks get in effect: ranks per node x (the GEMM's rate per rank
       while all of them run it) / ``flops``, at most the cores the process may use.
@@ -407,15 +409,6 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
     inter = timed(leaders) if world.local_rank == 0 else 0.0
     vals = all_reduce(np.array([intra, inter]), op="max")
     intra, inter = float(vals[0]), float(vals[1])
-    small = np.zeros(1)
-    lat = [0.0]
-    if world.world_size > 1:
-        lat = []
-        for _ in range(max(repeats, 21)):
-            t0 = time.perf_counter()
-            all_reduce(small)
-            lat.append(time.perf_counter() - t0)
-    med = float(all_reduce(np.array([statistics.median(lat)]), op="max")[0])
     a = np.ones((gemm, gemm), np.float32)
 
     def rate() -> float:
@@ -435,6 +428,22 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
         time.sleep(0.5)
     barrier()
     shared = rate()
+    small = np.zeros(1)
+
+    def loop(sync: bool) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(3 * repeats):
+            a @ a
+            if sync:
+                all_reduce(small)
+        return time.perf_counter() - t0
+
+    lat = 0.0
+    if world.world_size > 1:
+        plain = min(loop(False), loop(False))
+        lat = max(0.0, loop(True) - plain) / (3 * repeats)
+    med = float(all_reduce(np.array([lat]), op="max")[0])
     per_node = node.size if node is not None else 1
     alone = float(all_reduce(np.array([alone]), op="max")[0])
     shared = float(all_reduce(np.array([shared]), op="min")[0])
