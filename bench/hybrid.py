@@ -187,8 +187,8 @@ def main():
             if meas or want:
                 ratio = meas / want if want else float("inf")
                 worst = ratio if abs(ratio - 1) > abs(worst - 1) else worst
-        print(f"{label:<24} {m:>2} {counted['_cores']:>5.2f} {tok:>9,.0f} {tok / serial:>5.2f} {step * 1e3:>8.0f} {pred.step_time * 1e3:>8.0f} "
-              f"{a + 1:>4} {c + 1:>4}  " + " ".join(cells) + f" {worst:>6.3f}")
+        print(f"{label:<24} {m:>2} {counted['_cores']:>5.2f} {tok:>9,.0f} {tok / serial:>5.2f} {step * 1e3:>8.0f} "
+              f"{pred.step_time * 1e3:>8.0f} {a + 1:>4} {c + 1:>4}  " + " ".join(cells) + f" {worst:>6.3f}")
     print(f"Spearman rank correlation (predicted vs measured step time): {rho:.2f} over {len(ok)} layouts")
 
 
