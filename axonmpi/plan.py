@@ -34,9 +34,11 @@ the busiest pipeline stage.
   all-reduce ``2 (p-1)/p v b / bw``; all-gather, reduce-scatter, all-to-all ``(p-1)/p v b / bw``;
   point-to-point ``v b / bw``.  ``bw`` is ``bw_intra`` when the group fits in one node (grid order,
   fastest first: col, row, depth, inter, data; a group of stride ``s`` and size ``p`` fits when
-  ``s p <= gpus_per_node``), else ``bw_inter``.  Each call costs ``latency`` more: per Linear and
-  micro-batch 5 calls on col and on row (four collectives and the row-count exchange), 2 on depth;
-  one per gradient tensor and group; two per micro-batch and neighbour on the pipeline.
+  ``s p <= gpus_per_node``), else ``bw_inter``.  Each call costs ``latency`` more (``--measure``: what
+  a small all-reduce adds between GEMMs; where ranks share cores, mostly the wait for the others' turn
+  on a core): per Linear and micro-batch 5 calls on col and on row (four collectives and the
+  row-count exchange), 2 on depth; one per gradient tensor and group; two per micro-batch and
+  neighbour on the pipeline.
 * Compute: ``6 n sum(in out)`` over the stage's Linears plus attention ``12 n S H`` per block, at
   ``flops`` per rank, stretched by the pipeline bubble ``(m + G_inter - 1) / m`` and, when more ranks
   share a node than it has ``cores``, by ``ranks per node / cores`` (oversubscribed CPUs).

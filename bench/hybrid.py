@@ -144,7 +144,8 @@ def main():
     print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {model.vocab}, global batch "
           f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | 1 rank: {serial:,.0f} tokens/s "
           f"({flops / 1e9:.1f} GFLOP/s per CPU second) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} "
-          f"GB/s, latency {bw['latency'] * 1e6:.0f} us (medians), {cores:.2f} cores in effect for {args.ranks} ranks",
+          f"GB/s (median), {bw['latency'] * 1e6:.0f} us a call between GEMMs, {cores:.2f} cores in effect for "
+          f"{args.ranks} ranks",
           flush=True)
     todo = []
     for entry in LAYOUTS:
