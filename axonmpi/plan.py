@@ -378,8 +378,8 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
       while all of them run it) / ``flops``, at most the cores the process may use.
 
     Example:
-        >>> bw = measure_bandwidth(1 << 16)
-        >>> bw["intra"] > 0 and bw["flops"] > 0 and bw["cores"] > 0
+        >>> bw = measure_bandwidth(1 << 16)          # under mpiexec -n 4 on one node
+        >>> bw["intra"] > 0 and bw["flops"] > 0 and 0 < bw["cores"] <= os.cpu_count()
         True
     """
     import os
