@@ -168,11 +168,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from axonmpi import plan as P
     hw = P.Hardware(bw_intra=args.bw_intra * 1e9, bw_inter=args.bw_inter * 1e9, flops=args.tflops * 1e12,
-                    gpus_per_node=args.gpus_per_node)
+                    gpus_per_node=args.gpus_per_node, cores=args.cores)
     if args.measure:
         bw = P.measure_bandwidth()
-        hw = P.Hardware(bw_intra=bw["intra"] or hw.bw_intra, bw_inter=bw["inter"] or hw.bw_inter, flops=hw.flops,
-                        gpus_per_node=hw.gpus_per_node, latency=bw["latency"])
+        hw = P.Hardware(bw_intra=bw["intra"] or hw.bw_intra, bw_inter=bw["inter"] or hw.bw_inter, flops=bw["flops"],
+                        gpus_per_node=hw.gpus_per_node, latency=bw["latency"], cores=args.cores or bw["cores"])
     model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
                     vocab=args.vocab, dtype_bytes=args.dtype_bytes)
     limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
@@ -182,8 +182,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"GPT {model.params / 1e6:.1f}M weights on {args.world} ranks ({hw.gpus_per_node} per node); "
           f"bandwidth intra {hw.bw_intra / 1e9:.1f} GB/s, inter {hw.bw_inter / 1e9:.1f} GB/s"
           f"{' (measured)' if args.measure else ''}, latency {hw.latency * 1e6:.1f} us; "
-          f"{hw.flops / 1e12:.1f} TFLOP/s per rank")
-    print(P.format_plan(P.plan(model, args.world, hw, memory_limit=limit), top=args.top))
+          f"{hw.flops / 1e12:.3f} TFLOP/s per rank{' (measured GEMM)' if args.measure else ''}"
+          f"{f', {hw.cores:.2g} cores per node' if hw.cores else ''}")
+    print(P.format_plan(P.plan(model, args.world, hw, memory_limit=limit), top=args.top, dtype_bytes=model.dtype_bytes))
     return 0
 
 
@@ -235,10 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bw-intra", type=float, default=50.0, help="GB/s inside a node")
     sp.add_argument("--bw-inter", type=float, default=12.5, help="GB/s between nodes")
     sp.add_argument("--tflops", type=float, default=50.0, help="TFLOP/s per rank")
+    sp.add_argument("--cores", type=float, default=0.0,
+                    help="cores per node; more ranks than cores stretch compute (0: one per rank)")
     sp.add_argument("--memory-gib", type=float, default=None, help="leave out layouts needing more per rank")
     sp.add_argument("--top", type=_positive_int, default=20, help="rows shown")
     sp.add_argument("--measure", action="store_true",
-                    help="time all-reduces on this allocation for the bandwidths (run under mpiexec/srun)")
+                    help="time all-reduces and a GEMM on this allocation for the bandwidths, latency, flop rate and "
+                         "cores (run under mpiexec/srun)")
     sp.set_defaults(func=_cmd_plan)
     sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot)")
     sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")

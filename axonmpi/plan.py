@@ -1,43 +1,57 @@
-"""A cost model of the GPT under the five grid sizes: memory, communication per group and step time.
+"""A cost model of the GPT under the five grid sizes: memory, bytes per group and step time.
 
 [Note: the model]  A GPT of ``L`` blocks, width ``H``, sequence ``S``, vocabulary ``V``, global
-batch ``B`` sequences, on ``N = G_data*G_inter*G_r*G_c*G_d`` ranks, AxoNN's 3-D tensor
-parallelism inside a block (rows over data x depth), pipeline over ``G_inter`` with ``m``
-micro-batches.  Elements are ``dtype_bytes`` wide.
+batch ``B`` sequences on ``N = G_data G_inter G_r G_c G_d`` ranks, as ``HybridGPT`` runs it
+(``tp_style="axonn"``: AxoNN's easy mode; no tensor split: DDP, FSDP or a pipeline).  ``T = G_r G_c
+G_d``; ``b`` bytes per element.  Everything is per optimizer step and per rank; the planner reports
+the busiest pipeline stage.
 
-* Each block has four Linears ``(in, out)``: qkv ``(H, 3H)``, attention proj ``(H, H)``, fc
-  ``(H, 4H)``, mlp proj ``(4H, H)``: ``12 H^2`` weights.  The embeddings ``(V + S) H`` and the
-  head ``V H`` sit on the first and last stage.
-* Tokens one rank's row x column plane processes per step: ``t = B S / (G_data G_d)``.
-* Per Linear and step, AxoNN's volumes (elements, the message each rank contributes):
-  column group: all-reduce of ``t out / G_r`` (forward); row group: all-reduce of
-  ``t in / G_c`` (backward dX); depth group: all-gather of ``in out / (G_r G_c)`` (forward
-  weights) plus reduce-scatter of the same (backward dW).
-* Data group: all-reduce of the rank's gradient shard, ``P_stage / (G_r G_c G_d)``.
-* Pipeline group: each stage boundary sends ``B S H / G_data`` activations forward and as many
-  gradients back per step (on the ``(r, c, d)`` planes: ``/ (G_d)`` rows each).
-* Time of a collective of ``n`` elements on ``p`` ranks with bandwidth ``bw`` (bytes/s), ring
-  algorithms: all-reduce ``2 (p-1)/p n b / bw``; all-gather and reduce-scatter ``(p-1)/p n b / bw``;
-  point-to-point ``n b / bw``.  ``bw`` is ``bw_intra`` when the group fits in one node (its
-  ranks are contiguous in the grid's order with stride ``s``: ``s * p <= gpus_per_node``),
-  else ``bw_inter``.  Grid order (fastest first): col, row, depth, inter, data.
-* Compute: ``6 P B S`` flops (``P`` all weights) plus attention ``12 L B S^2 H``, spread over
-  ``N`` ranks at ``flops`` per second, stretched by the pipeline bubble ``(m + G_inter - 1) / m``.
-* Latency: each collective call costs ``latency`` seconds more (0 by default, measured by
-  ``--measure``): per block and micro-batch one column all-reduce, one row all-reduce and two
-  depth collectives per Linear; two point-to-point messages per micro-batch on the pipeline; one
-  data all-reduce per step.
-* Step time = compute + the sum of all communication times (no overlap assumed).
-* Memory per rank: weights, gradients and two AdamW moments (``4 x`` the rank's parameters)
-  plus activations ``34 t_mb H x L/G_inter x min(m, G_inter)`` bytes-elements per micro-batch
-  held (Korthikanti et al.'s per-layer estimate without recomputation, ``t_mb = t / m``),
-  plus one gathered weight of the largest Linear (depth all-gather).
+* Rows.  Each rank holds ``n = B S / (G_data T)`` tokens (``B S / G_data`` when ``T = 1``): in easy
+  mode every rank of a tensor block reads its own rows (``hybrid.batch_shards``).
+* One 3-D Linear ``(in, out)`` (``intra_layer.Linear``, easy mode; a Linear the grid does not divide
+  stays replicated).  Forward: rows in over the column group (all-to-all ``n in``), over the row
+  group (all-gather, ``G_r n in`` gathered), weight all-gathered over depth (``in out / (G_r G_c)``),
+  output all-reduced over the column group (``G_c n out``), rows out over the row group (all-to-all
+  ``G_c n out``).  Backward: the mirror images (all-gather ``G_c n out`` over column, all-to-all
+  ``G_c n out`` over row, all-reduce of dX ``G_r n in`` over row, reduce-scatter of dW over depth,
+  all-to-all ``n in`` over column).  Per Linear:
+
+      col   = 2 n in + 2 G_c n out        (if G_c > 1; G_c n out of it all-reduced)
+      row   = 2 G_r n in + 2 G_c n out    (if G_r > 1; G_r n in of it all-reduced)
+      depth = 2 in out / (G_r G_c)        (if G_d > 1) + the bias' all-reduce out / G_r
+
+* Gradients.  3-D weights (``in out / T``) and biases (``out / G_r``) all-reduced over data;
+  replicated parameters (LayerNorms, embeddings, undivided Linears) all-reduced over the replica
+  ranks: group ``repl`` = all ranks without a pipeline, else ``data`` and then the tensor block.
+  Without a tensor split: DDP all-reduces every gradient over data; FSDP ``full_shard`` moves
+  ``3 P`` (all-gather forward and backward, reduce-scatter), ``shard_grad_op`` ``2 P``.
+* Pipeline.  The layers ``[embedding, blocks..., head]`` are cut where ``split_module`` cuts them
+  (balancing the rank's parameter counts); each boundary moves ``n H`` activations forward and as
+  many gradients back: ``inter`` counts sent + received, ``2 n H`` per neighbouring stage.
+* Volumes count what the backend moves (``bench/hybrid.py`` counts it): all-reduce, reduce-scatter
+  and all-to-all the send buffer, all-gather the gathered buffer, point-to-point sent + received.
+* Time of ``v`` elements of a kind on ``p`` ranks at bandwidth ``bw`` (bytes/s), ring algorithms:
+  all-reduce ``2 (p-1)/p v b / bw``; all-gather, reduce-scatter, all-to-all ``(p-1)/p v b / bw``;
+  point-to-point ``v b / bw``.  ``bw`` is ``bw_intra`` when the group fits in one node (grid order,
+  fastest first: col, row, depth, inter, data; a group of stride ``s`` and size ``p`` fits when
+  ``s p <= gpus_per_node``), else ``bw_inter``.  Each call costs ``latency`` more (``--measure``: what
+  a small all-reduce adds between GEMMs; where ranks share cores, mostly the wait for the others' turn
+  on a core): per Linear and micro-batch 5 calls on col and on row (four collectives and the
+  row-count exchange), 2 on depth; one per gradient tensor and group; two per micro-batch and
+  neighbour on the pipeline.
+* Compute: ``6 n sum(in out)`` over the stage's Linears plus attention ``12 n S H`` per block, at
+  ``flops`` per rank, stretched by the pipeline bubble ``(m + G_inter - 1) / m`` and, when more ranks
+  share a node than it has ``cores``, by ``ranks per node / cores`` (oversubscribed CPUs).
+* Step time = compute + all communication (no overlap assumed), of the slowest stage.
+* Memory per rank: parameters, gradients and two AdamW moments (``4 b`` per local parameter) plus
+  activations ``34 (n/m) H b`` per block and micro-batch held (``min(m, G_inter)``; Korthikanti et
+  al., no recomputation) plus the largest depth-gathered weight.
 
 Example:
     >>> m = Model(layers=2, width=64, seq=32, vocab=128, global_batch=8)
     >>> est = estimate(m, Layout(G_data=2, G_intra_c=2), Hardware())
     >>> round(est.volumes["col"])            # elements per step through the column group
-    24576
+    450560
 """
 from __future__ import annotations
 
@@ -46,9 +60,12 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .parallel.hybrid import Layout
+from .parallel.pipeline.split import _balanced   # the cut split_module makes
 
 __all__ = ["Estimate", "Hardware", "Layout", "Model", "candidate_layouts", "estimate", "format_plan", "linear_volumes",
-           "measure_bandwidth", "plan"]
+           "measure_bandwidth", "plan", "GROUPS"]
+
+GROUPS = ("col", "row", "depth", "inter", "data", "repl")
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class Model:
     global_batch: int
     vocab: int = 50304
     dtype_bytes: int = 4
+    bias: bool = True
 
     def linears(self) -> List[Tuple[int, int]]:
         """``(in, out)`` of one block's four Linears."""
@@ -68,23 +86,30 @@ class Model:
 
     @property
     def block_params(self) -> int:
-        """Weights of one block (``12 H^2``; biases and LayerNorms left out)."""
-        return sum(i * o for i, o in self.linears())
+        """Parameters of one block: ``12 H^2`` weights, ``9 H`` biases, two LayerNorms."""
+        return sum(i * o + (o if self.bias else 0) for i, o in self.linears()) + 2 * self._ln
+
+    @property
+    def _ln(self) -> int:
+        return self.width * (2 if self.bias else 1)
 
     @property
     def params(self) -> int:
-        """All weights: blocks, embeddings (token + position) and the head."""
-        return self.layers * self.block_params + (2 * self.vocab + self.seq) * self.width
+        """All parameters: blocks, embeddings (token + position), final LayerNorm, head (no bias)."""
+        return (self.layers * self.block_params + (self.vocab + self.seq) * self.width + self._ln
+                + self.vocab * self.width)
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """Bandwidths in bytes/s, compute in flop/s per rank, ranks per node, seconds per collective call."""
+    """Bandwidths in bytes/s, compute in flop/s per rank (a rank alone on its core), ranks per node,
+    seconds per collective call, and cores per node (0: one per rank, no sharing)."""
     bw_intra: float = 50e9
     bw_inter: float = 12.5e9
     flops: float = 50e12
     gpus_per_node: int = 8
     latency: float = 0.0
+    cores: float = 0.0
 
 
 @dataclass
@@ -95,34 +120,40 @@ class Estimate:
     step_time: float
     compute_time: float
     memory_bytes: float
-    volumes: Dict[str, float] = field(default_factory=dict)   # elements per step per rank, by group
+    volumes: Dict[str, float] = field(default_factory=dict)   # elements per step, busiest rank, by group
     comm_times: Dict[str, float] = field(default_factory=dict)
+    calls: Dict[str, float] = field(default_factory=dict)
 
 
 def linear_volumes(in_features: int, out_features: int, tokens: float, G_r: int, G_c: int, G_d: int
-                   ) -> Dict[str, float]:
-    """AxoNN's per-step volumes (elements) of one Linear: ``col``, ``row``, ``depth`` (gather + scatter).
+                   ) -> Dict[str, Dict[str, float]]:
+    """Elements one easy-mode 3-D Linear moves per step for a rank holding ``tokens`` rows, by group and
+    kind (``allreduce`` / ``gather``: all-gather, reduce-scatter, all-to-all); the bias left out.
 
     Example:
-        >>> linear_volumes(8, 16, 4, 2, 2, 2)
-        {'col': 32.0, 'row': 16.0, 'depth': 64.0}
+        >>> linear_volumes(8, 16, 4, 2, 2, 2)["col"]
+        {'allreduce': 128.0, 'gather': 192.0}
     """
-    w = in_features * out_features / (G_r * G_c)
-    return {"col": tokens * out_features / G_r if G_c > 1 else 0.0,
-            "row": tokens * in_features / G_c if G_r > 1 else 0.0,
-            "depth": 2.0 * w if G_d > 1 else 0.0}
+    n, i, o = float(tokens), in_features, out_features
+    easy = G_r * G_c > 1
+    return {"col": {"allreduce": G_c * n * o, "gather": 2 * n * i + G_c * n * o} if G_c > 1 and easy else {},
+            "row": {"allreduce": G_r * n * i, "gather": G_r * n * i + 2 * G_c * n * o} if G_r > 1 else {},
+            "depth": {"gather": 2.0 * i * o / (G_r * G_c)} if G_d > 1 else {}}
 
 
 _STRIDE_ORDER = ("col", "row", "depth", "inter", "data")
 
 
 def _sizes(layout: Layout) -> Dict[str, int]:
+    T = layout.tensor_size
     return {"col": layout.G_intra_c, "row": layout.G_intra_r, "depth": layout.G_intra_d, "inter": layout.G_inter,
-            "data": layout.G_data}
+            "data": layout.G_data, "repl": layout.world_size if layout.G_inter == 1 else T}
 
 
 def _bandwidth(layout: Layout, group: str, hw: Hardware) -> float:
     sizes = _sizes(layout)
+    if group == "repl":      # all ranks, or the tensor block: stride 1
+        return hw.bw_intra if sizes["repl"] <= hw.gpus_per_node else hw.bw_inter
     stride = 1
     for name in _STRIDE_ORDER:
         if name == group:
@@ -132,53 +163,147 @@ def _bandwidth(layout: Layout, group: str, hw: Hardware) -> float:
 
 
 def _factor(kind: str, p: int) -> float:
-    """Ring factor: the fraction of the message each rank sends."""
+    """Ring factor: the fraction of the counted elements each rank sends."""
     if p <= 1:
         return 0.0
-    return {"allreduce": 2.0 * (p - 1) / p, "gather_scatter": (p - 1) / p, "p2p": 1.0}[kind]
+    return {"allreduce": 2.0 * (p - 1) / p, "gather": (p - 1) / p, "p2p": 1.0}[kind]
 
 
-def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[int] = None) -> Estimate:
+@dataclass
+class _Layer:
+    """One pipeline layer: its Linears ``(in, out, split)``, replicated parameters and tensors, blocks."""
+    linears: List[Tuple[int, int, bool]]
+    replicated: int
+    replicated_tensors: int
+    blocks: int
+    local: int = 0
+
+
+def _divides(i: int, o: int, layout: Layout) -> bool:
+    """AxoNN's rule (``auto_parallelize.is_parallelizable_linear``)."""
+    G_r, G_c, G_d = layout.G_intra_r, layout.G_intra_c, layout.G_intra_d
+    return o % G_r == 0 and i % G_c == 0 and (i * o // (G_r * G_c)) % G_d == 0
+
+
+def _layers(model: Model, layout: Layout) -> List[_Layer]:
+    """``[embedding, blocks..., head]`` with each layer's parameter count on one rank."""
+    split = layout.tensor_size > 1
+    lnt = 2 if model.bias else 1
+    emb = _Layer([], (model.vocab + model.seq) * model.width, 2, 0)
+    blk = _Layer([(i, o, split and _divides(i, o, layout)) for i, o in model.linears()], 2 * model._ln, 2 * lnt, 1)
+    head = _Layer([(model.width, model.vocab, split and _divides(model.width, model.vocab, layout))], model._ln, lnt, 0)
+    out = [emb] + [_Layer(list(blk.linears), blk.replicated, blk.replicated_tensors, 1) for _ in range(model.layers)]
+    out.append(head)
+    T, G_r = layout.tensor_size, layout.G_intra_r
+    for k, lay in enumerate(out):
+        bias = model.bias and k not in (0, len(out) - 1)       # lm_head has no bias
+        local = lay.replicated
+        for i, o, par in lay.linears:
+            if par:
+                local += i * o // T + (o // G_r if bias else 0)
+            else:
+                lay.replicated += i * o + (o if bias else 0)
+                lay.replicated_tensors += 2 if bias else 1
+                local += i * o + (o if bias else 0)
+        lay.local = local
+    return out
+
+
+def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[int] = None,
+             fsdp: Optional[str] = None) -> Estimate:
     """Predicted step time, memory per rank and volumes per group of ``model`` under ``layout``.
 
     Args:
         model: the GPT and the batch.
         layout: the five sizes.
-        hw: bandwidths, flop rate and ranks per node.
+        hw: bandwidths, flop rate, ranks and cores per node, latency.
         microbatches: ``m`` (default: as many as the rows allow, up to ``4 G_inter``; 1 without a pipeline).
+        fsdp: ``None``, ``"full_shard"`` or ``"shard_grad_op"`` (pure data parallel layouts).
 
     Returns:
-        An :class:`Estimate`.
+        An :class:`Estimate` (volumes in elements, per group: the busiest stage's).
     """
-    G_r, G_c, G_d, p = layout.G_intra_r, layout.G_intra_c, layout.G_intra_d, layout.G_inter
-    rows = model.global_batch // (layout.G_data * G_d)
+    G_r, G_c, G_d, p, G_data = layout.G_intra_r, layout.G_intra_c, layout.G_intra_d, layout.G_inter, layout.G_data
+    T = layout.tensor_size
+    if fsdp not in (None, "none", "full_shard", "shard_grad_op"):
+        raise NotImplementedError(f"estimate: fsdp={fsdp!r} is not modelled (None, 'full_shard', 'shard_grad_op')")
+    if fsdp not in (None, "none") and layout.world_size != G_data:
+        raise ValueError(f"estimate: fsdp={fsdp!r} needs a pure data-parallel layout, got {layout}")
+    rows = model.global_batch // (G_data * T)
     m = microbatches or (1 if p == 1 else max(1, min(4 * p, rows)))
-    t = rows * model.seq
+    n = rows * model.seq
     b = model.dtype_bytes
-    vol = {"col": 0.0, "row": 0.0, "depth": 0.0, "inter": 0.0, "data": 0.0}
-    layers_here = math.ceil(model.layers / p)
-    for i, o in model.linears():
-        for k, v in linear_volumes(i, o, t, G_r, G_c, G_d).items():
-            vol[k] += layers_here * v
-    stage_params = layers_here * model.block_params + 2 * model.vocab * model.width / p
-    local_params = stage_params / (G_r * G_c * G_d)
-    if layout.G_data > 1:
-        vol["data"] = local_params
-    if p > 1:
-        vol["inter"] = 2.0 * t * model.width
-    kinds = {"col": "allreduce", "row": "allreduce", "depth": "gather_scatter", "inter": "p2p", "data": "allreduce"}
+    H = model.width
+    layers = _layers(model, layout)
+    starts = _balanced([lay.local for lay in layers], p) + [len(layers)] if p > 1 else [0, len(layers)]
     sizes = _sizes(layout)
-    nlin = layers_here * len(model.linears()) * m
-    calls = {"col": nlin, "row": nlin, "depth": 2 * nlin, "inter": 2 * m, "data": 1}
-    times = {g: _factor(kinds[g], sizes[g]) * vol[g] * b / _bandwidth(layout, g, hw)
-             + (calls[g] * hw.latency if sizes[g] > 1 else 0.0) for g in vol}
-    flops = 6.0 * model.params * model.global_batch * model.seq
-    flops += 12.0 * model.layers * model.global_batch * model.seq ** 2 * model.width
-    compute = flops / (layout.world_size * hw.flops) * (m + p - 1) / m
-    acts = 34.0 * (t / m) * model.width * layers_here * min(m, p) * b
-    biggest = max(i * o for i, o in model.linears()) / (G_r * G_c)
-    memory = 4.0 * local_params * b + acts + (biggest * b if G_d > 1 else 0.0)
-    return Estimate(layout, m, compute + sum(times.values()), compute, memory, vol, times)
+    ranks_node = min(layout.world_size, hw.gpus_per_node)
+    stretch = max(1.0, ranks_node / hw.cores) if hw.cores else 1.0
+    worst = None
+    vol_max = {g: 0.0 for g in GROUPS}
+    for s in range(p):
+        stage = layers[starts[s]:starts[s + 1]]
+        vol = {g: {"allreduce": 0.0, "gather": 0.0, "p2p": 0.0} for g in GROUPS}
+        calls = {g: 0.0 for g in GROUPS}
+        flops = 0.0
+        repl = sum(lay.replicated for lay in stage)
+        repl_t = sum(lay.replicated_tensors for lay in stage)
+        local = sum(lay.local for lay in stage)
+        for lay in stage:
+            has_bias = model.bias and lay is not layers[-1]        # lm_head has no bias
+            flops += 12.0 * n * model.seq * H * lay.blocks
+            for i, o, par in lay.linears:
+                flops += 6.0 * n * i * o
+                if not par:
+                    continue
+                for g, kinds in linear_volumes(i, o, n, G_r, G_c, G_d).items():
+                    for kind, v in kinds.items():
+                        vol[g][kind] += v * (m if g == "depth" else 1)    # the weight: every micro-batch
+                calls["col"] += 5 * m if G_c > 1 else 0
+                calls["row"] += 5 * m if G_r > 1 else 0
+                calls["depth"] += 2 * m if G_d > 1 else 0
+                if G_data > 1:
+                    vol["data"]["allreduce"] += i * o / T + (o / G_r if has_bias else 0)
+                    calls["data"] += 2 if has_bias else 1
+                if G_d > 1 and has_bias:
+                    vol["depth"]["allreduce"] += o / G_r
+                    calls["depth"] += 1
+        if T > 1:            # sync_gradients: replicated parameters over all ranks, or data and then the block
+            vol["repl"]["allreduce"] += repl
+            calls["repl"] += repl_t
+            if p > 1 and G_data > 1:
+                vol["data"]["allreduce"] += repl
+                calls["data"] += repl_t
+        elif G_data > 1:
+            if fsdp == "full_shard":
+                vol["data"]["gather"] += 3.0 * local
+            elif fsdp == "shard_grad_op":
+                vol["data"]["gather"] += 2.0 * local
+            else:
+                vol["data"]["allreduce"] += local
+            calls["data"] += 1 + local * b // (25 * 2 ** 20)
+        if p > 1:
+            neighbours = (s > 0) + (s < p - 1)
+            vol["inter"]["p2p"] += 2.0 * neighbours * n * H
+            calls["inter"] += 2 * neighbours * m
+        totals = {g: sum(vol[g].values()) for g in GROUPS}
+        times = {g: sum(_factor(kind, sizes[g]) * v for kind, v in vol[g].items()) * b / _bandwidth(layout, g, hw)
+                 + (calls[g] * hw.latency if sizes[g] > 1 else 0.0) for g in GROUPS}
+        compute = flops / hw.flops * stretch * (m + p - 1) / m
+        blocks = sum(lay.blocks for lay in stage)
+        acts = 34.0 * (n / m) * H * blocks * min(m, p) * b
+        biggest = max([i * o for lay in stage for i, o, par in lay.linears if par] or [0]) / (G_r * G_c)
+        memory = 4.0 * local * b + acts + (biggest * b if G_d > 1 else 0.0)
+        if fsdp not in (None, "none"):
+            memory = 4.0 * local * b / G_data + acts + max(lay.local for lay in stage) * b
+        est = Estimate(layout, m, compute + sum(times.values()), compute, memory, totals, times,
+                       {g: calls[g] if sizes[g] > 1 else 0.0 for g in GROUPS})
+        for g in GROUPS:
+            vol_max[g] = max(vol_max[g], totals[g])
+        if worst is None or est.step_time > worst.step_time:
+            worst = est
+    worst.volumes = vol_max
+    return worst
 
 
 def _divisors(n: int) -> List[int]:
@@ -186,22 +311,24 @@ def _divisors(n: int) -> List[int]:
 
 
 def candidate_layouts(model: Model, world: int) -> Iterator[Layout]:
-    """Every ``(G_data, G_inter, G_r, G_c, G_d)`` with product ``world`` that the GPT can run.
+    """Every ``(G_data, G_inter, G_r, G_c, G_d)`` with product ``world`` that ``HybridGPT`` runs the GPT under.
 
-    Rules: ``G_inter <= layers``; every Linear divides (``out % G_r``, ``in % G_c``,
-    ``in out / (G_r G_c) % G_d``); the batch divides into ``G_data G_d`` row slices.
+    Rules (``hybrid.check_layout``): ``G_inter <= layers + 2`` (embedding, blocks, head); the batch
+    divides into ``G_data T`` row slices (``G_data`` when ``T = 1``); and, so that the tensor split
+    splits something, the grid divides every Linear of a block (``out % G_r``, ``in % G_c``,
+    ``in out / (G_r G_c) % G_d``; the head may stay replicated).
     """
     for G_data in _divisors(world):
         for G_inter in _divisors(world // G_data):
             rest = world // (G_data * G_inter)
             for G_r in _divisors(rest):
                 for G_c in _divisors(rest // G_r):
-                    G_d = rest // (G_r * G_c)
-                    if G_inter > model.layers or model.global_batch % (G_data * G_d):
+                    lay = Layout(G_data, G_inter, G_r, G_c, rest // (G_r * G_c))
+                    if G_inter > model.layers + 2 or model.global_batch % (G_data * lay.tensor_size):
                         continue
-                    if any(o % G_r or i % G_c or (i * o // (G_r * G_c)) % G_d for i, o in model.linears()):
+                    if any(not _divides(i, o, lay) for i, o in model.linears()):
                         continue
-                    yield Layout(G_data, G_inter, G_r, G_c, G_d)
+                    yield lay
 
 
 def plan(model: Model, world: int, hw: Hardware, memory_limit: Optional[float] = None) -> List[Estimate]:
@@ -218,35 +345,45 @@ def plan(model: Model, world: int, hw: Hardware, memory_limit: Optional[float] =
     return sorted(out, key=lambda e: (e.step_time, e.memory_bytes))
 
 
-def format_plan(estimates: List[Estimate], top: int = 20) -> str:
+def format_plan(estimates: List[Estimate], top: int = 20, dtype_bytes: int = 4) -> str:
     """A table: rank, the five sizes, m, predicted ms, memory MiB, and MiB per group per step."""
     head = (f"{'#':>3} {'data':>4} {'inter':>5} {'r':>3} {'c':>3} {'d':>3} {'m':>3} {'step ms':>9} {'mem MiB':>9} "
-            f"{'col MiB':>8} {'row MiB':>8} {'depth MiB':>9} {'inter MiB':>9} {'data MiB':>8}")
+            + " ".join(f"{g + ' MiB':>9}" for g in GROUPS))
     lines = [head]
+    b = dtype_bytes / 2 ** 20
     for k, e in enumerate(estimates[:top], 1):
         L = e.layout
-        b = 4.0 / 2 ** 20
         lines.append(f"{k:>3} {L.G_data:>4} {L.G_inter:>5} {L.G_intra_r:>3} {L.G_intra_c:>3} {L.G_intra_d:>3} "
                      f"{e.microbatches:>3} {e.step_time * 1e3:>9.3f} {e.memory_bytes / 2 ** 20:>9.1f} "
-                     f"{e.volumes['col'] * b:>8.2f} {e.volumes['row'] * b:>8.2f} {e.volumes['depth'] * b:>9.2f} "
-                     f"{e.volumes['inter'] * b:>9.2f} {e.volumes['data'] * b:>8.2f}")
+                     + " ".join(f"{e.volumes[g] * b:>9.2f}" for g in GROUPS))
     if not estimates:
         lines.append("(no layout fits)")
     return "\n".join(lines)
 
 
-def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 5) -> Dict[str, float]:
-    """Time all-reduces on this allocation (collective; call on every rank under mpiexec/srun).
+def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) -> Dict[str, float]:
+    """Time all-reduces and a GEMM on this allocation (collective; call on every rank under mpiexec/srun).
 
-    Returns ``{"intra": bytes/s, "inter": bytes/s, "latency": s}``: the bus bandwidth ``2 (p-1)/p n / t``
-    of an all-reduce among the ranks of one node, and among one rank per node (equal to ``intra`` on
-    one node; 0.0 where there is nothing to measure), and the time of an 8-byte all-reduce of all ranks.
+    Returns ``{"intra", "inter", "latency", "flops", "cores"}``:
+
+    * ``intra``: bus bandwidth ``2 (p-1)/p n / t`` (bytes/s) of an all-reduce of ``nbytes`` among the
+      ranks of one node, the *median* of ``repeats`` (what a step meets when ranks share cores and
+      other jobs run; the best case overstates it); ``inter``: the same among one rank per node
+      (``intra`` on one node);
+    * ``latency``: what an 8-byte all-reduce of all ranks adds to a loop of GEMMs (one between each):
+      a collective's cost when ranks compute between collectives, as in a step (where ranks share
+      cores, mostly the wait for the others' turn on a core; on dedicated cores, the latency);
+    * ``flops``: a float32 ``gemm``-cube GEMM's rate on one rank while the node's other ranks sleep;
+    * ``cores``: the cores the node's ranks get in effect: ranks per node x (the GEMM's rate per rank
+      while all of them run it) / ``flops``, at most the cores the process may use.
 
     Example:
-        >>> bw = measure_bandwidth(1 << 16)
-        >>> bw["intra"] > 0
+        >>> bw = measure_bandwidth(1 << 16)          # under mpiexec -n 4 on one node
+        >>> bw["intra"] > 0 and bw["flops"] > 0 and 0 < bw["cores"] <= os.cpu_count()
         True
     """
+    import os
+    import statistics
     import time
 
     import numpy as np
@@ -256,32 +393,63 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 5) -> Dict[str, floa
 
     def timed(group) -> float:
         if group is None or group.size <= 1:
-            return float("inf")
+            return 0.0
         x = np.ones(max(1, nbytes // 8))
         all_reduce(x, group=group)
         barrier()
-        best = float("inf")
+        ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             all_reduce(x, group=group)
-            best = min(best, time.perf_counter() - t0)
+            ts.append(time.perf_counter() - t0)
         p = group.size
-        return 2.0 * (p - 1) / p * x.nbytes / best
+        return 2.0 * (p - 1) / p * x.nbytes / statistics.median(ts)
 
     node = world.split(world.node_index, name="plan-node")
     leaders = world.split(0 if world.local_rank == 0 else None, name="plan-leaders")
     intra = timed(node)
     inter = timed(leaders) if world.local_rank == 0 else 0.0
-    from .distributed import all_reduce as _ar
-    vals = _ar(np.array([intra if math.isfinite(intra) else 0.0, inter if math.isfinite(inter) else 0.0]),
-               op="max")
+    vals = all_reduce(np.array([intra, inter]), op="max")
     intra, inter = float(vals[0]), float(vals[1])
-    small = np.zeros(1)
-    lat = float("inf")
-    if world.world_size > 1:
-        for _ in range(max(repeats, 20)):
+    a = np.ones((gemm, gemm), np.float32)
+
+    def rate() -> float:
+        ts = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
-            all_reduce(small)
-            lat = min(lat, time.perf_counter() - t0)
-    lat = float(_ar(np.array([lat if math.isfinite(lat) else 0.0]), op="max")[0])
-    return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": lat}
+            a @ a
+            ts.append(time.perf_counter() - t0)
+        return 2.0 * gemm ** 3 / statistics.median(ts)
+
+    rate()
+    barrier()
+    alone = 0.0
+    if world.local_rank == 0:                # the others sleep (a rank waiting in MPI would spin on a core)
+        alone = rate()
+    else:
+        time.sleep(0.5)
+    barrier()
+    shared = rate()
+    small = np.zeros(1)
+
+    def loop(sync: bool) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(3 * repeats):
+            a @ a
+            if sync:
+                all_reduce(small)
+        return time.perf_counter() - t0
+
+    lat = 0.0
+    if world.world_size > 1:
+        plain = min(loop(False), loop(False))
+        lat = max(0.0, loop(True) - plain) / (3 * repeats)
+    med = float(all_reduce(np.array([lat]), op="max")[0])
+    per_node = node.size if node is not None else 1
+    alone = float(all_reduce(np.array([alone]), op="max")[0])
+    shared = float(all_reduce(np.array([shared]), op="min")[0])
+    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = min(float(avail), per_node * shared / alone) if alone > 0 else float(avail)
+    return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med, "flops": alone,
+            "cores": cores}

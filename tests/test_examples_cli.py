@@ -118,7 +118,7 @@ def test_cli_jobs_write(tmp_path):
     assert r.returncode == 0, r.stderr
     jobs = sorted(os.listdir(tmp_path / "site" / "jobs"))
     assert {"site.sh", "local.sh", "slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch",
-            "slurm_fsdp.sbatch"} <= set(jobs)
+            "slurm_fsdp.sbatch", "slurm_3d_gpu.sbatch"} <= set(jobs)
     assert os.path.exists(tmp_path / "site" / "examples" / "train_gpt.py")
     r = _cli("jobs", "write", str(tmp_path / "site"))
     assert r.returncode == 1 and "exists (pass --force" in r.stderr and "Traceback" not in r.stderr
@@ -126,7 +126,8 @@ def test_cli_jobs_write(tmp_path):
 
 @pytest.mark.serial
 def test_slurm_templates_have_the_batch_essentials():
-    for name in ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch", "slurm_fsdp.sbatch"):
+    for name in ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch", "slurm_fsdp.sbatch",
+                 "slurm_3d_gpu.sbatch"):
         text = open(os.path.join(ROOT, "jobs", name)).read()
         for needle in ("SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK", "--auto-resume", "--no-progress",
                        "$AXONMPI_SCRATCH", 'source "${AXONMPI_SITE:-jobs/site.sh}"'):

@@ -7,61 +7,93 @@ import pytest
 
 from axonmpi.plan import Hardware, Layout, Model, candidate_layouts, estimate, linear_volumes, plan
 
-# 2 blocks, width 4, sequence 2, batch 4, vocabulary 8: Linears (4,12) (4,4) (4,16) (16,4), 192 weights
-# a block, 2*192 + (2*8 + 2)*4 = 456 in all
+# 2 blocks, width 4, sequence 2, batch 4, vocabulary 8: Linears (4,12) (4,4) (4,16) (16,4): 192 weights,
+# 36 biases and two LayerNorms (16) = 244 a block; 2*244 + (8+2)*4 embeddings + 8 ln_f + 8*4 head = 568 in all
 M = Model(layers=2, width=4, seq=2, global_batch=4, vocab=8, dtype_bytes=4)
 HW = Hardware(bw_intra=1e3, bw_inter=1e2, flops=1e3, gpus_per_node=4)
+ZERO = {"col": 0.0, "row": 0.0, "depth": 0.0, "inter": 0.0, "data": 0.0, "repl": 0.0}
 
 
 @pytest.mark.serial
-def test_linear_volumes_are_axonns_closed_forms():
-    assert linear_volumes(8, 16, 4, 2, 2, 2) == {"col": 4 * 16 / 2, "row": 4 * 8 / 2, "depth": 2 * 8 * 16 / 4}
-    assert linear_volumes(8, 16, 4, 1, 1, 1) == {"col": 0.0, "row": 0.0, "depth": 0.0}
-    assert M.block_params == 192 and M.params == 456
+def test_linear_volumes_are_the_easy_mode_closed_forms():
+    # n=4 rows, in=8, out=16 on G_r = G_c = G_d = 2
+    v = linear_volumes(8, 16, 4, 2, 2, 2)
+    assert v["col"] == {"allreduce": 2 * 4 * 16, "gather": 2 * 4 * 8 + 2 * 4 * 16}     # AR out; a2a in x2, AG out
+    assert v["row"] == {"allreduce": 2 * 4 * 8, "gather": 2 * 4 * 8 + 2 * 2 * 4 * 16}  # AR dX; AG in, a2a out x2
+    assert v["depth"] == {"gather": 2 * 8 * 16 / 4}                                    # weight AG + dW RS
+    assert linear_volumes(8, 16, 4, 1, 1, 1) == {"col": {}, "row": {}, "depth": {}}
+    assert linear_volumes(8, 16, 4, 1, 1, 2) == {"col": {}, "row": {}, "depth": {"gather": 256.0}}   # no easy mode
+    assert M.block_params == 244 and M.params == 568
 
 
 @pytest.mark.serial
 def test_row_split_by_hand():
     e = estimate(M, Layout(G_intra_r=2), HW)
-    # t = 4 rows * 2 tokens = 8; row all-reduce of t*in per Linear: 8*(4+4+4+16) = 224 per block, 2 blocks
-    assert e.volumes == {"col": 0.0, "row": 448.0, "depth": 0.0, "inter": 0.0, "data": 0.0}
-    assert e.comm_times["row"] == pytest.approx(2 * 1 / 2 * 448 * 4 / 1e3)          # intra-node ring all-reduce
-    # 6 P B S + 12 L B S^2 H = 21888 + 1536 flops on 2 ranks at 1e3 flop/s, no bubble
-    assert e.compute_time == pytest.approx(23424 / 2e3)
-    assert e.step_time == pytest.approx(23424 / 2e3 + 1.792)
-    # 4 x (2*192 + 2*8*4)/2 weights x 4 bytes + activations 34 * t * H * L * 4 bytes
-    assert e.memory_bytes == pytest.approx(4 * 224 * 4 + 34 * 8 * 4 * 2 * 4)
+    # n = 4/2 rows x 2 = 4 tokens a rank; per Linear 2 G_r n in + 2 n out = 16 in + 8 out: blocks 2*(16*28 + 8*36),
+    # head (4, 8): 64 + 64; the replicated LayerNorms and embeddings (80) over all ranks
+    assert e.volumes == {**ZERO, "row": 2 * (16 * 28 + 8 * 36) + 128.0, "repl": 80.0}
+    # all-reduce part G_r n in = 8 in: 2*8*28 + 32 = 480 at 2 (p-1)/p = 1; the rest at (p-1)/p = 1/2
+    assert e.comm_times["row"] == pytest.approx((480 + 0.5 * (1600 - 480)) * 4 / 1e3)
+    assert e.comm_times["repl"] == pytest.approx(80 * 4 / 1e3)
+    # 6 n sum(in out) + 12 n S H a block, the head 6 n 32: 2 (4608 + 384) + 768 flops at 1e3 flop/s
+    assert e.compute_time == pytest.approx(10752 / 1e3)
+    assert e.step_time == pytest.approx(10.752 + 4.16 + 0.32)
+    # 4 x local parameters (40 embeddings + 2 x (16 + 96 + 18) + 8 + 16) x 4 bytes + activations 34 n H L b
+    assert e.memory_bytes == pytest.approx(4 * 324 * 4 + 34 * 4 * 4 * 2 * 4)
 
 
 @pytest.mark.serial
-def test_depth_data_and_pipeline_by_hand():
+def test_depth_data_fsdp_and_pipeline_by_hand():
     e = estimate(M, Layout(G_intra_d=2), HW)
-    assert e.volumes["depth"] == 2 * 2 * 192                     # gather + scatter of each weight, 2 blocks
-    assert e.comm_times["depth"] == pytest.approx(0.5 * 768 * 4 / 1e3)
+    assert e.volumes["depth"] == 2 * 2 * 192 + 2 * 32 + 2 * 36     # weights gathered + scattered, bias all-reduce
+    assert e.comm_times["depth"] == pytest.approx((0.5 * 832 + 72) * 4 / 1e3)
+    e = estimate(M, Layout(G_intra_d=2), HW, microbatches=3)
+    assert e.volumes["depth"] == 3 * 832 + 72                      # the weight again every micro-batch
     e = estimate(M, Layout(G_data=2), HW)
-    assert e.volumes["data"] == 2 * 192 + 2 * 8 * 4              # the whole gradient
-    assert e.comm_times["data"] == pytest.approx(1.0 * 448 * 4 / 1e3)
+    assert e.volumes == {**ZERO, "data": 568.0}                    # DDP: the whole gradient
+    assert e.comm_times["data"] == pytest.approx(568 * 4 / 1e3)
+    e = estimate(M, Layout(G_data=2), HW, fsdp="full_shard")
+    assert e.volumes["data"] == 3 * 568 and e.comm_times["data"] == pytest.approx(0.5 * 1704 * 4 / 1e3)
     e = estimate(M, Layout(G_inter=2), HW, microbatches=2)
-    assert e.volumes["inter"] == 2 * 8 * 4                       # activations forward + gradients back
-    assert e.compute_time == pytest.approx(23424 / 2e3 * (2 + 2 - 1) / 2)   # bubble (m + p - 1) / m
+    # cut [embedding 40, block 244 | block 244, head 40]; each stage sends and receives n H = 8*4 once each way
+    assert e.volumes == {**ZERO, "inter": 2 * 8 * 4.0}
+    # the slower stage: block 6*8*192 + 12*8*2*4 = 9984 plus the head 6*8*32, bubble (2 + 2 - 1) / 2
+    assert e.compute_time == pytest.approx((9984 + 1536) / 1e3 * 1.5)
+    with pytest.raises(NotImplementedError, match="hybrid_shard"):
+        estimate(M, Layout(G_data=2), HW, fsdp="hybrid_shard")
 
 
 @pytest.mark.serial
-def test_placement_picks_the_bandwidth():
+def test_placement_latency_and_shared_cores():
+    m16 = Model(layers=2, width=4, seq=2, global_batch=16, vocab=8)
     # grid order col, row, depth, inter, data: 4 columns fill a node of 4, the data pairs span two nodes
-    e = estimate(M, Layout(G_data=2, G_intra_c=4), HW)
-    assert e.comm_times["col"] == pytest.approx(2 * 3 / 4 * e.volumes["col"] * 4 / 1e3)
+    e = estimate(m16, Layout(G_data=2, G_intra_c=4), HW)
+    assert e.volumes["data"] == 2 * (192 / 4 + 36) + 32 / 4         # 3-D weight shards and biases
     assert e.comm_times["data"] == pytest.approx(1.0 * e.volumes["data"] * 4 / 1e2)
+    assert e.comm_times["col"] > 0 and e.comm_times["col"] < e.comm_times["data"] * 100
+    lat = estimate(m16, Layout(G_intra_c=2, G_data=2), Hardware(**{**HW.__dict__, "latency": 1.0}))
+    base = estimate(m16, Layout(G_intra_c=2, G_data=2), HW)
+    # 5 calls on col per split Linear (9 of them), one per gradient tensor on data (8 weights + 8 biases +
+    # the head's weight), one per replicated tensor over all ranks (2 + 2*4 + 2)
+    assert lat.comm_times["col"] - base.comm_times["col"] == pytest.approx(45)
+    assert lat.comm_times["data"] - base.comm_times["data"] == pytest.approx(17)
+    assert lat.comm_times["repl"] - base.comm_times["repl"] == pytest.approx(12)
+    shared = estimate(m16, Layout(G_data=4), Hardware(**{**HW.__dict__, "cores": 2}))
+    assert shared.compute_time == pytest.approx(2 * estimate(m16, Layout(G_data=4), HW).compute_time)
 
 
 @pytest.mark.serial
 def test_candidates_follow_the_rules_and_plan_is_sorted():
-    assert len(list(candidate_layouts(M, 4))) == 15 - 1          # G_inter = 4 > 2 blocks is left out
-    small = Model(layers=2, width=4, seq=2, global_batch=2, vocab=8)
-    got = set(candidate_layouts(small, 4))
-    assert Layout(G_data=4) not in got and Layout(G_data=2, G_intra_d=2) not in got and len(got) == 11
+    got = list(candidate_layouts(M, 4))
+    for lay in got:
+        assert lay.world_size == 4 and M.global_batch % (lay.G_data * lay.tensor_size) == 0
+    assert Layout(G_inter=4) in got and Layout(G_data=4) in got
+    assert len(got) == 15                                          # every 5-tuple of product 4 runs this GPT
+    small = set(candidate_layouts(Model(layers=2, width=4, seq=2, global_batch=2, vocab=8), 4))
+    assert Layout(G_data=2, G_intra_r=2) not in small and Layout(G_data=2, G_inter=2) in small   # 4 row slices of 2
+    assert Layout(G_intra_c=3) not in set(candidate_layouts(M, 3))   # in = 4 does not divide by 3
     est = plan(M, 4, HW)
-    assert [e.step_time for e in est] == sorted(e.step_time for e in est) and len(est) == 14
+    assert [e.step_time for e in est] == sorted(e.step_time for e in est) and len(est) == len(got)
     assert len(plan(M, 4, HW, memory_limit=0)) == 0
 
 
@@ -94,3 +126,32 @@ def test_plan_and_plot_commands(tmp_path):
     (tmp_path / "bad.json").write_text("not json\n")
     r = _cli("plot", str(tmp_path / "bad.json"))
     assert r.returncode == 1 and "bad.json:1: not a JSON line" in r.stderr
+
+
+@pytest.mark.serial
+def test_slurm_3d_gpu_binds_one_gpu_per_task_and_checks_the_sizes(tmp_path):
+    """The GPU 3-D job: sizes checked against SLURM_NTASKS, `axonmpi info` and the plan first, one GPU per task."""
+    from axonmpi.testing import mpiexec_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
+    os.chmod(fake / "srun", 0o755)
+    env = mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)",
+                       "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "n[1-2]", "AXONMPI_SCRATCH": str(tmp_path),
+                       "AXONMPI_SITE": os.path.join(root, "jobs", "site.sh"), "G_INTER": "2", "G_INTRA_C": "2",
+                       "PLAN_ARGS": "--layers 8 --width 512 --seq 128 --global-batch 32"})
+    job = os.path.join(root, "jobs", "slurm_3d_gpu.sbatch")
+    r = subprocess.run(["bash", job, "--steps", "10"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[1] == "srun --gpus-per-task=1 --gpu-bind=closest python -m axonmpi info --ranks", r.stdout
+    assert out[2] == ("srun --gpus-per-task=1 --gpu-bind=closest python -m axonmpi plan --world 8 --gpus-per-node 4 "
+                      "--measure --layers 8 --width 512 --seq 128 --global-batch 32"), r.stdout
+    assert ("--G-data 2 --G-inter 2 --G-intra-r 1 --G-intra-c 2 --G-intra-d 1 --tp-style axonn --schedule 1f1b "
+            "--steps 10") in out[3] and out[3].startswith("srun --gpus-per-task=1 --gpu-bind=closest"), r.stdout
+    r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60, env={**env, "G_INTER": "3"})
+    assert r.returncode == 2 and "= 6 does not divide SLURM_NTASKS=8" in r.stderr, r.stderr
+    r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60,
+                       env={**env, "G_INTER": "1", "G_INTRA_C": "8", "PLAN_ARGS": ""})
+    assert r.returncode == 0 and "tensor group (8 ranks) does not divide the 4 tasks per node" in r.stderr, r.stderr
