@@ -218,7 +218,9 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
         layout: the five sizes.
         hw: bandwidths, flop rate, ranks and cores per node, latency.
         microbatches: ``m`` (default: as many as the rows allow, up to ``4 G_inter``; 1 without a pipeline).
-        fsdp: ``None``, ``"full_shard"`` or ``"shard_grad_op"`` (pure data parallel layouts).
+        fsdp: ``None``, ``"full_shard"`` or ``"shard_grad_op"`` over ``data_group`` (pure data parallel,
+            or data x AxoNN tensor parallel without a pipeline: the TP-local parameters sharded over data,
+            the replicated ones then reduced over the tensor block on the shards).
 
     Returns:
         An :class:`Estimate` (volumes in elements, per group: the busiest stage's).
@@ -227,8 +229,9 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
     T = layout.tensor_size
     if fsdp not in (None, "none", "full_shard", "shard_grad_op"):
         raise NotImplementedError(f"estimate: fsdp={fsdp!r} is not modelled (None, 'full_shard', 'shard_grad_op')")
-    if fsdp not in (None, "none") and layout.world_size != G_data:
-        raise ValueError(f"estimate: fsdp={fsdp!r} needs a pure data-parallel layout, got {layout}")
+    fsdp = None if fsdp == "none" else fsdp
+    if fsdp is not None and p > 1:
+        raise ValueError(f"estimate: fsdp={fsdp!r} is not built with a pipeline (G_inter={p}), got {layout}")
     rows = model.global_batch // (G_data * T)
     m = microbatches or (1 if p == 1 else max(1, min(4 * p, rows)))
     n = rows * model.seq
@@ -237,6 +240,9 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
     layers = _layers(model, layout)
     starts = _balanced([lay.local for lay in layers], p) + [len(layers)] if p > 1 else [0, len(layers)]
     sizes = _sizes(layout)
+    if fsdp is not None and T > 1:       # FSDP x TP: replicated gradients reduced over the tensor block
+        sizes["repl"] = T
+    shard = G_data if fsdp is not None else 1
     ranks_node = min(layout.world_size, hw.gpus_per_node)
     stretch = max(1.0, ranks_node / hw.cores) if hw.cores else 1.0
     worst = None
@@ -262,19 +268,19 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
                 calls["col"] += 5 * m if G_c > 1 else 0
                 calls["row"] += 5 * m if G_r > 1 else 0
                 calls["depth"] += 2 * m if G_d > 1 else 0
-                if G_data > 1:
+                if G_data > 1 and fsdp is None:
                     vol["data"]["allreduce"] += i * o / T + (o / G_r if has_bias else 0)
                     calls["data"] += 2 if has_bias else 1
                 if G_d > 1 and has_bias:
-                    vol["depth"]["allreduce"] += o / G_r
+                    vol["depth"]["allreduce"] += o / G_r / shard      # FSDP: on this rank's shard only
                     calls["depth"] += 1
         if T > 1:            # sync_gradients: replicated parameters over all ranks, or data and then the block
-            vol["repl"]["allreduce"] += repl
+            vol["repl"]["allreduce"] += repl / shard
             calls["repl"] += repl_t
             if p > 1 and G_data > 1:
                 vol["data"]["allreduce"] += repl
                 calls["data"] += repl_t
-        elif G_data > 1:
+        if G_data > 1 and (T == 1 or fsdp is not None):
             if fsdp == "full_shard":
                 vol["data"]["gather"] += 3.0 * local
             elif fsdp == "shard_grad_op":
@@ -294,7 +300,7 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
         acts = 34.0 * (n / m) * H * blocks * min(m, p) * b
         biggest = max([i * o for lay in stage for i, o, par in lay.linears if par] or [0]) / (G_r * G_c)
         memory = 4.0 * local * b + acts + (biggest * b if G_d > 1 else 0.0)
-        if fsdp not in (None, "none"):
+        if fsdp is not None:
             memory = 4.0 * local * b / G_data + acts + max(lay.local for lay in stage) * b
         est = Estimate(layout, m, compute + sum(times.values()), compute, memory, totals, times,
                        {g: calls[g] if sizes[g] > 1 else 0.0 for g in GROUPS})

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 COUNTER = os.path.join(ROOT, "bench", "_backend_count.py")
 LAYOUTS = [(2, 2, 1, 1, 1), (2, 1, 1, 2, 1), (1, 2, 1, 2, 1), (1, 2, 1, 1, 2), (1, 1, 2, 1, 2), (1, 1, 2, 2, 1),
-           (4, 1, 1, 1, 1), ((4, 1, 1, 1, 1), "full_shard")]
+           (4, 1, 1, 1, 1), ((4, 1, 1, 1, 1), "full_shard"), ((2, 1, 1, 2, 1), "full_shard")]
 GROUP_OF = {"col_group": "col", "row_group": "row", "depth_group": "depth", "inter_group": "inter",
             "data_group": "data", "world": "repl", "intra_group": "repl"}
 
@@ -121,6 +121,7 @@ def main():
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the layouts; the best tokens/s kept")
+    p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these layouts, e.g. 2x1x1x2x1-full_shard 4x1x1x1x1")
     args = p.parse_args()
     from axonmpi.plan import GROUPS, Hardware, Layout, Model, estimate
     from axonmpi.testing import run_mpiexec
@@ -150,7 +151,8 @@ def main():
     todo = []
     for entry in LAYOUTS:
         sizes, fsdp = (entry if isinstance(entry[1], str) else (entry, None))
-        if sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4] == args.ranks:
+        label = "x".join(map(str, sizes)) + (f"-{fsdp}" if fsdp else "")
+        if sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4] == args.ranks and (not args.only or label in args.only):
             todo.append((sizes, fsdp))
     best = {}
     for rnd in range(args.repeats):              # interleaved rounds, the best kept: other jobs come and go
