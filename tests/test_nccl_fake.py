@@ -1,4 +1,4 @@
-"""The NCCL backend on the CPU stand-in (axonmpi.testing.fake_nccl): every collective vs closed form, bootstrap, DDP."""
+"""The NCCL backend on the CPU stand-in (axonmpi.testing.fake_nccl): every collective vs closed form, bootstrap, DDP, FSDP."""
 import numpy as np
 import pytest
 
@@ -235,6 +235,26 @@ def test_ddp_parity_on_the_nccl_backend(nworld):
         T._assert_params_equal(model, ref, 1e-10)
     _used_nccl(nworld.default_group)
 
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fsdp_parity_on_the_nccl_backend(nworld, monkeypatch):
+    """FSDP's all-gathers and reduce-scatters (uneven shards) through NcclBackend on the stand-in."""
+    import test_fsdp as TF
+    from axonmpi.parallel import FSDP, ShardingStrategy
+    calls = {}
+    for name in ("_allgather", "allgatherv", "_reduce_scatter", "_allreduce"):
+        real = getattr(NcclBackend, name)
+
+        def counted(self, *a, _real=real, _name=name):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(self, *a)
+        monkeypatch.setattr(NcclBackend, name, counted)
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        TF._check_parity(nworld, lambda m: FSDP(m, sharding_strategy=strategy))
+    assert calls.get("_allgather", 0) + calls.get("allgatherv", 0) > 0, calls   # parameters gathered by NCCL
+    assert calls.get("_reduce_scatter", 0) > 0, calls                            # gradients reduce-scattered
+    _used_nccl(nworld.default_group)
 
 MISSING = """
 import time, numpy as np, axonmpi
