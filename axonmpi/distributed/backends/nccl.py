@@ -20,7 +20,8 @@ then queues the NCCL kernels there and records a done-event. A blocking call mak
 caller's current stream wait on the done-event: the host never synchronizes, and work queued
 afterwards on that stream sees the result. A non-blocking call returns a request whose
 ``Wait()`` does the same (``Test()`` polls the event); the request holds the buffers until
-then. MEAN uses ``ncclAvg`` where the NCCL library has it (2.10+), else a sum then a scale
+then. Point-to-point operations are recorded and posted together when needed
+(``[Note: deferred point-to-point]``). MEAN uses ``ncclAvg`` where the NCCL library has it (2.10+), else a sum then a scale
 queued on the caller's stream. Pairs NCCL has no reduction for (bitwise ops, bool, int16,
 complex products) fall back to MPI on host copies, synchronously.
 """
