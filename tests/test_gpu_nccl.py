@@ -3,6 +3,7 @@
 Run with ``make test-gpu`` (1..number-of-GPUs ranks); skipped cleanly without CuPy, a GPU or NCCL.
 """
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -105,14 +106,16 @@ class _HostTransfers:
 
     def __init__(self):
         self.calls = []
+        self.ndarray = backend.get_cupy().ndarray
 
     def _hook(self, frame, event, arg):
         if event == "c_call":
             name = getattr(arg, "__name__", "")
-            owner = getattr(arg, "__self__", None)
-            mod = getattr(type(owner), "__module__", "") or getattr(owner, "__name__", "") or ""
-            if name in _TO_HOST and ("cupy" in mod or "cupy" in str(getattr(arg, "__module__", ""))):
-                self.calls.append(f"{mod}.{name}")
+            if name in _TO_HOST:
+                owner = getattr(arg, "__self__", None)   # the array of a method, the module of a function
+                if isinstance(owner, self.ndarray) or (isinstance(owner, types.ModuleType)
+                                                       and owner.__name__.startswith(("cupy", "cupyx"))):
+                    self.calls.append(f"{type(owner).__name__}.{name}")
         elif event == "call":
             code = frame.f_code
             if code.co_name in _TO_HOST and ("cupy" in code.co_filename or "axonmpi" in code.co_filename):
