@@ -240,6 +240,7 @@ class NcclBackend(Backend):
         self.uid = None                  # the unique id this group's communicator was made from
         self._comm = None
         self._stream = None
+        self._ready = self._done = None   # cached events of blocking calls (see _begin, _finish)
         self._avg = None
         self._pending: list = []   # point-to-point ops not yet posted: ((is_send, ptr, nbytes, peer), request, ready)
 
@@ -279,6 +280,7 @@ class NcclBackend(Backend):
 
     def close(self) -> None:
         self._pending = []
+        self._ready = self._done = None
         comm, self._comm = self._comm, None
         if comm is not None:
             try:
@@ -331,7 +333,9 @@ class NcclBackend(Backend):
         if self._pending:
             self.flush()
         rt = self.runtime
-        ready = rt.Event(disable_timing=True)
+        ready = self._ready      # one event serves every call: a wait takes the record made before it
+        if ready is None:
+            ready = self._ready = rt.Event(disable_timing=True)
         ready.record(rt.get_current_stream())
         self._stream.wait_event(ready)
         return comm, self._stream.ptr
@@ -339,13 +343,18 @@ class NcclBackend(Backend):
     def _finish(self, blocking: bool, then=None, keep=None):
         """Record the done-event; blocking: order the caller's stream after it now."""
         rt = self.runtime
+        if blocking:             # waited on at once: the cached event can be recorded again next call
+            done = self._done
+            if done is None:
+                done = self._done = rt.Event(disable_timing=True)
+            done.record(self._stream)
+            rt.get_current_stream().wait_event(done)
+            if then is not None:
+                then()
+            return None
         done = rt.Event(disable_timing=True)
         done.record(self._stream)
-        req = _Request(done, rt, then, keep)
-        if blocking:
-            req.Wait()
-            return None
-        return req
+        return _Request(done, rt, then, keep)
 
     def _scale(self, buf):
         """``buf /= size`` (MEAN after a SUM), queued on the caller's stream when it runs."""
