@@ -235,12 +235,6 @@ def test_pipeline_schedules_on_cupy_match_serial_host(world, dev, kind_name):
     v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
     m = 2 * p if v > 1 else 4
     ref, ref_losses = PP._serial(PP._mlp, PP._mlp_data, p, v, m, microbatched=False)
-    # The group's NCCL communicator is created collectively at its first device operation; a
-    # middle stage reaches its first device receive only after a host (MPI) shape header from a
-    # stage that is itself inside that creation, so with 3+ stages every rank creates it first
-    # (docs/gpu.md, Troubleshooting). Pipeline.__init__ does not do it yet.
-    axonmpi.all_reduce(cp.zeros(1), group=world.default_group)
-
     def data(t):
         x, y = PP._mlp_data(t)
         return cp.asarray(x), cp.asarray(y)
