@@ -19,7 +19,7 @@ DEMO_FRESH := $(if $(findstring resume,$(DEMO_ARGS)),,--overwrite)
 help:
 	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on RANKS=$(RANKS) local ranks"
 	@echo "make test   - install and run the suite under mpiexec -n N for N in $(NPS)"
-	@echo "make test-gpu - run the GPU tests (-m gpu) at 1..number-of-GPUs ranks (NCCL, CuPy; skipped without a GPU)"
+	@echo "make test-gpu - run every @pytest.mark.gpu test in tests/ at 1..number-of-GPUs ranks (NCCL, CuPy; skipped without a GPU)"
 	@echo "make bench  - run the benchmarks in bench/ beside the anchors in ../shared/anchors"
 
 $(VENV)/.installed: pyproject.toml setup.py
@@ -42,10 +42,13 @@ test: install
 test-gpu: install
 	@rm -rf .test-logs; ngpus=$$($(PY) -c "from axonmpi.backend import device_count; print(device_count())"); \
 	if [ "$$ngpus" -lt 1 ]; then echo "no GPU visible to CuPy: the gpu tests skip (pip install -e '.[cuda12]')"; ngpus=1; fi; \
-	set -e; for n in $$(seq 1 $$ngpus); do \
+	set -e; echo "=== CPU checks of the GPU code: CuPy/NCCL names, the NCCL stand-in ==="; \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(MPIEXEC) -n 1 $(PY) -m pytest --with-mpi -p no:cacheprovider \
+	  $(PYTEST_ARGS) tests/test_cupy_api.py tests/test_nccl_fake.py; \
+	for n in $$(seq 1 $$ngpus); do \
 	  echo "=== pytest -m gpu --with-mpi on $$n rank(s) ==="; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -m gpu \
-	    -p no:cacheprovider $(PYTEST_ARGS) tests/test_gpu_nccl.py tests/test_collectives_gpu.py || { \
+	    -p no:cacheprovider $(PYTEST_ARGS) tests/ || { \
 	    status=$$?; for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
 	done; echo "=== gpu passes green: 1..$$ngpus rank(s) ==="

@@ -1,4 +1,4 @@
-"""Collectives on CuPy arrays (staged through the host unless AXONMPI_CUDA_AWARE_MPI=1); skipped without a GPU."""
+"""Collectives on CuPy arrays over MPI (staged through pinned host memory unless the MPI is CUDA-aware); skipped without a GPU."""
 import numpy as np
 import pytest
 
@@ -7,6 +7,22 @@ from axonmpi import backend
 from axonmpi.distributed import chunk_bounds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not backend.cupy_available(), reason="needs CuPy and a CUDA GPU")]
+
+
+@pytest.fixture
+def world(world):
+    """The session World with CuPy arrays over MPI (backend="mpi"): NCCL, the default where CuPy has
+    it, is tested in test_gpu_nccl.py. Collective: every rank switches and restores together."""
+    from axonmpi.distributed.backends import BackendKind
+    from axonmpi.testing.fake_nccl import _reset_backends
+    old = world.backend
+    _reset_backends(world)
+    world.backend = BackendKind.MPI
+    try:
+        yield world
+    finally:
+        _reset_backends(world)
+        world.backend = old
 
 
 @pytest.mark.mpi(min_size=1)

@@ -2,6 +2,9 @@
 
 Run with ``make test-gpu`` (1..number-of-GPUs ranks); skipped cleanly without CuPy, a GPU or NCCL.
 """
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -92,23 +95,70 @@ def test_every_collective_on_cupy_closed_form(gworld, dtype):
             _nccl_backend(g)
 
 
+_TO_HOST = {"get", "item", "tolist", "asnumpy", "__array__", "memcpy", "memcpyAsync", "empty_pinned",
+            "to_host", "to_host_pinned"}
+
+
+class _HostTransfers:
+    """Every device-to-host call made from Python while active: ``ndarray.get/item/tolist``,
+    ``cupy.asnumpy``, runtime ``memcpy*``, pinned buffers and axonmpi's own staging helpers
+    (seen with :func:`sys.setprofile`, which reports calls into C/Cython methods too)."""
+
+    def __init__(self):
+        self.calls = []
+        self.ndarray = backend.get_cupy().ndarray
+
+    def _hook(self, frame, event, arg):
+        if event == "c_call":
+            name = getattr(arg, "__name__", "")
+            if name in _TO_HOST:
+                owner = getattr(arg, "__self__", None)   # the array of a method, the module of a function
+                if isinstance(owner, self.ndarray) or (isinstance(owner, types.ModuleType)
+                                                       and owner.__name__.startswith(("cupy", "cupyx"))):
+                    self.calls.append(f"{type(owner).__name__}.{name}")
+        elif event == "call":
+            code = frame.f_code
+            if code.co_name in _TO_HOST and ("cupy" in code.co_filename or "axonmpi" in code.co_filename):
+                self.calls.append(f"{code.co_filename}:{code.co_name}")
+
+    def __enter__(self):
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_device_all_reduce_never_touches_the_host(gworld, monkeypatch):
     cp = backend.get_cupy()
     x = cp.ones(1 << 20, dtype=cp.float32)
-    axonmpi.all_reduce(x, out=x)   # creates the communicator
+    axonmpi.all_reduce(x, out=x)   # creates the communicator (its uid travels over MPI, on the host)
+    cp.cuda.get_current_stream().synchronize()
+    pinned = cp.get_default_pinned_memory_pool()
+    pinned.free_all_blocks()
 
     def no_host(*a, **k):
         raise AssertionError("a device all-reduce staged through host memory")
     for name in ("to_host", "to_host_pinned", "empty_pinned"):
         monkeypatch.setattr(backend, name, no_host)
     y = cp.ones(1 << 20, dtype=cp.float32)
-    axonmpi.all_reduce(y, out=y)
-    w = axonmpi.all_reduce(y, out=y, async_op=True)
-    w.wait()
+    z = cp.arange(1000, dtype=cp.float64)
+    with _HostTransfers() as seen:
+        axonmpi.all_reduce(y, out=y)
+        w = axonmpi.all_reduce(y, out=y, async_op=True)
+        w.wait()
+        s = axonmpi.all_reduce(z, "mean")                       # a new device result
+        rs = axonmpi.reduce_scatter(cp.ones(4 * gworld.world_size, dtype=cp.float32))
+        ag = axonmpi.all_gather(cp.ones(3, dtype=cp.float32))
+    assert not seen.calls, f"host transfers during device collectives: {seen.calls}"
+    assert pinned.n_free_blocks() == 0, "pinned host buffers were allocated (host staging)"
+    assert all(backend.is_cupy_array(a) for a in (y, s, rs, ag))
     cp.cuda.get_current_stream().synchronize()
     n = gworld.world_size
     assert float(y[0].item()) == n * n
+    np.testing.assert_allclose(s.get(), np.arange(1000.0))
+    assert float(rs.sum().item()) == 4 * n and float(ag.sum().item()) == 3 * n
     if n > 1:
         _nccl_backend(gworld.default_group)
 

@@ -1,4 +1,4 @@
-"""The NCCL backend on the CPU stand-in (axonmpi.testing.fake_nccl): every collective vs closed form, bootstrap, DDP."""
+"""The NCCL backend on the CPU stand-in (axonmpi.testing.fake_nccl): every collective vs closed form, bootstrap, DDP, FSDP, pipelines."""
 import numpy as np
 import pytest
 
@@ -235,6 +235,83 @@ def test_ddp_parity_on_the_nccl_backend(nworld):
         T._assert_params_equal(model, ref, 1e-10)
     _used_nccl(nworld.default_group)
 
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fsdp_parity_on_the_nccl_backend(nworld, monkeypatch):
+    """FSDP's all-gathers and reduce-scatters (uneven shards) through NcclBackend on the stand-in."""
+    import test_fsdp as TF
+    from axonmpi.parallel import FSDP, ShardingStrategy
+    calls = {}
+    for name in ("_allgather", "allgatherv", "_reduce_scatter", "_allreduce"):
+        real = getattr(NcclBackend, name)
+
+        def counted(self, *a, _real=real, _name=name):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(self, *a)
+        monkeypatch.setattr(NcclBackend, name, counted)
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        TF._check_parity(nworld, lambda m: FSDP(m, sharding_strategy=strategy))
+    assert calls.get("_allgather", 0) + calls.get("allgatherv", 0) > 0, calls   # parameters gathered by NCCL
+    assert calls.get("_reduce_scatter", 0) > 0, calls                            # gradients reduce-scattered
+    _used_nccl(nworld.default_group)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_point_to_point_is_deferred_and_ring_orders_do_not_deadlock(nworld, monkeypatch):
+    """isend/irecv are recorded and posted together when needed (a GPU stream runs a receive
+    before anything queued after it; the stand-in blocks likewise), so MPI-style ring orders work."""
+    posted = []
+    real_send, real_recv = fake_nccl.NcclCommunicator.send, fake_nccl.NcclCommunicator.recv
+    monkeypatch.setattr(fake_nccl.NcclCommunicator, "send", lambda self, *a: posted.append("send") or real_send(self, *a))
+    monkeypatch.setattr(fake_nccl.NcclCommunicator, "recv", lambda self, *a: posted.append("recv") or real_recv(self, *a))
+    for g in _groups(nworld):
+        p, r = g.size, g.rank
+        if p == 1:
+            continue
+        nxt, prv = (r + 1) % p, (r - 1) % p
+        big = 50_000
+        got = np.empty(big)
+        posted.clear()
+        wr = axonmpi.irecv(got, prv, group=g)                    # a receive first on every rank ...
+        assert posted == []                                      # ... only recorded
+        axonmpi.send(np.full(big, r, np.float64), nxt, group=g)  # ... then a blocking send: posted together
+        assert sorted(posted) == ["recv", "send"]
+        wr.wait()
+        np.testing.assert_array_equal(got, prv)
+        ws = axonmpi.isend(np.full(big, 10.0 * r), nxt, group=g)
+        wr = axonmpi.irecv(got, prv, group=g)
+        ws.wait()                                                # the send's wait first: posts both
+        wr.wait()
+        np.testing.assert_array_equal(got, 10.0 * prv)
+        # a receive posted ahead stays pending while a later send goes out
+        ahead = np.empty(3)
+        wa = axonmpi.irecv(ahead, prv, group=g)
+        posted.clear()
+        wb = axonmpi.isend(np.full(3, 7.0 * r), nxt, group=g)
+        wb.is_completed()
+        assert posted == ["send"]
+        mid = axonmpi.all_reduce(np.array([1.0]), group=g)       # a collective posts what is pending first
+        assert mid[0] == p and posted == ["send", "recv"]
+        wa.wait(), wb.wait()
+        np.testing.assert_array_equal(ahead, 7.0 * prv)
+        _used_nccl(g)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_parity_every_schedule_on_the_nccl_backend(nworld):
+    """The pipeline posts receives ahead of need and sends while they are pending: on NCCL's
+    in-order streams that order must not hang (the stand-in enforces stream order)."""
+    import test_pipeline_parity as PP
+    from axonmpi.parallel.pipeline import PipelineSchedule
+    p = nworld.world_size
+    for kind in PipelineSchedule:
+        v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
+        m = 2 * p if v > 1 else 4
+        ref, ref_losses = PP._serial(PP._mlp, PP._mlp_data, p, v, m, microbatched=False)
+        got, losses, names, _ = PP._pipelined(PP._mlp, PP._mlp_data, kind, v, m, nworld.default_group)
+        PP._compare(nworld, ref, ref_losses, got, losses, names)
+    _used_nccl(nworld.default_group)
 
 MISSING = """
 import time, numpy as np, axonmpi

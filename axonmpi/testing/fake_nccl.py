@@ -17,6 +17,9 @@ What it models, and checks:
   MPI. ``send``/``recv`` must sit between ``groupStart()`` and ``groupEnd()`` (stricter
   than NCCL, to prove the backend groups its point-to-point calls); they post non-blocking
   MPI requests on the stream, completed by the events recorded after them.
+* Stream order: a call, or a group's first call, first completes the NCCL work queued earlier
+  on its stream (blocking the host: stricter than a GPU), so point-to-point orders that would
+  hang a GPU's in-order stream hang the stand-in too.
 * ``cuda``: ``Stream``, ``Event``, ``get_current_stream`` with the methods the backend uses.
 
 Example:
@@ -132,6 +135,7 @@ class _State:
 
     counter = itertools.count(1)
     depth = 0
+    started = False   # the open group has issued its first call (and so waited for its stream)
 
 
 def get_unique_id() -> tuple:
@@ -214,7 +218,21 @@ def active(world) -> Iterator:
 
 
 def groupStart() -> None:  # noqa: N802 - cupy's names
+    if _State.depth == 0:
+        _State.started = False
     _State.depth += 1
+
+
+def _in_order(stream) -> None:
+    """Kernels on a stream start in order: before a call (or a group's first call) runs, the
+    stream's earlier NCCL work completes. On the host this blocks, which is stricter than a GPU;
+    so a receive queued ahead of a send its peer needs first hangs here as it would on a GPU."""
+    if _State.depth and _State.started:
+        return
+    _State.started = bool(_State.depth)
+    st = _STREAMS.get(stream) if stream else _NULL
+    if st is not None:
+        st.synchronize()
 
 
 def groupEnd() -> None:  # noqa: N802
@@ -284,10 +302,12 @@ class NcclCommunicator:
         return s, r, _MPI_OPS[op]
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+        _in_order(stream)
         s, r, mop = self._reduce_args(sendbuf, recvbuf, count, datatype, op)
         self._reduce(s, r, mop, op, None, sendbuf == recvbuf)
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        _in_order(stream)
         s, r, mop = self._reduce_args(sendbuf, recvbuf, count, datatype, op)
         self._reduce(s, r, mop, op, root, sendbuf == recvbuf)
 
@@ -308,15 +328,18 @@ class NcclCommunicator:
                 r[...] = r32
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        _in_order(stream)
         r = _view(recvbuff, count, datatype)
         if self._rank == root and sendbuff != recvbuff:
             r[...] = _view(sendbuff, count, datatype)
         self._comm.Bcast(r, root=root)
 
     def bcast(self, buff, count, datatype, root, stream):
+        _in_order(stream)
         self._comm.Bcast(_view(buff, count, datatype), root=root)
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
+        _in_order(stream)
         s = _view(sendbuf, recvcount * self._size, datatype)
         r = _view(recvbuf, recvcount, datatype)
         if op not in _MPI_OPS:
@@ -329,6 +352,7 @@ class NcclCommunicator:
         r[...] = r32
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802
+        _in_order(stream)
         self._comm.Allgather(_view(sendbuf, count, datatype), _view(recvbuf, count * self._size, datatype))
 
     def _p2p(self, what, peer, stream):
@@ -339,6 +363,7 @@ class NcclCommunicator:
         st = _STREAMS.get(stream) if stream else _NULL
         if st is None:
             raise NcclError(4, f"{what} on unknown stream {stream:#x}")
+        _in_order(stream)
         return st
 
     def send(self, sendbuf, count, datatype, peer, stream):

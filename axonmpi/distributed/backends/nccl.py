@@ -20,7 +20,8 @@ then queues the NCCL kernels there and records a done-event. A blocking call mak
 caller's current stream wait on the done-event: the host never synchronizes, and work queued
 afterwards on that stream sees the result. A non-blocking call returns a request whose
 ``Wait()`` does the same (``Test()`` polls the event); the request holds the buffers until
-then. MEAN uses ``ncclAvg`` where the NCCL library has it (2.10+), else a sum then a scale
+then. Point-to-point operations are recorded and posted together when needed
+(``[Note: deferred point-to-point]``). MEAN uses ``ncclAvg`` where the NCCL library has it (2.10+), else a sum then a scale
 queued on the caller's stream. Pairs NCCL has no reduction for (bitwise ops, bool, int16,
 complex products) fall back to MPI on host copies, synchronously.
 """
@@ -156,6 +157,37 @@ class _Request:
             return True
         return False
 
+class _Deferred:
+    """Point-to-point work recorded by the backend and handed to NCCL when needed
+    (``[Note: deferred point-to-point]``): ``Wait()``/``Test()`` post what this request needs,
+    then order the caller's current stream after the NCCL groups that carried its operations."""
+
+    __slots__ = ("backend", "runtime", "keep", "left", "events", "has_send", "done")
+
+    def __init__(self, backend, keep, has_send: bool):
+        self.backend, self.runtime, self.keep, self.has_send = backend, backend.runtime, keep, has_send
+        self.left, self.events, self.done = 0, [], False
+
+    def Wait(self):  # noqa: N802 - mpi4py's request protocol
+        if self.done:
+            return
+        if self.left:
+            self.backend._flush_for(self, wait=True)
+        cur = self.runtime.get_current_stream()
+        for ev in self.events:
+            cur.wait_event(ev)
+        self.keep, self.events, self.done = None, [], True
+
+    def Test(self) -> bool:  # noqa: N802
+        if self.done:
+            return True
+        if self.left:
+            self.backend._flush_for(self, wait=False)
+        if all(ev.done for ev in self.events):
+            self.Wait()
+            return True
+        return False
+
 
 class _Done:
     """A request that has already completed (the synchronous MPI fallback)."""
@@ -208,7 +240,9 @@ class NcclBackend(Backend):
         self.uid = None                  # the unique id this group's communicator was made from
         self._comm = None
         self._stream = None
+        self._ready = self._done = None   # cached events of blocking calls (see _begin, _finish)
         self._avg = None
+        self._pending: list = []   # point-to-point ops not yet posted: ((is_send, ptr, nbytes, peer), request, ready)
 
     # -- the communicator ----------------------------------------------------------------------
     def communicator(self):
@@ -245,6 +279,8 @@ class NcclBackend(Backend):
             f"{self.size}, world ranks {list(g.ranks)}): {exc}")
 
     def close(self) -> None:
+        self._pending = []
+        self._ready = self._done = None
         comm, self._comm = self._comm, None
         if comm is not None:
             try:
@@ -288,10 +324,18 @@ class NcclBackend(Backend):
         return None if nop is None else (nop, t, factor, False)
 
     def _begin(self):
-        """The communicator and its stream's pointer, the stream ordered after the caller's."""
+        """The communicator and its stream's pointer, the stream ordered after the caller's.
+
+        Pending point-to-point operations are posted first, so NCCL sees every rank's calls in
+        the order they were made.
+        """
         comm = self.communicator()
+        if self._pending:
+            self.flush()
         rt = self.runtime
-        ready = rt.Event(disable_timing=True)
+        ready = self._ready      # one event serves every call: a wait takes the record made before it
+        if ready is None:
+            ready = self._ready = rt.Event(disable_timing=True)
         ready.record(rt.get_current_stream())
         self._stream.wait_event(ready)
         return comm, self._stream.ptr
@@ -299,13 +343,18 @@ class NcclBackend(Backend):
     def _finish(self, blocking: bool, then=None, keep=None):
         """Record the done-event; blocking: order the caller's stream after it now."""
         rt = self.runtime
+        if blocking:             # waited on at once: the cached event can be recorded again next call
+            done = self._done
+            if done is None:
+                done = self._done = rt.Event(disable_timing=True)
+            done.record(self._stream)
+            rt.get_current_stream().wait_event(done)
+            if then is not None:
+                then()
+            return None
         done = rt.Event(disable_timing=True)
         done.record(self._stream)
-        req = _Request(done, rt, then, keep)
-        if blocking:
-            req.Wait()
-            return None
-        return req
+        return _Request(done, rt, then, keep)
 
     def _scale(self, buf):
         """``buf /= size`` (MEAN after a SUM), queued on the caller's stream when it runs."""
@@ -487,31 +536,98 @@ class NcclBackend(Backend):
         self._finish(True, keep=(send, recv))
 
     # -- point-to-point ---------------------------------------------------------------------------
+    # [Note: deferred point-to-point]
+    # NCCL runs a group's calls in order on one stream, and a receive kernel holds that stream
+    # until its data arrives. Posted one by one, ``irecv(prev); send(next)`` on every rank of a
+    # ring, or a receive posted ahead of need (a pipeline's next gradient) followed by a send
+    # the peer waits for, would hold each rank's sends behind a receive its peer cannot yet
+    # satisfy: a deadlock MPI, which progresses every posted operation, does not have. So
+    # isend/irecv/batch_isend_irecv only record operations, and they are handed to NCCL in one
+    # groupStart()/groupEnd() (where NCCL progresses sends and receives together) when needed:
+    # the Wait() of a request with a send posts everything pending; Test() of it, and Wait() or
+    # Test() of a receive, post every pending send plus the receives from the same peers up to
+    # this request's (a receive posted far ahead stays pending until its own turn); blocking
+    # send/recv are a post and a Wait(); the group's next collective or barrier posts all.
+    # Sends keep their order, and receives their order per peer, so NCCL matches every pair.
+    def _post(self, ops, keep) -> _Deferred:
+        """Record point-to-point ``ops`` ``(is_send, ptr, nbytes, peer)``; their request."""
+        self.communicator()
+        rt = self.runtime
+        ready = rt.Event(disable_timing=True)        # the buffers' producers, on the caller's stream
+        ready.record(rt.get_current_stream())
+        req = _Deferred(self, keep, any(o[0] for o in ops))
+        for o in ops:
+            self._pending.append((o, req, ready))
+        req.left = len(ops)
+        return req
+
+    def _flush_for(self, req: _Deferred, wait: bool) -> None:
+        """Post what ``req`` needs (see the note above) in one NCCL group."""
+        pend = self._pending
+        if wait and req.has_send:
+            self._flush(list(range(len(pend))))
+            return
+        last = {}
+        for i, (o, r, _) in enumerate(pend):
+            if r is req and not o[0]:
+                last[o[3]] = i
+        self._flush([i for i, (o, r, _) in enumerate(pend)
+                     if o[0] or r is req or (o[3] in last and i <= last[o[3]])])
+
+    def flush(self) -> None:
+        """Post every pending point-to-point operation of this group in one NCCL group."""
+        if self._pending:
+            self._flush(list(range(len(self._pending))))
+
+    def _flush(self, idx) -> None:
+        chosen = [self._pending[i] for i in idx]
+        if not chosen:
+            return
+        keep = set(idx)
+        self._pending = [e for i, e in enumerate(self._pending) if i not in keep]
+        comm = self.communicator()
+        seen = set()
+        for _, _, ready in chosen:
+            if id(ready) not in seen:
+                seen.add(id(ready))
+                self._stream.wait_event(ready)
+        s, u8 = self._stream.ptr, self._u8()
+
+        def body():
+            for (is_send, p, n, peer), _, _ in chosen:
+                if n:
+                    (comm.send if is_send else comm.recv)(p, n, u8, peer, s)
+        self._group(body)
+        done = self.runtime.Event(disable_timing=True)
+        done.record(self._stream)
+        for _, r, _ in chosen:
+            r.left -= 1
+            if not r.events or r.events[-1] is not done:
+                r.events.append(done)
+
     def send(self, buf, dst, tag):
-        self._p2p_group([(True, _ptr(buf), buf.nbytes, dst)])
-        self._finish(True, keep=buf)
+        self._post([(True, _ptr(buf), buf.nbytes, dst)], buf).Wait()
 
     def recv(self, buf, src, tag):
-        self._p2p_group([(False, _ptr(buf), buf.nbytes, src)])
-        self._finish(True, keep=buf)
+        self._post([(False, _ptr(buf), buf.nbytes, src)], buf).Wait()
 
     def isend(self, buf, dst, tag):
-        self._p2p_group([(True, _ptr(buf), buf.nbytes, dst)])
-        return self._finish(False, keep=buf)
+        return self._post([(True, _ptr(buf), buf.nbytes, dst)], buf)
 
     def irecv(self, buf, src, tag):
-        self._p2p_group([(False, _ptr(buf), buf.nbytes, src)])
-        return self._finish(False, keep=buf)
+        return self._post([(False, _ptr(buf), buf.nbytes, src)], buf)
 
     def batch_isend_irecv(self, ops: Sequence[P2PBuffer]) -> List[Any]:
-        """Post every operation in one ``groupStart()``/``groupEnd()``; one request per op."""
+        """Record every operation; they are posted in one ``groupStart()``/``groupEnd()`` with the
+        group's other pending ones at the first wait (``[Note: deferred point-to-point]``)."""
         if not ops:
             return []
-        self._p2p_group([(o.is_send, _ptr(o.buf), o.buf.nbytes, o.peer) for o in ops])
-        req = self._finish(False, keep=[o.buf for o in ops])
+        req = self._post([(o.is_send, _ptr(o.buf), o.buf.nbytes, o.peer) for o in ops], [o.buf for o in ops])
         return [req] * len(ops)
 
     def barrier(self):
+        if self._pending:
+            self.flush()
         self.mpi.barrier()
 
     # -- objects (host, over MPI) -------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...autograd.grad_mode import enable_grad, no_grad
 from ...autograd.tensor import Tensor
-from ...backend import get_array_module
+from ...backend import get_array_module, get_cupy, is_cupy_array
 from ...distributed.collectives import all_reduce, broadcast
 from ...distributed.group import ProcessGroup
 from ...distributed.reduce_op import ReduceOp
@@ -200,6 +200,7 @@ class Pipeline:
         self.virtual_stages = v
         self.last_stage = sched.total_stages - 1
         self._step = 0
+        self._device_comm = False      # the group's device backend has been reached collectively
         self._meta: Dict[int, Tuple[Tuple[int, ...], np.dtype]] = {}   # stage -> agreed input (trailing shape, dtype)
         self._param_ids = {id(q.data) for st in self.stages.values() for q in st.parameters()}
         self._predicted = {s: sim.peak_activations_per_stage[s] for s in self.stages}
@@ -251,6 +252,8 @@ class Pipeline:
         """
         if self.loss_fn is None:
             raise ValueError(f"rank {self.rank}: Pipeline.step needs loss_fn")
+        if not self._device_comm:
+            self._reach_device_backend()
         sizes = self._agree_sizes(inputs, targets)
         loss = self._run(self.schedule_actions(), sizes, inputs, targets, train=True)
         self._reduce_data_parallel()
@@ -264,6 +267,8 @@ class Pipeline:
             With ``targets`` (and ``loss_fn``): the mean loss, on every rank. Without: the
             last stage's outputs concatenated over the micro-batches on its rank, ``None`` elsewhere.
         """
+        if not self._device_comm:
+            self._reach_device_backend()
         sizes = self._agree_sizes(inputs, targets if targets is not None else None, need_targets=targets is not None)
         acts = [a for a in self.schedule_actions() if a.kind in (ActionKind.FORWARD, ActionKind.SEND_ACT,
                                                                  ActionKind.RECV_ACT)]
@@ -278,6 +283,22 @@ class Pipeline:
         return self.schedule.actions(self.rank)
 
     # -- private ---------------------------------------------------------------------------------
+    def _reach_device_backend(self) -> None:
+        """Every rank runs one collective on its stages' arrays before the first step's transfers.
+
+        An NCCL group communicator is created collectively at the group's first device operation;
+        a middle stage's first one comes only after a shape header (host, MPI) from a stage that
+        is already inside that creation, so without this a pipeline of 3+ stages on NCCL hangs.
+        On the host it is one tiny all-reduce over MPI, once.
+        """
+        self._device_comm = True
+        if self.group.size == 1:
+            return
+        data = next((q.data for st in self.stages.values() for q in st.parameters()), None)
+        on_gpu = np.array([int(data is not None and is_cupy_array(data))])
+        if all_reduce(on_gpu, ReduceOp.MAX, self.group)[0]:      # a rank may hold no parameters
+            all_reduce(get_cupy().zeros(1, np.float32), group=self.group)
+
     def _agree_sizes(self, inputs, targets, need_targets: bool = True) -> List[int]:
         """Micro-batch sizes, decided on pipeline rank 0 (stage 0) and broadcast."""
         m, r = self.num_microbatches, self.rank

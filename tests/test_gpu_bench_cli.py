@@ -1,0 +1,32 @@
+"""The GPU benches stop with a one-line reason (no traceback) where there is no GPU; the CPU bench still runs."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from axonmpi.testing import mpiexec_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, **env):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=mpiexec_env({"AXONMPI_DISABLE_CUPY": "1", **env}))
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("args", [["bench/collectives.py", "--device", "cuda"], ["bench/gpu.py"],
+                                  ["bench/gpu.py", "--worker"]])
+def test_gpu_bench_without_a_gpu_is_a_clear_message(args):
+    r = _run(args)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "GPU" in r.stderr or "CuPy" in r.stderr, r.stderr
+
+
+@pytest.mark.serial
+def test_collectives_bench_on_cpu_still_runs():
+    r = _run(["bench/collectives.py", "--max-mib", "0", "--trials", "1", "--ops", "all_reduce"])
+    assert r.returncode == 0, r.stderr
+    assert "collectives vs raw mpi4py" in r.stdout
