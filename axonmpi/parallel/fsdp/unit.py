@@ -33,7 +33,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ...autograd import Function, Tensor, backward, enable_grad, no_grad
-from ...backend import get_array_module
+from ...backend import device_of, get_array_module
 from ...distributed import ReduceOp, Work, all_reduce
 from ... import random as _random
 from .._flat import FlatParameter
@@ -78,7 +78,7 @@ class FSDPUnit:
 
     # -- parameters ----------------------------------------------------------------------------
     def _gather_args(self):
-        kw = dict(dtype=self.rt.param_dtype, device=self.rt.compute_device)
+        kw = dict(dtype=self.rt.param_dtype, device=self.rt.compute_device, alias=self.mode == "keep")
         if self.mode == "remap":
             if self._buf is None:
                 f = self.flat
@@ -209,7 +209,6 @@ class _PreBackward(Function):
         if not unit.complete:
             unit.gather()
             unit.rt._prefetch_before(ctx.pos)
-            unit.flat.bind_grads()
         return (None, None, None, *grads)
 
 
@@ -259,7 +258,6 @@ class _Call:
         unit, rt = self.unit, self.unit.rt
         unit.gather()
         rt._prefetch_before(self.pos)
-        unit.flat.bind_grads()
         now = _random.get_rng_state()
         _random.set_rng_state(self.rng)
         try:
