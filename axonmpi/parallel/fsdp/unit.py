@@ -82,10 +82,8 @@ class FSDPUnit:
         if self.mode == "remap":
             if self._buf is None:
                 f = self.flat
-                dt = np.dtype(self.rt.param_dtype or f.data.dtype)
-                count = f.world_size * f.padded_size
-                self._map = mmap.mmap(-1, max(1, count * dt.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                self._buf = np.frombuffer(self._map, dtype=dt, count=count)
+                self._map, self._buf = _gather_buffer(f.world_size * f.padded_size,
+                                                      np.dtype(self.rt.param_dtype or f.data.dtype))
             kw["out"] = self._buf
         return kw
 
@@ -183,6 +181,32 @@ class FSDPUnit:
         finally:
             rt._event("forward_end", self.name)
         return out
+
+
+_HUGE = 2 << 20     # a transparent huge page (x86-64, arm64 with 4K pages)
+
+
+def _gather_buffer(count: int, dtype):
+    """``(mmap, array)``: an anonymous mapping holding ``count`` elements, for a "remap" unit.
+
+    Every gather after a free faults the buffer's pages in again (the kernel hands out zeroed
+    pages); with 4K pages that costs several times the copy itself. A buffer of at least one
+    huge page therefore starts on a 2 MiB boundary (the mapping is 2 MiB longer; the unused head
+    is never touched, so never resident) and asks for transparent huge pages
+    (``MADV_HUGEPAGE``): 512 times fewer faults. Where THP is off this is a no-op.
+    """
+    nbytes = max(1, count * dtype.itemsize)
+    huge = nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE")
+    m = mmap.mmap(-1, nbytes + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    off = 0
+    if huge:
+        addr = np.frombuffer(m, np.uint8, count=1).ctypes.data
+        off = -addr % _HUGE
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:         # THP unsupported here: 4K pages, still correct
+            pass
+    return m, np.frombuffer(m, dtype=dtype, count=count, offset=off)
 
 
 def _outputs(unit: FSDPUnit, out) -> List[Tensor]:
