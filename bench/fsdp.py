@@ -101,6 +101,7 @@ def torch_worker() -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as TFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -108,7 +109,10 @@ def torch_worker() -> None:
     B = int(os.environ.get("BATCH", "128"))
     STEPS = int(os.environ.get("STEPS", "20"))
     torch.manual_seed(0)
-    model = TFSDP(_mlp(torch.nn, H))
+    # FSDP1 refuses a CPU module unless device_id names the CPU; one unit per Linear, as axonmpi's
+    # default policy wraps each child holding parameters; forward and backward prefetch on (its defaults)
+    model = TFSDP(_mlp(torch.nn, H), device_id=torch.device("cpu"),
+                  auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(B, 784), torch.randint(0, 10, (B,))
 
@@ -129,6 +133,13 @@ def torch_worker() -> None:
         n = dist.get_world_size()
         print(f"torch_fsdp ws={n} step={dt * 1e3:.1f} ms samples/s={B * n / dt:.1f}", flush=True)
     dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _run(cmd, env):
@@ -171,7 +182,7 @@ def main() -> None:
             runs = {m: [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", m,
                         "--model", args.model] for m in MODES}
             if have_torch and args.model == "mlp":
-                runs["torch_fsdp"] = [torchrun, f"--nproc_per_node={n}", "--master_port=29563",
+                runs["torch_fsdp"] = [torchrun, f"--nproc_per_node={n}", f"--master_port={_free_port()}",
                                       os.path.abspath(__file__), "--torch-worker"]
             for name, cmd in runs.items():
                 res = _run(cmd, env)
@@ -181,15 +192,19 @@ def main() -> None:
     what = (f"MLP 784-{H}-{H}-10, batch {B}/rank" if args.model == "mlp" else
             f"GPT 6 layers x 384, vocab 512, {B} sequences of 64 tokens/rank")
     print(f"{what}, Adam, float32, 1 thread/rank, best of {args.repeats}")
-    cols = MODES + (["torch_fsdp"] if have_torch and args.model == "mlp" else [])
-    hdr = f"{'ranks':>5} | " + " | ".join(f"{c:>22}" for c in cols)
+    anchor = have_torch and args.model == "mlp"
+    cols = MODES + (["torch_fsdp"] if anchor else [])
+    hdr = f"{'ranks':>5} | " + " | ".join(f"{c:>22}" for c in cols) + (" | full_shard/torch" if anchor else "")
     print(hdr)
     print("-" * len(hdr))
     for n in args.ranks:
         ddp = best[("ddp", n)][0]
         cells = [f"{best[(c, n)][0]:>7.1f} ({best[(c, n)][1]:>6} ms) {best[(c, n)][0] / ddp:4.2f}x" for c in cols]
-        print(f"{n:>5} | " + " | ".join(f"{c:>22}" for c in cells))
-    print("samples/s (step time) and the ratio to axonmpi DDP")
+        vs = f" | {best[('full_shard', n)][0] / best[('torch_fsdp', n)][0]:>15.2f}x" if anchor else ""
+        print(f"{n:>5} | " + " | ".join(f"{c:>22}" for c in cells) + vs)
+    print("samples/s (step time) and the ratio to axonmpi DDP"
+          + ("; torch_fsdp: PyTorch FSDP FULL_SHARD (one unit per Linear) over gloo, CPU, 1 thread/rank "
+             "(at 1 rank PyTorch switches itself to NO_SHARD)" if anchor else ""))
     if not have_torch and args.model == "mlp":
         print("torch not installed: PyTorch FSDP column skipped (pip install torch==2.13.0)")
     print()

@@ -78,10 +78,13 @@ class FSDPUnit:
 
     # -- parameters ----------------------------------------------------------------------------
     def _gather_args(self):
+        f = self.flat
         kw = dict(dtype=self.rt.param_dtype, device=self.rt.compute_device, alias=self.mode == "keep")
-        if self.mode == "remap":
+        if self.mode == "remap" or (f.world_size > 1 and get_array_module(f.data) is np
+                                    and hasattr(mmap, "MADV_DONTNEED")):
+            # one buffer per unit for every gather (no allocation, no 4K faults; freeing returns
+            # its pages to the OS)
             if self._buf is None:
-                f = self.flat
                 self._map, self._buf = _gather_buffer(f.world_size * f.padded_size,
                                                       np.dtype(self.rt.param_dtype or f.data.dtype))
             kw["out"] = self._buf
