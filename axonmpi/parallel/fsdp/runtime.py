@@ -378,6 +378,9 @@ class FullyShardedDataParallel(Module):
         if self._sync:
             unit.launch_reduce()
             self._launched.append(unit)
+            for u in self._launched:        # drive MPI progress of every reduction in flight
+                if u.work is not None:
+                    u.work.is_completed()
         unit.free()
         if all(u.complete for u in self._all_units):
             self._finish()

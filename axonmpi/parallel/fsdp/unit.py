@@ -96,8 +96,9 @@ class FSDPUnit:
         if f is None or f.full is not None or f._gather is not None:
             return
         self.rt._event("prefetch", self.name)
-        f.unshard(async_op=True, **self._gather_args())
+        work = f.unshard(async_op=True, **self._gather_args())
         self.rt._note_gathered()
+        work.is_completed()         # drive MPI progress once: the handshake starts before we compute
 
     def gather(self) -> None:
         """Make the parameters whole (waits for a prefetch in flight)."""
