@@ -247,8 +247,8 @@ class FlatParameter(Parameter):
             if send.dtype != want:
                 send = send.astype(want)
             xp = get_array_module(send)
-            if out is None:
-                padded = xp.empty(k * size, send.dtype)
+            if out is None:         # a group of one: a cast or moved copy is the gathered buffer already
+                padded = send if k == 1 and send is not self._shard else xp.empty(k * size, send.dtype)
             elif out.shape != (k * size,) or out.dtype != send.dtype:
                 raise ValueError(f"rank {self.group.world.rank}: unshard out= must be 1-D of {k * size} "
                                  f"{send.dtype} elements, got {out.shape} {out.dtype}")
