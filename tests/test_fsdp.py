@@ -412,3 +412,20 @@ def test_group_of_one_aliases_the_shard():
         ref = _make(Tower)
         ref.load_state_dict(sd)
         np.testing.assert_array_equal(model(x).data, ref(x).data)    # the stepped shard is what computes
+
+
+@pytest.mark.mpi(min_size=1)
+def test_no_sync_gradients_are_counted_until_reduced():
+    """Gradients land in the parameters' own arrays and are packed once when their unit reduces: under
+    no_sync they stay unsharded (and memory_stats counts all of them), afterwards only the shards."""
+    axonmpi.init()
+    model = FSDP(_make(Tower))
+    x = Tensor(np.ones((2, 128), np.float32))
+    psi = sum(f.total_numel for f in model.parameters())
+    with model.no_sync():
+        model(x).sum().backward()
+    assert model.memory_stats().grads_mb * 2 ** 20 == 4 * psi
+    model(x).sum().backward()
+    shards = sum(int(f.grad.data.nbytes) for f in model.parameters())
+    assert model.memory_stats().grads_mb * 2 ** 20 == shards
+    assert all(p.grad is None for u in model.units for p in u.flat.params)

@@ -15,15 +15,34 @@ gathered buffer) until backward, and dropping our reference would free nothing. 
   final (post-accumulate-grad hooks) its reduce-scatter is launched, non-blocking, and the
   pages are released again. This is PyTorch's "resize the storage to 0" in NumPy terms.
 * Other array modules (``mode="recompute"``): the unit runs inside :class:`_UnitCall`, a
-  Function whose forward computes
-the unit under ``no_grad`` with the gathered parameters and frees them right after, keeping
-only the unit's inputs; its backward gathers the parameters again (the backward prefetch of
-the unit before it is issued first), recomputes the unit's forward with the RNG state of the
-first pass, back-propagates the incoming gradient through it (the parameters' gradients land
-in the unit's flat gradient buffer), frees the parameters and hands the unit to the runtime,
-which launches its reduce-scatter at once, non-blocking. The price is one extra forward of
-each unit (as activation checkpointing); the gain is that no gathered unit outlives its
-compute, so the peak is the sharded state plus the unit(s) in flight.
+  Function whose forward computes the unit under ``no_grad`` with the gathered parameters and
+  frees them right after, keeping only the unit's inputs; its backward gathers the parameters
+  again (the backward prefetch of the unit before it is issued first), recomputes the unit's
+  forward with the RNG state of the first pass, back-propagates the incoming gradient through
+  it, frees the parameters and hands the unit to the runtime, which launches its
+  reduce-scatter at once, non-blocking. The price is one extra forward of each unit (as
+  activation checkpointing); the gain is that no gathered unit outlives its compute, so the
+  peak is the sharded state plus the unit(s) in flight.
+
+[Note: FSDP hot path]
+What a step costs beyond DDP's compute, and how it is kept small:
+
+* A shard group of one (1 rank, NO_SHARD, HYBRID_SHARD with shards of one) has nothing to
+  gather: the shard is the whole unit. Such a unit is ``"keep"`` whatever the strategy, and
+  ``unshard(alias=True)`` binds the parameters to views of the shard itself: no copy, no
+  buffer, no communication, nothing to free (the optimizer's in-place step is what the next
+  forward sees). Only a compute-dtype cast (mixed precision) or a device move still copies.
+* Gradients are not pre-bound to a zeroed flat buffer: the engine stores each parameter's
+  gradient as the array backward made (no copy), and the unit's reduction packs them into
+  the flat (padded) buffer once, then drops them (one copy instead of zero-fill plus an
+  accumulate pass). Over a group of one the packed buffer is ``.grad`` itself (the mean over
+  one rank); otherwise it is reduce-scattered, non-blocking.
+* With NumPy every sharded unit (any mode) gathers into one buffer of its own, allocated once
+  on a 2 MiB boundary with transparent huge pages, and "free" returns its pages with
+  ``MADV_DONTNEED``. Re-faulting 4K pages after each free cost about three times the copy
+  itself (the kernel zeroes and maps 512 times more pages); huge pages make it close to a copy.
+* In-flight gathers and reductions are tested at unit boundaries (MPI progress without a
+  progress thread); events are recorded only with ``record_events=True``.
 """
 from __future__ import annotations
 
@@ -49,8 +68,9 @@ class FSDPUnit:
         module: the module.
         flat: its :class:`FlatParameter` (``None`` when it holds no parameters).
         mode: ``"keep"`` (gathered from forward until its gradients are complete: root unit,
-            SHARD_GRAD_OP, NO_SHARD), ``"remap"`` or ``"recompute"`` (FULL_SHARD / HYBRID_SHARD
-            child units; see the module notes).
+            SHARD_GRAD_OP, NO_SHARD, and every unit of a shard group of one, whose gather
+            aliases the shard), ``"remap"`` or ``"recompute"`` (FULL_SHARD / HYBRID_SHARD
+            child units over more than one rank; see the module notes).
     """
 
     def __init__(self, name: str, module, flat: Optional[FlatParameter], runtime, *, mode: str):
@@ -61,7 +81,7 @@ class FSDPUnit:
         self.replicate_group = runtime.replicate_group    # its own FSDP instance's (nested FSDP keeps it)
         self.mode = mode
         self.recompute = mode == "recompute"
-        self._map = None            # "remap": the mmap behind the gather buffer
+        self._map = None            # the mmap behind the gather buffer (NumPy, sharded units)
         self._replicas_done = True
         self._buf = None
         self.n_params = 0 if flat is None else len(flat.params)
