@@ -324,14 +324,17 @@ class FlatParameter(Parameter):
                 p.grad.data = v
         return buf
 
-    def _pack_grads(self):
-        """The flat gradient (padded to ``world_size * padded_size``), detached from the parameters.
+    def _pack_grads(self, scale=None):
+        """``(buf, scaled)``: the flat gradient (padded to ``world_size * padded_size``), detached
+        from the parameters.
 
-        The bound buffer when :meth:`bind_grads` ran and its views are intact, else a new buffer
-        packed from the parameters' ``.grad`` (one copy; ``None`` counts as zero). Afterwards
-        every parameter's ``.grad`` is ``None``.
+        The bound buffer when :meth:`bind_grads` ran and its views are intact (``scaled`` False),
+        else a new buffer packed from the parameters' ``.grad`` in one pass, multiplied by
+        ``scale`` on the way when given (``None`` gradients count as zero). Afterwards every
+        parameter's ``.grad`` is ``None``.
         """
         views = self._grad_views
+        scaled = False
         if self._full_grad is not None and all(
                 p.grad is not None and p.grad.data is v for p, v in zip(self.params, views)):
             buf = self._full_grad
@@ -344,12 +347,21 @@ class FlatParameter(Parameter):
             buf = get_array_module(like).empty(cap, like.dtype)
             if cap > self.total_numel:
                 buf[self.total_numel:] = 0
-            self.layout.pack(grads, buf)
+            if scale is None:
+                self.layout.pack(grads, buf)
+            else:
+                xp = get_array_module(buf)
+                for g, o, c in zip(grads, self.layout.offsets, self.layout.numels):
+                    if g is None:
+                        buf[o:o + c] = 0
+                    else:
+                        xp.multiply(g.reshape(-1), scale, out=buf[o:o + c])
+                scaled = True
         for p in self.params:
             p.grad = None
         self._full_grad = None
         self._grad_views = []
-        return buf
+        return buf, scaled
 
     def reduce_grad(self, op: ReduceOp = ReduceOp.MEAN, *, async_op: bool = False,
                     reduce_dtype=None) -> Optional[Work]:
@@ -373,8 +385,13 @@ class FlatParameter(Parameter):
         op = ReduceOp.coerce(op)
         if op not in (ReduceOp.MEAN, ReduceOp.SUM):
             raise ValueError(f"rank {self.group.world.rank}: reduce_grad op must be MEAN or SUM, got {op.name}")
-        buf = self._pack_grads()
         k, size, n = self.world_size, self.padded_size, self.total_numel
+        # MEAN as DDP does it: the 1/k is applied while packing (no pass over the result), except
+        # with a reduce_dtype (low-precision gradients would lose their small terms to 1/k)
+        prescale = op is ReduceOp.MEAN and k > 1 and reduce_dtype is None
+        buf, scaled = self._pack_grads(1.0 / k if prescale else None)
+        if scaled:
+            op = ReduceOp.SUM
         _expand(buf, n, k, size)
         if reduce_dtype is not None and np.dtype(reduce_dtype) != buf.dtype:
             buf = buf.astype(reduce_dtype)
