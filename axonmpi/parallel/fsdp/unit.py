@@ -28,10 +28,12 @@ gathered buffer) until backward, and dropping our reference would free nothing. 
 What a step costs beyond DDP's compute, and how it is kept small:
 
 * A shard group of one (1 rank, NO_SHARD, HYBRID_SHARD with shards of one) has nothing to
-  gather: the shard is the whole unit. Such a unit is ``"keep"`` whatever the strategy, and
-  ``unshard(alias=True)`` binds the parameters to views of the shard itself: no copy, no
-  buffer, no communication, nothing to free (the optimizer's in-place step is what the next
-  forward sees). Only a compute-dtype cast (mixed precision) or a device move still copies.
+  gather: the shard is the whole unit. Such a unit's gather is ``unshard(alias=True)``, which
+  binds the parameters to views of the shard itself (:meth:`FSDPUnit.aliases_shard`): no
+  copy, no buffer, no communication, and "free" only unbinds the views (the optimizer's
+  in-place step is what the next forward sees). The unit keeps its mode (a remap unit's
+  graph views the shard; a recompute unit still recomputes). Only a compute-dtype cast
+  (mixed precision) or a device move still copies.
 * Gradients are not pre-bound to a zeroed flat buffer: the engine stores each parameter's
   gradient as the array backward made (no copy), and the unit's reduction packs them into
   the flat (padded) buffer once, then drops them (one copy instead of zero-fill plus an
@@ -68,9 +70,8 @@ class FSDPUnit:
         module: the module.
         flat: its :class:`FlatParameter` (``None`` when it holds no parameters).
         mode: ``"keep"`` (gathered from forward until its gradients are complete: root unit,
-            SHARD_GRAD_OP, NO_SHARD, and every unit of a shard group of one, whose gather
-            aliases the shard), ``"remap"`` or ``"recompute"`` (FULL_SHARD / HYBRID_SHARD
-            child units over more than one rank; see the module notes).
+            SHARD_GRAD_OP, NO_SHARD), ``"remap"`` or ``"recompute"`` (FULL_SHARD / HYBRID_SHARD
+            child units; see the module notes).
     """
 
     def __init__(self, name: str, module, flat: Optional[FlatParameter], runtime, *, mode: str):
@@ -82,6 +83,7 @@ class FSDPUnit:
         self.mode = mode
         self.recompute = mode == "recompute"
         self._map = None            # the mmap behind the gather buffer (NumPy, sharded units)
+        self._alias: Optional[bool] = None      # aliases_shard(), once known
         self._replicas_done = True
         self._buf = None
         self.n_params = 0 if flat is None else len(flat.params)
@@ -92,6 +94,16 @@ class FSDPUnit:
         self.work: Optional[Work] = None
         self._orig_forward: Optional[Callable] = None
 
+    def aliases_shard(self) -> bool:
+        """True when gathering this unit copies nothing: its shard group has one rank and it
+        computes in the shard's own dtype on the shard's device (the shard is the whole unit)."""
+        if self._alias is None:
+            f = self.flat
+            self._alias = (f is not None and f.world_size == 1
+                           and np.dtype(self.rt.param_dtype or f.data.dtype) == f.data.dtype
+                           and self.rt.compute_device == device_of(f.data))
+        return self._alias
+
     @property
     def label(self) -> str:
         return self.name or "<root>"
@@ -99,8 +111,10 @@ class FSDPUnit:
     # -- parameters ----------------------------------------------------------------------------
     def _gather_args(self):
         f = self.flat
-        kw = dict(dtype=self.rt.param_dtype, device=self.rt.compute_device, alias=self.mode == "keep")
-        if self.mode == "remap" or (f.world_size > 1 and get_array_module(f.data) is np
+        kw = dict(dtype=self.rt.param_dtype, device=self.rt.compute_device)
+        if self.aliases_shard():
+            kw["alias"] = True      # the parameters view the shard: no buffer, no copy (any mode)
+        elif self.mode == "remap" or (f.world_size > 1 and get_array_module(f.data) is np
                                     and hasattr(mmap, "MADV_DONTNEED")):
             # one buffer per unit for every gather (no allocation, no 4K faults; freeing returns
             # its pages to the OS)
