@@ -5,12 +5,17 @@ For each world size in --ranks (default 1 2) this runs, in one invocation, on th
 
   * axonmpi  ``mpiexec -n N python bench/fsdp.py --worker MODE`` for MODE in full_shard,
              shard_grad_op, no_shard, ddp
-  * torch    PyTorch FSDP (FULL_SHARD) over gloo on CPU via torchrun (skipped cleanly without torch)
+  * torch    PyTorch FSDP (FULL_SHARD, one unit per Linear, ``device_id=cpu``: FSDP1 refuses a
+             CPU module without it) over gloo on CPU via torchrun (skipped cleanly without torch;
+             at 1 rank PyTorch itself falls back to NO_SHARD)
 
-and prints samples/s with the ratio to DDP, then a table of measured per-rank parameter +
-gradient + optimizer-state memory (``FSDP.memory_stats``, counted from the arrays alive after a
-step) beside ``FSDP.estimate_memory`` (the ZeRO paper's formula), and the measured peak of
-gathered units. Env vars HIDDEN, BATCH and STEPS size the run (defaults 2048, 128, 20).
+and prints samples/s (from the median step) with the ratio to DDP and FULL_SHARD's ratio to
+PyTorch FSDP, then a table of measured per-rank parameter + gradient + optimizer-state memory
+(``FSDP.memory_stats``, counted from the arrays alive after a step) beside
+``FSDP.estimate_memory`` (the ZeRO paper's formula), the measured peak of gathered units, and
+the bytes each rank moves in collectives per step beside DDP's. Env vars HIDDEN, BATCH and
+STEPS size the run (defaults 2048, 128, 20); ``--repeats`` interleaves whole sets and keeps
+each configuration's best.
 ``--model gpt`` runs a GPT instead (6 layers, width 384, 6 heads, vocabulary 512, sequences of
 64 tokens, BATCH sequences per rank, default 8); no PyTorch column there.
 
@@ -77,23 +82,52 @@ def worker(mode: str, model_name: str = "mlp") -> None:
 
     for _ in range(3 if model_name == "mlp" else 1):
         step()
+    traffic = _count_traffic(world.world_size)
     axonmpi.barrier()
-    t = time.perf_counter()
+    times = []
     for _ in range(STEPS):
+        t = time.perf_counter()
         step()
+        times.append(time.perf_counter() - t)
     axonmpi.barrier()
-    dt = (time.perf_counter() - t) / STEPS
-    mem = ""
+    wire_mb = traffic["bytes"] / STEPS / 2 ** 20
+    dt = sorted(times)[len(times) // 2]       # the median step: robust to other load on the machine
+    mem = f" wire_mb={wire_mb:.2f}"
     if mode != "ddp":
         model.reset_peak_memory_stats()
         step()
         st = model.memory_stats(opt)
         est = FSDP.estimate_memory(model, mode, model.shard_group.size)
         state = st.params_mb + st.grads_mb + st.optimizer_state_mb
-        mem = f" state_mb={state:.2f} est_mb={est.total_mb:.2f} peak_gathered_mb={st.peak_memory_mb - state:.2f}"
+        mem += f" state_mb={state:.2f} est_mb={est.total_mb:.2f} peak_gathered_mb={st.peak_memory_mb - state:.2f}"
     if world.rank == 0:
         print(f"{mode} ws={world.world_size} step={dt * 1e3:.1f} ms samples/s={B * world.world_size / dt:.1f}{mem}",
               flush=True)
+
+
+def _count_traffic(n: int) -> dict:
+    """Count, from now on, the bytes each rank moves in collectives (bandwidth-optimal algorithms:
+    all-gather and reduce-scatter move (n-1)/n of the full buffer, all-reduce twice that)."""
+    from axonmpi.distributed.backends.mpi import MPIBackend
+
+    box = {"bytes": 0}
+    f = (n - 1) / n
+
+    def wrap(name, nbytes):
+        orig = getattr(MPIBackend, name)
+
+        def counted(self, *a):
+            box["bytes"] += nbytes(*a)
+            return orig(self, *a)
+        setattr(MPIBackend, name, counted)
+
+    for name in ("allgather", "iallgather"):
+        wrap(name, lambda send, recv: f * recv.nbytes)
+    for name in ("reduce_scatter", "ireduce_scatter"):
+        wrap(name, lambda send, recv, counts, op: f * send.nbytes)
+    for name in ("allreduce", "iallreduce"):
+        wrap(name, lambda send, recv, op: 2 * f * send.nbytes)
+    return box
 
 
 def torch_worker() -> None:
@@ -101,6 +135,7 @@ def torch_worker() -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as TFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -108,7 +143,10 @@ def torch_worker() -> None:
     B = int(os.environ.get("BATCH", "128"))
     STEPS = int(os.environ.get("STEPS", "20"))
     torch.manual_seed(0)
-    model = TFSDP(_mlp(torch.nn, H))
+    # FSDP1 refuses a CPU module unless device_id names the CPU; one unit per Linear, as axonmpi's
+    # default policy wraps each child holding parameters; forward and backward prefetch on (its defaults)
+    model = TFSDP(_mlp(torch.nn, H), device_id=torch.device("cpu"),
+                  auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(B, 784), torch.randint(0, 10, (B,))
 
@@ -120,15 +158,24 @@ def torch_worker() -> None:
     for _ in range(3):
         step()
     dist.barrier()
-    t = time.perf_counter()
+    times = []
     for _ in range(STEPS):
+        t = time.perf_counter()
         step()
+        times.append(time.perf_counter() - t)
     dist.barrier()
-    dt = (time.perf_counter() - t) / STEPS
+    dt = sorted(times)[len(times) // 2]       # the median step, as the axonmpi workers report
     if dist.get_rank() == 0:
         n = dist.get_world_size()
         print(f"torch_fsdp ws={n} step={dt * 1e3:.1f} ms samples/s={B * n / dt:.1f}", flush=True)
     dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _run(cmd, env):
@@ -171,7 +218,7 @@ def main() -> None:
             runs = {m: [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", m,
                         "--model", args.model] for m in MODES}
             if have_torch and args.model == "mlp":
-                runs["torch_fsdp"] = [torchrun, f"--nproc_per_node={n}", "--master_port=29563",
+                runs["torch_fsdp"] = [torchrun, f"--nproc_per_node={n}", f"--master_port={_free_port()}",
                                       os.path.abspath(__file__), "--torch-worker"]
             for name, cmd in runs.items():
                 res = _run(cmd, env)
@@ -180,32 +227,46 @@ def main() -> None:
     H, B = os.environ.get("HIDDEN", "2048"), os.environ.get("BATCH", "128" if args.model == "mlp" else "8")
     what = (f"MLP 784-{H}-{H}-10, batch {B}/rank" if args.model == "mlp" else
             f"GPT 6 layers x 384, vocab 512, {B} sequences of 64 tokens/rank")
-    print(f"{what}, Adam, float32, 1 thread/rank, best of {args.repeats}")
-    cols = MODES + (["torch_fsdp"] if have_torch and args.model == "mlp" else [])
-    hdr = f"{'ranks':>5} | " + " | ".join(f"{c:>22}" for c in cols)
+    print(f"{what}, Adam, float32, 1 thread/rank; median step of {os.environ.get('STEPS', '20')}, "
+          f"best of {args.repeats} interleaved repeats")
+    anchor = have_torch and args.model == "mlp"
+    cols = MODES + (["torch_fsdp"] if anchor else [])
+    hdr = f"{'ranks':>5} | " + " | ".join(f"{c:>22}" for c in cols) + (" | full_shard/torch" if anchor else "")
     print(hdr)
     print("-" * len(hdr))
     for n in args.ranks:
         ddp = best[("ddp", n)][0]
         cells = [f"{best[(c, n)][0]:>7.1f} ({best[(c, n)][1]:>6} ms) {best[(c, n)][0] / ddp:4.2f}x" for c in cols]
-        print(f"{n:>5} | " + " | ".join(f"{c:>22}" for c in cells))
-    print("samples/s (step time) and the ratio to axonmpi DDP")
+        vs = f" | {best[('full_shard', n)][0] / best[('torch_fsdp', n)][0]:>15.2f}x" if anchor else ""
+        print(f"{n:>5} | " + " | ".join(f"{c:>22}" for c in cells) + vs)
+    print("samples/s (step time) and the ratio to axonmpi DDP"
+          + ("; torch_fsdp: PyTorch FSDP FULL_SHARD (one unit per Linear) over gloo, CPU, 1 thread/rank "
+             "(at 1 rank PyTorch switches itself to NO_SHARD)" if anchor else ""))
     if not have_torch and args.model == "mlp":
         print("torch not installed: PyTorch FSDP column skipped (pip install torch==2.13.0)")
     print()
-    print("per-rank memory of parameters + gradients + Adam state after a step (MiB): measured vs formula")
-    hdr = f"{'ranks':>5} | {'strategy':>14} | {'measured':>9} | {'estimate':>9} | {'ratio':>6} | {'peak gathered':>13}"
+    print("per rank: parameters + gradients + Adam state after a step (MiB, measured vs formula), the peak of "
+          "gathered units, and collective traffic per step")
+    hdr = (f"{'ranks':>5} | {'strategy':>14} | {'measured':>9} | {'estimate':>9} | {'ratio':>6} | "
+           f"{'peak gathered':>13} | {'wire MiB/step':>13} | {'x DDP':>5}")
     print(hdr)
     print("-" * len(hdr))
     for n in args.ranks:
-        for m in MODES[:3]:
+        ddp_wire = best[("ddp", n)][2]["wire_mb"]
+        for m in MODES:
             e = best[(m, n)][2]
+            wire = f"{e['wire_mb']:>13.2f} | " + (f"{e['wire_mb'] / ddp_wire:>5.2f}" if ddp_wire else f"{'-':>5}")
+            if m == "ddp":
+                print(f"{n:>5} | {m:>14} | {'-':>9} | {'-':>9} | {'-':>6} | {'-':>13} | {wire}")
+                continue
             print(f"{n:>5} | {m:>14} | {e['state_mb']:>9.2f} | {e['est_mb']:>9.2f} | "
-                  f"{e['state_mb'] / e['est_mb']:>6.3f} | {e['peak_gathered_mb']:>13.2f}")
+                  f"{e['state_mb'] / e['est_mb']:>6.3f} | {e['peak_gathered_mb']:>13.2f} | {wire}")
     print("estimate: ZeRO paper, fp32 Adam: NO_SHARD (4+4+8)Psi, SHARD_GRAD_OP 4Psi+(4+8)Psi/N, FULL_SHARD "
           "(4+4+8)Psi/N; measured counts the arrays alive (axonmpi's SHARD_GRAD_OP frees whole parameters "
-          "after backward, so between steps it holds FULL_SHARD's state)")
-
+          "after backward, so between steps it holds FULL_SHARD's state). wire: bytes each rank moves in the "
+          "timed steps' collectives, counted per call with bandwidth-optimal algorithms ((N-1)/N of the buffer "
+          "for all-gather / reduce-scatter, twice that for all-reduce): FULL_SHARD gathers twice and "
+          "reduce-scatters once (1.5x DDP's all-reduce); a group of one moves nothing")
 
 if __name__ == "__main__":
     main()

@@ -310,10 +310,13 @@ def _resident(buf):
 def test_peak_during_forward_is_units_in_flight_not_the_model():
     """The gather buffers' resident pages (mincore), sampled inside every unit's forward, never exceed
     the units in flight (1, or 2 with prefetch), and drop to zero after backward: freeing is real."""
-    axonmpi.init()
+    world = axonmpi.init()
+    if world.world_size == 1:
+        pytest.skip("a shard group of one gathers nothing: no buffer (test_group_of_one_aliases_the_shard)")
     for prefetch in (False, True):
         axonmpi.manual_seed(0)
         model = FSDP(BlockTower(), prefetch=prefetch)
+        assert {u.mode for u in model.units} == {"remap"}
         unit_bytes = max(u.flat.world_size * u.flat.padded_size * 4 for u in model.units)
         samples = []
         for u in model.units:
@@ -375,3 +378,57 @@ def test_sync_module_states_from_data_rank_0():
         ref = axonmpi.broadcast_object(sd if world.rank == 0 else None)
         for key in sd:
             np.testing.assert_array_equal(sd[key], ref[key], err_msg=f"{strategy.name} {k} {key}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_group_of_one_aliases_the_shard():
+    """Over a shard group of one (1 rank, or NO_SHARD at any size) a unit's parameters are views of its
+    shard while it computes: gathering copies and communicates nothing, no gather buffer exists, nothing
+    is gathered beside the state, and an optimizer step on the shard is what the next forward uses."""
+    world = axonmpi.init()
+    self_group = world.split(world.rank, name="fsdp_test_self")
+    for strategy, group in [(ShardingStrategy.FULL_SHARD, self_group), (ShardingStrategy.SHARD_GRAD_OP, self_group),
+                            (ShardingStrategy.NO_SHARD, None)]:
+        model = FSDP(_make(Tower), sharding_strategy=strategy, group=group)
+        assert model.shard_group.size == 1 and all(u.aliases_shard() for u in model.units)
+        seen = []
+        for u in model.units:         # inside each unit's forward, its parameters view its shard
+            def run(*a, _u=u, _orig=u._orig_forward):
+                seen.append(_u.flat.aliased and all(np.shares_memory(p.data, _u.flat.data) for p in _u.flat.params))
+                return _orig(*a)
+            u._orig_forward = run
+        opt = axonmpi.optim.Adam(model.parameters(), lr=1e-2)
+        x = Tensor(np.ones((2, 128), np.float32))
+        for _ in range(2):
+            model.reset_peak_memory_stats()
+            model(x).sum().backward()
+            st = model.memory_stats(opt)
+            assert st.gathered_mb == 0.0 and st.peak_memory_mb == st.current_allocation_mb
+            assert all(u._buf is None for u in model.units)
+            assert all(p.grad is None for u in model.units for p in u.flat.params)   # packed once, dropped
+            before = [u.flat.data.copy() for u in model.units]
+            opt.step()
+            opt.zero_grad()
+            assert all(not np.array_equal(b, u.flat.data) for b, u in zip(before, model.units))
+        assert len(seen) == 2 * len(model.units) and all(seen), (strategy, seen)
+        sd = model.state_dict()
+        ref = _make(Tower)
+        ref.load_state_dict(sd)
+        np.testing.assert_array_equal(model(x).data, ref(x).data)    # the stepped shard is what computes
+
+
+@pytest.mark.mpi(min_size=1)
+def test_no_sync_gradients_are_counted_until_reduced():
+    """Gradients land in the parameters' own arrays and are packed once when their unit reduces: under
+    no_sync they stay unsharded (and memory_stats counts all of them), afterwards only the shards."""
+    axonmpi.init()
+    model = FSDP(_make(Tower))
+    x = Tensor(np.ones((2, 128), np.float32))
+    psi = sum(f.total_numel for f in model.parameters())
+    with model.no_sync():
+        model(x).sum().backward()
+    assert model.memory_stats().grads_mb * 2 ** 20 == 4 * psi
+    model(x).sum().backward()
+    shards = sum(int(f.grad.data.nbytes) for f in model.parameters())
+    assert model.memory_stats().grads_mb * 2 ** 20 == shards
+    assert all(p.grad is None for u in model.units for p in u.flat.params)

@@ -125,6 +125,19 @@ class FlatParameter(Parameter):
         """The flat gradient buffer behind the parameters' ``.grad`` views, or ``None``."""
         return self._full_grad
 
+    @property
+    def aliased(self) -> bool:
+        """True while the parameters are bound to the shard itself (``unshard(alias=True)``)."""
+        f = self._full
+        return f is not None and self._shard is not None and (f is self._shard or f.base is self._shard)
+
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes held by the gathered full buffer beyond the shard (0 when not gathered or aliased)."""
+        if self._full is None or self.aliased:
+            return 0
+        return int(self._full.nbytes)
+
     def _bind(self, flat) -> None:
         for p, v in zip(self.params, self.layout.views(flat)):
             p.data = v
@@ -186,7 +199,8 @@ class FlatParameter(Parameter):
         if not self.is_sharded:
             raise RuntimeError(f"FlatParameter.{what}() needs shard(group) first")
 
-    def unshard(self, *, async_op: bool = False, dtype=None, device=None, out=None) -> Optional[Work]:
+    def unshard(self, *, async_op: bool = False, dtype=None, device=None, out=None,
+                alias: bool = False) -> Optional[Work]:
         """All-gather the chunks into the full buffer and point every parameter at its view.
 
         Args:
@@ -198,6 +212,11 @@ class FlatParameter(Parameter):
                 gathers on the compute device). Default: the shard's device.
             out: a 1-D buffer of ``world_size * padded_size`` elements of that dtype to gather
                 into (FSDP reuses one per unit); the full buffer is then its first ``n``.
+            alias: over a group of one, in the shard's own dtype and on its device, and without
+                ``out``: bind the parameters to the shard itself instead of a gathered copy
+                (nothing is communicated or copied; :meth:`reshard` then frees nothing, and an
+                optimizer step on the shard is seen by the parameters at once). FSDP's fast path
+                at shard group size 1; elsewhere it is ignored.
 
         Returns:
             The Work with ``async_op=True`` (its result is the full buffer), else ``None``.
@@ -210,6 +229,14 @@ class FlatParameter(Parameter):
         want = self._shard.dtype if dtype is None else np.dtype(dtype)
         if self._gather is not None:                      # already in flight: same handle
             work = self._gather
+        elif alias and out is None and self.world_size == 1 and want == self._shard.dtype \
+                and dev == device_of(self._shard):
+            if self._full is None or not self.aliased:
+                if self._full is not None:
+                    self.reshard()
+                self._full = self._shard[:self.total_numel]
+                self._bind(self._full)
+            return Work(result=self._full) if async_op else None
         elif self._full is not None and self._full.dtype == want and device_of(self._full) == dev:
             work = Work(result=self._full)                # already gathered (call reshard() to refresh)
         else:
@@ -220,8 +247,8 @@ class FlatParameter(Parameter):
             if send.dtype != want:
                 send = send.astype(want)
             xp = get_array_module(send)
-            if out is None:
-                padded = xp.empty(k * size, send.dtype)
+            if out is None:         # a group of one: a cast or moved copy is the gathered buffer already
+                padded = send if k == 1 and send is not self._shard else xp.empty(k * size, send.dtype)
             elif out.shape != (k * size,) or out.dtype != send.dtype:
                 raise ValueError(f"rank {self.group.world.rank}: unshard out= must be 1-D of {k * size} "
                                  f"{send.dtype} elements, got {out.shape} {out.dtype}")
@@ -297,6 +324,45 @@ class FlatParameter(Parameter):
                 p.grad.data = v
         return buf
 
+    def _pack_grads(self, scale=None):
+        """``(buf, scaled)``: the flat gradient (padded to ``world_size * padded_size``), detached
+        from the parameters.
+
+        The bound buffer when :meth:`bind_grads` ran and its views are intact (``scaled`` False),
+        else a new buffer packed from the parameters' ``.grad`` in one pass, multiplied by
+        ``scale`` on the way when given (``None`` gradients count as zero). Afterwards every
+        parameter's ``.grad`` is ``None``.
+        """
+        views = self._grad_views
+        scaled = False
+        if self._full_grad is not None and all(
+                p.grad is not None and p.grad.data is v for p, v in zip(self.params, views)):
+            buf = self._full_grad
+        else:
+            grads = [None if p.grad is None else p.grad.data for p in self.params]
+            like = next((g for g in grads if g is not None), None)   # the compute copy's dtype/device
+            if like is None:
+                like = self._full if self._full is not None else self.data
+            cap = self.world_size * self.padded_size if self.is_sharded else self.total_numel
+            buf = get_array_module(like).empty(cap, like.dtype)
+            if cap > self.total_numel:
+                buf[self.total_numel:] = 0
+            if scale is None:
+                self.layout.pack(grads, buf)
+            else:
+                xp = get_array_module(buf)
+                for g, o, c in zip(grads, self.layout.offsets, self.layout.numels):
+                    if g is None:
+                        buf[o:o + c] = 0
+                    else:
+                        xp.multiply(g.reshape(-1), scale, out=buf[o:o + c])
+                scaled = True
+        for p in self.params:
+            p.grad = None
+        self._full_grad = None
+        self._grad_views = []
+        return buf, scaled
+
     def reduce_grad(self, op: ReduceOp = ReduceOp.MEAN, *, async_op: bool = False,
                     reduce_dtype=None) -> Optional[Work]:
         """Reduce-scatter the parameters' gradients into ``self.grad`` (this rank's chunk).
@@ -319,13 +385,16 @@ class FlatParameter(Parameter):
         op = ReduceOp.coerce(op)
         if op not in (ReduceOp.MEAN, ReduceOp.SUM):
             raise ValueError(f"rank {self.group.world.rank}: reduce_grad op must be MEAN or SUM, got {op.name}")
-        buf = self.bind_grads()
-        self._drop_full_grad()
         k, size, n = self.world_size, self.padded_size, self.total_numel
+        # MEAN as DDP does it: the 1/k is applied while packing (no pass over the result), except
+        # with a reduce_dtype (low-precision gradients would lose their small terms to 1/k)
+        prescale = op is ReduceOp.MEAN and k > 1 and reduce_dtype is None
+        buf, scaled = self._pack_grads(1.0 / k if prescale else None)
+        if scaled:
+            op = ReduceOp.SUM
         _expand(buf, n, k, size)
         if reduce_dtype is not None and np.dtype(reduce_dtype) != buf.dtype:
             buf = buf.astype(reduce_dtype)
-        inner = reduce_scatter(buf, op, self.group, async_op=True)
         c = self.shard_range[1] - self.shard_range[0]
 
         def done(slot):
@@ -336,7 +405,10 @@ class FlatParameter(Parameter):
                 self.grad.data += part
             return self.grad
 
-        work = inner.then(done)
+        if k == 1:                  # a group of one: the mean (and the sum) is the buffer itself
+            done(buf)
+            return Work(result=self.grad) if async_op else None
+        work = reduce_scatter(buf, op, self.group, async_op=True).then(done)
         if async_op:
             return work
         work.wait()

@@ -32,7 +32,7 @@ def optimizer_state_bytes(optimizer, params=None) -> int:
 
 
 def measure(fsdp, optimizer, peak_gathered: int) -> FSDPMemoryStats:
-    """Count this rank's bytes: flat shards, gradient shards and full gradient buffers, optimizer
+    """Count this rank's bytes: flat shards, gradient shards and unsharded gradients, optimizer
     state, gathered units (see :meth:`FullyShardedDataParallel.memory_stats`)."""
     params = grads = 0
     flats = []
@@ -44,8 +44,10 @@ def measure(fsdp, optimizer, peak_gathered: int) -> FSDPMemoryStats:
         params += int(f._shard.nbytes)
         if f.grad is not None:
             grads += int(f.grad.data.nbytes)
-        if f.full_grad is not None:
+        if f.full_grad is not None:         # the parameters' .grad are views of it
             grads += int(f.full_grad.nbytes)
+        else:                               # unsharded gradients not yet packed (e.g. under no_sync)
+            grads += sum(int(p.grad.data.nbytes) for p in f.params if p.grad is not None)
     for _, p in getattr(fsdp, "_frozen", ()):       # frozen parameters: replicated, whole on every rank
         params += int(p.data.nbytes) + int(getattr(fsdp._frozen_master.get(id(p)), "nbytes", 0))
     opt = optimizer_state_bytes(optimizer, flats)

@@ -343,7 +343,7 @@ class FullyShardedDataParallel(Module):
             if f is None:
                 continue
             if f.full is not None:
-                total += int(f.full.nbytes)
+                total += f.gathered_nbytes
             elif f._gather is not None:
                 total += f.world_size * f.padded_size * np.dtype(self.param_dtype or f.data.dtype).itemsize
         return total
@@ -378,6 +378,9 @@ class FullyShardedDataParallel(Module):
         if self._sync:
             unit.launch_reduce()
             self._launched.append(unit)
+            for u in self._launched:        # drive MPI progress of every reduction in flight
+                if u.work is not None:
+                    u.work.is_completed()
         unit.free()
         if all(u.complete for u in self._all_units):
             self._finish()
@@ -416,8 +419,6 @@ class FullyShardedDataParallel(Module):
             args = tuple(a.astype(self.param_dtype) if isinstance(a, Tensor) and a.dtype.kind == "f" else a
                          for a in args)
         self.root_unit.gather()
-        if self.root_unit.flat is not None and is_grad_enabled():
-            self.root_unit.flat.bind_grads()
         if self.prefetch and self._order:
             self._order[0].prefetch()
         self._phase = "forward"
@@ -427,9 +428,6 @@ class FullyShardedDataParallel(Module):
             self._phase = "outside"
         if is_grad_enabled():
             self._phase = "armed"
-            for u in self._all_units:
-                if u.flat is not None and u.mode == "keep":
-                    u.flat.bind_grads()
         else:
             for u in self._all_units:
                 u.free()
