@@ -67,3 +67,21 @@ def world():
 
     return axonmpi.init()
 
+
+@pytest.fixture
+def slurm_env(tmp_path):
+    """For job-template tests: ``slurm_env(**variables)`` gives an environment whose ``srun`` echoes its
+    arguments (nothing is started), with the Slurm and site variables a template reads, plus ``variables``."""
+    from axonmpi.testing import mpiexec_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
+    os.chmod(fake / "srun", 0o755)
+
+    def make(**variables):
+        return mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "n[1-2]",
+                            "AXONMPI_SCRATCH": str(tmp_path), "AXONMPI_SITE": os.path.join(root, "jobs", "site.sh"),
+                            **variables})
+    return make

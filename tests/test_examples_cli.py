@@ -165,16 +165,9 @@ def test_train_mlp_data_parallel_matches_one_rank_and_shows_defaults():
 
 
 @pytest.mark.serial
-def test_slurm_3d_checks_the_sizes_against_ntasks_and_passes_them(tmp_path):
+def test_slurm_3d_checks_the_sizes_against_ntasks_and_passes_them(slurm_env):
     """The five sizes are variables checked against SLURM_NTASKS before srun; srun gets them as flags."""
-    from axonmpi.testing import mpiexec_env
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
-    os.chmod(fake / "srun", 0o755)
-    env = mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_JOB_NAME": "t",
-                       "SLURM_JOB_NODELIST": "n[1-2]", "AXONMPI_SCRATCH": str(tmp_path),
-                       "AXONMPI_SITE": os.path.join(ROOT, "jobs", "site.sh"), "G_INTER": "2", "G_INTRA_C": "2"})
+    env = slurm_env(SLURM_NTASKS="8", G_INTER="2", G_INTRA_C="2")
     job = os.path.join(ROOT, "jobs", "slurm_3d.sbatch")
     r = subprocess.run(["bash", job, "--steps", "10"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
@@ -187,16 +180,9 @@ def test_slurm_3d_checks_the_sizes_against_ntasks_and_passes_them(tmp_path):
 
 
 @pytest.mark.serial
-def test_slurm_fsdp_passes_the_strategy_and_shards_hybrid_per_node(tmp_path):
+def test_slurm_fsdp_passes_the_strategy_and_shards_hybrid_per_node(slurm_env):
     """FSDP options are variables; hybrid_shard's shard group defaults to the tasks of one node."""
-    from axonmpi.testing import mpiexec_env
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
-    os.chmod(fake / "srun", 0o755)
-    env = mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
-                       "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "n[1-2]", "AXONMPI_SCRATCH": str(tmp_path),
-                       "AXONMPI_SITE": os.path.join(ROOT, "jobs", "site.sh")})
+    env = slurm_env(SLURM_NTASKS="8", SLURM_JOB_NUM_NODES="2")
     job = os.path.join(ROOT, "jobs", "slurm_fsdp.sbatch")
 
     def run(**kw):

@@ -9,6 +9,7 @@ from axonmpi import Tensor, checkpoint, nn
 from axonmpi.amp import GradScaler
 from axonmpi.parallel import FSDP, MixedPrecision, ShardingStrategy
 from axonmpi.parallel._flat import FlatParameter
+from test_fsdp import _strategies  # noqa: E402  (the strategies and hybrid sizes each world size allows)
 
 STEPS = 5
 LB = 3          # local batch per rank
@@ -148,15 +149,6 @@ def _check_parity(world, build, micro=1, freeze=()):
     for k in rsd:
         _assert_close(sd[k], rsd[k], f"rank {world.rank}: {k}")
     return model, opt
-
-
-def _strategies(size):
-    out = [(s, None) for s in ShardingStrategy]
-    if size == 2:
-        out += [(ShardingStrategy.HYBRID_SHARD, 1), (ShardingStrategy.HYBRID_SHARD, 2)]
-    if size == 4:
-        out += [(ShardingStrategy.HYBRID_SHARD, 2)]
-    return out
 
 
 @pytest.mark.mpi(min_size=1)

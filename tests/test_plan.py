@@ -137,18 +137,11 @@ def test_plan_and_plot_commands(tmp_path):
 
 
 @pytest.mark.serial
-def test_slurm_3d_gpu_binds_one_gpu_per_task_and_checks_the_sizes(tmp_path):
+def test_slurm_3d_gpu_binds_one_gpu_per_task_and_checks_the_sizes(slurm_env):
     """The GPU 3-D job: sizes checked against SLURM_NTASKS, `axonmpi info` and the plan first, one GPU per task."""
-    from axonmpi.testing import mpiexec_env
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "srun").write_text("#!/bin/sh\necho srun \"$@\"\n")
-    os.chmod(fake / "srun", 0o755)
-    env = mpiexec_env({"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)",
-                       "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "n[1-2]", "AXONMPI_SCRATCH": str(tmp_path),
-                       "AXONMPI_SITE": os.path.join(root, "jobs", "site.sh"), "G_INTER": "2", "G_INTRA_C": "2",
-                       "PLAN_ARGS": "--layers 8 --width 512 --seq 128 --global-batch 32"})
+    env = slurm_env(SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4(x2)", G_INTER="2", G_INTRA_C="2",
+                    PLAN_ARGS="--layers 8 --width 512 --seq 128 --global-batch 32")
     job = os.path.join(root, "jobs", "slurm_3d_gpu.sbatch")
     r = subprocess.run(["bash", job, "--steps", "10"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
