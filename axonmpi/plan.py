@@ -24,7 +24,10 @@ the busiest pipeline stage.
   replicated parameters (LayerNorms, embeddings, undivided Linears) all-reduced over the replica
   ranks: group ``repl`` = all ranks without a pipeline, else ``data`` and then the tensor block.
   Without a tensor split: DDP all-reduces every gradient over data; FSDP ``full_shard`` moves
-  ``3 P`` (all-gather forward and backward, reduce-scatter), ``shard_grad_op`` ``2 P``.
+  ``3 P`` (all-gather forward and backward, reduce-scatter), ``shard_grad_op`` ``2 P``. FSDP over
+  data x AxoNN TP (``P`` the TP-local parameters): the same over data, and the replicated (and
+  depth-replicated) gradients reduced over the tensor block (depth) on the busiest data rank's
+  shard only (:func:`_fsdp_tp_reductions`).
 * Pipeline.  The layers ``[embedding, blocks..., head]`` are cut where ``split_module`` cuts them
   (balancing the rank's parameter counts); each boundary moves ``n H`` activations forward and as
   many gradients back: ``inter`` counts sent + received, ``2 n H`` per neighbouring stage.
@@ -59,6 +62,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from .distributed.sharding import chunk_bounds
 from .parallel.hybrid import Layout
 from .parallel.pipeline.split import _balanced   # the cut split_module makes
 
@@ -209,6 +213,40 @@ def _layers(model: Model, layout: Layout) -> List[_Layer]:
     return out
 
 
+def _fsdp_tp_reductions(model: Model, layout: Layout) -> Dict[str, float]:
+    """FSDP over data x AxoNN TP: the busiest data rank's elements of replicated (``"repl"``) and
+    depth-replicated (``"depth"``: the biases when ``G_d > 1``) gradients, reduced on its FSDP shard.
+
+    FSDP's units are the GPT's children in order (``wte``, ``wpe``, each block, ``ln_f``, ``lm_head``);
+    each unit's TP-local parameters are flattened in registration order (a block: ``ln_1``, ``qkv``,
+    ``proj``, ``ln_2``, ``fc``, ``proj``; weight then bias) and rank ``r`` owns ``chunk_bounds(n,
+    G_data, r)`` of them. Which rank's chunk holds the LayerNorms and embeddings decides the busiest.
+    """
+    T, G_r, G_d, k = layout.tensor_size, layout.G_intra_r, layout.G_intra_d, layout.G_data
+
+    def linear(i, o, bias):
+        if not (T > 1 and _divides(i, o, layout)):
+            return [(i * o + (o if bias else 0), "repl")]
+        return [(i * o // T, None)] + ([(o // G_r, "depth" if G_d > 1 else None)] if bias else [])
+
+    ln = [(model._ln, "repl")]
+    qkv, proj, fc, out = (linear(i, o, model.bias) for i, o in model.linears())
+    block = ln + qkv + proj + ln + fc + out
+    units = [[(model.vocab * model.width, "repl")], [(model.seq * model.width, "repl")]]
+    units += [block] * model.layers + [ln, linear(model.width, model.vocab, False)]
+    per = [{"repl": 0, "depth": 0} for _ in range(k)]
+    for segs in units:
+        n = sum(size for size, _ in segs)
+        for r in range(k):
+            a, b = chunk_bounds(n, k, r)
+            off = 0
+            for size, tag in segs:
+                if tag is not None:
+                    per[r][tag] += max(0, min(b, off + size) - max(a, off))
+                off += size
+    return {tag: float(max(p[tag] for p in per)) for tag in ("repl", "depth")}
+
+
 def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[int] = None,
              fsdp: Optional[str] = None) -> Estimate:
     """Predicted step time, memory per rank and volumes per group of ``model`` under ``layout``.
@@ -242,7 +280,6 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
     sizes = _sizes(layout)
     if fsdp is not None and T > 1:       # FSDP x TP: replicated gradients reduced over the tensor block
         sizes["repl"] = T
-    shard = G_data if fsdp is not None else 1
     ranks_node = min(layout.world_size, hw.gpus_per_node)
     stretch = max(1.0, ranks_node / hw.cores) if hw.cores else 1.0
     worst = None
@@ -272,10 +309,15 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
                     vol["data"]["allreduce"] += i * o / T + (o / G_r if has_bias else 0)
                     calls["data"] += 2 if has_bias else 1
                 if G_d > 1 and has_bias:
-                    vol["depth"]["allreduce"] += o / G_r / shard      # FSDP: on this rank's shard only
+                    vol["depth"]["allreduce"] += o / G_r if fsdp is None else 0.0   # FSDP: on the shards, below
                     calls["depth"] += 1
         if T > 1:            # sync_gradients: replicated parameters over all ranks, or data and then the block
-            vol["repl"]["allreduce"] += repl / shard
+            if fsdp is None:
+                vol["repl"]["allreduce"] += repl
+            else:                           # on this rank's FSDP shard only
+                shards = _fsdp_tp_reductions(model, layout)
+                vol["repl"]["allreduce"] += shards["repl"]
+                vol["depth"]["allreduce"] += shards["depth"]
             calls["repl"] += repl_t
             if p > 1 and G_data > 1:
                 vol["data"]["allreduce"] += repl

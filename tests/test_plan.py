@@ -62,10 +62,11 @@ def test_depth_data_fsdp_and_pipeline_by_hand():
     with pytest.raises(NotImplementedError, match="hybrid_shard"):
         estimate(M, Layout(G_data=2), HW, fsdp="hybrid_shard")
     # FSDP over data x AxoNN columns: TP-local parameters (embeddings 40, blocks 16 + 24+12 + 8+4 + 32+16 + 32+4,
-    # ln_f 8 + head 32/2) = 360 gathered twice and reduce-scattered over data; the replicated ones
-    # (40 + 2 x 16 + 8 = 80) reduced over the tensor block on the data shards only: 80 / 2
+    # ln_f 8 + head 32/2) = 360 gathered twice and reduce-scattered over data; the replicated ones reduced over
+    # the tensor block on each rank's data shard: units wte 32 | wpe 8 | block 148 (ln_1 at 0, ln_2 at 56, both
+    # in chunk 0 = [0, 74)) x 2 | ln_f 8 | head 16 (split): rank 0 16 + 4 + 2 x 16 + 4 = 56, rank 1 16 + 4 + 4 = 24
     tp, e = estimate(M, Layout(G_data=2, G_intra_c=2), HW), estimate(M, Layout(G_data=2, G_intra_c=2), HW, fsdp="full_shard")
-    assert e.volumes == {**tp.volumes, "data": 3 * 360.0, "repl": 40.0}
+    assert e.volumes == {**tp.volumes, "data": 3 * 360.0, "repl": 56.0}
     assert estimate(M, Layout(G_data=2, G_intra_c=2), HW, fsdp="shard_grad_op").volumes["data"] == 2 * 360.0
     with pytest.raises(ValueError, match="pipeline"):
         estimate(M, Layout(G_data=2, G_inter=2), HW, fsdp="full_shard")
