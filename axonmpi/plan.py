@@ -422,8 +422,8 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
       a collective's cost when ranks compute between collectives, as in a step (where ranks share
       cores, mostly the wait for the others' turn on a core; on dedicated cores, the latency);
     * ``flops``: a float32 ``gemm``-cube GEMM's rate on one rank while the node's other ranks sleep;
-    * ``cores``: the cores the node's ranks get in effect: ranks per node x (the GEMM's rate per rank
-      while all of them run it) / ``flops``, at most the cores the process may use.
+    * ``cores``: the cores the node's ranks get in effect: the sum over the node's ranks of their GEMM
+      rate over a loop they all run at once, / ``flops``, at most the cores the process may use.
 
     Example:
         >>> bw = measure_bandwidth(1 << 16)          # under mpiexec -n 4 on one node
@@ -477,7 +477,10 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
     else:
         time.sleep(0.5)
     barrier()
-    shared = rate()
+    t0 = time.perf_counter()               # all ranks at once: each rank's rate over the whole loop, so
+    for _ in range(3 * repeats):           # the scheduler's time slices average out (one GEMM's timing
+        a @ a                              # catches a rank that waited a whole slice, or none)
+    shared = 3 * repeats * 2.0 * gemm ** 3 / (time.perf_counter() - t0)
     small = np.zeros(1)
 
     def loop(sync: bool) -> float:
@@ -492,12 +495,11 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
     lat = 0.0
     if world.world_size > 1:
         plain = min(loop(False), loop(False))
-        lat = max(0.0, loop(True) - plain) / (3 * repeats)
+        lat = max(0.0, min(loop(True), loop(True)) - plain) / (3 * repeats)     # the better of two, as plain
     med = float(all_reduce(np.array([lat]), op="max")[0])
-    per_node = node.size if node is not None else 1
     alone = float(all_reduce(np.array([alone]), op="max")[0])
-    shared = float(all_reduce(np.array([shared]), op="min")[0])
+    shared = float(all_reduce(np.array([shared]), op="sum", group=node)[0])    # the node's ranks together
     avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cores = min(float(avail), per_node * shared / alone) if alone > 0 else float(avail)
+    cores = min(float(avail), shared / alone) if alone > 0 else float(avail)
     return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med, "flops": alone,
             "cores": cores}
