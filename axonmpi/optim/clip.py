@@ -71,37 +71,58 @@ def shard_group_of(param: Any, default: Optional[Any] = None) -> Optional[Any]:
     return default
 
 
-def _plan(parameters: Params, group: Optional[Any]):
-    """Split the parameters by the group that shards them, in order of first appearance.
+def _domain(group: Optional[Any]):
+    """The group whose ranks hold different parameters (pipeline stages): ``group`` if given, else
+    the grid's pipeline group when it has more than one rank, else ``None``.  Every rank of it
+    takes part in the last sum, whether it holds parameters or not."""
+    if group is not None:
+        from ..distributed import resolve_group
+        return resolve_group(group)
+    from ..distributed import get_world, is_initialized
+    if not is_initialized():
+        return None
+    grid = get_world().grid
+    return grid.inter_group if grid.G_inter > 1 else None
 
-    Returns ``(replicated grads, [(group, grads), ...])``.  Every parameter counts when the
-    groups are collected (with or without a gradient), so each rank of a group takes part in the
-    group's reduction even when it holds no gradient for it.
+
+def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
+    """Split the gradients by the groups that shard their parameters (their placements).
+
+    Returns ``(replicated grads, grads split over the domain only, [(groups, grads), ...])``: the
+    last list is keyed by the groups other than the domain that split them, in order of first
+    appearance; those split over the domain as well are marked with a trailing ``True``.  Every
+    parameter counts when the groups are collected (with or without a gradient), so each rank
+    of a group takes part in the group's reduction even when it holds no gradient for it.
     """
+    from ..distributed.placement import Placement, Shard, ShardKind, placement_of
+
     if hasattr(parameters, "data") and hasattr(parameters, "grad"):
         parameters = [parameters]
+    default = Placement(shards=(Shard(group, ShardKind.STAGE),)) if group is not None else None
+    dranks = domain.ranks if domain is not None and domain.size > 1 else None
     local: List[Any] = []
-    sharded: Dict[int, Tuple[Any, List[Any]]] = {}
+    staged: List[Any] = []
+    outer: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], bool, List[Any]]] = {}
     for p in parameters:
-        g = shard_group_of(p, group)
-        if g is not None and getattr(g, "size", 2) == 1:
-            g = None  # a group of one rank: the shard is the whole tensor
-        if g is None:
-            if p.grad is not None:
-                local.append(p.grad.data)
+        groups = placement_of(p, default).shard_groups
+        on_domain = dranks is not None and any(g.ranks == dranks for g in groups)
+        groups = tuple(g for g in groups if dranks is None or g.ranks != dranks)
+        grad = [] if p.grad is None else [p.grad.data]
+        if not groups:
+            (staged if on_domain else local).extend(grad)
             continue
-        entry = sharded.setdefault(id(g), (g, []))
-        if p.grad is not None:
-            entry[1].append(p.grad.data)
-    return local, list(sharded.values())
+        entry = outer.setdefault(tuple(id(g) for g in groups) + (on_domain,), (groups, on_domain, []))
+        entry[2].extend(grad)
+    return local, staged, list(outer.values())
 
 
 def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] = None) -> float:
     """Total ``norm_type``-norm of all gradients of a model whose parameters may be partly sharded.
 
-    Each gradient element of the global model counts exactly once: replicated parameters locally,
-    sharded ones summed (max for inf) over the group that shards them -- never over replicas.
-    See :func:`clip_grad_norm_` for ``group`` and the ``shard_group`` parameter attribute.
+    Each gradient element of the global model counts exactly once, read from the parameters'
+    placements (:func:`~axonmpi.distributed.placement_of`): sharded parts summed (max for inf)
+    over the groups that shard them, replicated ones counted once -- never over replicas.
+    See :func:`clip_grad_norm_` for ``group``.
 
     Example:
         >>> grad_norm(model.parameters())          # the 2-norm of all gradients as one vector
@@ -110,16 +131,32 @@ def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] =
     if not (p > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
     inf = p == math.inf
-    local, sharded = _plan(parameters, group)
-    total = float(_partial_norm(local, p)) if local else 0.0
-    if sharded:
+    domain = _domain(group)
+    local, staged, outer = _plan(parameters, group, domain)
+
+    def part(grads):
+        return float(_partial_norm(grads, p)) if grads else 0.0
+
+    def add(a, b):
+        return max(a, b) if inf else a + b
+
+    total = part(local)
+    across = part(staged)          # summed over the domain below
+    if outer or domain is not None:
         from ..distributed import ReduceOp, all_reduce
 
         op = ReduceOp.MAX if inf else ReduceOp.SUM
-        for g, grads in sharded:
-            part = np.array([float(_partial_norm(grads, p)) if grads else 0.0])
-            reduced = float(all_reduce(part, op, g)[0])
-            total = max(total, reduced) if inf else total + reduced
+        for groups, on_domain, grads in outer:
+            value = np.array([part(grads)])
+            for g in groups:
+                value = all_reduce(value, op, g)
+            if on_domain:
+                across = add(across, float(value[0]))
+            else:
+                total = add(total, float(value[0]))
+        if domain is not None and domain.size > 1:   # every rank of the domain, with parameters or not
+            across = float(all_reduce(np.array([across]), op, domain)[0])
+    total = add(total, across)
     return total if inf else total ** (1.0 / p)
 
 
@@ -131,15 +168,16 @@ def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,
     The norm is that of all gradient elements of the *global* model concatenated into one vector.
     When it exceeds ``max_norm`` every gradient is multiplied by ``max_norm / (total_norm + 1e-6)``.
 
-    Sharded and replicated parameters mix freely: a parameter whose elements are split over a
-    process group (tensor parallel, FSDP/ZeRO shards) says so with the attribute
-    ``param.shard_group = group`` or AxoNN's ``is_tensor_parallel`` / ``process_group_for_norm_reduction``
-    tags (see :func:`shard_group_of`), or inherits ``group`` below; its
-    ``|g|^p`` is summed over that group (max for inf).  A replicated parameter (plain data
-    parallel, LayerNorm inside a tensor-parallel block) counts once, from the local copy -- it
-    is never summed over its replicas.  Every rank of a sharding group must pass the parameters
-    of that group in the same order (one all-reduce per distinct group, in order of first
-    appearance); parameters without ``.grad`` contribute nothing but still take part.
+    Sharded and replicated parameters mix freely; each parameter's :class:`~axonmpi.distributed.Placement`
+    (set by every strategy, :func:`~axonmpi.distributed.placement_of`) says which groups split
+    it.  Its ``|g|^p`` is summed over those groups (max for inf); a parameter no group splits
+    counts once, from the local copy -- never summed over its replicas.  The pipeline records
+    its group on every stage parameter (a ``STAGE`` shard), so with ``group`` left out the
+    pipeline group of the grid (``axonmpi.init(G_inter=p)``) is summed over last, on every rank
+    of it -- also a stage that holds no parameters -- and pipeline x tensor parallel gives the
+    serial norm on every rank.  Parameters that carry no placement are split over ``group``
+    when it is given.  Every rank of a sharding group must pass the parameters of that group in
+    the same order; parameters without ``.grad`` contribute nothing but still take part.
 
     Args:
         parameters: a Tensor or an iterable of Tensors; those without ``.grad`` are skipped.
@@ -148,9 +186,10 @@ def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,
         error_if_nonfinite: raise RuntimeError when the total norm is nan or inf
             (otherwise the gradients are scaled by a nan/0 coefficient, as in PyTorch).
         foreach: accepted for PyTorch compatibility; the computation is the same either way.
-        group: the :class:`~axonmpi.distributed.ProcessGroup` that shards every parameter
-            without a ``shard_group`` attribute; ``None`` (default): such parameters are
-            replicated (local gradients only).
+        group: a :class:`~axonmpi.distributed.ProcessGroup` whose ranks hold different
+            parameters (pipeline stages): the parameters without a placement are split over it,
+            and every rank of it takes part in one last sum. ``None`` (default): the grid's
+            pipeline group when it has more than one rank.
 
     Returns:
         The total norm before clipping, as a Python float.

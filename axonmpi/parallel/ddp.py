@@ -51,7 +51,8 @@ import numpy as np
 from ..autograd import Tensor, no_grad
 from ..autograd.graph import reachable_leaves, tensors_in
 from ..backend import get_array_module
-from ..distributed import ReduceOp, Work, all_reduce, broadcast, resolve_group
+from ..distributed import ReduceOp, Work, add_placement, all_reduce, broadcast, resolve_group, role_group
+from .grad_sync import check_group
 from ..nn import Module
 from ._flat import FlatLayout
 
@@ -453,7 +454,9 @@ class DistributedDataParallel(Module):
 
     Args:
         module: the model (an :class:`axonmpi.nn.Module`).
-        group: the data-parallel process group (default: all ranks).
+        group: the data-parallel process group (default: the grid's data group, which is all
+            ranks on the trivial grid). A group two of whose ranks hold different parts of a
+            parameter (tensor-parallel shards, pipeline stages) raises ``ValueError``.
         bucket_size_mb: cap of one gradient bucket in MiB (default 25, as PyTorch).
         broadcast_buffers: broadcast buffers from group rank 0 at every forward.
         grad_sync: :class:`GradSyncStrategy` (OVERLAP or AFTER_BACKWARD).
@@ -489,7 +492,11 @@ class DistributedDataParallel(Module):
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
         self.module = module
-        self.group = resolve_group(group)
+        self.group = role_group("data", group)
+        named = list(module.named_parameters())
+        check_group(named, self.group, "DDP")
+        for _, p in named:
+            add_placement(p, replica=self.group)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.synchronizer = GradientSynchronizer(
             list(module.named_parameters()), self.group, bucket_size_mb=bucket_size_mb, strategy=grad_sync,

@@ -25,9 +25,8 @@
   over the rank's rows (micro-batches weighted by their size), summed over ``inter_group`` (only
   the last stage contributes), then averaged over the batch shards: every rank reports the mean over
   the *whole global batch*, the same number under every layout.
-* **Clipping.** :meth:`HybridGPT.clip_grad_norm_`: the stage's norm from
-  :func:`axonmpi.optim.clip.grad_norm` (TP shards summed over the group their tags name,
-  replicated parameters counted once), squared, summed over ``inter_group``: one global norm.
+* **Clipping.** :meth:`HybridGPT.clip_grad_norm_` is :func:`axonmpi.optim.clip_grad_norm_` on the
+  stage's parameters: their placements (TP shards, the pipeline's stage) give one global norm.
 * **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
   ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
   parameters, so a checkpoint saved under one layout loads under any other.
@@ -64,7 +63,7 @@ from ..distributed.grid import ProcessGrid
 from ..distributed.world import get_grid
 from ..models.gpt import GPT, GPTConfig
 from ..nn import functional as F
-from ..optim.clip import grad_norm
+from ..optim.clip import clip_grad_norm_
 
 __all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout", "fsdp_refusal"]
 
@@ -515,17 +514,7 @@ class HybridGPT:
             return self._clip_fsdp_tp(max_norm)
         if self.fsdp is not None:   # each element of the flat shards once, over the shard group
             return float(self.fsdp.clip_grad_norm_(max_norm))
-        total = grad_norm(self._params) ** 2
-        inter = self.grid.inter_group
-        if inter.size > 1:
-            total = float(all_reduce(np.array([total]), ReduceOp.SUM, inter)[0])
-        total = math.sqrt(total)
-        coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0:
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.data *= coef
-        return total
+        return float(clip_grad_norm_(self._params, max_norm))   # placements: each element once, every stage
 
     def _loss_groups(self) -> list:
         """DDP / FSDP layouts: the groups the rank's mean loss is averaged over (its row slices)."""

@@ -12,12 +12,15 @@ from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
 from ...distributed.collectives import all_reduce, broadcast
 from ...distributed.group import ProcessGroup
+from ...distributed.placement import Shard, ShardKind, add_placement
+from ...distributed.world import get_grid, resolve_group
 from ...distributed.reduce_op import ReduceOp
 from ...nn.module import Module
 from ...random import fork_rng, initial_seed
 from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, encode_header
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, make_schedule, simulate)
 from .stage import PipelineStage
+from ..grad_sync import check_group
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -113,6 +116,14 @@ def _raw(x):
     return x.data if isinstance(x, Tensor) else x
 
 
+def _data_group(group: ProcessGroup, data_group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+    """``data_group`` if given; else the grid's data group when ``group`` is the grid's pipeline group."""
+    if data_group is not None:
+        return resolve_group(data_group)
+    grid = get_grid()
+    return grid.data_group if group.ranks == grid.inter_group.ranks else None
+
+
 class Pipeline:
     """Pipeline-parallel training of model chunks over a process group, by a schedule.
 
@@ -143,7 +154,10 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar Tensor``, the mean over the micro-batch.
         group: the pipeline group (default: all ranks).
         virtual_stages: chunks per rank ``v`` (interleaved schedule).
-        data_group: the data-parallel group of this rank's stages, or ``None``.
+        data_group: the data-parallel group of this rank's stages (the ranks holding the same
+            stages for other rows of the batch). Default: the grid's data group when ``group`` is
+            the grid's pipeline group (``axonmpi.init(G_inter=p)``), else none. A group two of
+            whose ranks hold different stages or shards raises ``ValueError``.
         track_memory: measure activation bytes (walks each micro-batch's graph once).
 
     Example:
@@ -194,7 +208,12 @@ class Pipeline:
                 raise ValueError(f"rank {r}: stage {sid} was made for another pipeline group")
             self.stages[sid] = st
         self.loss_fn = loss_fn
-        self.data_group = data_group
+        self.data_group = _data_group(self.group, data_group)
+        for st in self.stages.values():
+            named = [(f"stage {st.stage_id}: {n}", q) for n, q in st.module.named_parameters()]
+            check_group(named, self.data_group, "Pipeline(data_group=...)")
+            for _, q in named:
+                add_placement(q, shard=Shard(self.group, ShardKind.STAGE), replica=self.data_group)
         self.track_memory = bool(track_memory)
         self.num_microbatches = sched.num_microbatches
         self.virtual_stages = v
