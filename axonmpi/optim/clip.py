@@ -104,7 +104,11 @@ def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
     staged: List[Any] = []
     outer: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], bool, List[Any]]] = {}
     for p in parameters:
-        groups = placement_of(p, default).shard_groups
+        pl = placement_of(p, default)
+        if group is not None and getattr(p, "placement", None) is pl \
+                and not any(g.ranks == group.ranks for g in pl.shard_groups + pl.replica_groups):
+            pl = pl.with_shard(Shard(group, ShardKind.STAGE))   # a strategy's shard on one stage of ``group``
+        groups = pl.shard_groups
         on_domain = dranks is not None and any(g.ranks == dranks for g in groups)
         groups = tuple(g for g in groups if dranks is None or g.ranks != dranks)
         grad = [] if p.grad is None else [p.grad.data]
@@ -187,8 +191,10 @@ def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,
             (otherwise the gradients are scaled by a nan/0 coefficient, as in PyTorch).
         foreach: accepted for PyTorch compatibility; the computation is the same either way.
         group: a :class:`~axonmpi.distributed.ProcessGroup` whose ranks hold different
-            parameters (pipeline stages): the parameters without a placement are split over it,
-            and every rank of it takes part in one last sum. ``None`` (default): the grid's
+            parameters (pipeline stages): every parameter is taken to be split over it (those
+            with a placement a strategy set as well as those with none; AxoNN's tags and a
+            ``shard_group`` attribute keep their own meaning), and every rank of it takes part in
+            one last sum. ``None`` (default): the grid's
             pipeline group when it has more than one rank.
 
     Returns:

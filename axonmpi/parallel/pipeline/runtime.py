@@ -211,9 +211,11 @@ class Pipeline:
         self.data_group = _data_group(self.group, data_group)
         for st in self.stages.values():
             named = [(f"stage {st.stage_id}: {n}", q) for n, q in st.module.named_parameters()]
+            for _, q in named:
+                add_placement(q, shard=Shard(self.group, ShardKind.STAGE))
             check_group(named, self.data_group, "Pipeline(data_group=...)")
             for _, q in named:
-                add_placement(q, shard=Shard(self.group, ShardKind.STAGE), replica=self.data_group)
+                add_placement(q, replica=self.data_group)
         self.track_memory = bool(track_memory)
         self.num_microbatches = sched.num_microbatches
         self.virtual_stages = v
