@@ -121,7 +121,7 @@ def _data_group(group: ProcessGroup, data_group: Optional[ProcessGroup]) -> Opti
     if data_group is not None:
         return resolve_group(data_group)
     grid = get_grid()
-    return grid.data_group if group.ranks == grid.inter_group.ranks else None
+    return grid.data_group if group is grid.inter_group else None
 
 
 class Pipeline:
