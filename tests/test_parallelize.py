@@ -211,3 +211,46 @@ def test_options_not_built_raise(world):
             parallelize(_make(ResMLP), grid=grid, tensor_parallel={"nothing*": "column"})
     finally:
         grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("saved", sorted(LAYOUTS))
+def test_a_checkpoint_of_each_layout_loads_under_every_other_and_into_the_plain_module(world, saved, tmp_path_factory):
+    """``pm.sharded_state_dict()`` saved under one layout; ``checkpoint.load`` (full arrays) into every
+    layout's ``pm.load_state_dict`` and into the serial module gives the same serial state."""
+    if world.world_size != 4:
+        pytest.skip("the layouts are for 4 ranks")
+    cls, data, classes, plan = MODELS["resmlp"]
+    path = axonmpi.broadcast_object(str(tmp_path_factory.mktemp("pz")) if world.rank == 0 else None) + "/ckpt"
+
+    def build(layout, seed):
+        sizes, tp, dp = LAYOUTS[layout]
+        grid = axonmpi.ProcessGrid(world, **sizes)
+        axonmpi.manual_seed(seed)
+        return grid, parallelize(cls(), grid=grid, tensor_parallel=plan if tp == "MEGATRON" else tp,
+                                 data_parallel=dp)
+
+    grid, pm = build(saved, 4)
+    try:
+        opt = AdamW(pm.parameters(), lr=1e-2)
+        xb, yb = pm.local_batch(data(0), _targets(0, classes))
+        F.cross_entropy(pm(Tensor(xb)), yb).backward()
+        opt.step()
+        want = full_state_dict(pm)
+        axonmpi.checkpoint.save(path, {"model": pm.sharded_state_dict()})
+    finally:
+        grid.free()
+    loaded = axonmpi.checkpoint.load(path, None)["model"]
+    for layout in sorted(LAYOUTS):
+        grid, pm2 = build(layout, 99)
+        try:
+            pm2.load_state_dict(loaded)
+            got = full_state_dict(pm2)
+            for k in want:
+                _close(got[k], want[k], f"saved {saved}, loaded {layout}: {k}")
+        finally:
+            grid.free()
+    plain = _make(cls)
+    plain.load_state_dict({k: np.asarray(v).reshape(np.shape(want[k])) for k, v in loaded.items()})
+    for k, v in plain.state_dict().items():
+        _close(v, want[k], f"saved {saved}, loaded serial: {k}")

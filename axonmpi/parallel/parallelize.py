@@ -124,6 +124,7 @@ class ParallelModule(Module):
         n = grid.G_data * (grid.G_intra if axonn else 1)
         k = grid.coords.data * (grid.G_intra if axonn else 1) + (grid.intra_group.rank if axonn else 0)
         self.batch_shards = (n, k)
+        self._serial_shapes: Dict[str, Tuple[int, ...]] = {}
         self._hooks = []
         if axonn and data_parallel != "fsdp":
             self._hook_axonn(data_parallel is not None)
@@ -186,8 +187,14 @@ class ParallelModule(Module):
         return full_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a full serial state dict or a :meth:`sharded_state_dict` filled by ``checkpoint.load``."""
+        """Load a full serial state dict or a :meth:`sharded_state_dict` filled by ``checkpoint.load``.
+
+        Full arrays saved under any other layout load here: entries with the serial number of
+        elements but another shape (FSDP's flattened arrays) are reshaped to the serial shape.
+        """
         from ..distributed.sharding import ShardedArray
+        if not any(isinstance(v, ShardedArray) for v in state_dict.values()):
+            state_dict = OrderedDict((k, _serial(v, self._serial_shapes.get(k))) for k, v in state_dict.items())
         if self.data_parallel == "fsdp":
             return self.module.load_state_dict(state_dict, strict)
         from .tensor.state import load_full_state_dict, load_sharded_state_dict
@@ -205,6 +212,14 @@ class ParallelModule(Module):
     def extra_repr(self) -> str:
         return (f"tensor_parallel={self.tensor_parallel!r}, data_parallel={self.data_parallel!r}, "
                 f"batch_shards={self.batch_shards[0]}")
+
+
+def _serial(v, shape):
+    """``v`` as a host array of ``shape`` when it holds that many elements in another shape."""
+    a = np.asarray(_raw(v))
+    if shape is not None and a.shape != tuple(shape) and a.size == int(np.prod(shape)):
+        a = a.reshape(shape)
+    return a
 
 
 class _FSDPParallelModule(ParallelModule):
@@ -287,6 +302,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                                   "(HybridGPT has FSDP x TP for the GPT); use DDP with tensor parallelism")
     if strategy_options and data_parallel is None:
         raise ValueError(f"rank {r}: options {sorted(strategy_options)} need data_parallel='ddp' or 'fsdp'")
+    shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
     if tensor_parallel == "axonn":
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
@@ -308,7 +324,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             opts["sharding_strategy"] = sharding_strategy
         wrapped = FSDP(module, group=grid.data_group, **opts)
         cls = _FSDPParallelModule
-    return cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
+    pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
+    pm._serial_shapes = shapes
+    return pm
 
 
 def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
