@@ -1,7 +1,8 @@
 """``parallelize`` on two models that are not the GPT, at 4 ranks, against the serial model on the global batch.
 
 A residual MLP with LayerNorm (the Mixer shape) and a small attention encoder, under DDP, AxoNN
-(2 data x 2 row), AxoNN (2 column x 2 depth), a Megatron plan (2 data x 2 tensor) and FSDP over 4:
+(2 data x 2 row), AxoNN (2 column x 2 depth), a Megatron plan (2 data x 2 tensor), FSDP over 4 and
+FSDP (2 data) x AxoNN (2 row):
 the loss at every step, the clip norm (clipping active) and the parameters after 3 AdamW steps
 agree to 1e-10 (float64).  Pipelines over parallelized stages (PP 2 x TP 2, PP 2 x DP 2) likewise.
 """
@@ -89,6 +90,7 @@ LAYOUTS = {       # name: (grid sizes, tensor_parallel (MEGATRON: the model's pl
     "axonn_2col_2depth": ({"G_intra_c": 2, "G_intra_d": 2}, "axonn", "ddp"),
     "megatron_2data_2tensor": ({"G_intra_c": 2}, "MEGATRON", "ddp"),
     "fsdp4": ({}, None, "fsdp"),
+    "fsdp2_x_axonn_2row": ({"G_intra_r": 2}, "axonn", "fsdp"),
 }
 
 
@@ -203,8 +205,8 @@ def test_options_not_built_raise(world):
         pytest.skip("needs an even world")
     grid = axonmpi.ProcessGrid(world, G_intra_c=2)
     try:
-        with pytest.raises(NotImplementedError, match="FSDP x tensor parallel"):
-            parallelize(_make(ResMLP), grid=grid, tensor_parallel="axonn", data_parallel="fsdp")
+        with pytest.raises(NotImplementedError, match="FSDP x a Megatron plan"):
+            parallelize(_make(ResMLP), grid=grid, tensor_parallel={"*.fc1": "column"}, data_parallel="fsdp")
         with pytest.raises(ValueError, match="tensor_parallel is None"):
             parallelize(_make(ResMLP), grid=grid, data_parallel="ddp")
         with pytest.raises(ValueError, match="no module of the model matches"):

@@ -103,20 +103,35 @@ def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
     local: List[Any] = []
     staged: List[Any] = []
     outer: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], bool, List[Any]]] = {}
+    def add(groups, grads):
+        on_domain = dranks is not None and any(g.ranks == dranks for g in groups)
+        groups = tuple(g for g in groups if dranks is None or g.ranks != dranks)
+        if not groups:
+            (staged if on_domain else local).extend(grads)
+            return
+        entry = outer.setdefault(tuple(id(g) for g in groups) + (on_domain,), (groups, on_domain, []))
+        entry[2].extend(grads)
+
     for p in parameters:
         pl = placement_of(p, default)
         if group is not None and getattr(p, "placement", None) is pl \
                 and not any(g.ranks == group.ranks for g in pl.shard_groups + pl.replica_groups):
             pl = pl.with_shard(Shard(group, ShardKind.STAGE))   # a strategy's shard on one stage of ``group``
-        groups = pl.shard_groups
-        on_domain = dranks is not None and any(g.ranks == dranks for g in groups)
-        groups = tuple(g for g in groups if dranks is None or g.ranks != dranks)
-        grad = [] if p.grad is None else [p.grad.data]
-        if not groups:
-            (staged if on_domain else local).extend(grad)
+        inner = getattr(p, "params", None) if callable(getattr(p, "segments", None)) else None
+        if inner and any(placement_of(q).shard_groups for q in inner):
+            # an FSDP chunk of tensor-parallel shards: each original parameter's elements also over its
+            # own groups; every original parameter makes its bucket, so ranks agree on the buckets
+            slices: Dict[int, List[Any]] = {}
+            if p.grad is not None:
+                for seg in p.segments():
+                    n = seg.param_stop - seg.param_start
+                    slices.setdefault(seg.index, []).append(p.grad.data[seg.offset:seg.offset + n])
+            for i, q in enumerate(inner):
+                extra = tuple(g for g in placement_of(q).shard_groups
+                              if not any(g.ranks == h.ranks for h in pl.shard_groups))
+                add(pl.shard_groups + extra, slices.get(i, []))
             continue
-        entry = outer.setdefault(tuple(id(g) for g in groups) + (on_domain,), (groups, on_domain, []))
-        entry[2].extend(grad)
+        add(pl.shard_groups, [] if p.grad is None else [p.grad.data])
     return local, staged, list(outer.values())
 
 

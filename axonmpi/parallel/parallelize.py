@@ -234,6 +234,60 @@ class _FSDPParallelModule(ParallelModule):
         self.module.load_optim_state_dict(optimizer, state_dict)
 
 
+class _FSDPTensorParallelModule(ParallelModule):
+    """FSDP over the data group of a model with AxoNN 3-D layers: FSDP shards the tensor-parallel shards."""
+
+    def _local_full(self) -> "OrderedDict[str, Any]":
+        from .tensor.state import _tp_entries
+        sd = self.module.state_dict()            # the tensor-parallel local arrays, gathered over data
+        for key, m, name, _ in _tp_entries(self.inner):
+            sd[key] = np.asarray(m._tp_gather(name, sd[key]))
+        return sd
+
+    def state_dict(self):
+        """The full serial state dict (collective over data and the tensor block)."""
+        return self._local_full()
+
+    def sharded_state_dict(self):
+        """FSDP x tensor parallel gives the full serial arrays (replicated on every rank): a sharded
+        form of FSDP's chunks of tensor-parallel shards is not built yet."""
+        return self._local_full()
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load a full serial state dict (any layout's, FSDP's flattened arrays included)."""
+        from ..distributed.sharding import ShardedArray
+        from .tensor.state import _tp_entries
+        sd = OrderedDict((k, _serial(v.local if isinstance(v, ShardedArray) and v.local_shape == v.shape else v,
+                                     self._serial_shapes.get(k))) for k, v in state_dict.items())
+        for key, m, name, _ in _tp_entries(self.inner):
+            if key in sd:
+                sd[key] = m._tp_shard(name, sd[key])
+        return self.module.load_state_dict(sd, strict)
+
+    def optim_state_dict(self, optimizer):
+        raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x tensor parallel "
+                                  "cannot be checkpointed yet (FSDP's chunks of tensor-parallel shards have no "
+                                  "serial-named block form); checkpoint the model with pm.state_dict()")
+
+
+def _finish_axonn_fsdp(fsdp, grid: ProcessGrid) -> None:
+    """After FSDP averaged every flat chunk over the data group: the rest of the table on each segment
+    (3-D biases over depth, replicated parameters over the tensor block) and the division by the
+    tensor block's size (each of its ranks read its own rows).  The ranks of one tensor block hold
+    chunks over the same elements (same data rank, same local shapes), so they reduce together."""
+    scale = 1.0 / grid.G_intra
+    for f in fsdp.parameters():
+        if f.grad is None:
+            continue
+        grad = f.grad.data
+        for seg in f.segments():
+            v = grad[seg.offset:seg.offset + seg.param_stop - seg.param_start]
+            for grp in reduction_groups(f.params[seg.index], None, (grid.intra_group,), grid.depth_group):
+                all_reduce(v, group=grp, out=v)
+            if scale != 1.0:
+                v *= scale
+
+
 def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                 tensor_parallel: Union[None, str, Dict[str, str]] = None,
                 data_parallel: Optional[str] = "ddp", sharding_strategy=None, **strategy_options) -> ParallelModule:
@@ -265,7 +319,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     Raises:
         ValueError: a grid with tensor dimensions and no ``tensor_parallel``, a pipeline grid with
             a data-parallel wrapper, an unknown option.
-        NotImplementedError: FSDP combined with tensor parallelism (not built yet).
+        NotImplementedError: FSDP combined with a Megatron plan; AxoNN stages in a pipeline (not built yet).
 
     Example:
         >>> axonmpi.init(G_intra_c=2)                                  # 4 ranks: 2 data x 2 tensor
@@ -297,9 +351,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if grid.G_inter > 1 and tensor_parallel == "axonn":
         raise NotImplementedError(f"rank {r}: AxoNN easy-mode stages inside a Pipeline are not built yet; "
                                   "use a Megatron plan for pipeline x tensor parallel")
-    if data_parallel == "fsdp" and tensor_parallel is not None:
-        raise NotImplementedError(f"rank {r}: parallelize with FSDP x tensor parallel is not built yet "
-                                  "(HybridGPT has FSDP x TP for the GPT); use DDP with tensor parallelism")
+    if data_parallel == "fsdp" and isinstance(tensor_parallel, dict):
+        raise NotImplementedError(f"rank {r}: parallelize with FSDP x a Megatron plan is not built yet "
+                                  "(FSDP x 'axonn' is); use DDP with a Megatron plan")
     if strategy_options and data_parallel is None:
         raise ValueError(f"rank {r}: options {sorted(strategy_options)} need data_parallel='ddp' or 'fsdp'")
     shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
@@ -324,6 +378,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             opts["sharding_strategy"] = sharding_strategy
         wrapped = FSDP(module, group=grid.data_group, **opts)
         cls = _FSDPParallelModule
+        if tensor_parallel == "axonn":
+            wrapped.register_post_backward_hook(lambda: _finish_axonn_fsdp(wrapped, grid))
+            cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
     pm._serial_shapes = shapes
     return pm
@@ -342,6 +399,8 @@ def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
     from .fsdp import FSDP
     from .tensor.state import full_state_dict as tp_full
     if isinstance(pm, ParallelModule):
+        if isinstance(pm, _FSDPTensorParallelModule):
+            return pm.state_dict()
         if pm.data_parallel == "fsdp":
             return pm.module.state_dict()
         return tp_full(pm.inner)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -237,6 +237,7 @@ class FullyShardedDataParallel(Module):
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
         self._sync = True
         self._phase = "outside"
+        self._post_backward_hooks: List[Callable[[], None]] = []
         self._n_complete = 0
         self._launched: List[FSDPUnit] = []
         self._peak_gathered = 0
@@ -393,6 +394,21 @@ class FullyShardedDataParallel(Module):
             u.free()
         self._event("backward_end", "")
         self._phase = "outside"
+        if self._sync:
+            for fn in self._post_backward_hooks:
+                fn()
+
+    def register_post_backward_hook(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the end of every backward whose gradients were reduced (not under
+        :meth:`no_sync`), after the sharded gradients are in place; ``parallelize`` finishes the
+        reduction of tensor-parallel segments here.
+
+        Example:
+            >>> fsdp.register_post_backward_hook(lambda: print("gradients ready"))
+        """
+        if not callable(fn):
+            raise TypeError(f"register_post_backward_hook needs a callable, got {type(fn).__name__}")
+        self._post_backward_hooks.append(fn)
 
     def _start_step(self) -> None:
         if self._phase == "running" or self._launched:
