@@ -209,6 +209,65 @@ class ParallelModule(Module):
         from .tensor.state import sharded_state_dict
         return sharded_state_dict(self.inner)
 
+    def optim_state_dict(self, optimizer) -> Dict[str, Any]:
+        """The optimizer's state under serial parameter names; a tensor-parallel parameter's arrays as
+        ``ShardedArray`` blocks of the full arrays (its placement), the others as host arrays.
+
+        ``{"state": {name: {"step": int, "exp_avg": ..., ...}}, "param_groups": [{options..., "params":
+        [names]}]}``: saved by ``training_state(pm, opt)`` and loadable under any layout.
+        """
+        from ..backend import to_host
+        from .tensor.state import _tp_entries
+        names = {id(p): n for n, p in self.inner.named_parameters()}
+        tp = {key: (m, name) for key, m, name, _ in _tp_entries(self.inner)}
+        state: Dict[str, Dict[str, Any]] = {}
+        groups = []
+        for g in optimizer.param_groups:
+            gnames = []
+            for p in g["params"]:
+                n = names.get(id(p))
+                if n is None:
+                    raise ValueError(f"rank {self.grid.rank}: the optimizer holds a parameter of shape "
+                                     f"{tuple(p.shape)} that is not one of this model's; build it on pm.parameters()")
+                gnames.append(n)
+                for k, v in optimizer.state.get(p, {}).items():
+                    if hasattr(v, "shape") and tuple(v.shape) == tuple(p.shape) and getattr(v, "ndim", 0) > 0:
+                        v = tp[n][0]._tp_block(tp[n][1], v) if n in tp else np.array(to_host(v), copy=True)
+                    state.setdefault(n, {})[k] = v
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": gnames})
+        return {"state": state, "param_groups": groups}
+
+    def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
+        """Load an :meth:`optim_state_dict` saved under any layout (blocks, full arrays or FSDP's
+        flattened arrays) into ``optimizer`` (built on ``pm.parameters()``)."""
+        from ..distributed.sharding import ShardedArray
+        from .tensor.state import _tp_entries
+        names = {id(p): n for n, p in self.inner.named_parameters()}
+        tp = {key: (m, name) for key, m, name, _ in _tp_entries(self.inner)}
+        saved = state_dict["state"]
+        index_state, groups, i = {}, [], 0
+        for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
+            ids = []
+            for p in g["params"]:
+                n = names[id(p)]
+                ids.append(i)
+                st = {}
+                for k, v in saved.get(n, {}).items():
+                    if isinstance(v, ShardedArray) and v.local_shape != v.shape:
+                        v = tp[n][0]._tp_unblock(tp[n][1], np.asarray(v.local)) if n in tp else v.local
+                    elif isinstance(v, ShardedArray):
+                        v = v.local
+                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0 and tuple(v.shape) != tuple(p.shape):
+                        v = _serial(v, self._serial_shapes.get(n))
+                        if n in tp and tuple(v.shape) != tuple(p.shape):
+                            v = tp[n][0]._tp_shard(tp[n][1], v)
+                    st[k] = v
+                if st:
+                    index_state[i] = st
+                i += 1
+            groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
+        optimizer.load_state_dict({"state": index_state, "param_groups": groups})
+
     def extra_repr(self) -> str:
         return (f"tensor_parallel={self.tensor_parallel!r}, data_parallel={self.data_parallel!r}, "
                 f"batch_shards={self.batch_shards[0]}")
@@ -263,6 +322,9 @@ class _FSDPTensorParallelModule(ParallelModule):
             if key in sd:
                 sd[key] = m._tp_shard(name, sd[key])
         return self.module.load_state_dict(sd, strict)
+
+    def load_optim_state_dict(self, optimizer, state_dict) -> None:
+        self.optim_state_dict(optimizer)
 
     def optim_state_dict(self, optimizer):
         raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x tensor parallel "
