@@ -161,11 +161,13 @@ def test_parallelize_matches_serial(world, model, layout):
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("sizes,plan", [({"G_inter": 2, "G_intra_c": 2}, True), ({"G_inter": 2}, False)],
-                         ids=["pp2_tp2", "pp2_dp2"])
+@pytest.mark.parametrize("sizes,plan", [({"G_inter": 2, "G_intra_c": 2}, "megatron"), ({"G_inter": 2}, None),
+                                        ({"G_inter": 2, "G_intra_r": 2}, "axonn")],
+                         ids=["pp2_tp2", "pp2_dp2", "pp2_axonn2"])
 def test_pipeline_over_parallelized_stages_matches_serial(world, sizes, plan):
     """Stage 0 = embed + block 0, stage 1 = block 1 + head of the residual MLP, each parallelized
-    (Megatron plan on the blocks, or nothing), in a Pipeline whose data group is the grid's."""
+    (Megatron plan on the blocks, AxoNN easy mode, or nothing), in a Pipeline whose data group is the
+    grid's; AxoNN stages are reduced by the Pipeline through the gradient-sync table."""
     if world.world_size != 4:
         pytest.skip("the layouts are for 4 ranks")
     want_losses, want_norms, want = _serial_run(ResMLP, MODELS["resmlp"][1], 4)
@@ -176,7 +178,7 @@ def test_pipeline_over_parallelized_stages_matches_serial(world, sizes, plan):
         full = _make(ResMLP)
         stage_id = grid.coords.inter
         stage = nn.Sequential(full.embed, full.blocks[0]) if stage_id == 0 else nn.Sequential(full.blocks[1], full.head)
-        tp = {"*.fc1": "column", "*.fc2": "row"} if plan else None
+        tp = {"*.fc1": "column", "*.fc2": "row"} if plan == "megatron" else plan
         pm = parallelize(stage, grid=grid, tensor_parallel=tp, data_parallel=None)
         pipe = Pipeline(pm, PipelineSchedule.ONE_F_ONE_B, num_microbatches=2, loss_fn=F.cross_entropy)
         assert pipe.data_group is grid.data_group

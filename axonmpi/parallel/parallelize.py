@@ -126,7 +126,10 @@ class ParallelModule(Module):
         self.batch_shards = (n, k)
         self._serial_shapes: Dict[str, Tuple[int, ...]] = {}
         self._hooks = []
-        if axonn and data_parallel != "fsdp":
+        # what a Pipeline over this stage reads to reduce it (the grad_sync table's batch groups)
+        self.batch_groups = (grid.intra_group,) if axonn else ()
+        self.depth_group = grid.depth_group
+        if axonn and data_parallel != "fsdp" and grid.G_inter == 1:
             self._hook_axonn(data_parallel is not None)
 
     @property
@@ -410,9 +413,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if grid.G_inter > 1 and data_parallel is not None:
         raise ValueError(f"rank {r}: on a pipeline grid (G_inter={grid.G_inter}) parallelize each stage with "
                          "data_parallel=None; the Pipeline reduces over the grid's data group")
-    if grid.G_inter > 1 and tensor_parallel == "axonn":
-        raise NotImplementedError(f"rank {r}: AxoNN easy-mode stages inside a Pipeline are not built yet; "
-                                  "use a Megatron plan for pipeline x tensor parallel")
     if data_parallel == "fsdp" and isinstance(tensor_parallel, dict):
         raise NotImplementedError(f"rank {r}: parallelize with FSDP x a Megatron plan is not built yet "
                                   "(FSDP x 'axonn' is); use DDP with a Megatron plan")

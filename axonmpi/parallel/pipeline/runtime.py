@@ -20,7 +20,7 @@ from ...random import fork_rng, initial_seed
 from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, encode_header
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, make_schedule, simulate)
 from .stage import PipelineStage
-from ..grad_sync import check_group
+from ..grad_sync import check_group, reduction_groups
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -344,20 +344,44 @@ class Pipeline:
         return sizes
 
     def _reduce_data_parallel(self) -> None:
+        """Each stage's gradients summed over the groups of the gradient-sync table (its data group, and
+        the batch groups of a stage that declares ``batch_groups``, e.g. ``parallelize``'s AxoNN easy
+        mode), divided by the number of batch shards: the gradient of the mean loss over the batch."""
         g = self.data_group
-        if g is None or g.size == 1:
-            return
         for sid in sorted(self.stages):
-            grads = [q.grad.data for q in self.stages[sid].parameters() if q.grad is not None]
-            if not grads:
+            mod = self.stages[sid].module
+            batch = tuple(getattr(mod, "batch_groups", ()))
+            n = (g.size if g is not None else 1) * int(np.prod([b.size for b in batch]))
+            if n == 1:
                 continue
-            xp = get_array_module(grads[0])
-            flat = xp.concatenate([x.reshape(-1) for x in grads])
-            all_reduce(flat, ReduceOp.MEAN, g, out=flat)
-            at = 0
-            for x in grads:
-                x[...] = flat[at:at + x.size].reshape(x.shape)
-                at += x.size
+            by: Dict[Tuple[int, ...], Tuple[List[ProcessGroup], List[Any]]] = {}
+            for q in self.stages[sid].parameters():
+                if q.grad is None:
+                    continue
+                groups = reduction_groups(q, g, batch, getattr(mod, "depth_group", None))
+                by.setdefault(tuple(id(x) for x in groups), (groups, []))[1].append(q.grad.data)
+            for groups, grads in by.values():
+                xp = get_array_module(grads[0])
+                flat = xp.concatenate([x.reshape(-1) for x in grads])
+                if len(groups) == 1 and groups[0] is g and n == g.size:
+                    all_reduce(flat, ReduceOp.MEAN, g, out=flat)        # plain data parallel: one mean
+                else:
+                    for grp in groups:
+                        all_reduce(flat, ReduceOp.SUM, grp, out=flat)
+                    flat /= n
+                at = 0
+                for x in grads:
+                    x[...] = flat[at:at + x.size].reshape(x.shape)
+                    at += x.size
+
+    def _mean_over_batch_groups(self, value: float) -> float:
+        """The loss averaged over the batch groups the stages declare (every rank of a tensor block in
+        AxoNN's easy mode reads its own rows); a no-op for plain stages."""
+        groups = {id(b): b for st in self.stages.values() for b in getattr(st.module, "batch_groups", ())}
+        for b in groups.values():
+            if b.size > 1:
+                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, b)[0])
+        return value
 
     def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool):
         ex = _Executor(self, acts, sizes, inputs, targets, train)
@@ -369,6 +393,8 @@ class Pipeline:
                                          self.group)[0])
             if train and self.data_group is not None and self.data_group.size > 1:
                 value = float(all_reduce(np.array([value]), ReduceOp.MEAN, self.data_group)[0])
+            if train:
+                value = self._mean_over_batch_groups(value)
         if train:
             self._stats = ex.memory_stats()
             self._timing = ex.timing
