@@ -257,3 +257,15 @@ def test_clip_over_pipeline_x_tensor_parallel_gives_the_serial_norm(world, stage
             Pipeline(mine, PipelineSchedule.GPIPE, num_microbatches=1, loss_fn=F.mse_loss)
             total = clip_grad_norm_(list(mine.parameters()), 1e9)
         assert abs(total - want) <= TOL * want, (world.rank, stage0, total, want)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fsdp_and_zero_refuse_a_group_mixing_tensor_shards(world):
+    if world.world_size % 2:
+        pytest.skip("G_intra_c=2 needs an even world")
+    with grid_of(world, G_intra_c=2):
+        with pytest.raises(ValueError, match=r"FSDP would average parameter 'fc.weight'"):
+            FSDP(_TPMLP(), group=world.default_group)
+        with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer would average parameter '#0 \(shape"):
+            axonmpi.optim.ZeroRedundancyOptimizer(_TPMLP().parameters(), AdamW, group=world.default_group, lr=1.0)
+        FSDP(_TPMLP())            # the default, the grid's data group, is fine

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
-__all__ = ["ShardKind", "Shard", "Placement", "placement_of", "set_placement", "add_placement"]
+__all__ = ["ShardKind", "Shard", "Placement", "placement_of", "set_placement", "add_placement", "check_group"]
 
 
 class ShardKind(enum.Enum):
@@ -175,3 +175,33 @@ def add_placement(param: Any, *, shard: Optional[Shard] = None, replica: Any = N
         pl = pl.with_replica(replica)
     param.placement = pl
     return param
+
+
+def check_group(named_params: Iterable[Tuple[str, Any]], group: Any, what: str) -> None:
+    """Refuse ``group`` when two of its ranks hold different parts of some parameter.
+
+    Averaging over such a group mixes different shards (a tensor-parallel slice with its
+    neighbour, stage 0's weights with stage 1's), which no later step can undo.
+
+    Raises:
+        ValueError: naming the parameter, its placement, the group and the fix.
+
+    Example:
+        >>> check_group(model.named_parameters(), grid.data_group, "DDP")    # fine
+    """
+    if group is None or group.size == 1:
+        return
+    mine = set(group.ranks)
+    for name, p in named_params:
+        pl = placement_of(p)
+        for s in pl.shards:
+            g = s.group
+            if g is None or g.size == 1 or s.kind is ShardKind.FLAT:
+                continue   # an FSDP chunk: FSDP's own (nested) business
+            common = sorted(mine & set(g.ranks))
+            if len(common) > 1:
+                raise ValueError(
+                    f"rank {group.world.rank}: {what} would average parameter {name!r} over group "
+                    f"{group.name}{list(group.ranks)}, but its placement is {pl.describe()}: ranks {common} "
+                    f"hold different parts of it. Use the ranks holding the same part -- leave the group "
+                    f"out (the grid's data group, axonmpi.get_grid().data_group) or pass it explicitly")

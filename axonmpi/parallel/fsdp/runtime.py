@@ -27,6 +27,7 @@ import numpy as np
 from ...autograd import Tensor, is_grad_enabled, no_grad
 from ...backend import device_of, get_array_module, to_host
 from ...distributed import get_world, resolve_group
+from ...distributed.placement import check_group
 from ...distributed.sharding import ShardedArray
 from ...nn import IncompatibleKeys, Module, Parameter
 from .._flat import FlatParameter
@@ -162,6 +163,9 @@ class FullyShardedDataParallel(Module):
         self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
         self.shard_group, self.replicate_group = _resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
         rep = self.replicate_group
+        named = list(module.named_parameters())
+        for grp in (self.shard_group, rep):
+            check_group(named, grp, "FSDP")
         spans = [self.shard_group.ranks] if rep is None else rep.comm.allgather(self.shard_group.ranks)
         self._data_ranks = tuple(sorted({r for rs in spans for r in rs}))      # shard x replicate
         self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
