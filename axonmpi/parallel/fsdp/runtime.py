@@ -18,6 +18,7 @@ order because the order follows the model's (deterministic) execution.
 from __future__ import annotations
 
 import contextlib
+import enum
 import mmap
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -38,6 +39,15 @@ from .unit import FSDPUnit
 from .wrap import is_fsdp, plan_units, unwrapped_named_modules, unwrapped_state_items
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
+
+
+class _Phase(enum.Enum):
+    """Where the root FSDP instance is in a step."""
+
+    OUTSIDE = "outside"    # between steps (or after a forward without gradients)
+    FORWARD = "forward"    # inside the root's forward: units may gather
+    ARMED = "armed"        # forward ran with gradients; waiting for backward to start
+    RUNNING = "running"    # backward started: units complete and launch their reductions
 
 
 def _resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Optional[int]):
@@ -240,7 +250,7 @@ class FullyShardedDataParallel(Module):
         self._seq: List[FSDPUnit] = []                      # forward order of this step
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
         self._sync = True
-        self._phase = "outside"
+        self._phase = _Phase.OUTSIDE
         self._post_backward_hooks: List[Callable[[], None]] = []
         self._n_complete = 0
         self._launched: List[FSDPUnit] = []
@@ -358,7 +368,7 @@ class FullyShardedDataParallel(Module):
 
     # -- the step protocol ------------------------------------------------------------------------
     def _check_active(self, unit: FSDPUnit) -> None:
-        if self._phase != "forward":
+        if self._phase is not _Phase.FORWARD:
             raise RuntimeError(f"FSDP unit {unit.label} was called outside its FSDP wrapper's forward; "
                                "call the FSDP model, not the wrapped module")
 
@@ -378,8 +388,8 @@ class FullyShardedDataParallel(Module):
         if unit.complete:
             return
         unit.complete = True
-        if self._phase == "armed":
-            self._phase = "running"
+        if self._phase is _Phase.ARMED:
+            self._phase = _Phase.RUNNING
         if self._sync:
             unit.launch_reduce()
             self._launched.append(unit)
@@ -397,7 +407,7 @@ class FullyShardedDataParallel(Module):
         for u in self._all_units:
             u.free()
         self._event("backward_end", "")
-        self._phase = "outside"
+        self._phase = _Phase.OUTSIDE
         if self._sync:
             for fn in self._post_backward_hooks:
                 fn()
@@ -415,7 +425,7 @@ class FullyShardedDataParallel(Module):
         self._post_backward_hooks.append(fn)
 
     def _start_step(self) -> None:
-        if self._phase == "running" or self._launched:
+        if self._phase is _Phase.RUNNING or self._launched:
             missing = [u.label for u in self._all_units if not u.complete]
             for u in self._launched:
                 u.work.wait()
@@ -423,7 +433,7 @@ class FullyShardedDataParallel(Module):
             for u in self._all_units:
                 u.free()
                 u.reset()
-            self._phase = "outside"
+            self._phase = _Phase.OUTSIDE
             raise RuntimeError(f"FSDP: the previous backward did not finish: units {missing} got no complete "
                                "gradient (every parameter must take part in the loss)")
         for u in self._all_units:
@@ -441,13 +451,13 @@ class FullyShardedDataParallel(Module):
         self.root_unit.gather()
         if self.prefetch and self._order:
             self._order[0].prefetch()
-        self._phase = "forward"
+        self._phase = _Phase.FORWARD
         try:
             out = self.module(*args, **kwargs)
         finally:
-            self._phase = "outside"
+            self._phase = _Phase.OUTSIDE
         if is_grad_enabled():
-            self._phase = "armed"
+            self._phase = _Phase.ARMED
         else:
             for u in self._all_units:
                 u.free()
