@@ -124,8 +124,7 @@ def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
             slices: Dict[int, List[Any]] = {}
             if p.grad is not None:
                 for seg in p.segments():
-                    n = seg.param_stop - seg.param_start
-                    slices.setdefault(seg.index, []).append(p.grad.data[seg.offset:seg.offset + n])
+                    slices.setdefault(seg.index, []).append(seg.in_chunk(p.grad.data))
             for i, q in enumerate(inner):
                 extra = tuple(g for g in placement_of(q).shard_groups
                               if not any(g.ranks == h.ranks for h in pl.shard_groups))

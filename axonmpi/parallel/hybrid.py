@@ -536,7 +536,7 @@ class HybridGPT:
             grad = f.grad.data
             for seg in f.segments():
                 p = f.params[seg.index]
-                v = grad[seg.offset:seg.offset + seg.param_stop - seg.param_start]
+                v = seg.in_chunk(grad)
                 if getattr(p, "is_tensor_parallel", False):
                     grp = g.depth_group if getattr(p, "needs_depth_parallel_gradient_sync", False) else None
                 else:
@@ -567,8 +567,7 @@ class HybridGPT:
             g = f.grad.data
             xp = get_array_module(g)
             for seg in f.segments():
-                n = seg.param_stop - seg.param_start
-                v = g[seg.offset:seg.offset + n].astype(np.float64, copy=False)
+                v = seg.in_chunk(g).astype(np.float64, copy=False)
                 grp = shard_group_of(f.params[seg.index])
                 parts[slot.get(id(grp), 0) if grp is not None else 0] += float(xp.vdot(v, v))
         shard = self.fsdp.shard_group

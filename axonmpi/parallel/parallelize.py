@@ -346,7 +346,7 @@ def _finish_axonn_fsdp(fsdp, grid: ProcessGrid) -> None:
             continue
         grad = f.grad.data
         for seg in f.segments():
-            v = grad[seg.offset:seg.offset + seg.param_stop - seg.param_start]
+            v = seg.in_chunk(grad)
             for grp in reduction_groups(f.params[seg.index], None, (grid.intra_group,), grid.depth_group):
                 all_reduce(v, group=grp, out=v)
             if scale != 1.0:

@@ -642,8 +642,7 @@ class FullyShardedDataParallel(Module):
                                 a, local = 0, np.asarray(to_host(v)).reshape(-1)
                             if key not in st:
                                 st[key] = get_array_module(f.data).zeros(c, dtype=f.data.dtype)
-                            n = s.param_stop - s.param_start
-                            st[key][s.offset:s.offset + n] = local[s.param_start - a:s.param_stop - a]
+                            s.in_chunk(st[key])[...] = s.in_param(local, a)
                         else:
                             st[key] = int(v) if key == "step" else v
                 if st:
@@ -670,8 +669,7 @@ class FullyShardedDataParallel(Module):
                 if s.param_start < a or s.param_stop > b:
                     raise ValueError(f"rank {get_world().rank}: {key!r} block [{a}, {b}) does not cover this "
                                      f"rank's elements [{s.param_start}, {s.param_stop})")
-                n = s.param_stop - s.param_start
-                f.data[s.offset:s.offset + n] = np.asarray(v.local)[s.param_start - a:s.param_stop - a]
+                s.in_chunk(f.data)[...] = s.in_param(np.asarray(v.local), a)
         for k, t in self._frozen + list(self.named_buffers()):
             if k not in state_dict:
                 if isinstance(t, Parameter):
