@@ -64,6 +64,8 @@ class Linear(_TensorParallelModule):
         >>> y = fc(x)                                 # easy mode: x (rows, 64) -> (rows, 256)
     """
 
+    overlaps_communication = True    # optimize_communication(model=...) prefetches these layers in module order
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transpose: bool = False,
                  skip_bias_add: bool = False, init_method: Optional[Callable] = None, expert_mode: bool = False,
                  *, dtype=None, groups: Optional[TensorParallelGroups] = None):
