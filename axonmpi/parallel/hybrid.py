@@ -285,7 +285,7 @@ class _StagedBuild:
         import contextlib
         from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
         from ..nn.transformer import TransformerBlock
-        from .pipeline.split import GPTEmbedding, GPTHead
+        from ..models.gpt import GPTEmbedding, GPTHead
         c, dt, hyb = self.config, self.dtype, self.hyb
         ctx = contextlib.nullcontext()
         if hyb.style is TPStyle.AXONN:
