@@ -55,6 +55,7 @@ from ..distributed import ReduceOp, Work, add_placement, all_reduce, broadcast, 
 from .grad_sync import check_group
 from ..nn import Module
 from ._flat import FlatLayout
+from ..enums import coerce_enum
 
 __all__ = [
     "DistributedDataParallel", "DDP", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
@@ -177,13 +178,7 @@ class GradientSynchronizer:
                  reduce_op: ReduceOp = ReduceOp.MEAN, find_unused_parameters: bool = False,
                  record_events: bool = False):
         self.group = resolve_group(group)
-        if not isinstance(strategy, GradSyncStrategy):
-            try:
-                strategy = GradSyncStrategy(strategy)
-            except ValueError:
-                raise ValueError(f"unknown grad_sync {strategy!r}; expected one of "
-                                 f"{[s.name for s in GradSyncStrategy]}") from None
-        self.strategy = strategy
+        self.strategy = coerce_enum(GradSyncStrategy, strategy, "grad_sync")
         if comm_hook is None or isinstance(comm_hook, str):
             if comm_hook not in _HOOKS:
                 raise ValueError(f"unknown comm_hook {comm_hook!r}; expected 'allreduce', 'fp16' or a callable")

@@ -64,6 +64,7 @@ from ..distributed.world import get_grid
 from ..models.gpt import GPT, GPTConfig
 from ..nn import functional as F
 from ..optim.clip import clip_grad_norm_
+from ..enums import coerce_enum
 
 __all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout", "fsdp_refusal"]
 
@@ -72,9 +73,6 @@ class TPStyle(enum.Enum):
     """How the tensor dimensions of the grid split the GPT."""
     MEGATRON = "megatron"   # 1-D: heads / MLP columns / vocabulary over intra_group (G_intra_c only)
     AXONN = "axonn"         # 3-D: every Linear over row x column x depth (auto_parallelize)
-
-
-_SCHEDULES = {"gpipe": "GPIPE", "1f1b": "ONE_F_ONE_B", "interleaved": "INTERLEAVED_ONE_F_ONE_B"}
 
 
 @dataclass(frozen=True)
@@ -116,19 +114,12 @@ class Layout:
 
 
 def _style(tp_style) -> TPStyle:
-    try:
-        return TPStyle(getattr(tp_style, "value", tp_style))
-    except ValueError:
-        raise ValueError(f"tp_style must be one of {[s.value for s in TPStyle]}, got {tp_style!r}") from None
+    return coerce_enum(TPStyle, tp_style, "tp_style")
 
 
 def _schedule(schedule):
     from .pipeline import PipelineSchedule
-    if isinstance(schedule, PipelineSchedule):
-        return schedule
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
-    return PipelineSchedule[_SCHEDULES[schedule]]
+    return coerce_enum(PipelineSchedule, schedule, "schedule")
 
 
 def batch_shards(layout: Layout, tp_style="axonn") -> int:

@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence, Union
 from ...distributed.group import ProcessGroup
 from ...nn.module import Module, Sequential
 from ._comm import _default_group
+from ...enums import coerce_enum
 
 __all__ = ["SplitBy", "split_module", "split_points"]
 
@@ -80,10 +81,7 @@ def split_points(model: Module, num_stages: int, virtual_stages: int = 1,
             raise ValueError(f"split_module: boundaries must be {k - 1} strictly increasing start indices in "
                              f"(0, {n}) for {k} chunks of {n} layers, got {list(boundaries)}")
         return [0] + b
-    try:
-        by = SplitBy(by.value if isinstance(by, SplitBy) else by)
-    except ValueError:
-        raise ValueError(f"split_module: by must be 'params' or 'layers', got {by!r}") from None
+    by = coerce_enum(SplitBy, by, "split_module by (by must be 'params' or 'layers')")
     if by is SplitBy.LAYERS:
         q, extra = divmod(n, k)
         starts, at = [], 0
