@@ -51,10 +51,10 @@ import numpy as np
 from ..autograd import Tensor, no_grad
 from ..autograd.graph import reachable_leaves, tensors_in
 from ..backend import get_array_module
-from ..distributed import ReduceOp, Work, add_placement, all_reduce, broadcast, resolve_group, role_group
+from ..distributed import ReduceOp, Work, add_placement, all_reduce, resolve_group, role_group
 from .grad_sync import check_group
 from ..nn import Module
-from ._flat import FlatLayout
+from ._flat import FlatLayout, broadcast_flat
 from ..enums import coerce_enum
 
 __all__ = [
@@ -527,12 +527,12 @@ class DistributedDataParallel(Module):
             return
         with no_grad():
             tensors = [p for _, p in self.module.named_parameters()] + [b for _, b in self.module.named_buffers()]
-            _broadcast_flat([t for t in tensors], self.group)
+            broadcast_flat([t for t in tensors], self.group)
 
     def _sync_buffers(self) -> None:
         bufs = [b for _, b in self.module.named_buffers()]
         if bufs:
-            _broadcast_flat(bufs, self.group)
+            broadcast_flat(bufs, self.group)
 
     def forward(self, *args, **kwargs):
         sync = self.synchronizer
@@ -564,27 +564,3 @@ class DistributedDataParallel(Module):
 
 
 DDP = DistributedDataParallel
-
-
-def _broadcast_flat(tensors: Sequence[Tensor], group, src: int = 0, cap_bytes: int = 64 << 20) -> None:
-    """Broadcast many small arrays as few flat messages (grouped by dtype/device)."""
-    groups: Dict[Any, List[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((str(t.data.dtype), str(t.device)), []).append(t)
-    for ts in groups.values():
-        xp = get_array_module(ts[0].data)
-        start = 0
-        while start < len(ts):
-            chunk, size = [], 0
-            while start < len(ts) and (not chunk or size + ts[start].data.nbytes <= cap_bytes):
-                chunk.append(ts[start])
-                size += ts[start].data.nbytes
-                start += 1
-            flat = xp.concatenate([xp.ravel(t.data) for t in chunk]) if len(chunk) > 1 else xp.ravel(
-                chunk[0].data).copy()
-            broadcast(flat, src=src, group=group)
-            off = 0
-            for t in chunk:
-                n = int(t.data.size)
-                t.data[...] = flat[off:off + n].reshape(t.data.shape)
-                off += n

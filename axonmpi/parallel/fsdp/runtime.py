@@ -32,7 +32,7 @@ from ...distributed.placement import check_group
 from ...distributed.sharding import ShardedArray
 from ...nn import IncompatibleKeys, Module, Parameter
 from .._flat import FlatParameter
-from ..ddp import _broadcast_flat
+from .._flat import broadcast_flat
 from .api import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
 from .memory import estimate_memory, measure
 from .unit import FSDPUnit
@@ -211,7 +211,7 @@ class FullyShardedDataParallel(Module):
             with no_grad():
                 for g in (self.shard_group, self.replicate_group):
                     if g is not None and g.size > 1 and (params or buffers):
-                        _broadcast_flat([p for _, p in params] + [b for _, b in buffers], g)
+                        broadcast_flat([p for _, p in params] + [b for _, b in buffers], g)
         if mp is not None and mp.buffer_dtype is not None:
             for _, b in buffers:
                 if b.data.dtype.kind == "f":
