@@ -142,8 +142,10 @@ class Pipeline:
 
     Data parallel: with ``data_group``, after the last backward each stage's gradients are
     averaged over ``data_group`` (the ranks holding the same stage for other data), and the
-    returned loss is averaged there too, so replicas stay identical. Clip with
-    ``clip_grad_norm_(params, max_norm, group=pipeline_group)``: stages hold disjoint parameters.
+    returned loss is averaged there too, so replicas stay identical. Every stage parameter records
+    the pipeline group in its placement (a ``STAGE`` shard), so ``clip_grad_norm_(params, max_norm)``
+    gives the norm of the whole model on every rank (pass ``group=`` for a pipeline group that is
+    not the grid's: every rank of it takes part, with parameters or not).
 
     Args:
         stages: this rank's chunks: a Module or :class:`PipelineStage`, or a list of ``virtual_stages`` of them
