@@ -73,6 +73,22 @@ class World:
         self.device = _bind_device(device, self.local_rank, self.rank)
         if self.device.type == "cuda":
             _devices.get_cupy().cuda.Device(self.device.index).use()
+        self.gpu_sharers = _ranks_sharing_a_gpu(self._comm, self.device, self.node_rank)
+        if self.gpu_sharers and self.backend is not BackendKind.MPI:
+            # [Note: ranks sharing a GPU] NCCL refuses two members of one communicator on the
+            # same device ("Duplicate GPU detected"), so device arrays go over MPI instead.
+            shared = ", ".join("+".join(map(str, g)) for g in self.gpu_sharers)
+            if self.backend is BackendKind.NCCL:
+                raise RuntimeError(
+                    f"rank {self.rank}: backend='nccl' but ranks {shared} share one GPU, and NCCL refuses "
+                    "two ranks of a communicator on one device. Give each rank its own GPU (srun "
+                    "--gpus-per-task=1, or one rank per GPU with mpiexec), or use backend='auto'/'mpi'")
+            self.backend = BackendKind.MPI
+            if self.rank == 0:
+                from ..log import get_logger
+                get_logger("axonmpi.world").warning(
+                    "ranks %s share a GPU: NCCL needs one GPU per rank, so CuPy arrays go over MPI "
+                    "(staged through pinned host memory unless the MPI is CUDA-aware)", shared)
         if self.backend is BackendKind.NCCL and not nccl_available():
             raise RuntimeError(
                 f"rank {self.rank}: backend='nccl' needs CuPy with NCCL and a GPU (pip install "
@@ -255,6 +271,23 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
                 f"already has the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to "
                 "change it")
     return _WORLD
+
+
+def _ranks_sharing_a_gpu(comm, device, node_rank: int) -> List[tuple]:
+    """The groups of ranks (each of two or more) bound to the same physical GPU of one node.
+
+    Collective over ``comm``. GPUs are told apart by PCI bus id, so ranks that see the device under
+    different ``CUDA_VISIBLE_DEVICES`` numbers still compare equal. Empty on the CPU.
+    """
+    key = None
+    if device.type == "cuda":
+        key = (node_rank, _devices.get_cupy().cuda.runtime.deviceGetPCIBusId(device.index))
+    keys = comm.allgather(key)
+    by_gpu: dict = {}
+    for r, k in enumerate(keys):
+        if k is not None:
+            by_gpu.setdefault(k, []).append(r)
+    return [tuple(rs) for rs in by_gpu.values() if len(rs) > 1]
 
 
 def _bind_device(device, local_rank: int, rank: int):
