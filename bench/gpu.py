@@ -4,10 +4,11 @@ For each rank count in --ranks (default 1 .. number of GPUs) this launches
 ``mpiexec -n K python bench/gpu.py --worker`` (one rank per GPU, bound by local rank), trains the
 char-GPT shape of examples/train_gpt.py (sizes below) on random tokens with a fixed local batch
 per GPU (weak scaling), and prints ms/step (median of the timed steps, the device synchronized
-at each step's end), tokens/s over all GPUs and the scaling efficiency against one GPU.
+at each step's end), tokens/s over all GPUs, TFLOP/s and MFU per GPU and the scaling efficiency against one GPU.
 Without CuPy, NCCL or a GPU it stops with a message (exit status 2).
 
     python bench/gpu.py                         # 1 .. all GPUs of this node
+    python bench/gpu.py --ranks 1 --preset gpt2 --precision bf16 --profile prof.txt   # 124M, MFU, host split
     python bench/gpu.py --ranks 1 4 --n-layer 8 --n-embd 512 --batch 32
     mpiexec -n 2 python bench/gpu.py --worker   # one run, one result line
 """

@@ -282,7 +282,16 @@ def _ranks_sharing_a_gpu(comm, device, node_rank: int) -> List[tuple]:
     key = None
     if device.type == "cuda":
         key = (node_rank, _devices.get_cupy().cuda.runtime.deviceGetPCIBusId(device.index))
-    keys = comm.allgather(key)
+    return gpu_sharers(comm.allgather(key))
+
+
+def gpu_sharers(keys) -> List[tuple]:
+    """Ranks grouped by equal GPU key (``None``: a CPU rank, never grouped); only groups of two or more.
+
+    Example:
+        >>> gpu_sharers([(0, "0000:1b"), (0, "0000:1b"), (0, "0000:3d"), None])
+        [(0, 1)]
+    """
     by_gpu: dict = {}
     for r, k in enumerate(keys):
         if k is not None:
