@@ -4,10 +4,12 @@ from .format import CheckpointError
 from .loading import load
 from .manager import CheckpointManager
 from .read import CheckpointReader, is_checkpoint
+from .safetensors_io import export_safetensors, load_safetensors, save_safetensors
 from .state import restore_training_state, training_state
 from .write import save
 
 __all__ = [
     "ShardedArray", "save", "load", "CheckpointReader", "CheckpointError", "CheckpointManager",
     "is_checkpoint", "training_state", "restore_training_state",
+    "export_safetensors", "load_safetensors", "save_safetensors",
 ]

@@ -32,7 +32,8 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
 
     * a :class:`ShardedArray` leaf gets its block ``global[offsets : offsets+local.shape]``
       filled in place (any saved sharding, any saved world size);
-    * a NumPy/CuPy array leaf gets the full array, in place (shapes must match);
+    * a NumPy/CuPy array leaf gets the full array, in place (shapes must match, or the leaf has
+      the ``view_shape`` of an entry FSDP/ZeRO saved flattened);
     * a ``None`` leaf gets the saved value or full array; an empty-dict leaf gets everything
       saved under that key (e.g. an optimizer's not-yet-created ``state``);
     * any other leaf (scalar, str, list) is replaced by the saved value.
@@ -144,7 +145,9 @@ def _fill_one(reader: CheckpointReader, e: Entry, leaf: Any, cast: bool) -> Any:
             )
     else:
         target, off, shp = leaf, (0,) * len(e.shape), e.shape
-        if tuple(leaf.shape) != e.shape:
+        if tuple(leaf.shape) != e.shape and tuple(leaf.shape) == e.full_shape and leaf.flags.c_contiguous:
+            target = leaf.reshape(e.shape)   # saved flattened (FSDP/ZeRO): a view, so filled in place
+        elif tuple(leaf.shape) != e.shape:
             raise CheckpointError(f"entry {e.name!r}: saved shape {e.shape}, template shape {tuple(leaf.shape)} (changed shape)")
     dt = np.dtype(e.dtype)
     if target.dtype != dt and not cast:
