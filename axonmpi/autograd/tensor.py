@@ -219,6 +219,9 @@ class Tensor:
         return int(self.item())
 
     def __bool__(self) -> bool:
+        if self.data.size != 1:
+            raise RuntimeError(f"Boolean value of a Tensor of shape {self.shape} ({self.data.size} elements) "
+                               "is ambiguous; use .any() or .all(), or compare identity with 'is'")
         return bool(self.item())
 
     def detach(self) -> "Tensor":
@@ -409,10 +412,27 @@ class Tensor:
     def __le__(self, o): return Tensor._wrap(self.data <= _raw(o))
     def __gt__(self, o): return Tensor._wrap(self.data > _raw(o))
     def __ge__(self, o): return Tensor._wrap(self.data >= _raw(o))
+
+    # [Note: == is elementwise, hash is identity]
+    # As in PyTorch, ``a == b`` is a bool Tensor (``(pred == y).float().mean()``), and hashing is
+    # by identity, so tensors still work as dict keys and in sets (lookups compare identity
+    # first). Library code must never compare tensors with ``==`` or search a list of tensors
+    # with ``in``/``index``/``remove`` (a non-identical element would be compared elementwise);
+    # it compares ``id(t)``. ``t == None`` is False, as in PyTorch.
+    def __eq__(self, o):
+        if o is None or isinstance(o, str):
+            return NotImplemented
+        return Tensor._wrap(self.data == _raw(o))
+
+    def __ne__(self, o):
+        if o is None or isinstance(o, str):
+            return NotImplemented
+        return Tensor._wrap(self.data != _raw(o))
+
     __hash__ = object.__hash__
 
     def eq(self, other) -> "Tensor":
-        """Elementwise equality (``==`` keeps Python identity semantics so tensors work in sets)."""
+        """Elementwise equality (the same as ``==``)."""
         return Tensor._wrap(self.data == _raw(other))
 
     def ne(self, other) -> "Tensor":
