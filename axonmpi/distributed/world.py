@@ -1,6 +1,8 @@
 """The World: every rank of the job, its node layout, device and groups; the one piece of global state."""
 from __future__ import annotations
 
+import numbers
+
 import sys
 import threading
 import time
@@ -210,8 +212,8 @@ class World:
                 f"device={self.device})")
 
 
-def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Optional[int] = None,
-         G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, debug: Optional[bool] = None,
+def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = None, G_intra_r: int = 1,
+         G_intra_c: int = 1, G_intra_d: int = 1, *, G_inter: Optional[int] = None, debug: Optional[bool] = None,
          abort_on_exception: bool = True, device: str = "auto", backend: str = "auto") -> World:
     """Create (once) and return the current :class:`World` and its :class:`ProcessGrid`.
 
@@ -219,8 +221,12 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
     a later call asking for another grid raises. Works under ``mpiexec``/``srun`` and as a
     plain ``python script.py`` (a world of one).
 
+    Two call forms: ``init(comm)`` / ``init(G_inter=2, ...)``, and AxoNN's positional order
+    ``init(G_inter, G_data, G_intra_r=1, G_intra_c=1, G_intra_d=1)`` (an int first means G_inter).
+
     Args:
-        comm: the communicator to build the World on (default ``MPI.COMM_WORLD``).
+        comm: the communicator to build the World on (default ``MPI.COMM_WORLD``), or, as in
+            AxoNN, ``G_inter`` given positionally.
         G_inter, G_data, G_intra_r, G_intra_c, G_intra_d: AxoNN's grid sizes (pipeline, data,
             tensor row / column / depth). ``G_data=None`` takes what is left:
             ``world_size // (G_inter*G_intra_r*G_intra_c*G_intra_d)``. All defaults: pure data
@@ -248,6 +254,11 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
         >>> print(world.rank, world.world_size, world.grid.coords)
     """
     global _WORLD
+    if isinstance(comm, numbers.Integral) and not isinstance(comm, bool):   # AxoNN: init(G_inter, G_data, ...)
+        if G_inter is not None:
+            raise TypeError(f"init: G_inter given twice (positionally as {comm} and as G_inter={G_inter})")
+        comm, G_inter = None, int(comm)
+    G_inter = 1 if G_inter is None else G_inter
     asked = dict(G_data=G_data, G_inter=G_inter, G_intra_r=G_intra_r, G_intra_c=G_intra_c,
                  G_intra_d=G_intra_d)
     if _WORLD is None or _WORLD._destroyed:
