@@ -87,6 +87,7 @@ def test_tmp_folders_of_dead_saves_go_at_the_next_save_but_an_only_copy_old_stay
         os.rename(mgr.path_for(1), mgr.path_for(1) + ".old-deadbeef")
     axonmpi.barrier()
     mgr.save(2, _state(world, 2))
+    axonmpi.barrier()                      # group rank 0 prunes after the save returns on the others
     left = sorted(os.listdir(d))
     assert "step-00000007.tmp-0123456789ab" not in left                 # on main: survived every later save
     assert "step-00000001.old-deadbeef" in left                         # the only copy of step 1: kept
@@ -147,7 +148,9 @@ def test_async_save_writes_what_was_passed_reuses_its_buffers_and_waits(world, t
     mgr.save(2, _state(world, 2), async_save=True)
     mgr.save(3, _state(world, 3), async_save=True)           # waits for step 2 first
     assert {k: id(v) for k, v in mgr._buffers.items()} == bufs   # the host copies are reused
-    assert mgr.wait() == mgr.path_for(3) and mgr.steps() == [2, 3] and mgr.wait() is None
+    assert mgr.wait() == mgr.path_for(3) and mgr.wait() is None
+    axonmpi.barrier()                      # group rank 0 prunes after the save returns on the others
+    assert mgr.steps() == [2, 3]
     mgr.release()
 
 
