@@ -15,6 +15,13 @@ the page cache (files were just written); save is shown with and without fsync f
 "load" is the default, verified load (every 4 MiB block's xxh3_64 checksum compared before the
 data is handed back); "load verify=F" skips the comparison. The target for the verified load is
 >= 0.8x raw at 1, 2 and 4 ranks.
+
+A second table is the training stall of a save, as ``CheckpointManager.save`` sees it: the time
+until the call returns (the slowest rank). "sync" is the default durable save; "async" is
+``async_save=True`` (copy into reused host buffers, write in a background thread), timed after one
+warm-up save (which allocates the buffers); "host copy" is ``np.copyto`` of the same arrays into
+preallocated buffers, the floor of any async save; "background write" is the ``wait()`` that follows.
+Goals: async stall <= 1.2x the host copy, and >= 5x below the sync stall.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import axonmpi  # noqa: E402
-from axonmpi.checkpoint import ShardedArray, load, save  # noqa: E402
+from axonmpi.checkpoint import CheckpointManager, ShardedArray, load, save  # noqa: E402
 
 
 def model_state(mib: int, group) -> dict:
@@ -95,6 +102,30 @@ def timed(group, fn) -> float:
     return axonmpi.all_reduce(np.array(time.perf_counter() - t), op="max", group=group).item()
 
 
+def stall_bench(state: dict, base: str, g, repeats: int) -> dict:
+    """Best stall (slowest rank) of a sync save, an async save, its background write, and a bare host copy."""
+    mgr = CheckpointManager(os.path.join(base, "managed"), keep_last=1, group=g)
+    arrays = [v.local if isinstance(v, ShardedArray) else v for v in state["model"].values()]
+    bufs = [np.empty_like(a) for a in arrays]
+
+    def copy():
+        for b, a in zip(bufs, arrays):
+            np.copyto(b, a)
+
+    mgr.save(0, state, async_save=True)   # warm-up: the host buffers and the writer's group are made once
+    mgr.wait()
+    best, step = {}, 1
+    for _ in range(repeats):
+        for name, fn in (("host copy", copy), ("sync save (fsync)", lambda: mgr.save(step, state)),
+                         ("async save", lambda: mgr.save(step, state, async_save=True)),
+                         ("async: background write", mgr.wait)):
+            t = timed(g, fn)
+            best[name] = min(best.get(name, t), t)
+            step += name.endswith("save") or name.endswith("(fsync)")
+    mgr.release()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="state size in MiB (float32)")
@@ -131,6 +162,7 @@ def main() -> None:
                          ("axonmpi load noverify", lambda: load(ck, template, verify=False))):
             t = timed(g, fn)
             best[name] = min(best.get(name, t), t)
+    stall = stall_bench(state, base, g, args.repeats)
     for k, a in raw_out.items():  # the bench also checks what it timed
         np.testing.assert_array_equal(a, mine[k])
     for k, v in state["model"].items():
@@ -149,6 +181,12 @@ def main() -> None:
                            ("load verify=F", "raw load", "axonmpi load noverify")):
             r, a = total / best[rk] / 1e9, total / best[ak] / 1e9
             print(f"{op:<14} {r:>14.2f} {a:>13.2f} {a / r:>6.2f}x")
+        print(f"\ntraining stall of one save of the {total / 2**20:.0f} MiB state (best of {args.repeats})")
+        print(f"{'save':<26} {'stall ms':>9} {'vs host copy':>13} {'sync / this':>12}")
+        for name in ("sync save (fsync)", "host copy", "async save", "async: background write"):
+            t = stall[name]
+            print(f"{name:<26} {t * 1e3:>9.1f} {t / stall['host copy']:>12.2f}x "
+                  f"{stall['sync save (fsync)'] / t:>11.1f}x")
     g.barrier()
     if g.rank == 0 and args.dir is None:
         shutil.rmtree(base, ignore_errors=True)

@@ -9,11 +9,13 @@ from typing import Any, List, Optional, Tuple
 
 from ..distributed.collectives import all_gather_object, broadcast_object
 from .format import CheckpointError
+from .runlock import FolderInUseError
 
 __all__ = ["describe", "agree", "share", "raise_from"]
 
 _SAME_TYPE = {c.__name__: c for c in (TypeError, ValueError, KeyError, FileExistsError, FileNotFoundError,
-                                       PermissionError, NotImplementedError, CheckpointError)}
+                                       PermissionError, NotImplementedError, CheckpointError,
+                                       FolderInUseError)}
 
 Outcome = Optional[Tuple[str, str]]  # None, or (exception type name, message)
 

@@ -8,6 +8,7 @@ All exchanges are axonmpi collectives on the group (checked in debug mode).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -19,7 +20,24 @@ from .format import INDEX_NAME, CheckpointError, Entry, flatten, key_name, unfla
 from .index import read_index
 from .read import CheckpointReader, resolve_path
 
-__all__ = ["load"]
+__all__ = ["load", "LegacyChecksumWarning"]
+
+
+class LegacyChecksumWarning(UserWarning):
+    """A format-1 checkpoint was loaded: its pagesum64 block checksum misses some damage."""
+
+
+# one warning per process, whatever the path (the message names no path, so "once" matches it)
+warnings.filterwarnings("once", category=LegacyChecksumWarning)
+
+
+def _warn_format_1(manifest, path) -> None:
+    if int(manifest.attrs.get("format_version", 2)) >= 2:
+        return
+    warnings.warn(LegacyChecksumWarning(
+        f"{os.path.dirname(path) or '.'}/...: format-1 checkpoints are verified with the old axonmpi.pagesum64 checksum, which misses some damage "
+        "(a swap of two 8-byte words passes it); re-save them to get xxh3_64 checksums: "
+        "axonmpi.checkpoint.save(NEW_PATH, axonmpi.checkpoint.load(OLD_PATH))"), stacklevel=3)
 
 
 def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *, strict: bool = True,
@@ -72,6 +90,8 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
         except Exception as e:
             err = e
     real, manifest = share(g, payload, err, f"load of {path}")
+    if g.rank == 0:
+        _warn_format_1(manifest, real)
     result, err = None, None
     try:
         with CheckpointReader(real, manifest, verify=verify) as reader:
