@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import backend as _be
+from .. import trace as _trace
 from ..distributed.sharding import ShardedArray
 from .agree import agree, share
 from .format import INDEX_NAME, CheckpointError, Entry, flatten, key_name, unflatten
@@ -22,6 +23,7 @@ from .read import CheckpointReader, resolve_path
 __all__ = ["load"]
 
 
+@_trace.traced("checkpoint.load", "checkpoint")
 def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *, strict: bool = True,
          cast: bool = False, verify: bool = True) -> dict:
     """Load a checkpoint into this rank's current layout, whatever layout it was saved from.

@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional
 
 from mpi4py import MPI
 
+from .. import trace as _trace
+
 __all__ = ["Watchdog", "WatchedComm", "CALL_FIELDS", "call_site", "dump_flight_record"]
 
 SPIN_S = 2e-3          # test in a tight loop this long before sleeping between tests
@@ -116,6 +118,9 @@ class Watchdog:
              f.f_code.co_filename if f is not None else "?", f.f_lineno if f is not None else 0]
         i = self.pos
         self.ring[i % self.capacity] = e
+        tr = _trace._ACTIVE
+        if tr is not None:
+            tr.calls.append(e)
         self.pos = i + 1
         return e
 
@@ -181,13 +186,13 @@ class Watchdog:
 
     def expire(self, e, waited: float) -> None:
         """Ask every rank for its state, print one root-cause paragraph, write flight records, abort."""
+        path = self.dump()
         if self.reporter is None or self.reporter > self.rank:
             self.reporter = self.rank
         msg = pickle.dumps(("ask", self.rank))
         for r in range(self.size):
             if r != self.rank:
                 self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_ASK))
-        path = self.dump()
         end = time.monotonic() + ANSWER_S
         while len(self._answers) < self.size - 1 and time.monotonic() < end:
             time.sleep(0.01)
@@ -256,9 +261,11 @@ class Watchdog:
             d["t_start"] = d["t_start"] - now
             d["t_end"] = None if d["t_end"] is None else d["t_end"] - now
             calls.append(d)
-        with open(path, "w", encoding="utf-8") as f:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:     # renamed when complete: an abort never leaves half a file
             json.dump({"rank": self.rank, "world_size": self.size, "clock": "seconds before the dump",
                        "dumped_at": time.time(), "calls": calls}, f)
+        os.replace(tmp, path)
         return path
 
     # -- the listener thread --------------------------------------------------------------------------
@@ -277,12 +284,14 @@ class Watchdog:
 
     def _handle(self, src: int, tag: int, msg) -> None:
         if tag == _ASK:
-            if self.reporter is None or src < self.reporter:
+            first = self.reporter is None
+            if first or src < self.reporter:
                 self.reporter = src
-            try:
-                self.dump()
-            except OSError:
-                pass
+            if first:
+                try:
+                    self.dump()
+                except OSError:
+                    pass
             out = pickle.dumps(self.state())
             self._sends.append(self.comm.Isend([out, MPI.BYTE], dest=src, tag=_STATE))
         elif tag == _STATE:

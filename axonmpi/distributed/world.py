@@ -94,6 +94,8 @@ class World:
         apply_launch_defaults(self)  # one BLAS thread per rank on shared nodes; launcher/MPI mismatch
 
         self.grid = ProcessGrid(self, **sizes)
+        from ..trace import start_from_env
+        start_from_env(self.rank)
 
     @property
     def nccl_for_host_arrays(self) -> bool:
