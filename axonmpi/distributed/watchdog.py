@@ -187,6 +187,11 @@ class Watchdog:
     def expire(self, e, waited: float) -> None:
         """Ask every rank for its state, print one root-cause paragraph, write flight records, abort."""
         path = self.dump()
+        # ranks waiting on one call time out together: the lowest asks first, the others see its
+        # question during their pause and leave the report to it
+        time.sleep(0.3 * min(self.rank, 10))
+        if self.reporter is not None and self.reporter < self.rank:
+            time.sleep(ANSWER_S + 10)                # the reporting rank aborts the job meanwhile
         if self.reporter is None or self.reporter > self.rank:
             self.reporter = self.rank
         msg = pickle.dumps(("ask", self.rank))
