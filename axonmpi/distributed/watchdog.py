@@ -3,8 +3,8 @@
 [Note: how a hang is explained]
 Each group's MPI backend talks through a :class:`WatchedComm`: blocking MPI calls become their
 non-blocking twins plus :meth:`Watchdog.wait`, which tests the request in a tight loop for
-``SPIN_S`` (the fast path: a non-blocking call plus ``Test`` is as fast as the blocking call),
-then sleeps between tests with a growing pause (up to 1 ms), so a rank waiting for a late
+``SPIN_S`` (20 ms; the fast path: a non-blocking call plus ``Test`` is as fast as the blocking call),
+then sleeps between bursts of tests (0.2 ms) with a growing pause (up to 1 ms), so a rank waiting for a late
 peer uses little CPU. Each call is first written to the per-rank ring buffer (the flight
 recorder): per-group sequence number, op, group, element count, dtype, bytes, start and end
 time, and the user's file:line. When a wait passes its deadline (``AXONMPI_TIMEOUT``, default
@@ -37,7 +37,8 @@ from .. import trace as _trace
 
 __all__ = ["Watchdog", "WatchedComm", "CALL_FIELDS", "call_site", "dump_flight_record"]
 
-SPIN_S = 2e-3          # test in a tight loop this long before sleeping between tests
+SPIN_S = 20e-3         # test in a tight loop this long before sleeping between tests
+BURST_S = 2e-4         # after each pause, test this long (multi-round collectives progress only in tests)
 MAX_SLEEP_S = 1e-3     # the longest pause between two tests of a pending request
 LISTEN_S = 0.02        # how often the listener thread looks for questions
 ANSWER_S = 2.0         # how long the reporting rank waits for the others' answers
@@ -157,6 +158,7 @@ class Watchdog:
                     self.expire(e, now - t0)
             time.sleep(pause)
             pause = min(pause * 2, MAX_SLEEP_S)
+            spin_until = _clock() + BURST_S
         e[_T1] = _clock()
 
     def _blocked_by_exit(self, e) -> bool:
