@@ -61,16 +61,17 @@ def _run(code, n, env=None, timeout=60):
 
 @pytest.mark.serial
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_skipped_call_is_named_at_every_rank_count(n, tmp_path):
+def test_skipped_call_is_named_at_every_rank_count(n, tmp_path, capsys):
     r, took = _run(SKIP_IN_LOOP, n, {"AXONMPI_FLIGHT_DIR": str(tmp_path)})
     assert r.returncode != 0
     assert "[axonmpi] watchdog:" in r.stderr
     assert "Behind: rank 1: its last completed call on world was all_reduce #4" in r.stderr
     assert "<string>:7" in r.stderr and "has exited" in r.stderr
     assert took < 20
-    out = subprocess.run([sys.executable, "-m", "axonmpi", "trace", "analyze", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
-    assert "first divergence at call #5" in out.stdout and "ranks [1]: never made it" in out.stdout
+    from axonmpi.cli import main
+    assert main(["trace", "analyze", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "first divergence at call #5" in out and "ranks [1]: never made it" in out
 
 
 @pytest.mark.serial
@@ -82,7 +83,7 @@ def test_hang_in_user_code_is_reported_after_the_timeout(n, tmp_path):
     assert f"Behind: rank {late}: its last completed call on world was all_reduce #0 on world at <string>:4" \
         in r.stderr
     assert "it is in no axonmpi call (computing, or stuck in user code)" in r.stderr
-    assert r.stderr.count("[axonmpi] watchdog:") == 1          # one root-cause paragraph
+    assert len(set(re.findall(r"\[axonmpi\] watchdog: rank (\d+)", r.stderr))) == 1   # one rank reports
     assert 3 <= took < 25
     for k in range(n):                                           # every rank that can run wrote its record
         rec = json.loads((tmp_path / f"flight_rank{k}.json").read_text())

@@ -86,8 +86,8 @@ def check_collective(group, name: str, **fields: Any) -> None:
     import os
     from .watchdog import call_site
     file, line = call_site()
-    desc = f"{_describe(name, fields)} call #{group._debug_seq} at {os.path.basename(file)}:{line}"
-    _exchange(group, desc, desc)
+    desc = _describe(name, fields)
+    _exchange(group, f"{desc} call #{group._debug_seq} at {os.path.basename(file)}:{line}", desc)
 
 
 def check_same_object(group, obj: Any, what: str) -> None:
