@@ -20,6 +20,7 @@ SIGUSR1 120 s ahead) makes every rank stop at the next step boundary, save, and 
 on which the job templates requeue the job; the requeued job's --auto-resume continues.
 """
 import argparse
+import atexit
 import json
 import math
 import os
@@ -130,6 +131,9 @@ def parse_args(argv=None):
                    help="one JSON line per step (step, loss, grad_norm, lr, tokens_per_s, and loss_scale "
                         "with --mixed-precision fp16); rank 0 writes. A fresh run starts the file anew; a resumed "
                         "one keeps the rows up to the resumed step and appends")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="write a Chrome/Perfetto timeline per rank to DIR/trace_rank<r>.json (collectives, forward, "
+                        "backward, FSDP, pipeline, checkpoints); merge with `axonmpi trace merge DIR`")
     args = axonmpi.log.rank0_parser(p).parse_args(argv)
     for name in ("steps", "global_batch", "log_every", "keep_last"):
         if getattr(args, name) < 1:
@@ -317,6 +321,9 @@ def main(argv=None):
             axonmpi.log.exit0(f"impossible layout: {e}")
     grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
+    if args.trace and axonmpi.trace.active() is None:
+        axonmpi.trace.start(args.trace, world.rank)     # written when the run ends (or fails)
+        atexit.register(axonmpi.trace.stop)
     pure_dp = grid.G_data == world.world_size
     why = fsdp_refusal(Layout.from_grid(grid), args.tp_style, args.activation_checkpointing)
     if args.fsdp != "none" and why:

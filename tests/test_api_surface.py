@@ -14,6 +14,8 @@ import math
 import pkgutil
 import types
 
+import os
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,14 @@ X, W, IDX = _x(2, 3), _x(4, 3, seed=1), np.array([[0, 3], [1, 1]])
 M = np.array([[True, False, True], [False, False, True]])
 
 # "namespace.name" -> a small call; truthy or an exception-free run is success
+def _profile():
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        with axonmpi.profile(d) as tr:
+            axonmpi.all_reduce(np.ones(2))
+        return os.path.exists(os.path.join(d, f"trace_rank{tr.rank}.json"))
+
+
 EXAMPLES = {
     # ---- axonmpi ---------------------------------------------------------------------------
     "axonmpi.DDP": _ddp,
@@ -185,6 +195,7 @@ EXAMPLES = {
     "axonmpi.ones": lambda: axonmpi.ones(2).tolist() == [1.0, 1.0],
     "axonmpi.ones_like": lambda: axonmpi.ones_like(X).shape == X.shape,
     "axonmpi.print0": lambda: axonmpi.print0("api surface check") is None,
+    "axonmpi.profile": _profile,
     "axonmpi.print_rank": lambda: axonmpi.print_rank("api surface check") is None,
     "axonmpi.rand": lambda: axonmpi.rand(3).shape == (3,),
     "axonmpi.randn": lambda: axonmpi.randn(2, 2).shape == (2, 2),

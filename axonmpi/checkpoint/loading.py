@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import backend as _be
+from .. import trace as _trace
 from ..distributed.sharding import ShardedArray
 from .agree import agree, share
 from .format import INDEX_NAME, CheckpointError, Entry, flatten, key_name, unflatten
@@ -40,6 +41,7 @@ def _warn_format_1(manifest, path) -> None:
         "axonmpi.checkpoint.save(NEW_PATH, axonmpi.checkpoint.load(OLD_PATH))"), stacklevel=3)
 
 
+@_trace.traced("checkpoint.load", "checkpoint")
 def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *, strict: bool = True,
          cast: bool = False, verify: bool = True) -> dict:
     """Load a checkpoint into this rank's current layout, whatever layout it was saved from.

@@ -7,6 +7,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
+from .. import trace as _trace
+
 from ..autograd.function import RemovableHandle
 from ..autograd.tensor import Tensor
 from ..backend import Device, as_device, get_array_module, to_device, to_host
@@ -124,7 +126,13 @@ class Module:
                 r = hook(self, args)
                 if r is not None:
                     args = r if isinstance(r, tuple) else (r,)
-        out = self.forward(*args, **kwargs)
+        tr = _trace._ACTIVE
+        if tr is None:
+            out = self.forward(*args, **kwargs)
+        else:                                   # a timeline runs (axonmpi.profile / AXONMPI_TRACE)
+            t0 = _trace._clock()
+            out = self.forward(*args, **kwargs)
+            tr.events.append((type(self).__name__ + ".forward", "forward", t0, _trace._clock(), {}))
         if self._forward_hooks:
             for hook in list(self._forward_hooks.values()):
                 r = hook(self, args, out)

@@ -154,6 +154,18 @@ class _Then:
         return False
 
 
+def _watched(group):
+    """The group's communicator as the backend uses it: through the World's watchdog (deadlines,
+    backoff, flight recorder; one :class:`WatchedComm` per group) unless that is off."""
+    wd = getattr(group.world, "watchdog", None)
+    if wd is None:
+        return group.comm
+    if group._watched is None:
+        from ..watchdog import WatchedComm
+        group._watched = WatchedComm(group, wd)
+    return group._watched
+
+
 class MPIBackend(Backend):
     """The Backend contract over ``group.comm`` with mpi4py's buffer (upper-case) methods.
 
@@ -167,7 +179,7 @@ class MPIBackend(Backend):
 
     def __init__(self, group) -> None:
         super().__init__(group)
-        self.comm = group.comm
+        self.comm = _watched(group)
         self.rank = group.rank
         self.size = group.size
         self._ops = {}  # (ReduceOp value, dtype.num) -> MPI.Op, for pairs that reduce natively

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ... import trace as _trace
 from ...autograd.grad_mode import enable_grad, no_grad
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
@@ -566,6 +567,9 @@ class _Executor:
                 with enable_grad() if self.train else no_grad():
                     (self._forward if kind is ActionKind.FORWARD else self._backward)(a)
                 spent[kind] += time.perf_counter() - t0
+                if _trace._ACTIVE is not None:
+                    _trace._ACTIVE.events.append((f"pipeline {a}", "pipeline", t0, time.perf_counter(),
+                                                  {"stage": a.stage, "microbatch": a.microbatch}))
                 count[kind] += 1
         for w in self.sends:
             w.wait()
