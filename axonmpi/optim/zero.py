@@ -10,6 +10,15 @@ its state covers only that chunk. ``step()`` copies the (already averaged, e.g. 
 gradients of the chunk into the chunk's gradient, steps the wrapped optimizer, then
 all-gathers every rank's updated chunk straight into the padded buffer (chunk ``i`` in slot
 ``i``) and compacts it in place: one collective per buffer, no per-parameter broadcast.
+
+[Note: ZeRO-1 and None gradients]
+torch's optimizers skip a parameter whose ``.grad`` is None: no update, no weight decay, no
+state change, no step count.  A chunk here may mix such parameters with others, and the wrapped
+optimizer steps the chunk as one tensor, so ``step()`` copies the data and per-element state
+(momentum, exp_avg ...) of the segments without a gradient before the wrapped step and puts
+them back after it.  That is exact as long as such a parameter never gets a gradient again, or
+the state has no per-tensor counter (SGD without dampening).  Otherwise (Adam's ``step``, its
+bias correction would be off) the step raises, naming the parameter and the fix.
 """
 from __future__ import annotations
 
@@ -51,10 +60,13 @@ class _Bucket:
         self.send[:self.hi - self.lo] = self.buffer[self.lo:self.hi]
         self.shard = Parameter(self.send[:self.hi - self.lo])
         self.segments = self.layout.segments(self.lo, self.hi, [str(i) for i in range(len(params))])
+        self.missing: List[Any] = []       # segments whose parameter has no gradient this step
+        self.skipped: Dict[int, int] = {}  # parameter -> steps of this chunk it sat out
 
     def gather_grad(self) -> None:
-        """This chunk's gradient from the parameters' gradients (``None`` counts as zero)."""
-        if all(self.params[s.index].grad is None for s in self.segments):
+        """This chunk's gradient from the parameters' gradients (see [Note: ZeRO-1 and None gradients])."""
+        self.missing = [s for s in self.segments if self.params[s.index].grad is None]
+        if len(self.missing) == len(self.segments):
             self.shard.grad = None
             return
         xp = get_array_module(self.send)
@@ -64,6 +76,44 @@ class _Bucket:
             if pg is not None:
                 g[s.offset:s.offset + s.param_stop - s.param_start] = pg.data.reshape(-1)[s.param_start:s.param_stop]
         self.shard.grad = Tensor(g)
+
+    def hold_missing(self, optim):
+        """Copies of this chunk's data and per-element state where the parameter has no gradient."""
+        if self.shard.grad is None or not self.missing:
+            return None
+        st = optim.state.get(self.shard, {})
+        held = []
+        for s in self.missing:
+            a, n = s.offset, s.param_stop - s.param_start
+            arrays = {k: v[a:a + n].copy() for k, v in st.items() if getattr(v, "ndim", 0) > 0}
+            held.append((a, n, self.shard.data[a:a + n].copy(), arrays))
+        return held
+
+    def restore_missing(self, optim, held, options, rank: int) -> None:
+        """Undo the wrapped step on the held segments: no update, no state change, as torch skips them."""
+        if self.shard.grad is None:
+            return
+        st = optim.state.get(self.shard, {})
+        scalar = sorted(k for k, v in st.items() if getattr(v, "ndim", 0) == 0)
+        # SGD starts a momentum buffer at the first gradient (buf = g); from a zero buffer that
+        # is (1 - dampening) * g, equal only without dampening
+        damped = bool(options.get("momentum", 0)) and bool(options.get("dampening", 0))
+        lagging = [s for s in self.segments if self.skipped.get(s.index, 0) and s not in self.missing]
+        if lagging and (scalar or damped):
+            i = self.indices[lagging[0].index]
+            raise RuntimeError(
+                f"rank {rank}: ZeroRedundancyOptimizer: parameter {i} gets a gradient again after "
+                f"{self.skipped[lagging[0].index]} step(s) without one, but it shares this rank's chunk with "
+                f"parameters that stepped, so its optimizer state {scalar or ['momentum_buffer']} cannot match "
+                "the wrapped optimizer's (which skips it per parameter); put each parameter that may miss "
+                "gradients in its own param group, or give it a zero gradient on purpose")
+        for a, n, data, arrays in held or ():
+            self.shard.data[a:a + n] = data
+            for k, v in st.items():
+                if getattr(v, "ndim", 0) > 0:
+                    v[a:a + n] = arrays[k] if k in arrays else 0
+        for s in self.missing:
+            self.skipped[s.index] = self.skipped.get(s.index, 0) + 1
 
     def all_gather_params(self, grp) -> None:
         if self.shard.data is not self.send[:self.hi - self.lo] and self.shard.data.base is not self.send:
@@ -143,7 +193,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._sync_options()
         for b in self.buckets:
             b.gather_grad()
+        rank = self.process_group.world.rank
+        held = [b.hold_missing(self.optim) for b in self.buckets]
         self.optim.step()
+        for b, h, options in zip(self.buckets, held, self.optim.param_groups):
+            b.restore_missing(self.optim, h, options, rank)
         with no_grad():
             for b in self.buckets:
                 b.all_gather_params(self.process_group)
