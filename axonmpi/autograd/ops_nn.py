@@ -475,7 +475,9 @@ class CrossEntropy(Function):
         if reduction == "sum":
             return total
         ctx.count = wt.sum()
-        return total / ctx.count  # 0/0 = NaN when every target is ignored, as in torch
+        if not bool(ctx.count):  # every target ignored: NaN, as torch's 0/0 (without NumPy's warning)
+            return xp.full((), xp.nan, dtype=total.dtype)
+        return total / ctx.count
 
     @staticmethod
     def backward(ctx, g):
