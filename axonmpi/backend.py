@@ -68,6 +68,8 @@ def get_array_module(*arrays: Any):
     Arguments may also be objects with a ``.data`` array attribute (e.g. ``axonmpi.Tensor``).
     """
     for a in arrays:
+        if isinstance(a, np.ndarray):  # its .data is a memoryview, which ml_dtypes' bfloat16 refuses
+            continue
         if is_cupy_array(a):
             return get_cupy()
         inner = getattr(a, "data", None)
