@@ -62,6 +62,11 @@ def is_cupy_array(a: Any) -> bool:
     return mod.startswith("cupy")
 
 
+def is_floating(dtype) -> bool:
+    """True for float and complex dtypes, and ml_dtypes' bfloat16 (whose NumPy kind is "V")."""
+    return dtype.kind in "fc" or dtype.name == "bfloat16"
+
+
 def get_array_module(*arrays: Any):
     """Return ``cupy`` if any argument is a CuPy array, else ``numpy`` (Chainer's convention).
 

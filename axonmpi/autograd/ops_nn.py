@@ -360,7 +360,7 @@ class Dropout(Function):
         from ..random import generator_for
 
         xp = get_array_module(x)
-        dtype = x.dtype if x.dtype.kind == "f" else np.dtype(np.float32)
+        dtype = x.dtype if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else np.dtype(np.float32)
         keep = generator_for(xp).random(x.shape, dtype=np.float32 if dtype.itemsize <= 4 else np.float64) >= p
         mask = keep.astype(dtype)
         mask *= 1.0 / (1.0 - p)
