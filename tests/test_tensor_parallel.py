@@ -307,3 +307,34 @@ def test_attention_dropout_matches_serial_masks_under_a_fixed_seed():
         grads = full_state_dict(att, grads=True)
         for k, v in ref.named_parameters():
             _close(grads[k], v.grad)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_vocab_parallel_embedding_padding_idx_and_parallelize_gpt_keeps_it():
+    """Issue 21: parallelize_gpt dropped padding_idx, so the padding row got gradients (rel. error 1.05)."""
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.parallel.tensor import parallelize_gpt
+    for g in _groups():
+        V, D = 4 * g.size, 3
+        pad = V - 2                                    # owned by the group's last rank
+        axonmpi.random.manual_seed(3)
+        ref = nn.Embedding(V, D, padding_idx=pad, dtype="float64")
+        emb = VocabParallelEmbedding(V, D, group=g, dtype="float64", padding_idx=pad)
+        assert emb.padding_idx == pad and emb.state_dict(full=True)["weight"][pad].tolist() == [0.0] * D
+        emb.load_state_dict(ref.state_dict())
+        ids = np.array([[pad, 0, pad, V - 1], [1, pad, 2, 0]])
+        G = _rng(12).standard_normal((2, 4, D))
+        ref(ids).backward(Tensor(G))
+        emb(ids).backward(Tensor(G.copy()))
+        full = ref.weight.grad.data
+        assert not full[pad].any()
+        _close(emb.weight.grad, full[_sl(V, g)], 1e-12)
+        cfg = GPTConfig(vocab_size=V, block_size=4, n_layer=1, n_head=g.size, n_embd=2 * g.size)
+        model = GPT(cfg, dtype="float64")
+        model.wte = nn.Embedding(V, 2 * g.size, padding_idx=pad, dtype="float64")
+        parallelize_gpt(model, group=g)
+        assert model.wte.padding_idx == pad
+        _, loss = model(ids, ids[:, ::-1].copy())
+        loss.backward()
+        if g.rank == g.size - 1:                       # the owner: no gradient in the padding row
+            assert not model.wte.weight.grad.data[pad - model.wte.vocab_start].any()

@@ -185,7 +185,9 @@ class VocabParallelEmbedding(_AxisSharded):
     """An embedding table (num_embeddings, embedding_dim) split by rows (vocabulary) over ``group``.
 
     Rank ``r`` owns ids ``[r*V/p, (r+1)*V/p)``; ids elsewhere give zero rows there, and the
-    all-reduce over the group completes every lookup.
+    all-reduce over the group completes every lookup.  ``padding_idx`` (a global id) is as in
+    :class:`~axonmpi.nn.Embedding`: its row starts at zero and receives no gradient on the rank
+    that owns it.
 
     Example:
         >>> emb = VocabParallelEmbedding(1000, 64, group=tp)
@@ -193,13 +195,23 @@ class VocabParallelEmbedding(_AxisSharded):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Optional[ProcessGroup] = None,
-                 init_method: Optional[Callable] = None, dtype=None):
+                 init_method: Optional[Callable] = None, dtype=None, padding_idx: Optional[int] = None):
         super().__init__()
         self.group = one_d_group(group)
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= int(padding_idx) < self.num_embeddings:
+                raise ValueError(f"rank {self.group.world.rank}: VocabParallelEmbedding padding_idx={padding_idx} "
+                                 f"must be within [-{self.num_embeddings}, {self.num_embeddings})")
+            padding_idx = int(padding_idx) % self.num_embeddings
+        self.padding_idx = padding_idx
         local = divide(self.num_embeddings, self.group, "num_embeddings")
         self.vocab_start, self.vocab_end = self.group.rank * local, (self.group.rank + 1) * local
+        owned = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self._local_padding = padding_idx - self.vocab_start if owned else None
         full = init_full((self.num_embeddings, self.embedding_dim), dtype, init_method or init.normal_, [self.group])
+        if padding_idx is not None:
+            full[padding_idx] = 0
         self.weight = Parameter(axis_shard(full, 0, self.group))
         _tag(self.weight, self.group)
         self._tp_axes = {"weight": (0, (self.num_embeddings, self.embedding_dim))}
@@ -209,11 +221,11 @@ class VocabParallelEmbedding(_AxisSharded):
         if idx.dtype.kind not in "iu":
             raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
         if self.group.size == 1:
-            return ops_nn.embedding(idx, self.weight)
+            return ops_nn.embedding(idx, self.weight, self.padding_idx)
         xp = get_array_module(idx)
         keep = (idx >= self.vocab_start) & (idx < self.vocab_end)
         local = xp.where(keep, idx - self.vocab_start, 0)
-        h = _MaskRows.apply(ops_nn.embedding(local, self.weight), keep)
+        h = _MaskRows.apply(ops_nn.embedding(local, self.weight, self._local_padding), keep)
         return reduce_from_tensor_parallel_region(h, self.group)
 
     def extra_repr(self) -> str:
