@@ -471,10 +471,13 @@ class CrossEntropy(Function):
         ctx.reduction, ctx.lshape, ctx.eps = reduction, logits.shape, eps
         if reduction == "none":
             return loss.reshape(target.shape)
-        total = loss.sum()
+        # 16-bit logits: sum and divide in float32 (as torch's autocast runs this loss), so that
+        # neither the sum nor a loss scale (GradScaler: 2**16 * loss) overflows float16
+        acc = np.float32 if x.dtype.itemsize < 4 else x.dtype
+        total = loss.sum(dtype=acc)
         if reduction == "sum":
             return total
-        ctx.count = wt.sum()
+        ctx.count = wt.sum(dtype=acc)
         if not bool(ctx.count):  # every target ignored: NaN, as torch's 0/0 (without NumPy's warning)
             return xp.full((), xp.nan, dtype=total.dtype)
         return total / ctx.count
