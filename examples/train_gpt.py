@@ -95,8 +95,11 @@ def parse_args(argv=None):
                    help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
     g.add_argument("--cpu-offload", action="store_true",
                    help="with --fsdp: keep the parameter shards, gradients and optimizer state on the host")
-    g.add_argument("--mixed-precision", choices=["none", "fp16"], default="none",
-                   help="with --fsdp: compute in float16, reduce gradients in float32, dynamic loss scaling")
+    g.add_argument("--mixed-precision", choices=["none", "fp16", "bf16"], default="none",
+                   help="fp16 (with --fsdp): compute in float16, reduce gradients in float32, dynamic loss "
+                        "scaling; bf16: compute in bfloat16 (ml_dtypes), reduce gradients in float32, no "
+                        "scaling, float32 master weights; with --fsdp none it runs data parallel as FSDP "
+                        "no_shard (every rank holds every parameter, gradients all-reduced: DDP)")
     g.add_argument("--init-loss-scale", type=float, default=2.0 ** 16,
                    help="with --mixed-precision fp16: the loss scaler's first scale")
     g.add_argument("--loss-scale-growth-interval", type=int, default=2000,
@@ -140,11 +143,18 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hybrid_shard_size is not None and args.fsdp != "hybrid_shard":
         p.error(f"--hybrid-shard-size {args.hybrid_shard_size} needs --fsdp hybrid_shard, got --fsdp {args.fsdp}")
-    if args.fsdp == "none" and (args.cpu_offload or args.mixed_precision != "none"):
+    if args.fsdp == "none" and (args.cpu_offload or args.mixed_precision == "fp16"):
         p.error("--cpu-offload and --mixed-precision fp16 need --fsdp shard_grad_op|full_shard|hybrid_shard")
     if args.overwrite and (args.resume or args.auto_resume):
         p.error("--overwrite starts fresh; it cannot be combined with --resume/--auto-resume")
     return args
+
+
+def _mixed_precision(mode: str):
+    """FSDP's MixedPrecision for --mixed-precision: compute in 16 bits, reduce gradients in float32."""
+    if mode == "none":
+        return None
+    return MixedPrecision(param_dtype=np.float16 if mode == "fp16" else "bfloat16", reduce_dtype=np.float32)
 
 
 def config_mismatch(saved: dict, args) -> list:
@@ -359,10 +369,10 @@ def main(argv=None):
     try:
         hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule,
                         num_microbatches=args.microbatches, activation_checkpointing=args.activation_checkpointing,
-                        dtype=dtype, global_batch=args.global_batch, fsdp=args.fsdp,
+                        dtype=dtype, global_batch=args.global_batch,
+                        fsdp="no_shard" if args.mixed_precision == "bf16" and args.fsdp == "none" else args.fsdp,
                         cpu_offload="full" if args.cpu_offload else None,
-                        mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
-                                         if args.mixed_precision == "fp16" else None),
+                        mixed_precision=_mixed_precision(args.mixed_precision),
                         hybrid_shard_size=args.hybrid_shard_size)
     except NotImplementedError as e:     # a combination not built, found the same way on every rank
         axonmpi.log.exit0(str(e))

@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import backend
 from ..backend import Device, as_device, device_of, get_array_module, to_device, to_host
+from ..backend import is_floating as _is_floating
 
 __all__ = [
     "Tensor",
@@ -101,7 +102,7 @@ class Tensor:
         t._out_idx = idx
         t._hooks = None
         t._post_hooks = None
-        if arr.dtype.kind in "fc":
+        if _is_floating(arr.dtype):
             t.grad_fn = fn
             t._rg = True
         else:
@@ -119,7 +120,7 @@ class Tensor:
     def requires_grad(self, flag: bool) -> None:
         if self.grad_fn is not None and not flag:
             raise RuntimeError("requires_grad can only be changed on leaf tensors; use .detach()")
-        if flag and self.data.dtype.kind not in "fc":
+        if flag and not _is_floating(self.data.dtype):
             raise TypeError(f"only floating-point tensors can require grad, got dtype {self.data.dtype}")
         self._rg = bool(flag)
 

@@ -11,7 +11,7 @@ from .. import trace as _trace
 
 from ..autograd.function import RemovableHandle
 from ..autograd.tensor import Tensor
-from ..backend import Device, as_device, get_array_module, to_device, to_host
+from ..backend import Device, as_device, get_array_module, is_floating, to_device, to_host
 from .parameter import Parameter
 
 __all__ = ["IncompatibleKeys", "Module", "ModuleDict", "ModuleList", "Sequential"]
@@ -321,7 +321,7 @@ class Module:
             self._apply_arrays(lambda a: to_device(a, dev))
         if dtype is not None:
             dt = np.dtype(dtype)
-            self._apply_arrays(lambda a: a.astype(dt) if a.dtype.kind == "f" else a)
+            self._apply_arrays(lambda a: a.astype(dt) if is_floating(a.dtype) and a.dtype.kind != "c" else a)
         return self
 
     def cpu(self) -> "Module":

@@ -117,10 +117,20 @@ def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] =
 
         op = ReduceOp.MAX if inf else ReduceOp.SUM
         for g, grads in sharded:
-            part = np.array([float(_partial_norm(grads, p)) if grads else 0.0])
-            reduced = float(all_reduce(part, op, g)[0])
-            total = max(total, reduced) if inf else total + reduced
+            value = float(_partial_norm(grads, p)) if grads else 0.0
+            if inf:  # MPI's MAX drops a NaN (as Python's max does): send "is NaN" beside the value
+                nan = math.isnan(value)
+                part = all_reduce(np.array([0.0 if nan else value, float(nan)]), op, g)
+                reduced = math.nan if part[1] > 0 else float(part[0])
+                total = _nan_max(total, reduced)
+            else:
+                total += float(all_reduce(np.array([value]), op, g)[0])
     return total if inf else total ** (1.0 / p)
+
+
+def _nan_max(a: float, b: float) -> float:
+    """``max`` that propagates NaN from either side (Python's drops it from the second)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,

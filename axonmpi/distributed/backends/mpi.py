@@ -186,9 +186,13 @@ class MPIBackend(Backend):
 
     # -- helpers -----------------------------------------------------------------------------
     def _mop(self, op, dtype):
-        """The MPI.Op for ``op`` on ``dtype``, or None for float16 without an MPI half type."""
+        """The MPI.Op for ``op`` on ``dtype``, or None to reduce in float32: bfloat16 (no MPI type),
+        float16 MEAN (a float16 SUM of two 65504s is inf before the division) and float16
+        without an MPI half type."""
         mop = self._ops.get((op._value_, dtype.num))
         if mop is None:
+            if dtype.name == "bfloat16" or (dtype == _HALF and op is _MEAN):
+                return None
             mop = mpi_op(op, dtype, self.rank)
             if dtype == _HALF and not mpi_has_float16():
                 return None
