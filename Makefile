@@ -14,11 +14,12 @@ export PYTHONUNBUFFERED := 1
 # a new demo replaces the last demo's checkpoints; DEMO_ARGS="--resume --steps 600" continues them
 DEMO_FRESH := $(if $(findstring resume,$(DEMO_ARGS)),,--overwrite)
 
-.PHONY: install test test-gpu demo bench clean help
+.PHONY: install test test-interop test-gpu demo bench clean help
 
 help:
 	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on RANKS=$(RANKS) local ranks"
 	@echo "make test   - install and run the suite under mpiexec -n N for N in $(NPS)"
+	@echo "make test-interop - install torch (CPU) and transformers into $(VENV), then run the tests against them"
 	@echo "make test-gpu - run every @pytest.mark.gpu test in tests/ at 1..number-of-GPUs ranks (NCCL, CuPy; skipped without a GPU)"
 	@echo "make bench  - run the benchmarks in bench/ beside the anchors in ../shared/anchors"
 
@@ -38,6 +39,16 @@ test: install
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
 	done; echo "=== all passes green: $(NPS) rank(s) ==="
+
+INTEROP_TESTS ?= tests/test_gpt2_interop.py tests/test_safetensors.py tests/test_torch_surface.py
+
+test-interop: install
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 transformers
+	@set -e; for n in $(NPS); do \
+	  echo "=== interop tests (torch, transformers, safetensors) on $$n rank(s) ==="; \
+	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider \
+	    $(PYTEST_ARGS) $(INTEROP_TESTS); \
+	done
 
 test-gpu: install
 	@rm -rf .test-logs; ngpus=$$($(PY) -c "from axonmpi.backend import device_count; print(device_count())"); \

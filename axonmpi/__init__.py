@@ -21,6 +21,8 @@ from .distributed import (
 from .distributed import GridCoords, ProcessGrid, get_grid
 from .distributed import P2POp, batch_isend_irecv
 from . import random
+from . import trace
+from .trace import profile
 from .random import manual_seed
 from . import autograd
 from .autograd import (

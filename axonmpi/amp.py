@@ -82,18 +82,27 @@ class GradScaler:
         st = self._per_opt.setdefault(id(optimizer), {"unscaled": False, "found_inf": None})
         if st["unscaled"]:
             raise RuntimeError("GradScaler.unscale_() was already called on this optimizer since the last update()")
+        group = resolve_group(self._group)
+        grads = [p.grad.data for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        for a in grads:
+            if a.dtype == np.float16:
+                # torch: "Attempting to unscale FP16 gradients."  1/scale in float16 rounds (to 0
+                # from scale 2**25 on), so the gradients would be silently wrong.
+                raise ValueError(f"rank {group.rank}: GradScaler.unscale_ got a float16 gradient (shape "
+                                 f"{tuple(a.shape)}); keep float32 master parameters and compute in "
+                                 "float16 (FSDP/DDP mixed_precision, or cast the model to float32), as "
+                                 "torch.amp.GradScaler requires")
         inv = 1.0 / self._scale
         bad = 0.0
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                a = p.grad.data
-                xp = get_array_module(a)
+        for a in grads:
+            xp = get_array_module(a)
+            if a.dtype.itemsize < 4:  # bfloat16: unscale in float32, round once
+                a[...] = (a.astype(np.float32) * np.float32(inv)).astype(a.dtype)
+            else:
                 a *= np.asarray(inv, a.dtype)
-                if a.size and not bool(xp.isfinite(a).all()):
-                    bad = 1.0
-        found = all_reduce(np.array(bad), ReduceOp.MAX, resolve_group(self._group))
+            if a.size and not bool(xp.isfinite(a).all()):
+                bad = 1.0
+        found = all_reduce(np.array(bad), ReduceOp.MAX, group)
         st["unscaled"] = True
         st["found_inf"] = bool(found > 0)
 

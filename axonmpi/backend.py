@@ -62,12 +62,19 @@ def is_cupy_array(a: Any) -> bool:
     return mod.startswith("cupy")
 
 
+def is_floating(dtype) -> bool:
+    """True for float and complex dtypes, and ml_dtypes' bfloat16 (whose NumPy kind is "V")."""
+    return dtype.kind in "fc" or dtype.name == "bfloat16"
+
+
 def get_array_module(*arrays: Any):
     """Return ``cupy`` if any argument is a CuPy array, else ``numpy`` (Chainer's convention).
 
     Arguments may also be objects with a ``.data`` array attribute (e.g. ``axonmpi.Tensor``).
     """
     for a in arrays:
+        if isinstance(a, np.ndarray):  # its .data is a memoryview, which ml_dtypes' bfloat16 refuses
+            continue
         if is_cupy_array(a):
             return get_cupy()
         inner = getattr(a, "data", None)

@@ -188,6 +188,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from axonmpi import trace
+    if args.trace_command == "analyze":
+        print(trace.analyze(args.dir))
+    else:
+        print(f"wrote {trace.merge(args.dir, args.output)} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -248,6 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")
     sp.add_argument("-o", "--output", default="metrics.png", help="the PNG to write")
     sp.set_defaults(func=_cmd_plot)
+    sp = sub.add_parser("trace", help="flight records and timelines: analyze DIR (first divergence), merge DIR")
+    tsub = sp.add_subparsers(dest="trace_command", required=True, metavar="{analyze,merge}")
+    t = tsub.add_parser("analyze", help="read DIR/flight_rank*.json and name the first call where ranks diverge")
+    t.add_argument("dir")
+    t.set_defaults(func=_cmd_trace)
+    t = tsub.add_parser("merge", help="merge DIR/trace_rank*.json into one timeline DIR/trace.json")
+    t.add_argument("dir")
+    t.add_argument("-o", "--output", default=None, help="the merged file (default DIR/trace.json)")
+    t.set_defaults(func=_cmd_trace)
     from axonmpi.checkpoint import cli as ckpt_cli
     ckpt_cli.add_subparser(sub)
     return p

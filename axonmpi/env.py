@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-__all__ = ["EnvVar", "VARIABLES", "EnvError", "get_bool", "get_tribool", "get_float", "get_log_level", "get",
+__all__ = ["EnvVar", "VARIABLES", "EnvError", "get_bool", "get_tribool", "get_float", "get_log_level", "get_str", "get",
            "describe"]
 
 _TRUE = ("1", "true", "yes", "on")
@@ -31,6 +31,16 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "check before each collective that all ranks call it with the same shapes and dtypes"),
     EnvVar("AXONMPI_DEBUG_TIMEOUT", "float", "300",
            "seconds (> 0) before a collective some ranks never reach is reported (debug mode)"),
+    EnvVar("AXONMPI_TIMEOUT", "float", "600",
+           "seconds (> 0) any collective or point-to-point wait may last before the watchdog ends the job "
+           "with a root-cause report (init(timeout=) sets it too)"),
+    EnvVar("AXONMPI_WATCHDOG", "bool", "1",
+           "0 turns the watchdog and the flight recorder off (blocking MPI calls, no deadline, no record)"),
+    EnvVar("AXONMPI_FLIGHT_RECORDER_SIZE", "float", "2000", "calls kept per rank in the flight recorder's ring buffer"),
+    EnvVar("AXONMPI_FLIGHT_DIR", "str", "axonmpi-flight",
+           "folder the flight records (flight_rank<r>.json) are written to when the watchdog fires"),
+    EnvVar("AXONMPI_TRACE", "str", "",
+           "a folder: write a Chrome/Perfetto timeline per rank there (trace_rank<r>.json); empty: no trace"),
     EnvVar("AXONMPI_LOG_LEVEL", "level", "INFO", "level of axonmpi loggers: " + ", ".join(_LOG_LEVELS)),
     EnvVar("AXONMPI_DISABLE_CUPY", "bool", "0", "use NumPy even where CuPy and a GPU are present"),
     EnvVar("AXONMPI_CUDA_AWARE", "tribool", "auto",
@@ -100,6 +110,12 @@ def get_float(name: str, *, positive: bool = True) -> float:
     return x
 
 
+def get_str(name: str) -> str:
+    """The stripped string value (the default when unset)."""
+    v = _raw(name)
+    return VARIABLES[name].default if v is None else v
+
+
 def get_log_level(name: str = "AXONMPI_LOG_LEVEL") -> str:
     """The upper-cased level name; unknown names raise :class:`EnvError` listing the valid ones."""
     v = _raw(name)
@@ -110,7 +126,7 @@ def get_log_level(name: str = "AXONMPI_LOG_LEVEL") -> str:
 
 
 _READERS: Dict[str, Callable[[str], object]] = {"bool": get_bool, "tribool": get_tribool, "float": get_float,
-                                                 "level": get_log_level}
+                                                 "level": get_log_level, "str": get_str}
 
 
 def get(name: str):

@@ -20,6 +20,13 @@ data is handed back); "load verify=F" skips the comparison. The target for the v
 replicated: every plain array's xxh3_64 digest, computed in the save's plan (the digests travel
 with the plan in the one collective the save already does). It is timed on this state (biases
 and norms plain) and on the worst case, a state whose every array is plain (a DDP checkpoint).
+
+A second table is the training stall of a save, as ``CheckpointManager.save`` sees it: the time
+until the call returns (the slowest rank). "sync" is the default durable save; "async" is
+``async_save=True`` (copy into reused host buffers, write in a background thread), timed after one
+warm-up save (which allocates the buffers); "host copy" is ``np.copyto`` of the same arrays into
+preallocated buffers, the floor of any async save; "background write" is the ``wait()`` that follows.
+Goals: async stall <= 1.2x the host copy, and >= 5x below the sync stall.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import axonmpi  # noqa: E402
-from axonmpi.checkpoint import ShardedArray, load, save  # noqa: E402
+from axonmpi.checkpoint import CheckpointManager, ShardedArray, load, save  # noqa: E402
 
 
 def model_state(mib: int, group) -> dict:
@@ -100,6 +107,30 @@ def timed(group, fn) -> float:
     return axonmpi.all_reduce(np.array(time.perf_counter() - t), op="max", group=group).item()
 
 
+def stall_bench(state: dict, base: str, g, repeats: int) -> dict:
+    """Best stall (slowest rank) of a sync save, an async save, its background write, and a bare host copy."""
+    mgr = CheckpointManager(os.path.join(base, "managed"), keep_last=1, group=g)
+    arrays = [v.local if isinstance(v, ShardedArray) else v for v in state["model"].values()]
+    bufs = [np.empty_like(a) for a in arrays]
+
+    def copy():
+        for b, a in zip(bufs, arrays):
+            np.copyto(b, a)
+
+    mgr.save(0, state, async_save=True)   # warm-up: the host buffers and the writer's group are made once
+    mgr.wait()
+    best, step = {}, 1
+    for _ in range(repeats):
+        for name, fn in (("host copy", copy), ("sync save (fsync)", lambda: mgr.save(step, state)),
+                         ("async save", lambda: mgr.save(step, state, async_save=True)),
+                         ("async: background write", mgr.wait)):
+            t = timed(g, fn)
+            best[name] = min(best.get(name, t), t)
+            step += name.endswith("save") or name.endswith("(fsync)")
+    mgr.release()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="state size in MiB (float32)")
@@ -143,6 +174,7 @@ def main() -> None:
             t = timed(g, lambda: plan_state(st, g.rank))
             best[name] = min(best.get(name, t), t)
     plain_bytes = sum(v.nbytes for v in state["model"].values() if not isinstance(v, ShardedArray))
+    stall = stall_bench(state, base, g, args.repeats)
     for k, a in raw_out.items():  # the bench also checks what it timed
         np.testing.assert_array_equal(a, mine[k])
     for k, v in state["model"].items():
@@ -164,6 +196,12 @@ def main() -> None:
         for name, nbytes in (("plan", plain_bytes), ("plan all plain", sum(a.nbytes for a in mine.values()))):
             print(f"replication check ({name}: {nbytes / 2**20:.1f} MiB hashed per rank): "
                   f"{best[name] * 1e3:.1f} ms = {100 * best[name] / best['axonmpi save']:.1f}% of a save")
+        print(f"\ntraining stall of one save of the {total / 2**20:.0f} MiB state (best of {args.repeats})")
+        print(f"{'save':<26} {'stall ms':>9} {'vs host copy':>13} {'sync / this':>12}")
+        for name in ("sync save (fsync)", "host copy", "async save", "async: background write"):
+            t = stall[name]
+            print(f"{name:<26} {t * 1e3:>9.1f} {t / stall['host copy']:>12.2f}x "
+                  f"{stall['sync save (fsync)'] / t:>11.1f}x")
     g.barrier()
     if g.rank == 0 and args.dir is None:
         shutil.rmtree(base, ignore_errors=True)

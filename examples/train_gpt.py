@@ -14,8 +14,13 @@ is the mean over the whole global batch under every layout, and checkpoints load
 layout. Rank 0
 shows a progress bar (loss, tokens/s, ETA), evaluates on held-out text, prints a generated
 sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps).
+
+SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption; jobs/*.sbatch ask for
+SIGUSR1 120 s ahead) makes every rank stop at the next step boundary, save, and exit with code 75,
+on which the job templates requeue the job; the requeued job's --auto-resume continues.
 """
 import argparse
+import atexit
 import json
 import math
 import os
@@ -42,6 +47,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
 ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype")
+# training options a --resume may change: applied from the resumed step on, one log line each (old -> new)
+APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "global_batch")
+# training options a --resume cannot change honestly: refused, naming them
+FIXED_ON_RESUME = {"seed": "the data order and the random streams continue from the checkpoint's, so a new seed "
+                           "would not take effect"}
 LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "tp_style", "schedule", "microbatches",
                   "fsdp")
 
@@ -85,8 +95,11 @@ def parse_args(argv=None):
                    help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
     g.add_argument("--cpu-offload", action="store_true",
                    help="with --fsdp: keep the parameter shards, gradients and optimizer state on the host")
-    g.add_argument("--mixed-precision", choices=["none", "fp16"], default="none",
-                   help="with --fsdp: compute in float16, reduce gradients in float32, dynamic loss scaling")
+    g.add_argument("--mixed-precision", choices=["none", "fp16", "bf16"], default="none",
+                   help="fp16 (with --fsdp): compute in float16, reduce gradients in float32, dynamic loss "
+                        "scaling; bf16: compute in bfloat16 (ml_dtypes), reduce gradients in float32, no "
+                        "scaling, float32 master weights; with --fsdp none it runs data parallel as FSDP "
+                        "no_shard (every rank holds every parameter, gradients all-reduced: DDP)")
     g.add_argument("--init-loss-scale", type=float, default=2.0 ** 16,
                    help="with --mixed-precision fp16: the loss scaler's first scale")
     g.add_argument("--loss-scale-growth-interval", type=int, default=2000,
@@ -106,25 +119,42 @@ def parse_args(argv=None):
     g.add_argument("--overwrite", action="store_true",
                    help="start fresh even though --checkpoint-dir holds checkpoints (deletes them)")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint (--resume still reads one)")
+    g.add_argument("--async-save", action="store_true",
+                   help="--save-every checkpoints are written in a background thread while training goes on "
+                        "(a copy of the state in host memory; the next save or the end waits for it)")
+    g.add_argument("--no-preemption-save", action="store_true",
+                   help="do not catch SIGTERM/SIGUSR1 (by default they make every rank save at the next step "
+                        "and exit with code 75, which the job templates requeue)")
     g = p.add_argument_group("output")
     g.add_argument("--sample-chars", type=int, default=200, help="characters to generate at the end (0: none)")
     g.add_argument("--no-progress", action="store_true",
                    help="log lines instead of a progress bar (automatic when stdout is not a terminal)")
     g.add_argument("--log-every", type=int, default=25, help="a log line every N steps without a progress bar")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
-                   help="append one JSON line per step (step, loss, grad_norm, lr, tokens_per_s, and loss_scale "
-                        "with --mixed-precision fp16); rank 0 writes")
+                   help="one JSON line per step (step, loss, grad_norm, lr, tokens_per_s, and loss_scale "
+                        "with --mixed-precision fp16); rank 0 writes. A fresh run starts the file anew; a resumed "
+                        "one keeps the rows up to the resumed step and appends")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="write a Chrome/Perfetto timeline per rank to DIR/trace_rank<r>.json (collectives, forward, "
+                        "backward, FSDP, pipeline, checkpoints); merge with `axonmpi trace merge DIR`")
     args = axonmpi.log.rank0_parser(p).parse_args(argv)
     for name in ("steps", "global_batch", "log_every", "keep_last"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.hybrid_shard_size is not None and args.fsdp != "hybrid_shard":
         p.error(f"--hybrid-shard-size {args.hybrid_shard_size} needs --fsdp hybrid_shard, got --fsdp {args.fsdp}")
-    if args.fsdp == "none" and (args.cpu_offload or args.mixed_precision != "none"):
+    if args.fsdp == "none" and (args.cpu_offload or args.mixed_precision == "fp16"):
         p.error("--cpu-offload and --mixed-precision fp16 need --fsdp shard_grad_op|full_shard|hybrid_shard")
     if args.overwrite and (args.resume or args.auto_resume):
         p.error("--overwrite starts fresh; it cannot be combined with --resume/--auto-resume")
     return args
+
+
+def _mixed_precision(mode: str):
+    """FSDP's MixedPrecision for --mixed-precision: compute in 16 bits, reduce gradients in float32."""
+    if mode == "none":
+        return None
+    return MixedPrecision(param_dtype=np.float16 if mode == "fp16" else "bfloat16", reduce_dtype=np.float32)
 
 
 def config_mismatch(saved: dict, args) -> list:
@@ -134,6 +164,61 @@ def config_mismatch(saved: dict, args) -> list:
         if name in saved and saved[name] != getattr(args, name):
             out.append(f"--{name.replace('_', '-')} {getattr(args, name)} vs saved {saved[name]}")
     return out
+
+
+def fixed_option_changes(saved: dict, args) -> list:
+    """``["--seed 5 vs saved 0 (why)", ...]`` for every option a resume cannot change."""
+    return [f"--{name.replace('_', '-')} {getattr(args, name)} vs saved {saved[name]} ({why})"
+            for name, why in FIXED_ON_RESUME.items() if name in saved and saved[name] != getattr(args, name)]
+
+
+def apply_changed_options(saved: dict, args, sched, log) -> None:
+    """Apply the training options changed since the checkpoint (lr, warmup, weight decay, ...), one log line each.
+
+    The optimizer's and the schedule's restored state carry the saved values; this writes the new ones
+    into them, so what the next checkpoint records (``vars(args)``) is what is in effect.
+    """
+    changed = [n for n in APPLIED_ON_RESUME if n in saved and saved[n] != getattr(args, n)]
+    for name in changed:
+        log.info("--resume: --%s %s -> %s (changed since the checkpoint; applied from this step on)",
+                 name.replace("_", "-"), saved[name], getattr(args, name))
+    groups = sched.optimizer.param_groups
+    if "lr" in changed:
+        sched.base_lrs = [float(args.lr)] * len(groups)
+        sched.min_lr = args.lr * 0.1
+        for pg in groups:
+            pg["initial_lr"] = float(args.lr)
+    if "warmup" in changed:
+        sched.warmup_steps = min(args.warmup, args.steps // 2)
+    if "weight_decay" in changed:
+        for pg in groups:
+            pg["weight_decay"] = args.weight_decay
+    if "lr" in changed or "warmup" in changed:
+        sched.last_epoch -= 1
+        sched.step()   # this step's lr on the new values, written into the optimizer
+
+
+def open_metrics(path, step, resumed, log):
+    """Rank 0's ``--metrics-json`` file: started anew on a fresh run; on a resume at ``step``, rows after it
+    (steps trained after the checkpoint and lost with the job) are dropped before appending."""
+    if not resumed or not os.path.exists(path):
+        return open(path, "w", encoding="utf-8")
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                keep = int(json.loads(line)["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False   # a line cut short by a killed job
+            kept.append(line) if keep else None
+            dropped += not keep
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    if dropped:
+        log.info("--metrics-json %s: dropped %d row(s) after the resumed step %d", path, dropped, step)
+    return open(path, "a", encoding="utf-8")
 
 
 def evaluate(hyb, tokens, block, batches, batch, seed):
@@ -160,6 +245,11 @@ def open_checkpoints(args, world, log):
     if args.no_save and not resuming:
         return None, None
     mgr = ckpt.CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last)
+    if not args.no_save:
+        try:
+            mgr.acquire()   # a second job on the same folder stops here, before it deletes or writes anything
+        except ckpt.FolderInUseError as e:   # raised by rank 0, the same error type on the others
+            axonmpi.log.exit0(str(e))
     steps = axonmpi.broadcast_object(mgr.steps() if world.rank == 0 else None)
     if args.resume and not steps:
         axonmpi.log.exit0(f"--resume: no checkpoint found in {args.checkpoint_dir!r}; run without --resume first")
@@ -171,6 +261,8 @@ def open_checkpoints(args, world, log):
                 "--checkpoint-dir")
         mgr.clear()
         log.info("--overwrite: removed the checkpoints of steps %s from %s", steps, args.checkpoint_dir)
+    if args.auto_resume and not steps:
+        log.info("--auto-resume: no checkpoint in %s: starting fresh", args.checkpoint_dir)
     return mgr, (mgr.path_for(steps[-1]) if resuming and steps else None)
 
 
@@ -183,9 +275,14 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if diff:
         axonmpi.log.exit0(f"{path} was saved with another model: {'; '.join(diff)}. Pass the saved values "
                           "to resume, or start a new run in another --checkpoint-dir")
+    fixed = fixed_option_changes(saved, args)
+    if fixed:
+        axonmpi.log.exit0(f"{path}: a resume cannot change {'; '.join(fixed)}. Pass the saved values to resume, "
+                          "or start a new run in another --checkpoint-dir")
     loaded = ckpt.load(path, model.hyb.checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
+    apply_changed_options(saved, args, sched, log)
     if scaler is not None:
         if extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])
@@ -201,7 +298,8 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
         for k in ("G_inter", "G_intra_r", "G_intra_c", "G_intra_d"):
             rest *= int(layout.get(k) or 1)
         layout["G_data"] = saved_ranks // rest
-    log.info("resumed from %s at step %d (saved on %d ranks%s)", path, step, saved_ranks,
+    log.info("%sresumed from %s at step %d (saved on %d ranks%s)", "--auto-resume: " if args.auto_resume else "",
+             path, step, saved_ranks,
              ", layout " + " ".join(f"{k}={v}" for k, v in layout.items()) if layout else "")
     if saved_ranks != world.world_size:
         # a continuation of the random streams is impossible on another rank count: derive one
@@ -233,6 +331,9 @@ def main(argv=None):
             axonmpi.log.exit0(f"impossible layout: {e}")
     grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
+    if args.trace and axonmpi.trace.active() is None:
+        axonmpi.trace.start(args.trace, world.rank)     # written when the run ends (or fails)
+        atexit.register(axonmpi.trace.stop)
     pure_dp = grid.G_data == world.world_size
     why = fsdp_refusal(Layout.from_grid(grid), args.tp_style, args.activation_checkpointing)
     if args.fsdp != "none" and why:
@@ -268,10 +369,10 @@ def main(argv=None):
     try:
         hyb = HybridGPT(cfg, grid, tp_style=args.tp_style, schedule=args.schedule,
                         num_microbatches=args.microbatches, activation_checkpointing=args.activation_checkpointing,
-                        dtype=dtype, global_batch=args.global_batch, fsdp=args.fsdp,
+                        dtype=dtype, global_batch=args.global_batch,
+                        fsdp="no_shard" if args.mixed_precision == "bf16" and args.fsdp == "none" else args.fsdp,
                         cpu_offload="full" if args.cpu_offload else None,
-                        mixed_precision=(MixedPrecision(param_dtype=np.float16, reduce_dtype=np.float32)
-                                         if args.mixed_precision == "fp16" else None),
+                        mixed_precision=_mixed_precision(args.mixed_precision),
                         hybrid_shard_size=args.hybrid_shard_size)
     except NotImplementedError as e:     # a combination not built, found the same way on every rank
         axonmpi.log.exit0(str(e))
@@ -284,16 +385,26 @@ def main(argv=None):
     axonmpi.manual_seed(hyb.dropout_seed(args.seed))  # one stream per row slice for dropout and sampling
 
     mgr, latest = open_checkpoints(args, world, log)
-    step = 0 if latest is None else resume(latest, args, world, log, model, opt_state, sched, sampler, scaler)
+    step = 0
+    if latest is not None:   # the newest checkpoint that loads; damaged ones are moved aside, saying so
+        found = mgr.load_newest_intact(
+            lambda path: resume(path, args, world, log, model, opt_state, sched, sampler, scaler))
+        step = 0 if found is None else found[1]
     saving = mgr is not None and not args.no_save
     log.info("%s", hyb.describe())
+    preempt = ckpt.PreemptionHandler() if saving and not args.no_preemption_save else None
+    last_saved = step
 
-    def save(step):
+    def save(step, async_save=False):
         extra = {"config": vars(args), "layout": hyb.layout_record()}
         if scaler is not None:
             extra["scaler"] = scaler.state_dict()       # the loss scale and growth count continue on --resume
-        path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step, extra=extra))
-        log.info("checkpoint saved to %s (step %d; continue with --resume)", path, step)
+        nonlocal last_saved
+        path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step, extra=extra),
+                        async_save=async_save)
+        last_saved = step
+        log.info("checkpoint %s %s (step %d; continue with --resume)",
+                 "being written in the background to" if async_save else "saved to", path, step)
         return path
 
     log.info("GPT (rank 0 trains %.2fM parameters) | %d ranks, %d row slices x %d sequences x %d chars | %d steps | "
@@ -308,7 +419,8 @@ def main(argv=None):
         from tqdm import tqdm
         bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                    file=sys.stdout, mininterval=0.5)
-    metrics = open(args.metrics_json, "a", encoding="utf-8") if (args.metrics_json and world.rank == 0) else None
+    metrics = (open_metrics(args.metrics_json, step, latest is not None, log)
+               if (args.metrics_json and world.rank == 0) else None)
     start_step = step
     tokens_per_step = args.global_batch * args.block_size
     t0, t_last, loss_ema = time.perf_counter(), time.perf_counter(), None
@@ -354,7 +466,15 @@ def main(argv=None):
             log.info("step %d/%d loss %.3f lr %.2e %.0f tokens/s", step, args.steps, loss_ema, lr, tok_s)
         t_last = now
         if saving and args.save_every and step % args.save_every == 0 and step < args.steps:
-            save(step)
+            save(step, async_save=args.async_save)
+        if preempt is not None and preempt.should_stop():   # one 1-byte all-reduce per step
+            t_stop = time.perf_counter()
+            mgr.wait()              # a background save in flight completes first
+            if last_saved != step:
+                save(step)
+            if metrics is not None:
+                metrics.close()
+            preempt.exit(f"saved step {step} of {args.steps} in {time.perf_counter() - t_stop:.1f} s")
     if bar is not None:
         bar.close()
     if metrics is not None:
@@ -368,6 +488,10 @@ def main(argv=None):
              "learned structure beyond character frequencies" if val < h_unigram else "not yet below unigram")
     if saving and step > start_step:
         save(step)
+    if mgr is not None:
+        mgr.release()   # waits for a background save
+    if preempt is not None:
+        preempt.close()
     if args.dump_params:
         full = hyb.full_state_dict()
         if world.rank == 0:

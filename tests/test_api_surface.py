@@ -14,6 +14,8 @@ import math
 import pkgutil
 import types
 
+import os
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,14 @@ X, W, IDX = _x(2, 3), _x(4, 3, seed=1), np.array([[0, 3], [1, 1]])
 M = np.array([[True, False, True], [False, False, True]])
 
 # "namespace.name" -> a small call; truthy or an exception-free run is success
+def _profile():
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        with axonmpi.profile(d) as tr:
+            axonmpi.all_reduce(np.ones(2))
+        return os.path.exists(os.path.join(d, f"trace_rank{tr.rank}.json"))
+
+
 EXAMPLES = {
     # ---- axonmpi ---------------------------------------------------------------------------
     "axonmpi.DDP": _ddp,
@@ -185,6 +195,7 @@ EXAMPLES = {
     "axonmpi.ones": lambda: axonmpi.ones(2).tolist() == [1.0, 1.0],
     "axonmpi.ones_like": lambda: axonmpi.ones_like(X).shape == X.shape,
     "axonmpi.print0": lambda: axonmpi.print0("api surface check") is None,
+    "axonmpi.profile": _profile,
     "axonmpi.print_rank": lambda: axonmpi.print_rank("api surface check") is None,
     "axonmpi.rand": lambda: axonmpi.rand(3).shape == (3,),
     "axonmpi.randn": lambda: axonmpi.randn(2, 2).shape == (2, 2),
@@ -261,6 +272,20 @@ EXAMPLES = {
     "axonmpi.nn.functional.min": lambda: _close(F.min(X, dim=0).values, X.numpy().min(0)),
     "axonmpi.nn.functional.minimum": lambda: _close(F.minimum(X, 0.0), np.minimum(X.numpy(), 0)),
     "axonmpi.nn.functional.mse_loss": lambda: _close(F.mse_loss(X, X * 0.0), (X.numpy() ** 2).mean()),
+    "axonmpi.nn.functional.l1_loss": lambda: _close(F.l1_loss(X, X * 0.0), np.abs(X.numpy()).mean()),
+    "axonmpi.nn.functional.smooth_l1_loss": lambda: _backward_ok(F.smooth_l1_loss(_x(2, 3), np.zeros((2, 3)))),
+    "axonmpi.nn.functional.nll_loss": lambda: _close(F.nll_loss(Tensor(np.array([[-0.5, -1.5]])), [1]), 1.5),
+    "axonmpi.nn.functional.binary_cross_entropy": lambda: _close(
+        F.binary_cross_entropy(Tensor(np.array([0.5])), np.array([1.0])), np.log(2.0)),
+    "axonmpi.nn.functional.binary_cross_entropy_with_logits": lambda: _close(
+        F.binary_cross_entropy_with_logits(Tensor(np.array([0.0])), np.array([1.0])), np.log(2.0)),
+    "axonmpi.nn.CrossEntropyLoss": lambda: _backward_ok(nn.CrossEntropyLoss()(_x(2, 3), [0, 2])),
+    "axonmpi.nn.NLLLoss": lambda: _close(nn.NLLLoss(reduction="sum")(Tensor(np.array([[-0.5, -1.5]])), [0]), 0.5),
+    "axonmpi.nn.MSELoss": lambda: _close(nn.MSELoss()(X, X * 0.0), (X.numpy() ** 2).mean()),
+    "axonmpi.nn.L1Loss": lambda: _close(nn.L1Loss(reduction="sum")(X, X * 0.0), np.abs(X.numpy()).sum()),
+    "axonmpi.nn.SmoothL1Loss": lambda: _close(nn.SmoothL1Loss(beta=1.0)(Tensor(np.array([0.5])), np.zeros(1)), 0.125),
+    "axonmpi.nn.BCELoss": lambda: _close(nn.BCELoss()(Tensor(np.array([0.5])), np.array([0.0])), np.log(2.0)),
+    "axonmpi.nn.BCEWithLogitsLoss": lambda: _close(nn.BCEWithLogitsLoss()(Tensor(np.array([0.0])), np.array([0.0])), np.log(2.0)),
     "axonmpi.nn.functional.mul": lambda: _close(F.mul(X, X), X.numpy() ** 2),
     "axonmpi.nn.functional.neg": lambda: _close(F.neg(X), -X.numpy()),
     "axonmpi.nn.functional.permute": lambda: F.permute(X, 1, 0).shape == (3, 2),

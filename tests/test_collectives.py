@@ -326,3 +326,62 @@ def test_float16_reductions(world):
     b = np.full(3, world.rank, np.float16)
     axonmpi.broadcast(b, src=n - 1)
     assert np.all(b == n - 1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_float16_mean_reduces_in_float32(world):
+    """Issue 21: MEAN was SUM/size in float16, so the mean of 65504 and 65504 was inf."""
+    n, big = world.world_size, np.float16(65504.0)
+    x = np.full(3, big, np.float16)
+    assert axonmpi.all_reduce(x, "mean").tolist() == [65504.0] * 3
+    assert axonmpi.all_reduce(x, "mean", async_op=True).wait().tolist() == [65504.0] * 3
+    got = axonmpi.reduce_scatter_mean(np.full(2 * n, big, np.float16))
+    assert got.dtype == np.float16 and got.tolist() == [65504.0] * 2
+    got = axonmpi.reduce(x, dst=0, op="mean")
+    if world.rank == 0:
+        assert got.tolist() == [65504.0] * 3
+    if n > 1:  # a true float16 SUM still overflows, as it does in torch
+        with np.errstate(over="ignore"):
+            assert np.isinf(axonmpi.all_reduce(x)).all()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bfloat16_every_collective(world):
+    """bfloat16 (ml_dtypes) moves as 16-bit words and reduces in float32, in every collective."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = np.dtype(ml_dtypes.bfloat16)
+    n, r = world.world_size, world.rank
+    x = np.array([1.5, -2.0, 256.0], bf) * bf.type(r + 1)
+    tri = n * (n + 1) / 2
+    got = axonmpi.all_reduce(x)
+    assert got.dtype == bf and got.astype(np.float64).tolist() == [1.5 * tri, -2.0 * tri, 256.0 * tri]
+    assert axonmpi.all_reduce(x, "max").astype(float).tolist() == [1.5 * n, -2.0, 256.0 * n]
+    mean = axonmpi.all_reduce(np.full(2, r + 1, bf), "mean")  # (n+1)/2, reduced in float32
+    assert mean.dtype == bf and mean.astype(float).tolist() == [(n + 1) / 2] * 2
+    y = x.copy()
+    assert axonmpi.all_reduce(y, async_op=True, out=y).wait() is y and y.astype(float)[0] == 1.5 * tri
+    rs = axonmpi.reduce_scatter(np.full(2 * n, r + 1, bf))
+    assert rs.dtype == bf and rs.astype(float).tolist() == [tri, tri]
+    red = axonmpi.reduce(x, dst=n - 1)
+    assert (red is None) == (r != n - 1)
+    g = axonmpi.all_gather(x)
+    assert g.dtype == bf and g.astype(float).tolist() == [v * (k + 1) for k in range(n) for v in (1.5, -2.0, 256.0)]
+    u = axonmpi.all_gather(np.full(r + 1, r, bf), uneven=True)
+    assert u.astype(float).tolist() == [float(k) for k in range(n) for _ in range(k + 1)]
+    b = x.copy()
+    axonmpi.broadcast(b, src=0)
+    assert b.astype(float).tolist() == [1.5, -2.0, 256.0]
+    ga = axonmpi.gather(x, dst=0)
+    if r == 0:
+        assert [a.astype(float)[0] for a in ga] == [1.5 * (k + 1) for k in range(n)]
+    chunks = [np.full(k + 1, k + 0.5, bf) for k in range(n)] if r == 0 else None
+    assert axonmpi.scatter(chunks, src=0).astype(float).tolist() == [r + 0.5] * (r + 1)
+    pieces = [np.full(2, 10 * r + j, bf) for j in range(n)]
+    assert [p.astype(float).tolist() for p in axonmpi.all_to_all(pieces)] == [[10.0 * j + r] * 2 for j in range(n)]
+    if n > 1:
+        if r == 0:
+            axonmpi.send(np.array([0.25, 3.0], bf), dst=1)
+        elif r == 1:
+            buf = np.zeros(2, bf)
+            axonmpi.recv(buf, src=0)
+            assert buf.astype(float).tolist() == [0.25, 3.0]

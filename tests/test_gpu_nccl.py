@@ -26,7 +26,9 @@ def gworld(world):
     _nccl_or_skip()
     from axonmpi.distributed.backends import BackendKind
     if world.backend is BackendKind.MPI:
-        pytest.skip("the session World was made with backend='mpi'")
+        why = (f"ranks {world.gpu_sharers} share a GPU (NCCL needs one GPU per rank)" if world.gpu_sharers
+               else "the session World was made with backend='mpi'")
+        pytest.skip(f"CuPy arrays go over MPI: {why}")
     return world
 
 

@@ -159,3 +159,44 @@ def test_resume_one_rank_rng_on_more_ranks_warns(world):
     finally:
         lg.removeHandler(h)
     assert any("saved by 1 ranks and are restored on" in r.getMessage() for r in records), records
+
+
+@pytest.mark.serial
+def test_resume_applies_changed_options_and_refuses_the_seed(tmp_path, caplog):
+    """On main the new checkpoint recorded lr 0.01 while 0.003 was in effect, and --seed was ignored."""
+    import logging
+    d, m = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
+    _gpt("--steps", 4, "--checkpoint-dir", d, "--metrics-json", m)
+    with open(m, "a") as f:                      # rows a killed job wrote after its last checkpoint
+        f.write('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')
+    with caplog.at_level(logging.INFO):
+        _gpt("--steps", 6, "--checkpoint-dir", d, "--resume", "--lr", "0.001", "--global-batch", "4",
+             "--metrics-json", m)
+    text = caplog.text
+    assert "--lr 0.003 -> 0.001" in text and "--global-batch 2 -> 4" in text
+    rows = [json.loads(x) for x in open(m)]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    opt = AdamW([axonmpi.Tensor(np.zeros(1), requires_grad=True)], lr=1e-3)
+    want = LinearWarmupCosine(opt, warmup_steps=2, total_steps=6, min_lr=1e-4)
+    np.testing.assert_allclose([r["lr"] for r in rows[4:]], [want.lr_at(1e-3, t) for t in (4, 5)], rtol=1e-12)
+    saved = ckpt.load(ckpt.CheckpointManager(d).latest())
+    assert saved["extra"]["config"]["lr"] == 0.001 and saved["scheduler"]["base_lrs"] == [0.001]
+
+
+@pytest.mark.serial
+def test_seed_change_on_resume_is_refused_by_name(tmp_path, capsys):
+    d = str(tmp_path / "ck")
+    _gpt("--steps", 2, "--checkpoint-dir", d)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _gpt("--steps", 4, "--checkpoint-dir", d, "--resume", "--seed", "5")
+    assert e.value.code == 2 and "--seed 5 vs saved 0" in capsys.readouterr().err
+    assert ckpt.CheckpointManager(d).steps() == [2]
+
+
+@pytest.mark.serial
+def test_metrics_json_starts_anew_on_overwrite(tmp_path):
+    d, m = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
+    _gpt("--steps", 3, "--checkpoint-dir", d, "--metrics-json", m)
+    _gpt("--steps", 3, "--checkpoint-dir", d, "--metrics-json", m, "--overwrite")
+    assert [json.loads(x)["step"] for x in open(m)] == [1, 2, 3]      # on main: 1..3 twice

@@ -197,6 +197,50 @@ def test_vocab_parallel_embedding_and_cross_entropy_parity():
 
 
 @pytest.mark.mpi(min_size=1)
+def test_vocab_parallel_cross_entropy_ignore_index_and_label_smoothing():
+    """Issue 21: -100 targets counted as "not mine" everywhere and added log-sum-exp; now they are
+    ignored as F.cross_entropy (torch) ignores them, and label_smoothing matches torch's too."""
+    for g in _groups():
+        V = 3 * g.size
+        logits = _rng(9).standard_normal((3, 4, V)) * 2
+        ids = _rng(10).integers(0, V, (3, 4))
+        ids[0, :3] = -100
+        ids[2, 1] = -100                           # 4 of 12 targets ignored, unevenly over rows
+        for eps in (0.0, 0.1):
+            for red in ("mean", "sum", "none"):
+                ls = Tensor(logits, requires_grad=True)
+                lp = Tensor(np.ascontiguousarray(logits[..., _sl(V, g)]), requires_grad=True)
+                a = F.cross_entropy(ls, ids, reduction=red, label_smoothing=eps)
+                b = vocab_parallel_cross_entropy(lp, ids, g, reduction=red, label_smoothing=eps)
+                _close(b, a, 1e-10)
+                (a if red != "none" else a.sum()).backward()
+                (b if red != "none" else b.sum()).backward()
+                _close(lp.grad, ls.grad.data[..., _sl(V, g)], 1e-10)
+        lp = Tensor(np.ascontiguousarray(logits[..., _sl(V, g)]), requires_grad=True)
+        loss = vocab_parallel_cross_entropy(lp, np.full((3, 4), -100), g)
+        loss.backward()
+        assert np.isnan(loss.item()) and not lp.grad.data.any()   # torch: nan loss, zero gradient
+        rank = g.world.rank
+        for bad in (-1, V):
+            t = ids.copy()
+            t[1, 2] = bad
+            with pytest.raises(IndexError, match=f"rank {rank}: vocab_parallel_cross_entropy: target {bad} "
+                                                 f"is out of bounds for {V} classes"):
+                vocab_parallel_cross_entropy(lp, t, g)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_vocab_parallel_cross_entropy_refuses_uneven_shards():
+    """V = 2P+1 split 3,2,2,...: start = rank * width was silently wrong (rel. error ~0.2)."""
+    g = _world().default_group
+    width = 3 if g.rank == 0 else 2
+    lp = Tensor(np.zeros((2, width)), requires_grad=True)
+    with pytest.raises(ValueError, match=rf"rank {g.world.rank}: vocab_parallel_cross_entropy needs equal "
+                                         rf"vocabulary shards, got widths from 2 to 3 .*this rank: {width}.*pad"):
+        vocab_parallel_cross_entropy(lp, np.array([0, 1]), g)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_mlp_and_attention_parity_and_state_roundtrip():
     for g in _groups():
         p = g.size
@@ -263,3 +307,34 @@ def test_attention_dropout_matches_serial_masks_under_a_fixed_seed():
         grads = full_state_dict(att, grads=True)
         for k, v in ref.named_parameters():
             _close(grads[k], v.grad)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_vocab_parallel_embedding_padding_idx_and_parallelize_gpt_keeps_it():
+    """Issue 21: parallelize_gpt dropped padding_idx, so the padding row got gradients (rel. error 1.05)."""
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.parallel.tensor import parallelize_gpt
+    for g in _groups():
+        V, D = 4 * g.size, 3
+        pad = V - 2                                    # owned by the group's last rank
+        axonmpi.random.manual_seed(3)
+        ref = nn.Embedding(V, D, padding_idx=pad, dtype="float64")
+        emb = VocabParallelEmbedding(V, D, group=g, dtype="float64", padding_idx=pad)
+        assert emb.padding_idx == pad and emb.state_dict(full=True)["weight"][pad].tolist() == [0.0] * D
+        emb.load_state_dict(ref.state_dict())
+        ids = np.array([[pad, 0, pad, V - 1], [1, pad, 2, 0]])
+        G = _rng(12).standard_normal((2, 4, D))
+        ref(ids).backward(Tensor(G))
+        emb(ids).backward(Tensor(G.copy()))
+        full = ref.weight.grad.data
+        assert not full[pad].any()
+        _close(emb.weight.grad, full[_sl(V, g)], 1e-12)
+        cfg = GPTConfig(vocab_size=V, block_size=4, n_layer=1, n_head=g.size, n_embd=2 * g.size)
+        model = GPT(cfg, dtype="float64")
+        model.wte = nn.Embedding(V, 2 * g.size, padding_idx=pad, dtype="float64")
+        parallelize_gpt(model, group=g)
+        assert model.wte.padding_idx == pad
+        _, loss = model(ids, ids[:, ::-1].copy())
+        loss.backward()
+        if g.rank == g.size - 1:                       # the owner: no gradient in the padding row
+            assert not model.wte.weight.grad.data[pad - model.wte.vocab_start].any()

@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from .. import trace as _trace
 from ..backend import get_array_module
 from .grad_mode import is_grad_enabled, no_grad
 from .tensor import Tensor
@@ -220,6 +221,7 @@ def _finalize_leaf(leaf: Tensor, g, owned: bool) -> None:
             hook(leaf)
 
 
+@_trace.traced("backward", "backward")
 def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
              retain_graph: bool = False) -> None:
     """Accumulate gradients of ``tensors`` (weighted by ``grad_tensors``) into the graph's leaves.

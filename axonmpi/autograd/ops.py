@@ -111,14 +111,21 @@ class Pow(Function):
 
     @staticmethod
     def backward(ctx, g):
+        # torch's pow_backward: d/da is 0 where b == 0 (not 0 * 0**-1 = NaN at a = 0), and d/db is
+        # 0 where a == 0 and b >= 0 (not 0 * log 0 = NaN).
         a, b, out = ctx.saved_tensors
         n = ctx.needs_input_grad
+        xp = get_array_module(g)
         ga = gb = None
         if n[0]:
-            ga = _unbroadcast(g * b * a ** (b - 1), ctx.sa)
+            if getattr(b, "ndim", 0) == 0:  # a Python or 0-d exponent keeps a's dtype
+                local = a * 0 if b == 0 else b * a ** (b - 1)
+            else:
+                local = b * a ** xp.where(b == 0, xp.ones((), b.dtype), b - 1)
+            ga = _unbroadcast(g * local, ctx.sa)
         if n[1]:
-            xp = get_array_module(g)
-            gb = _unbroadcast(g * out * xp.log(a), ctx.sb)
+            a_safe = xp.where((a == 0) & (b >= 0), xp.ones((), getattr(a, "dtype", g.dtype)), a)
+            gb = _unbroadcast(g * (out * xp.log(a_safe)), ctx.sb)
         return ga, gb
 
 

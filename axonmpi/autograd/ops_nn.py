@@ -341,9 +341,9 @@ def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
         raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
     w = weight.data if isinstance(weight, Tensor) else weight
     n = w.shape[0]
-    if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
         raise IndexError(f"embedding index out of range: indices span [{int(idx.min())}, {int(idx.max())}] "
-                         f"for a table of {n} rows (expected 0..{n - 1})")
+                         f"for a table of {n} rows (expected 0..{n - 1}; negative ids do not wrap, as in torch)")
     idx = _on_one_device((w, idx), (False, False), ("embedding: weight", "embedding: indices"))[1]
     if padding_idx is not None:
         if not -n <= int(padding_idx) < n:
@@ -360,7 +360,7 @@ class Dropout(Function):
         from ..random import generator_for
 
         xp = get_array_module(x)
-        dtype = x.dtype if x.dtype.kind == "f" else np.dtype(np.float32)
+        dtype = x.dtype if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else np.dtype(np.float32)
         keep = generator_for(xp).random(x.shape, dtype=np.float32 if dtype.itemsize <= 4 else np.float64) >= p
         mask = keep.astype(dtype)
         mask *= 1.0 / (1.0 - p)
@@ -431,12 +431,18 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 class CrossEntropy(Function):
-    """Fused log-softmax + negative log-likelihood over the last axis."""
+    """Fused log-softmax + negative log-likelihood over the last axis, with PyTorch's class
+    ``weight`` and ``label_smoothing``.
+
+    Per row ``i`` with target ``t`` (``w`` = weight or ones, ``W = sum(w)``, ``e`` = smoothing,
+    ``C`` classes): ``loss_i = (1-e) w[t] (lse_i - x_it) + e/C (W lse_i - sum_c w_c x_ic)``, zero
+    for ignored rows; ``"mean"`` divides by ``sum_i w[t_i]`` over counted rows, as torch does.
+    """
 
     _fresh_grads = True
 
     @staticmethod
-    def forward(ctx, logits, target, reduction, ignore_index):
+    def forward(ctx, logits, target, reduction, ignore_index, weight=None, label_smoothing=0.0):
         logits, target = _on_one_device((logits, target), (ctx.needs_input_grad[0], False),
                                         ("cross_entropy: input", "cross_entropy: target"))
         xp = get_array_module(logits)
@@ -448,49 +454,79 @@ class CrossEntropy(Function):
         rows = xp.arange(x.shape[0])
         z = x - x.max(axis=1, keepdims=True)
         zt = z[rows, ts]
+        eps = float(label_smoothing)
+        w = None if weight is None else xp.asarray(weight, dtype=x.dtype)
+        wt = valid.astype(x.dtype) if w is None else w[ts] * valid
+        if eps:
+            zsum = z.sum(axis=1) if w is None else z @ w
+            wsum = float(c) if w is None else w.sum()
         xp.exp(z, out=z)
         s = z.sum(axis=1)
-        loss = (xp.log(s) - zt) * valid
+        lse = xp.log(s)
+        loss = (lse - zt) * wt
+        if eps:
+            loss = (1.0 - eps) * loss + (eps / c) * (wsum * lse - zsum) * valid
         z /= s[:, None]  # softmax probabilities, kept for backward
-        ctx.save_for_backward(z, ts, valid)
-        ctx.reduction, ctx.lshape = reduction, logits.shape
+        ctx.save_for_backward(z, ts, valid, wt, w)
+        ctx.reduction, ctx.lshape, ctx.eps = reduction, logits.shape, eps
         if reduction == "none":
             return loss.reshape(target.shape)
-        total = loss.sum()
+        # 16-bit logits: sum and divide in float32 (as torch's autocast runs this loss), so that
+        # neither the sum nor a loss scale (GradScaler: 2**16 * loss) overflows float16
+        acc = np.float32 if x.dtype.itemsize < 4 else x.dtype
+        total = loss.sum(dtype=acc)
         if reduction == "sum":
             return total
-        ctx.count = valid.sum()
+        ctx.count = wt.sum(dtype=acc)
+        if not bool(ctx.count):  # every target ignored: NaN, as torch's 0/0 (without NumPy's warning)
+            return xp.full((), xp.nan, dtype=total.dtype)
         return total / ctx.count
 
     @staticmethod
     def backward(ctx, g):
-        p, ts, valid = ctx.saved_tensors
+        p, ts, valid, wt, w = ctx.saved_tensors
         xp = get_array_module(p)
-        gx = p.copy()
+        eps = ctx.eps
         rows = xp.arange(p.shape[0])
-        gx[rows, ts] -= 1
-        if ctx.reduction == "none":
-            scale = g.reshape(-1) * valid
-        elif ctx.reduction == "sum":
-            scale = g * valid
+        c = p.shape[1]
+        if eps:
+            wsum = float(c) if w is None else w.sum()
+            a = (1.0 - eps) * wt + (eps / c) * wsum * valid
+            gx = p * a[:, None]
+            gx[rows, ts] -= (1.0 - eps) * wt
+            vf = valid.astype(p.dtype)
+            gx -= (eps / c) * (vf[:, None] if w is None else vf[:, None] * w[None, :])
         else:
-            scale = (g / ctx.count) * valid
-        gx *= scale.astype(gx.dtype, copy=False)[:, None] if getattr(scale, "ndim", 0) else scale
-        return gx.reshape(ctx.lshape), None, None, None
+            gx = p * wt[:, None]
+            gx[rows, ts] -= wt
+        if ctx.reduction == "none":
+            gx *= g.reshape(-1, 1).astype(gx.dtype, copy=False)
+        elif ctx.reduction == "sum":
+            gx *= g
+        else:
+            # every target ignored: the loss is NaN but torch's gradient is zero (no row counts)
+            count = ctx.count
+            gx *= g / xp.where(count == 0, xp.ones_like(count), count)
+        return gx.reshape(ctx.lshape), None, None, None, None, None
 
 
-def cross_entropy(input, target, reduction: str = "mean", ignore_index: int = -100) -> Tensor:  # noqa: A002
+def cross_entropy(input, target, weight=None, reduction: str = "mean", ignore_index: int = -100,  # noqa: A002
+                  label_smoothing: float = 0.0) -> Tensor:
     """Cross-entropy of class scores ``input`` (N, C) or (..., C) against integer ``target``.
 
-    Targets equal to ``ignore_index`` contribute nothing; ``"mean"`` divides by the number of
-    non-ignored targets (NaN if all are ignored, like PyTorch).  Host targets are copied to the
-    device of GPU logits.
+    Matches ``torch.nn.functional.cross_entropy``: targets equal to ``ignore_index`` contribute
+    nothing; ``"mean"`` divides by the summed class weight of the counted targets (their number
+    without ``weight``), NaN loss with zero gradients if every target is ignored.  A target
+    outside ``[0, C)`` (other than ``ignore_index``) raises ``IndexError``, as torch does, rather
+    than wrapping around.  Host targets are copied to the device of GPU logits.
 
     Args:
         input: logits, the class axis last (PyTorch's (N, C) layout; (..., C) is flattened).
         target: integer class indices of shape ``input.shape[:-1]`` (Tensor, array or list).
+        weight: optional per-class weights (C,), a constant (no gradient flows to it).
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
         ignore_index: target value that contributes no loss and no gradient.
+        label_smoothing: ``e`` in [0, 1]: the target is ``(1-e)`` one-hot plus ``e/C`` uniform.
 
     Example:
         >>> round(cross_entropy(Tensor([[0.0, 0.0]]), [1]).item(), 4)
@@ -498,6 +534,8 @@ def cross_entropy(input, target, reduction: str = "mean", ignore_index: int = -1
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     logits = input
     if isinstance(target, Tensor):
         target = target.data
@@ -508,7 +546,27 @@ def cross_entropy(input, target, reduction: str = "mean", ignore_index: int = -1
     lshape = logits.shape
     if tuple(target.shape) != tuple(lshape[:-1]):
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits shape {tuple(lshape)}")
-    return CrossEntropy.apply(logits, target, reduction, ignore_index)
+    c = lshape[-1]
+    _check_targets(target, c, ignore_index, "cross_entropy")
+    if weight is not None:
+        weight = weight.data if isinstance(weight, Tensor) else weight
+        if tuple(getattr(weight, "shape", np.shape(weight))) != (c,):
+            raise ValueError(f"cross_entropy weight must have shape ({c},) (one per class), "
+                             f"got {tuple(np.shape(weight))}")
+    return CrossEntropy.apply(logits, target, reduction, ignore_index, weight, float(label_smoothing))
+
+
+def _check_targets(target, num_classes: int, ignore_index: int, where: str, rank: str = "") -> None:
+    """Raise ``IndexError`` naming the first target outside ``[0, num_classes)`` that is not ignored."""
+    if not target.size:
+        return
+    xp = get_array_module(target)
+    bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
+    if bool(bad.any()):
+        value = int(target.reshape(-1)[xp.argmax(bad.reshape(-1))])
+        raise IndexError(f"{rank}{where}: target {value} is out of bounds for {num_classes} classes "
+                         f"(expected 0..{num_classes - 1}, or ignore_index={ignore_index} to skip it); "
+                         f"negative targets do not wrap around as in NumPy indexing")
 
 
 class MSELoss(Function):

@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import backend
 from ..backend import Device, as_device, device_of, get_array_module, to_device, to_host
+from ..backend import is_floating as _is_floating
 
 __all__ = [
     "Tensor",
@@ -101,7 +102,7 @@ class Tensor:
         t._out_idx = idx
         t._hooks = None
         t._post_hooks = None
-        if arr.dtype.kind in "fc":
+        if _is_floating(arr.dtype):
             t.grad_fn = fn
             t._rg = True
         else:
@@ -119,7 +120,7 @@ class Tensor:
     def requires_grad(self, flag: bool) -> None:
         if self.grad_fn is not None and not flag:
             raise RuntimeError("requires_grad can only be changed on leaf tensors; use .detach()")
-        if flag and self.data.dtype.kind not in "fc":
+        if flag and not _is_floating(self.data.dtype):
             raise TypeError(f"only floating-point tensors can require grad, got dtype {self.data.dtype}")
         self._rg = bool(flag)
 
@@ -219,6 +220,9 @@ class Tensor:
         return int(self.item())
 
     def __bool__(self) -> bool:
+        if self.data.size != 1:
+            raise RuntimeError(f"Boolean value of a Tensor of shape {self.shape} ({self.data.size} elements) "
+                               "is ambiguous; use .any() or .all(), or compare identity with 'is'")
         return bool(self.item())
 
     def detach(self) -> "Tensor":
@@ -409,10 +413,27 @@ class Tensor:
     def __le__(self, o): return Tensor._wrap(self.data <= _raw(o))
     def __gt__(self, o): return Tensor._wrap(self.data > _raw(o))
     def __ge__(self, o): return Tensor._wrap(self.data >= _raw(o))
+
+    # [Note: == is elementwise, hash is identity]
+    # As in PyTorch, ``a == b`` is a bool Tensor (``(pred == y).float().mean()``), and hashing is
+    # by identity, so tensors still work as dict keys and in sets (lookups compare identity
+    # first). Library code must never compare tensors with ``==`` or search a list of tensors
+    # with ``in``/``index``/``remove`` (a non-identical element would be compared elementwise);
+    # it compares ``id(t)``. ``t == None`` is False, as in PyTorch.
+    def __eq__(self, o):
+        if o is None or isinstance(o, str):
+            return NotImplemented
+        return Tensor._wrap(self.data == _raw(o))
+
+    def __ne__(self, o):
+        if o is None or isinstance(o, str):
+            return NotImplemented
+        return Tensor._wrap(self.data != _raw(o))
+
     __hash__ = object.__hash__
 
     def eq(self, other) -> "Tensor":
-        """Elementwise equality (``==`` keeps Python identity semantics so tensors work in sets)."""
+        """Elementwise equality (the same as ``==``)."""
         return Tensor._wrap(self.data == _raw(other))
 
     def ne(self, other) -> "Tensor":

@@ -5,15 +5,18 @@ Every exchange goes through the axonmpi object collectives on the caller's group
 """
 from __future__ import annotations
 
+import re
 from typing import Any, List, Optional, Tuple
 
 from ..distributed.collectives import all_gather_object, broadcast_object
 from .format import CheckpointError
+from .runlock import FolderInUseError
 
 __all__ = ["describe", "agree", "share", "raise_from"]
 
 _SAME_TYPE = {c.__name__: c for c in (TypeError, ValueError, KeyError, FileExistsError, FileNotFoundError,
-                                       PermissionError, NotImplementedError, CheckpointError)}
+                                       PermissionError, NotImplementedError, CheckpointError,
+                                       FolderInUseError)}
 
 Outcome = Optional[Tuple[str, str]]  # None, or (exception type name, message)
 
@@ -31,8 +34,12 @@ def raise_from(outcomes: List[Outcome], error: Optional[BaseException], what: st
     if error is not None:
         raise error
     lines = "; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in bad)
-    cls = _SAME_TYPE.get(bad[0][1][0], CheckpointError)
-    raise cls(f"rank {g.rank}: {what} failed on group rank(s) {[r for r, _ in bad]}: {lines}")
+    text = f"rank {g.rank}: {what} failed on group rank(s) {[r for r, _ in bad]}: {lines}"
+    t, m = bad[0][1]
+    code = re.match(r"\[Errno (\d+)\]", m)
+    if t == "OSError" and code:        # a full disk (ENOSPC) on one rank is an OSError with its errno everywhere
+        raise OSError(int(code.group(1)), text)
+    raise _SAME_TYPE.get(t, CheckpointError)(text)
 
 
 def agree(g, error: Optional[BaseException], what: str) -> None:

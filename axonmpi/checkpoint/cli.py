@@ -1,4 +1,4 @@
-"""``axonmpi ckpt inspect|verify|consolidate`` (also ``python -m axonmpi.checkpoint``).
+"""``axonmpi ckpt inspect|verify|consolidate|export`` (also ``python -m axonmpi.checkpoint``).
 
 Every command that reads array data verifies each block's checksum before using it;
 ``inspect`` reads no array data but checks that every shard file exists and is long enough.
@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import List, Optional
 
 import numpy as np
@@ -19,7 +18,8 @@ from .index import write_entry_view
 from .read import CheckpointReader
 from .manager import list_run_folder
 
-__all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate"]
+__all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate", "export",
+           "create_temporary"]
 
 
 def _size(n: float) -> str:
@@ -151,7 +151,9 @@ def verify(path: str, as_json: bool = False, out=None) -> int:
 def consolidate(path: str, out_path: str, force: bool = False) -> int:
     """Write every entry of a checkpoint into one plain HDF5 file of full arrays.
 
-    Every block is verified before it is written; on any error (a corrupt block, a missing
+    Arrays saved flattened by FSDP/ZeRO are written in their own shape (the entry's
+    ``view_shape``). The file is created with the mode the umask gives a new file (as ``open``
+    does), so a group-readable umask shares it. Every block is verified before it is written; on any error (a corrupt block, a missing
     shard, a full disk) the partial output is removed and ``out_path`` is left as it was.
 
     Returns:
@@ -160,9 +162,7 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
     import h5py
     if os.path.exists(out_path) and not force:
         raise FileExistsError(f"{out_path} exists (pass --force to replace it)")
-    directory = os.path.dirname(os.path.abspath(out_path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out_path) + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = create_temporary(out_path)
     try:
         with CheckpointReader(path) as r, h5py.File(tmp, "w") as f:
             for k, v in r.attrs.items():
@@ -171,9 +171,9 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
             f.attrs["consolidated_from"] = os.path.abspath(r.path)
             for e in r.manifest.entries:
                 if e.kind == "array":
-                    ds = f.create_dataset(e.name, shape=e.shape, dtype=np.dtype(e.dtype))
-                    if e.nbytes:
-                        ds[...] = r.read_block(e, (0,) * len(e.shape), e.shape)  # verified blocks only
+                    ds = f.create_dataset(e.name, shape=e.full_shape, dtype=np.dtype(e.dtype))
+                    if e.nbytes:  # verified blocks only
+                        ds[...] = r.read_block(e, (0,) * len(e.shape), e.shape).reshape(e.full_shape)
                     ds.attrs["axonmpi_type"] = e.pytype
                 else:
                     write_entry_view(f, e, h5py)
@@ -187,8 +187,44 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
     return 0
 
 
+def create_temporary(out_path: str) -> str:
+    """Create an empty temporary file beside ``out_path`` with the umask's mode (0666 & ~umask).
+
+    ``tempfile.mkstemp`` always gives 0600, which keeps an exported model from colleagues on a
+    shared cluster; ``os.open`` with 0o666 applies the umask as any new file would get.
+    """
+    directory = os.path.dirname(os.path.abspath(out_path))
+    for _ in range(100):
+        tmp = os.path.join(directory, f"{os.path.basename(out_path)}.{os.urandom(6).hex()}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file beside {out_path}")
+
+
+def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = "5GB",
+           dtype: Optional[str] = None, prefix: Optional[str] = None, stream=None) -> int:
+    """``axonmpi ckpt export CKPT OUT --format safetensors``: the model state as safetensors files.
+
+    Full shapes under the serial ``state_dict`` names, streamed block by block, HF-style shards
+    with ``model.safetensors.index.json`` above ``max_shard_size`` (see
+    :func:`axonmpi.checkpoint.export_safetensors`).
+
+    Returns:
+        0 on success.
+    """
+    from .safetensors_io import export_safetensors
+    if fmt != "safetensors":
+        raise ValueError(f"--format {fmt!r}: the export formats are: safetensors")
+    written = export_safetensors(path, out, max_shard_size=max_shard_size, dtype=dtype, prefix=prefix)
+    (stream or sys.stdout).write("".join(f"wrote {p}\n" for p in written))
+    return 0
+
+
 def add_commands(sub) -> None:
-    """Add the ``inspect``, ``verify`` and ``consolidate`` commands to an argparse subparsers object."""
+    """Add the ``inspect``, ``verify``, ``consolidate`` and ``export`` commands to an argparse subparsers object."""
     p = sub.add_parser("inspect", help="list a checkpoint's entries, shapes, dtypes, shards, bytes and step; "
                                        "report missing or short shard files")
     p.add_argument("path", help="checkpoint directory (or its index.h5)")
@@ -204,21 +240,31 @@ def add_commands(sub) -> None:
     p.add_argument("out", help="output .h5 file")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=lambda a: consolidate(a.path, a.out, a.force))
+    p = sub.add_parser("export", help="write a checkpoint's model as safetensors (full shapes, serial names, "
+                                      "HF-style shards with model.safetensors.index.json)")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("out", help="output directory (or a single .safetensors file)")
+    p.add_argument("--format", default="safetensors", choices=["safetensors"], help="output format")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per file, e.g. 5GB (10^9) or 500MiB")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp64"],
+                   help="cast floating tensors (default: keep each tensor's dtype)")
+    p.add_argument("--prefix", default=None, help="state key holding the model (default: 'model' if present)")
+    p.set_defaults(func=lambda a: export(a.path, a.out, a.format, a.max_shard_size, a.dtype, a.prefix))
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
     """Register ``ckpt`` (with ``inspect``/``verify``/``consolidate``) on a top-level CLI; run it with ``args.func(args)``."""
-    p = subparsers.add_parser("ckpt", help="inspect, verify or consolidate axonmpi checkpoints",
+    p = subparsers.add_parser("ckpt", help="inspect, verify, consolidate or export axonmpi checkpoints",
                               description="Inspect, verify or consolidate axonmpi sharded HDF5 checkpoints.")
-    add_commands(p.add_subparsers(dest="ckpt_command", required=True, metavar="{inspect,verify,consolidate}"))
+    add_commands(p.add_subparsers(dest="ckpt_command", required=True, metavar="{inspect,verify,consolidate,export}"))
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m axonmpi.checkpoint {inspect,verify,consolidate} ...``."""
+    """``python -m axonmpi.checkpoint {inspect,verify,consolidate,export} ...``."""
     parser = argparse.ArgumentParser(prog="python -m axonmpi.checkpoint",
                                      description="Inspect, verify or consolidate axonmpi sharded HDF5 checkpoints.")
-    add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,consolidate}"))
+    add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,consolidate,export}"))
     args = parser.parse_args(argv)
     from ..log import run_main
     return run_main(args.func, args)  # one "error: ..." line, quiet on a closed pipe

@@ -215,10 +215,16 @@ class Entry:
     shape: Tuple[int, ...] = ()
     value: Any = None
     pieces: List["Piece"] = field(default_factory=list)
+    view_shape: Optional[Tuple[int, ...]] = None  # stored flattened (FSDP/ZeRO): the array's own shape
 
     @property
     def name(self) -> str:
         return key_name(self.keys)
+
+    @property
+    def full_shape(self) -> Tuple[int, ...]:
+        """The array's own shape: ``view_shape`` for a flattened parameter, else the stored ``shape``."""
+        return tuple(self.view_shape) if self.view_shape is not None else tuple(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -230,14 +236,17 @@ class Entry:
         d = {"keys": list(self.keys), "kind": self.kind, "pytype": self.pytype}
         if self.kind == "array":
             d.update(dtype=self.dtype, shape=list(self.shape))
+            if self.view_shape is not None:
+                d["view_shape"] = list(self.view_shape)
         else:
             d["value"] = self.value
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Entry":
+        vs = d.get("view_shape")
         return cls(tuple(d["keys"]), d["kind"], d["pytype"], d.get("dtype"), tuple(d.get("shape", ())),
-                   d.get("value"))
+                   d.get("value"), view_shape=None if vs is None else tuple(vs))
 
 
 @dataclass

@@ -8,20 +8,40 @@ All exchanges are axonmpi collectives on the group (checked in debug mode).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional
 
 import numpy as np
 
 from .. import backend as _be
+from .. import trace as _trace
 from ..distributed.sharding import ShardedArray
 from .agree import agree, share
 from .format import INDEX_NAME, CheckpointError, Entry, flatten, key_name, unflatten
 from .index import read_index
 from .read import CheckpointReader, resolve_path
 
-__all__ = ["load"]
+__all__ = ["load", "LegacyChecksumWarning"]
 
 
+class LegacyChecksumWarning(UserWarning):
+    """A format-1 checkpoint was loaded: its pagesum64 block checksum misses some damage."""
+
+
+# one warning per process, whatever the path (the message names no path, so "once" matches it)
+warnings.filterwarnings("once", category=LegacyChecksumWarning)
+
+
+def _warn_format_1(manifest, path) -> None:
+    if int(manifest.attrs.get("format_version", 2)) >= 2:
+        return
+    warnings.warn(LegacyChecksumWarning(
+        f"{os.path.dirname(path) or '.'}/...: format-1 checkpoints are verified with the old axonmpi.pagesum64 checksum, which misses some damage "
+        "(a swap of two 8-byte words passes it); re-save them to get xxh3_64 checksums: "
+        "axonmpi.checkpoint.save(NEW_PATH, axonmpi.checkpoint.load(OLD_PATH))"), stacklevel=3)
+
+
+@_trace.traced("checkpoint.load", "checkpoint")
 def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *, strict: bool = True,
          cast: bool = False, verify: bool = True) -> dict:
     """Load a checkpoint into this rank's current layout, whatever layout it was saved from.
@@ -32,7 +52,8 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
 
     * a :class:`ShardedArray` leaf gets its block ``global[offsets : offsets+local.shape]``
       filled in place (any saved sharding, any saved world size);
-    * a NumPy/CuPy array leaf gets the full array, in place (shapes must match);
+    * a NumPy/CuPy array leaf gets the full array, in place (shapes must match, or the leaf has
+      the ``view_shape`` of an entry FSDP/ZeRO saved flattened);
     * a ``None`` leaf gets the saved value or full array; an empty-dict leaf gets everything
       saved under that key (e.g. an optimizer's not-yet-created ``state``);
     * any other leaf (scalar, str, list) is replaced by the saved value.
@@ -71,6 +92,8 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
         except Exception as e:
             err = e
     real, manifest = share(g, payload, err, f"load of {path}")
+    if g.rank == 0:
+        _warn_format_1(manifest, real)
     result, err = None, None
     try:
         with CheckpointReader(real, manifest, verify=verify) as reader:
@@ -144,7 +167,9 @@ def _fill_one(reader: CheckpointReader, e: Entry, leaf: Any, cast: bool) -> Any:
             )
     else:
         target, off, shp = leaf, (0,) * len(e.shape), e.shape
-        if tuple(leaf.shape) != e.shape:
+        if tuple(leaf.shape) != e.shape and tuple(leaf.shape) == e.full_shape and leaf.flags.c_contiguous:
+            target = leaf.reshape(e.shape)   # saved flattened (FSDP/ZeRO): a view, so filled in place
+        elif tuple(leaf.shape) != e.shape:
             raise CheckpointError(f"entry {e.name!r}: saved shape {e.shape}, template shape {tuple(leaf.shape)} (changed shape)")
     dt = np.dtype(e.dtype)
     if target.dtype != dt and not cast:

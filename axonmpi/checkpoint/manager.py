@@ -1,16 +1,24 @@
 """CheckpointManager: numbered checkpoints in one directory, saved every N steps, the last K kept."""
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import re
 import shutil
 import json
 import sys
+import threading
 import time
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
+from .. import backend as _be
+from ..distributed.sharding import ShardedArray
+from .format import CheckpointError, flatten, unflatten
 from .io import is_checkpoint, load, save
+from .runlock import RunLock
 
 __all__ = ["CheckpointManager", "list_run_folder"]
 
@@ -24,6 +32,14 @@ class CheckpointManager:
     so at least one complete checkpoint survives any crash, and the checkpoint just written is
     never pruned (even when the directory holds later steps of another run: pruning then removes
     the oldest of those others and logs a warning).
+
+    The first :meth:`save` or :meth:`clear` (or :meth:`acquire`) takes the folder's run lock
+    (:class:`~axonmpi.checkpoint.runlock.RunLock`): a second job saving into the same folder is
+    refused with a message naming the first. Holding it, a save also removes the ``.tmp-*``
+    leftovers of saves that died (no other job can own them). ``save(..., async_save=True)``
+    copies the state to host buffers (reused from save to save), returns, and writes in a
+    background thread over a communicator of its own; the next save, :meth:`wait` or the end of
+    the process waits for it.
 
     Args:
         directory: where checkpoints live (created on first save).
@@ -55,6 +71,12 @@ class CheckpointManager:
         self.prefix = prefix
         self.group = group
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
+        self._lock = RunLock(self.directory)
+        self._locked = False             # acquire() succeeded on every rank of the group
+        self._thread: Optional[threading.Thread] = None
+        self._async_result: Tuple[Optional[str], Optional[BaseException]] = (None, None)
+        self._async_group = None         # a duplicate of the group for the background writes
+        self._buffers: Dict[Tuple, np.ndarray] = {}   # host copies of the arrays, reused across async saves
 
     def path_for(self, step: int) -> str:
         """The directory of the checkpoint for ``step``."""
@@ -87,16 +109,121 @@ class CheckpointManager:
         """True when ``every_steps`` divides ``step`` (and ``step > 0``)."""
         return self.every_steps is not None and int(step) > 0 and int(step) % self.every_steps == 0
 
-    def save(self, step: int, state: dict, **kw) -> str:
-        """Save ``state`` as the checkpoint for ``step`` (collective), then prune; returns its path.
+    @property
+    def run_id(self) -> str:
+        """The id of this run recorded in the folder's lock file (shared by the managers of one process)."""
+        return self._lock.run_id
 
-        Keyword arguments go to :func:`axonmpi.checkpoint.save`.
+    def acquire(self) -> None:
+        """Take the folder's run lock on group rank 0 (collective; idempotent).
+
+        Raises :class:`~axonmpi.checkpoint.runlock.FolderInUseError` on every rank, naming the job
+        that holds the folder, when another running job does.
         """
         from ..distributed import resolve_group
-        path = save(self.path_for(step), state, self.group, **kw)
-        if resolve_group(self.group).rank == 0:
-            self._prune(keep_step=int(step))
+        from .agree import share
+        if self._locked:
+            return
+        g = resolve_group(self.group)
+        err = None
+        if g.rank == 0:
+            try:
+                self._lock.acquire()
+            except Exception as e:
+                err = e
+        self._lock.run_id = share(g, self._lock.run_id, err, f"lock of {self.directory}")
+        self._locked = True
+
+    def release(self) -> None:
+        """Wait for a background save, then drop the run lock (rank 0 of the group; not collective)."""
+        self.wait()
+        self._lock.release()
+        self._locked = False
+
+    def save(self, step: int, state: dict, *, async_save: bool = False, **kw) -> str:
+        """Save ``state`` as the checkpoint for ``step`` (collective), then prune; returns its path.
+
+        A save in flight from an earlier ``async_save=True`` is waited for first (its error, if it
+        failed, is raised here). Keyword arguments go to :func:`axonmpi.checkpoint.save`.
+
+        Args:
+            step: the step number in the directory name.
+            state: the nested dict to save (see :func:`axonmpi.checkpoint.save`).
+            async_save: copy the arrays to host buffers, start the write in a background thread and
+                return at once; the checkpoint appears at the returned path when the write ends
+                (:meth:`wait` blocks until then). The arrays of ``state`` may change as soon as this
+                returns. A crash during the background write leaves the previous checkpoint intact.
+        """
+        from ..distributed import resolve_group
+        self.wait()
+        self.acquire()
+        g = resolve_group(self.group)
+        path = self.path_for(step)
+        if not async_save:
+            save(path, state, self.group, **kw)
+            if g.rank == 0:
+                self._prune(keep_step=int(step))
+            return path
+        if self._async_group is None:   # collective, on the calling thread, once
+            self._async_group = g.world.split(0, parent=g, name=f"checkpoint-async:{self.directory}")
+        staged = self._stage(state, g.rank)
+        self._async_result = (None, None)
+        self._thread = threading.Thread(target=self._write_async, args=(path, staged, int(step), kw),
+                                        name=f"axonmpi-ckpt-save-{int(step)}", daemon=False)
+        self._thread.start()
         return path
+
+    def wait(self) -> Optional[str]:
+        """Block until a background save is complete; return its path (None: none was pending).
+
+        Raises the background save's error (on every rank: the save agrees on failures).
+        """
+        t = self._thread
+        if t is None:
+            return None
+        t.join()
+        self._thread = None
+        path, err = self._async_result
+        self._async_result = (None, None)
+        if err is not None:
+            raise err
+        return path
+
+    @property
+    def pending(self) -> bool:
+        """True while a background save is being written."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _stage(self, state: dict, rank: int) -> dict:
+        """``state`` with every array copied into this manager's host buffers (allocated once per key)."""
+        items = []
+        for keys, leaf in flatten(state, rank):
+            arr = leaf.local if isinstance(leaf, ShardedArray) else leaf
+            if isinstance(arr, np.ndarray) or _be.is_cupy_array(arr):
+                buf = self._buffers.get(keys)
+                if buf is None or buf.shape != arr.shape or buf.dtype != arr.dtype:
+                    buf = self._buffers[keys] = (np.empty(arr.shape, arr.dtype) if isinstance(arr, np.ndarray)
+                                                 else _be.empty_pinned(arr.size, arr.dtype).reshape(arr.shape))
+                if isinstance(arr, np.ndarray):
+                    np.copyto(buf, arr)
+                else:
+                    arr.get(out=buf)
+                leaf = ShardedArray(buf, leaf.global_shape, leaf.offsets) if isinstance(leaf, ShardedArray) else buf
+            else:
+                leaf = copy.deepcopy(leaf)   # lists and dicts the caller may change while the write runs
+            items.append((keys, leaf))
+        return unflatten(items)
+
+    def _write_async(self, path: str, staged: dict, step: int, kw: dict) -> None:
+        try:
+            save(path, staged, self._async_group, **kw)
+            if self._async_group.rank == 0:
+                self._prune(keep_step=step)
+            self._async_result = (path, None)
+        except BaseException as e:   # kept for wait(), which raises it on the training thread
+            from ..log import get_logger
+            get_logger(__name__).error("background save to %s failed: %s: %s", path, type(e).__name__, e)
+            self._async_result = (None, e)
 
     def clear(self) -> List[int]:
         """Delete every checkpoint of this manager's directory (rank 0 of ``group``; collective).
@@ -104,6 +231,8 @@ class CheckpointManager:
         For a fresh run that was told to overwrite an old one. Returns the steps removed.
         """
         from ..distributed import broadcast_object, resolve_group
+        self.wait()
+        self.acquire()
         g = resolve_group(self.group)
         removed = []
         if g.rank == 0:
@@ -112,18 +241,57 @@ class CheckpointManager:
                 shutil.rmtree(self.path_for(s), ignore_errors=True)
         return broadcast_object(removed, group=g)  # the others wait here until rank 0 is done
 
-    def load_latest(self, state: Optional[dict] = None, **kw) -> Optional[dict]:
+    def load_latest(self, state: Optional[dict] = None, *, fallback: bool = True, **kw) -> Optional[dict]:
         """Load the newest checkpoint (collective); None when there is none.
 
-        Keyword arguments go to :func:`axonmpi.checkpoint.load`.
+        With ``fallback`` (default), a checkpoint that fails to load with a
+        :class:`~axonmpi.checkpoint.CheckpointError` (damaged: a checksum mismatch, a truncated or
+        missing file) is renamed ``<path>.damaged`` (kept for inspection, no longer "latest"),
+        a warning says so, and the next older one is tried. Keyword arguments go to
+        :func:`axonmpi.checkpoint.load`.
+        """
+        out = self.load_newest_intact(lambda path: load(path, state, self.group, **kw), fallback=fallback)
+        return None if out is None else out[1]
+
+    def load_newest_intact(self, load_fn, *, fallback: bool = True):
+        """``(step, load_fn(path))`` for the newest checkpoint ``load_fn`` reads without a CheckpointError.
+
+        Collective over the group. Each damaged checkpoint met on the way is moved aside to
+        ``<path>.damaged`` with a warning naming it and the error (never deleted); with
+        ``fallback=False`` the first error is raised instead. None when there is no checkpoint.
         """
         from ..distributed import broadcast_object, resolve_group
+        from ..log import get_logger
         g = resolve_group(self.group)
-        path = self.latest() if g.rank == 0 else None
-        path = broadcast_object(path, group=g)
-        if path is None:
-            return None
-        return load(path, state, g, **kw)
+        log = get_logger(__name__, rank0_only=True)
+        steps = broadcast_object(self.steps() if g.rank == 0 else None, group=g)
+        for i, step in enumerate(reversed(steps)):
+            path = self.path_for(step)
+            try:
+                return step, load_fn(path)
+            except CheckpointError as e:   # raised on every rank (load agrees on failures)
+                if not fallback:
+                    raise
+                older = steps[-2 - i] if i + 1 < len(steps) else None
+                aside = self._set_aside(path, g)
+                log.warning("checkpoint %s is damaged (%s); moved it to %s and %s", path, e, aside,
+                            f"falling back to step {older}" if older is not None else
+                            "no older checkpoint is left: starting fresh")
+        return None
+
+    def _set_aside(self, path: str, g) -> str:
+        """Rename a damaged checkpoint to ``<path>.damaged[-N]`` (group rank 0; collective)."""
+        from ..distributed import broadcast_object
+        aside = None
+        if g.rank == 0:
+            aside, n = f"{path}.damaged", 1
+            while os.path.lexists(aside):
+                aside, n = f"{path}.damaged-{n}", n + 1
+            try:
+                os.rename(path, aside)
+            except OSError as e:
+                aside = f"(not moved: {e})"
+        return broadcast_object(aside, group=g)
 
     def _prune(self, keep_step: int) -> None:
         """Remove checkpoints beyond ``keep_last`` and leftovers of crashed saves (rank 0)."""
@@ -140,12 +308,16 @@ class CheckpointManager:
             # oldest-step first until keep_last remain
             n_drop = max(0, len(others) + 1 - self.keep_last)
             doomed = [self.path_for(s) for s in others[:n_drop]]
-        # leftovers of crashed saves: only where the checkpoint they belong to is complete or doomed
-        # (after a crash between the two renames of a non-atomic replace, <p>.old-* is the only copy)
+        # leftovers of crashed saves. .tmp-*: this run holds the folder's lock and its own save is
+        # committed, so every .tmp-* is from a save that died. .old-*: only where the checkpoint it
+        # belongs to is complete or doomed (after a crash between the two renames of a non-atomic
+        # replace, <p>.old-* is the only copy)
         for pat in (".tmp-*", ".old-*"):
             for left in glob.glob(os.path.join(glob.escape(self.directory), glob.escape(self.prefix) + "*" + pat)):
                 base = left[:left.rindex(pat[:-1])]
-                if is_checkpoint(base) or base in doomed:
+                if (pat == ".tmp-*" and self._lock.held) or is_checkpoint(base) or base in doomed:
+                    if pat == ".tmp-*":
+                        log.info("removing %s, left by a save that did not finish", left)
                     doomed.append(left)
         for p in doomed:
             try:
@@ -154,6 +326,12 @@ class CheckpointManager:
                 pass
             except OSError as e:  # never fail a save because an old checkpoint could not go
                 log.warning("could not remove old checkpoint %s: %s", p, e)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, keep_last={self.keep_last}, "

@@ -48,6 +48,7 @@ class EntryPlan(NamedTuple):
     block: Optional[Block] = None
     value: Any = None
     digest: Optional[int] = None
+    view_shape: Optional[Tuple[int, ...]] = None  # a flattened array's own shape (ShardedArray.view_shape)
 
     @property
     def signature(self) -> Tuple:
@@ -103,10 +104,10 @@ def plan_state(state: dict, rank: int, debug: bool = False) -> Tuple[List[EntryP
         where = f"state[{']['.join(repr(k) for k in keys)}]"
         if isinstance(v, ShardedArray):
             arr, pytype, block = v.local, "sharded", Block(v.offsets, v.local_shape)
-            shape = v.global_shape
+            shape, view = v.global_shape, v.view_shape
         elif isinstance(v, (np.ndarray, np.generic)) or _be.is_cupy_array(v):
             arr, pytype, block = v, ("npscalar" if isinstance(v, np.generic) else "ndarray"), None
-            shape = tuple(int(s) for s in np.shape(v))
+            shape, view = tuple(int(s) for s in np.shape(v)), None
         else:
             pytype, value = encode_value(v, where, rank)
             plans.append(EntryPlan(name, keys, "value", pytype, None, (), value=value))
@@ -119,7 +120,7 @@ def plan_state(state: dict, rank: int, debug: bool = False) -> Tuple[List[EntryP
             )
         digest = xxh3_64(host_array(arr).reshape(-1).view(np.uint8)) if block is None else None
         arrays[name] = arr
-        plans.append(EntryPlan(name, keys, "array", pytype, dt.str, shape, block, None, digest))
+        plans.append(EntryPlan(name, keys, "array", pytype, dt.str, shape, block, None, digest, view))
     return plans, arrays
 
 
@@ -220,7 +221,7 @@ def assign(plans: List[List[EntryPlan]], collective: bool = False) -> WritePlan:
                      block_rows(b.shape, np.dtype(e.dtype).itemsize), [])
 
     for i, p in enumerate(plans[0]):
-        e = Entry(tuple(p.keys), p.kind, p.pytype, p.dtype, tuple(p.shape), p.value)
+        e = Entry(tuple(p.keys), p.kind, p.pytype, p.dtype, tuple(p.shape), p.value, view_shape=p.view_shape)
         entries.append(e)
         if p.kind != "array" or _size(p.shape) == 0:
             continue

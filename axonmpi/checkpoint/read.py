@@ -309,14 +309,18 @@ class CheckpointReader:
             )
 
     def to_dict(self) -> dict:
-        """Everything as a nested dict of full arrays and values (every block verified)."""
+        """Everything as a nested dict of full arrays and values (every block verified).
+
+        Arrays saved flattened with a ``view_shape`` (FSDP/ZeRO parameters and optimizer state)
+        come back in that shape.
+        """
         return unflatten([(e.keys, self._full(e)) for e in self.manifest.entries])
 
     def _full(self, e: Entry) -> Any:
         if e.kind != "array":
             return self.value(e)
         res = self.read_block(e, (0,) * len(e.shape), e.shape)
-        return res[()] if e.pytype == "npscalar" else res
+        return res[()] if e.pytype == "npscalar" else res.reshape(e.full_shape)
 
     # -- integrity --
     def file_problems(self) -> List[Problem]:

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, NamedTuple, Tuple
 
 import numpy as np
 
+from .. import trace as _trace
 from ..distributed.collectives import all_gather_object, barrier, broadcast_object, gather_object
 from ..distributed.sharding import ShardedArray
 from .agree import describe, raise_from, share
@@ -170,6 +171,7 @@ def _commit(tmp: str, path: str, rank: int, fsync: bool = True) -> None:
 
 
 # -- save ----------------------------------------------------------------------------------------
+@_trace.traced("checkpoint.save", "checkpoint")
 def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool = True,
          fsync: bool = True, collective: bool = False) -> str:
     """Save ``state`` from every rank of ``group`` to the checkpoint directory ``path``.
@@ -249,7 +251,8 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
             if collective:
                 written = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
             elif jobs:
-                written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
+                with _trace.span("checkpoint.write_shard", "checkpoint"):
+                    written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
             _fault("after_shard", rank)
         except Exception as e:
             err = e

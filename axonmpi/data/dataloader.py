@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numbers
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -59,6 +61,15 @@ class DataLoader:
         collate_fn: turns a list of samples into a batch (default: :func:`default_collate`).
         sampler: iterable of indices that fixes the order (e.g. a distributed
             sampler); its ``set_epoch`` is called by :meth:`set_epoch`.
+        num_workers: background threads that fetch and collate batches ahead of the loop
+            (0: in the calling thread). Batches come in the same order with the same contents
+            as with 0 workers; NumPy indexing, file reads and decompression release the GIL,
+            so loading overlaps the step. A Python-heavy ``__getitem__`` gains less than with
+            PyTorch's worker processes.
+        pin_memory: accepted for PyTorch code; NumPy batches are already in host memory that
+            the MPI and CuPy copies read directly, so it changes nothing.
+        prefetch_factor: batches fetched ahead per worker (default 2; only with workers).
+        persistent_workers: keep the worker threads between passes (only with workers).
 
     Example:
         >>> dl = DataLoader(TensorDataset(np.arange(10)), batch_size=4, shuffle=True)
@@ -75,6 +86,10 @@ class DataLoader:
         drop_last: bool = False,
         collate_fn: Optional[Callable[[list], Any]] = None,
         sampler: Optional[Iterable[int]] = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -82,6 +97,18 @@ class DataLoader:
             raise ValueError("shuffle=True cannot be combined with a sampler; the sampler fixes the order")
         if not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral) or num_workers < 0:
+            raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
+        if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
+            raise ValueError(f"prefetch_factor={prefetch_factor!r} and persistent_workers={persistent_workers!r} "
+                             "need num_workers > 0 (as in PyTorch); leave them out for in-thread loading")
+        if prefetch_factor is not None and (not isinstance(prefetch_factor, numbers.Integral) or prefetch_factor < 1):
+            raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}")
+        self.num_workers = int(num_workers)
+        self.pin_memory = bool(pin_memory)
+        self.prefetch_factor = 2 if prefetch_factor is None and num_workers else prefetch_factor
+        self.persistent_workers = bool(persistent_workers)
+        self._pool: Optional[ThreadPoolExecutor] = None
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
@@ -125,14 +152,46 @@ class DataLoader:
         collate = self.collate_fn or default_collate
         n, bs = len(order), self.batch_size
         stop = n - n % bs if self.drop_last else n
-        for start in range(0, stop, bs):
-            idx = order[start:start + bs]
-            if fetch is not None:
-                yield fetch(idx)
-            else:
-                yield collate([self.dataset[int(i)] for i in idx])
+
+        def load(idx):
+            return fetch(idx) if fetch is not None else collate([self.dataset[int(i)] for i in idx])
+
+        if not self.num_workers:
+            for start in range(0, stop, bs):
+                yield load(order[start:start + bs])
+            return
+        yield from self._background(load, [order[s:s + bs] for s in range(0, stop, bs)])
+
+    def _background(self, load, chunks) -> Iterator[Any]:
+        """Batches from worker threads, in order, at most ``num_workers * prefetch_factor`` ahead."""
+        pool = self._pool or ThreadPoolExecutor(self.num_workers, thread_name_prefix="axonmpi-loader")
+        if self.persistent_workers:
+            self._pool = pool
+        ahead, pending = self.num_workers * self.prefetch_factor, deque()
+        it = iter(chunks)
+        try:
+            for idx in it:
+                pending.append(pool.submit(load, idx))
+                if len(pending) >= ahead:
+                    break
+            while pending:
+                batch = pending.popleft().result()   # a worker's exception is raised here
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append(pool.submit(load, nxt))
+                yield batch
+        finally:
+            for f in pending:
+                f.cancel()
+            if not self.persistent_workers:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def __del__(self):
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def __repr__(self) -> str:
         return (f"DataLoader(dataset={type(self.dataset).__name__}(len={len(self.dataset)}), "
                 f"batch_size={self.batch_size}, shuffle={self.shuffle}, seed={self.seed}, "
-                f"drop_last={self.drop_last}, epoch={self.epoch})")
+                f"drop_last={self.drop_last}, epoch={self.epoch}, num_workers={self.num_workers})")

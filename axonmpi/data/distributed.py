@@ -156,8 +156,9 @@ def _replicas(group) -> Tuple[int, int]:
     return g.size, g.rank
 
 
-def create_dataloader(dataset: Any, global_batch_size: int, group=None, *, shuffle: bool = True, seed: int = 0,
-                      drop_last: bool = True, collate_fn=None) -> DataLoader:
+def create_dataloader(dataset: Any, global_batch_size: int, micro_batch_size: Optional[int] = None,
+                      num_workers: int = 0, group=None, *, shuffle: bool = True, seed: int = 0,
+                      drop_last: bool = True, collate_fn=None, **loader_options) -> DataLoader:
     """A DataLoader whose batches, over all data-parallel replicas together, form ``global_batch_size``.
 
     The replicas: with ``group=None``, the process grid's data x depth ranks, as AxoNN does —
@@ -167,6 +168,14 @@ def create_dataloader(dataset: Any, global_batch_size: int, group=None, *, shuff
     rank. Each replica loads ``global_batch_size // num_replicas`` samples per step from its
     :class:`DistributedSampler` share (the batch size you give is the global one). The sampler
     is available as ``loader.sampler``.
+
+    AxoNN's positional order ``create_dataloader(dataset, global_batch_size, micro_batch_size,
+    num_workers)``: ``micro_batch_size`` (default: the whole per-replica batch) is the size of
+    the micro-batches each replica's batch is cut into, for gradient accumulation or for the
+    pipeline; it must divide the per-replica batch. It is kept as ``loader.micro_batch_size``
+    and ``loader.micro_batches`` (per-replica batch // micro_batch_size). ``num_workers`` and
+    the other DataLoader options (``pin_memory``, ``prefetch_factor``, ``persistent_workers``)
+    go to the :class:`DataLoader`.
 
     Raises:
         ValueError: if ``global_batch_size`` does not divide by the number of replicas.
@@ -192,7 +201,14 @@ def create_dataloader(dataset: Any, global_batch_size: int, group=None, *, shuff
             f"rank {me}: global_batch_size={global_batch_size} does not divide by {what} {n}; "
             f"use a multiple of {n} such as {max(lo, n)} or {lo + n}"
         )
+    per = global_batch_size // n
+    mb = per if micro_batch_size is None else micro_batch_size
+    if isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb < 1 or per % mb:
+        raise ValueError(f"rank {me}: micro_batch_size={micro_batch_size!r} must be a positive int dividing the "
+                         f"per-replica batch {per} (global_batch_size={global_batch_size} over {what} {n})")
     sampler = DistributedSampler(dataset, num_replicas=n, rank=r, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
-    return DataLoader(dataset, batch_size=global_batch_size // n, sampler=sampler, drop_last=drop_last,
-                      collate_fn=collate_fn)
+    loader = DataLoader(dataset, batch_size=per, sampler=sampler, drop_last=drop_last,
+                        collate_fn=collate_fn, num_workers=num_workers, **loader_options)
+    loader.micro_batch_size, loader.micro_batches = int(mb), per // int(mb)
+    return loader

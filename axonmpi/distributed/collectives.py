@@ -608,7 +608,7 @@ def scatter(chunks, src: int = 0, group: Optional[ProcessGroup] = None):
             bounds = np.cumsum([0] + sizes)
             chunks = [arr[bounds[i]:bounds[i + 1]] for i in range(g.size)]
         _check_dtype(g, chunks[0].dtype, "scatter")
-        meta = ([c.shape for c in chunks], chunks[0].dtype.str, _be.is_cupy_array(chunks[0]))
+        meta = ([c.shape for c in chunks], chunks[0].dtype, _be.is_cupy_array(chunks[0]))  # the dtype, not .str: bfloat16's is "<V2"
     if g.size > 1:
         meta = _host_backend(g).broadcast_object(meta, src)
     shapes, dtstr, on_dev = meta

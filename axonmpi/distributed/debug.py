@@ -75,12 +75,19 @@ def _rank_list(ranks: List[int]) -> str:
 def check_collective(group, name: str, **fields: Any) -> None:
     """Raise on every rank of ``group`` unless all ranks pass the same ``name`` and ``fields``.
 
+    The signature holds the group's call number and the caller's file:line, so a rank that
+    skipped a call and went on to another of the same shape from another line is caught there,
+    naming both lines. (A skip inside a loop pairs with the next pass of the same line; the
+    watchdog names it when the counts run out, see :mod:`axonmpi.distributed.watchdog`.)
     A rank that never arrives is reported after ``AXONMPI_DEBUG_TIMEOUT`` seconds (default
     300) by a :class:`CollectiveTimeoutError` on every rank that did, naming the missing
     world ranks, instead of a silent hang.
     """
+    import os
+    from .watchdog import call_site
+    file, line = call_site()
     desc = _describe(name, fields)
-    _exchange(group, desc, desc)
+    _exchange(group, f"{desc} call #{group._debug_seq} at {os.path.basename(file)}:{line}", desc)
 
 
 def check_same_object(group, obj: Any, what: str) -> None:

@@ -52,7 +52,7 @@ class ProcessGroup:
     """
 
     __slots__ = ("comm", "rank", "size", "ranks", "name", "world", "max_tag", "_index", "_backends", "_host",
-                 "_freed", "_debug_seq", "_debug_pending")
+                 "_freed", "_debug_seq", "_debug_pending", "_watched")
 
     def __init__(self, world: "World", comm: "Optional[MPI.Intracomm]", ranks: Sequence[int],
                  name: str = "group"):
@@ -69,6 +69,7 @@ class ProcessGroup:
         self._freed = False
         self._debug_seq = 0   # debug mode: checks made on this group (picks their message tags)
         self._debug_pending = []  # debug mode: sends of a timed-out check, kept until they complete
+        self._watched = None      # the WatchedComm its MPI backends share (per-group call numbers)
 
     # -- membership and rank translation -------------------------------------------------
     @property

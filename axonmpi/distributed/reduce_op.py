@@ -51,7 +51,7 @@ def mpi_op(op: ReduceOp, dtype: np.dtype, rank: int = -1):
     hit = _cache.get(key)
     if hit is not None:
         return hit
-    kind = dtype.kind
+    kind = "f" if dtype.name == "bfloat16" else dtype.kind  # ml_dtypes' bfloat16 is kind "V"
     where = f"rank {rank}: " if rank >= 0 else ""
     if kind == "b":
         if op is ReduceOp.MEAN:

@@ -104,15 +104,19 @@ class ShardedArray:
         local: the block (NumPy or CuPy array).
         global_shape: shape of the whole array.
         offsets: index of the block's first element in the global array (one int per axis).
+        view_shape: the array's logical shape when the global array is its flattened values
+            (FSDP and ZeRO shard parameters as 1-D ``(numel,)`` arrays; this records the
+            parameter's own shape, so checkpoints can give it back). ``None``: ``global_shape``.
 
     Example (4 ranks, a (10, 6) weight split along axis 0 → rows 3, 3, 2, 2):
         >>> sa = ShardedArray.from_chunks(local_rows, (10, 6), axis=0)
         >>> sa.offsets        # rank 2: (6, 0)
     """
 
-    __slots__ = ("local", "global_shape", "offsets")
+    __slots__ = ("local", "global_shape", "offsets", "view_shape")
 
-    def __init__(self, local: Any, global_shape: Sequence[int], offsets: Sequence[int]):
+    def __init__(self, local: Any, global_shape: Sequence[int], offsets: Sequence[int], *,
+                 view_shape: Optional[Sequence[int]] = None):
         if not hasattr(local, "shape") or not hasattr(local, "dtype"):
             local = np.asarray(local)
         gs = _as_shape(global_shape, "global_shape")
@@ -129,9 +133,14 @@ class ShardedArray:
                 f"ShardedArray: block of shape {ls} at offsets {off} does not fit in global shape {gs} "
                 f"(axes {bad})"
             )
+        vs = None if view_shape is None else _as_shape(view_shape, "view_shape")
+        if vs is not None and int(np.prod(vs, dtype=np.int64)) != int(np.prod(gs, dtype=np.int64)):
+            raise ValueError(f"ShardedArray: view_shape {vs} has {int(np.prod(vs, dtype=np.int64))} elements, "
+                             f"global shape {gs} has {int(np.prod(gs, dtype=np.int64))}; they must agree")
         self.local = local
         self.global_shape = gs
         self.offsets = off
+        self.view_shape = vs
 
     @classmethod
     def from_chunks(cls, local: Any, global_shape: Sequence[int], axis: int = 0, group=None, *,
@@ -327,10 +336,11 @@ class FlatLayout:
         for i, numel in enumerate(self.numels):
             s = segs.get(i)
             if s is None:
-                out.append(ShardedArray(to_host(chunk[:0]).copy(), (numel,), (0,)))
+                out.append(ShardedArray(to_host(chunk[:0]).copy(), (numel,), (0,), view_shape=self.shapes[i]))
             else:
                 piece = s.in_chunk(chunk)
-                out.append(ShardedArray(to_host(piece).copy(), (numel,), (s.param_start,)))
+                out.append(ShardedArray(to_host(piece).copy(), (numel,), (s.param_start,),
+                                        view_shape=self.shapes[i]))
         return out
 
     def __repr__(self) -> str:

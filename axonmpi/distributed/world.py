@@ -1,6 +1,8 @@
 """The World: every rank of the job, its node layout, device and groups; the one piece of global state."""
 from __future__ import annotations
 
+import numbers
+import os
 import sys
 import threading
 import time
@@ -39,8 +41,10 @@ class World:
     def __init__(self, comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
                  abort_on_exception: bool = True, G_inter: int = 1, G_data: Optional[int] = None,
                  G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, device: str = "auto",
-                 backend: str = "auto"):
+                 backend: str = "auto", timeout: Optional[float] = None):
         from .backends.nccl import BackendKind, nccl_available
+        if abort_on_exception:   # first: an error in the arguments below prints once, not once per rank
+            install_abort_on_exception(comm if comm is not None else MPI.COMM_WORLD)
         base = comm if comm is not None else MPI.COMM_WORLD
         sizes = resolve_grid_sizes(base.Get_size(), G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
                                    G_intra_c=G_intra_c, G_intra_d=G_intra_d, rank=base.Get_rank())
@@ -53,6 +57,13 @@ class World:
             debug = get_bool("AXONMPI_DEBUG")
         self.debug = bool(debug)
         self._destroyed = False
+        self.watchdog = None
+        timeout = _check_timeout(timeout, self.rank)
+        from ..env import get_bool, get_float, get_str
+        if self.world_size > 1 and get_bool("AXONMPI_WATCHDOG"):
+            from .watchdog import Watchdog
+            self.watchdog = Watchdog(self._comm, timeout=timeout, dump_dir=get_str("AXONMPI_FLIGHT_DIR"),
+                                     capacity=max(1, int(get_float("AXONMPI_FLIGHT_RECORDER_SIZE"))))
 
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = node.Get_rank()
@@ -73,6 +84,22 @@ class World:
         self.device = _bind_device(device, self.local_rank, self.rank)
         if self.device.type == "cuda":
             _devices.get_cupy().cuda.Device(self.device.index).use()
+        self.gpu_sharers = _ranks_sharing_a_gpu(self._comm, self.device, self.node_rank)
+        if self.gpu_sharers and self.backend is not BackendKind.MPI:
+            # [Note: ranks sharing a GPU] NCCL refuses two members of one communicator on the
+            # same device ("Duplicate GPU detected"), so device arrays go over MPI instead.
+            shared = ", ".join("+".join(map(str, g)) for g in self.gpu_sharers)
+            if self.backend is BackendKind.NCCL:
+                raise RuntimeError(
+                    f"rank {self.rank}: backend='nccl' but ranks {shared} share one GPU, and NCCL refuses "
+                    "two ranks of a communicator on one device. Give each rank its own GPU (srun "
+                    "--gpus-per-task=1, or one rank per GPU with mpiexec), or use backend='auto'/'mpi'")
+            self.backend = BackendKind.MPI
+            if self.rank == 0:
+                from ..log import get_logger
+                get_logger("axonmpi.world").warning(
+                    "ranks %s share a GPU: NCCL needs one GPU per rank, so CuPy arrays go over MPI "
+                    "(staged through pinned host memory unless the MPI is CUDA-aware)", shared)
         if self.backend is BackendKind.NCCL and not nccl_available():
             raise RuntimeError(
                 f"rank {self.rank}: backend='nccl' needs CuPy with NCCL and a GPU (pip install "
@@ -83,9 +110,9 @@ class World:
         from .launch import apply_launch_defaults
         apply_launch_defaults(self)  # one BLAS thread per rank on shared nodes; launcher/MPI mismatch
 
-        if abort_on_exception:
-            install_abort_on_exception(self._comm)
         self.grid = ProcessGrid(self, **sizes)
+        from ..trace import start_from_env
+        start_from_env(self.rank)
 
     @property
     def nccl_for_host_arrays(self) -> bool:
@@ -186,6 +213,8 @@ class World:
             g.free()
         self._groups.clear()
         self.default_group.free()  # frees self._comm, the World's duplicate of COMM_WORLD
+        if self.watchdog is not None:
+            self.watchdog.close()
         self._destroyed = True
 
     def __repr__(self) -> str:
@@ -194,17 +223,22 @@ class World:
                 f"device={self.device})")
 
 
-def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Optional[int] = None,
-         G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, debug: Optional[bool] = None,
-         abort_on_exception: bool = True, device: str = "auto", backend: str = "auto") -> World:
+def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = None, G_intra_r: int = 1,
+         G_intra_c: int = 1, G_intra_d: int = 1, *, G_inter: Optional[int] = None, debug: Optional[bool] = None,
+         abort_on_exception: bool = True, device: str = "auto", backend: str = "auto",
+         timeout: Optional[float] = None) -> World:
     """Create (once) and return the current :class:`World` and its :class:`ProcessGrid`.
 
     Idempotent: a later call with no grid sizes, or with the same grid, returns the same World;
     a later call asking for another grid raises. Works under ``mpiexec``/``srun`` and as a
     plain ``python script.py`` (a world of one).
 
+    Two call forms: ``init(comm)`` / ``init(G_inter=2, ...)``, and AxoNN's positional order
+    ``init(G_inter, G_data, G_intra_r=1, G_intra_c=1, G_intra_d=1)`` (an int first means G_inter).
+
     Args:
-        comm: the communicator to build the World on (default ``MPI.COMM_WORLD``).
+        comm: the communicator to build the World on (default ``MPI.COMM_WORLD``), or, as in
+            AxoNN, ``G_inter`` given positionally.
         G_inter, G_data, G_intra_r, G_intra_c, G_intra_d: AxoNN's grid sizes (pipeline, data,
             tensor row / column / depth). ``G_data=None`` takes what is left:
             ``world_size // (G_inter*G_intra_r*G_intra_c*G_intra_d)``. All defaults: pure data
@@ -220,6 +254,10 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
             (raises where NCCL is missing). Host arrays and object collectives always use MPI,
             except on the test stand-in (``AXONMPI_FAKE_NCCL=1``), where ``"nccl"`` routes
             host arrays through the NCCL backend as well.
+        timeout: seconds any collective or point-to-point wait may last before the watchdog
+            ends the job with a root-cause report (default ``AXONMPI_TIMEOUT``, 600). A later
+            ``init(timeout=...)`` or ``init(debug=...)`` changes the running World's value
+            (call it on every rank).
 
     Raises:
         ValueError: sizes that are not positive ints or whose product is not the world size
@@ -232,12 +270,23 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
         >>> print(world.rank, world.world_size, world.grid.coords)
     """
     global _WORLD
+    if isinstance(comm, numbers.Integral) and not isinstance(comm, bool):   # AxoNN: init(G_inter, G_data, ...)
+        if G_inter is not None:
+            raise TypeError(f"init: G_inter given twice (positionally as {comm} and as G_inter={G_inter})")
+        comm, G_inter = None, int(comm)
+    G_inter = 1 if G_inter is None else G_inter
     asked = dict(G_data=G_data, G_inter=G_inter, G_intra_r=G_intra_r, G_intra_c=G_intra_c,
                  G_intra_d=G_intra_d)
     if _WORLD is None or _WORLD._destroyed:
         _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception, device=device,
-                       backend=backend, **asked)
+                       backend=backend, timeout=timeout, **asked)
         return _WORLD
+    if debug is not None:
+        _WORLD.debug = bool(debug)
+    if timeout is not None:
+        t = _check_timeout(timeout, _WORLD.rank)
+        if _WORLD.watchdog is not None:
+            _WORLD.watchdog.timeout = t
     from .backends.nccl import BackendKind
     if backend != "auto" and BackendKind.coerce(backend) is not _WORLD.backend:
         raise ValueError(f"rank {_WORLD.rank}: axonmpi.init asked for backend={backend!r} but the World has "
@@ -255,6 +304,43 @@ def init(comm: Optional["MPI.Intracomm"] = None, *, G_inter: int = 1, G_data: Op
                 f"already has the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to "
                 "change it")
     return _WORLD
+
+
+def _ranks_sharing_a_gpu(comm, device, node_rank: int) -> List[tuple]:
+    """The groups of ranks (each of two or more) bound to the same physical GPU of one node.
+
+    Collective over ``comm``. GPUs are told apart by PCI bus id, so ranks that see the device under
+    different ``CUDA_VISIBLE_DEVICES`` numbers still compare equal. Empty on the CPU.
+    """
+    key = None
+    if device.type == "cuda":
+        key = (node_rank, _devices.get_cupy().cuda.runtime.deviceGetPCIBusId(device.index))
+    return gpu_sharers(comm.allgather(key))
+
+
+def gpu_sharers(keys) -> List[tuple]:
+    """Ranks grouped by equal GPU key (``None``: a CPU rank, never grouped); only groups of two or more.
+
+    Example:
+        >>> gpu_sharers([(0, "0000:1b"), (0, "0000:1b"), (0, "0000:3d"), None])
+        [(0, 1)]
+    """
+    by_gpu: dict = {}
+    for r, k in enumerate(keys):
+        if k is not None:
+            by_gpu.setdefault(k, []).append(r)
+    return [tuple(rs) for rs in by_gpu.values() if len(rs) > 1]
+
+
+def _check_timeout(timeout, rank: int) -> float:
+    """``timeout`` in seconds (``AXONMPI_TIMEOUT`` when None); a non-positive number raises."""
+    if timeout is None:
+        from ..env import get_float
+        return get_float("AXONMPI_TIMEOUT")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"rank {rank}: timeout={timeout!r} must be a number of seconds > 0 "
+                         "(e.g. axonmpi.init(timeout=600))")
+    return float(timeout)
 
 
 def _bind_device(device, local_rank: int, rank: int):
@@ -341,13 +427,20 @@ def role_group(role: str, group: Optional[ProcessGroup] = None) -> ProcessGroup:
 
 # -- fail loud: an uncaught exception on one rank ends the whole job ----------------------
 _HOOK_INSTALLED = False
+_INTERRUPTED = 130   # the shell's exit code for a job ended by SIGINT (Ctrl-C)
 
 
 def install_abort_on_exception(comm: "MPI.Comm") -> None:
     """Make an uncaught exception on any rank print its traceback and ``MPI_Abort`` the job.
 
     Without this, the other ranks would wait forever in their next collective. Only installed
-    when the job has more than one rank.
+    when the job has more than one rank. Also:
+
+    * Ctrl-C (``KeyboardInterrupt``) ends every rank with exit 130 and one line, no traceback;
+    * exceptions Python reports as "ignored" (the unraisable hook, or a library calling
+      ``sys.excepthook`` itself from running code) are printed and do not end the job;
+    * ``os._exit(0)`` on a rank while its World is alive exits 1 instead: the launcher would
+      otherwise kill the other ranks and may report the job as a success.
     """
     global _HOOK_INSTALLED
     if _HOOK_INSTALLED or comm.Get_size() == 1:
@@ -356,29 +449,42 @@ def install_abort_on_exception(comm: "MPI.Comm") -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     prev_hook = sys.excepthook
 
+    def _say(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        # the launcher forwards our stderr asynchronously; MPI_Abort right away can kill the job
+        # before the report reaches the user's terminal on a loaded node
+        time.sleep(0.5)
+
     def _abort(exc_type, exc, tb, where="") -> None:
+        code = 1
         try:
             sys.stdout.flush()
+            if issubclass(exc_type, KeyboardInterrupt):
+                code = _INTERRUPTED   # every rank gets SIGINT from the launcher: the lowest one speaks
+                if rank:
+                    time.sleep(1.0 + 0.1 * min(rank, 20))
+                _say(f"[axonmpi] interrupted (Ctrl-C) on rank {rank} of {size}; ending all ranks (exit 130)\n")
+                return
             # when several ranks fail together (the same bad value everywhere), the lowest one
             # reports first and its MPI_Abort ends the others before they print a copy
             if rank:
                 time.sleep(1.5 + 0.1 * min(rank, 20))
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             first = (str(exc).strip().splitlines() or [""])[0]
-            sys.stderr.write(
+            _say(
                 f"[axonmpi rank {rank}/{size}] uncaught exception{where}; aborting all ranks:\n{text}"
                 f"[axonmpi] root cause: rank {rank} of {size} raised {exc_type.__name__}: {first} "
                 f"(the other {size - 1} rank(s) are aborted)\n"
             )
-            sys.stderr.flush()
-            # the launcher forwards our stderr asynchronously; MPI_Abort right away can kill the job
-            # before the report reaches the user's terminal on a loaded node
-            time.sleep(0.5)
         finally:
-            MPI.COMM_WORLD.Abort(1)
+            MPI.COMM_WORLD.Abort(code)
 
     def excepthook(exc_type, exc, tb):
-        if issubclass(exc_type, KeyboardInterrupt) and size == 1:
+        # The interpreter calls the hook for an uncaught exception after the stack has unwound;
+        # a caller still on the stack means running code reports an error it then ignores
+        # (h5py's cleanup does, for ENOSPC): print it, let the code go on.
+        if _has_caller():
             return prev_hook(exc_type, exc, tb)
         _abort(exc_type, exc, tb)
 
@@ -390,3 +496,31 @@ def install_abort_on_exception(comm: "MPI.Comm") -> None:
 
     sys.excepthook = excepthook
     threading.excepthook = thread_hook
+    _guard_os_exit(rank, size)
+
+
+def _has_caller() -> bool:
+    """True when the excepthook was called by running Python code (not by the interpreter at exit)."""
+    try:
+        sys._getframe(2)   # 0: here, 1: excepthook, 2: whoever called it
+    except ValueError:
+        return False
+    return True
+
+
+def _guard_os_exit(rank: int, size: int) -> None:
+    """``os._exit(0)`` from this process while a World is alive exits 1 (see install_abort_on_exception)."""
+    real_exit, pid = os._exit, os.getpid()
+
+    def _exit(code=0):
+        if code == 0 and os.getpid() == pid and _WORLD is not None and not _WORLD._destroyed:
+            try:
+                sys.stderr.write(f"[axonmpi] rank {rank} of {size} called os._exit(0) while the job runs; "
+                                 "exiting 1 so the job ends as a failure (call axonmpi.distributed.destroy() "
+                                 "first to end on purpose)\n")
+                sys.stderr.flush()
+            finally:
+                real_exit(1)
+        real_exit(code)
+
+    os._exit = _exit

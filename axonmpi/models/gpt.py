@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -19,6 +20,50 @@ from ..random import default_generator
 
 __all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead"]
 
+# ours <-> Hugging Face GPT-2 names inside a block (Conv1D layers store their weight transposed)
+_HF_BLOCK = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln_2": "ln_2",
+             "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def _is_conv1d(hf_name: str) -> bool:
+    return any(f".{c}." in hf_name for c in _CONV1D)
+
+
+def _hf_arrays(state_dict) -> "OrderedDict[str, np.ndarray]":
+    """HF names without ``transformer.`` -> host NumPy arrays (torch tensors through ``.numpy()``)."""
+    out = OrderedDict()
+    for k, v in state_dict.items():
+        if hasattr(v, "detach"):
+            v = v.detach().cpu().numpy()
+        out[k[len("transformer."):] if k.startswith("transformer.") else k] = np.asarray(to_host(v))
+    return out
+
+
+def _from_hf_name(k: str) -> Optional[str]:
+    """Our name for HF name ``k`` (no ``transformer.``); None for the attention mask buffers."""
+    if k in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"):
+        return k
+    parts = k.split(".")
+    if parts[0] == "h" and len(parts) >= 4:
+        inner, leaf = ".".join(parts[2:-1]), parts[-1]
+        for ours, hf in _HF_BLOCK.items():
+            if hf == inner:
+                return f"blocks.{parts[1]}.{ours}.{leaf}"
+        if inner == "attn" and leaf in ("bias", "masked_bias"):  # causal-mask buffers of old versions
+            return None
+    raise ValueError(f"from_hf_gpt2: unknown GPT-2 key {k!r} (expected wte, wpe, h.{{i}}.{{ln_1,attn.c_attn,"
+                     "attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}}.*, ln_f.*, lm_head.weight)")
+
+
+def _to_hf_name(k: str) -> str:
+    if k == "lm_head.weight":
+        return k
+    parts = k.split(".")
+    if parts[0] == "blocks":
+        return f"transformer.h.{parts[1]}.{_HF_BLOCK['.'.join(parts[2:-1])]}.{parts[-1]}"
+    return "transformer." + k
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -30,6 +75,8 @@ class GPTConfig:
         n_layer, n_head, n_embd: depth, heads and width.
         dropout: dropout probability (embeddings, attention, residuals).
         bias: biases in Linear and LayerNorm layers.
+        tie_word_embeddings: ``lm_head.weight`` is ``wte.weight`` (one Parameter, as GPT-2 and
+            PyTorch's ``weight tying``; both names stay in ``state_dict``). Default: untied.
     """
 
     vocab_size: int
@@ -39,6 +86,7 @@ class GPTConfig:
     n_embd: int
     dropout: float = 0.0
     bias: bool = True
+    tie_word_embeddings: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -80,7 +128,10 @@ class GPT(Module):
     """Decoder-only transformer: ``wte`` + ``wpe`` -> ``blocks`` -> ``ln_f`` -> ``lm_head``.
 
     Parameter names: ``wte.weight``, ``wpe.weight``, ``blocks.{i}.{ln_1,attn.qkv,attn.proj,ln_2,
-    mlp.fc,mlp.proj}.*``, ``ln_f.*``, ``lm_head.weight`` (no bias; not tied to ``wte``).
+    mlp.fc,mlp.proj}.*``, ``ln_f.*``, ``lm_head.weight`` (no bias; tied to ``wte`` only with
+    ``GPTConfig(tie_word_embeddings=True)``). Hugging Face GPT-2 weights come in and go out by
+    :meth:`from_hf_gpt2` / :meth:`to_hf_gpt2` (same math: tanh GELU, LayerNorm eps 1e-5,
+    biases everywhere, attention scaled by 1/sqrt(head_dim)).
     GPT-2 init: Linear/Embedding weights N(0, 0.02), biases 0, residual projections
     (``attn.proj``, ``mlp.proj``) N(0, 0.02 / sqrt(2 * n_layer)).  The MLP uses the tanh GELU.
 
@@ -104,6 +155,8 @@ class GPT(Module):
         self.ln_f = LayerNorm(c.n_embd, bias=c.bias, dtype=dtype)
         self.lm_head = Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype)
         self._init_weights()
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
         if device is not None:
             self.to(device)
 
@@ -174,6 +227,86 @@ class GPT(Module):
             idx = np.concatenate([idx, nxt[:, None]], axis=1)
         out = to_device(idx, device)
         return Tensor(out) if was_tensor else out
+
+    # -- Hugging Face GPT-2 ---------------------------------------------------------------------
+    @classmethod
+    def from_hf_gpt2(cls, state_dict, n_head: Optional[int] = None, *, dtype=None, device=None,
+                     dropout: float = 0.0) -> "GPT":
+        """A GPT holding Hugging Face GPT-2 weights (``GPT2LMHeadModel`` or ``GPT2Model`` state dict).
+
+        Sizes come from the shapes: vocabulary and width from ``wte``, context from ``wpe``,
+        depth from the ``h.{i}`` blocks. The number of heads is not in any shape: pass
+        ``n_head`` (``config.n_head``) or it is ``n_embd // 64``, GPT-2's head width in every
+        released size (small 12, medium 16, large 20, xl 25). Conv1D weights (``attn.c_attn``,
+        ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj``; stored (in, out)) are transposed to
+        Linear's (out, in); ``lm_head`` is tied to ``wte`` when it is absent or equal to it.
+
+        Args:
+            state_dict: name -> array (NumPy, or torch tensors: read through ``.numpy()``),
+                with or without the ``transformer.`` prefix.
+            n_head: number of attention heads.
+            dtype: parameter dtype (default: that of ``wte``).
+            device: where the model lives.
+            dropout: the GPT's dropout (0 in evaluation, as HF's ``eval()``).
+
+        Returns:
+            The GPT (``from_hf_gpt2(sd).to_hf_gpt2()`` gives ``sd``'s arrays back).
+
+        Example:
+            >>> hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2))
+            >>> gpt = GPT.from_hf_gpt2(hf.state_dict(), n_head=2)
+        """
+        sd = _hf_arrays(state_dict)
+        if "wte.weight" not in sd or "wpe.weight" not in sd:
+            raise ValueError(f"from_hf_gpt2: no wte.weight/wpe.weight among the keys {sorted(sd)[:8]}...; "
+                             "pass a GPT2LMHeadModel or GPT2Model state_dict")
+        vocab, c = sd["wte.weight"].shape
+        block = sd["wpe.weight"].shape[0]
+        layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("h.")})
+        if layers != list(range(len(layers))) or not layers:
+            raise ValueError(f"from_hf_gpt2: blocks h.{{i}} must be numbered 0..n_layer-1, found {layers}")
+        if n_head is None:
+            if c % 64:
+                raise ValueError(f"from_hf_gpt2: n_embd={c} is not a multiple of 64 (GPT-2's head width); "
+                                 "pass n_head= (config.n_head)")
+            n_head = c // 64
+        head = sd.get("lm_head.weight")
+        tied = head is None or (head.shape == sd["wte.weight"].shape and np.array_equal(head, sd["wte.weight"]))
+        cfg = GPTConfig(vocab_size=int(vocab), block_size=int(block), n_layer=len(layers), n_head=int(n_head),
+                        n_embd=int(c), dropout=dropout, bias=True, tie_word_embeddings=bool(tied))
+        model = cls(cfg, dtype=dtype if dtype is not None else sd["wte.weight"].dtype)
+        ours = {}
+        for k, v in sd.items():
+            mapped = _from_hf_name(k)
+            if mapped is None:
+                continue
+            ours[mapped] = v.T if k.endswith(".weight") and _is_conv1d(k) else v
+        if tied:
+            ours["lm_head.weight"] = sd["wte.weight"]
+        model.load_state_dict(ours)
+        if device is not None:
+            model.to(device)
+        return model
+
+    def to_hf_gpt2(self) -> "OrderedDict[str, np.ndarray]":
+        """This GPT's weights under Hugging Face ``GPT2LMHeadModel`` names (host NumPy copies).
+
+        ``transformer.wte.weight``, ``transformer.wpe.weight``, ``transformer.h.{i}.{ln_1,
+        attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}.*`` (Conv1D weights as (in, out)),
+        ``transformer.ln_f.*`` and ``lm_head.weight``: what ``GPT2LMHeadModel.load_state_dict``
+        takes (``torch.from_numpy`` each). The GPT must have biases (GPT-2 has them everywhere).
+
+        Example:
+            >>> hf.load_state_dict({k: torch.from_numpy(v) for k, v in gpt.to_hf_gpt2().items()})
+        """
+        if not self.config.bias:
+            raise ValueError("to_hf_gpt2: this GPT has bias=False; GPT-2 has biases in every Linear and "
+                             "LayerNorm (build it with GPTConfig(bias=True))")
+        out = OrderedDict()
+        for k, v in self.state_dict().items():
+            name = _to_hf_name(k)
+            out[name] = np.ascontiguousarray(v.T) if k.endswith(".weight") and _is_conv1d(name) else v
+        return out
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameter count (optionally excluding the position embedding, like nanoGPT)."""

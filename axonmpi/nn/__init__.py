@@ -1,10 +1,12 @@
 """Neural-network modules, parameters, initializers and functional ops."""
 from __future__ import annotations
 
-from . import functional, init
+from . import functional, init, utils
 from .checkpointing import checkpoint, checkpoint_sequential
 from .layers import (GELU, Dropout, Embedding, Flatten, Identity, LayerNorm, Linear, ReLU, Sigmoid,
                      SiLU, Softmax, Tanh)
+from .loss import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss,
+                   SmoothL1Loss)
 from .module import IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from .transformer import MLP, CausalSelfAttention, TransformerBlock
@@ -13,5 +15,6 @@ __all__ = [
     "CausalSelfAttention", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
     "LayerNorm", "Linear", "MLP", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
     "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "TransformerBlock", "functional", "init",
-    "checkpoint", "checkpoint_sequential",
+    "checkpoint", "checkpoint_sequential", "utils", "BCELoss", "BCEWithLogitsLoss", "CrossEntropyLoss",
+    "L1Loss", "MSELoss", "NLLLoss", "SmoothL1Loss",
 ]

@@ -8,7 +8,7 @@ import numpy as np
 from ..autograd.function import Function, backward as _backward
 from ..autograd.grad_mode import enable_grad, is_grad_enabled, no_grad
 from ..autograd.tensor import Tensor
-from ..backend import get_array_module
+from ..backend import get_array_module, is_floating
 from ..random import get_rng_state, set_rng_state
 from .module import Module, Sequential
 
@@ -54,7 +54,7 @@ class _Checkpoint(Function):
     @staticmethod
     def backward(ctx, *grads):
         raw = ctx.saved_tensors
-        want = [t and bool(n) and getattr(a, "dtype", np.dtype(int)).kind in "fc"
+        want = [t and bool(n) and is_floating(getattr(a, "dtype", np.dtype(int)))
                 for a, t, n in zip(raw, ctx.is_tensor, ctx.needs_input_grad)]
         now = get_rng_state() if ctx.rng is not None else None
         try:

@@ -5,6 +5,8 @@ from ..autograd.ops import (MinMax, abs, add, amax, amin, argmax, argmin, cat, c
                             concat, cos, div, exp, expand, flatten, log, matmul, max, maximum, mean,
                             min, minimum, mul, neg, permute, pow, reshape, sin, split, sqrt, squeeze,
                             stack, std, sub, sum, tanh, transpose, unsqueeze, var, where)
+from .loss import (binary_cross_entropy, binary_cross_entropy_with_logits, l1_loss, nll_loss,
+                   smooth_l1_loss)
 from ..autograd.ops_nn import (cross_entropy, dropout, embedding, gelu, layer_norm, linear,
                                log_softmax, masked_fill, mse_loss, relu, sigmoid, silu, softmax)
 
@@ -14,5 +16,6 @@ __all__ = [
     "gelu", "layer_norm", "linear", "log", "log_softmax", "masked_fill", "matmul", "max", "maximum",
     "mean", "min", "minimum", "mse_loss", "mul", "neg", "permute", "pow", "relu", "reshape", "sigmoid",
     "silu", "sin", "softmax", "split", "sqrt", "squeeze", "stack", "std", "sub", "sum", "tanh",
-    "transpose", "unsqueeze", "var", "where",
+    "transpose", "unsqueeze", "var", "where", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+    "l1_loss", "nll_loss", "smooth_l1_loss",
 ]

@@ -7,9 +7,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
+from .. import trace as _trace
+
 from ..autograd.function import RemovableHandle
 from ..autograd.tensor import Tensor
-from ..backend import Device, as_device, get_array_module, to_device, to_host
+from ..backend import Device, as_device, get_array_module, is_floating, to_device, to_host
 from .parameter import Parameter
 
 __all__ = ["IncompatibleKeys", "Module", "ModuleDict", "ModuleList", "Sequential"]
@@ -124,7 +126,13 @@ class Module:
                 r = hook(self, args)
                 if r is not None:
                     args = r if isinstance(r, tuple) else (r,)
-        out = self.forward(*args, **kwargs)
+        tr = _trace._ACTIVE
+        if tr is None:
+            out = self.forward(*args, **kwargs)
+        else:                                   # a timeline runs (axonmpi.profile / AXONMPI_TRACE)
+            t0 = _trace._clock()
+            out = self.forward(*args, **kwargs)
+            tr.events.append((type(self).__name__ + ".forward", "forward", t0, _trace._clock(), {}))
         if self._forward_hooks:
             for hook in list(self._forward_hooks.values()):
                 r = hook(self, args, out)
@@ -313,7 +321,7 @@ class Module:
             self._apply_arrays(lambda a: to_device(a, dev))
         if dtype is not None:
             dt = np.dtype(dtype)
-            self._apply_arrays(lambda a: a.astype(dt) if a.dtype.kind == "f" else a)
+            self._apply_arrays(lambda a: a.astype(dt) if is_floating(a.dtype) and a.dtype.kind != "c" else a)
         return self
 
     def cpu(self) -> "Module":

@@ -156,7 +156,7 @@ def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] =
         return float(_partial_norm(grads, p)) if grads else 0.0
 
     def add(a, b):
-        return max(a, b) if inf else a + b
+        return _nan_max(a, b) if inf else a + b
 
     total = part(local)
     across = part(staged)          # summed over the domain below
@@ -164,18 +164,30 @@ def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] =
         from ..distributed import ReduceOp, all_reduce
 
         op = ReduceOp.MAX if inf else ReduceOp.SUM
+        def reduce(value: float, g) -> float:
+            if inf:  # MPI's MAX drops a NaN (as Python's max does): send "is NaN" beside the value
+                nan = math.isnan(value)
+                r = all_reduce(np.array([0.0 if nan else value, float(nan)]), op, g)
+                return math.nan if r[1] > 0 else float(r[0])
+            return float(all_reduce(np.array([value]), op, g)[0])
+
         for groups, on_domain, grads in outer:
-            value = np.array([part(grads)])
+            value = part(grads)
             for g in groups:
-                value = all_reduce(value, op, g)
+                value = reduce(value, g)
             if on_domain:
-                across = add(across, float(value[0]))
+                across = add(across, value)
             else:
-                total = add(total, float(value[0]))
+                total = add(total, value)
         if domain is not None and domain.size > 1:   # every rank of the domain, with parameters or not
-            across = float(all_reduce(np.array([across]), op, domain)[0])
+            across = reduce(across, domain)
     total = add(total, across)
     return total if inf else total ** (1.0 / p)
+
+
+def _nan_max(a: float, b: float) -> float:
+    """``max`` that propagates NaN from either side (Python's drops it from the second)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,

@@ -11,12 +11,15 @@ __all__ = ["CosineAnnealingLR", "LRScheduler", "LambdaLR", "LinearWarmupCosine",
 
 
 class LRScheduler:
-    """Base class: sets every group's ``lr`` to :meth:`lr_at` of the step count.
+    """Base class: each :meth:`step` writes :meth:`get_lr` into every group's ``lr``.
 
-    Schedules here are closed-form functions of ``last_epoch`` (the number of
-    ``step()`` calls so far) and each group's ``initial_lr``, so resuming from a
-    :meth:`state_dict` or constructing with ``last_epoch=k`` gives exactly the same
-    values as stepping ``k`` times. Subclasses implement ``lr_at(base_lr, t)``.
+    As in PyTorch, :class:`StepLR` and :class:`CosineAnnealingLR` are *chainable*: each
+    step updates the lr the group holds now (``lr *= gamma`` every ``step_size`` steps; the
+    cosine ratio), so two schedulers on one optimizer compose and a manual change of
+    ``group["lr"]`` persists.  :class:`LambdaLR` and :class:`LinearWarmupCosine` are closed
+    forms of ``last_epoch`` and ``initial_lr`` (as torch's LambdaLR), which overwrite other
+    changes.  Subclasses implement ``lr_at(base_lr, t)`` (the closed form) and may override
+    :meth:`get_lr` with the recursive form.
 
     Args:
         optimizer: the optimizer whose groups' ``lr`` is driven.
@@ -40,6 +43,7 @@ class LRScheduler:
         self.base_lrs: List[float] = [g["initial_lr"] for g in optimizer.param_groups]
         self.last_epoch = last_epoch
         self._last_lr: List[float] = []
+        self._step_count = 0
         self.step()
 
     def lr_at(self, base_lr: float, t: int) -> float:
@@ -52,6 +56,7 @@ class LRScheduler:
 
     def step(self) -> None:
         """Advance one step and write the new learning rates into the optimizer."""
+        self._step_count += 1
         self.last_epoch += 1
         self._last_lr = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, self._last_lr):
@@ -86,7 +91,8 @@ def _is_int(x: Any) -> bool:
 
 
 class StepLR(LRScheduler):
-    """``lr = base_lr * gamma ** (t // step_size)``.
+    """``lr = base_lr * gamma ** (t // step_size)``, applied as torch does: ``lr *= gamma`` on
+    every ``step_size``-th step, to the lr the group holds then (so it chains).
 
     Example:
         >>> sched = StepLR(opt, step_size=30, gamma=0.1)   # /10 every 30 steps
@@ -101,9 +107,19 @@ class StepLR(LRScheduler):
     def lr_at(self, base_lr: float, t: int) -> float:
         return base_lr * self.gamma ** (t // self.step_size)
 
+    def get_lr(self) -> List[float]:
+        t = self.last_epoch
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if t == 0 or t % self.step_size != 0:
+            return lrs
+        return [lr * self.gamma for lr in lrs]
+
 
 class CosineAnnealingLR(LRScheduler):
     """``lr = eta_min + (base_lr - eta_min) * (1 + cos(pi * t / T_max)) / 2`` (SGDR without restarts).
+
+    Stepped with torch's recursive form ``lr_t = eta_min + (lr_{t-1} - eta_min) * (1 + cos(pi t/T))
+    / (1 + cos(pi (t-1)/T))``, which equals the closed form alone and chains with other schedulers.
 
     Example:
         >>> sched = CosineAnnealingLR(opt, T_max=1000, eta_min=1e-5)
@@ -117,6 +133,19 @@ class CosineAnnealingLR(LRScheduler):
 
     def lr_at(self, base_lr: float, t: int) -> float:
         return self.eta_min + (base_lr - self.eta_min) * (1 + math.cos(math.pi * t / self.T_max)) / 2
+
+    def get_lr(self) -> List[float]:
+        t, n, lo = self.last_epoch, self.T_max, self.eta_min
+        groups = self.optimizer.param_groups
+        if t == 0:
+            return [g["lr"] for g in groups]
+        if self._step_count == 1 and t > 0:  # resumed with last_epoch=k: torch's closed form
+            return [self.lr_at(base, t) for base in self.base_lrs]
+        if (t - 1 - n) % (2 * n) == 0:  # the ratio below is 0/0 at the trough
+            return [g["lr"] + (base - lo) * (1 - math.cos(math.pi / n)) / 2
+                    for g, base in zip(groups, self.base_lrs)]
+        ratio = (1 + math.cos(math.pi * t / n)) / (1 + math.cos(math.pi * (t - 1) / n))
+        return [ratio * (g["lr"] - lo) + lo for g in groups]
 
 
 class LinearWarmupCosine(LRScheduler):

@@ -10,6 +10,18 @@ its state covers only that chunk. ``step()`` copies the (already averaged, e.g. 
 gradients of the chunk into the chunk's gradient, steps the wrapped optimizer, then
 all-gathers every rank's updated chunk straight into the padded buffer (chunk ``i`` in slot
 ``i``) and compacts it in place: one collective per buffer, no per-parameter broadcast.
+
+[Note: ZeRO-1 and None gradients]
+torch's optimizers skip a parameter whose ``.grad`` is None (no update, no weight decay, no state
+change) and count steps per parameter (Adam's ``step``).  A chunk here may hold several
+parameters that the wrapped optimizer steps as one tensor, so each bucket counts the steps of
+every parameter (the same on every rank: it depends on the ``None`` pattern only).  When all
+parameters of a chunk have gradients and equal counts (the usual case) the chunk takes one
+wrapped step.  Otherwise it takes one pass per distinct count among the parameters that have
+a gradient: the pass sets the state's ``step`` to that count, and the data and per-element state
+of the other segments are copied before and put back after.  SGD with momentum *and* dampening
+starts a parameter's buffer at its first gradient, which a shared buffer cannot reproduce for a
+parameter that joins late: that case raises.
 """
 from __future__ import annotations
 
@@ -51,19 +63,64 @@ class _Bucket:
         self.send[:self.hi - self.lo] = self.buffer[self.lo:self.hi]
         self.shard = Parameter(self.send[:self.hi - self.lo])
         self.segments = self.layout.segments(self.lo, self.hi, [str(i) for i in range(len(params))])
+        self.counts = [0] * len(params)  # steps each parameter has taken (torch's per-parameter count)
+        self.passes: List[Tuple[int, List[Any]]] = []  # (count, segments) still to step this step()
 
-    def gather_grad(self) -> None:
-        """This chunk's gradient from the parameters' gradients (``None`` counts as zero)."""
-        if all(self.params[s.index].grad is None for s in self.segments):
+    def plan_passes(self, options: Dict[str, Any], rank: int) -> None:
+        """Group this chunk's segments with a gradient by their parameter's step count (see the Note)."""
+        has = [p.grad is not None for p in self.params]
+        if options.get("momentum", 0) and options.get("dampening", 0) and any(self.counts):
+            late = [i for i, (h, c) in enumerate(zip(has, self.counts)) if h and c == 0]
+            if late:
+                raise RuntimeError(
+                    f"rank {rank}: ZeroRedundancyOptimizer: parameter {self.indices[late[0]]} gets its first "
+                    f"gradient after others of its group stepped; SGD with momentum and dampening="
+                    f"{options['dampening']} would start its buffer differently from the wrapped optimizer; "
+                    "put it in its own param group, or use dampening=0")
+        by_count: Dict[int, List[Any]] = {}
+        for s in self.segments:
+            if has[s.index]:
+                by_count.setdefault(self.counts[s.index], []).append(s)
+        self.passes = sorted(by_count.items(), key=lambda kv: kv[0])
+        for i, h in enumerate(has):
+            self.counts[i] += h
+
+    def gather_grad(self, optim) -> Optional[List[Any]]:
+        """Load the next pass's gradient into the chunk; returns what to put back after the step."""
+        if not self.passes:
             self.shard.grad = None
-            return
+            return None
+        count, active = self.passes.pop(0)
         xp = get_array_module(self.send)
         g = xp.zeros(self.hi - self.lo, self.send.dtype)
-        for s in self.segments:
+        for s in active:
             pg = self.params[s.index].grad
-            if pg is not None:
-                g[s.offset:s.offset + s.param_stop - s.param_start] = pg.data.reshape(-1)[s.param_start:s.param_stop]
+            g[s.offset:s.offset + s.param_stop - s.param_start] = pg.data.reshape(-1)[s.param_start:s.param_stop]
         self.shard.grad = Tensor(g)
+        st = optim.state.get(self.shard)
+        if st is not None and "step" in st:
+            st["step"] = count
+        if len(active) == len(self.segments):
+            return None
+        held = []
+        on = {s.index for s in active}
+        for s in self.segments:
+            if s.index not in on:
+                a, n = s.offset, s.param_stop - s.param_start
+                arrays = {k: v[a:a + n].copy() for k, v in (st or {}).items() if getattr(v, "ndim", 0) > 0}
+                held.append((a, n, self.shard.data[a:a + n].copy(), arrays))
+        return held
+
+    def put_back(self, optim, held) -> None:
+        """Undo the wrapped step on the held segments: as torch, they were not stepped."""
+        st = optim.state.get(self.shard, {})
+        for a, n, data, arrays in held:
+            self.shard.data[a:a + n] = data
+            for k, v in st.items():
+                if getattr(v, "ndim", 0) > 0:
+                    v[a:a + n] = arrays[k] if k in arrays else 0  # state made by this step starts at 0
+        if "step" in st:
+            st["step"] = max(self.counts[s.index] for s in self.segments)
 
     def all_gather_params(self, grp) -> None:
         if self.shard.data is not self.send[:self.hi - self.lo] and self.shard.data.base is not self.send:
@@ -146,9 +203,17 @@ class ZeroRedundancyOptimizer(Optimizer):
             with enable_grad():
                 loss = closure()
         self._sync_options()
+        rank = self.process_group.world.rank
+        for b, options in zip(self.buckets, self.optim.param_groups):
+            b.plan_passes(options, rank)
+        while any(b.passes for b in self.buckets):  # one pass unless a chunk mixes None/counts
+            held = [b.gather_grad(self.optim) for b in self.buckets]
+            self.optim.step()
+            for b, h in zip(self.buckets, held):
+                if h is not None:
+                    b.put_back(self.optim, h)
         for b in self.buckets:
-            b.gather_grad()
-        self.optim.step()
+            b.shard.grad = None
         with no_grad():
             for b in self.buckets:
                 b.all_gather_params(self.process_group)

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .. import trace as _trace
 from ..autograd import Tensor
 from ..backend import as_device, device_of, get_array_module, to_device
 from ..distributed import ReduceOp, Work, all_gather, broadcast, chunk_bounds, reduce_scatter, resolve_group
@@ -199,6 +200,7 @@ class FlatParameter(Parameter):
         if not self.is_sharded:
             raise RuntimeError(f"FlatParameter.{what}() needs shard(group) first")
 
+    @_trace.traced("fsdp.unshard (all-gather)", "fsdp")
     def unshard(self, *, async_op: bool = False, dtype=None, device=None, out=None,
                 alias: bool = False) -> Optional[Work]:
         """All-gather the chunks into the full buffer and point every parameter at its view.
@@ -273,6 +275,7 @@ class FlatParameter(Parameter):
         work.wait()
         return None
 
+    @_trace.traced("fsdp.reshard", "fsdp")
     def reshard(self) -> None:
         """Free the full buffer (waiting for an unshard in flight); keep this rank's chunk."""
         self._require_sharded("reshard")

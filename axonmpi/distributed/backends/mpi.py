@@ -154,6 +154,18 @@ class _Then:
         return False
 
 
+def _watched(group):
+    """The group's communicator as the backend uses it: through the World's watchdog (deadlines,
+    backoff, flight recorder; one :class:`WatchedComm` per group) unless that is off."""
+    wd = getattr(group.world, "watchdog", None)
+    if wd is None:
+        return group.comm
+    if group._watched is None:
+        from ..watchdog import WatchedComm
+        group._watched = WatchedComm(group, wd)
+    return group._watched
+
+
 class MPIBackend(Backend):
     """The Backend contract over ``group.comm`` with mpi4py's buffer (upper-case) methods.
 
@@ -167,16 +179,20 @@ class MPIBackend(Backend):
 
     def __init__(self, group) -> None:
         super().__init__(group)
-        self.comm = group.comm
+        self.comm = _watched(group)
         self.rank = group.rank
         self.size = group.size
         self._ops = {}  # (ReduceOp value, dtype.num) -> MPI.Op, for pairs that reduce natively
 
     # -- helpers -----------------------------------------------------------------------------
     def _mop(self, op, dtype):
-        """The MPI.Op for ``op`` on ``dtype``, or None for float16 without an MPI half type."""
+        """The MPI.Op for ``op`` on ``dtype``, or None to reduce in float32: bfloat16 (no MPI type),
+        float16 MEAN (a float16 SUM of two 65504s is inf before the division) and float16
+        without an MPI half type."""
         mop = self._ops.get((op._value_, dtype.num))
         if mop is None:
+            if dtype.name == "bfloat16" or (dtype == _HALF and op is _MEAN):
+                return None
             mop = mpi_op(op, dtype, self.rank)
             if dtype == _HALF and not mpi_has_float16():
                 return None

@@ -314,6 +314,8 @@ class NcclBackend(Backend):
         if op is ReduceOp.MEAN:
             if dtype.kind == "f" and self._has_avg():
                 return self.lib.NCCL_AVG, t, factor, False
+            if dtype.itemsize < 4:  # a float16 SUM overflows before the scale: MPI reduces in float32
+                return None
             return self.lib.NCCL_SUM, t, factor, True
         nop = self._op(op)
         return None if nop is None else (nop, t, factor, False)

@@ -135,10 +135,16 @@ class FullyShardedDataParallel(Module):
             ``reduce_dtype``, fp32 master shards for the optimizer).
         auto_wrap_policy: which submodules are units: ``None`` (each child holding parameters,
             looking through containers), a set of module classes, a minimum parameter count,
-            or a callable ``(module) -> bool``.
+            a callable ``(module) -> bool``, or PyTorch's ``(module, recurse, nonwrapped_numel)``
+            callables (``functools.partial(size_based_auto_wrap_policy, min_num_params=N)``,
+            ``transformer_auto_wrap_policy``, lambdas; see ``[Note: PyTorch policies here]``).
         prefetch: issue the next unit's all-gather, non-blocking, in forward and backward.
         sync_module_states: broadcast parameters and buffers from data rank 0 first.
         hybrid_shard_size: HYBRID_SHARD shard group size (default: the ranks of one node).
+        device_id: PyTorch's: the device the module is moved to before sharding (an int is
+            ``cuda:<int>``; ``"cpu"``, ``"cuda:1"``); None leaves it where it is.
+        use_orig_params: PyTorch's ``False`` (``parameters()`` are the flat shards) is what this
+            FSDP does; ``True`` raises (per-parameter optimizer groups over flat shards are not built).
         record_events: keep ``fsdp.events``: ``(kind, unit)`` for gather / prefetch / free /
             forward_start / forward_end / reduce / backward_end (for overlap tests).
 
@@ -154,10 +160,21 @@ class FullyShardedDataParallel(Module):
     def __init__(self, module: Module, *, group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
                  cpu_offload=CPUOffload.NONE, mixed_precision: Optional[MixedPrecision] = None,
                  auto_wrap_policy=None, prefetch: bool = True, sync_module_states: bool = True,
-                 hybrid_shard_size: Optional[int] = None, record_events: bool = False):
+                 hybrid_shard_size: Optional[int] = None, record_events: bool = False,
+                 device_id=None, use_orig_params: bool = False):
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"FullyShardedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
+        if use_orig_params:
+            raise NotImplementedError(
+                f"rank {get_world().rank}: FSDP(use_orig_params=True): this FSDP's parameters() are its flat "
+                "shards (PyTorch's use_orig_params=False); build the optimizer on fsdp.parameters() and leave "
+                "use_orig_params out (per-parameter groups such as no-weight-decay biases are not supported)")
+        if device_id is not None:
+            if isinstance(device_id, bool) or not isinstance(device_id, (int, str)):
+                raise TypeError(f"FSDP: device_id must be an int (a CUDA ordinal), a device string or None, got "
+                                f"{device_id!r}")
+            module.to(f"cuda:{device_id}" if isinstance(device_id, int) else device_id)
         if is_fsdp(module):
             raise ValueError("FSDP: the module is already an FSDP model; wrap it once (to nest, wrap a plain "
                              "module that holds FSDP instances: FSDP(Sequential(FSDP(block), head)))")

@@ -1,12 +1,14 @@
 """Which submodules become FSDP units: the default rule, auto-wrap policies (by type or size), nested FSDP."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterable, Iterator, List, Tuple, Type, Union
 
 from ...nn import Module
 from ...nn.module import ModuleDict, ModuleList, Sequential
 
-__all__ = ["ModuleWrapPolicy", "SizeWrapPolicy", "find_units", "is_fsdp", "plan_units",
+__all__ = ["ModuleWrapPolicy", "SizeWrapPolicy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "find_units", "is_fsdp", "plan_units",
            "unwrapped_named_modules", "unwrapped_state_items"]
 
 _CONTAINERS = (ModuleList, ModuleDict, Sequential)
@@ -54,7 +56,70 @@ class SizeWrapPolicy:
 Policy = Union[None, int, Callable[[Module], bool], Iterable[Type[Module]]]
 
 
-def _as_policy(policy: Policy) -> Callable[[Module], bool]:
+def size_based_auto_wrap_policy(module: Module, recurse: bool, nonwrapped_numel: int,
+                                min_num_params: int = int(1e8)) -> bool:
+    """PyTorch's policy: look into every module; wrap one whose not-yet-wrapped parameters number
+    at least ``min_num_params``. Use ``functools.partial(size_based_auto_wrap_policy, min_num_params=N)``."""
+    return True if recurse else nonwrapped_numel >= min_num_params
+
+
+def transformer_auto_wrap_policy(module: Module, recurse: bool, nonwrapped_numel: int,
+                                 transformer_layer_cls: Iterable[Type[Module]] = ()) -> bool:
+    """PyTorch's policy: wrap every instance of ``transformer_layer_cls`` (a set of classes).
+    Use ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``."""
+    return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+
+
+def _is_torch_style(policy: Callable) -> bool:
+    """True for PyTorch's ``policy(module, recurse, nonwrapped_numel)`` callables (partials included)."""
+    try:
+        params = [p for p in inspect.signature(policy).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 3
+
+
+class _TorchPolicy:
+    """Adapts a PyTorch policy ``(module, recurse, nonwrapped_numel)`` to a set of units.
+
+    [Note: PyTorch policies here]
+    PyTorch walks bottom-up: where ``policy(m, recurse=True, numel)`` allows, it wraps the
+    children first, then wraps ``m`` when ``policy(m, recurse=False, nonwrapped_numel)`` holds
+    for the parameters not wrapped below it. Units here do not nest, so of the modules that walk
+    wraps, the innermost ones (no wrapped module below them) become units; the parameters a
+    PyTorch wrapper would hold around them belong to the root unit. The numbers are the same
+    either way (FSDP is exact); only the grouping of the leftovers differs.
+    """
+
+    def __init__(self, policy: Callable, root: Module):
+        self.policy, self.units = policy, set()
+        self._visit(root, True)
+
+    def _visit(self, m: Module, is_root: bool) -> "tuple[int, bool]":
+        """(this subtree's parameters left unwrapped, whether a unit lies inside it)."""
+        total = sum(p.data.size for p in m.parameters())
+        own = sum(p.data.size for p in m._parameters.values() if p is not None)
+        left, inner = own, False
+        if self.policy(m, True, total):
+            for child in m.children():
+                if child is None or is_fsdp(child):
+                    continue
+                n, u = self._visit(child, False)
+                left, inner = left + n, inner or u
+        else:
+            left = total
+        if not is_root and not isinstance(m, _CONTAINERS) and self.policy(m, False, left):
+            if not inner:
+                self.units.add(id(m))
+            return 0, True
+        return left, inner
+
+    def __call__(self, module: Module) -> bool:
+        return id(module) in self.units
+
+
+def _as_policy(policy: Policy, root: Module = None) -> Callable[[Module], bool]:
     if policy is None:
         return lambda m: any(True for _ in m.parameters())
     if isinstance(policy, bool):
@@ -64,7 +129,7 @@ def _as_policy(policy: Policy) -> Callable[[Module], bool]:
     if isinstance(policy, type) and issubclass(policy, Module):
         return ModuleWrapPolicy([policy])
     if callable(policy):
-        return policy
+        return _TorchPolicy(policy, root) if root is not None and _is_torch_style(policy) else policy
     try:
         classes = list(policy)
     except TypeError:
@@ -88,7 +153,7 @@ def plan_units(root: Module, policy: Policy = None) -> List[Tuple[str, Module, b
     FSDP adds no ``module.`` component), so ``FSDP(Sequential(FSDP(a), b))`` names its inner
     instance ``"0"``.
     """
-    pred = _as_policy(policy)
+    pred = _as_policy(policy, root)
     out: List[Tuple[str, Module, bool]] = []
 
     def walk(mod: Module, prefix: str, in_unit: bool) -> None:

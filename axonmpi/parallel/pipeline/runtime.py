@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ... import trace as _trace
 from ...autograd.grad_mode import enable_grad, no_grad
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
@@ -154,6 +155,11 @@ class Pipeline:
         num_microbatches: micro-batches ``m`` per step (the batch may not divide evenly: the
             first ``B % m`` micro-batches take one more sample).
         loss_fn: ``loss_fn(output, target) -> scalar Tensor``, the mean over the micro-batch.
+        ignore_index: integer targets equal to it are not counted (cross_entropy's -100): each
+            micro-batch's mean loss is weighted by its number of counted targets (over the
+            data-parallel replicas too), so the result is the mean over every counted target
+            of the batch, as the serial model computes it.  ``None``, or float targets: weighted
+            by sample counts.
         group: the pipeline group (default: all ranks).
         virtual_stages: chunks per rank ``v`` (interleaved schedule).
         data_group: the data-parallel group of this rank's stages (the ranks holding the same
@@ -171,7 +177,8 @@ class Pipeline:
     def __init__(self, stages, schedule: Union[PipelineSchedule, str, Schedule] = PipelineSchedule.ONE_F_ONE_B,
                  num_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
                  group: Optional[ProcessGroup] = None, virtual_stages: int = 1, *,
-                 data_group: Optional[ProcessGroup] = None, track_memory: bool = True):
+                 data_group: Optional[ProcessGroup] = None, track_memory: bool = True,
+                 ignore_index: Optional[int] = -100):
         self.group = _default_group(group)
         p, r = self.group.size, self.group.rank
         if isinstance(schedule, Schedule):
@@ -210,6 +217,7 @@ class Pipeline:
                 raise ValueError(f"rank {r}: stage {sid} was made for another pipeline group")
             self.stages[sid] = st
         self.loss_fn = loss_fn
+        self.ignore_index = ignore_index
         self.data_group = _data_group(self.group, data_group)
         for st in self.stages.values():
             named = [(f"stage {st.stage_id}: {n}", q) for n, q in st.module.named_parameters()]
@@ -425,6 +433,7 @@ class _Executor:
         self.targets = targets
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
         self.total = sum(sizes)
+        self.weights = self._loss_weights() if pipe.last_stage in pipe.stages else [0.0] * len(sizes)
         self.x: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage input
         self.y: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage output (or scaled loss)
         self.grad_in: Dict[Tuple[int, int], Any] = {}    # (stage, mb) -> gradient of the stage's output
@@ -443,6 +452,27 @@ class _Executor:
         self.rank = r
 
     # -- inputs and targets of a micro-batch ------------------------------------------------------
+    def _loss_weights(self) -> List[float]:
+        """Each micro-batch's share of the batch loss: its counted targets over all (see ``ignore_index``).
+
+        With a data group the total is summed over it and the weights multiplied by its size,
+        so the replicas' MEAN of losses and gradients is the mean over all their counted targets.
+        """
+        p, t = self.pipe, self.targets
+        if t is None or p.loss_fn is None:
+            return [0.0] * len(self.sizes)
+        t = _raw(t)
+        if p.ignore_index is None or getattr(t, "dtype", np.dtype(float)).kind not in "iu":
+            counts = [float(s) for s in self.sizes]
+        else:
+            counts = [float((self._slice(t, i) != p.ignore_index).sum()) for i in range(len(self.sizes))]
+        total, scale = sum(counts), 1.0
+        g = p.data_group
+        if g is not None and g.size > 1:
+            total, scale = float(all_reduce(np.array([total]), ReduceOp.SUM, g)[0]), float(g.size)
+        self.no_counted_targets = total == 0
+        return [c * scale / total if total else 0.0 for c in counts]
+
     def _slice(self, batch, mb: int):
         a, b = self.offsets[mb], self.offsets[mb + 1]
         return _raw(batch)[a:b]
@@ -533,9 +563,10 @@ class _Executor:
             y = p.stages[s](x)
         if s == p.last_stage:
             if self.targets is not None and p.loss_fn is not None:
-                w = self.sizes[i] / self.total
+                w = self.weights[i]
                 loss = p.loss_fn(y, Tensor._wrap(self._slice(self.targets, i))) * w
-                self.loss += float(loss.item())
+                if w:  # a micro-batch of ignored targets only: NaN * 0, zero gradients, not counted
+                    self.loss += float(loss.item())
                 y = loss
             if not self.train:
                 if self.targets is None:
@@ -615,6 +646,9 @@ class _Executor:
                 with enable_grad() if self.train else no_grad():
                     (self._forward if kind is ActionKind.FORWARD else self._backward)(a)
                 spent[kind] += time.perf_counter() - t0
+                if _trace._ACTIVE is not None:
+                    _trace._ACTIVE.events.append((f"pipeline {a}", "pipeline", t0, time.perf_counter(),
+                                                  {"stage": a.stage, "microbatch": a.microbatch}))
                 count[kind] += 1
         for w in self.sends:
             w.wait()
@@ -626,6 +660,8 @@ class _Executor:
                 return None
             xp = get_array_module(self.outputs[0])
             return xp.concatenate(self.outputs, axis=0)
+        if getattr(self, "no_counted_targets", False):
+            return float("nan")  # every target ignored: torch's mean is 0/0
         return self.loss
 
     def memory_stats(self) -> PipelineMemoryStats:

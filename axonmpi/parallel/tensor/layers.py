@@ -16,6 +16,7 @@ import numpy as np
 
 from ...autograd import ops, ops_nn
 from ...autograd.function import Function
+from ...autograd.ops_nn import _check_targets
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module
 from ...distributed import ProcessGroup, ReduceOp, all_gather, all_reduce
@@ -187,7 +188,9 @@ class VocabParallelEmbedding(_AxisSharded):
     """An embedding table (num_embeddings, embedding_dim) split by rows (vocabulary) over ``group``.
 
     Rank ``r`` owns ids ``[r*V/p, (r+1)*V/p)``; ids elsewhere give zero rows there, and the
-    all-reduce over the group completes every lookup.
+    all-reduce over the group completes every lookup.  ``padding_idx`` (a global id) is as in
+    :class:`~axonmpi.nn.Embedding`: its row starts at zero and receives no gradient on the rank
+    that owns it.
 
     Example:
         >>> emb = VocabParallelEmbedding(1000, 64, group=tp)
@@ -195,13 +198,23 @@ class VocabParallelEmbedding(_AxisSharded):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Optional[ProcessGroup] = None,
-                 init_method: Optional[Callable] = None, dtype=None):
+                 init_method: Optional[Callable] = None, dtype=None, padding_idx: Optional[int] = None):
         super().__init__()
         self.group = one_d_group(group)
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= int(padding_idx) < self.num_embeddings:
+                raise ValueError(f"rank {self.group.world.rank}: VocabParallelEmbedding padding_idx={padding_idx} "
+                                 f"must be within [-{self.num_embeddings}, {self.num_embeddings})")
+            padding_idx = int(padding_idx) % self.num_embeddings
+        self.padding_idx = padding_idx
         local = divide(self.num_embeddings, self.group, "num_embeddings")
         self.vocab_start, self.vocab_end = self.group.rank * local, (self.group.rank + 1) * local
+        owned = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self._local_padding = padding_idx - self.vocab_start if owned else None
         full = init_full((self.num_embeddings, self.embedding_dim), dtype, init_method or init.normal_, [self.group])
+        if padding_idx is not None:
+            full[padding_idx] = 0
         self.weight = Parameter(axis_shard(full, 0, self.group))
         _tag(self.weight, self.group)
         self._tp_axes = {"weight": (0, (self.num_embeddings, self.embedding_dim))}
@@ -211,11 +224,11 @@ class VocabParallelEmbedding(_AxisSharded):
         if idx.dtype.kind not in "iu":
             raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
         if self.group.size == 1:
-            return ops_nn.embedding(idx, self.weight)
+            return ops_nn.embedding(idx, self.weight, self.padding_idx)
         xp = get_array_module(idx)
         keep = (idx >= self.vocab_start) & (idx < self.vocab_end)
         local = xp.where(keep, idx - self.vocab_start, 0)
-        h = _MaskRows.apply(ops_nn.embedding(local, self.weight), keep)
+        h = _MaskRows.apply(ops_nn.embedding(local, self.weight, self._local_padding), keep)
         return reduce_from_tensor_parallel_region(h, self.group)
 
     def extra_repr(self) -> str:
@@ -225,53 +238,82 @@ class VocabParallelEmbedding(_AxisSharded):
 
 class _VocabParallelCrossEntropy(Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, reduction):
+    def forward(ctx, logits, targets, group, reduction, ignore_index=-100, label_smoothing=0.0):
         xp = get_array_module(logits)
         v = logits.shape[-1]
-        start = group.rank * v
         z = logits.reshape(-1, v)
         t = targets.reshape(-1)
-        m = z.max(axis=1)
-        if group.size > 1:
-            m = all_reduce(m, op=ReduceOp.MAX, group=group)
+        m = z.max(axis=1) if z.shape[0] else xp.zeros(0, z.dtype)
+        if group.size > 1:  # the row maxima, and the widths (max v, max -v) to refuse uneven shards
+            both = all_reduce(xp.concatenate([m, xp.asarray([v, -v], dtype=m.dtype)]), op=ReduceOp.MAX,
+                              group=group)
+            m, widest, narrowest = both[:-2], int(both[-2]), -int(both[-1])
+            if widest != narrowest:
+                raise ValueError(
+                    f"rank {group.world.rank}: vocab_parallel_cross_entropy needs equal vocabulary shards, "
+                    f"got widths from {narrowest} to {widest} over the group (this rank: {v}); pad the "
+                    f"vocabulary to a multiple of the group size {group.size} (Megatron's "
+                    "make-vocab-size-divisible-by)")
+        vocab = v * group.size
+        _check_targets(t, vocab, ignore_index, "vocab_parallel_cross_entropy", f"rank {group.world.rank}: ")
+        start = group.rank * v
+        valid = t != ignore_index
         z = z - m[:, None]
         mine = (t >= start) & (t < start + v)
         rows = xp.arange(z.shape[0])
         zt = z[rows, xp.where(mine, t - start, 0)] * mine
+        eps = float(label_smoothing)
+        parts = [None, zt] + ([z.sum(axis=1)] if eps else [])
         xp.exp(z, out=z)
-        sums = xp.stack([z.sum(axis=1), zt])
+        parts[0] = z.sum(axis=1)
+        sums = xp.stack(parts)
         if group.size > 1:
             sums = all_reduce(sums, group=group)
         s, zt = sums[0], sums[1]
-        loss = xp.log(s) - zt
+        lse = xp.log(s)
+        loss = lse - zt
+        if eps:  # torch: (1-e) * nll + e/V * sum_c -log p_c, with sum_c -log p_c = V lse - sum_c z_c
+            loss = (1.0 - eps) * loss + (eps / vocab) * (vocab * lse - sums[2])
+        loss = loss * valid
         z /= s[:, None]
-        ctx.save_for_backward(z, t - start, mine)
-        ctx.reduction, ctx.shape = reduction, logits.shape
+        ctx.save_for_backward(z, t - start, mine & valid, valid)
+        ctx.reduction, ctx.shape, ctx.eps, ctx.vocab = reduction, logits.shape, eps, vocab
         if reduction == "none":
             return loss.reshape(targets.shape)
         total = loss.sum()
-        return total if reduction == "sum" else total / max(loss.shape[0], 1)
+        if reduction == "sum":
+            return total
+        ctx.count = int(valid.sum())
+        if not ctx.count:  # every target ignored: NaN, as torch's 0/0
+            return xp.full((), xp.nan, dtype=total.dtype)
+        return total / ctx.count
 
     @staticmethod
     def backward(ctx, g):
-        p, tl, mine = ctx.saved_tensors
+        p, tl, hit, valid = ctx.saved_tensors
         xp = get_array_module(p)
-        gx = p.copy()
-        rows = xp.arange(p.shape[0])[mine]
-        gx[rows, tl[mine]] -= 1
+        gx = p * valid[:, None]
+        rows = xp.arange(p.shape[0])[hit]
+        gx[rows, tl[hit]] -= 1.0 - ctx.eps
+        if ctx.eps:
+            gx -= (ctx.eps / ctx.vocab) * valid[:, None]
         if ctx.reduction == "none":
             gx *= g.reshape(-1, 1)
         else:
-            gx *= g if ctx.reduction == "sum" else g / max(p.shape[0], 1)
-        return gx.reshape(ctx.shape), None, None, None
+            gx *= g if ctx.reduction == "sum" else g / max(ctx.count, 1)
+        return gx.reshape(ctx.shape), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, group: Optional[ProcessGroup] = None, *,
-                                 reduction: str = "mean") -> Tensor:
+                                 reduction: str = "mean", ignore_index: int = -100,
+                                 label_smoothing: float = 0.0) -> Tensor:
     """Cross-entropy of logits split over the vocabulary (last dim) without gathering them.
 
-    Three small all-reduces over ``group``: the row maxima, then the sums of exponentials and
-    the target logits together; the backward is local (softmax shard minus the one-hot shard).
+    Two small all-reduces over ``group``: the row maxima (with the shard widths, which must be
+    equal), then the sums of exponentials and the target logits together; the backward is
+    local (softmax shard minus the one-hot shard).  Matches :func:`~axonmpi.nn.functional.cross_entropy`
+    on the gathered logits: ``ignore_index`` targets count nowhere and ``"mean"`` divides by the
+    number of the others; a target outside ``[0, V)`` raises ``IndexError``.
 
     Args:
         logits_shard: (..., V/p), this rank's vocabulary slice ``[r*V/p, (r+1)*V/p)``.
@@ -279,6 +321,8 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, group: Optional[
         group: the tensor-parallel group the vocabulary is split over (default: the current
             grid's ``intra_group``).
         reduction: "mean" (default), "sum" or "none" (per-token losses).
+        ignore_index: target id that contributes no loss and no gradient (torch's -100).
+        label_smoothing: ``e`` in [0, 1], as torch's: ``(1-e)`` one-hot plus ``e/V`` uniform.
 
     Returns:
         The loss, identical on every rank of the group.
@@ -289,13 +333,15 @@ def vocab_parallel_cross_entropy(logits_shard: Tensor, targets, group: Optional[
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     g = one_d_group(group)
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"rank {g.world.rank}: label_smoothing must be in [0, 1], got {label_smoothing}")
     t = targets.data if isinstance(targets, Tensor) else targets
     if t.dtype.kind not in "iu":
         raise TypeError(f"rank {g.world.rank}: targets must be integer class ids, got dtype {t.dtype}")
     if tuple(t.shape) != tuple(logits_shard.shape[:-1]):
         raise ValueError(f"rank {g.world.rank}: targets shape {tuple(t.shape)} does not match logits "
                          f"shard shape {tuple(logits_shard.shape)}")
-    return _VocabParallelCrossEntropy.apply(logits_shard, t, g, reduction)
+    return _VocabParallelCrossEntropy.apply(logits_shard, t, g, reduction, int(ignore_index), float(label_smoothing))
 
 
 class TensorParallelMLP(_TensorParallelModule):

@@ -55,7 +55,7 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
                 _replace(parent, name, new, child)
             elif vocab_parallel and name == "wte" and type(child) is Embedding:
                 _replace(parent, name, VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=g,
-                                                              dtype=dtype), child)
+                                                              dtype=dtype, padding_idx=child.padding_idx), child)
             elif vocab_parallel and name == "lm_head" and type(child) is Linear:
                 _replace(parent, name, ColumnParallelLinear(child.in_features, child.out_features,
                                                             bias=child.bias is not None, gather_output=True,

@@ -1,0 +1,164 @@
+"""Preemption: SIGTERM/SIGUSR1 -> every rank stops at the same step, saves, exits 75; templates requeue on 75."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import axonmpi
+from axonmpi import checkpoint as ckpt
+from axonmpi.checkpoint import PREEMPTED_EXIT_CODE, PreemptionHandler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT = os.path.join(ROOT, "examples", "train_gpt.py")
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-bytes", "60000",
+        "--eval-batches", "1", "--no-progress", "--sample-chars", "0", "--warmup", "2"]
+TEMPLATES = ("slurm_ddp_1node.sbatch", "slurm_ddp_multinode.sbatch", "slurm_3d.sbatch", "slurm_fsdp.sbatch",
+             "slurm_3d_gpu.sbatch", "slurm_gpu.sbatch")
+
+
+def _descendants(pid):
+    out = []
+    for path in ("/proc/%d/task/%s/children" % (pid, t) for t in os.listdir(f"/proc/{pid}/task")):
+        try:
+            kids = [int(c) for c in open(path).read().split()]
+        except OSError:
+            continue
+        for c in kids:
+            out += [c] + _descendants(c)
+    return out
+
+
+def _ranks_of(proc, needle):
+    """The pids of ``proc``'s descendants whose command line holds ``needle`` (the ranks under mpiexec)."""
+    pids = []
+    for p in _descendants(proc.pid):
+        try:
+            if needle in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace"):
+                pids.append(p)
+        except OSError:
+            pass
+    return pids
+
+
+def _rows(path):
+    if not os.path.exists(path):
+        return []
+    return [json.loads(x)["step"] for x in open(path) if x.endswith("\n")]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_ranks_stop_at_the_same_step_when_one_rank_is_signalled(world):
+    stops = []
+    with PreemptionHandler(("SIGUSR1", "SIGTERM")) as pre:
+        for step in range(1, 8):
+            if step == 3 and world.rank == world.world_size - 1:
+                os.kill(os.getpid(), signal.SIGUSR1)     # only the last rank gets the signal
+            if pre.should_stop():
+                stops.append(step)
+                break
+        assert pre.signal_name == ("SIGUSR1" if world.rank == world.world_size - 1 else None)
+    assert stops == [3]
+    assert axonmpi.all_gather_object(stops) == [[3]] * world.world_size
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL     # close() restored the handler
+    with PreemptionHandler() as pre, pytest.raises(SystemExit) as e:
+        pre.exit("test")
+    assert e.value.code == PREEMPTED_EXIT_CODE == 75
+
+
+def test_bad_signal_names_the_value():
+    with pytest.raises(ValueError, match="unknown signal 'SIGNOPE'"):
+        PreemptionHandler(["SIGNOPE"])
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("which", ["one rank", "every rank"])
+def test_train_gpt_saves_on_sigterm_exits_75_and_auto_resume_continues(tmp_path, which):
+    """The issue's measurement: kill -TERM mid-run wrote nothing and the requeued job started at step 0."""
+    from axonmpi.testing import mpiexec_env, mpiexec_path
+    d, m = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
+    args = [sys.executable, GPT, *TINY, "--global-batch", "4", "--checkpoint-dir", d, "--metrics-json", m,
+            "--auto-resume"]
+    p = subprocess.Popen([mpiexec_path(), "-n", "2", *args, "--steps", "100000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=mpiexec_env(), cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while len(_rows(m)) < 20 and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    ranks = _ranks_of(p, "train_gpt.py")
+    assert len(ranks) == 2, ranks
+    for pid in (ranks[-1:] if which == "one rank" else ranks):
+        os.kill(pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == PREEMPTED_EXIT_CODE, out
+    saved = ckpt.CheckpointManager(d).latest_step()
+    assert saved is not None and saved >= 20, out
+    assert _rows(m) == list(range(1, saved + 1))               # nothing trained after the save
+    assert f"saved step {saved} of 100000" in out and "exiting with code 75" in out
+    r = subprocess.run([mpiexec_path(), "-n", "2", *args, "--steps", str(saved + 3)], capture_output=True,
+                       text=True, timeout=120, env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"--auto-resume: resumed from {d}/step-{saved:08d} at step {saved}" in r.stderr
+    assert _rows(m) == list(range(1, saved + 4))
+
+
+# -- job templates -------------------------------------------------------------------------------
+@pytest.mark.serial
+def test_every_template_asks_for_usr1_and_requeue_and_runs_through_axonmpi_run():
+    for name in TEMPLATES:
+        text = open(os.path.join(ROOT, "jobs", name)).read()
+        for needle in ("#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "/requeue.sh", 'axonmpi_check_script "$SCRIPT"',
+                       'axonmpi_run srun'):
+            assert needle in text, (name, needle)
+    assert "AXONMPI_PREEMPTED_EXIT=75" in open(os.path.join(ROOT, "jobs", "requeue.sh")).read()
+
+
+_FAKE_RANK = """
+import sys, time
+import axonmpi
+from axonmpi.checkpoint import PreemptionHandler
+axonmpi.init()
+pre = PreemptionHandler()
+open(sys.argv[1], "w").write("ready")
+while not pre.should_stop():
+    time.sleep(0.01)
+pre.exit("test rank")
+"""
+
+
+@pytest.mark.serial
+def test_template_forwards_usr1_and_requeues_on_75(slurm_env, tmp_path):
+    bindir = tmp_path / "bin"
+    (tmp_path / "rank.py").write_text(_FAKE_RANK)
+    # srun runs one "rank" that waits for the forwarded signal; scontrol records what it was asked
+    (bindir / "srun").write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'rank.py'} {tmp_path / 'ready'}\n")
+    (bindir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.txt'}\n")
+    os.chmod(bindir / "scontrol", 0o755)
+    env = slurm_env(SLURM_JOB_ID="4242")
+    p = subprocess.Popen(["bash", os.path.join(ROOT, "jobs", "slurm_ddp_1node.sbatch")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGUSR1)            # what --signal=B:USR1@120 does
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert (tmp_path / "scontrol.txt").read_text().split() == ["requeue", "4242"]
+    assert "asking every rank to save and exit" in err and "requeueing job 4242" in err
+
+
+@pytest.mark.serial
+def test_template_refuses_a_script_without_the_contract_flags(slurm_env, tmp_path):
+    mine = tmp_path / "my_train.py"
+    mine.write_text("import argparse\nargparse.ArgumentParser().add_argument('--checkpoint-dir')\n")
+    r = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm_ddp_1node.sbatch")], capture_output=True,
+                       text=True, timeout=30, env=slurm_env(SCRIPT=str(mine)), cwd=ROOT)
+    assert r.returncode == 2 and "does not take --auto-resume --no-progress" in r.stderr, r.stderr
+    assert "srun" not in r.stdout                              # nothing started
+    mine.write_text("# --checkpoint-dir --auto-resume --no-progress\n")
+    r = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm_ddp_1node.sbatch")], capture_output=True,
+                       text=True, timeout=30, env=slurm_env(SCRIPT=str(mine)), cwd=ROOT)
+    assert r.returncode == 0 and "does not seem to catch SIGUSR1" in r.stderr and "srun" in r.stdout
