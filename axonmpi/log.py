@@ -17,9 +17,9 @@ _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(
 
 
 def _rank_info():
-    from .distributed import world as _w
-    w = _w._WORLD
-    if w is not None and not w._destroyed:
+    from .distributed import get_world, is_initialized
+    if is_initialized():
+        w = get_world()
         return w.rank, w.world_size
     # before init: fall back to launcher variables only for labelling log lines
     for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),

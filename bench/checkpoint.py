@@ -16,6 +16,11 @@ the page cache (files were just written); save is shown with and without fsync f
 data is handed back); "load verify=F" skips the comparison. The target for the verified load is
 >= 0.8x raw at 1, 2 and 4 ranks.
 
+"replication check" is the cost of the always-on proof that plain (non-ShardedArray) arrays are
+replicated: every plain array's xxh3_64 digest, computed in the save's plan (the digests travel
+with the plan in the one collective the save already does). It is timed on this state (biases
+and norms plain) and on the worst case, a state whose every array is plain (a DDP checkpoint).
+
 A second table is the training stall of a save, as ``CheckpointManager.save`` sees it: the time
 until the call returns (the slowest rank). "sync" is the default durable save; "async" is
 ``async_save=True`` (copy into reused host buffers, write in a background thread), timed after one
@@ -162,6 +167,13 @@ def main() -> None:
                          ("axonmpi load noverify", lambda: load(ck, template, verify=False))):
             t = timed(g, fn)
             best[name] = min(best.get(name, t), t)
+    from axonmpi.checkpoint.plan import plan_state
+    all_plain = {"model": {k: (v.local if isinstance(v, ShardedArray) else v) for k, v in state["model"].items()}}
+    for name, st in (("plan", state), ("plan all plain", all_plain)):
+        for _ in range(args.repeats):
+            t = timed(g, lambda: plan_state(st, g.rank))
+            best[name] = min(best.get(name, t), t)
+    plain_bytes = sum(v.nbytes for v in state["model"].values() if not isinstance(v, ShardedArray))
     stall = stall_bench(state, base, g, args.repeats)
     for k, a in raw_out.items():  # the bench also checks what it timed
         np.testing.assert_array_equal(a, mine[k])
@@ -181,6 +193,9 @@ def main() -> None:
                            ("load verify=F", "raw load", "axonmpi load noverify")):
             r, a = total / best[rk] / 1e9, total / best[ak] / 1e9
             print(f"{op:<14} {r:>14.2f} {a:>13.2f} {a / r:>6.2f}x")
+        for name, nbytes in (("plan", plain_bytes), ("plan all plain", sum(a.nbytes for a in mine.values()))):
+            print(f"replication check ({name}: {nbytes / 2**20:.1f} MiB hashed per rank): "
+                  f"{best[name] * 1e3:.1f} ms = {100 * best[name] / best['axonmpi save']:.1f}% of a save")
         print(f"\ntraining stall of one save of the {total / 2**20:.0f} MiB state (best of {args.repeats})")
         print(f"{'save':<26} {'stall ms':>9} {'vs host copy':>13} {'sync / this':>12}")
         for name in ("sync save (fsync)", "host copy", "async save", "async: background write"):

@@ -461,7 +461,9 @@ def test_cli_inspect_and_consolidate(world, ckdir):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_debug_mode_names_plain_arrays_that_are_not_replicated(world, ckdir, monkeypatch):
-    monkeypatch.setattr(world, "debug", True)
+@pytest.mark.parametrize("debug", [True, False])
+def test_save_names_plain_arrays_that_are_not_replicated(world, ckdir, monkeypatch, debug):
+    """Always on (issue 20: per-rank optimizer moments saved as plain arrays overwrote each other)."""
+    monkeypatch.setattr(world, "debug", debug)
     with pytest.raises(CheckpointError, match=r"entry 'w': plain array differs between rank 0 and rank 1"):
         save(os.path.join(ckdir, "ck"), {"w": np.full(3, float(world.rank)), "same": np.ones(2)})

@@ -33,7 +33,11 @@ def training_state(model=None, optimizer=None, scheduler=None, sampler=None, *, 
     """The full training state as a checkpoint ``state`` dict (collective when ``rng=True``).
 
     Every object is duck-typed: anything with ``state_dict()`` works (a module, an optimizer,
-    an LR scheduler, a sampler or data loader). The RNG states of all ranks of ``group`` are
+    an LR scheduler, a sampler or data loader).  Sharded state stays sharded, under the serial
+    parameter names: an FSDP model gives its ``sharded_state_dict()`` and ``optim_state_dict(optimizer)``
+    (each rank's blocks of the flattened parameters and optimizer moments, nothing gathered), a
+    ``ZeroRedundancyOptimizer`` its ``sharded_state_dict()``.  Load with this rank's
+    ``training_state(...)`` as the template and :func:`restore_training_state`, at any world size. The RNG states of all ranks of ``group`` are
     gathered and stored as one JSON string (they hold ints wider than 64 bits), so each rank
     resumes its own stream.
 
@@ -47,9 +51,18 @@ def training_state(model=None, optimizer=None, scheduler=None, sampler=None, *, 
     """
     from ..distributed import all_gather_object, resolve_group
     state: Dict[str, Any] = {}
+    sharded_model = model is not None and callable(getattr(model, "optim_state_dict", None))
+    sharded_opt = optimizer is not None and callable(getattr(optimizer, "sharded_state_dict", None))
     for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("sampler", sampler)):
-        if obj is not None:
+        if obj is not None and not (key == "model" and sharded_model) \
+                and not (key == "optimizer" and (sharded_model or sharded_opt)):
             state[key] = _state_dict(obj, key)
+    if model is not None and callable(getattr(model, "optim_state_dict", None)):   # FSDP: sharded blocks
+        state["model"] = model.sharded_state_dict()
+        if optimizer is not None:
+            state["optimizer"] = model.optim_state_dict(optimizer)
+    elif optimizer is not None and callable(getattr(optimizer, "sharded_state_dict", None)):  # ZeRO
+        state["optimizer"] = optimizer.sharded_state_dict()
     g = resolve_group(group)
     if rng:
         from .. import random as _random
@@ -87,6 +100,9 @@ def restore_training_state(loaded: Dict[str, Any], model=None, optimizer=None, s
             continue
         if key not in loaded:
             raise KeyError(f"the loaded state has no {key!r} entry (saved keys: {sorted(loaded)})")
+        if key == "optimizer" and model is not None and callable(getattr(model, "load_optim_state_dict", None)):
+            model.load_optim_state_dict(obj, loaded[key])     # FSDP: named, sharded optimizer state
+            continue
         _load_state_dict(obj, loaded[key], key, strict)
     if rng and "rng" in loaded:
         from .. import random as _random

@@ -9,7 +9,7 @@ from .group import ProcessGroup
 if TYPE_CHECKING:  # pragma: no cover
     from .world import World
 
-__all__ = ["ProcessGrid", "GridCoords", "resolve_grid_sizes", "GROUP_DIMS"]
+__all__ = ["ProcessGrid", "GridCoords", "resolve_grid_sizes", "GROUP_DIMS", "ROLES"]
 
 
 class GridCoords(NamedTuple):
@@ -34,6 +34,14 @@ GROUP_DIMS: Dict[str, Tuple[str, ...]] = {
     "col_group": ("col",),
     "intra_group": ("depth", "row", "col"),
     "model_group": ("inter", "depth", "row", "col"),
+}
+
+
+# The one role -> group table every default reads (``ProcessGrid.group_for``).
+ROLES: Dict[str, str] = {
+    "data": "data_group", "pipeline": "inter_group", "inter": "inter_group", "tensor": "intra_group",
+    "intra": "intra_group", "depth": "depth_group", "row": "row_group", "col": "col_group",
+    "model": "model_group",
 }
 
 
@@ -219,6 +227,30 @@ class ProcessGrid:
     def model_group(self) -> ProcessGroup:
         """All ranks holding one model replica: ``inter x depth x row x col``."""
         return self._groups["model_group"]
+
+    @property
+    def is_trivial(self) -> bool:
+        """True when the grid has no pipeline and no tensor dimension (only data: every rank one replica)."""
+        return self.G_inter == 1 and self.G_intra == 1
+
+    def group_for(self, role: str) -> ProcessGroup:
+        """The group of ``role`` for this rank: the one role -> group helper every default reads.
+
+        Roles: ``"data"`` (the data group; on the trivial grid the World's group of all ranks, so
+        defaults keep meaning "every rank"), ``"pipeline"``/``"inter"``, ``"tensor"``/``"intra"``,
+        ``"depth"``, ``"row"``, ``"col"``, ``"model"``, ``"world"``.
+
+        Example:
+            >>> axonmpi.init(G_intra_c=2).grid.group_for("data").ranks     # on rank 3 of 4
+            (1, 3)
+        """
+        if role == "world" or (role == "data" and self.is_trivial):
+            return self.world.default_group
+        name = ROLES.get(role)
+        if name is None:
+            raise ValueError(f"rank {self.rank}: unknown group role {role!r}; expected one of "
+                             f"{sorted(set(ROLES) | {'world'})}")
+        return self._groups[name]
 
     def group_ranks(self, name: str, world_rank: Optional[int] = None) -> Tuple[int, ...]:
         """World ranks of the ``name`` group (a key of ``GROUP_DIMS``) that holds ``world_rank``.

@@ -5,6 +5,7 @@ import enum
 
 import numpy as np
 from mpi4py import MPI
+from ..enums import coerce_enum
 
 __all__ = ["ReduceOp"]
 
@@ -30,15 +31,7 @@ class ReduceOp(enum.Enum):
     @classmethod
     def coerce(cls, op) -> "ReduceOp":
         """Accept a ReduceOp or its name (``"sum"``, ``"avg"``, ...)."""
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str):
-            key = op.strip().upper()
-            if key in cls.__members__:
-                return cls.__members__[key]
-            if key == "PROD":
-                return cls.PRODUCT
-        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(cls.__members__)}")
+        return coerce_enum(cls, op, "reduce op", aliases={"prod": cls.PRODUCT, "PROD": cls.PRODUCT})
 
 
 _MPI_OPS = {

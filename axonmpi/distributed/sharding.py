@@ -260,6 +260,19 @@ class FlatSegment(NamedTuple):
     param_stop: int
     offset: int
 
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter in this segment."""
+        return self.param_stop - self.param_start
+
+    def in_chunk(self, chunk):
+        """This segment's elements in ``chunk`` (an array over the queried flat range): a view."""
+        return chunk[self.offset:self.offset + self.param_stop - self.param_start]
+
+    def in_param(self, values, start: int = 0):
+        """This segment's elements of the parameter's flattened ``values`` that begin at element ``start``."""
+        return values[self.param_start - start:self.param_stop - start]
+
 
 class FlatLayout:
     """Where each of several arrays lies in one flat 1-D buffer (back to back, in order).
@@ -325,7 +338,7 @@ class FlatLayout:
             if s is None:
                 out.append(ShardedArray(to_host(chunk[:0]).copy(), (numel,), (0,), view_shape=self.shapes[i]))
             else:
-                piece = chunk[s.offset:s.offset + s.param_stop - s.param_start]
+                piece = s.in_chunk(chunk)
                 out.append(ShardedArray(to_host(piece).copy(), (numel,), (s.param_start,),
                                         view_shape=self.shapes[i]))
         return out

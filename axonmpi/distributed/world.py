@@ -15,7 +15,7 @@ from .. import backend as _devices
 from .grid import ProcessGrid, resolve_grid_sizes
 from .group import ProcessGroup
 
-__all__ = ["World", "init", "get_world", "get_grid", "is_initialized", "destroy", "resolve_group"]
+__all__ = ["World", "init", "get_world", "get_grid", "is_initialized", "destroy", "resolve_group", "role_group"]
 
 _WORLD: Optional["World"] = None  # the single current World (see DESIGN.md)
 
@@ -407,6 +407,22 @@ def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
             "make groups from axonmpi.get_world()"
         )
     return group
+
+
+def role_group(role: str, group: Optional[ProcessGroup] = None) -> ProcessGroup:
+    """``group`` (checked as :func:`resolve_group` does) if given, else the current grid's group for ``role``.
+
+    The one default every strategy reads: ``"data"`` is the grid's data group, which on the
+    trivial grid is the World's group of all ranks (see :meth:`ProcessGrid.group_for`).
+
+    Example:
+        >>> axonmpi.init(G_inter=2)                  # 4 ranks
+        >>> role_group("data").ranks                 # on rank 0
+        (0, 2)
+    """
+    if group is not None:
+        return resolve_group(group)
+    return get_grid().group_for(role)
 
 
 # -- fail loud: an uncaught exception on one rank ends the whole job ----------------------

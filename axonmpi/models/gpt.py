@@ -18,7 +18,7 @@ from ..nn.module import Module, ModuleList
 from ..nn.transformer import TransformerBlock
 from ..random import default_generator
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead"]
 
 # ours <-> Hugging Face GPT-2 names inside a block (Conv1D layers store their weight transposed)
 _HF_BLOCK = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln_2": "ln_2",
@@ -99,6 +99,31 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
 
+class GPTEmbedding(Module):
+    """The GPT's input end as a pipeline layer: token + position embeddings, then dropout."""
+
+    def __init__(self, wte: Module, wpe: Module, drop: Module):
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, idx):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        xp = get_array_module(self.wte.weight.data)
+        idx = xp.asarray(idx)
+        return self.drop(self.wte(idx) + self.wpe(xp.arange(idx.shape[1])))
+
+
+class GPTHead(Module):
+    """The GPT's output end as a pipeline layer: final LayerNorm, then the vocabulary projection."""
+
+    def __init__(self, ln_f: Module, lm_head: Module):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
 class GPT(Module):
     """Decoder-only transformer: ``wte`` + ``wpe`` -> ``blocks`` -> ``ln_f`` -> ``lm_head``.
 
@@ -148,6 +173,11 @@ class GPT(Module):
                 continue
             if not isinstance(m, Embedding) and getattr(m, "bias", None) is not None:
                 init.zeros_(m.bias)
+
+    def pipeline_layers(self) -> list:
+        """The model as pipeline layers sharing its parameters: ``[embedding, block 0, ..., head]``
+        (what :func:`~axonmpi.parallel.pipeline.split_module` cuts)."""
+        return [GPTEmbedding(self.wte, self.wpe, self.drop), *self.blocks, GPTHead(self.ln_f, self.lm_head)]
 
     def forward(self, idx, targets=None) -> Tuple[Tensor, Optional[Tensor]]:
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``."""

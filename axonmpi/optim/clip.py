@@ -71,37 +71,76 @@ def shard_group_of(param: Any, default: Optional[Any] = None) -> Optional[Any]:
     return default
 
 
-def _plan(parameters: Params, group: Optional[Any]):
-    """Split the parameters by the group that shards them, in order of first appearance.
+def _domain(group: Optional[Any]):
+    """The group whose ranks hold different parameters (pipeline stages): ``group`` if given, else
+    the grid's pipeline group when it has more than one rank, else ``None``.  Every rank of it
+    takes part in the last sum, whether it holds parameters or not."""
+    if group is not None:
+        from ..distributed import resolve_group
+        return resolve_group(group)
+    from ..distributed import get_world, is_initialized
+    if not is_initialized():
+        return None
+    grid = get_world().grid
+    return grid.inter_group if grid.G_inter > 1 else None
 
-    Returns ``(replicated grads, [(group, grads), ...])``.  Every parameter counts when the
-    groups are collected (with or without a gradient), so each rank of a group takes part in the
-    group's reduction even when it holds no gradient for it.
+
+def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
+    """Split the gradients by the groups that shard their parameters (their placements).
+
+    Returns ``(replicated grads, grads split over the domain only, [(groups, grads), ...])``: the
+    last list is keyed by the groups other than the domain that split them, in order of first
+    appearance; those split over the domain as well are marked with a trailing ``True``.  Every
+    parameter counts when the groups are collected (with or without a gradient), so each rank
+    of a group takes part in the group's reduction even when it holds no gradient for it.
     """
+    from ..distributed.placement import Placement, Shard, ShardKind, placement_of
+
     if hasattr(parameters, "data") and hasattr(parameters, "grad"):
         parameters = [parameters]
+    default = Placement(shards=(Shard(group, ShardKind.STAGE),)) if group is not None else None
+    dranks = domain.ranks if domain is not None and domain.size > 1 else None
     local: List[Any] = []
-    sharded: Dict[int, Tuple[Any, List[Any]]] = {}
+    staged: List[Any] = []
+    outer: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], bool, List[Any]]] = {}
+    def add(groups, grads):
+        on_domain = dranks is not None and any(g.ranks == dranks for g in groups)
+        groups = tuple(g for g in groups if dranks is None or g.ranks != dranks)
+        if not groups:
+            (staged if on_domain else local).extend(grads)
+            return
+        entry = outer.setdefault(tuple(id(g) for g in groups) + (on_domain,), (groups, on_domain, []))
+        entry[2].extend(grads)
+
     for p in parameters:
-        g = shard_group_of(p, group)
-        if g is not None and getattr(g, "size", 2) == 1:
-            g = None  # a group of one rank: the shard is the whole tensor
-        if g is None:
+        pl = placement_of(p, default)
+        if group is not None and getattr(p, "placement", None) is pl \
+                and not any(g.ranks == group.ranks for g in pl.shard_groups + pl.replica_groups):
+            pl = pl.with_shard(Shard(group, ShardKind.STAGE))   # a strategy's shard on one stage of ``group``
+        inner = getattr(p, "params", None) if callable(getattr(p, "segments", None)) else None
+        if inner and any(placement_of(q).shard_groups for q in inner):
+            # an FSDP chunk of tensor-parallel shards: each original parameter's elements also over its
+            # own groups; every original parameter makes its bucket, so ranks agree on the buckets
+            slices: Dict[int, List[Any]] = {}
             if p.grad is not None:
-                local.append(p.grad.data)
+                for seg in p.segments():
+                    slices.setdefault(seg.index, []).append(seg.in_chunk(p.grad.data))
+            for i, q in enumerate(inner):
+                extra = tuple(g for g in placement_of(q).shard_groups
+                              if not any(g.ranks == h.ranks for h in pl.shard_groups))
+                add(pl.shard_groups + extra, slices.get(i, []))
             continue
-        entry = sharded.setdefault(id(g), (g, []))
-        if p.grad is not None:
-            entry[1].append(p.grad.data)
-    return local, list(sharded.values())
+        add(pl.shard_groups, [] if p.grad is None else [p.grad.data])
+    return local, staged, list(outer.values())
 
 
 def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] = None) -> float:
     """Total ``norm_type``-norm of all gradients of a model whose parameters may be partly sharded.
 
-    Each gradient element of the global model counts exactly once: replicated parameters locally,
-    sharded ones summed (max for inf) over the group that shards them -- never over replicas.
-    See :func:`clip_grad_norm_` for ``group`` and the ``shard_group`` parameter attribute.
+    Each gradient element of the global model counts exactly once, read from the parameters'
+    placements (:func:`~axonmpi.distributed.placement_of`): sharded parts summed (max for inf)
+    over the groups that shard them, replicated ones counted once -- never over replicas.
+    See :func:`clip_grad_norm_` for ``group``.
 
     Example:
         >>> grad_norm(model.parameters())          # the 2-norm of all gradients as one vector
@@ -110,21 +149,39 @@ def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] =
     if not (p > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
     inf = p == math.inf
-    local, sharded = _plan(parameters, group)
-    total = float(_partial_norm(local, p)) if local else 0.0
-    if sharded:
+    domain = _domain(group)
+    local, staged, outer = _plan(parameters, group, domain)
+
+    def part(grads):
+        return float(_partial_norm(grads, p)) if grads else 0.0
+
+    def add(a, b):
+        return _nan_max(a, b) if inf else a + b
+
+    total = part(local)
+    across = part(staged)          # summed over the domain below
+    if outer or domain is not None:
         from ..distributed import ReduceOp, all_reduce
 
         op = ReduceOp.MAX if inf else ReduceOp.SUM
-        for g, grads in sharded:
-            value = float(_partial_norm(grads, p)) if grads else 0.0
+        def reduce(value: float, g) -> float:
             if inf:  # MPI's MAX drops a NaN (as Python's max does): send "is NaN" beside the value
                 nan = math.isnan(value)
-                part = all_reduce(np.array([0.0 if nan else value, float(nan)]), op, g)
-                reduced = math.nan if part[1] > 0 else float(part[0])
-                total = _nan_max(total, reduced)
+                r = all_reduce(np.array([0.0 if nan else value, float(nan)]), op, g)
+                return math.nan if r[1] > 0 else float(r[0])
+            return float(all_reduce(np.array([value]), op, g)[0])
+
+        for groups, on_domain, grads in outer:
+            value = part(grads)
+            for g in groups:
+                value = reduce(value, g)
+            if on_domain:
+                across = add(across, value)
             else:
-                total += float(all_reduce(np.array([value]), op, g)[0])
+                total = add(total, value)
+        if domain is not None and domain.size > 1:   # every rank of the domain, with parameters or not
+            across = reduce(across, domain)
+    total = add(total, across)
     return total if inf else total ** (1.0 / p)
 
 
@@ -141,15 +198,16 @@ def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,
     The norm is that of all gradient elements of the *global* model concatenated into one vector.
     When it exceeds ``max_norm`` every gradient is multiplied by ``max_norm / (total_norm + 1e-6)``.
 
-    Sharded and replicated parameters mix freely: a parameter whose elements are split over a
-    process group (tensor parallel, FSDP/ZeRO shards) says so with the attribute
-    ``param.shard_group = group`` or AxoNN's ``is_tensor_parallel`` / ``process_group_for_norm_reduction``
-    tags (see :func:`shard_group_of`), or inherits ``group`` below; its
-    ``|g|^p`` is summed over that group (max for inf).  A replicated parameter (plain data
-    parallel, LayerNorm inside a tensor-parallel block) counts once, from the local copy -- it
-    is never summed over its replicas.  Every rank of a sharding group must pass the parameters
-    of that group in the same order (one all-reduce per distinct group, in order of first
-    appearance); parameters without ``.grad`` contribute nothing but still take part.
+    Sharded and replicated parameters mix freely; each parameter's :class:`~axonmpi.distributed.Placement`
+    (set by every strategy, :func:`~axonmpi.distributed.placement_of`) says which groups split
+    it.  Its ``|g|^p`` is summed over those groups (max for inf); a parameter no group splits
+    counts once, from the local copy -- never summed over its replicas.  The pipeline records
+    its group on every stage parameter (a ``STAGE`` shard), so with ``group`` left out the
+    pipeline group of the grid (``axonmpi.init(G_inter=p)``) is summed over last, on every rank
+    of it -- also a stage that holds no parameters -- and pipeline x tensor parallel gives the
+    serial norm on every rank.  Parameters that carry no placement are split over ``group``
+    when it is given.  Every rank of a sharding group must pass the parameters of that group in
+    the same order; parameters without ``.grad`` contribute nothing but still take part.
 
     Args:
         parameters: a Tensor or an iterable of Tensors; those without ``.grad`` are skipped.
@@ -158,9 +216,12 @@ def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,
         error_if_nonfinite: raise RuntimeError when the total norm is nan or inf
             (otherwise the gradients are scaled by a nan/0 coefficient, as in PyTorch).
         foreach: accepted for PyTorch compatibility; the computation is the same either way.
-        group: the :class:`~axonmpi.distributed.ProcessGroup` that shards every parameter
-            without a ``shard_group`` attribute; ``None`` (default): such parameters are
-            replicated (local gradients only).
+        group: a :class:`~axonmpi.distributed.ProcessGroup` whose ranks hold different
+            parameters (pipeline stages): every parameter is taken to be split over it (those
+            with a placement a strategy set as well as those with none; AxoNN's tags and a
+            ``shard_group`` attribute keep their own meaning), and every rank of it takes part in
+            one last sum. ``None`` (default): the grid's
+            pipeline group when it has more than one rank.
 
     Returns:
         The total norm before clipping, as a Python float.

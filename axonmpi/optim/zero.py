@@ -158,6 +158,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         groups = list(params)
         if not groups:
             raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        from ..distributed.placement import check_group
+        flat = [q for g in groups for q in ((g["params"] if not isinstance(g["params"], Tensor) else [g["params"]])
+                                            if isinstance(g, dict) else [g])]
+        check_group([(f"#{i} (shape {tuple(q.shape)})", q) for i, q in enumerate(flat)],
+                    self.process_group, "ZeroRedundancyOptimizer")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         self.buckets: List[_Bucket] = []

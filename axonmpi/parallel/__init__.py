@@ -11,6 +11,8 @@ from .fsdp import (
     SizeWrapPolicy,
 )
 from .auto_parallelize import auto_parallelize
+from .parallelize import ParallelModule, full_state_dict, parallelize
+from . import grad_sync
 from .tensor.groups import TensorParallelGroups
 from .pipeline import *  # noqa: F401,F403  (Pipeline, PipelineSchedule, make_schedule, split_module, ...)
 from . import pipeline
@@ -20,6 +22,7 @@ __all__ = [
     "TensorParallelGroups", "FlatLayout", "FlatParameter", "FlatSegment",
     "FSDP", "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats",
     "ModuleWrapPolicy", "SizeWrapPolicy", "fsdp",
+    "ParallelModule", "parallelize", "full_state_dict", "grad_sync",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
 __all__ += pipeline.__all__

@@ -15,18 +15,18 @@ its :class:`Work` and not touched until it completes.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .. import trace as _trace
 from ..autograd import Tensor
 from ..backend import as_device, device_of, get_array_module, to_device
-from ..distributed import ReduceOp, Work, all_gather, chunk_bounds, reduce_scatter, resolve_group
+from ..distributed import ReduceOp, Work, all_gather, broadcast, chunk_bounds, reduce_scatter, resolve_group
 from ..distributed.sharding import FlatLayout, FlatSegment, compact_slots as _compact, expand_slots as _expand
 from ..nn.parameter import Parameter
 
-__all__ = ["FlatLayout", "FlatSegment", "FlatParameter"]
+__all__ = ["FlatLayout", "FlatSegment", "FlatParameter", "broadcast_flat"]
 
 
 class FlatParameter(Parameter):
@@ -422,3 +422,27 @@ class FlatParameter(Parameter):
         gathered = ", gathered" if (self.is_sharded and self._full is not None) else ""
         return (f"FlatParameter({len(self.params)} params, numel={self.total_numel}, {state}{gathered}, "
                 f"chunk={self.shard_range}, dtype={self.data.dtype})")
+
+
+def broadcast_flat(tensors: Sequence[Tensor], group, src: int = 0, cap_bytes: int = 64 << 20) -> None:
+    """Broadcast many small arrays as few flat messages (grouped by dtype/device)."""
+    groups: Dict[Any, List[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((str(t.data.dtype), str(t.device)), []).append(t)
+    for ts in groups.values():
+        xp = get_array_module(ts[0].data)
+        start = 0
+        while start < len(ts):
+            chunk, size = [], 0
+            while start < len(ts) and (not chunk or size + ts[start].data.nbytes <= cap_bytes):
+                chunk.append(ts[start])
+                size += ts[start].data.nbytes
+                start += 1
+            flat = xp.concatenate([xp.ravel(t.data) for t in chunk]) if len(chunk) > 1 else xp.ravel(
+                chunk[0].data).copy()
+            broadcast(flat, src=src, group=group)
+            off = 0
+            for t in chunk:
+                n = int(t.data.size)
+                t.data[...] = flat[off:off + n].reshape(t.data.shape)
+                off += n

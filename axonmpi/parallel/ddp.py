@@ -51,9 +51,11 @@ import numpy as np
 from ..autograd import Tensor, no_grad
 from ..autograd.graph import reachable_leaves, tensors_in
 from ..backend import get_array_module
-from ..distributed import ReduceOp, Work, all_reduce, broadcast, resolve_group
+from ..distributed import ReduceOp, Work, add_placement, all_reduce, resolve_group, role_group
+from .grad_sync import check_group
 from ..nn import Module
-from ._flat import FlatLayout
+from ._flat import FlatLayout, broadcast_flat
+from ..enums import coerce_enum
 
 __all__ = [
     "DistributedDataParallel", "DDP", "GradSyncStrategy", "GradientBucket", "GradientSynchronizer",
@@ -176,13 +178,7 @@ class GradientSynchronizer:
                  reduce_op: ReduceOp = ReduceOp.MEAN, find_unused_parameters: bool = False,
                  record_events: bool = False):
         self.group = resolve_group(group)
-        if not isinstance(strategy, GradSyncStrategy):
-            try:
-                strategy = GradSyncStrategy(strategy)
-            except ValueError:
-                raise ValueError(f"unknown grad_sync {strategy!r}; expected one of "
-                                 f"{[s.name for s in GradSyncStrategy]}") from None
-        self.strategy = strategy
+        self.strategy = coerce_enum(GradSyncStrategy, strategy, "grad_sync")
         if comm_hook is None or isinstance(comm_hook, str):
             if comm_hook not in _HOOKS:
                 raise ValueError(f"unknown comm_hook {comm_hook!r}; expected 'allreduce', 'fp16' or a callable")
@@ -453,7 +449,9 @@ class DistributedDataParallel(Module):
 
     Args:
         module: the model (an :class:`axonmpi.nn.Module`).
-        group: the data-parallel process group (default: all ranks).
+        group: the data-parallel process group (default: the grid's data group, which is all
+            ranks on the trivial grid). A group two of whose ranks hold different parts of a
+            parameter (tensor-parallel shards, pipeline stages) raises ``ValueError``.
         bucket_size_mb: cap of one gradient bucket in MiB (default 25, as PyTorch).
         broadcast_buffers: broadcast buffers from group rank 0 at every forward.
         grad_sync: :class:`GradSyncStrategy` (OVERLAP or AFTER_BACKWARD).
@@ -489,7 +487,11 @@ class DistributedDataParallel(Module):
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
         self.module = module
-        self.group = resolve_group(group)
+        self.group = role_group("data", group)
+        named = list(module.named_parameters())
+        check_group(named, self.group, "DDP")
+        for _, p in named:
+            add_placement(p, replica=self.group)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.synchronizer = GradientSynchronizer(
             list(module.named_parameters()), self.group, bucket_size_mb=bucket_size_mb, strategy=grad_sync,
@@ -525,12 +527,12 @@ class DistributedDataParallel(Module):
             return
         with no_grad():
             tensors = [p for _, p in self.module.named_parameters()] + [b for _, b in self.module.named_buffers()]
-            _broadcast_flat([t for t in tensors], self.group)
+            broadcast_flat([t for t in tensors], self.group)
 
     def _sync_buffers(self) -> None:
         bufs = [b for _, b in self.module.named_buffers()]
         if bufs:
-            _broadcast_flat(bufs, self.group)
+            broadcast_flat(bufs, self.group)
 
     def forward(self, *args, **kwargs):
         sync = self.synchronizer
@@ -562,27 +564,3 @@ class DistributedDataParallel(Module):
 
 
 DDP = DistributedDataParallel
-
-
-def _broadcast_flat(tensors: Sequence[Tensor], group, src: int = 0, cap_bytes: int = 64 << 20) -> None:
-    """Broadcast many small arrays as few flat messages (grouped by dtype/device)."""
-    groups: Dict[Any, List[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((str(t.data.dtype), str(t.device)), []).append(t)
-    for ts in groups.values():
-        xp = get_array_module(ts[0].data)
-        start = 0
-        while start < len(ts):
-            chunk, size = [], 0
-            while start < len(ts) and (not chunk or size + ts[start].data.nbytes <= cap_bytes):
-                chunk.append(ts[start])
-                size += ts[start].data.nbytes
-                start += 1
-            flat = xp.concatenate([xp.ravel(t.data) for t in chunk]) if len(chunk) > 1 else xp.ravel(
-                chunk[0].data).copy()
-            broadcast(flat, src=src, group=group)
-            off = 0
-            for t in chunk:
-                n = int(t.data.size)
-                t.data[...] = flat[off:off + n].reshape(t.data.shape)
-                off += n

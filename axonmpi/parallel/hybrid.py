@@ -25,9 +25,8 @@
   over the rank's rows (micro-batches weighted by their size), summed over ``inter_group`` (only
   the last stage contributes), then averaged over the batch shards: every rank reports the mean over
   the *whole global batch*, the same number under every layout.
-* **Clipping.** :meth:`HybridGPT.clip_grad_norm_`: the stage's norm from
-  :func:`axonmpi.optim.clip.grad_norm` (TP shards summed over the group their tags name,
-  replicated parameters counted once), squared, summed over ``inter_group``: one global norm.
+* **Clipping.** :meth:`HybridGPT.clip_grad_norm_` is :func:`axonmpi.optim.clip_grad_norm_` on the
+  stage's parameters: their placements (TP shards, the pipeline's stage) give one global norm.
 * **Checkpoints.** :meth:`HybridGPT.sharded_state_dict` gives serial PyTorch names; TP shards are
   ``ShardedArray`` blocks of the full arrays, and each pipeline stage contributes only its own
   parameters, so a checkpoint saved under one layout loads under any other.
@@ -64,7 +63,8 @@ from ..distributed.grid import ProcessGrid
 from ..distributed.world import get_grid
 from ..models.gpt import GPT, GPTConfig
 from ..nn import functional as F
-from ..optim.clip import grad_norm
+from ..optim.clip import clip_grad_norm_
+from ..enums import coerce_enum
 
 __all__ = ["HybridGPT", "Layout", "TPStyle", "check_layout", "fsdp_refusal"]
 
@@ -73,9 +73,6 @@ class TPStyle(enum.Enum):
     """How the tensor dimensions of the grid split the GPT."""
     MEGATRON = "megatron"   # 1-D: heads / MLP columns / vocabulary over intra_group (G_intra_c only)
     AXONN = "axonn"         # 3-D: every Linear over row x column x depth (auto_parallelize)
-
-
-_SCHEDULES = {"gpipe": "GPIPE", "1f1b": "ONE_F_ONE_B", "interleaved": "INTERLEAVED_ONE_F_ONE_B"}
 
 
 @dataclass(frozen=True)
@@ -117,19 +114,12 @@ class Layout:
 
 
 def _style(tp_style) -> TPStyle:
-    try:
-        return TPStyle(getattr(tp_style, "value", tp_style))
-    except ValueError:
-        raise ValueError(f"tp_style must be one of {[s.value for s in TPStyle]}, got {tp_style!r}") from None
+    return coerce_enum(TPStyle, tp_style, "tp_style")
 
 
 def _schedule(schedule):
     from .pipeline import PipelineSchedule
-    if isinstance(schedule, PipelineSchedule):
-        return schedule
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
-    return PipelineSchedule[_SCHEDULES[schedule]]
+    return coerce_enum(PipelineSchedule, schedule, "schedule")
 
 
 def batch_shards(layout: Layout, tp_style="axonn") -> int:
@@ -286,7 +276,7 @@ class _StagedBuild:
         import contextlib
         from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
         from ..nn.transformer import TransformerBlock
-        from .pipeline.split import GPTEmbedding, GPTHead
+        from ..models.gpt import GPTEmbedding, GPTHead
         c, dt, hyb = self.config, self.dtype, self.hyb
         ctx = contextlib.nullcontext()
         if hyb.style is TPStyle.AXONN:
@@ -510,22 +500,11 @@ class HybridGPT:
         return value
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip all gradients of the global model to ``max_norm``; return the global norm before clipping."""
-        if self._fsdp_tp:
-            return self._clip_fsdp_tp(max_norm)
-        if self.fsdp is not None:   # each element of the flat shards once, over the shard group
-            return float(self.fsdp.clip_grad_norm_(max_norm))
-        total = grad_norm(self._params) ** 2
-        inter = self.grid.inter_group
-        if inter.size > 1:
-            total = float(all_reduce(np.array([total]), ReduceOp.SUM, inter)[0])
-        total = math.sqrt(total)
-        coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0:
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.data *= coef
-        return total
+        """Clip all gradients of the global model to ``max_norm``; return the global norm before clipping.
+
+        :func:`axonmpi.optim.clip_grad_norm_` on this rank's parameters: their placements (TP shards,
+        FSDP chunks split by their segments' placements, pipeline stages) count each element once."""
+        return float(clip_grad_norm_(self._params, max_norm))
 
     def _loss_groups(self) -> list:
         """DDP / FSDP layouts: the groups the rank's mean loss is averaged over (its row slices)."""
@@ -534,66 +513,10 @@ class HybridGPT:
         return [self.grid.data_group]
 
     def _sync_axonn_fsdp(self) -> None:
-        """FSDP x AxoNN TP, after FSDP's reduce-scatter averaged every gradient over ``data_group``: the rest
-        of :func:`intra_layer.sync_gradients` on the flat shards' segments -- depth-replicated biases
-        summed over ``depth_group``, replicated parameters over ``intra_group`` -- and everything divided
-        by the tensor block's size (each rank of it read its own rows).  The shard of every rank of a
-        tensor block covers the same elements (same TP-local shapes, checked at construction)."""
-        g = self.grid
-        inv = 1.0 / self.layout.tensor_size
-        for f in self.fsdp.parameters():
-            if f.grad is None:
-                continue
-            grad = f.grad.data
-            for seg in f.segments():
-                p = f.params[seg.index]
-                v = grad[seg.offset:seg.offset + seg.param_stop - seg.param_start]
-                if getattr(p, "is_tensor_parallel", False):
-                    grp = g.depth_group if getattr(p, "needs_depth_parallel_gradient_sync", False) else None
-                else:
-                    grp = g.intra_group
-                if grp is not None and grp.size > 1:
-                    all_reduce(v, group=grp, out=v)
-                v *= inv
-
-    def _clip_fsdp_tp(self, max_norm: float) -> float:
-        """FSDP x TP: the squares of each flat shard's segments, split by the group that shards the original
-        parameter (its tags, as :func:`~axonmpi.optim.clip.grad_norm` reads them), summed over FSDP's shard
-        group (each element of the TP-local arrays once); each TP part then summed over its sharding
-        group, the replicated parameters (LayerNorm, ``wpe``, ...: equal on every tensor rank after the
-        gradient reduction) counted once."""
-        from ..backend import get_array_module
-        from ..optim.clip import shard_group_of
-        flats = list(self.fsdp.parameters())
-        groups, slot = [], {}            # the groups sharding TP parameters, in model order (same on every rank)
-        for f in flats:
-            for p in f.params:
-                grp = shard_group_of(p)
-                if grp is not None and grp.size > 1 and id(grp) not in slot:
-                    slot[id(grp)] = len(groups) + 1
-                    groups.append(grp)
-        parts = np.zeros(len(groups) + 1)        # [replicated, one sum of squares per sharding group]
-        flats = [f for f in flats if f.grad is not None]
-        for f in flats:
-            g = f.grad.data
-            xp = get_array_module(g)
-            for seg in f.segments():
-                n = seg.param_stop - seg.param_start
-                v = g[seg.offset:seg.offset + n].astype(np.float64, copy=False)
-                grp = shard_group_of(f.params[seg.index])
-                parts[slot.get(id(grp), 0) if grp is not None else 0] += float(xp.vdot(v, v))
-        shard = self.fsdp.shard_group
-        if shard.size > 1:
-            parts = np.asarray(all_reduce(parts, ReduceOp.SUM, shard), dtype=np.float64)
-        tp = 0.0
-        for i, grp in enumerate(groups, 1):
-            tp += float(all_reduce(parts[i:i + 1].copy(), ReduceOp.SUM, grp)[0])
-        total = math.sqrt(tp + float(parts[0]))
-        coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0:
-            for f in flats:
-                f.grad.data *= coef
-        return total
+        """FSDP x AxoNN TP, after FSDP's reduce-scatter averaged every gradient over ``data_group``: the
+        rest of the gradient-sync table on each flat segment (as ``parallelize`` does)."""
+        from .parallelize import _finish_axonn_fsdp
+        _finish_axonn_fsdp(self.fsdp, self.grid)
 
     def eval_loss(self, x, y) -> float:
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""

@@ -37,6 +37,7 @@ from ... import env as _env
 from ..reduce_op import ReduceOp
 from .base import Backend, P2PBuffer
 from .mpi import MPIBackend
+from ...enums import coerce_enum
 
 __all__ = ["NcclBackend", "NcclBackendError", "BackendKind", "nccl_library", "nccl_available",
            "nccl_version"]
@@ -51,13 +52,7 @@ class BackendKind(enum.Enum):
 
     @classmethod
     def coerce(cls, value: "str | BackendKind") -> "BackendKind":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(f"backend={value!r} is not a backend; expected one of "
-                             f"{', '.join(repr(k.value) for k in cls)}") from None
+        return coerce_enum(cls, value, "backend")
 
 
 class NcclBackendError(RuntimeError):

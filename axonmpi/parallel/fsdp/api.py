@@ -6,17 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+from ...enums import coerce_enum
 
 __all__ = ["ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats"]
-
-
-def _by_value(cls, value: Any, what: str):
-    """The member of enum ``cls`` whose value or name is ``value`` (any case), else ValueError."""
-    if isinstance(value, str):
-        for s in cls:
-            if value.lower() == s.value:
-                return s
-    raise ValueError(f"unknown {what} {value!r}; expected one of {[s.name for s in cls]}")
 
 
 class ShardingStrategy(enum.Enum):
@@ -40,7 +32,7 @@ class ShardingStrategy(enum.Enum):
     @classmethod
     def coerce(cls, value: Any) -> "ShardingStrategy":
         """Accept the enum, its value or its name (``"full_shard"``, ``"FULL_SHARD"``)."""
-        return value if isinstance(value, cls) else _by_value(cls, value, "sharding_strategy")
+        return coerce_enum(cls, value, "sharding_strategy")
 
 
 class CPUOffload(enum.Enum):
@@ -62,13 +54,7 @@ class CPUOffload(enum.Enum):
     @classmethod
     def coerce(cls, value: Any) -> "CPUOffload":
         """Accept the enum, its value/name, ``True`` (FULL) or ``False``/``None`` (NONE)."""
-        if isinstance(value, cls):
-            return value
-        if value is None or value is False:
-            return cls.NONE
-        if value is True:
-            return cls.FULL
-        return _by_value(cls, value, "cpu_offload")
+        return coerce_enum(cls, value, "cpu_offload", aliases={None: cls.NONE, False: cls.NONE, True: cls.FULL})
 
 
 @dataclass(frozen=True)

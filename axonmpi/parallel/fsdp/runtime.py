@@ -18,25 +18,36 @@ order because the order follows the model's (deterministic) execution.
 from __future__ import annotations
 
 import contextlib
+import enum
 import mmap
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ...autograd import Tensor, is_grad_enabled, no_grad
 from ...backend import device_of, get_array_module, to_host
 from ...distributed import get_world, resolve_group
+from ...distributed.placement import check_group
 from ...distributed.sharding import ShardedArray
 from ...nn import IncompatibleKeys, Module, Parameter
 from .._flat import FlatParameter
-from ..ddp import _broadcast_flat
+from .._flat import broadcast_flat
 from .api import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
 from .memory import estimate_memory, measure
 from .unit import FSDPUnit
 from .wrap import is_fsdp, plan_units, unwrapped_named_modules, unwrapped_state_items
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
+
+
+class _Phase(enum.Enum):
+    """Where the root FSDP instance is in a step."""
+
+    OUTSIDE = "outside"    # between steps (or after a forward without gradients)
+    FORWARD = "forward"    # inside the root's forward: units may gather
+    ARMED = "armed"        # forward ran with gradients; waiting for backward to start
+    RUNNING = "running"    # backward started: units complete and launch their reductions
 
 
 def _resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Optional[int]):
@@ -179,6 +190,9 @@ class FullyShardedDataParallel(Module):
         self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
         self.shard_group, self.replicate_group = _resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
         rep = self.replicate_group
+        named = list(module.named_parameters())
+        for grp in (self.shard_group, rep):
+            check_group(named, grp, "FSDP")
         spans = [self.shard_group.ranks] if rep is None else rep.comm.allgather(self.shard_group.ranks)
         self._data_ranks = tuple(sorted({r for rs in spans for r in rs}))      # shard x replicate
         self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
@@ -214,7 +228,7 @@ class FullyShardedDataParallel(Module):
             with no_grad():
                 for g in (self.shard_group, self.replicate_group):
                     if g is not None and g.size > 1 and (params or buffers):
-                        _broadcast_flat([p for _, p in params] + [b for _, b in buffers], g)
+                        broadcast_flat([p for _, p in params] + [b for _, b in buffers], g)
         if mp is not None and mp.buffer_dtype is not None:
             for _, b in buffers:
                 if b.data.dtype.kind == "f":
@@ -253,7 +267,8 @@ class FullyShardedDataParallel(Module):
         self._seq: List[FSDPUnit] = []                      # forward order of this step
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
         self._sync = True
-        self._phase = "outside"
+        self._phase = _Phase.OUTSIDE
+        self._post_backward_hooks: List[Callable[[], None]] = []
         self._n_complete = 0
         self._launched: List[FSDPUnit] = []
         self._peak_gathered = 0
@@ -370,7 +385,7 @@ class FullyShardedDataParallel(Module):
 
     # -- the step protocol ------------------------------------------------------------------------
     def _check_active(self, unit: FSDPUnit) -> None:
-        if self._phase != "forward":
+        if self._phase is not _Phase.FORWARD:
             raise RuntimeError(f"FSDP unit {unit.label} was called outside its FSDP wrapper's forward; "
                                "call the FSDP model, not the wrapped module")
 
@@ -390,8 +405,8 @@ class FullyShardedDataParallel(Module):
         if unit.complete:
             return
         unit.complete = True
-        if self._phase == "armed":
-            self._phase = "running"
+        if self._phase is _Phase.ARMED:
+            self._phase = _Phase.RUNNING
         if self._sync:
             unit.launch_reduce()
             self._launched.append(unit)
@@ -409,10 +424,25 @@ class FullyShardedDataParallel(Module):
         for u in self._all_units:
             u.free()
         self._event("backward_end", "")
-        self._phase = "outside"
+        self._phase = _Phase.OUTSIDE
+        if self._sync:
+            for fn in self._post_backward_hooks:
+                fn()
+
+    def register_post_backward_hook(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the end of every backward whose gradients were reduced (not under
+        :meth:`no_sync`), after the sharded gradients are in place; ``parallelize`` finishes the
+        reduction of tensor-parallel segments here.
+
+        Example:
+            >>> fsdp.register_post_backward_hook(lambda: print("gradients ready"))
+        """
+        if not callable(fn):
+            raise TypeError(f"register_post_backward_hook needs a callable, got {type(fn).__name__}")
+        self._post_backward_hooks.append(fn)
 
     def _start_step(self) -> None:
-        if self._phase == "running" or self._launched:
+        if self._phase is _Phase.RUNNING or self._launched:
             missing = [u.label for u in self._all_units if not u.complete]
             for u in self._launched:
                 u.work.wait()
@@ -420,7 +450,7 @@ class FullyShardedDataParallel(Module):
             for u in self._all_units:
                 u.free()
                 u.reset()
-            self._phase = "outside"
+            self._phase = _Phase.OUTSIDE
             raise RuntimeError(f"FSDP: the previous backward did not finish: units {missing} got no complete "
                                "gradient (every parameter must take part in the loss)")
         for u in self._all_units:
@@ -438,13 +468,13 @@ class FullyShardedDataParallel(Module):
         self.root_unit.gather()
         if self.prefetch and self._order:
             self._order[0].prefetch()
-        self._phase = "forward"
+        self._phase = _Phase.FORWARD
         try:
             out = self.module(*args, **kwargs)
         finally:
-            self._phase = "outside"
+            self._phase = _Phase.OUTSIDE
         if is_grad_enabled():
-            self._phase = "armed"
+            self._phase = _Phase.ARMED
         else:
             for u in self._all_units:
                 u.free()
@@ -629,8 +659,7 @@ class FullyShardedDataParallel(Module):
                                 a, local = 0, np.asarray(to_host(v)).reshape(-1)
                             if key not in st:
                                 st[key] = get_array_module(f.data).zeros(c, dtype=f.data.dtype)
-                            n = s.param_stop - s.param_start
-                            st[key][s.offset:s.offset + n] = local[s.param_start - a:s.param_stop - a]
+                            s.in_chunk(st[key])[...] = s.in_param(local, a)
                         else:
                             st[key] = int(v) if key == "step" else v
                 if st:
@@ -657,8 +686,7 @@ class FullyShardedDataParallel(Module):
                 if s.param_start < a or s.param_stop > b:
                     raise ValueError(f"rank {get_world().rank}: {key!r} block [{a}, {b}) does not cover this "
                                      f"rank's elements [{s.param_start}, {s.param_stop})")
-                n = s.param_stop - s.param_start
-                f.data[s.offset:s.offset + n] = np.asarray(v.local)[s.param_start - a:s.param_stop - a]
+                s.in_chunk(f.data)[...] = s.in_param(np.asarray(v.local), a)
         for k, t in self._frozen + list(self.named_buffers()):
             if k not in state_dict:
                 if isinstance(t, Parameter):

@@ -1,6 +1,7 @@
 """AxoNN's intra-layer ``Embedding``: the table's columns (embedding_dim) split over the row group
 (column group when ``transpose``), each rank's block flattened and cut into G_d depth chunks."""
 from __future__ import annotations
+from ...distributed.placement import Placement, Shard, ShardKind, set_placement
 
 from typing import Callable, Optional
 
@@ -64,9 +65,9 @@ class Embedding(_TensorParallelModule):
         full = init_full((self.num_embeddings, self.embedding_dim), dtype, init_method or init.normal_,
                          [self.depth, self.split])
         self.weight = Parameter(self._tp_shard("weight", full))
-        self.weight.is_tensor_parallel = True
+        set_placement(self.weight, Placement(shards=(Shard(g.intra, ShardKind.BLOCK),),
+                                             full_shape=(self.num_embeddings, self.embedding_dim)))
         self.weight.needs_depth_parallel_gradient_sync = False
-        self.weight.process_group_for_norm_reduction = g.intra
 
     def forward(self, idx) -> Tensor:
         idx = idx.data if isinstance(idx, Tensor) else idx

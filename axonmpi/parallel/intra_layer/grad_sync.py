@@ -14,6 +14,7 @@ from ...autograd import no_grad
 from ...autograd.tensor import Tensor
 from ...distributed import all_reduce
 from ...optim.clip import clip_grad_norm_ as _clip_grad_norm
+from ..grad_sync import reduction_groups
 from ..tensor.groups import TensorParallelGroups, default_groups
 
 __all__ = ["clip_grad_norm_", "no_grad_sync", "sync_gradients"]
@@ -41,8 +42,8 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
 
     * 3-D weights (already reduce-scattered over depth in the layer): all-reduce over data.
     * 3-D biases (replicated over depth): all-reduce over data and depth.
-    * every other parameter (data parallel over all ranks in easy mode): all-reduce over
-      ``groups.replica`` (all ranks when the grid has no pipeline).
+    * every other parameter (data parallel over all ranks in easy mode): all-reduce over data
+      and the tensor block (the table of :mod:`axonmpi.parallel.grad_sync`).
 
     Args:
         model: the module.
@@ -62,13 +63,8 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
             if not p.requires_grad or p.grad is None:
                 continue
             grad = p.grad.data
-            if getattr(p, "is_tensor_parallel", False):
-                targets = [g.data, g.depth] if getattr(p, "needs_depth_parallel_gradient_sync", False) else [g.data]
-            else:
-                targets = list(g.replica)
-            for grp in targets:
-                if grp.size > 1:
-                    all_reduce(grad, group=grp, out=grad)
+            for grp in reduction_groups(p, g.data, (g.intra,), g.depth):
+                all_reduce(grad, group=grp, out=grad)
             if scale is not None:
                 grad *= scale
 

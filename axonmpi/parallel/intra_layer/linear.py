@@ -23,6 +23,7 @@ import numpy as np
 from ...autograd import ops, ops_nn
 from ...autograd.tensor import Tensor
 from ...distributed import all_gather
+from ...distributed.placement import Placement, Shard, ShardKind, set_placement
 from ...nn import init
 from ...nn.parameter import Parameter
 from ..tensor.groups import TensorParallelGroups, default_groups
@@ -63,6 +64,8 @@ class Linear(_TensorParallelModule):
         >>> y = fc(x)                                 # easy mode: x (rows, 64) -> (rows, 256)
     """
 
+    overlaps_communication = True    # optimize_communication(model=...) prefetches these layers in module order
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transpose: bool = False,
                  skip_bias_add: bool = False, init_method: Optional[Callable] = None, expert_mode: bool = False,
                  *, dtype=None, groups: Optional[TensorParallelGroups] = None):
@@ -89,14 +92,14 @@ class Linear(_TensorParallelModule):
         full = init_full((self.out_features, self.in_features), dtype, init_method or _default_init,
                          [self.depth, self.outer, self.inner])
         self.weight = Parameter(self._tp_shard("weight", full))
-        self.weight.is_tensor_parallel = True
+        set_placement(self.weight, Placement(shards=(Shard(g.intra, ShardKind.BLOCK),),
+                                             full_shape=(self.out_features, self.in_features)))
         self.weight.needs_depth_parallel_gradient_sync = False
-        self.weight.process_group_for_norm_reduction = g.intra
         if bias:
             self.bias = Parameter(np.zeros(self.local_out_features, self.weight.data.dtype))
-            self.bias.is_tensor_parallel = True
+            set_placement(self.bias, Placement(shards=(Shard(self.outer, ShardKind.DIM, 0),),
+                                               replicas=(self.inner, self.depth), full_shape=(self.out_features,)))
             self.bias.needs_depth_parallel_gradient_sync = True
-            self.bias.process_group_for_norm_reduction = self.outer
         else:
             self.register_parameter("bias", None)
 

@@ -9,7 +9,7 @@ from ...distributed.collectives import P2POp, batch_isend_irecv, irecv, isend
 from ...distributed.group import ProcessGroup
 from ...distributed.work import Work
 from ...distributed.world import resolve_group
-from ...distributed.world import get_grid
+from ...distributed.world import role_group
 
 __all__: List[str] = []
 
@@ -21,9 +21,7 @@ HEADER_SIZE = _MAX_DIMS + 2
 
 def _default_group(group: Optional[ProcessGroup] = None) -> ProcessGroup:
     """The pipeline group: ``group`` if given, else the grid's ``inter_group`` (``axonmpi.init(G_inter=p)``)."""
-    if group is None:
-        return get_grid().inter_group
-    return resolve_group(group)
+    return role_group("pipeline", group)
 
 
 def _communicate(sends: Sequence[Tuple[object, int, int]], recvs: Sequence[Tuple[object, int, int]],

@@ -13,12 +13,15 @@ from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
 from ...distributed.collectives import all_reduce, broadcast
 from ...distributed.group import ProcessGroup
+from ...distributed.placement import Shard, ShardKind, add_placement
+from ...distributed.world import get_grid, resolve_group
 from ...distributed.reduce_op import ReduceOp
 from ...nn.module import Module
 from ...random import fork_rng, initial_seed
 from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, encode_header
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, make_schedule, simulate)
 from .stage import PipelineStage
+from ..grad_sync import check_group, reduction_groups
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -114,6 +117,14 @@ def _raw(x):
     return x.data if isinstance(x, Tensor) else x
 
 
+def _data_group(group: ProcessGroup, data_group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+    """``data_group`` if given; else the grid's data group when ``group`` is the grid's pipeline group."""
+    if data_group is not None:
+        return resolve_group(data_group)
+    grid = get_grid()
+    return grid.data_group if group is grid.inter_group else None
+
+
 class Pipeline:
     """Pipeline-parallel training of model chunks over a process group, by a schedule.
 
@@ -132,8 +143,10 @@ class Pipeline:
 
     Data parallel: with ``data_group``, after the last backward each stage's gradients are
     averaged over ``data_group`` (the ranks holding the same stage for other data), and the
-    returned loss is averaged there too, so replicas stay identical. Clip with
-    ``clip_grad_norm_(params, max_norm, group=pipeline_group)``: stages hold disjoint parameters.
+    returned loss is averaged there too, so replicas stay identical. Every stage parameter records
+    the pipeline group in its placement (a ``STAGE`` shard), so ``clip_grad_norm_(params, max_norm)``
+    gives the norm of the whole model on every rank (pass ``group=`` for a pipeline group that is
+    not the grid's: every rank of it takes part, with parameters or not).
 
     Args:
         stages: this rank's chunks: a Module or :class:`PipelineStage`, or a list of ``virtual_stages`` of them
@@ -149,7 +162,10 @@ class Pipeline:
             by sample counts.
         group: the pipeline group (default: all ranks).
         virtual_stages: chunks per rank ``v`` (interleaved schedule).
-        data_group: the data-parallel group of this rank's stages, or ``None``.
+        data_group: the data-parallel group of this rank's stages (the ranks holding the same
+            stages for other rows of the batch). Default: the grid's data group when ``group`` is
+            the grid's pipeline group (``axonmpi.init(G_inter=p)``), else none. A group two of
+            whose ranks hold different stages or shards raises ``ValueError``.
         track_memory: measure activation bytes (walks each micro-batch's graph once).
 
     Example:
@@ -202,7 +218,14 @@ class Pipeline:
             self.stages[sid] = st
         self.loss_fn = loss_fn
         self.ignore_index = ignore_index
-        self.data_group = data_group
+        self.data_group = _data_group(self.group, data_group)
+        for st in self.stages.values():
+            named = [(f"stage {st.stage_id}: {n}", q) for n, q in st.module.named_parameters()]
+            for _, q in named:
+                add_placement(q, shard=Shard(self.group, ShardKind.STAGE))
+            check_group(named, self.data_group, "Pipeline(data_group=...)")
+            for _, q in named:
+                add_placement(q, replica=self.data_group)
         self.track_memory = bool(track_memory)
         self.num_microbatches = sched.num_microbatches
         self.virtual_stages = v
@@ -331,20 +354,44 @@ class Pipeline:
         return sizes
 
     def _reduce_data_parallel(self) -> None:
+        """Each stage's gradients summed over the groups of the gradient-sync table (its data group, and
+        the batch groups of a stage that declares ``batch_groups``, e.g. ``parallelize``'s AxoNN easy
+        mode), divided by the number of batch shards: the gradient of the mean loss over the batch."""
         g = self.data_group
-        if g is None or g.size == 1:
-            return
         for sid in sorted(self.stages):
-            grads = [q.grad.data for q in self.stages[sid].parameters() if q.grad is not None]
-            if not grads:
+            mod = self.stages[sid].module
+            batch = tuple(getattr(mod, "batch_groups", ()))
+            n = (g.size if g is not None else 1) * int(np.prod([b.size for b in batch]))
+            if n == 1:
                 continue
-            xp = get_array_module(grads[0])
-            flat = xp.concatenate([x.reshape(-1) for x in grads])
-            all_reduce(flat, ReduceOp.MEAN, g, out=flat)
-            at = 0
-            for x in grads:
-                x[...] = flat[at:at + x.size].reshape(x.shape)
-                at += x.size
+            by: Dict[Tuple[int, ...], Tuple[List[ProcessGroup], List[Any]]] = {}
+            for q in self.stages[sid].parameters():
+                if q.grad is None:
+                    continue
+                groups = reduction_groups(q, g, batch, getattr(mod, "depth_group", None))
+                by.setdefault(tuple(id(x) for x in groups), (groups, []))[1].append(q.grad.data)
+            for groups, grads in by.values():
+                xp = get_array_module(grads[0])
+                flat = xp.concatenate([x.reshape(-1) for x in grads])
+                if len(groups) == 1 and groups[0] is g and n == g.size:
+                    all_reduce(flat, ReduceOp.MEAN, g, out=flat)        # plain data parallel: one mean
+                else:
+                    for grp in groups:
+                        all_reduce(flat, ReduceOp.SUM, grp, out=flat)
+                    flat /= n
+                at = 0
+                for x in grads:
+                    x[...] = flat[at:at + x.size].reshape(x.shape)
+                    at += x.size
+
+    def _mean_over_batch_groups(self, value: float) -> float:
+        """The loss averaged over the batch groups the stages declare (every rank of a tensor block in
+        AxoNN's easy mode reads its own rows); a no-op for plain stages."""
+        groups = {id(b): b for st in self.stages.values() for b in getattr(st.module, "batch_groups", ())}
+        for b in groups.values():
+            if b.size > 1:
+                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, b)[0])
+        return value
 
     def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool):
         ex = _Executor(self, acts, sizes, inputs, targets, train)
@@ -356,6 +403,8 @@ class Pipeline:
                                          self.group)[0])
             if train and self.data_group is not None and self.data_group.size > 1:
                 value = float(all_reduce(np.array([value]), ReduceOp.MEAN, self.data_group)[0])
+            if train:
+                value = self._mean_over_batch_groups(value)
         if train:
             self._stats = ex.memory_stats()
             self._timing = ex.timing

@@ -29,6 +29,7 @@ import enum
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from ...enums import coerce_enum
 
 __all__ = [
     "Action", "ActionKind", "PipelineSchedule", "Schedule", "ScheduleDeadlockError", "SimulationResult",
@@ -46,13 +47,7 @@ class PipelineSchedule(enum.Enum):
     @classmethod
     def parse(cls, value: Union["PipelineSchedule", str]) -> "PipelineSchedule":
         """The member for ``value`` (a member, its value such as ``"1f1b"``, or its name)."""
-        if isinstance(value, cls):
-            return value
-        for m in cls:
-            if isinstance(value, str) and value.lower() in (m.value, m.name.lower()):
-                return m
-        raise ValueError(f"unknown pipeline schedule {value!r}; expected one of "
-                         f"{[m.value for m in cls]} or a PipelineSchedule member")
+        return coerce_enum(cls, value, "pipeline schedule")
 
 
 class ActionKind(enum.Enum):

@@ -1,14 +1,13 @@
-"""Cutting a ``Sequential`` (or a GPT) into balanced pipeline chunks that share the model's parameters."""
+"""Cutting a ``Sequential`` (or a model exposing ``pipeline_layers()``, the GPT) into balanced pipeline chunks that share the model's parameters."""
 from __future__ import annotations
 
 import enum
 from typing import List, Optional, Sequence, Union
 
-from ...autograd.tensor import Tensor
-from ...backend import get_array_module
 from ...distributed.group import ProcessGroup
 from ...nn.module import Module, Sequential
 from ._comm import _default_group
+from ...enums import coerce_enum
 
 __all__ = ["SplitBy", "split_module", "split_points"]
 
@@ -20,41 +19,16 @@ class SplitBy(enum.Enum):
     LAYERS = "layers"   # equal numbers of modules (the first chunks take one more when uneven)
 
 
-class GPTEmbedding(Module):
-    """The GPT's input end as a pipeline layer: token + position embeddings, then dropout."""
-
-    def __init__(self, wte: Module, wpe: Module, drop: Module):
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, idx):
-        idx = idx.data if isinstance(idx, Tensor) else idx
-        xp = get_array_module(self.wte.weight.data)
-        idx = xp.asarray(idx)
-        return self.drop(self.wte(idx) + self.wpe(xp.arange(idx.shape[1])))
-
-
-class GPTHead(Module):
-    """The GPT's output end as a pipeline layer: final LayerNorm, then the vocabulary projection."""
-
-    def __init__(self, ln_f: Module, lm_head: Module):
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, x):
-        return self.lm_head(self.ln_f(x))
-
-
 def _layers(model: Module) -> List[Module]:
-    """The model as an ordered list of modules, each fed the previous one's output."""
-    from ...models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return [GPTEmbedding(model.wte, model.wpe, model.drop), *model.blocks, GPTHead(model.ln_f, model.lm_head)]
+    """The model as an ordered list of modules, each fed the previous one's output: a ``Sequential``'s
+    children, or what a model with ``pipeline_layers()`` gives (the GPT: embedding, blocks, head)."""
+    layers = getattr(model, "pipeline_layers", None)
+    if callable(layers):
+        return list(layers())
     if isinstance(model, Sequential):
         return list(model)
-    raise TypeError(f"split_module cuts an axonmpi.nn.Sequential or an axonmpi.models.GPT, "
-                    f"got {type(model).__name__}")
+    raise TypeError(f"split_module cuts an axonmpi.nn.Sequential or a model with pipeline_layers() "
+                    f"(axonmpi.models.GPT), got {type(model).__name__}")
 
 
 def _param_count(m: Module) -> int:
@@ -107,10 +81,7 @@ def split_points(model: Module, num_stages: int, virtual_stages: int = 1,
             raise ValueError(f"split_module: boundaries must be {k - 1} strictly increasing start indices in "
                              f"(0, {n}) for {k} chunks of {n} layers, got {list(boundaries)}")
         return [0] + b
-    try:
-        by = SplitBy(by.value if isinstance(by, SplitBy) else by)
-    except ValueError:
-        raise ValueError(f"split_module: by must be 'params' or 'layers', got {by!r}") from None
+    by = coerce_enum(SplitBy, by, "split_module by (by must be 'params' or 'layers')")
     if by is SplitBy.LAYERS:
         q, extra = divmod(n, k)
         starts, at = [], 0

@@ -7,6 +7,7 @@ Weights keep the serial (PyTorch) names and are cut from the serial shapes: a co
 ``state_dict(full=True)`` gathers.  Every size that is split must divide by the group size.
 """
 from __future__ import annotations
+from ...distributed.placement import Placement, Shard, ShardKind, set_placement
 
 import math
 from typing import Callable, Optional
@@ -43,10 +44,12 @@ def _bias_init(in_features):
     return lambda b: init.uniform_(b, -bound, bound)
 
 
-def _tag(p: Parameter, group: Optional[ProcessGroup]) -> None:
-    """Mark a parameter sharded over ``group`` (its squared norm is summed over it), or replicated."""
-    p.is_tensor_parallel = group is not None
-    p.process_group_for_norm_reduction = group
+def _tag(p: Parameter, group: Optional[ProcessGroup], *, replicated_over: Optional[ProcessGroup] = None) -> None:
+    """Record the placement: ``p`` split over ``group`` (Megatron 1-D), or replicated over ``replicated_over``."""
+    if group is not None:
+        set_placement(p, Placement(shards=(Shard(group, ShardKind.DIM),)))
+    else:
+        set_placement(p, Placement(replicas=(replicated_over,) if replicated_over is not None else ()))
 
 
 class _AxisSharded(_TensorParallelModule):
@@ -152,7 +155,7 @@ class RowParallelLinear(_AxisSharded):
         if bias:
             self.bias = Parameter(init_full((self.out_features,), dtype, _bias_init(self.in_features),
                                             [self.group]))
-            _tag(self.bias, None)
+            _tag(self.bias, None, replicated_over=self.group)
         else:
             self.register_parameter("bias", None)
 

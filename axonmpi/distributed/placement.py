@@ -1,0 +1,207 @@
+"""Placement: where one parameter lives -- the groups that shard it (and how) and the groups that replicate it.
+
+Every strategy records a :class:`Placement` on the parameters it owns (``set_placement``), and
+generic code reads it with :func:`placement_of`: gradient sync (``parallel/grad_sync.py``),
+gradient clipping (``optim/clip.py``), DDP's and the pipeline's group checks.  It plays the
+role of PyTorch's DTensor placements on a DeviceMesh.
+
+Kinds of sharding (:class:`ShardKind`):
+
+* ``DIM``: Megatron 1-D, the full tensor cut into equal slices along ``dim`` over the group;
+* ``BLOCK``: AxoNN 3-D, one row x column block of the weight, flattened and cut into depth
+  chunks, over the layer's intra-layer group;
+* ``FLAT``: an FSDP flat chunk over the shard group (the chunk holds segments of several
+  original parameters);
+* ``STAGE``: the group's ranks hold different parameters altogether (pipeline stages): each
+  rank's elements are its own, none shared.
+
+A placement ``replicates`` over a group when every rank of that group holds identical values.
+Code ported from AxoNN keeps working: :func:`set_placement` also writes AxoNN's tags
+(``is_tensor_parallel``, ``process_group_for_norm_reduction``), and :func:`placement_of` reads a
+parameter that carries only those tags (or a ``shard_group`` attribute) as a placement.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Tuple
+
+__all__ = ["ShardKind", "Shard", "Placement", "placement_of", "set_placement", "add_placement", "check_group"]
+
+
+class ShardKind(enum.Enum):
+    """How a group splits a parameter's elements (see the module docstring)."""
+
+    DIM = "dim"
+    BLOCK = "block"
+    FLAT = "flat"
+    STAGE = "stage"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One sharding group of a parameter: ``group`` splits it by ``kind`` (``dim`` for ``DIM``)."""
+
+    group: Any
+    kind: ShardKind = ShardKind.DIM
+    dim: Optional[int] = None
+
+    def __repr__(self) -> str:
+        name = getattr(self.group, "name", None) or "group"
+        where = f", dim={self.dim}" if self.dim is not None else ""
+        return f"Shard({name}{list(getattr(self.group, 'ranks', ()))}, {self.kind.value}{where})"
+
+
+def _nontrivial(groups):
+    return tuple(g for g in groups if g is not None and getattr(g, "size", 2) > 1)
+
+
+def _same(a, b) -> bool:
+    return a is b or (getattr(a, "ranks", None) is not None and a.ranks == getattr(b, "ranks", None))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Who holds which part of one parameter.
+
+    Attributes:
+        shards: the groups whose ranks hold different elements, each with its :class:`ShardKind`.
+        replicas: the groups whose ranks hold identical values.
+        full_shape: the serial (unsharded) shape, or ``None`` when the parameter is whole here.
+
+    Example (a Megatron column-parallel weight over a 2-rank tensor group, replicated over data)::
+
+        >>> Placement(shards=(Shard(grid.intra_group, ShardKind.DIM, 0),), replicas=(grid.data_group,),
+        ...           full_shape=(64, 32))
+    """
+
+    shards: Tuple[Shard, ...] = ()
+    replicas: Tuple[Any, ...] = ()
+    full_shape: Optional[Tuple[int, ...]] = field(default=None)
+
+    @property
+    def shard_groups(self) -> Tuple[Any, ...]:
+        """The groups of more than one rank that split the elements."""
+        return _nontrivial(s.group for s in self.shards)
+
+    @property
+    def replica_groups(self) -> Tuple[Any, ...]:
+        """The groups of more than one rank that hold identical copies."""
+        return _nontrivial(self.replicas)
+
+    @property
+    def is_replicated(self) -> bool:
+        """True when no group of more than one rank shards the parameter."""
+        return not self.shard_groups
+
+    def with_shard(self, shard: Shard) -> "Placement":
+        """This placement with one more sharding group (no change when it is already there)."""
+        if any(_same(s.group, shard.group) for s in self.shards):
+            return self
+        return Placement(self.shards + (shard,), tuple(r for r in self.replicas if not _same(r, shard.group)),
+                         self.full_shape)
+
+    def with_replica(self, group: Any) -> "Placement":
+        """This placement with one more replicating group (no change when it is already there)."""
+        if group is None or any(_same(r, group) for r in self.replicas) \
+                or any(_same(s.group, group) for s in self.shards):
+            return self
+        return Placement(self.shards, self.replicas + (group,), self.full_shape)
+
+    def describe(self) -> str:
+        """A one-line description for error messages: ``shard over [...], replicate over [...]``."""
+        def name(g):
+            return f"{getattr(g, 'name', None) or 'group'}{list(getattr(g, 'ranks', ()))}"
+        parts = [f"{s.kind.value} shard over {name(s.group)}" + (f" dim {s.dim}" if s.dim is not None else "")
+                 for s in self.shards]
+        parts += [f"replicated over {name(g)}" for g in self.replicas]
+        shape = f", full shape {self.full_shape}" if self.full_shape is not None else ""
+        return (", ".join(parts) or "replicated (no group)") + shape
+
+
+_REPLICATED = Placement()
+_UNSET = object()
+
+
+def placement_of(param: Any, default: Optional[Placement] = None) -> Placement:
+    """The :class:`Placement` of ``param``.
+
+    Read, in order: the placement a strategy set (:func:`set_placement`); a ``shard_group``
+    attribute (sharded over it, ``None``: replicated); AxoNN's tags (``is_tensor_parallel`` with
+    ``process_group_for_norm_reduction``); else ``default`` (a replicated placement when ``None``).
+
+    Example:
+        >>> placement_of(column_parallel.weight).shard_groups == (grid.intra_group,)
+        True
+    """
+    pl = getattr(param, "placement", None)
+    if isinstance(pl, Placement):
+        return pl
+    g = getattr(param, "shard_group", _UNSET)
+    if g is not _UNSET:
+        return _REPLICATED if g is None else Placement(shards=(Shard(g, ShardKind.FLAT),))
+    tp = getattr(param, "is_tensor_parallel", _UNSET)
+    if tp is not _UNSET:
+        g = getattr(param, "process_group_for_norm_reduction", None)
+        return Placement(shards=(Shard(g, ShardKind.BLOCK),)) if (tp and g is not None) else _REPLICATED
+    return _REPLICATED if default is None else default
+
+
+def set_placement(param: Any, placement: Placement) -> Any:
+    """Record ``placement`` on ``param`` (and AxoNN's tags, for code ported from AxoNN); returns ``param``.
+
+    ``process_group_for_norm_reduction`` is the one shard group when there is one (several:
+    the first; clipping reads the placement, not the tag).
+    """
+    if not isinstance(placement, Placement):
+        raise TypeError(f"set_placement needs a Placement, got {type(placement).__name__}")
+    param.placement = placement
+    groups = [s.group for s in placement.shards if s.kind is not ShardKind.STAGE]
+    param.is_tensor_parallel = bool(groups)
+    param.process_group_for_norm_reduction = groups[0] if groups else None
+    return param
+
+
+def add_placement(param: Any, *, shard: Optional[Shard] = None, replica: Any = None) -> Any:
+    """Add a sharding group and/or a replicating group to ``param``'s current placement; returns ``param``.
+
+    Strategies that wrap others call it: DDP adds its data group as a replica, the pipeline its
+    group as a ``STAGE`` shard.  The AxoNN tags are left as the layer set them.
+    """
+    pl = placement_of(param)
+    if shard is not None:
+        pl = pl.with_shard(shard)
+    if replica is not None:
+        pl = pl.with_replica(replica)
+    param.placement = pl
+    return param
+
+
+def check_group(named_params: Iterable[Tuple[str, Any]], group: Any, what: str) -> None:
+    """Refuse ``group`` when two of its ranks hold different parts of some parameter.
+
+    Averaging over such a group mixes different shards (a tensor-parallel slice with its
+    neighbour, stage 0's weights with stage 1's), which no later step can undo.
+
+    Raises:
+        ValueError: naming the parameter, its placement, the group and the fix.
+
+    Example:
+        >>> check_group(model.named_parameters(), grid.data_group, "DDP")    # fine
+    """
+    if group is None or group.size == 1:
+        return
+    mine = set(group.ranks)
+    for name, p in named_params:
+        pl = placement_of(p)
+        for s in pl.shards:
+            g = s.group
+            if g is None or g.size == 1 or s.kind is ShardKind.FLAT:
+                continue   # an FSDP chunk: FSDP's own (nested) business
+            common = sorted(mine & set(g.ranks))
+            if len(common) > 1:
+                raise ValueError(
+                    f"rank {group.world.rank}: {what} would average parameter {name!r} over group "
+                    f"{group.name}{list(group.ranks)}, but its placement is {pl.describe()}: ranks {common} "
+                    f"hold different parts of it. Use the ranks holding the same part -- leave the group "
+                    f"out (the grid's data group, axonmpi.get_grid().data_group) or pass it explicitly")

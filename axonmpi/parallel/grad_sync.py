@@ -1,0 +1,53 @@
+"""Who reduces which gradient: the one table, read from the parameters' placements.
+
+Every path that sums gradients over ranks asks here which groups a parameter's gradient is
+reduced over (:func:`reduction_groups`), and every strategy that is given a group checks it
+against the placements first (:func:`check_group`), so that a group mixing different shards of a
+parameter is refused instead of averaging them silently.
+
+[Note: the table]  With ``data`` the data-parallel group and ``batch`` the extra groups whose
+ranks see different rows of the batch inside one tensor-parallel block (AxoNN's easy mode: the
+block's intra group; Megatron: none, every tensor rank sees the same rows):
+
+=========================================  ==========================================
+parameter (its placement)                  gradient summed over
+=========================================  ==========================================
+replicated (no shard group)                ``data`` and every ``batch`` group
+Megatron 1-D ``DIM`` shard                 ``data`` (the tensor group computed its part)
+AxoNN 3-D ``BLOCK`` weight                 ``data`` (the layer reduce-scattered over depth)
+AxoNN 3-D bias (replicated over depth)     ``data`` and the layer's depth group
+FSDP ``FLAT`` chunk                        reduce-scattered by FSDP over its shard group
+pipeline ``STAGE`` shard                   as above, over the stage's own groups
+=========================================  ==========================================
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Sequence, Tuple
+
+from ..distributed.placement import ShardKind, check_group, placement_of
+
+__all__ = ["check_group", "reduction_groups"]
+
+
+def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: Any = None) -> List[Any]:
+    """The groups (of more than one rank) ``param``'s gradient is summed over, by the table above.
+
+    Args:
+        param: a parameter (its :func:`placement_of` is read, and AxoNN's
+            ``needs_depth_parallel_gradient_sync`` tag of 3-D biases).
+        data: the data-parallel group.
+        batch: the extra groups that split the batch rows inside a tensor-parallel block.
+        depth: the depth group of AxoNN's layers (for their biases).
+
+    Example:
+        >>> [g.name for g in reduction_groups(layernorm.weight, grid.data_group, [grid.intra_group])]
+        ['data_group', 'intra_group']
+    """
+    pl = placement_of(param)
+    if getattr(param, "needs_depth_parallel_gradient_sync", False):
+        out = [data, depth]
+    elif any(s.kind is not ShardKind.STAGE for s in pl.shards) or getattr(param, "is_tensor_parallel", False):
+        out = [data]
+    else:
+        out = [data, *batch]
+    return [g for g in out if g is not None and g.size > 1]
