@@ -103,3 +103,16 @@ def test_backward_input_rejects_a_non_leaf_input():
     h = xt * 2
     with pytest.raises(ValueError, match=r"inputs\[0\] must be a leaf"):
         backward_input(_mlp()(h).sum(), inputs=[h])
+
+
+def test_checkpointed_chunk_runs_whole_in_b_and_is_not_counted_twice():
+    x = np.random.default_rng(4).standard_normal((1, 3, 5))
+    ref_x, ref_p = _run(_mlp(), x, split=False, steps=1)
+    model = _mlp()
+    xt = Tensor(x[0], requires_grad=True)
+    loss = (nn.checkpoint(model, xt) ** 2).sum() * 0.5
+    w = backward_input(loss, inputs=[xt])
+    w.run()
+    assert np.array_equal(xt.grad.numpy(), ref_x[0])
+    for k, q in model.named_parameters():
+        assert np.array_equal(q.grad.numpy(), ref_p[k]), k

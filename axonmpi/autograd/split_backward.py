@@ -22,6 +22,10 @@ __all__ = ["WeightGradients", "backward_input"]
 # arrays, and each pending sum is accumulated in the same order, so ``.grad`` ends up bitwise equal to
 # that of :func:`~axonmpi.autograd.backward`. Leaf hooks (DDP's post-accumulate hooks) fire in W for
 # the weights and in B for the inputs.
+#
+# A Function whose backward accumulates weight gradients itself instead of returning them (activation
+# checkpointing runs an inner backward over the recomputed chunk) cannot be asked twice: it sets the
+# class attribute ``_whole_backward = True`` and runs entirely in B, weights included.
 
 
 def _with_needs(fn: Function, needs, incoming):
@@ -136,7 +140,8 @@ def backward_input(tensors, grad_tensors=None, inputs: Sequence[Tensor] = ()) ->
 
     Args:
         tensors: a Tensor or a sequence of Tensors to differentiate.
-        grad_tensors: their output gradients (``None`` for a scalar: ones).
+        grad_tensors: their output gradients, arrays or Tensors (one, or a sequence for a
+            sequence of ``tensors``; ``None`` for a scalar: ones).
         inputs: the leaves whose gradients are computed now (may be empty: all work is deferred).
 
     Returns:
@@ -148,9 +153,9 @@ def backward_input(tensors, grad_tensors=None, inputs: Sequence[Tensor] = ()) ->
         >>> w.run()                                         # now lin.weight.grad is set
     """
     if isinstance(tensors, Tensor):
-        tensors = [tensors]
-    if grad_tensors is None or isinstance(grad_tensors, Tensor):
-        grad_tensors = [grad_tensors] * len(tensors) if grad_tensors is None else [grad_tensors]
+        tensors, grad_tensors = [tensors], [grad_tensors]
+    elif grad_tensors is None:
+        grad_tensors = [None] * len(tensors)
     if isinstance(inputs, Tensor):
         inputs = [inputs]
     for k, x in enumerate(inputs):
@@ -219,11 +224,17 @@ def backward_input(tensors, grad_tensors=None, inputs: Sequence[Tensor] = ()) ->
             _finalize_leaf(t, g, owned)
 
     deferred: Dict[int, tuple] = {}
+    whole_leaves: Dict[int, Tensor] = {}     # weights a _whole_backward node reached in B
     with no_grad():
         for pos, fn in enumerate(b_order):
             incoming = _incoming(fn, pending)
-            b_needs = tuple(n and in_b(e) for n, e in zip(fn.needs_input_grad, fn._edges))
-            w_needs = tuple(n and e is not None and not in_b(e) for n, e in zip(fn.needs_input_grad, fn._edges))
+            if getattr(type(fn), "_whole_backward", False):
+                b_needs, w_needs = fn.needs_input_grad, (False,) * len(fn._edges)
+                whole_leaves.update((id(e[0]), e[0]) for e in fn._edges
+                                    if e is not None and e[1] < 0 and id(e[0]) not in input_ids)
+            else:
+                b_needs = tuple(n and in_b(e) for n, e in zip(fn.needs_input_grad, fn._edges))
+                w_needs = tuple(n and e is not None and not in_b(e) for n, e in zip(fn.needs_input_grad, fn._edges))
             if incoming is not None:
                 # W reuses ``incoming``: B must not hand it on as an array it may add into
                 shared = [[e[0], False] for e in incoming] if any(w_needs) else incoming
@@ -237,4 +248,10 @@ def backward_input(tensors, grad_tensors=None, inputs: Sequence[Tensor] = ()) ->
                 if entry is not None:
                     _finalize_leaf(leaf, *entry)
     w_order = [fn for fn in order if not on_path[id(fn)] or id(fn) in deferred]
+    w_leaves = {id(e[0]) for fn in w_order for k, e in enumerate(fn._edges) if e is not None and e[1] < 0
+                and (id(fn) not in deferred or deferred[id(fn)][0][k])}
+    for lid, leaf in whole_leaves.items():
+        entry = pending.pop(lid, None) if lid not in w_leaves else None
+        if entry is not None:
+            _finalize_leaf(leaf, *entry)
     return WeightGradients(w_order, deferred, pending, w_roots)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ...autograd.grad_mode import enable_grad, no_grad
+from ...autograd.split_backward import backward_input
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
 from ...distributed.collectives import all_reduce, broadcast
@@ -28,8 +29,9 @@ class PipelineTiming:
 
     Attributes:
         step_seconds: from the start of the action list to its end (transfers completed).
-        forward_seconds / backward_seconds: time inside FORWARD / BACKWARD actions.
+        forward_seconds / backward_seconds: time inside FORWARD / BACKWARD (or BACKWARD_INPUT) actions.
         forward_count / backward_count: how many of each ran.
+        weight_seconds / weight_count: the same for BACKWARD_WEIGHT actions (zero-bubble schedules).
     """
 
     step_seconds: float
@@ -37,11 +39,13 @@ class PipelineTiming:
     backward_seconds: float
     forward_count: int
     backward_count: int
+    weight_seconds: float = 0.0
+    weight_count: int = 0
 
     @property
     def busy_seconds(self) -> float:
-        """Compute time (forward + backward)."""
-        return self.forward_seconds + self.backward_seconds
+        """Compute time (forward + backward + weight gradients)."""
+        return self.forward_seconds + self.backward_seconds + self.weight_seconds
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,9 @@ class Pipeline:
             first ``B % m`` micro-batches take one more sample).
         loss_fn: ``loss_fn(output, target) -> scalar Tensor``, the mean over the micro-batch.
         group: the pipeline group (default: all ranks).
-        virtual_stages: chunks per rank ``v`` (interleaved schedule).
+        virtual_stages: chunks per rank ``v`` (interleaved: any; ZBV: 2, the default for it; else 1).
+            ZBV places its chunks in a V: pipeline rank ``r`` holds stages ``r`` and ``2p - 1 - r``
+            (``split_module(model, p, 2, stage_ranks=make_schedule("zbv", p, m).stage_ranks)``).
         data_group: the data-parallel group of this rank's stages, or ``None``.
         track_memory: measure activation bytes (walks each micro-batch's graph once).
 
@@ -154,7 +160,7 @@ class Pipeline:
 
     def __init__(self, stages, schedule: Union[PipelineSchedule, str, Schedule] = PipelineSchedule.ONE_F_ONE_B,
                  num_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
-                 group: Optional[ProcessGroup] = None, virtual_stages: int = 1, *,
+                 group: Optional[ProcessGroup] = None, virtual_stages: Optional[int] = None, *,
                  data_group: Optional[ProcessGroup] = None, track_memory: bool = True):
         self.group = _default_group(group)
         p, r = self.group.size, self.group.rank
@@ -163,7 +169,7 @@ class Pipeline:
             if num_microbatches is not None and num_microbatches != sched.num_microbatches:
                 raise ValueError(f"rank {r}: num_microbatches={num_microbatches} disagrees with the given "
                                  f"schedule's {sched.num_microbatches}")
-            if virtual_stages != sched.virtual_stages and virtual_stages != 1:
+            if virtual_stages not in (None, 1, sched.virtual_stages):
                 raise ValueError(f"rank {r}: virtual_stages={virtual_stages} disagrees with the given "
                                  f"schedule's {sched.virtual_stages}")
         else:
@@ -182,14 +188,14 @@ class Pipeline:
             raise ValueError(f"rank {r}: Pipeline got {len(stages)} stages; virtual_stages={v} needs {v} per rank")
         self.stages: Dict[int, PipelineStage] = {}
         for k, st in enumerate(stages):
-            sid = r + k * p
+            sid = sched.stages_of(r)[k]
             if isinstance(st, Module):
-                st = PipelineStage(st, sid, p, self.group)
+                st = PipelineStage(st, sid, p, self.group, stage_ranks=sched.stage_ranks)
             if not isinstance(st, PipelineStage):
                 raise TypeError(f"rank {r}: stages must be Modules or PipelineStages, got {type(st).__name__}")
             if st.stage_id != sid:
-                raise ValueError(f"rank {r}: stage {k} of this rank must be global stage {sid} (rank + k * p), "
-                                 f"got stage_id={st.stage_id}")
+                raise ValueError(f"rank {r}: stage {k} of this rank must be global stage {sid} (this rank's stages "
+                                 f"are {sched.stages_of(r)}), got stage_id={st.stage_id}")
             if st.group is not self.group and st.group.ranks != self.group.ranks:
                 raise ValueError(f"rank {r}: stage {sid} was made for another pipeline group")
             self.stages[sid] = st
@@ -379,6 +385,7 @@ class _Executor:
         self.x: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage input
         self.y: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage output (or scaled loss)
         self.grad_in: Dict[Tuple[int, int], Any] = {}    # (stage, mb) -> gradient of the stage's output
+        self.weight_grads: Dict[Tuple[int, int], Any] = {}   # (stage, mb) -> its deferred W (zero-bubble)
         self.recvs: Dict[Action, Tuple[Any, Any]] = {}   # posted receive -> (work, buffer)
         self.headers: Dict[int, Tuple[Any, Any]] = {}    # stage -> (work, header buffer)
         self.sends: List[Any] = []
@@ -508,7 +515,12 @@ class _Executor:
             g = self._received.pop((s, i))
         else:
             g = None
-        if y.requires_grad:
+        if a.kind is ActionKind.BACKWARD_INPUT:
+            # the input gradient now, the weight gradients at this micro-batch's W ([Note: B/W split])
+            x = self.x.get((s, i))
+            inputs = [x] if x is not None and x.requires_grad and x.grad_fn is None else []
+            self.weight_grads[(s, i)] = backward_input(y, g, inputs=inputs) if y.requires_grad else None
+        elif y.requires_grad:
             y.backward(g)
         if s > 0 and p.schedule.rank_of(s - 1) == self.rank:
             x = self.x.pop((s, i))
@@ -516,7 +528,14 @@ class _Executor:
                                               else get_array_module(x.data).zeros_like(x.data))
         elif s == 0:
             self.x.pop((s, i), None)
-        self._track(s, i, -1)
+        if a.kind is ActionKind.BACKWARD:
+            self._track(s, i, -1)
+
+    def _backward_weight(self, a: Action) -> None:
+        w = self.weight_grads.pop((a.stage, a.microbatch))
+        if w is not None:
+            w.run()
+        self._track(a.stage, a.microbatch, -1)
 
     def _track(self, s: int, i: int, delta: int, x: Tensor = None, y: Tensor = None) -> None:
         if delta > 0:
@@ -543,9 +562,11 @@ class _Executor:
         acts = self.acts
         n = len(acts)
         t_start = time.perf_counter()
-        spent = {ActionKind.FORWARD: 0.0, ActionKind.BACKWARD: 0.0}
-        count = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 0}
-        computes = [k for k, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+        compute = {ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
+                   ActionKind.BACKWARD_INPUT: self._backward, ActionKind.BACKWARD_WEIGHT: self._backward_weight}
+        spent = {k: 0.0 for k in compute}
+        count = {k: 0 for k in compute}
+        computes = [k for k, a in enumerate(acts) if a.kind in compute]
         nxt = {computes[j]: (computes[j + 1] if j + 1 < len(computes) else n) for j in range(len(computes))}
         self.executed: List[Action] = []
         for k, a in enumerate(acts):
@@ -564,14 +585,15 @@ class _Executor:
                 self.sends = [w for w in self.sends if not w.is_completed()]
                 t0 = time.perf_counter()
                 with enable_grad() if self.train else no_grad():
-                    (self._forward if kind is ActionKind.FORWARD else self._backward)(a)
+                    compute[kind](a)
                 spent[kind] += time.perf_counter() - t0
                 count[kind] += 1
         for w in self.sends:
             w.wait()
         self.sends = []
-        self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD],
-                                     spent[ActionKind.BACKWARD], count[ActionKind.FORWARD], count[ActionKind.BACKWARD])
+        B, I, W = ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+        self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD], spent[B] + spent[I],
+                                     count[ActionKind.FORWARD], count[B] + count[I], spent[W], count[W])
         if not self.train and self.targets is None:
             if self.pipe.last_stage not in self.pipe.stages:
                 return None
