@@ -32,6 +32,8 @@ class PipelineTiming:
         forward_seconds / backward_seconds: time inside FORWARD / BACKWARD (or BACKWARD_INPUT) actions.
         forward_count / backward_count: how many of each ran.
         weight_seconds / weight_count: the same for BACKWARD_WEIGHT actions (zero-bubble schedules).
+        span_seconds: from the start of the first compute action to the end of the last (the
+            zero-bubble paper's bubble is ``span_seconds - busy_seconds``).
     """
 
     step_seconds: float
@@ -41,6 +43,7 @@ class PipelineTiming:
     backward_count: int
     weight_seconds: float = 0.0
     weight_count: int = 0
+    span_seconds: float = 0.0
 
     @property
     def busy_seconds(self) -> float:
@@ -566,6 +569,7 @@ class _Executor:
                    ActionKind.BACKWARD_INPUT: self._backward, ActionKind.BACKWARD_WEIGHT: self._backward_weight}
         spent = {k: 0.0 for k in compute}
         count = {k: 0 for k in compute}
+        first = last = None
         computes = [k for k, a in enumerate(acts) if a.kind in compute]
         nxt = {computes[j]: (computes[j + 1] if j + 1 < len(computes) else n) for j in range(len(computes))}
         self.executed: List[Action] = []
@@ -584,16 +588,19 @@ class _Executor:
                         self._post(b)
                 self.sends = [w for w in self.sends if not w.is_completed()]
                 t0 = time.perf_counter()
+                first = t0 if first is None else first
                 with enable_grad() if self.train else no_grad():
                     compute[kind](a)
-                spent[kind] += time.perf_counter() - t0
+                last = time.perf_counter()
+                spent[kind] += last - t0
                 count[kind] += 1
         for w in self.sends:
             w.wait()
         self.sends = []
         B, I, W = ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
         self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD], spent[B] + spent[I],
-                                     count[ActionKind.FORWARD], count[B] + count[I], spent[W], count[W])
+                                     count[ActionKind.FORWARD], count[B] + count[I], spent[W], count[W],
+                                     0.0 if first is None else last - first)
         if not self.train and self.targets is None:
             if self.pipe.last_stage not in self.pipe.stages:
                 return None
