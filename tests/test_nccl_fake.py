@@ -306,7 +306,7 @@ def test_pipeline_parity_every_schedule_on_the_nccl_backend(nworld):
     from axonmpi.parallel.pipeline import PipelineSchedule
     p = nworld.world_size
     for kind in PipelineSchedule:
-        v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
+        v = PP._chunks_per_rank(kind)
         m = 2 * p if v > 1 else 4
         ref, ref_losses = PP._serial(PP._mlp, PP._mlp_data, p, v, m, microbatched=False)
         got, losses, names, _ = PP._pipelined(PP._mlp, PP._mlp_data, kind, v, m, nworld.default_group)

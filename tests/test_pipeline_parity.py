@@ -9,7 +9,7 @@ from axonmpi import Tensor
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.optim import AdamW
 from axonmpi.optim.clip import clip_grad_norm_
-from axonmpi.parallel.pipeline import Pipeline, PipelineSchedule, split_module
+from axonmpi.parallel.pipeline import Pipeline, PipelineSchedule, make_schedule, split_module
 from axonmpi.parallel.pipeline.runtime import _microbatch_seed
 
 STEPS = 5
@@ -31,6 +31,11 @@ def _gpt(n_layer, dropout=0.0):
     axonmpi.random.manual_seed(5)
     cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=n_layer, n_head=2, n_embd=8, dropout=dropout)
     return GPT(cfg, dtype=np.float64)
+
+
+def _chunks_per_rank(kind):
+    """Model chunks per rank: 2 for interleaved 1F1B and for ZBV's V, 1 otherwise."""
+    return 2 if kind in (PipelineSchedule.INTERLEAVED_ONE_F_ONE_B, PipelineSchedule.ZBV) else 1
 
 
 def _mlp_data(step, n=BATCH):
@@ -97,7 +102,8 @@ def _serial(make_model, data, p, v, m, microbatched):
 
 def _pipelined(make_model, data, schedule, v, m, group, checkpointed=False, data_group=None, slice_data=None):
     model = make_model()
-    chunks = split_module(model, group.size, v, group=group)
+    chunks = split_module(model, group.size, v, group=group,
+                          stage_ranks=make_schedule(schedule, group.size, m, v).stage_ranks)
     if checkpointed:
         chunks = [_Checkpointed(c) for c in chunks]
     pipe = Pipeline(chunks, schedule, num_microbatches=m, loss_fn=F.cross_entropy, group=group, virtual_stages=v,
@@ -132,7 +138,7 @@ def _gpt_setup(kind):
     """(world, p, v, m, n_layer) for a GPT run: enough layers for p v chunks, m a multiple of p when interleaved."""
     world = axonmpi.init()
     p = world.world_size
-    v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
+    v = _chunks_per_rank(kind)
     return world, p, v, (p if v > 1 else 3), max(1, p * v - 2)
 
 
@@ -141,7 +147,7 @@ def _gpt_setup(kind):
 def test_mlp_parity(kind):
     world = axonmpi.init()
     p = world.world_size
-    v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
+    v = _chunks_per_rank(kind)
     m = 2 * p if v > 1 else 4
     ref, ref_losses = _serial(_mlp, _mlp_data, p, v, m, microbatched=False)
     got, losses, names, _ = _pipelined(_mlp, _mlp_data, kind, v, m, world.default_group)
@@ -184,7 +190,7 @@ def test_pipeline_x_data_parallel_2x2(kind):
     d, r = divmod(world.rank, 2)
     pp = world.split(d, key=r)          # pp groups [0, 1], [2, 3]: same data index
     dp = world.split(r, key=d)          # dp groups [0, 2], [1, 3]: same stage
-    v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
+    v = _chunks_per_rank(kind)
     m = 2 if v > 1 else 3
 
     def data(t):                        # the global batch: 2 replicas x BATCH samples

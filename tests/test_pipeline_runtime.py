@@ -22,10 +22,12 @@ def _model(widths, seed=0):
 def test_measured_in_flight_matches_the_schedule(kind):
     world = axonmpi.init()
     p, r = world.world_size, world.rank
-    v = 2 if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B else 1
+    v = 2 if kind in (PipelineSchedule.INTERLEAVED_ONE_F_ONE_B, PipelineSchedule.ZBV) else 1
     m = 2 * p
     model = _model([4] + [6] * (2 * p * v), seed=1)
-    pipe = Pipeline(split_module(model, p, v, by="layers", group=world.default_group), kind, num_microbatches=m, loss_fn=F.mse_loss,
+    chunks = split_module(model, p, v, by="layers", group=world.default_group,
+                          stage_ranks=make_schedule(kind, p, m, v).stage_ranks)
+    pipe = Pipeline(chunks, kind, num_microbatches=m, loss_fn=F.mse_loss,
                     virtual_stages=v, group=world.default_group)
     x = np.random.default_rng(0).standard_normal((3 * m, 4))
     pipe.step(x, np.zeros((3 * m, 6)))

@@ -33,7 +33,11 @@ class _Checkpoint(Function):
 
     The last positional argument is an anchor tensor that requires grad, so the node is recorded
     even when no real input does (the chunk's parameters still need their gradients).
+    Its backward accumulates the chunk's weight gradients itself, so a split backward
+    (:func:`~axonmpi.autograd.split_backward.backward_input`) runs it whole, in B.
     """
+
+    _whole_backward = True
 
     @staticmethod
     def forward(ctx, *raw, fn, is_tensor, preserve_rng_state):

@@ -9,6 +9,7 @@ import numpy as np
 
 from ... import trace as _trace
 from ...autograd.grad_mode import enable_grad, no_grad
+from ...autograd.split_backward import backward_input
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
 from ...distributed.collectives import all_reduce, broadcast
@@ -32,8 +33,11 @@ class PipelineTiming:
 
     Attributes:
         step_seconds: from the start of the action list to its end (transfers completed).
-        forward_seconds / backward_seconds: time inside FORWARD / BACKWARD actions.
+        forward_seconds / backward_seconds: time inside FORWARD / BACKWARD (or BACKWARD_INPUT) actions.
         forward_count / backward_count: how many of each ran.
+        weight_seconds / weight_count: the same for BACKWARD_WEIGHT actions (zero-bubble schedules).
+        span_seconds: from the start of the first compute action to the end of the last (the
+            zero-bubble paper's bubble is ``span_seconds - busy_seconds``).
     """
 
     step_seconds: float
@@ -41,11 +45,14 @@ class PipelineTiming:
     backward_seconds: float
     forward_count: int
     backward_count: int
+    weight_seconds: float = 0.0
+    weight_count: int = 0
+    span_seconds: float = 0.0
 
     @property
     def busy_seconds(self) -> float:
-        """Compute time (forward + backward)."""
-        return self.forward_seconds + self.backward_seconds
+        """Compute time (forward + backward + weight gradients)."""
+        return self.forward_seconds + self.backward_seconds + self.weight_seconds
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,9 @@ class Pipeline:
             of the batch, as the serial model computes it.  ``None``, or float targets: weighted
             by sample counts.
         group: the pipeline group (default: all ranks).
-        virtual_stages: chunks per rank ``v`` (interleaved schedule).
+        virtual_stages: chunks per rank ``v`` (interleaved: any; ZBV: 2, the default for it; else 1).
+            ZBV places its chunks in a V: pipeline rank ``r`` holds stages ``r`` and ``2p - 1 - r``
+            (``split_module(model, p, 2, stage_ranks=make_schedule("zbv", p, m).stage_ranks)``).
         data_group: the data-parallel group of this rank's stages (the ranks holding the same
             stages for other rows of the batch). Default: the grid's data group when ``group`` is
             the grid's pipeline group (``axonmpi.init(G_inter=p)``), else none. A group two of
@@ -176,7 +185,7 @@ class Pipeline:
 
     def __init__(self, stages, schedule: Union[PipelineSchedule, str, Schedule] = PipelineSchedule.ONE_F_ONE_B,
                  num_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
-                 group: Optional[ProcessGroup] = None, virtual_stages: int = 1, *,
+                 group: Optional[ProcessGroup] = None, virtual_stages: Optional[int] = None, *,
                  data_group: Optional[ProcessGroup] = None, track_memory: bool = True,
                  ignore_index: Optional[int] = -100):
         self.group = _default_group(group)
@@ -186,7 +195,7 @@ class Pipeline:
             if num_microbatches is not None and num_microbatches != sched.num_microbatches:
                 raise ValueError(f"rank {r}: num_microbatches={num_microbatches} disagrees with the given "
                                  f"schedule's {sched.num_microbatches}")
-            if virtual_stages != sched.virtual_stages and virtual_stages != 1:
+            if virtual_stages not in (None, 1, sched.virtual_stages):
                 raise ValueError(f"rank {r}: virtual_stages={virtual_stages} disagrees with the given "
                                  f"schedule's {sched.virtual_stages}")
         else:
@@ -205,14 +214,14 @@ class Pipeline:
             raise ValueError(f"rank {r}: Pipeline got {len(stages)} stages; virtual_stages={v} needs {v} per rank")
         self.stages: Dict[int, PipelineStage] = {}
         for k, st in enumerate(stages):
-            sid = r + k * p
+            sid = sched.stages_of(r)[k]
             if isinstance(st, Module):
-                st = PipelineStage(st, sid, p, self.group)
+                st = PipelineStage(st, sid, p, self.group, stage_ranks=sched.stage_ranks)
             if not isinstance(st, PipelineStage):
                 raise TypeError(f"rank {r}: stages must be Modules or PipelineStages, got {type(st).__name__}")
             if st.stage_id != sid:
-                raise ValueError(f"rank {r}: stage {k} of this rank must be global stage {sid} (rank + k * p), "
-                                 f"got stage_id={st.stage_id}")
+                raise ValueError(f"rank {r}: stage {k} of this rank must be global stage {sid} (this rank's stages "
+                                 f"are {sched.stages_of(r)}), got stage_id={st.stage_id}")
             if st.group is not self.group and st.group.ranks != self.group.ranks:
                 raise ValueError(f"rank {r}: stage {sid} was made for another pipeline group")
             self.stages[sid] = st
@@ -437,6 +446,7 @@ class _Executor:
         self.x: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage input
         self.y: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage output (or scaled loss)
         self.grad_in: Dict[Tuple[int, int], Any] = {}    # (stage, mb) -> gradient of the stage's output
+        self.weight_grads: Dict[Tuple[int, int], Any] = {}   # (stage, mb) -> its deferred W (zero-bubble)
         self.recvs: Dict[Action, Tuple[Any, Any]] = {}   # posted receive -> (work, buffer)
         self.headers: Dict[int, Tuple[Any, Any]] = {}    # stage -> (work, header buffer)
         self.sends: List[Any] = []
@@ -588,7 +598,12 @@ class _Executor:
             g = self._received.pop((s, i))
         else:
             g = None
-        if y.requires_grad:
+        if a.kind is ActionKind.BACKWARD_INPUT:
+            # the input gradient now, the weight gradients at this micro-batch's W ([Note: B/W split])
+            x = self.x.get((s, i))
+            inputs = [x] if x is not None and x.requires_grad and x.grad_fn is None else []
+            self.weight_grads[(s, i)] = backward_input(y, g, inputs=inputs) if y.requires_grad else None
+        elif y.requires_grad:
             y.backward(g)
         if s > 0 and p.schedule.rank_of(s - 1) == self.rank:
             x = self.x.pop((s, i))
@@ -596,7 +611,14 @@ class _Executor:
                                               else get_array_module(x.data).zeros_like(x.data))
         elif s == 0:
             self.x.pop((s, i), None)
-        self._track(s, i, -1)
+        if a.kind is ActionKind.BACKWARD:
+            self._track(s, i, -1)
+
+    def _backward_weight(self, a: Action) -> None:
+        w = self.weight_grads.pop((a.stage, a.microbatch))
+        if w is not None:
+            w.run()
+        self._track(a.stage, a.microbatch, -1)
 
     def _track(self, s: int, i: int, delta: int, x: Tensor = None, y: Tensor = None) -> None:
         if delta > 0:
@@ -623,9 +645,12 @@ class _Executor:
         acts = self.acts
         n = len(acts)
         t_start = time.perf_counter()
-        spent = {ActionKind.FORWARD: 0.0, ActionKind.BACKWARD: 0.0}
-        count = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 0}
-        computes = [k for k, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+        compute = {ActionKind.FORWARD: self._forward, ActionKind.BACKWARD: self._backward,
+                   ActionKind.BACKWARD_INPUT: self._backward, ActionKind.BACKWARD_WEIGHT: self._backward_weight}
+        spent = {k: 0.0 for k in compute}
+        count = {k: 0 for k in compute}
+        first = last = None
+        computes = [k for k, a in enumerate(acts) if a.kind in compute]
         nxt = {computes[j]: (computes[j + 1] if j + 1 < len(computes) else n) for j in range(len(computes))}
         self.executed: List[Action] = []
         for k, a in enumerate(acts):
@@ -643,18 +668,22 @@ class _Executor:
                         self._post(b)
                 self.sends = [w for w in self.sends if not w.is_completed()]
                 t0 = time.perf_counter()
+                first = t0 if first is None else first
                 with enable_grad() if self.train else no_grad():
-                    (self._forward if kind is ActionKind.FORWARD else self._backward)(a)
-                spent[kind] += time.perf_counter() - t0
+                    compute[kind](a)
+                last = time.perf_counter()
+                spent[kind] += last - t0
                 if _trace._ACTIVE is not None:
-                    _trace._ACTIVE.events.append((f"pipeline {a}", "pipeline", t0, time.perf_counter(),
+                    _trace._ACTIVE.events.append((f"pipeline {a}", "pipeline", t0, last,
                                                   {"stage": a.stage, "microbatch": a.microbatch}))
                 count[kind] += 1
         for w in self.sends:
             w.wait()
         self.sends = []
-        self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD],
-                                     spent[ActionKind.BACKWARD], count[ActionKind.FORWARD], count[ActionKind.BACKWARD])
+        B, I, W = ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+        self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD], spent[B] + spent[I],
+                                     count[ActionKind.FORWARD], count[B] + count[I], spent[W], count[W],
+                                     0.0 if first is None else last - first)
         if not self.train and self.targets is None:
             if self.pipe.last_stage not in self.pipe.stages:
                 return None

@@ -10,10 +10,15 @@ backward. Sends never block; a receive blocks until its matching send has run. T
 runs them under the same rule, so a schedule that finishes in the simulator cannot deadlock in
 the runtime.
 
-[Note: zero-bubble] A zero-bubble schedule splits ``BACKWARD`` into an input-gradient and a
-weight-gradient action. ``ActionKind`` and the simulator's per-kind duration table are the two
-places such kinds are added; the dependency rules key on "the backward that produces the input
-gradient", which would become the input-gradient action.
+[Note: zero-bubble] A zero-bubble schedule (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+2024) splits ``BACKWARD`` into ``BACKWARD_INPUT`` (``I``: the input gradient, which the previous
+stage waits for) and ``BACKWARD_WEIGHT`` (``W``: the weight gradients, which nobody waits for, so
+they fill what would be bubble). A stage runs either ``B`` or ``I`` then ``W`` on each micro-batch.
+``SEND_GRAD`` follows the action that made the input gradient (``B`` or ``I``); a micro-batch's
+activations are held from its ``F`` to its ``B`` or ``W``. ZB-H1 keeps 1F1B's order and memory and
+delays each rank's first ``W`` by its rank, so that ``I`` runs as soon as its gradient arrives.
+ZBV puts two chunks on each rank in a V (rank ``r`` holds stages ``r`` and ``2p - 1 - r``, so the
+first and last stage share rank 0) and follows PyTorch's ``ScheduleZBVZeroBubble`` order.
 
 Example:
     >>> from axonmpi.parallel.pipeline import make_schedule, PipelineSchedule, simulate
@@ -43,6 +48,8 @@ class PipelineSchedule(enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_ONE_F_ONE_B = "interleaved"
+    ZB_H1 = "zb-h1"
+    ZBV = "zbv"
 
     @classmethod
     def parse(cls, value: Union["PipelineSchedule", str]) -> "PipelineSchedule":
@@ -55,13 +62,17 @@ class ActionKind(enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     SEND_ACT = "SEND_F"
     RECV_ACT = "RECV_F"
     SEND_GRAD = "SEND_B"
     RECV_GRAD = "RECV_B"
 
 
-_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+_GRAD_MAKERS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)     # actions that produce the input gradient
+_FREES = (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)          # actions after which activations are freed
 
 
 class Action(NamedTuple):
@@ -94,6 +105,8 @@ class Schedule:
         virtual_stages: model chunks per rank ``v`` (stage ``s`` on rank ``s % p``).
         rank_actions: one tuple of :class:`Action` per rank.
         kind: the :class:`PipelineSchedule` it was made by (``None`` for hand-made lists).
+        stage_ranks: the pipeline rank of each global stage; ``None`` is round-robin
+            (``s % p``); ZBV's V is ``(0, 1, .., p-1, p-1, .., 1, 0)``.
     """
 
     num_stages: int
@@ -101,6 +114,7 @@ class Schedule:
     virtual_stages: int
     rank_actions: Tuple[Tuple[Action, ...], ...]
     kind: Optional[PipelineSchedule] = None
+    stage_ranks: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         if len(self.rank_actions) != self.num_stages:
@@ -108,6 +122,13 @@ class Schedule:
                              f"got {len(self.rank_actions)}")
         object.__setattr__(self, "rank_actions", tuple(tuple(Action(*a) for a in acts)
                                                         for acts in self.rank_actions))
+        if self.stage_ranks is not None:
+            sr = tuple(int(x) for x in self.stage_ranks)
+            counts = [sr.count(r) for r in range(self.num_stages)]
+            if len(sr) != self.total_stages or counts != [self.virtual_stages] * self.num_stages:
+                raise ValueError(f"Schedule stage_ranks={sr} must give each of the {self.num_stages} ranks "
+                                 f"exactly virtual_stages={self.virtual_stages} of the {self.total_stages} stages")
+            object.__setattr__(self, "stage_ranks", sr)
 
     @property
     def total_stages(self) -> int:
@@ -116,10 +137,14 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that holds global stage ``stage``."""
+        if self.stage_ranks is not None and 0 <= stage < self.total_stages:
+            return self.stage_ranks[stage]
         return stage % self.num_stages
 
     def stages_of(self, rank: int) -> List[int]:
-        """The global stages held by ``rank``: ``[rank, rank + p, ...]``."""
+        """The global stages held by ``rank`` in increasing order (round-robin: ``[rank, rank + p, ...]``)."""
+        if self.stage_ranks is not None:
+            return [s for s, r in enumerate(self.stage_ranks) if r == rank]
         return [rank + k * self.num_stages for k in range(self.virtual_stages)]
 
     def actions(self, rank: int) -> List[Action]:
@@ -142,26 +167,33 @@ def _check_positive(name: str, v) -> int:
 class _Builder:
     """Appends compute actions with their surrounding transfers to one rank's list."""
 
-    def __init__(self, p: int, total: int):
+    def __init__(self, p: int, total: int, stage_ranks: Optional[Sequence[int]] = None):
         self.p, self.total, self.acts = p, total, []
+        self.rank = (lambda s: s % p) if stage_ranks is None else (lambda s: stage_ranks[s])
 
     def forward(self, stage: int, mb: int) -> None:
-        remote_in = stage > 0 and (stage - 1) % self.p != stage % self.p
-        remote_out = stage < self.total - 1 and (stage + 1) % self.p != stage % self.p
+        remote_in = stage > 0 and self.rank(stage - 1) != self.rank(stage)
+        remote_out = stage < self.total - 1 and self.rank(stage + 1) != self.rank(stage)
         if remote_in:
             self.acts.append(Action(ActionKind.RECV_ACT, mb, stage))
         self.acts.append(Action(ActionKind.FORWARD, mb, stage))
         if remote_out:
             self.acts.append(Action(ActionKind.SEND_ACT, mb, stage))
 
-    def backward(self, stage: int, mb: int) -> None:
-        remote_in = stage < self.total - 1 and (stage + 1) % self.p != stage % self.p
-        remote_out = stage > 0 and (stage - 1) % self.p != stage % self.p
+    def backward(self, stage: int, mb: int, kind: ActionKind = ActionKind.BACKWARD) -> None:
+        remote_in = stage < self.total - 1 and self.rank(stage + 1) != self.rank(stage)
+        remote_out = stage > 0 and self.rank(stage - 1) != self.rank(stage)
         if remote_in:
             self.acts.append(Action(ActionKind.RECV_GRAD, mb, stage))
-        self.acts.append(Action(ActionKind.BACKWARD, mb, stage))
+        self.acts.append(Action(kind, mb, stage))
         if remote_out:
             self.acts.append(Action(ActionKind.SEND_GRAD, mb, stage))
+
+    def backward_input(self, stage: int, mb: int) -> None:
+        self.backward(stage, mb, ActionKind.BACKWARD_INPUT)
+
+    def backward_weight(self, stage: int, mb: int) -> None:
+        self.acts.append(Action(ActionKind.BACKWARD_WEIGHT, mb, stage))
 
 
 def _gpipe(p: int, m: int, r: int) -> List[Action]:
@@ -210,15 +242,86 @@ def _interleaved(p: int, m: int, v: int, r: int) -> List[Action]:
     return b.acts
 
 
+def _zb_h1(p: int, m: int, r: int) -> List[Action]:
+    # 1F1B's order with each backward split into I and W; rank r runs its first r steady-state
+    # iterations without a W, so every rank holds at most p micro-batches (1F1B's rank 0) and its
+    # I runs as soon as the gradient arrives; the held-back Ws fill the cool-down's waits.
+    b = _Builder(p, p)
+    warmup = min(p - r - 1, m)
+    for i in range(warmup):
+        b.forward(r, i)
+    w = 0
+    for k in range(m - warmup):
+        b.forward(r, warmup + k)
+        b.backward_input(r, k)
+        if k >= r:
+            b.backward_weight(r, w)
+            w += 1
+    for k in range(m - warmup, m):
+        b.backward_input(r, k)
+        b.backward_weight(r, w)
+        w += 1
+    while w < m:
+        b.backward_weight(r, w)
+        w += 1
+    return b.acts
+
+
+def _v_ranks(p: int) -> Tuple[int, ...]:
+    """ZBV's placement: stage s on rank s for s < p, else on rank 2p - 1 - s."""
+    return tuple(list(range(p)) + list(range(p - 1, -1, -1)))
+
+
+def _zbv(p: int, m: int, r: int) -> List[Action]:
+    # PyTorch's ScheduleZBVZeroBubble order (torch/distributed/pipelining/schedules.py), built for
+    # max(m, 2p - 1) micro-batches; the actions of micro-batches >= m are then dropped.
+    b = _Builder(p, 2 * p, _v_ranks(p))
+    c0, c1 = r, 2 * p - 1 - r
+    n = max(m, 2 * p - 1)
+    ops: List[Tuple[str, int, int]] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - r) - 1):
+        ops.append(("F", c0, f0)); f0 += 1
+    for _ in range(r):
+        ops.append(("F", c1, f1)); f1 += 1
+        ops.append(("F", c0, f0)); f0 += 1
+    for _ in range(p - r):
+        ops.append(("F", c1, f1)); f1 += 1
+        ops += [("I", c1, b1), ("W", c1, b1)]; b1 += 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            ops.append(("F", c0, f0)); f0 += 1
+        ops += [("I", c0, b0), ("W", c0, b0)]; b0 += 1
+        ops.append(("F", c1, f1)); f1 += 1
+        ops += [("I", c1, b1), ("W", c1, b1)]; b1 += 1
+    w0, w1 = b0, b1
+    for _ in range(r):
+        ops.append(("I", c0, b0)); b0 += 1
+        ops.append(("I", c1, b1)); b1 += 1
+    for _ in range(p - r):
+        ops.append(("I", c0, b0)); b0 += 1
+        ops.append(("W", c0, w0)); w0 += 1
+    while w1 < b1:
+        ops.append(("W", c1, w1)); w1 += 1
+    while w0 < b0:
+        ops.append(("W", c0, w0)); w0 += 1
+    emit = {"F": b.forward, "I": b.backward_input, "W": b.backward_weight}
+    for kind, stage, mb in ops:
+        if mb < m:
+            emit[kind](stage, mb)
+    return b.acts
+
+
 def make_schedule(kind: Union[PipelineSchedule, str], num_stages: int, num_microbatches: int,
-                  virtual_stages: int = 1) -> Schedule:
+                  virtual_stages: Optional[int] = None) -> Schedule:
     """Build the per-rank action lists of a pipeline schedule.
 
     Args:
-        kind: :class:`PipelineSchedule` (or ``"gpipe"``, ``"1f1b"``, ``"interleaved"``).
+        kind: :class:`PipelineSchedule` (or ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``, ``"zbv"``).
         num_stages: the number of pipeline ranks ``p``.
         num_microbatches: micro-batches ``m`` per step.
-        virtual_stages: model chunks per rank ``v`` (interleaved only; GPipe and 1F1B need 1).
+        virtual_stages: model chunks per rank ``v`` (interleaved: any; ZBV: 2; the others: 1).
+            ``None`` means 2 for ZBV and 1 otherwise.
 
     Returns:
         A :class:`Schedule`; ``schedule.actions(rank)`` is rank ``rank``'s ordered list.
@@ -233,7 +336,14 @@ def make_schedule(kind: Union[PipelineSchedule, str], num_stages: int, num_micro
     kind = PipelineSchedule.parse(kind)
     p = _check_positive("num_stages", num_stages)
     m = _check_positive("num_microbatches", num_microbatches)
+    if virtual_stages is None:
+        virtual_stages = 2 if kind is PipelineSchedule.ZBV else 1
     v = _check_positive("virtual_stages", virtual_stages)
+    if kind is PipelineSchedule.ZBV:
+        if v != 2:
+            raise ValueError(f"ZBV places exactly two model chunks per rank in a V; got virtual_stages={v} "
+                             "(pass virtual_stages=2 or leave it out)")
+        return Schedule(p, m, 2, tuple(tuple(_zbv(p, m, r)) for r in range(p)), kind, _v_ranks(p))
     if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B:
         if m % p:
             raise ValueError(f"the interleaved 1F1B schedule needs num_microbatches to be a multiple of "
@@ -244,6 +354,8 @@ def make_schedule(kind: Union[PipelineSchedule, str], num_stages: int, num_micro
                          "(use PipelineSchedule.INTERLEAVED_ONE_F_ONE_B for virtual stages)")
     elif kind is PipelineSchedule.GPIPE:
         lists = [_gpipe(p, m, r) for r in range(p)]
+    elif kind is PipelineSchedule.ZB_H1:
+        lists = [_zb_h1(p, m, r) for r in range(p)]
     else:
         lists = [_one_f_one_b(p, m, r) for r in range(p)]
     return Schedule(p, m, v, tuple(tuple(a) for a in lists), kind)
@@ -258,6 +370,9 @@ class SimulationResult:
         makespan: time from the first action to the last one finishing.
         busy: compute time per rank.
         idle_fraction: ``1 - busy / makespan`` per rank.
+        bubble: per rank, the idle time between its first action's start and its last action's end
+            (the zero-bubble paper's measure: each rank starts its next step as soon as it is done);
+            ``max(bubble)`` is the schedule's bubble, ``(p - 1)(F + B + W)`` for 1F1B.
         peak_activations: per rank, the most (stage, micro-batch) pairs forwarded and not yet
             backwarded at once (activations held).
         peak_activations_per_stage: the same per global stage.
@@ -270,6 +385,7 @@ class SimulationResult:
     peak_activations: List[int]
     peak_activations_per_stage: List[int]
     timeline: List[List[Tuple[object, object, Action]]]
+    bubble: List[Union[int, float, Fraction]] = ()
 
 
 _MATCH = {ActionKind.RECV_ACT: ActionKind.SEND_ACT, ActionKind.RECV_GRAD: ActionKind.SEND_GRAD}
@@ -280,18 +396,21 @@ def _peer_stage(a: Action) -> int:
     return a.stage - 1 if a.kind is ActionKind.RECV_ACT else a.stage + 1
 
 
-def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0) -> SimulationResult:
+def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0, weight_time=0) -> SimulationResult:
     """Execute a schedule's action lists without MPI and time them.
 
     Time model: every ``FORWARD`` action (one model chunk on one micro-batch) takes
-    ``forward_time`` and every ``BACKWARD`` ``backward_time``, whatever the chunk; a send costs
+    ``forward_time``, every ``BACKWARD_INPUT`` ``backward_time``, every ``BACKWARD_WEIGHT``
+    ``weight_time`` and every unsplit ``BACKWARD`` ``backward_time + weight_time``, whatever the
+    chunk (so with ``weight_time=0`` the times of 1F1B are as before, and with F, B, W given a
+    split and an unsplit schedule are timed alike); a send costs
     nothing to its rank and its data is available to the receiver ``comm_time`` later; a rank
     runs its list in order, waiting at a receive until the data is there. With integer times the
     results are exact (``makespan`` and ``busy`` are ints).
 
     Args:
         schedule: a :class:`Schedule` (from :func:`make_schedule` or hand-made).
-        forward_time, backward_time, comm_time: durations (non-negative numbers).
+        forward_time, backward_time, comm_time, weight_time: durations (non-negative numbers).
 
     Returns:
         A :class:`SimulationResult`.
@@ -306,10 +425,12 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0) -
         >>> r.makespan, r.idle_fraction[0]      # 3 (m + p - 1) and (p - 1) / (m + p - 1)
         (33, 0.2727272727272727)
     """
-    for name, t in (("forward_time", forward_time), ("backward_time", backward_time), ("comm_time", comm_time)):
+    for name, t in (("forward_time", forward_time), ("backward_time", backward_time), ("comm_time", comm_time),
+                    ("weight_time", weight_time)):
         if not t >= 0:
             raise ValueError(f"simulate: {name} must be >= 0, got {t!r}")
-    duration = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time}
+    duration = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time + weight_time,
+                ActionKind.BACKWARD_INPUT: backward_time, ActionKind.BACKWARD_WEIGHT: weight_time}
     p, S, m = schedule.num_stages, schedule.total_stages, schedule.num_microbatches
     lists = [schedule.actions(r) for r in range(p)]
     pos = [0] * p
@@ -345,14 +466,24 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0) -
                     fail(r, a, "has no input: " + ("the previous stage's forward has not run on this rank"
                                                    if local else "no RECV_ACT before it"))
                 t = max(t, done[key])
+        elif a.kind is ActionKind.BACKWARD_WEIGHT:
+            if (ActionKind.BACKWARD_INPUT, a.microbatch, a.stage) not in done:
+                fail(r, a, f"runs before {Action(ActionKind.BACKWARD_INPUT, a.microbatch, a.stage)} "
+                           "(a weight gradient needs its input-gradient pass first)")
+            if (a.kind, a.microbatch, a.stage) in done:
+                fail(r, a, "runs a second time")
         else:
             if (ActionKind.FORWARD, a.microbatch, a.stage) not in done:
                 fail(r, a, "runs before the forward of the same stage and micro-batch")
-            if (ActionKind.BACKWARD, a.microbatch, a.stage) in done:
-                fail(r, a, "runs a second time")
+            if any((k, a.microbatch, a.stage) in done for k in _GRAD_MAKERS):
+                fail(r, a, "runs a second time (a stage runs either B or I and W on a micro-batch)")
             if a.stage < S - 1:
                 local = schedule.rank_of(a.stage + 1) == r
-                key = (ActionKind.BACKWARD if local else ActionKind.RECV_GRAD, a.microbatch, a.stage + 1 if local else a.stage)
+                if local:
+                    key = next(((k, a.microbatch, a.stage + 1) for k in _GRAD_MAKERS
+                                if (k, a.microbatch, a.stage + 1) in done), None)
+                else:
+                    key = (ActionKind.RECV_GRAD, a.microbatch, a.stage)
                 if key not in done:
                     fail(r, a, "has no output gradient: " + ("the next stage's backward has not run on this rank"
                                                              if local else "no RECV_GRAD before it"))
@@ -373,15 +504,19 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0) -
                     busy[r] += duration[a.kind]
                     done[(a.kind, a.microbatch, a.stage)] = end
                     timeline[r].append((start, end, a))
+                    if a.kind is ActionKind.BACKWARD_INPUT:
+                        pos[r] += 1
+                        progress = True
+                        continue
                     delta = 1 if a.kind is ActionKind.FORWARD else -1
                     held[r] += delta
                     held_stage[a.stage] += delta
                     peak[r] = max(peak[r], held[r])
                     peak_stage[a.stage] = max(peak_stage[a.stage], held_stage[a.stage])
                 elif a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
-                    src = ActionKind.FORWARD if a.kind is ActionKind.SEND_ACT else ActionKind.BACKWARD
-                    if (src, a.microbatch, a.stage) not in done:
-                        fail(r, a, f"sends before {Action(src, a.microbatch, a.stage)} has run")
+                    srcs = (ActionKind.FORWARD,) if a.kind is ActionKind.SEND_ACT else _GRAD_MAKERS
+                    if not any((src, a.microbatch, a.stage) in done for src in srcs):
+                        fail(r, a, f"sends before {Action(srcs[0], a.microbatch, a.stage)} has run")
                     if (a.kind, a.microbatch, a.stage) in sent:
                         fail(r, a, "sends a second time")
                     sent[(a.kind, a.microbatch, a.stage)] = clock[r]
@@ -406,7 +541,12 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0) -
     for r in range(p):
         for s in schedule.stages_of(r):
             for i in range(m):
-                for kind in _COMPUTE:
+                split = (ActionKind.BACKWARD_INPUT, i, s) in done
+                if split and (ActionKind.BACKWARD_WEIGHT, i, s) not in done:
+                    raise ScheduleDeadlockError(
+                        f"rank {r}: the schedule runs {Action(ActionKind.BACKWARD_INPUT, i, s)} but never "
+                        f"{Action(ActionKind.BACKWARD_WEIGHT, i, s)}; every I needs its W")
+                for kind in (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT if split else ActionKind.BACKWARD):
                     if (kind, i, s) not in done:
                         raise ScheduleDeadlockError(
                             f"rank {r}: the schedule never runs {Action(kind, i, s)}; every micro-batch must pass "
@@ -414,7 +554,8 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0) -
     makespan = max(clock) if clock else 0
     idle = [0.0 if makespan == 0 else float(1 - Fraction(b) / Fraction(makespan)) if _exact(b, makespan)
             else 1.0 - b / makespan for b in busy]
-    return SimulationResult(makespan, busy, idle, peak, peak_stage, timeline)
+    bubble = [(ev[-1][1] - ev[0][0] - b) if ev else 0 for ev, b in zip(timeline, busy)]
+    return SimulationResult(makespan, busy, idle, peak, peak_stage, timeline, bubble)
 
 
 def _exact(*xs) -> bool:
@@ -422,16 +563,19 @@ def _exact(*xs) -> bool:
 
 
 # -- printer -----------------------------------------------------------------------------------------
-def format_schedule(schedule: Schedule, forward_time=1, backward_time=1, comm_time=0) -> str:
+def format_schedule(schedule: Schedule, forward_time=1, backward_time=1, comm_time=0, weight_time=None) -> str:
     """The rank x time grid of a schedule: one row per rank, one column per time unit.
 
     Compute actions are placed where :func:`simulate` runs them (default: every action one time
     unit, so each column is one step); a cell reads ``"2F0"`` (stage 2, forward, micro-batch 0)
-    or ``"1B3"``; a blank cell is bubble. An action longer than one unit fills its columns.
+    or ``"1B3"`` (``"1I3"``/``"1W3"``: input- and weight-gradient halves of a split backward);
+    a blank cell is bubble. An action longer than one unit fills its columns. By default every
+    action takes one unit (``weight_time=None``: 1 where the schedule has ``W`` actions, else 0).
 
     Args:
         schedule: a :class:`Schedule`.
-        forward_time, backward_time, comm_time: durations passed to :func:`simulate` (integers).
+        forward_time, backward_time, comm_time, weight_time: durations passed to :func:`simulate`
+            (integers).
 
     Returns:
         The grid as a string.
@@ -439,7 +583,9 @@ def format_schedule(schedule: Schedule, forward_time=1, backward_time=1, comm_ti
     Example:
         >>> print(format_schedule(make_schedule("1f1b", 2, 3)))
     """
-    res = simulate(schedule, forward_time, backward_time, comm_time)
+    if weight_time is None:
+        weight_time = int(any(a.kind is ActionKind.BACKWARD_WEIGHT for acts in schedule.rank_actions for a in acts))
+    res = simulate(schedule, forward_time, backward_time, comm_time, weight_time)
     T = int(res.makespan)
     cells = [[""] * T for _ in range(schedule.num_stages)]
     for r, events in enumerate(res.timeline):

@@ -106,7 +106,7 @@ def _check_untied(chunks: List[Sequential]) -> None:
 
 def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Union[SplitBy, str] = "params",
                  boundaries: Optional[Sequence[int]] = None, *, group: Optional[ProcessGroup] = None,
-                 rank: Optional[int] = None) -> List[Sequential]:
+                 rank: Optional[int] = None, stage_ranks: Optional[Sequence[int]] = None) -> List[Sequential]:
     """Cut ``model`` into ``num_stages * virtual_stages`` chunks; return this rank's.
 
     Chunk ``s`` lives on pipeline rank ``s % num_stages``; the result is
@@ -125,6 +125,9 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
         boundaries: explicit start indices of chunks 1 .. p v - 1 (overrides ``by``).
         group: the pipeline group whose rank picks the chunks (default: all ranks).
         rank: pick the chunks of this pipeline rank instead (no MPI needed).
+        stage_ranks: the pipeline rank of each chunk when not round-robin (ZBV's V:
+            ``make_schedule("zbv", p, m).stage_ranks``); the result lists this rank's chunks in
+            increasing order.
 
     Returns:
         This rank's chunks, a list of ``v`` ``Sequential`` modules.
@@ -147,4 +150,9 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
         rank = g.rank
     if not 0 <= rank < num_stages:
         raise ValueError(f"split_module: rank {rank} out of range [0, {num_stages})")
-    return chunks[rank::num_stages]
+    if stage_ranks is None:
+        return chunks[rank::num_stages]
+    if len(stage_ranks) != len(chunks):
+        raise ValueError(f"split_module: stage_ranks has {len(stage_ranks)} entries for {len(chunks)} chunks "
+                         f"(num_stages * virtual_stages)")
+    return [c for c, r in zip(chunks, stage_ranks) if r == rank]
