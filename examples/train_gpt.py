@@ -127,8 +127,12 @@ def parse_args(argv=None):
                         "and exit with code 75, which the job templates requeue)")
     g = p.add_argument_group("output")
     g.add_argument("--sample-chars", type=int, default=200, help="characters to generate at the end (0: none)")
-    g.add_argument("--no-progress", action="store_true",
-                   help="log lines instead of a progress bar (automatic when stdout is not a terminal)")
+    bars = g.add_mutually_exclusive_group()
+    bars.add_argument("--no-progress", action="store_true",
+                      help="log lines instead of a progress bar (automatic when stdout is not a terminal)")
+    bars.add_argument("--progress", action="store_true",
+                      help="force rank 0's progress bar, on stderr, even when it is a pipe (under mpiexec "
+                           "it shows on the launcher's stderr)")
     g.add_argument("--log-every", type=int, default=25, help="a log line every N steps without a progress bar")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
                    help="one JSON line per step (step, loss, grad_norm, lr, tokens_per_s, and loss_scale "
@@ -414,11 +418,12 @@ def main(argv=None):
              tok.vocab_size, h_unigram)
 
     bar = None
-    progress = not args.no_progress and sys.stdout.isatty()  # no \r updates in batch logs
+    progress = args.progress or (not args.no_progress and sys.stdout.isatty())  # no \r updates in batch logs
     if world.rank == 0 and progress and step < args.steps:
         from tqdm import tqdm
+        # --progress: rank 0's stderr, which mpiexec/srun forward to the launcher's stderr unbuffered
         bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   file=sys.stdout, mininterval=0.5)
+                   file=sys.stderr if args.progress else sys.stdout, mininterval=0.5, disable=False)
     metrics = (open_metrics(args.metrics_json, step, latest is not None, log)
                if (args.metrics_json and world.rank == 0) else None)
     start_step = step

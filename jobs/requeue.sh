@@ -5,28 +5,69 @@
 # every rank; the training script saves at its next step and exits with code 75; axonmpi_run then requeues
 # the job (`scontrol requeue`), and the requeued job continues with --auto-resume.
 #
-# The user-script contract (SCRIPT=my_train.py): the templates run
-#     python "$SCRIPT" --checkpoint-dir DIR --auto-resume --no-progress [your arguments]
-# so the script must accept those three flags (save into DIR; continue from its newest checkpoint when
-# there is one, else start fresh; no \r progress bars), and, to lose nothing at a time limit, catch
-# SIGUSR1/SIGTERM (axonmpi.checkpoint.PreemptionHandler), save and exit with code 75.
+# The script contract (docs/cluster.md "What the templates pass to your script"): the templates run
+#     python "$SCRIPT" [template flags] $SCRIPT_ARGS [arguments given to sbatch after the template]
+# SCRIPT_ARGS (split as a shell would, quotes honoured, nothing executed) and the sbatch arguments are
+# passed verbatim. The template flags (--checkpoint-dir DIR --auto-resume --no-progress, and the
+# template's layout flags such as --G-data ... or --fsdp ...) are added only
+#   - for the package's own examples that take them (examples/train_gpt.py), or
+#   - when AXONMPI_TEMPLATE_FLAGS=1 (then the script must take the three resume flags: checked before
+#     srun); AXONMPI_TEMPLATE_FLAGS=0 never adds them.
+# Otherwise the script gets only what you pass it; the layout and the checkpoint folder are in the
+# environment (AXONMPI_CHECKPOINT_DIR, G_DATA ...). To lose nothing at a time limit the script catches
+# SIGUSR1/SIGTERM (axonmpi.checkpoint.PreemptionHandler), saves and exits with code 75.
 
 AXONMPI_PREEMPTED_EXIT=75   # = axonmpi.checkpoint.PREEMPTED_EXIT_CODE (EX_TEMPFAIL)
+AXONMPI_JOBS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
+AXONMPI_RESUME_FLAGS=(--checkpoint-dir --auto-resume --no-progress)
 
-# axonmpi_check_script SCRIPT: refuse a script that does not take the flags the template passes.
+# axonmpi_wants_flags SCRIPT: true when the template adds its flags to SCRIPT's command line.
+axonmpi_wants_flags() {
+  local script=$1 examples dir
+  case "${AXONMPI_TEMPLATE_FLAGS:-}" in
+    1) return 0 ;;
+    0) return 1 ;;
+    "") ;;
+    *) echo "error: AXONMPI_TEMPLATE_FLAGS=$AXONMPI_TEMPLATE_FLAGS; expected 1 (add the template flags), 0 (never) or unset (only for the package's examples)" >&2
+       exit 2 ;;
+  esac
+  examples=$(cd "$AXONMPI_JOBS_DIR/../examples" 2>/dev/null && pwd -P) || return 1
+  dir=$(cd "$(dirname "$script")" && pwd -P)
+  [[ "$dir" == "$examples" ]] && grep -q -- "--auto-resume" "$script"
+}
+
+# axonmpi_check_script SCRIPT: the file exists; with template flags, it takes the resume flags.
 axonmpi_check_script() {
   local script=$1 flag missing=()
   [[ -f "$script" ]] || { echo "error: SCRIPT=$script: no such file (submit from the folder that holds it, or give a full path)" >&2; exit 2; }
-  for flag in --checkpoint-dir --auto-resume --no-progress; do
-    grep -q -- "$flag" "$script" || missing+=("$flag")
-  done
-  if (( ${#missing[@]} )); then
-    echo "error: SCRIPT=$script does not take ${missing[*]}, which this template passes (python SCRIPT --checkpoint-dir DIR --auto-resume --no-progress ...); add them (see examples/train_gpt.py and docs/cluster.md \"Preemption and requeue\")" >&2
-    exit 2
+  if axonmpi_wants_flags "$script"; then
+    for flag in "${AXONMPI_RESUME_FLAGS[@]}"; do
+      grep -q -- "$flag" "$script" || missing+=("$flag")
+    done
+    if (( ${#missing[@]} )); then
+      echo "error: SCRIPT=$script does not take ${missing[*]}, which AXONMPI_TEMPLATE_FLAGS=1 passes (python SCRIPT --checkpoint-dir DIR --auto-resume --no-progress ...); add them (see examples/train_gpt.py and docs/cluster.md), or unset AXONMPI_TEMPLATE_FLAGS to pass only SCRIPT_ARGS" >&2
+      exit 2
+    fi
   fi
   if ! grep -q -e PreemptionHandler -e SIGUSR1 "$script"; then
     echo "warning: SCRIPT=$script does not seem to catch SIGUSR1 (axonmpi.checkpoint.PreemptionHandler): at the time limit the work since its last checkpoint is lost" >&2
   fi
+}
+
+# axonmpi_command SCRIPT [TEMPLATE FLAGS...] -- [ARGS...]: sets AXONMPI_CMD to
+# (python SCRIPT [TEMPLATE FLAGS, when axonmpi_wants_flags] SCRIPT_ARGS... ARGS...).
+axonmpi_command() {
+  local script=$1 words=() flags=()
+  shift
+  while (( $# )) && [[ "$1" != -- ]]; do flags+=("$1"); shift; done
+  (( $# )) && shift
+  if [[ -n "${SCRIPT_ARGS:-}" ]]; then
+    mapfile -d '' words < <(printf '%s' "$SCRIPT_ARGS" | xargs -r printf '%s\0') || {
+      echo "error: SCRIPT_ARGS=$SCRIPT_ARGS: unbalanced quotes" >&2; exit 2; }
+  fi
+  AXONMPI_CMD=(python "$script")
+  if axonmpi_wants_flags "$script"; then AXONMPI_CMD+=("${flags[@]}"); fi
+  AXONMPI_CMD+=("${words[@]}" "$@")
 }
 
 # axonmpi_run COMMAND...: run srun in the background, forward SIGUSR1/SIGTERM to it, requeue on exit 75.

@@ -57,6 +57,14 @@ def _train_step(opt_cls, **kw):
     return True
 
 
+def _plateau():
+    opt = optim.SGD(_model().parameters(), lr=1.0)
+    s = optim.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    for loss in (1.0, 1.0, 1.0):
+        s.step(loss)
+    return s.get_last_lr() == [0.25]
+
+
 def _scheduler(cls, *args, **kw):
     opt = optim.SGD(_model().parameters(), lr=1.0)
     s = cls(opt, *args, **kw)
@@ -320,6 +328,20 @@ EXAMPLES = {
     "axonmpi.optim.CosineAnnealingLR": lambda: _scheduler(optim.CosineAnnealingLR, T_max=4),
     "axonmpi.optim.LinearWarmupCosine": lambda: _scheduler(optim.LinearWarmupCosine, warmup_steps=1, total_steps=4),
     "axonmpi.optim.LambdaLR": lambda: _scheduler(optim.LambdaLR, lambda t: 0.5 ** t),
+    "axonmpi.optim.lr_scheduler": lambda: optim.lr_scheduler.StepLR is optim.StepLR,
+    "axonmpi.optim.LinearLR": lambda: _scheduler(optim.LinearLR, start_factor=0.5, total_iters=2),
+    "axonmpi.optim.ExponentialLR": lambda: _scheduler(optim.ExponentialLR, gamma=0.9),
+    "axonmpi.optim.MultiStepLR": lambda: _scheduler(optim.MultiStepLR, milestones=[1, 2]),
+    "axonmpi.optim.ConstantLR": lambda: _scheduler(optim.ConstantLR, factor=0.5, total_iters=2),
+    "axonmpi.optim.PolynomialLR": lambda: _scheduler(optim.PolynomialLR, total_iters=4),
+    "axonmpi.optim.OneCycleLR": lambda: _scheduler(optim.OneCycleLR, max_lr=1.0, total_steps=4,
+                                                   cycle_momentum=False),
+    "axonmpi.optim.CosineAnnealingWarmRestarts": lambda: _scheduler(optim.CosineAnnealingWarmRestarts, T_0=2),
+    "axonmpi.optim.SequentialLR": lambda: _scheduler(
+        lambda o: optim.SequentialLR(o, [optim.ConstantLR(o), optim.ExponentialLR(o, 0.9)], milestones=[2])),
+    "axonmpi.optim.ChainedScheduler": lambda: _scheduler(
+        lambda o: optim.ChainedScheduler([optim.ConstantLR(o), optim.ExponentialLR(o, 0.9)])),
+    "axonmpi.optim.ReduceLROnPlateau": lambda: _plateau(),
     "axonmpi.optim.clip_grad_norm_": lambda: optim.clip_grad_norm_(_grads([3.0, 4.0]), 1.0) == pytest.approx(5.0),
     "axonmpi.optim.clip_grad_value_": lambda: optim.clip_grad_value_(_grads([3.0]), 1.0) is None,
     "axonmpi.optim.grad_norm": lambda: optim.grad_norm(_grads([3.0], [4.0])) == pytest.approx(5.0),

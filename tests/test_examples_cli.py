@@ -220,3 +220,21 @@ def test_local_sh_takes_the_layout_flags_and_variables(tmp_path):
     r = subprocess.run(["bash", job, *common], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                        env={**env, "G_INTER": "3"})
     assert r.returncode == 2 and "= 3 does not divide -n 2" in r.stderr, r.stderr
+
+
+@pytest.mark.serial
+def test_train_gpt_progress_forces_rank0_bar_on_the_launchers_stderr(tmp_path):
+    """--progress: one tqdm bar (rank 0) on mpiexec's stderr, a pipe; without it, log lines as before."""
+    from axonmpi.testing import run_mpiexec
+
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    base = [a for a in TINY if a != "--no-progress"] + ["--steps", "3", "--global-batch", "4", "--no-save",
+                                                        "--sample-chars", "0"]
+    r = run_mpiexec([script, *base, "--progress"], n=2, timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "train: 100%" in r.stderr and "3/3" in r.stderr, r.stderr
+    assert r.stderr.count("train:   0%") == 1 and "train:" not in r.stdout   # rank 0 only, on stderr
+    r = run_mpiexec([script, *base], n=2, timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0 and "train:" not in r.stderr + r.stdout, r.stderr
+    r = run_mpiexec([script, *base, "--progress", "--no-progress"], n=1, timeout=60, cwd=str(tmp_path))
+    assert r.returncode != 0 and "not allowed with argument" in r.stderr

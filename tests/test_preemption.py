@@ -150,15 +150,59 @@ def test_template_forwards_usr1_and_requeues_on_75(slurm_env, tmp_path):
     assert "asking every rank to save and exit" in err and "requeueing job 4242" in err
 
 
+_TEMPLATES = ["slurm_ddp_1node", "slurm_ddp_multinode", "slurm_gpu", "slurm_fsdp", "slurm_3d", "slurm_3d_gpu"]
+
+
+def _template(slurm_env, tmp_path, name, args=(), **variables):
+    """Run jobs/NAME.sbatch with an srun that prints each argument in [] and the layout it sees."""
+    (tmp_path / "bin" / "srun").write_text(
+        "#!/bin/bash\nprintf 'srun'; printf ' [%s]' \"$@\"; echo \" env=$AXONMPI_CHECKPOINT_DIR,${G_DATA:-},${FSDP:-}\"\n")
+    env = slurm_env(SLURM_NTASKS="8", SLURM_JOB_NUM_NODES="2", **variables)
+    return subprocess.run(["bash", os.path.join(ROOT, "jobs", name + ".sbatch"), *args], capture_output=True,
+                          text=True, timeout=30, env=env, cwd=ROOT)
+
+
 @pytest.mark.serial
-def test_template_refuses_a_script_without_the_contract_flags(slurm_env, tmp_path):
+@pytest.mark.parametrize("name", _TEMPLATES)
+def test_template_passes_a_user_script_only_its_arguments(slurm_env, tmp_path, name):
+    """SCRIPT_ARGS (shell quoting honoured, nothing executed) then the sbatch arguments; no template flags."""
+    mine = tmp_path / "my_train.py"
+    mine.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr')\n")
+    r = _template(slurm_env, tmp_path, name, ["--steps", "3"], SCRIPT=str(mine),
+                  SCRIPT_ARGS=f"--lr 0.1 --name 'my run' $(touch {tmp_path}/ran)")
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.splitlines()[-1]
+    assert f"[python] [{mine}] [--lr] [0.1] [--name] [my run] [$(touch] [{tmp_path}/ran)] [--steps] [3] env=" in last
+    assert "--checkpoint-dir" not in last and "--G-data" not in last and "--fsdp" not in last
+    assert not (tmp_path / "ran").exists()
+    ckpt = os.path.join(str(tmp_path), "axonmpi", "t")
+    layout = {"slurm_3d": "8", "slurm_3d_gpu": "8"}.get(name, "")
+    assert last.endswith(f" env={ckpt},{layout},{'full_shard' if name == 'slurm_fsdp' else ''}"), last
+    assert "does not seem to catch SIGUSR1" in r.stderr
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("name", _TEMPLATES)
+def test_template_flags_for_the_examples_and_on_request(slurm_env, tmp_path, name):
+    ckpt = os.path.join(str(tmp_path), "axonmpi", "t")
+    r = _template(slurm_env, tmp_path, name)   # SCRIPT defaults to examples/train_gpt.py, which takes them
+    assert r.returncode == 0, r.stderr
+    assert f"[examples/train_gpt.py] [--checkpoint-dir] [{ckpt}] [--auto-resume] [--no-progress]" in r.stdout
+    r = _template(slurm_env, tmp_path, name, SCRIPT="examples/train_mlp.py", SCRIPT_ARGS="--steps 2")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith(
+        "srun") and "[examples/train_mlp.py] [--steps] [2] env=" in r.stdout, r.stdout + r.stderr
+    r = _template(slurm_env, tmp_path, name, AXONMPI_TEMPLATE_FLAGS="0")
+    assert r.returncode == 0 and "[examples/train_gpt.py] env=" in r.stdout, r.stdout
     mine = tmp_path / "my_train.py"
     mine.write_text("import argparse\nargparse.ArgumentParser().add_argument('--checkpoint-dir')\n")
-    r = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm_ddp_1node.sbatch")], capture_output=True,
-                       text=True, timeout=30, env=slurm_env(SCRIPT=str(mine)), cwd=ROOT)
-    assert r.returncode == 2 and "does not take --auto-resume --no-progress" in r.stderr, r.stderr
-    assert "srun" not in r.stdout                              # nothing started
-    mine.write_text("# --checkpoint-dir --auto-resume --no-progress\n")
-    r = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm_ddp_1node.sbatch")], capture_output=True,
-                       text=True, timeout=30, env=slurm_env(SCRIPT=str(mine)), cwd=ROOT)
-    assert r.returncode == 0 and "does not seem to catch SIGUSR1" in r.stderr and "srun" in r.stdout
+    r = _template(slurm_env, tmp_path, name, SCRIPT=str(mine), AXONMPI_TEMPLATE_FLAGS="1")
+    assert r.returncode == 2 and "does not take --auto-resume --no-progress, which AXONMPI_TEMPLATE_FLAGS=1" in r.stderr
+    assert "my_train" not in r.stdout                                                    # nothing started
+    mine.write_text("# --checkpoint-dir --auto-resume --no-progress PreemptionHandler\n")
+    r = _template(slurm_env, tmp_path, name, ["--x"], SCRIPT=str(mine), AXONMPI_TEMPLATE_FLAGS="1",
+                  SCRIPT_ARGS="--y")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    assert f"[{mine}] [--checkpoint-dir] [{ckpt}] [--auto-resume] [--no-progress] " in r.stdout
+    assert r.stdout.splitlines()[-1].split(" env=")[0].endswith("[--y] [--x]")
+    r = _template(slurm_env, tmp_path, name, AXONMPI_TEMPLATE_FLAGS="yes")
+    assert r.returncode == 2 and "AXONMPI_TEMPLATE_FLAGS=yes; expected 1" in r.stderr

@@ -1,7 +1,10 @@
 """Optimizers (SGD, Adam, AdamW), learning-rate schedulers and gradient clipping."""
 from .adam import Adam, AdamW
 from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
-from .lr_scheduler import CosineAnnealingLR, LambdaLR, LinearWarmupCosine, LRScheduler, StepLR
+from . import lr_scheduler
+from .lr_scheduler import (ChainedScheduler, ConstantLR, CosineAnnealingLR, CosineAnnealingWarmRestarts,
+                           ExponentialLR, LambdaLR, LinearLR, LinearWarmupCosine, LRScheduler, MultiStepLR,
+                           OneCycleLR, PolynomialLR, ReduceLROnPlateau, SequentialLR, StepLR)
 from .optimizer import Optimizer
 from .sgd import SGD
 from .zero import ZeroRedundancyOptimizer
@@ -9,15 +12,26 @@ from .zero import ZeroRedundancyOptimizer
 __all__ = [
     "Adam",
     "AdamW",
+    "ChainedScheduler",
+    "ConstantLR",
     "CosineAnnealingLR",
+    "CosineAnnealingWarmRestarts",
+    "ExponentialLR",
     "LRScheduler",
     "LambdaLR",
+    "LinearLR",
     "LinearWarmupCosine",
+    "MultiStepLR",
+    "OneCycleLR",
     "Optimizer",
+    "PolynomialLR",
+    "ReduceLROnPlateau",
     "SGD",
+    "SequentialLR",
     "StepLR",
     "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
     "grad_norm",
+    "lr_scheduler",
 ]

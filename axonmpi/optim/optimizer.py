@@ -89,9 +89,9 @@ class Optimizer:
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:
             raise ValueError("param_group needs a 'params' entry")
-        # LR schedulers keep "initial_lr" in each group (as PyTorch's do); it is not an option.
+        # LR schedulers keep these in each group (as PyTorch's do); they are not options.
         unknown = sorted(k for k in param_group
-                         if k not in self.defaults and k not in ("params", "initial_lr"))
+                         if k not in self.defaults and k not in ("params", *_SCHEDULER_KEYS))
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown option(s) {unknown} in param group; "
                             f"expected some of {sorted(self.defaults)}")
@@ -243,6 +243,9 @@ class Optimizer:
             opts = ", ".join(f"{k}={v!r}" for k, v in g.items() if k != "params")
             lines.append(f"  group {i}: {len(g['params'])} params, {opts}")
         return "\n".join(lines + [")"])
+
+
+_SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum")  # OneCycleLR's
 
 
 def _effective_grad(xp: Any, g: Any, p: Any, gs: Any, s: Any, maximize: bool, weight_decay: float) -> Any:
