@@ -62,16 +62,18 @@ EXIT_GRACE_S = 1.0     # a call involving an exited rank gets this long to compl
 _ASK, _STATE, _EXIT = 1, 2, 3
 
 # one flight-recorder entry is a list: these are its fields, in order (entries() gives them so;
-# a ring slot has a 13th, its call index, and keeps the call site as code object + offset)
+# a ring slot has two more, its call index and whether the main thread blocks in it, and keeps
+# the call site as code object + instruction offset)
 CALL_FIELDS = ("seq", "op", "group", "ranks", "count", "dtype", "bytes", "peer", "t_start", "t_end",
                "file", "line")
-_SEQ, _OP, _GROUP, _RANKS, _COUNT, _DTYPE, _BYTES, _PEER, _T0, _T1, _FILE, _LINE, _IDX = range(13)
-_NFIELDS = 13
+_SEQ, _OP, _GROUP, _RANKS, _COUNT, _DTYPE, _BYTES, _PEER, _T0, _T1, _FILE, _LINE, _IDX, _BLK = range(14)
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../axonmpi
 _clock = time.perf_counter
 _getframe = sys._getframe
 _said_polling = False
+_INSIDE: set = set()    # file names of frames inside the package (skipped when finding the call site)
+_OUTSIDE: set = set()   # ... and outside it
 
 
 def call_site(depth: int = 2):
@@ -138,9 +140,8 @@ class Watchdog:
         self.timeout = float(timeout)
         self.capacity = int(capacity) if self.record else min(int(capacity), 64)
         self.dump_dir = dump_dir
-        self.ring: List[list] = [[None] * 12 + [-1] for _ in range(self.capacity)]
+        self.ring: List[list] = [[None] * 12 + [-1, False] for _ in range(self.capacity)]
         self.pos = 0
-        self.cur = None        # the ring slot of the blocking call in flight (main thread), or None
         self.cur_wait = None   # (slot, call index, wait start) of a request being waited on, or None
         if polling is None:
             polling = MPI.Query_thread() < MPI.THREAD_MULTIPLE
@@ -217,8 +218,8 @@ class Watchdog:
     def _in_flight(self):
         """(slot, start of the wait) of the calls the main thread is blocked in now."""
         out = []
-        c = self.cur
-        if c is not None and c[_T1] is None:
+        c = self.ring[(self.pos - 1) % self.capacity]   # the newest call: blocking and not done?
+        if c[_BLK] and c[_T1] is None:
             out.append((c, c[_T0]))
         w = self.cur_wait
         if w is not None:
@@ -520,7 +521,7 @@ class WatchedComm:
     def Get_attr(self, key):  # noqa: N802
         return self.raw.Get_attr(key)
 
-    def _rec(self, op, count, dtype, peer=None):
+    def _rec(self, op, count, dtype, peer=None, blocking=False):
         """Stamp a call into the ring (in place; its slot is returned, ``t_end`` set at completion)."""
         wd = self.wd
         s = self.seq
@@ -529,47 +530,54 @@ class WatchedComm:
         wd.pos = i + 1
         code, lasti = "?", 0
         if wd.record:
-            f = _getframe(2)
+            # frames: 0 here, 1 this comm's method, 2 the backend's method (always in the package);
+            # each frame walked costs a frame object, so start at 3 (the collective, or a caller)
+            f = _getframe(3)
             while f is not None:
                 c = f.f_code
-                if not c.co_filename.startswith(_PKG):
+                fn = c.co_filename
+                if fn in _INSIDE:
+                    f = f.f_back
+                elif fn in _OUTSIDE:
                     code, lasti = c, f.f_lasti
                     break
-                f = f.f_back
+                elif fn.startswith(_PKG):
+                    _INSIDE.add(fn)
+                else:
+                    _OUTSIDE.add(fn)
         if _trace._ACTIVE is None:
             e = wd.ring[i % wd.capacity]
-            e[:] = (s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i)
+            e[:] = (s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking)
         else:                          # tracing: a fresh entry, shared with the tracer
-            e = [s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i]
+            e = [s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking]
             e[:12] = _public(e)
             wd.ring[i % wd.capacity] = e
             _trace._ACTIVE.calls.append(e)
         return e
 
-    def _start(self, op, buf, peer=None):
+    def _start(self, op, buf, peer=None, blocking=False):
         c, d = _n(buf)
-        return self._rec(op, c, d, peer)
+        return self._rec(op, c, d, peer, blocking)
 
     def _run(self, e, fn, *args, **kw):
-        """Run the blocking MPI call ``fn`` as the call in flight ``e``."""
-        wd = self.wd
-        wd.cur = e
+        """Run the blocking MPI call ``fn`` for ``e`` (stamped with ``blocking=True``: the monitor
+        watches the newest stamp while its ``t_end`` is unset)."""
         try:
             out = fn(*args, **kw)
-        finally:
-            wd.cur = None
+        except BaseException:
+            e[_BLK] = False
+            raise
         e[_T1] = _clock()
         return out
 
     # reductions (the hot ones written out: no extra Python call on the fast path)
     def Allreduce(self, s, r, op):  # noqa: N802
-        e = self._rec("all_reduce", r.size, r.dtype)
-        wd = self.wd
-        wd.cur = e
+        e = self._rec("all_reduce", r.size, r.dtype, None, True)
         try:
             self.raw.Allreduce(s, r, op)
-        finally:
-            wd.cur = None
+        except BaseException:
+            e[_BLK] = False
+            raise
         e[_T1] = _clock()
 
     def Iallreduce(self, s, r, op):  # noqa: N802
@@ -577,17 +585,16 @@ class WatchedComm:
         return _Watched(self.raw.Iallreduce(s, r, op), self.wd, e)
 
     def Reduce(self, s, r, op, root):  # noqa: N802
-        e = self._start("reduce", s if s is not MPI.IN_PLACE else r)
+        e = self._start("reduce", s if s is not MPI.IN_PLACE else r, None, True)
         self._run(e, self.raw.Reduce, s, r, op, root=root)
 
     def Reduce_scatter_block(self, s, r, op):  # noqa: N802
-        e = self._rec("reduce_scatter", s.size, s.dtype)
-        wd = self.wd
-        wd.cur = e
+        e = self._rec("reduce_scatter", s.size, s.dtype, None, True)
         try:
             self.raw.Reduce_scatter_block(s, r, op)
-        finally:
-            wd.cur = None
+        except BaseException:
+            e[_BLK] = False
+            raise
         e[_T1] = _clock()
 
     def Ireduce_scatter_block(self, s, r, op):  # noqa: N802
@@ -595,7 +602,7 @@ class WatchedComm:
         return _Watched(self.raw.Ireduce_scatter_block(s, r, op), self.wd, e)
 
     def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._start("reduce_scatter", s)
+        e = self._start("reduce_scatter", s, None, True)
         self._run(e, self.raw.Reduce_scatter, s, r, counts, op)
 
     def Ireduce_scatter(self, s, r, counts, op):  # noqa: N802
@@ -604,23 +611,21 @@ class WatchedComm:
 
     # data movement
     def Bcast(self, buf, root):  # noqa: N802
-        e = self._rec("broadcast", buf.size, buf.dtype)
-        wd = self.wd
-        wd.cur = e
+        e = self._rec("broadcast", buf.size, buf.dtype, None, True)
         try:
             self.raw.Bcast(buf, root=root)
-        finally:
-            wd.cur = None
+        except BaseException:
+            e[_BLK] = False
+            raise
         e[_T1] = _clock()
 
     def Allgather(self, s, r):  # noqa: N802
-        e = self._rec("all_gather", r.size, r.dtype)
-        wd = self.wd
-        wd.cur = e
+        e = self._rec("all_gather", r.size, r.dtype, None, True)
         try:
             self.raw.Allgather(s, r)
-        finally:
-            wd.cur = None
+        except BaseException:
+            e[_BLK] = False
+            raise
         e[_T1] = _clock()
 
     def Iallgather(self, s, r):  # noqa: N802
@@ -628,32 +633,32 @@ class WatchedComm:
         return _Watched(self.raw.Iallgather(s, r), self.wd, e)
 
     def Allgatherv(self, s, r):  # noqa: N802
-        e = self._start("all_gather", r)
+        e = self._start("all_gather", r, None, True)
         self._run(e, self.raw.Allgatherv, s, r)
 
     def Gatherv(self, s, r, root):  # noqa: N802
-        e = self._start("gather", s)
+        e = self._start("gather", s, None, True)
         self._run(e, self.raw.Gatherv, s, r, root=root)
 
     def Scatterv(self, s, r, root):  # noqa: N802
-        e = self._start("scatter", r)
+        e = self._start("scatter", r, None, True)
         self._run(e, self.raw.Scatterv, s, r, root=root)
 
     def Alltoallv(self, s, r):  # noqa: N802
-        e = self._start("all_to_all", s)
+        e = self._start("all_to_all", s, None, True)
         self._run(e, self.raw.Alltoallv, s, r)
 
     def Barrier(self):  # noqa: N802
-        e = self._rec("barrier", 0, None)
+        e = self._rec("barrier", 0, None, None, True)
         self._run(e, self.raw.Barrier)
 
     # point-to-point (sequence numbers count this rank's calls on the group; they need not match)
     def Send(self, buf, dest, tag):  # noqa: N802
-        e = self._rec("send", buf.size, buf.dtype, dest)
+        e = self._rec("send", buf.size, buf.dtype, dest, True)
         self._run(e, self.raw.Send, buf, dest=dest, tag=tag)
 
     def Recv(self, buf, source, tag):  # noqa: N802
-        e = self._rec("recv", buf.size, buf.dtype, source)
+        e = self._rec("recv", buf.size, buf.dtype, source, True)
         self._run(e, self.raw.Recv, buf, source=source, tag=tag)
 
     def Isend(self, buf, dest, tag):  # noqa: N802
@@ -666,16 +671,16 @@ class WatchedComm:
 
     # picklable objects
     def bcast(self, obj, root):
-        return self._run(self._rec("broadcast_object", 0, None), self.raw.bcast, obj, root=root)
+        return self._run(self._rec("broadcast_object", 0, None, None, True), self.raw.bcast, obj, root=root)
 
     def allgather(self, obj):
-        return self._run(self._rec("all_gather_object", 0, None), self.raw.allgather, obj)
+        return self._run(self._rec("all_gather_object", 0, None, None, True), self.raw.allgather, obj)
 
     def gather(self, obj, root):
-        return self._run(self._rec("gather_object", 0, None), self.raw.gather, obj, root=root)
+        return self._run(self._rec("gather_object", 0, None, None, True), self.raw.gather, obj, root=root)
 
     def alltoall(self, objs):
-        return self._run(self._rec("all_to_all_object", 0, None), self.raw.alltoall, objs)
+        return self._run(self._rec("all_to_all_object", 0, None, None, True), self.raw.alltoall, objs)
 
 
 class PolledComm(WatchedComm):
@@ -684,6 +689,7 @@ class PolledComm(WatchedComm):
     first pass a watched ``Ibarrier`` (every rank has arrived), then run as usual."""
 
     def _w(self, e, req):
+        e[_BLK] = True
         self.wd.wait(req, e)
         e[_T1] = _clock()
 
