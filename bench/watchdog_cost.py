@@ -8,7 +8,8 @@ machine hits every mode alike, ``--repeats`` times at ``--ranks`` ranks:
     mpi4py per call (the "added us" column), per size
 
 Modes: ``off`` (AXONMPI_WATCHDOG=0 AXONMPI_FLIGHT_RECORDER=0), ``recorder`` (recorder only:
-AXONMPI_WATCHDOG=0), ``both`` (the default: watchdog and recorder). Prints best and median of
+AXONMPI_WATCHDOG=0), ``both`` (the default: watchdog and recorder), and on request ``polling``
+(both, in the fallback used below THREAD_MULTIPLE: AXONMPI_WATCHDOG_POLLING=1). Prints best and median of
 each mode and the difference to ``off``.
 
     python bench/watchdog_cost.py --ranks 2 --repeats 7
@@ -27,6 +28,7 @@ MODES = {
     "off": {"AXONMPI_WATCHDOG": "0", "AXONMPI_FLIGHT_RECORDER": "0"},
     "recorder": {"AXONMPI_WATCHDOG": "0", "AXONMPI_FLIGHT_RECORDER": "1"},
     "both": {"AXONMPI_WATCHDOG": "1", "AXONMPI_FLIGHT_RECORDER": "1"},
+    "polling": {"AXONMPI_WATCHDOG": "1", "AXONMPI_FLIGHT_RECORDER": "1", "AXONMPI_WATCHDOG_POLLING": "1"},
 }
 
 
