@@ -35,7 +35,12 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "seconds (> 0) any collective or point-to-point wait may last before the watchdog ends the job "
            "with a root-cause report (init(timeout=) sets it too)"),
     EnvVar("AXONMPI_WATCHDOG", "bool", "1",
-           "0 turns the watchdog and the flight recorder off (blocking MPI calls, no deadline, no record)"),
+           "0 turns the watchdog's deadlines off (no monitor thread, no hang report, no exit announcements)"),
+    EnvVar("AXONMPI_FLIGHT_RECORDER", "bool", "1",
+           "0 turns the flight recorder off (no call sites, no flight-record files); with AXONMPI_WATCHDOG=0 "
+           "too, MPI calls go straight to mpi4py"),
+    EnvVar("AXONMPI_WATCHDOG_POLLING", "bool", "0",
+           "1 makes the watchdog poll non-blocking calls (the fallback used below MPI THREAD_MULTIPLE)"),
     EnvVar("AXONMPI_FLIGHT_RECORDER_SIZE", "float", "2000", "calls kept per rank in the flight recorder's ring buffer"),
     EnvVar("AXONMPI_FLIGHT_DIR", "str", "axonmpi-flight",
            "folder the flight records (flight_rank<r>.json) are written to when the watchdog fires"),

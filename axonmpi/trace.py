@@ -51,7 +51,7 @@ class Tracer:
                        "ts": self._us(t0), "dur": max(0.0, (t1 - t0) * 1e6), "args": args})
         now = _clock()
         for e in self.calls:   # see watchdog.CALL_FIELDS
-            seq, op, group, ranks, count, dtype, nbytes, peer, t0, t1, file, line = e
+            seq, op, group, ranks, count, dtype, nbytes, peer, t0, t1, file, line = e[:12]
             t1 = now if t1 is None else t1
             ev.append({"name": op, "cat": "collective", "ph": "X", "pid": self.rank, "tid": 1,
                        "ts": self._us(t0), "dur": max(0.0, (t1 - t0) * 1e6),

@@ -1,24 +1,40 @@
 """The always-on watchdog and flight recorder: every MPI wait has a deadline, every call is recorded.
 
 [Note: how a hang is explained]
-Each group's MPI backend talks through a :class:`WatchedComm`: blocking MPI calls become their
-non-blocking twins plus :meth:`Watchdog.wait`, which tests the request in a tight loop for
-``SPIN_S`` (20 ms; the fast path: a non-blocking call plus ``Test`` is as fast as the blocking call),
-then sleeps between bursts of tests (0.2 ms) with a growing pause (up to 1 ms), so a rank waiting for a late
-peer uses little CPU. Each call is first written to the per-rank ring buffer (the flight
-recorder): per-group sequence number, op, group, element count, dtype, bytes, start and end
-time, and the user's file:line. When a wait passes its deadline (``AXONMPI_TIMEOUT``, default
-600 s, or ``init(timeout=)``), the rank asks every other rank for its state over a
-communicator duplicated for the watchdog alone (a wedged group cannot block it). A listener
-thread on each rank answers (its calls in flight and its last completed call per group) and
-writes its flight record; the asking rank names the ranks that are behind, at which call of
-which group, their last completed call and its file:line, in one paragraph, writes its own
-record and ends the job (``MPI_Abort``, exit 1). When several ranks time out together, the
-lowest one reports and the others wait for its abort.
+Each group's MPI backend talks through a :class:`WatchedComm`. On the fast path (MPI initialised
+with ``THREAD_MULTIPLE``, the default of mpi4py) the main thread makes the ordinary blocking MPI
+calls (and plain ``Wait`` on requests), as with the watchdog off; it only stamps each call into
+the flight recorder first: a preallocated ring of ``AXONMPI_FLIGHT_RECORDER_SIZE`` (2000) slots
+rewritten in place (per-group sequence number, op, group, element count, dtype, peer, start and
+end time, and the user's call site, kept as code object and instruction offset and turned into
+file:line only when a record is read), and marks it as the call in flight. One monitor thread
+per process sleeps until the deadline of that call (``AXONMPI_TIMEOUT``, default 600 s, or
+``init(timeout=)``), waking at most every ``LISTEN_S`` (0.1 s) to answer questions on the
+watchdog's own communicator (a duplicate of the World's, used for nothing else, so a wedged
+group cannot block it). PyTorch's NCCL watchdog has the same shape. Waits that must poll (DDP's
+overlapped buckets test their requests during backward) call ``Test``: it never sleeps.
+
+When a call overruns its deadline, the monitor asks every other rank for its state; each
+monitor answers (its calls in flight and its last completed call per group) and writes its
+flight record; the asking rank names the ranks that are behind, at which call of which group,
+their last completed call and its file:line, in one paragraph, writes its own record and ends
+the job (``MPI_Abort``, exit 1). When several ranks time out together, the lowest one reports
+and the others wait for its abort.
+
+Below ``THREAD_MULTIPLE`` (``MPI.Query_thread()``) a thread may not call MPI while the main
+thread is inside a blocking call, so the watchdog falls back to polling (said once, at init):
+blocking calls run as their non-blocking twin tested in a loop, spinning ``SPIN_S`` and then
+sleeping between bursts of tests; ``AXONMPI_WATCHDOG_POLLING=1`` forces that mode.
 
 A rank whose Python process ends (end of script, ``sys.exit``) announces it on the watchdog
 communicator and waits for the others in a barrier that answers questions. A rank waiting on
-a call that an exited rank never made reports at once instead of after the deadline.
+a call that an exited rank never made reports within ``EXIT_GRACE_S`` instead of after the
+deadline.
+
+``AXONMPI_WATCHDOG=0`` turns off the deadlines (no monitor thread, no exit announcements);
+``AXONMPI_FLIGHT_RECORDER=0`` turns off the call-site capture and the flight-record files (the
+watchdog then keeps a short ring for its deadlines and reports without file:line). Both off:
+plain mpi4py calls.
 """
 from __future__ import annotations
 
@@ -35,23 +51,29 @@ from mpi4py import MPI
 
 from .. import trace as _trace
 
-__all__ = ["Watchdog", "WatchedComm", "CALL_FIELDS", "call_site", "dump_flight_record"]
+__all__ = ["Watchdog", "WatchedComm", "PolledComm", "CALL_FIELDS", "call_site", "dump_flight_record"]
 
-SPIN_S = 20e-3         # test in a tight loop this long before sleeping between tests
-BURST_S = 2e-4         # after each pause, test this long (multi-round collectives progress only in tests)
-MAX_SLEEP_S = 1e-3     # the longest pause between two tests of a pending request
-LISTEN_S = 0.02        # how often the listener thread looks for questions
+SPIN_S = 20e-3         # polling mode: test in a tight loop this long before sleeping between tests
+BURST_S = 2e-4         # polling mode: after each pause, test this long
+MAX_SLEEP_S = 1e-3     # polling mode: the longest pause between two tests of a pending request
+LISTEN_S = 0.1         # the monitor looks for questions (and exited ranks) this often
 ANSWER_S = 2.0         # how long the reporting rank waits for the others' answers
 EXIT_GRACE_S = 1.0     # a call involving an exited rank gets this long to complete anyway
 _ASK, _STATE, _EXIT = 1, 2, 3
 
-# one flight-recorder entry is a list: these are its fields, in order
+# one flight-recorder entry is a list: these are its fields, in order (entries() gives them so;
+# a ring slot has two more, its call index and whether the main thread blocks in it, and keeps
+# the call site as code object + instruction offset)
 CALL_FIELDS = ("seq", "op", "group", "ranks", "count", "dtype", "bytes", "peer", "t_start", "t_end",
                "file", "line")
-_SEQ, _OP, _GROUP, _RANKS, _COUNT, _DTYPE, _BYTES, _PEER, _T0, _T1, _FILE, _LINE = range(12)
+_SEQ, _OP, _GROUP, _RANKS, _COUNT, _DTYPE, _BYTES, _PEER, _T0, _T1, _FILE, _LINE, _IDX, _BLK = range(14)
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../axonmpi
 _clock = time.perf_counter
+_getframe = sys._getframe
+_said_polling = False
+_INSIDE: set = set()    # file names of frames inside the package (skipped when finding the call site)
+_OUTSIDE: set = set()   # ... and outside it
 
 
 def call_site(depth: int = 2):
@@ -64,6 +86,26 @@ def call_site(depth: int = 2):
     return f.f_code.co_filename, f.f_lineno
 
 
+def _line(code, lasti: int) -> int:
+    """The source line of instruction offset ``lasti`` in ``code``."""
+    for a, b, line in code.co_lines():
+        if a <= lasti < b:
+            return line if line is not None else code.co_firstlineno
+    return code.co_firstlineno
+
+
+def _public(e) -> list:
+    """A ring slot as a 12-field entry (a copy): bytes computed, call site as file and line."""
+    out = list(e[:12])
+    if out[_BYTES] is None:
+        d = out[_DTYPE]
+        out[_BYTES] = out[_COUNT] * d.itemsize if d is not None else 0
+    code = out[_FILE]
+    if not isinstance(code, str):
+        out[_FILE], out[_LINE] = code.co_filename, _line(code, out[_LINE])
+    return out
+
+
 def _where(e) -> str:
     return f"{os.path.basename(e[_FILE])}:{e[_LINE]}"
 
@@ -74,70 +116,72 @@ def _desc(e, now: float) -> str:
 
 
 class Watchdog:
-    """Deadline, backoff and root-cause report for one World's MPI waits; the flight recorder.
+    """Deadlines and root-cause report for one World's MPI waits; the flight recorder.
 
-    Made by :class:`~axonmpi.distributed.World` (one per World); its communicator is a
-    duplicate of the World's, used for nothing else.
+    Made by :class:`~axonmpi.distributed.World` (one per World) when ``AXONMPI_WATCHDOG`` or
+    ``AXONMPI_FLIGHT_RECORDER`` is on; with deadlines, its communicator is a duplicate of the
+    World's, used for nothing else.
 
     Attributes:
         timeout: seconds a wait may last before the job is ended with a report.
         capacity: entries kept in the ring buffer (``AXONMPI_FLIGHT_RECORDER_SIZE``).
         dump_dir: where flight records are written on expiry (``AXONMPI_FLIGHT_DIR``).
+        watch: True when waits have deadlines (a monitor thread runs).
+        record: True when the flight recorder is on (call sites, flight-record files).
+        polling: True in the fallback mode below ``THREAD_MULTIPLE``.
     """
 
-    def __init__(self, comm, *, timeout: float, capacity: int, dump_dir: str):
-        self.comm = comm.Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+    def __init__(self, comm, *, timeout: float, capacity: int, dump_dir: str, watch: bool = True,
+                 record: bool = True, polling: Optional[bool] = None):
+        global _said_polling
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.watch, self.record = bool(watch), bool(record)
+        self.comm = comm.Dup() if self.watch else None
         self.timeout = float(timeout)
-        self.capacity = int(capacity)
+        self.capacity = int(capacity) if self.record else min(int(capacity), 64)
         self.dump_dir = dump_dir
-        self.ring: List[Optional[list]] = [None] * self.capacity
+        self.ring: List[list] = [[None] * 12 + [-1, False] for _ in range(self.capacity)]
         self.pos = 0
+        self.cur_wait = None   # (slot, call index, wait start) of a request being waited on, or None
+        if polling is None:
+            polling = MPI.Query_thread() < MPI.THREAD_MULTIPLE
+        self.polling = bool(polling) and self.watch
+        if self.polling and not _said_polling and self.rank == 0:
+            _said_polling = True
+            levels = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
+            sys.stderr.write(
+                f"[axonmpi] watchdog: MPI thread level is {levels.get(MPI.Query_thread(), '?')} (below "
+                "THREAD_MULTIPLE, or AXONMPI_WATCHDOG_POLLING=1): waits poll non-blocking calls instead of "
+                "blocking in MPI, which costs time on large messages\n")
         self.exited: Dict[int, Dict[Any, int]] = {}   # world rank -> {group key: its last seq}
         self.reporter: Optional[int] = None            # the lowest rank reporting a hang, if any
         self._answers: Dict[int, Any] = {}
-        self._last: Dict[Any, int] = {}                # group key -> last seq started here
         self._sends: List[Any] = []
         self._stop = threading.Event()
         self._exit_notices = 0
         self._closed = False
+        self._expiring = False
         self._thread = None
-        if self.size > 1:
-            self._thread = threading.Thread(target=self._listen, name="axonmpi-watchdog", daemon=True)
+        if self.watch and self.size > 1:
+            self._thread = threading.Thread(target=self._monitor, name="axonmpi-watchdog", daemon=True)
             self._thread.start()
             atexit.register(self._at_exit)
 
-    # -- recording (hot path) ---------------------------------------------------------------
-    def record(self, op: str, group, seq: int, count: int, dtype, nbytes: int, peer=None) -> list:
-        """Append a call to the ring buffer and return its entry (``t_end`` set when it completes)."""
-        f = sys._getframe(2)
-        while f.f_code.co_filename.startswith(_PKG):
-            f = f.f_back
-            if f is None:
-                break
-        e = [seq, op, group.name, group.ranks, count, dtype, nbytes, peer, _clock(), None,
-             f.f_code.co_filename if f is not None else "?", f.f_lineno if f is not None else 0]
-        i = self.pos
-        self.ring[i % self.capacity] = e
-        tr = _trace._ACTIVE
-        if tr is not None:
-            tr.calls.append(e)
-        self.pos = i + 1
-        return e
+    def watched(self, group):
+        """The communicator ``group``'s MPI backend uses: blocking calls with stamps, or polling."""
+        return (PolledComm if self.polling else WatchedComm)(group, self)
 
+    # -- recording --------------------------------------------------------------------------------
     def entries(self) -> List[list]:
-        """The recorded calls, oldest first."""
-        n, cap = self.pos, self.capacity
-        if n <= cap:
-            return list(self.ring[:n])
-        k = n % cap
-        return self.ring[k:] + self.ring[:k]
+        """The recorded calls, oldest first (copies, fields as :data:`CALL_FIELDS`)."""
+        n, cap, ring = self.pos, self.capacity, self.ring
+        return [_public(ring[i % cap]) for i in range(max(0, n - cap), n)]
 
-    # -- waiting ---------------------------------------------------------------------------------
+    # -- waiting (polling mode) --------------------------------------------------------------------
     def wait(self, req, e) -> None:
-        """Wait for ``req`` (entry ``e``): spin briefly, then back off; report and end the job at the deadline."""
+        """Polling mode: wait for ``req`` (entry ``e``): spin briefly, then back off; report and end
+        the job at the deadline."""
         if req.Test():
-            e[_T1] = _clock()
             return
         t0 = _clock()
         spin_until = t0 + SPIN_S
@@ -159,7 +203,6 @@ class Watchdog:
             time.sleep(pause)
             pause = min(pause * 2, MAX_SLEEP_S)
             spin_until = _clock() + BURST_S
-        e[_T1] = _clock()
 
     def _blocked_by_exit(self, e) -> bool:
         """True when a rank this call needs has exited without making it."""
@@ -171,6 +214,66 @@ class Watchdog:
                 return True
         return False
 
+    # -- the monitor thread -------------------------------------------------------------------------
+    def _in_flight(self):
+        """(slot, start of the wait) of the calls the main thread is blocked in now."""
+        out = []
+        c = self.ring[(self.pos - 1) % self.capacity]   # the newest call: blocking and not done?
+        if c[_BLK] and c[_T1] is None:
+            out.append((c, c[_T0]))
+        w = self.cur_wait
+        if w is not None:
+            out.append((w[0], w[2]))
+        return out
+
+    def _monitor(self) -> None:
+        exit_seen: Dict[int, float] = {}
+        while True:
+            self._drain()
+            if self._stop.is_set():
+                if self._exit_notices >= self._expected_notices:
+                    return
+                time.sleep(1e-3)
+                continue
+            nap = LISTEN_S
+            if not self.polling:
+                now = _clock()
+                for e, t0 in self._in_flight():
+                    if now - t0 > self.timeout:
+                        self.expire(e, now - t0)
+                    nap = min(nap, t0 + self.timeout - now)
+                    if self.exited and self._blocked_by_exit(e):
+                        seen = exit_seen.setdefault(e[_IDX], now)
+                        if now - seen > EXIT_GRACE_S:
+                            self.expire(e, now - t0)
+                        nap = min(nap, seen + EXIT_GRACE_S - now + 1e-3)
+            self._stop.wait(max(nap, 1e-3))
+
+    _expected_notices = 0
+
+    def _drain(self) -> None:
+        """Receive and handle every message waiting on the watchdog communicator (thread-safe:
+        matched probes, so the monitor and a polling main thread may both drain)."""
+        status = MPI.Status()
+        while True:
+            m = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+            if m is None:
+                return
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            src, tag = status.Get_source(), status.Get_tag()
+            m.Recv([buf, MPI.BYTE])
+            self._handle(src, tag, pickle.loads(bytes(buf)))
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds`` while answering questions."""
+        end = time.monotonic() + seconds
+        while True:
+            self._drain()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.01, left))
+
     # -- the report ---------------------------------------------------------------------------------
     def state(self) -> dict:
         """This rank's calls in flight and last completed call per group (what a report needs)."""
@@ -178,9 +281,9 @@ class Watchdog:
         flight, last = [], {}
         for e in self.entries():
             if e[_T1] is None:
-                flight.append(list(e))
+                flight.append(e)
             else:
-                last[(e[_GROUP], e[_RANKS])] = list(e)
+                last[(e[_GROUP], e[_RANKS])] = e
         for e in flight + list(last.values()):
             e[_T0] = now - e[_T0]                        # seconds ago (clocks differ between ranks)
             e[_T1] = None if e[_T1] is None else now - e[_T1]
@@ -188,12 +291,16 @@ class Watchdog:
 
     def expire(self, e, waited: float) -> None:
         """Ask every rank for its state, print one root-cause paragraph, write flight records, abort."""
-        path = self.dump()
+        if self._expiring:
+            return
+        self._expiring = True
+        e = _public(e)
+        path = self.dump() if self.record else None
         # ranks waiting on one call time out together: the lowest asks first, the others see its
         # question during their pause and leave the report to it
-        time.sleep(0.3 * min(self.rank, 10))
+        self._nap(0.3 * min(self.rank, 10))
         if self.reporter is not None and self.reporter < self.rank:
-            time.sleep(ANSWER_S + 10)                # the reporting rank aborts the job meanwhile
+            self._nap(ANSWER_S + 10)                 # the reporting rank aborts the job meanwhile
         if self.reporter is None or self.reporter > self.rank:
             self.reporter = self.rank
         msg = pickle.dumps(("ask", self.rank))
@@ -202,9 +309,9 @@ class Watchdog:
                 self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_ASK))
         end = time.monotonic() + ANSWER_S
         while len(self._answers) < self.size - 1 and time.monotonic() < end:
-            time.sleep(0.01)
+            self._nap(0.01)
         if self.reporter is not None and self.reporter < self.rank:
-            time.sleep(ANSWER_S + 5)                 # a lower rank reports and aborts the job
+            self._nap(ANSWER_S + 5)                  # a lower rank reports and aborts the job
         text = self.explain(e, waited, dict(self._answers), path)
         sys.stdout.flush()
         sys.stderr.write(text + "\n")
@@ -250,8 +357,11 @@ class Watchdog:
             parts.append(f"Ranks {silent} did not answer within {ANSWER_S:g} s (dead, or their process is wedged).")
         if e[_PEER] is None and len(arrived) > 1:
             parts.append(f"Ranks {sorted(arrived)} reached call #{e[_SEQ]} on {e[_GROUP]}.")
-        parts.append(f"Flight records: {path} (axonmpi trace analyze {os.path.dirname(path)}). "
-                     "Ending the job (exit 1).")
+        if path is None:
+            parts.append("No flight records (AXONMPI_FLIGHT_RECORDER=0). Ending the job (exit 1).")
+        else:
+            parts.append(f"Flight records: {path} (axonmpi trace analyze {os.path.dirname(path)}). "
+                         "Ending the job (exit 1).")
         return " ".join(parts)
 
     def dump(self, path: Optional[str] = None) -> str:
@@ -275,26 +385,12 @@ class Watchdog:
         os.replace(tmp, path)
         return path
 
-    # -- the listener thread --------------------------------------------------------------------------
-    def _listen(self) -> None:
-        status = MPI.Status()
-        while True:
-            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
-                buf = bytearray(status.Get_count(MPI.BYTE))
-                src, tag = status.Get_source(), status.Get_tag()
-                self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
-                self._handle(src, tag, pickle.loads(bytes(buf)))
-            if self._stop.wait(LISTEN_S) and self._exit_notices >= self._expected_notices:
-                return
-
-    _expected_notices = 0
-
     def _handle(self, src: int, tag: int, msg) -> None:
         if tag == _ASK:
             first = self.reporter is None
             if first or src < self.reporter:
                 self.reporter = src
-            if first:
+            if first and self.record:
                 try:
                     self.dump()
                 except OSError:
@@ -327,11 +423,14 @@ class Watchdog:
         """Stop the listener and free the communicator (collective: ``World.destroy``)."""
         if self._closed or self._thread is None:
             self._closed = True
+            if self.comm is not None:
+                self.comm.Free()
+                self.comm = None
             return
         self._finish()
 
     def _finish(self) -> None:
-        req = self.comm.Ibarrier()
+        req = self.comm.Ibarrier()     # the monitor answers questions meanwhile
         pause = 1e-4
         while not req.Test():
             time.sleep(pause)
@@ -352,86 +451,159 @@ def dump_flight_record(path: Optional[str] = None) -> str:
     """Write this rank's flight record now (JSON; default ``AXONMPI_FLIGHT_DIR/flight_rank<r>.json``)."""
     from .world import get_world
     wd = get_world().watchdog
-    if wd is None:
+    if wd is None or not wd.record:
         raise RuntimeError("the flight recorder is off (AXONMPI_FLIGHT_RECORDER=0); nothing to dump")
     return wd.dump(path)
 
 
 class _Watched:
-    """A request whose ``Wait()`` has the watchdog's deadline and records completion."""
+    """A request whose ``Wait()`` has the watchdog's deadline and records completion.
 
-    __slots__ = ("req", "wd", "e")
+    ``Wait()`` is MPI's own blocking wait (the monitor thread holds the deadline), or in polling
+    mode :meth:`Watchdog.wait`; ``Test()`` is one ``MPI_Test`` (it never sleeps)."""
+
+    __slots__ = ("req", "wd", "e", "i", "done")
 
     def __init__(self, req, wd, e):
-        self.req, self.wd, self.e = req, wd, e
+        self.req, self.wd, self.e, self.i, self.done = req, wd, e, e[_IDX], False
+
+    def _end(self):
+        self.done = True
+        e = self.e
+        if e[_IDX] == self.i:          # the ring slot still holds this call
+            e[_T1] = _clock()
 
     def Wait(self):  # noqa: N802 - mpi4py's request protocol
-        if self.e[_T1] is None:
-            self.wd.wait(self.req, self.e)
+        if self.done:
+            return
+        wd = self.wd
+        if wd.polling:
+            wd.wait(self.req, self.e)
+        else:
+            wd.cur_wait = (self.e, self.i, _clock())
+            try:
+                self.req.Wait()
+            finally:
+                wd.cur_wait = None
+        self._end()
 
     def Test(self) -> bool:  # noqa: N802
-        if self.e[_T1] is not None:
+        if self.done:
             return True
         if self.req.Test():
-            self.e[_T1] = _clock()
+            self._end()
             return True
         return False
 
 
 def _n(buf):
-    """(count, dtype, bytes) of a buffer spec: an array, ``[array, (counts, displs)]``, IN_PLACE or None."""
+    """(count, dtype) of a buffer spec: an array, ``[array, (counts, displs)]``, IN_PLACE or None."""
     if isinstance(buf, list):
         buf = buf[0]
     if buf is None or buf is MPI.IN_PLACE:
-        return 0, None, 0
-    return buf.size, buf.dtype, buf.nbytes
+        return 0, None
+    return buf.size, buf.dtype
 
 
 class WatchedComm:
     """The slice of an mpi4py communicator the MPI backend uses, with deadlines and recording.
 
-    Blocking calls run as their non-blocking twin plus :meth:`Watchdog.wait`; non-blocking
-    calls return a request whose ``Wait()`` is watched. Object collectives first pass a
-    watched ``Ibarrier`` (every rank has arrived), then run as usual.
+    Every call is stamped into the flight recorder (:meth:`_rec`); blocking calls are the
+    ordinary blocking MPI calls, marked as the call in flight for the monitor thread while they
+    run; non-blocking calls return a request whose ``Wait()`` is marked the same way.
     """
 
     def __init__(self, group, wd: Watchdog):
         self.group, self.wd, self.raw = group, wd, group.comm
+        self.name, self.ranks = group.name, group.ranks
         self.seq = 0
 
     def Get_attr(self, key):  # noqa: N802
         return self.raw.Get_attr(key)
 
-    def _start(self, op, buf, peer=None):
+    def _rec(self, op, count, dtype, peer=None, blocking=False):
+        """Stamp a call into the ring (in place; its slot is returned, ``t_end`` set at completion)."""
+        wd = self.wd
         s = self.seq
         self.seq = s + 1
-        c, d, b = _n(buf)
-        return self.wd.record(op, self.group, s, c, d, b, peer)
+        i = wd.pos
+        wd.pos = i + 1
+        code, lasti = "?", 0
+        if wd.record:
+            # frames: 0 here, 1 this comm's method, 2 the backend's method (always in the package);
+            # each frame walked costs a frame object, so start at 3 (the collective, or a caller)
+            f = _getframe(3)
+            while f is not None:
+                c = f.f_code
+                fn = c.co_filename
+                if fn in _INSIDE:
+                    f = f.f_back
+                elif fn in _OUTSIDE:
+                    code, lasti = c, f.f_lasti
+                    break
+                elif fn.startswith(_PKG):
+                    _INSIDE.add(fn)
+                else:
+                    _OUTSIDE.add(fn)
+        if _trace._ACTIVE is None:
+            e = wd.ring[i % wd.capacity]
+            e[:] = (s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking)
+        else:                          # tracing: a fresh entry, shared with the tracer
+            e = [s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking]
+            e[:12] = _public(e)
+            wd.ring[i % wd.capacity] = e
+            _trace._ACTIVE.calls.append(e)
+        return e
 
-    # reductions
+    def _start(self, op, buf, peer=None, blocking=False):
+        c, d = _n(buf)
+        return self._rec(op, c, d, peer, blocking)
+
+    def _run(self, e, fn, *args, **kw):
+        """Run the blocking MPI call ``fn`` for ``e`` (stamped with ``blocking=True``: the monitor
+        watches the newest stamp while its ``t_end`` is unset)."""
+        try:
+            out = fn(*args, **kw)
+        except BaseException:
+            e[_BLK] = False
+            raise
+        e[_T1] = _clock()
+        return out
+
+    # reductions (the hot ones written out: no extra Python call on the fast path)
     def Allreduce(self, s, r, op):  # noqa: N802
-        e = self._start("all_reduce", r)
-        self.wd.wait(self.raw.Iallreduce(s, r, op), e)
+        e = self._rec("all_reduce", r.size, r.dtype, None, True)
+        try:
+            self.raw.Allreduce(s, r, op)
+        except BaseException:
+            e[_BLK] = False
+            raise
+        e[_T1] = _clock()
 
     def Iallreduce(self, s, r, op):  # noqa: N802
-        e = self._start("all_reduce", r)
+        e = self._rec("all_reduce", r.size, r.dtype)
         return _Watched(self.raw.Iallreduce(s, r, op), self.wd, e)
 
     def Reduce(self, s, r, op, root):  # noqa: N802
-        e = self._start("reduce", s if s is not MPI.IN_PLACE else r)
-        self.wd.wait(self.raw.Ireduce(s, r, op, root=root), e)
+        e = self._start("reduce", s if s is not MPI.IN_PLACE else r, None, True)
+        self._run(e, self.raw.Reduce, s, r, op, root=root)
 
     def Reduce_scatter_block(self, s, r, op):  # noqa: N802
-        e = self._start("reduce_scatter", s)
-        self.wd.wait(self.raw.Ireduce_scatter_block(s, r, op), e)
+        e = self._rec("reduce_scatter", s.size, s.dtype, None, True)
+        try:
+            self.raw.Reduce_scatter_block(s, r, op)
+        except BaseException:
+            e[_BLK] = False
+            raise
+        e[_T1] = _clock()
 
     def Ireduce_scatter_block(self, s, r, op):  # noqa: N802
         e = self._start("reduce_scatter", s)
         return _Watched(self.raw.Ireduce_scatter_block(s, r, op), self.wd, e)
 
     def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._start("reduce_scatter", s)
-        self.wd.wait(self.raw.Ireduce_scatter(s, r, counts, op), e)
+        e = self._start("reduce_scatter", s, None, True)
+        self._run(e, self.raw.Reduce_scatter, s, r, counts, op)
 
     def Ireduce_scatter(self, s, r, counts, op):  # noqa: N802
         e = self._start("reduce_scatter", s)
@@ -439,58 +611,129 @@ class WatchedComm:
 
     # data movement
     def Bcast(self, buf, root):  # noqa: N802
-        e = self._start("broadcast", buf)
-        self.wd.wait(self.raw.Ibcast(buf, root=root), e)
+        e = self._rec("broadcast", buf.size, buf.dtype, None, True)
+        try:
+            self.raw.Bcast(buf, root=root)
+        except BaseException:
+            e[_BLK] = False
+            raise
+        e[_T1] = _clock()
 
     def Allgather(self, s, r):  # noqa: N802
-        e = self._start("all_gather", r)
-        self.wd.wait(self.raw.Iallgather(s, r), e)
+        e = self._rec("all_gather", r.size, r.dtype, None, True)
+        try:
+            self.raw.Allgather(s, r)
+        except BaseException:
+            e[_BLK] = False
+            raise
+        e[_T1] = _clock()
 
     def Iallgather(self, s, r):  # noqa: N802
         e = self._start("all_gather", r)
         return _Watched(self.raw.Iallgather(s, r), self.wd, e)
 
     def Allgatherv(self, s, r):  # noqa: N802
-        e = self._start("all_gather", r)
-        self.wd.wait(self.raw.Iallgatherv(s, r), e)
+        e = self._start("all_gather", r, None, True)
+        self._run(e, self.raw.Allgatherv, s, r)
 
     def Gatherv(self, s, r, root):  # noqa: N802
-        e = self._start("gather", s)
-        self.wd.wait(self.raw.Igatherv(s, r, root=root), e)
+        e = self._start("gather", s, None, True)
+        self._run(e, self.raw.Gatherv, s, r, root=root)
 
     def Scatterv(self, s, r, root):  # noqa: N802
-        e = self._start("scatter", r)
-        self.wd.wait(self.raw.Iscatterv(s, r, root=root), e)
+        e = self._start("scatter", r, None, True)
+        self._run(e, self.raw.Scatterv, s, r, root=root)
 
     def Alltoallv(self, s, r):  # noqa: N802
-        e = self._start("all_to_all", s)
-        self.wd.wait(self.raw.Ialltoallv(s, r), e)
+        e = self._start("all_to_all", s, None, True)
+        self._run(e, self.raw.Alltoallv, s, r)
 
     def Barrier(self):  # noqa: N802
-        e = self._start("barrier", None)
-        self.wd.wait(self.raw.Ibarrier(), e)
+        e = self._rec("barrier", 0, None, None, True)
+        self._run(e, self.raw.Barrier)
 
     # point-to-point (sequence numbers count this rank's calls on the group; they need not match)
     def Send(self, buf, dest, tag):  # noqa: N802
-        e = self._start("send", buf, dest)
-        self.wd.wait(self.raw.Isend(buf, dest=dest, tag=tag), e)
+        e = self._rec("send", buf.size, buf.dtype, dest, True)
+        self._run(e, self.raw.Send, buf, dest=dest, tag=tag)
 
     def Recv(self, buf, source, tag):  # noqa: N802
-        e = self._start("recv", buf, source)
-        self.wd.wait(self.raw.Irecv(buf, source=source, tag=tag), e)
+        e = self._rec("recv", buf.size, buf.dtype, source, True)
+        self._run(e, self.raw.Recv, buf, source=source, tag=tag)
 
     def Isend(self, buf, dest, tag):  # noqa: N802
-        e = self._start("send", buf, dest)
+        e = self._rec("send", buf.size, buf.dtype, dest)
         return _Watched(self.raw.Isend(buf, dest=dest, tag=tag), self.wd, e)
 
     def Irecv(self, buf, source, tag):  # noqa: N802
-        e = self._start("recv", buf, source)
+        e = self._rec("recv", buf.size, buf.dtype, source)
         return _Watched(self.raw.Irecv(buf, source=source, tag=tag), self.wd, e)
 
-    # picklable objects: a watched barrier first, so the blocking call below finds every rank there
+    # picklable objects
+    def bcast(self, obj, root):
+        return self._run(self._rec("broadcast_object", 0, None, None, True), self.raw.bcast, obj, root=root)
+
+    def allgather(self, obj):
+        return self._run(self._rec("all_gather_object", 0, None, None, True), self.raw.allgather, obj)
+
+    def gather(self, obj, root):
+        return self._run(self._rec("gather_object", 0, None, None, True), self.raw.gather, obj, root=root)
+
+    def alltoall(self, objs):
+        return self._run(self._rec("all_to_all_object", 0, None, None, True), self.raw.alltoall, objs)
+
+
+class PolledComm(WatchedComm):
+    """Polling mode (MPI below ``THREAD_MULTIPLE``): blocking calls run as their non-blocking
+    twin plus :meth:`Watchdog.wait` (the main thread holds the deadline). Object collectives
+    first pass a watched ``Ibarrier`` (every rank has arrived), then run as usual."""
+
+    def _w(self, e, req):
+        e[_BLK] = True
+        self.wd.wait(req, e)
+        e[_T1] = _clock()
+
+    def Allreduce(self, s, r, op):  # noqa: N802
+        self._w(self._start("all_reduce", r), self.raw.Iallreduce(s, r, op))
+
+    def Reduce(self, s, r, op, root):  # noqa: N802
+        self._w(self._start("reduce", s if s is not MPI.IN_PLACE else r), self.raw.Ireduce(s, r, op, root=root))
+
+    def Reduce_scatter_block(self, s, r, op):  # noqa: N802
+        self._w(self._start("reduce_scatter", s), self.raw.Ireduce_scatter_block(s, r, op))
+
+    def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
+        self._w(self._start("reduce_scatter", s), self.raw.Ireduce_scatter(s, r, counts, op))
+
+    def Bcast(self, buf, root):  # noqa: N802
+        self._w(self._start("broadcast", buf), self.raw.Ibcast(buf, root=root))
+
+    def Allgather(self, s, r):  # noqa: N802
+        self._w(self._start("all_gather", r), self.raw.Iallgather(s, r))
+
+    def Allgatherv(self, s, r):  # noqa: N802
+        self._w(self._start("all_gather", r), self.raw.Iallgatherv(s, r))
+
+    def Gatherv(self, s, r, root):  # noqa: N802
+        self._w(self._start("gather", s), self.raw.Igatherv(s, r, root=root))
+
+    def Scatterv(self, s, r, root):  # noqa: N802
+        self._w(self._start("scatter", r), self.raw.Iscatterv(s, r, root=root))
+
+    def Alltoallv(self, s, r):  # noqa: N802
+        self._w(self._start("all_to_all", s), self.raw.Ialltoallv(s, r))
+
+    def Barrier(self):  # noqa: N802
+        self._w(self._start("barrier", None), self.raw.Ibarrier())
+
+    def Send(self, buf, dest, tag):  # noqa: N802
+        self._w(self._start("send", buf, dest), self.raw.Isend(buf, dest=dest, tag=tag))
+
+    def Recv(self, buf, source, tag):  # noqa: N802
+        self._w(self._start("recv", buf, source), self.raw.Irecv(buf, source=source, tag=tag))
+
     def _arrive(self, op):
-        e = self._start(op, None)
-        self.wd.wait(self.raw.Ibarrier(), e)
+        self._w(self._start(op, None), self.raw.Ibarrier())
 
     def bcast(self, obj, root):
         self._arrive("broadcast_object")

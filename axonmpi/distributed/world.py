@@ -60,10 +60,13 @@ class World:
         self.watchdog = None
         timeout = _check_timeout(timeout, self.rank)
         from ..env import get_bool, get_float, get_str
-        if self.world_size > 1 and get_bool("AXONMPI_WATCHDOG"):
+        watch, record = get_bool("AXONMPI_WATCHDOG"), get_bool("AXONMPI_FLIGHT_RECORDER")
+        if self.world_size > 1 and (watch or record):
             from .watchdog import Watchdog
             self.watchdog = Watchdog(self._comm, timeout=timeout, dump_dir=get_str("AXONMPI_FLIGHT_DIR"),
-                                     capacity=max(1, int(get_float("AXONMPI_FLIGHT_RECORDER_SIZE"))))
+                                     capacity=max(1, int(get_float("AXONMPI_FLIGHT_RECORDER_SIZE"))),
+                                     watch=watch, record=record,
+                                     polling=True if get_bool("AXONMPI_WATCHDOG_POLLING") else None)
 
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = node.Get_rank()

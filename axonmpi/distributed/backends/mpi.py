@@ -156,13 +156,13 @@ class _Then:
 
 def _watched(group):
     """The group's communicator as the backend uses it: through the World's watchdog (deadlines,
-    backoff, flight recorder; one :class:`WatchedComm` per group) unless that is off."""
+    flight recorder; one :class:`~axonmpi.distributed.watchdog.WatchedComm` per group) unless
+    both are off."""
     wd = getattr(group.world, "watchdog", None)
     if wd is None:
         return group.comm
     if group._watched is None:
-        from ..watchdog import WatchedComm
-        group._watched = WatchedComm(group, wd)
+        group._watched = wd.watched(group)
     return group._watched
 
 
