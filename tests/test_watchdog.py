@@ -75,6 +75,16 @@ def test_skipped_call_is_named_at_every_rank_count(n, tmp_path, capsys):
 
 
 @pytest.mark.serial
+def test_debug_mode_skip_in_a_loop_ends_at_the_watchdog_deadline():
+    """Debug mode's signature exchange polls, so the watchdog's monitor does not see it: it must
+    obey AXONMPI_TIMEOUT too (it waited AXONMPI_DEBUG_TIMEOUT, 300 s, with no word)."""
+    r, took = _run(SKIP_IN_LOOP, 3, {"AXONMPI_DEBUG": "1", "AXONMPI_DEBUG_TIMEOUT": "300"})
+    assert r.returncode != 0
+    assert "waited 3 s in all_reduce" in r.stderr and "world ranks [1] never called it" in r.stderr, r.stderr
+    assert took < 25
+
+
+@pytest.mark.serial
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_hang_in_user_code_is_reported_after_the_timeout(n, tmp_path):
     late = n - 1

@@ -42,8 +42,14 @@ class CollectiveTimeoutError(RuntimeError):
     """In debug mode, some ranks of a group never reached a collective the others entered."""
 
 
-def _timeout() -> float:
-    return _env.get_float("AXONMPI_DEBUG_TIMEOUT")
+def _timeout(group=None) -> float:
+    """``AXONMPI_DEBUG_TIMEOUT``, or the watchdog's deadline (``AXONMPI_TIMEOUT``) when it is shorter:
+    the signature exchange polls, so the watchdog's monitor does not see it waiting."""
+    t = _env.get_float("AXONMPI_DEBUG_TIMEOUT")
+    wd = getattr(getattr(group, "world", None), "watchdog", None)
+    if wd is not None and wd.watch:
+        t = min(t, float(wd.timeout))
+    return t
 
 
 def _fmt(v: Any) -> str:
@@ -139,7 +145,7 @@ def _exchange(group, sig: str, text: str) -> None:
 
 def _collect(group, sig: str, text: str, up: int, down: int) -> bytes:
     """Group rank 0: gather the signatures (until the timeout), decide, tell every rank that came."""
-    comm, size, timeout = group.comm, group.size, _timeout()
+    comm, size, timeout = group.comm, group.size, _timeout(group)
     sigs = {0: sig}
     sends = []
     status = MPI.Status()
@@ -176,7 +182,7 @@ def _collect(group, sig: str, text: str, up: int, down: int) -> bytes:
 
 def _report(group, sig: str, text: str, up: int, down: int) -> bytes:
     """Any other rank: send the signature to rank 0, wait for its acknowledgement, then the verdict."""
-    comm, timeout = group.comm, _timeout()
+    comm, timeout = group.comm, _timeout(group)
     payload = sig.encode()
     req = comm.Isend([payload, MPI.BYTE], dest=0, tag=up)
     status = MPI.Status()

@@ -1,0 +1,136 @@
+"""Fault injection as a cluster user meets faults: how long each takes to end the job, its exit code.
+
+Repeats the measurements of issue 22 at ``--ranks`` ranks (default 4) with ``AXONMPI_TIMEOUT``
+set to ``--timeout`` seconds (default 5):
+
+  * one rank skips one ``all_reduce`` in a loop (debug mode off, then on);
+  * one rank stuck in user code;
+  * ``sys.exit(3)`` / ``os._exit(0)`` on one rank while the others are in ``all_reduce``;
+  * ``sys.exit(0)`` everywhere;
+  * SIGTERM to ``examples/train_gpt.py`` mid-run, then ``--auto-resume``: the step it resumes at.
+
+    python bench/faults.py --ranks 4
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from axonmpi.testing import mpiexec_env, mpiexec_path  # noqa: E402
+
+SKIP = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+for step in range(6):
+    if w.rank == 1 and step == 2:
+        continue
+    s = axonmpi.all_reduce(np.array([10.0 * step]))
+"""
+STUCK = """
+import time, numpy as np, axonmpi
+w = axonmpi.init()
+axonmpi.all_reduce(np.ones(2))
+if w.rank == w.world_size - 1:
+    time.sleep(600)
+axonmpi.all_reduce(np.ones(2))
+"""
+EXIT = """
+import os, sys, time, numpy as np, axonmpi
+w = axonmpi.init()
+axonmpi.all_reduce(np.ones(2))
+if w.rank == 1:
+    {how}
+axonmpi.all_reduce(np.ones(2))
+"""
+
+
+def _mpi(code, n, env, timeout):
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([mpiexec_path(), "-n", str(n), sys.executable, "-c", code], capture_output=True,
+                           text=True, env=mpiexec_env(env), timeout=timeout)
+        rc, err = r.returncode, r.stderr
+    except subprocess.TimeoutExpired:
+        rc, err = "hang", ""
+    return rc, time.monotonic() - t0, err
+
+
+def _said(err):
+    for pat in (r"\[axonmpi\] watchdog: (rank \d+ waited [^ ]+ s)", r"(Behind: rank \d+)",
+                r"(rank \d+ exited[^\n]{0,60})", r"(\[axonmpi\][^\n]{0,80})"):
+        m = re.search(pat, err)
+        if m:
+            return m.group(1)
+    return err.strip().splitlines()[-1][:80] if err.strip() else ""
+
+
+def _launch_until(cmd, env, when):
+    """Run ``cmd``, SIGTERM it at the first output line for which ``when(line)`` is true; return
+    (exit code, seconds from the signal to the end, the matching line, the output)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    t_sig, hit, out = None, None, []
+    for line in p.stdout:
+        out.append(line)
+        if hit is None and when(line):
+            hit, t_sig = line, time.monotonic()
+            p.send_signal(signal.SIGTERM)
+    p.wait(timeout=120)
+    return p.returncode, time.monotonic() - (t_sig or time.monotonic()), hit, "".join(out)
+
+
+def _preempt(n, timeout):
+    d = tempfile.mkdtemp(prefix="axonmpi-faults-")
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+           "--checkpoint-dir", d, "--auto-resume", "--steps", "400", "--log-every", "1", "--no-progress"]
+    env = mpiexec_env({"AXONMPI_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1"})
+
+    def at_step(k):
+        return lambda line: any(int(v) >= k for v in re.findall(r"\bstep\s+(\d+)", line))
+
+    rc, took, hit, _ = _launch_until(cmd, env, at_step(30))
+    seen = re.findall(r"\bstep\s+(\d+)", hit or "")
+    _, _, _, out = _launch_until(cmd, env, lambda line: "resumed from" in line or "starting fresh" in line)
+    m = re.search(r"resumed from \S+ at step (\d+)", out)
+    return rc, took, (seen[0] if seen else "?"), (m.group(1) if m else "none (started fresh)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--skip-preemption", action="store_true")
+    args = ap.parse_args()
+    n, t = args.ranks, args.timeout
+    env = {"AXONMPI_TIMEOUT": str(t), "OMP_NUM_THREADS": "1"}
+    cases = [
+        ("one rank skips one all_reduce", SKIP, env),
+        ("same, AXONMPI_DEBUG=1", SKIP, {**env, "AXONMPI_DEBUG": "1"}),
+        ("one rank stuck in user code", STUCK, env),
+        ("sys.exit(3) on rank 1", EXIT.format(how="sys.exit(3)"), env),
+        ("os._exit(0) on rank 1", EXIT.format(how="os._exit(0)"), env),
+        ("sys.exit(0) on every rank", EXIT.format(how="pass").replace("axonmpi.all_reduce(np.ones(2))\n", "", 1)
+         + "sys.exit(0)\n", env),
+    ]
+    print(f"{n} ranks, AXONMPI_TIMEOUT={t:g} s")
+    print(f"| fault | exit code | seconds to end | first words |")
+    print("| --- | ---: | ---: | --- |")
+    for name, code, e in cases:
+        rc, took, err = _mpi(code, n, e, timeout=10 * t + 60)
+        print(f"| {name} | {rc} | {took:.1f} | {_said(err)} |", flush=True)
+    if not args.skip_preemption:
+        rc, took, seen, resumed = _preempt(n, t)
+        print(f"| SIGTERM to train_gpt at step {seen} | {rc} | {took:.1f} | --auto-resume resumes at step "
+              f"{resumed} |")
+
+
+if __name__ == "__main__":
+    main()
