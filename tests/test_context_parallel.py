@@ -1,0 +1,98 @@
+"""Context parallelism: ring and Ulysses attention against serial causal attention (float64, forward and
+backward), the sequence layouts, the G_context grid dimension, and the bytes each algorithm moves."""
+import numpy as np
+import pytest
+
+import axonmpi
+from axonmpi import Tensor
+from axonmpi.nn import CausalSelfAttention
+from axonmpi.parallel.context import CPAlgo, ContextLayout, ContextParallelAttention
+
+TOL = 1e-10
+
+
+def _rel(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300))
+
+
+# -- layouts (no MPI) -------------------------------------------------------------------------------
+@pytest.mark.parametrize("T,P", [(8, 2), (10, 2), (13, 3), (17, 4), (8, 4)])
+def test_ring_layout_balances_and_round_trips(T, P):
+    lay = ContextLayout(T, P, "ring")
+    pos = [lay.positions(r) for r in range(P)]
+    assert sorted(np.concatenate(pos).tolist()) == list(range(T))
+    for r, p in enumerate(pos):
+        assert np.all(np.diff(p) > 0)                        # ascending on every rank
+    # causal work (query-key pairs with key <= query) differs by at most a few tokens' worth between ranks
+    work = [int(sum(q + 1 for q in p)) for p in pos]
+    assert max(work) - min(work) <= 2 * T, work
+    x = np.arange(2 * T).reshape(2, T)
+    assert np.array_equal(lay.merge([lay.split(x, r) for r in range(P)]), x)
+
+
+def test_layout_errors_name_the_value_and_the_fix():
+    assert ContextLayout(10, 2, "ring").positions(0).tolist() == [0, 1, 2, 8, 9]
+    with pytest.raises(ValueError, match="3 tokens.*4 chunks.*at least 4 tokens"):
+        ContextLayout(3, 2, "ring")
+    with pytest.raises(ValueError, match="unknown context-parallel algorithm"):
+        ContextLayout(8, 2, "zigzag")
+    assert ContextLayout(7, 3, CPAlgo.ULYSSES).ranges(2) == [(5, 7)]
+
+
+# -- attention parity -------------------------------------------------------------------------------
+def _parity(world, algo, T, heads=4, C=16, B=2):
+    g = world.default_group
+    P, r = g.size, g.rank
+    axonmpi.manual_seed(3)
+    serial = CausalSelfAttention(C, heads, dtype=np.float64)
+    cp = ContextParallelAttention(C, heads, group=g, algo=algo, dtype=np.float64)
+    cp.load_state_dict(serial.state_dict())
+    x = np.random.default_rng(5).standard_normal((B, T, C))
+    gy = np.random.default_rng(6).standard_normal((B, T, C))
+    xs = Tensor(x.copy(), requires_grad=True)
+    ys = serial(xs)
+    (ys * Tensor(gy)).sum().backward()
+    lay = cp.layout(T)
+    xl = Tensor(lay.split(x, r), requires_grad=True)
+    yl = cp(xl, seq_len=T)
+    (yl * Tensor(lay.split(gy, r))).sum().backward()
+    errs = {"out": _rel(yl.data, lay.split(ys.data, r)), "dx": _rel(xl.grad.data, lay.split(xs.grad.data, r))}
+    for name, p in cp.named_parameters():       # replicated weights: partial gradients, summed over the group
+        total = axonmpi.all_reduce(p.grad.data.copy(), group=g)
+        errs[name] = _rel(total, dict(serial.named_parameters())[name].grad.data)
+    worst = max(axonmpi.all_gather_object(max(errs.values()), group=g))
+    assert worst <= TOL, (algo, T, errs)
+    return worst
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_attention_parity_even(world, algo):
+    P = world.world_size
+    _parity(world, algo, T=4 * P * 2, heads=4 if P != 3 else 6, C=24)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_attention_parity_uneven_sequence(world, algo):
+    P = world.world_size
+    T = 4 * P + 3                                  # divides neither by P nor by 2P
+    _parity(world, algo, T=T, heads=P * 2, C=P * 8)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_ulysses_refuses_heads_that_do_not_divide(world):
+    three = world.split(0 if world.rank < 3 else None)
+    if world.rank < 3:
+        with pytest.raises(ValueError, match=rf"rank {world.rank}: Ulysses attention splits the 4 heads over the 3 "
+                                             r".*multiple of 3.*cp_algo='ring'"):
+            ContextParallelAttention(16, 4, group=three, algo="ulysses")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wrong_local_length_is_refused(world):
+    g = world.default_group
+    cp = ContextParallelAttention(8, 2, group=g, algo="ring", dtype=np.float64)
+    with pytest.raises(ValueError, match="tokens on context rank"):
+        cp(Tensor(np.zeros((1, 3, 8))), seq_len=4 * g.size + 1 + 3 * (g.rank == 0))
