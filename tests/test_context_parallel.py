@@ -96,3 +96,54 @@ def test_wrong_local_length_is_refused(world):
     cp = ContextParallelAttention(8, 2, group=g, algo="ring", dtype=np.float64)
     with pytest.raises(ValueError, match="tokens on context rank"):
         cp(Tensor(np.zeros((1, 3, 8))), seq_len=4 * g.size + 1 + 3 * (g.rank == 0))
+
+
+# -- bytes through the backend = the formulas ------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_bytes_equal_the_formulas(world, algo):
+    from axonmpi.distributed.backends.counting import count_bytes
+    g = world.default_group
+    P = g.size
+    B, H, C, T = 2, 2 * P, 8 * P, 4 * P
+    cp = ContextParallelAttention(C, H, group=g, algo=algo, dtype=np.float64)
+    lay = cp.layout(T)
+    x = Tensor(lay.split(np.random.default_rng(1).standard_normal((B, T, C)), g.rank), requires_grad=True)
+    with count_bytes() as fwd:
+        y = cp(x, seq_len=T)
+    with count_bytes() as bwd:
+        y.sum().backward()
+    item = 8
+    kv_local = 2 * B * (T // P) * C * item                 # this rank's K and V
+    if algo == "ring":
+        assert fwd.total("send") == (P - 1) * kv_local == (P - 1) * (2 * B * T * C * item) // P
+        assert fwd.total("recv") == fwd.total("send") and fwd.total("alltoall") == 0
+        assert bwd.total("send") == (2 * P - 1) * kv_local
+    else:
+        assert fwd.total("alltoall") == 4 * B * T * C * item // P        # 4 N h / P (times batch and item size)
+        assert bwd.total("alltoall") == 4 * B * T * C * item // P
+        assert fwd.total("send") == 0
+
+
+# -- the grid's context dimension ------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_grid_context_dimension(world):
+    from axonmpi.distributed import ProcessGrid
+    n = world.world_size
+    for GC in [c for c in range(2, n + 1) if n % c == 0]:
+        grid = ProcessGrid(world, G_context=GC)
+        try:
+            GD = n // GC
+            c = grid.coords
+            assert (c.data, c.context) == divmod(world.rank, GC) and grid.G_data == GD
+            assert grid.context_group.ranks == tuple(c.data * GC + k for k in range(GC))
+            assert grid.data_group.ranks == tuple(d * GC + c.context for d in range(GD))
+            assert grid.group_for("context") is grid.context_group
+            assert sorted(grid.group_for("data_context").ranks) == list(range(n))
+            assert grid.group_for("data").ranks == grid.data_group.ranks and not grid.is_trivial
+            assert all(grid.rank_of(grid.coords_of(w)) == w for w in range(n))
+            assert grid.sizes["G_context"] == GC
+        finally:
+            grid.free()
+    with pytest.raises(ValueError, match="G_context"):
+        ProcessGrid(world, G_context=n + 1)
