@@ -147,3 +147,96 @@ def test_grid_context_dimension(world):
             grid.free()
     with pytest.raises(ValueError, match="G_context"):
         ProcessGrid(world, G_context=n + 1)
+
+
+# -- examples/train_gpt.py --context-parallel N --cp-algo ring|ulysses equals one process -----------
+ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+SCRIPT = __import__("os").path.join(ROOT, "examples", "train_gpt.py")
+TINY = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--corpus-bytes", "60000",
+        "--eval-batches", "1", "--no-progress", "--sample-chars", "0", "--global-batch", "12", "--steps", "5",
+        "--dtype", "float64", "--lr", "1e-2", "--grad-clip", "0.05", "--warmup", "2"]
+
+
+def _train(tmp, name, n, extra=()):
+    import json
+    import subprocess
+    import sys
+    from axonmpi.testing import mpiexec_env, run_mpiexec
+    metrics, params = str(tmp / f"{name}.jsonl"), str(tmp / f"{name}.npz")
+    args = [SCRIPT, *TINY, "--metrics-json", metrics, "--dump-params", params, *extra]
+    if "--checkpoint-dir" not in extra:
+        args.append("--no-save")
+    if n == 1:
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=mpiexec_env(),
+                           cwd=tmp)
+    else:
+        r = run_mpiexec(args, n=n, timeout=240, cwd=str(tmp))
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+    return [json.loads(ln) for ln in open(metrics)], dict(np.load(params)), r
+
+
+@pytest.fixture(scope="module")
+def serial_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("serial"), "serial", 1)
+
+
+def _same(rows, params, ref_rows, ref_params, steps=(1, 2, 3, 4, 5)):
+    ref = {x["step"]: x for x in ref_rows}
+    assert [x["step"] for x in rows] == list(steps)
+    worst = 0.0
+    for x in rows:
+        for key in ("loss", "grad_norm"):
+            err = abs(x[key] - ref[x["step"]][key]) / abs(ref[x["step"]][key])
+            assert err <= 1e-9, (x, ref[x["step"]])
+            worst = max(worst, err)
+    assert params.keys() == ref_params.keys()
+    for k, v in ref_params.items():
+        err = np.abs(params[k] - v).max() / max(np.abs(v).max(), 1e-300)
+        assert params[k].shape == v.shape and err <= 1e-9, k
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("n,flags", [
+    (2, ["--context-parallel", "2", "--cp-algo", "ring"]),
+    (2, ["--context-parallel", "2", "--cp-algo", "ulysses"]),
+    (3, ["--context-parallel", "3", "--cp-algo", "ring"]),
+    (4, ["--context-parallel", "2", "--cp-algo", "ring", "--G-data", "2"]),
+    (4, ["--context-parallel", "2", "--cp-algo", "ulysses", "--G-data", "2"]),
+], ids=lambda v: v if isinstance(v, int) else "-".join(a.strip("-") for a in v))
+def test_train_gpt_context_parallel_equals_one_process(n, flags, serial_run, tmp_path):
+    rows, params, r = _train(tmp_path, "cp", n, flags)
+    _same(rows, params, *serial_run[:2])
+    assert "G_context=" in r.stdout
+
+
+@pytest.mark.serial
+def test_train_gpt_context_parallel_checkpoint_loads_under_other_layouts(serial_run, tmp_path):
+    """Saved at step 3 under ring CP 2; resumed under one process and under 2 data x Ulysses CP 2: steps 4, 5
+    and the final parameters equal the uninterrupted serial run's."""
+    import shutil
+    from axonmpi.checkpoint import CheckpointManager
+    ck = str(tmp_path / "ck")
+    _train(tmp_path, "a", 2, ["--context-parallel", "2", "--checkpoint-dir", ck, "--save-every", "3"])
+    mgr = CheckpointManager(ck)
+    assert 3 in mgr.steps()
+    for s in mgr.steps():
+        if s > 3:
+            shutil.rmtree(mgr.path_for(s))
+    for name, n, flags in (("serial", 1, []), ("dp2cp2", 4, ["--context-parallel", "2", "--cp-algo", "ulysses",
+                                                             "--G-data", "2"])):
+        rows, params, _ = _train(tmp_path, name, n, ["--checkpoint-dir", ck, "--resume", "--no-save", *flags])
+        _same(rows, params, *serial_run[:2], steps=(4, 5))
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("n,flags,needle", [
+    (2, ["--context-parallel", "2", "--block-size", "3"], "--block-size 3 cannot be cut into the 4 chunks"),
+    (3, ["--context-parallel", "3", "--cp-algo", "ulysses"], "the 2 heads over the 3 context-parallel ranks"),
+    (4, ["--context-parallel", "2", "--G-intra-c", "2"], "context parallelism (G_context=2) is built with data"),
+])
+def test_train_gpt_refuses_context_layouts_not_built(n, flags, needle, tmp_path):
+    from axonmpi.testing import run_mpiexec
+    r = run_mpiexec([SCRIPT, *TINY, "--no-save", *flags], n=n, timeout=240, cwd=str(tmp_path))
+    assert r.returncode != 0 and needle in r.stdout + r.stderr, (r.stdout[-2000:], r.stderr[-2000:])

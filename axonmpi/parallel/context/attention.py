@@ -70,6 +70,7 @@ class ContextParallelAttention(Module):
         if self.algo is CPAlgo.ULYSSES:
             check_heads(self.n_head, self.group)
         self.seq_len = seq_len
+        self.context_enabled = True          # False: whole sequences on this rank alone (generation)
         self.qkv = Linear(n_embd, 3 * n_embd, bias=bias, dtype=dtype, device=device)
         self.proj = Linear(n_embd, n_embd, bias=bias, dtype=dtype, device=device)
         self.resid_dropout = Dropout(dropout)
@@ -80,6 +81,11 @@ class ContextParallelAttention(Module):
 
     def forward(self, x: Tensor, seq_len: Optional[int] = None) -> Tensor:
         B, T, C = x.shape
+        if not self.context_enabled:
+            nh, hd = self.n_head, C // self.n_head
+            q, k, v = (ops.permute(ops.reshape(t, B, T, nh, hd), 0, 2, 1, 3) for t in ops.split(self.qkv(x), C, axis=2))
+            y = ops.reshape(ops.permute(_causal(q, k, v, hd), 0, 2, 1, 3), B, T, C)
+            return self.resid_dropout(self.proj(y))
         P = self.group.size
         n = seq_len if seq_len is not None else (self.seq_len if self.seq_len is not None else T * P)
         layout = self.layout(n)
