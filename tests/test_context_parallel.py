@@ -240,3 +240,52 @@ def test_train_gpt_refuses_context_layouts_not_built(n, flags, needle, tmp_path)
     from axonmpi.testing import run_mpiexec
     r = run_mpiexec([SCRIPT, *TINY, "--no-save", *flags], n=n, timeout=240, cwd=str(tmp_path))
     assert r.returncode != 0 and needle in r.stdout + r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
+
+
+# -- parallelize(..., context_parallel=) -----------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_parallelize_context_parallel_trains_as_serial(world, algo):
+    from axonmpi.distributed import placement_of
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.optim import AdamW, clip_grad_norm_
+    from axonmpi.parallel import full_state_dict, parallelize
+    from axonmpi.parallel.grad_sync import data_reduction_group
+    n = world.world_size
+    GC = 2 if n % 2 == 0 else n
+    grid = axonmpi.ProcessGrid(world, G_context=GC)
+    try:
+        cfg = GPTConfig(vocab_size=20, block_size=4 * GC + 1, n_layer=2, n_head=2 * GC, n_embd=8 * GC)
+        rng = np.random.default_rng(2)
+        B = 2 * grid.G_data
+        batches = [(rng.integers(0, 20, (B, cfg.block_size)), rng.integers(0, 20, (B, cfg.block_size)))
+                   for _ in range(3)]
+        axonmpi.manual_seed(9)
+        serial = GPT(cfg, dtype="float64")
+        axonmpi.manual_seed(9)
+        pm = parallelize(GPT(cfg, dtype="float64"), grid=grid, context_parallel=algo)
+        assert pm.module.group is data_reduction_group(grid) and data_reduction_group(grid).size == n
+        assert all(grid.context_group in placement_of(p).replicas for p in pm.parameters())
+        opts = [AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (serial, pm)]
+        worst = 0.0
+        for x, y in batches:
+            got = []
+            for m, opt in zip((serial, pm), opts):
+                xb, yb = (x, y) if m is serial else pm.local_batch(x, y)
+                opt.zero_grad()
+                _, loss = m(xb, yb)
+                loss.backward()
+                norm = float(clip_grad_norm_(m.parameters(), 0.05))
+                opt.step()
+                value = float(loss.data)
+                if m is pm:
+                    value = float(axonmpi.all_reduce(np.array([value]), op="mean", group=grid.data_context_group)[0])
+                got.append((value, norm))
+            assert got[0][1] > 0.05
+            worst = max(worst, _rel(got[1][0], got[0][0]), _rel(got[1][1], got[0][1]))
+        sd = full_state_dict(pm)
+        for k, v in serial.state_dict().items():
+            worst = max(worst, _rel(sd[k], v))
+        assert worst <= TOL, worst
+    finally:
+        grid.free()

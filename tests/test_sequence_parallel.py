@@ -173,3 +173,60 @@ def test_sequence_parallel_needs_vocab_parallel_and_divisible_lengths(world):
     with pytest.raises(ValueError, match=rf"rank {world.rank}: sequence parallelism splits dimension -2 \(the sequence, "
                                          rf"length {4 * g.size + 1}\)"):
         model(np.zeros((1, 4 * g.size + 1), dtype=np.int64))
+
+
+# -- parallelize(..., sequence_parallel=True) on any model ------------------------------------------
+class _ResMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8, dtype=np.float64)
+        self.blocks = nn.ModuleList(_Block(8, 24) for _ in range(2))
+        self.head = nn.Linear(8, 4, dtype=np.float64)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(self.inp(x) if b is self.blocks[0] else x)
+        return self.head(x)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("seq_dim", [0, 1])
+def test_parallelize_sequence_parallel_equals_serial(world, seq_dim):
+    """2-D token rows (sequence_dim 0) or (batch, seq, features) (sequence_dim 1); replicated layers outside
+    the plan (``inp``, ``head``) and the LayerNorms sum their gradients over the tensor group."""
+    import axonmpi.nn.functional as F
+    from axonmpi.parallel import full_state_dict as pm_full, parallelize
+    tp = 2 if world.world_size % 2 == 0 else world.world_size
+    grid = axonmpi.ProcessGrid(world, G_intra_c=tp)
+    try:
+        rng = np.random.default_rng(3)
+        shape = (4 * grid.G_data * tp, 6) if seq_dim == 0 else (2 * grid.G_data, 2 * tp, 6)
+        xs = [rng.standard_normal(shape) for _ in range(3)]
+        ys = [rng.integers(0, 4, shape[:-1]) for _ in range(3)]
+        axonmpi.manual_seed(4)
+        serial = _ResMLP()
+        axonmpi.manual_seed(4)
+        pm = parallelize(_ResMLP(), grid=grid, tensor_parallel={"blocks.*.fc": "column", "blocks.*.proj": "row"},
+                         sequence_parallel=True, sequence_dim=seq_dim)
+        assert isinstance(pm.inner.blocks[0].ln, SequenceParallelLayerNorm)
+        assert pm.inner.inp.weight.sequence_parallel and pm.inner.blocks[1].proj.bias.sequence_parallel
+        opts = [AdamW(m.parameters(), lr=1e-2) for m in (serial, pm)]
+        worst = 0.0
+        for x, y in zip(xs, ys):
+            vals = []
+            for m, opt in zip((serial, pm), opts):
+                xb, yb = (x, y) if m is serial else pm.local_batch(x, y)
+                opt.zero_grad()
+                out = m(Tensor(xb))
+                loss = F.cross_entropy(out.reshape(-1, 4), yb.reshape(-1))
+                loss.backward()
+                vals.append(float(clip_grad_norm_(m.parameters(), 0.1)))
+                opt.step()
+            assert vals[0] > 0.1
+            worst = max(worst, _rel(vals[1], vals[0]))
+        sd = pm_full(pm)
+        for k, v in serial.state_dict().items():
+            worst = max(worst, _rel(sd[k], v))
+        assert worst <= TOL, worst
+    finally:
+        grid.free()
