@@ -2,7 +2,7 @@
 from .attention import ContextParallelAttention
 from .gpt import ContextParallelism, context_parallel_gpt
 from .layout import CPAlgo, ContextLayout
-from .ring import ring_attention
+from .ring import format_ring_schedule, ring_attention
 from .ulysses import head_to_seq, seq_to_head
 
-__all__ = ["ContextParallelAttention", "ContextParallelism", "context_parallel_gpt", "CPAlgo", "ContextLayout", "ring_attention", "seq_to_head", "head_to_seq"]
+__all__ = ["ContextParallelAttention", "ContextParallelism", "context_parallel_gpt", "CPAlgo", "ContextLayout", "ring_attention", "format_ring_schedule", "seq_to_head", "head_to_seq"]

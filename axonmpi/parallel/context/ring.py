@@ -28,7 +28,7 @@ from ...backend import get_array_module
 from ...distributed import ProcessGroup, irecv, isend
 from .layout import CPAlgo, ContextLayout
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "format_ring_schedule"]
 
 _KV, _DKV = 11, 12      # tags: K/V blocks, their gradients
 
@@ -171,3 +171,36 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, seq_len
                          f"{(q.shape[2], k.shape[2], v.shape[2])}; split the sequence with ContextLayout.split")
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, group, layout, sc)
+
+
+def format_ring_schedule(size: int) -> str:
+    """The ring schedule over ``size`` ranks as a table (data, no MPI): which K/V block each rank attends
+    to at each step and which part of it the causal mask leaves (the load-balanced layout).
+
+    Example:
+        >>> print(format_ring_schedule(2))
+        ring attention over 2 ranks: 4 chunks, rank r holds chunks r and 3-r
+        step  rank 0             rank 1
+           0  own 0+3: causal    own 1+2: causal
+           1  1+2 from r1: q[3]  0+3 from r0: k[0]
+    """
+    p = int(size)
+    cells = []
+    for s in range(p):
+        row = []
+        for r in range(p):
+            o = (r - s) % p
+            blk = f"{o}+{2 * p - 1 - o}"
+            if o == r:
+                row.append(f"own {blk}: causal")
+            elif o < r:                       # lower rank's block: every query, its first chunk of keys
+                row.append(f"{blk} from r{o}: k[{o}]")
+            else:                             # higher rank's block: the second chunk of queries, every key
+                row.append(f"{blk} from r{o}: q[{2 * p - 1 - r}]")
+        cells.append(row)
+    w = max(len(c) for row in cells for c in row) + 2
+    lines = [f"ring attention over {p} ranks: {2 * p} chunks, rank r holds chunks r and {2 * p - 1}-r",
+             "step  " + "".join(f"rank {r}".ljust(w) for r in range(p)).rstrip()]
+    for s, row in enumerate(cells):
+        lines.append(f"{s:>4}  " + "".join(c.ljust(w) for c in row).rstrip())
+    return "\n".join(lines)
