@@ -54,7 +54,7 @@ APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "gl
 FIXED_ON_RESUME = {"seed": "the data order and the random streams continue from the checkpoint's, so a new seed "
                            "would not take effect"}
 LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel", "cp_algo", "tp_style",
-                  "schedule", "microbatches", "fsdp")
+                  "sequence_parallel", "schedule", "microbatches", "fsdp")
 
 
 def parse_args(argv=None):
@@ -90,6 +90,9 @@ def parse_args(argv=None):
                         "DeepSpeed-Ulysses all-to-all (--n-head must divide by N)")
     g.add_argument("--tp-style", choices=["megatron", "axonn"], default="axonn",
                    help="megatron: heads/MLP/vocabulary over G-intra-c; axonn: every Linear over r x c x d")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
+                        "sequence shards over G-intra-c; --block-size must divide by it)")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank)")
     g.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches per step")
@@ -389,7 +392,8 @@ def main(argv=None):
                         fsdp="no_shard" if args.mixed_precision == "bf16" and args.fsdp == "none" else args.fsdp,
                         cpu_offload="full" if args.cpu_offload else None,
                         mixed_precision=_mixed_precision(args.mixed_precision),
-                        hybrid_shard_size=args.hybrid_shard_size, cp_algo=args.cp_algo)
+                        hybrid_shard_size=args.hybrid_shard_size, cp_algo=args.cp_algo,
+                        sequence_parallel=args.sequence_parallel)
     except (NotImplementedError, ValueError) as e:     # a combination not built, found the same way on every rank
         axonmpi.log.exit0(str(e))
     scaler = (GradScaler(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)

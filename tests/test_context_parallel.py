@@ -204,11 +204,12 @@ def _same(rows, params, ref_rows, ref_params, steps=(1, 2, 3, 4, 5)):
     (3, ["--context-parallel", "3", "--cp-algo", "ring"]),
     (4, ["--context-parallel", "2", "--cp-algo", "ring", "--G-data", "2"]),
     (4, ["--context-parallel", "2", "--cp-algo", "ulysses", "--G-data", "2"]),
+    (4, ["--G-intra-c", "2", "--G-data", "2", "--tp-style", "megatron", "--sequence-parallel"]),   # item 4, via HybridGPT
 ], ids=lambda v: v if isinstance(v, int) else "-".join(a.strip("-") for a in v))
 def test_train_gpt_context_parallel_equals_one_process(n, flags, serial_run, tmp_path):
     rows, params, r = _train(tmp_path, "cp", n, flags)
     _same(rows, params, *serial_run[:2])
-    assert "G_context=" in r.stdout
+    assert ("G_context=" in r.stdout) == ("--context-parallel" in flags)
 
 
 @pytest.mark.serial

@@ -373,7 +373,7 @@ class HybridGPT:
     def __init__(self, config: GPTConfig, grid: Optional[ProcessGrid] = None, *, tp_style="axonn",
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
                  dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
-                 hybrid_shard_size: Optional[int] = None, cp_algo="ring"):
+                 hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False):
         from ..random import manual_seed  # noqa: F401  (the caller seeds; documented)
         from .fsdp import ShardingStrategy
         self.grid = get_grid() if grid is None else grid
@@ -395,6 +395,10 @@ class HybridGPT:
                 f"with data parallelism (DDP over data x context); not yet with {self.layout} with "
                 f"fsdp={fsdp!r}, activation_checkpointing={activation_checkpointing}")
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
+        if sequence_parallel and (self.style is not TPStyle.MEGATRON or self.layout.G_inter > 1):
+            raise NotImplementedError(
+                f"rank {self.grid.world.rank}: sequence_parallel is built for tp_style='megatron' with "
+                f"G_intra_c > 1 and no pipeline; got {self.layout} with tp_style={tp_style!r}")
         self.schedule = _schedule(schedule)
         self.num_microbatches = int(num_microbatches)
         self.global_batch = int(global_batch)
@@ -420,7 +424,7 @@ class HybridGPT:
             self.model = GPT(config, dtype=dtype)
             if self.style is TPStyle.MEGATRON:
                 from .tensor import parallelize_gpt
-                parallelize_gpt(self.model, group=g.intra_group)
+                parallelize_gpt(self.model, group=g.intra_group, sequence_parallel=sequence_parallel)
             if self.layout.G_context > 1:        # each rank its tokens; gradients over data x context
                 from .context import context_parallel_gpt
                 context_parallel_gpt(self.model, g.context_group, cp_algo)
