@@ -5,6 +5,7 @@ Run on 4 local ranks (what `make demo` does):
     mpiexec -n 4 python examples/train_gpt.py
     mpiexec -n 4 python examples/train_gpt.py --resume          # continue from the last checkpoint
     mpiexec -n 4 python examples/train_gpt.py --G-inter 2 --G-intra-c 2     # pipeline x tensor parallel
+    mpiexec -n 4 python examples/train_gpt.py --context-parallel 2 --cp-algo ring   # 2 data x 2 sequence chunks
 
 By default each rank holds the whole model (DistributedDataParallel); the global batch is split
 across ranks, gradients are averaged with bucketed all-reduces overlapped with backward. The
@@ -52,8 +53,8 @@ APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "gl
 # training options a --resume cannot change honestly: refused, naming them
 FIXED_ON_RESUME = {"seed": "the data order and the random streams continue from the checkpoint's, so a new seed "
                            "would not take effect"}
-LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "tp_style", "schedule", "microbatches",
-                  "fsdp")
+LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel", "cp_algo", "tp_style",
+                  "sequence_parallel", "schedule", "microbatches", "fsdp")
 
 
 def parse_args(argv=None):
@@ -81,8 +82,17 @@ def parse_args(argv=None):
     g.add_argument("--G-intra-r", type=int, default=1, help="tensor parallel: rows of each weight (AxoNN)")
     g.add_argument("--G-intra-c", type=int, default=1, help="tensor parallel: columns of each weight")
     g.add_argument("--G-intra-d", type=int, default=1, help="tensor parallel: depth (AxoNN's weight sharding)")
+    g.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="context parallelism: N ranks (G_context) hold different chunks of the same sequences "
+                        "(docs/context_parallel.md); with data parallelism (--G-data)")
+    g.add_argument("--cp-algo", choices=["ring", "ulysses"], default="ring",
+                   help="with --context-parallel: ring attention (K/V passed around, causal load balancing) or "
+                        "DeepSpeed-Ulysses all-to-all (--n-head must divide by N)")
     g.add_argument("--tp-style", choices=["megatron", "axonn"], default="axonn",
                    help="megatron: heads/MLP/vocabulary over G-intra-c; axonn: every Linear over r x c x d")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
+                        "sequence shards over G-intra-c; --block-size must divide by it)")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank)")
     g.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches per step")
@@ -299,7 +309,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     layout = {k: saved[k] for k in LAYOUT_OPTIONS if k in saved}
     if layout.get("G_data", 0) is None:   # "whatever is left" when saved: show the size it was
         rest = 1
-        for k in ("G_inter", "G_intra_r", "G_intra_c", "G_intra_d"):
+        for k in ("G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel"):
             rest *= int(layout.get(k) or 1)
         layout["G_data"] = saved_ranks // rest
     log.info("%sresumed from %s at step %d (saved on %d ranks%s)", "--auto-resume: " if args.auto_resume else "",
@@ -326,7 +336,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
 def main(argv=None):
     args = parse_args(argv)
     sizes = dict(G_data=args.G_data, G_inter=args.G_inter, G_intra_r=args.G_intra_r, G_intra_c=args.G_intra_c,
-                 G_intra_d=args.G_intra_d)
+                 G_intra_d=args.G_intra_d, G_context=args.context_parallel)
     world = axonmpi.get_world() if axonmpi.is_initialized() else None
     if world is None or any(v not in (None, 1) for v in sizes.values()):
         try:
@@ -362,6 +372,11 @@ def main(argv=None):
                      schedule=args.schedule, tp_style=args.tp_style, world_size=world.world_size)
     except ValueError as e:
         axonmpi.log.exit0(str(e))
+    chunks = 2 * args.context_parallel if args.cp_algo == "ring" else args.context_parallel
+    if args.context_parallel > 1 and args.block_size < chunks:
+        axonmpi.log.exit0(f"--block-size {args.block_size} cannot be cut into the {chunks} chunks --cp-algo "
+                          f"{args.cp_algo} needs over --context-parallel {args.context_parallel} ranks; use "
+                          f"--block-size >= {chunks}")
     if world.rank == 0:
         print(grid.describe(), flush=True)
     # every rank reads the whole global batch (same order as one process) and keeps its rows
@@ -377,8 +392,9 @@ def main(argv=None):
                         fsdp="no_shard" if args.mixed_precision == "bf16" and args.fsdp == "none" else args.fsdp,
                         cpu_offload="full" if args.cpu_offload else None,
                         mixed_precision=_mixed_precision(args.mixed_precision),
-                        hybrid_shard_size=args.hybrid_shard_size)
-    except NotImplementedError as e:     # a combination not built, found the same way on every rank
+                        hybrid_shard_size=args.hybrid_shard_size, cp_algo=args.cp_algo,
+                        sequence_parallel=args.sequence_parallel)
+    except (NotImplementedError, ValueError) as e:     # a combination not built, found the same way on every rank
         axonmpi.log.exit0(str(e))
     scaler = (GradScaler(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
               if args.mixed_precision == "fp16" else None)

@@ -118,7 +118,8 @@ def test_two_by_two_layout_by_hand(world):
 def test_grid_of_the_world_and_node_layout(world):
     grid = axonmpi.get_grid()
     assert grid is world.grid and axonmpi.distributed.get_grid() is grid
-    assert grid.sizes == {"G_data": world.world_size, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1}
+    assert grid.sizes == {"G_data": world.world_size, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1,
+                          "G_context": 1}
     assert grid.data_group.ranks == tuple(range(world.world_size))
     assert grid.coords == GridCoords(world.rank, 0, 0, 0, 0)
     assert (grid.local_rank, grid.local_size, grid.node_index) == (world.local_rank, world.local_size, world.node_rank)

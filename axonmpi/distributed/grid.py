@@ -1,4 +1,4 @@
-"""ProcessGrid: AxoNN's 5-D rank grid (data x inter x depth x row x col) and its named process groups."""
+"""ProcessGrid: AxoNN's 5-D rank grid (data x inter x depth x row x col), plus Megatron's context dimension, and its named process groups."""
 from __future__ import annotations
 
 import numbers
@@ -13,17 +13,38 @@ __all__ = ["ProcessGrid", "GridCoords", "resolve_grid_sizes", "GROUP_DIMS", "ROL
 
 
 class GridCoords(NamedTuple):
-    """Coordinates of one rank in the grid, slowest-varying first (AxoNN's order)."""
+    """Coordinates of one rank in the grid: AxoNN's five, slowest-varying first, then ``context``.
+
+    ``context`` (the rank's sequence chunk, Megatron's CP rank) comes last so that AxoNN's five-field
+    form keeps working (``GridCoords(0, 0, 0, 0, 1)``); in the rank order it varies just faster
+    than ``data`` (see :class:`ProcessGrid`).
+    """
 
     data: int
     inter: int
     depth: int
     row: int
     col: int
+    context: int = 0
+
+    def __eq__(self, other):
+        # AxoNN's five-field form compares equal where the context coordinate is 0
+        if type(other) is tuple and len(other) == 5:
+            return self.context == 0 and tuple(self)[:5] == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return tuple.__hash__(tuple(self)[:5] if self.context == 0 else tuple(self))
 
 
-_DIMS = GridCoords._fields                                   # ("data", "inter", "depth", "row", "col")
-_SIZE_NAMES = ("G_data", "G_inter", "G_intra_d", "G_intra_r", "G_intra_c")   # same order as _DIMS
+_DIMS = GridCoords._fields                        # ("data", "inter", "depth", "row", "col", "context")
+# the rank order, slowest-varying first: world = data x context x inter x depth x row x col
+_ORDER = ("data", "context", "inter", "depth", "row", "col")
+_SIZE_OF = {"data": "G_data", "context": "G_context", "inter": "G_inter", "depth": "G_intra_d",
+            "row": "G_intra_r", "col": "G_intra_c"}
 
 # Which coordinates vary inside each named group (the others are fixed and pick the group).
 GROUP_DIMS: Dict[str, Tuple[str, ...]] = {
@@ -34,6 +55,8 @@ GROUP_DIMS: Dict[str, Tuple[str, ...]] = {
     "col_group": ("col",),
     "intra_group": ("depth", "row", "col"),
     "model_group": ("inter", "depth", "row", "col"),
+    "context_group": ("context",),
+    "data_context_group": ("data", "context"),
 }
 
 
@@ -41,21 +64,24 @@ GROUP_DIMS: Dict[str, Tuple[str, ...]] = {
 ROLES: Dict[str, str] = {
     "data": "data_group", "pipeline": "inter_group", "inter": "inter_group", "tensor": "intra_group",
     "intra": "intra_group", "depth": "depth_group", "row": "row_group", "col": "col_group",
-    "model": "model_group",
+    "model": "model_group", "context": "context_group", "data_context": "data_context_group",
 }
 
 
 def _describe_sizes(sizes: Dict[str, object]) -> str:
     order = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d")
+    if sizes.get("G_context", 1) != 1:
+        order = ("G_data", "G_context") + order[1:]
     return ", ".join(f"{k}={sizes[k]!r}" for k in order)
 
 
 def resolve_grid_sizes(world_size: int, *, G_inter=1, G_data=None, G_intra_r=1, G_intra_c=1, G_intra_d=1,
-                       rank: Optional[int] = None) -> Dict[str, int]:
-    """Check the five grid sizes against ``world_size``; ``G_data=None`` takes what is left.
+                       G_context=1, rank: Optional[int] = None) -> Dict[str, int]:
+    """Check the grid sizes against ``world_size``; ``G_data=None`` takes what is left.
 
     Returns:
-        ``{"G_data": ..., "G_inter": ..., "G_intra_r": ..., "G_intra_c": ..., "G_intra_d": ...}``.
+        ``{"G_data": ..., "G_inter": ..., "G_intra_r": ..., "G_intra_c": ..., "G_intra_d": ...,
+        "G_context": ...}``.
 
     Raises:
         ValueError: a size that is not a positive int, or a product that is not ``world_size``;
@@ -66,7 +92,7 @@ def resolve_grid_sizes(world_size: int, *, G_inter=1, G_data=None, G_intra_r=1, 
         2
     """
     given = {"G_data": G_data, "G_inter": G_inter, "G_intra_r": G_intra_r, "G_intra_c": G_intra_c,
-             "G_intra_d": G_intra_d}
+             "G_intra_d": G_intra_d, "G_context": G_context}
     who = f"rank {rank}: " if rank is not None else ""
     bad = [k for k, v in given.items()
            if not (v is None and k == "G_data")
@@ -76,17 +102,18 @@ def resolve_grid_sizes(world_size: int, *, G_inter=1, G_data=None, G_intra_r=1, 
             f"{who}grid sizes must be positive ints (G_data may be None), got {_describe_sizes(given)} "
             f"(bad: {', '.join(bad)}) for a world of {world_size} ranks")
     sizes = {k: (None if v is None else int(v)) for k, v in given.items()}
-    others = sizes["G_inter"] * sizes["G_intra_r"] * sizes["G_intra_c"] * sizes["G_intra_d"]
+    others = sizes["G_inter"] * sizes["G_intra_r"] * sizes["G_intra_c"] * sizes["G_intra_d"] * sizes["G_context"]
+    names = ("G_context*" if sizes["G_context"] != 1 else "") + "G_inter*G_intra_r*G_intra_c*G_intra_d"
     if sizes["G_data"] is None:
         if world_size % others:
             raise ValueError(
                 f"{who}grid {_describe_sizes(given)}: world size {world_size} does not divide by "
-                f"G_inter*G_intra_r*G_intra_c*G_intra_d = {others}, so G_data cannot be derived; "
+                f"{names} = {others}, so G_data cannot be derived; "
                 f"use a world size that is a multiple of {others} or change the sizes")
         sizes["G_data"] = world_size // others
     elif sizes["G_data"] * others != world_size:
         raise ValueError(
-            f"{who}grid {_describe_sizes(given)}: the product G_data*G_inter*G_intra_r*G_intra_c*G_intra_d = "
+            f"{who}grid {_describe_sizes(given)}: the product G_data*{names} = "
             f"{sizes['G_data'] * others} must equal the world size {world_size}")
     return sizes
 
@@ -94,9 +121,10 @@ def resolve_grid_sizes(world_size: int, *, G_inter=1, G_data=None, G_intra_r=1, 
 class ProcessGrid:
     """AxoNN's 5-D process grid over a :class:`World`, with one :class:`ProcessGroup` per role.
 
-    Rank order, exactly as AxoNN's ``communication_handle`` (column fastest, data slowest)::
+    Rank order, exactly as AxoNN's ``communication_handle`` (column fastest, data slowest), with
+    Megatron's context dimension between data and inter (``G_context = 1``: AxoNN's order)::
 
-        world = (((data*G_inter + inter)*G_intra_d + depth)*G_intra_r + row)*G_intra_c + col
+        world = ((((data*G_context + context)*G_inter + inter)*G_intra_d + depth)*G_intra_r + row)*G_intra_c + col
 
     Groups (each a ``ProcessGroup`` whose ``.ranks`` lists world ranks in group-rank order;
     group rank = the varying coordinates in the same slowest-first order):
@@ -113,6 +141,10 @@ class ProcessGrid:
                                                 a Linear's in_features (size G_intra_c)
     intra_group    depth, row, col              intra_layer_group: one tensor-parallel block
     model_group    inter, depth, row, col       one model replica
+    context_group  context                      Megatron's CP group: sequence chunks of
+                                                the same samples (ring / Ulysses attention)
+    data_context_  data, context                gradients reduce here under context
+    group                                       parallelism (Megatron's dp_cp group)
     ============== ============================ =========================================
 
     Making a grid is collective over the World: one ``Comm.Split`` per group kind whose groups
@@ -122,6 +154,7 @@ class ProcessGrid:
         world: the World to lay out.
         G_inter, G_data, G_intra_r, G_intra_c, G_intra_d: the five sizes (see
             :func:`resolve_grid_sizes`; ``G_data=None`` takes what is left).
+        G_context: context-parallel ranks per sample (default 1).
 
     Example (4 ranks, ``G_data=2, G_intra_c=2``)::
 
@@ -132,30 +165,37 @@ class ProcessGrid:
         ((2, 3), (1, 3))
     """
 
-    def __init__(self, world: "World", *, G_inter=1, G_data=None, G_intra_r=1, G_intra_c=1, G_intra_d=1):
+    def __init__(self, world: "World", *, G_inter=1, G_data=None, G_intra_r=1, G_intra_c=1, G_intra_d=1,
+                 G_context=1):
         sizes = resolve_grid_sizes(world.world_size, G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
-                                   G_intra_c=G_intra_c, G_intra_d=G_intra_d, rank=world.rank)
+                                   G_intra_c=G_intra_c, G_intra_d=G_intra_d, G_context=G_context, rank=world.rank)
         self.world = world
         self.G_data = sizes["G_data"]
         self.G_inter = sizes["G_inter"]
         self.G_intra_r = sizes["G_intra_r"]
         self.G_intra_c = sizes["G_intra_c"]
         self.G_intra_d = sizes["G_intra_d"]
-        self._shape = GridCoords(self.G_data, self.G_inter, self.G_intra_d, self.G_intra_r, self.G_intra_c)
+        self.G_context = sizes["G_context"]
+        self._shape = GridCoords(self.G_data, self.G_inter, self.G_intra_d, self.G_intra_r, self.G_intra_c,
+                                 self.G_context)
+        self._extent = tuple(getattr(self._shape, d) for d in _ORDER)     # in the rank order
         self.rank = world.rank
         self.world_size = world.world_size
         self.coords = self.coords_of(self.rank)
         self._groups: Dict[str, ProcessGroup] = {}
         self._freed = False
         for name, varying in GROUP_DIMS.items():
+            if name == "data_context_group" and self.G_context == 1:
+                self._groups[name] = self._groups["data_group"]     # the same ranks: no second communicator
+                continue
             self._groups[name] = self._make_group(name, varying)
 
     # -- sizes and coordinates -----------------------------------------------------------
     @property
     def sizes(self) -> Dict[str, int]:
-        """The five sizes as a dict (``G_data, G_inter, G_intra_r, G_intra_c, G_intra_d``)."""
+        """The sizes as a dict (``G_data, G_inter, G_intra_r, G_intra_c, G_intra_d, G_context``)."""
         return {"G_data": self.G_data, "G_inter": self.G_inter, "G_intra_r": self.G_intra_r,
-                "G_intra_c": self.G_intra_c, "G_intra_d": self.G_intra_d}
+                "G_intra_c": self.G_intra_c, "G_intra_d": self.G_intra_d, "G_context": self.G_context}
 
     @property
     def G_intra(self) -> int:
@@ -164,7 +204,7 @@ class ProcessGrid:
 
     @property
     def shape(self) -> GridCoords:
-        """Extent per coordinate: ``GridCoords(G_data, G_inter, G_intra_d, G_intra_r, G_intra_c)``."""
+        """Extent per coordinate: ``GridCoords(G_data, G_inter, G_intra_d, G_intra_r, G_intra_c, G_context)``."""
         return self._shape
 
     def coords_of(self, world_rank: int) -> GridCoords:
@@ -173,23 +213,26 @@ class ProcessGrid:
                 or not 0 <= world_rank < self.world_size:
             raise ValueError(f"rank {self.rank}: world rank {world_rank!r} is out of range for a grid of "
                              f"{self.world_size} ranks (valid: 0..{self.world_size - 1})")
-        out: List[int] = []
+        out: Dict[str, int] = {}
         r = int(world_rank)
-        for extent in reversed(self._shape):
-            out.append(r % extent)
+        for name, extent in zip(reversed(_ORDER), reversed(self._extent)):
+            out[name] = r % extent
             r //= extent
-        return GridCoords(*reversed(out))
+        return GridCoords(**out)
 
     def rank_of(self, coords: Sequence[int]) -> int:
-        """The world rank at ``coords`` (a :class:`GridCoords` or 5 ints in its order)."""
+        """The world rank at ``coords`` (a :class:`GridCoords`, or 5 or 6 ints in its order; 5: context 0)."""
         c = tuple(coords)
-        if len(c) != 5 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n
+        if len(c) == 5:
+            c = c + (0,)
+        if len(c) != 6 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n
                               for v, n in zip(c, self._shape)):
             raise ValueError(f"rank {self.rank}: coords {coords!r} are not valid for grid shape "
                              f"{tuple(self._shape)} (order: {', '.join(_DIMS)})")
+        named = dict(zip(_DIMS, c))
         r = 0
-        for v, extent in zip(c, self._shape):
-            r = r * extent + int(v)
+        for name, extent in zip(_ORDER, self._extent):
+            r = r * extent + int(named[name])
         return r
 
     # -- groups --------------------------------------------------------------------------
@@ -229,16 +272,28 @@ class ProcessGrid:
         return self._groups["model_group"]
 
     @property
+    def context_group(self) -> ProcessGroup:
+        """Ranks differing only in context: they hold different sequence chunks of the same samples."""
+        return self._groups["context_group"]
+
+    @property
+    def data_context_group(self) -> ProcessGroup:
+        """Ranks differing in data or context: gradients of every parameter reduce here under context parallelism."""
+        return self._groups["data_context_group"]
+
+    @property
     def is_trivial(self) -> bool:
-        """True when the grid has no pipeline and no tensor dimension (only data: every rank one replica)."""
-        return self.G_inter == 1 and self.G_intra == 1
+        """True when the grid has no pipeline, tensor or context dimension (only data: every rank one replica)."""
+        return self.G_inter == 1 and self.G_intra == 1 and self.G_context == 1
 
     def group_for(self, role: str) -> ProcessGroup:
         """The group of ``role`` for this rank: the one role -> group helper every default reads.
 
         Roles: ``"data"`` (the data group; on the trivial grid the World's group of all ranks, so
         defaults keep meaning "every rank"), ``"pipeline"``/``"inter"``, ``"tensor"``/``"intra"``,
-        ``"depth"``, ``"row"``, ``"col"``, ``"model"``, ``"world"``.
+        ``"depth"``, ``"row"``, ``"col"``, ``"model"``, ``"context"`` (Megatron's CP group: the
+        sequence chunks of one sample), ``"data_context"`` (data x context: where gradients are
+        reduced under context parallelism), ``"world"``.
 
         Example:
             >>> axonmpi.init(G_intra_c=2).grid.group_for("data").ranks     # on rank 3 of 4
@@ -261,7 +316,7 @@ class ProcessGrid:
             raise ValueError(f"rank {self.rank}: unknown grid group {name!r}; "
                              f"expected one of {list(GROUP_DIMS)}")
         base = self.coords if world_rank is None else self.coords_of(world_rank)
-        varying = [_DIMS.index(d) for d in GROUP_DIMS[name]]
+        varying = [_DIMS.index(d) for d in _ORDER if d in GROUP_DIMS[name]]     # slowest first
         ranks = []
         for k in range(self._count(varying)):
             c = list(base)
@@ -281,13 +336,12 @@ class ProcessGrid:
         from mpi4py import MPI
 
         ranks = self.group_ranks(name)
-        vary = [_DIMS.index(d) for d in varying]
         if len(ranks) == 1:
             return ProcessGroup(self.world, MPI.COMM_SELF, ranks, name=name)
-        fixed = [i for i in range(5) if i not in vary]
         color = 0
-        for i in fixed:
-            color = color * self._shape[i] + self.coords[i]
+        for d in _ORDER:
+            if d not in varying:
+                color = color * getattr(self._shape, d) + getattr(self.coords, d)
         key = ranks.index(self.rank)
         comm = self.world._comm.Split(color, key)
         if comm.Get_size() != len(ranks) or comm.Get_rank() != key:  # pragma: no cover - MPI contract
@@ -328,7 +382,7 @@ class ProcessGrid:
         if self._freed:
             return
         self._freed = True
-        for g in self._groups.values():
+        for g in {id(g): g for g in self._groups.values()}.values():
             g.free()
             if g in self.world._groups:
                 self.world._groups.remove(g)
@@ -350,7 +404,8 @@ class ProcessGrid:
                3     1      0      0    0    1
         """
         head = f"ProcessGrid({_describe_sizes(self.sizes)}) on {self.world_size} ranks"
-        cols = ("rank",) + _DIMS
+        dims = _DIMS if self.G_context > 1 else _DIMS[:5]
+        cols = ("rank",) + dims
         widths = [max(len(c), len(str(self.world_size - 1))) for c in cols]
         lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
         shown = list(range(self.world_size))
@@ -362,7 +417,7 @@ class ProcessGrid:
         for i, r in enumerate(shown):
             if cut is not None and i == cut:
                 lines.append(f"... {self.world_size - 2 * cut} more ranks ...")
-            vals = (r,) + tuple(self.coords_of(r))
+            vals = (r,) + tuple(self.coords_of(r))[:len(dims)]
             lines.append("  ".join(str(v).rjust(w) for v, w in zip(vals, widths)))
         text = "\n".join(lines)
         if print_ and self.rank == 0:

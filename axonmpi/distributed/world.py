@@ -41,13 +41,14 @@ class World:
     def __init__(self, comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
                  abort_on_exception: bool = True, G_inter: int = 1, G_data: Optional[int] = None,
                  G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, device: str = "auto",
-                 backend: str = "auto", timeout: Optional[float] = None):
+                 backend: str = "auto", timeout: Optional[float] = None, G_context: int = 1):
         from .backends.nccl import BackendKind, nccl_available
         if abort_on_exception:   # first: an error in the arguments below prints once, not once per rank
             install_abort_on_exception(comm if comm is not None else MPI.COMM_WORLD)
         base = comm if comm is not None else MPI.COMM_WORLD
         sizes = resolve_grid_sizes(base.Get_size(), G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
-                                   G_intra_c=G_intra_c, G_intra_d=G_intra_d, rank=base.Get_rank())
+                                   G_intra_c=G_intra_c, G_intra_d=G_intra_d, G_context=G_context,
+                                   rank=base.Get_rank())
         self._base_comm = base
         self._comm = base.Dup()
         self.rank = self._comm.Get_rank()
@@ -229,7 +230,7 @@ class World:
 def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = None, G_intra_r: int = 1,
          G_intra_c: int = 1, G_intra_d: int = 1, *, G_inter: Optional[int] = None, debug: Optional[bool] = None,
          abort_on_exception: bool = True, device: str = "auto", backend: str = "auto",
-         timeout: Optional[float] = None) -> World:
+         timeout: Optional[float] = None, G_context: int = 1) -> World:
     """Create (once) and return the current :class:`World` and its :class:`ProcessGrid`.
 
     Idempotent: a later call with no grid sizes, or with the same grid, returns the same World;
@@ -246,6 +247,9 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
             tensor row / column / depth). ``G_data=None`` takes what is left:
             ``world_size // (G_inter*G_intra_r*G_intra_c*G_intra_d)``. All defaults: pure data
             parallel.
+        G_context: context-parallel ranks (Megatron's CP size): ranks holding different sequence
+            chunks of the same samples; world = G_data x G_context x G_inter x G_intra_r x
+            G_intra_c x G_intra_d.
         debug: check collective arguments across ranks (default: ``AXONMPI_DEBUG`` env var).
         abort_on_exception: end the whole job (``MPI_Abort``) when any rank dies of an
             uncaught exception, after printing its traceback, instead of leaving others hanging.
@@ -279,7 +283,7 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
         comm, G_inter = None, int(comm)
     G_inter = 1 if G_inter is None else G_inter
     asked = dict(G_data=G_data, G_inter=G_inter, G_intra_r=G_intra_r, G_intra_c=G_intra_c,
-                 G_intra_d=G_intra_d)
+                 G_intra_d=G_intra_d, G_context=G_context)
     if _WORLD is None or _WORLD._destroyed:
         _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception, device=device,
                        backend=backend, timeout=timeout, **asked)
@@ -297,7 +301,7 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
     if device != "auto" and _devices.as_device(device).type != _WORLD.device.type:
         raise ValueError(f"rank {_WORLD.rank}: axonmpi.init asked for device={device!r} but the World is on "
                          f"{_WORLD.device}; call axonmpi.distributed.destroy() first to change it")
-    if asked != dict(G_data=None, G_inter=1, G_intra_r=1, G_intra_c=1, G_intra_d=1):
+    if asked != dict(G_data=None, G_inter=1, G_intra_r=1, G_intra_c=1, G_intra_d=1, G_context=1):
         have = _WORLD.grid.sizes
         want = resolve_grid_sizes(_WORLD.world_size, rank=_WORLD.rank, **asked)
         if want != have:

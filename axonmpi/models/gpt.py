@@ -190,6 +190,11 @@ class GPT(Module):
         xp = get_array_module(self.wte.weight.data)
         idx = xp.asarray(idx)
         pos = xp.arange(T)
+        cp = getattr(self, "context_parallel", None)    # set by parallel.context.context_parallel_gpt
+        if cp is not None and cp.active:                # this rank's tokens only; logits (B, T_local, vocab)
+            pos = xp.asarray(cp.positions(T))
+            idx = idx[:, pos]
+            cp.begin(T)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
@@ -197,7 +202,11 @@ class GPT(Module):
         loss = None
         if targets is not None:
             targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
-            loss = ops_nn.cross_entropy(logits, targets)
+            if cp is not None and cp.active:            # the token sum x P / tokens: its context mean is the mean
+                count = max(int((targets != -100).sum()), 1)
+                loss = ops_nn.cross_entropy(logits, targets[:, pos], reduction="sum") * (cp.size / count)
+            else:
+                loss = ops_nn.cross_entropy(logits, targets)
         return logits, loss
 
     @no_grad()
@@ -212,9 +221,14 @@ class GPT(Module):
         idx = to_host(idx.data if was_tensor else idx).astype(np.int64)
         device = self.wte.weight.device
         gen = default_generator()
+        cp = getattr(self, "context_parallel", None)
         for _ in range(max_new_tokens):
             cond = idx[:, -self.config.block_size:]
-            logits, _ = self(to_device(cond, device))
+            if cp is not None:          # whole sequences on this rank alone
+                with cp.disabled():
+                    logits, _ = self(to_device(cond, device))
+            else:
+                logits, _ = self(to_device(cond, device))
             z = to_host(logits.data[:, -1, :]).astype(np.float64) / temperature
             if top_k is not None:
                 k = min(int(top_k), z.shape[-1])

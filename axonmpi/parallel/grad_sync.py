@@ -18,7 +18,16 @@ AxoNN 3-D ``BLOCK`` weight                 ``data`` (the layer reduce-scattered 
 AxoNN 3-D bias (replicated over depth)     ``data`` and the layer's depth group
 FSDP ``FLAT`` chunk                        reduce-scattered by FSDP over its shard group
 pipeline ``STAGE`` shard                   as above, over the stage's own groups
+sequence-parallel (``sequence_parallel``)  also the tensor group, inside backward
 =========================================  ==========================================
+
+Context parallelism (``G_context > 1``): the ranks of a context group see different tokens of the
+same samples, so every gradient's ``data`` group is data x context (:func:`data_reduction_group`,
+Megatron's ``dp_cp`` group); the parameters record the context group as a replica.  Sequence
+parallelism: a parameter used on sequence shards (LayerNorm, a row-parallel bias; tag
+``sequence_parallel``) has its gradient summed over the tensor group in backward (the layer takes it
+through ``copy_to_tensor_parallel_region``, or ``parallelize`` hooks it), so the rest of the table
+sees the full gradient.
 """
 from __future__ import annotations
 
@@ -26,7 +35,20 @@ from typing import Any, Iterable, List, Sequence, Tuple
 
 from ..distributed.placement import ShardKind, check_group, placement_of
 
-__all__ = ["check_group", "reduction_groups"]
+__all__ = ["check_group", "reduction_groups", "data_reduction_group"]
+
+
+def data_reduction_group(grid: Any) -> Any:
+    """The group replicated parameters' gradients are averaged over: data x context when the grid has a
+    context dimension (``grid.data_context_group``), else the grid's data group.
+
+    Example:
+        >>> data_reduction_group(axonmpi.init(G_context=2).grid).ranks       # 4 ranks, on rank 0
+        (0, 1, 2, 3)
+    """
+    if getattr(grid, "G_context", 1) > 1:
+        return grid.data_context_group
+    return grid.data_group
 
 
 def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: Any = None) -> List[Any]:

@@ -88,16 +88,18 @@ class Layout:
     G_intra_r: int = 1
     G_intra_c: int = 1
     G_intra_d: int = 1
+    G_context: int = 1
 
     @classmethod
     def from_grid(cls, grid: ProcessGrid) -> "Layout":
         """The sizes of ``grid``."""
-        return cls(grid.G_data, grid.G_inter, grid.G_intra_r, grid.G_intra_c, grid.G_intra_d)
+        return cls(grid.G_data, grid.G_inter, grid.G_intra_r, grid.G_intra_c, grid.G_intra_d,
+                   getattr(grid, "G_context", 1))
 
     @property
     def world_size(self) -> int:
-        """The product of the five sizes."""
-        return self.G_data * self.G_inter * self.tensor_size
+        """The product of the sizes."""
+        return self.G_data * self.G_inter * self.tensor_size * self.G_context
 
     @property
     def tensor_size(self) -> int:
@@ -106,8 +108,11 @@ class Layout:
 
     def as_dict(self) -> Dict[str, int]:
         """``{"G_data": .., "G_inter": .., "G_intra_r": .., "G_intra_c": .., "G_intra_d": ..}``."""
-        return {"G_data": self.G_data, "G_inter": self.G_inter, "G_intra_r": self.G_intra_r,
-                "G_intra_c": self.G_intra_c, "G_intra_d": self.G_intra_d}
+        out = {"G_data": self.G_data, "G_inter": self.G_inter, "G_intra_r": self.G_intra_r,
+               "G_intra_c": self.G_intra_c, "G_intra_d": self.G_intra_d}
+        if self.G_context != 1:
+            out["G_context"] = self.G_context
+        return out
 
     def __str__(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
@@ -158,7 +163,7 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
     style, sched = _style(tp_style), _schedule(schedule)
     errs: List[str] = []
     if world_size is not None and layout.world_size != world_size:
-        errs.append(f"G_data*G_inter*G_intra_r*G_intra_c*G_intra_d = {layout.world_size} but there are "
+        errs.append(f"G_data*G_context*G_inter*G_intra_r*G_intra_c*G_intra_d = {layout.world_size} but there are "
                     f"{world_size} ranks")
     for k, v in layout.as_dict().items():
         if v < 1:
@@ -368,7 +373,7 @@ class HybridGPT:
     def __init__(self, config: GPTConfig, grid: Optional[ProcessGrid] = None, *, tp_style="axonn",
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
                  dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
-                 hybrid_shard_size: Optional[int] = None):
+                 hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False):
         from ..random import manual_seed  # noqa: F401  (the caller seeds; documented)
         from .fsdp import ShardingStrategy
         self.grid = get_grid() if grid is None else grid
@@ -383,7 +388,17 @@ class HybridGPT:
                 raise NotImplementedError(f"rank {self.grid.world.rank}: fsdp={self.sharding.value} {why}")
         self.config = config
         self.dtype = np.dtype(dtype)
+        if self.layout.G_context > 1 and (self.layout.G_inter > 1 or self.layout.tensor_size > 1
+                                          or self.sharding is not None or activation_checkpointing):
+            raise NotImplementedError(
+                f"rank {self.grid.world.rank}: context parallelism (G_context={self.layout.G_context}) is built "
+                f"with data parallelism (DDP over data x context); not yet with {self.layout} with "
+                f"fsdp={fsdp!r}, activation_checkpointing={activation_checkpointing}")
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
+        if sequence_parallel and (self.style is not TPStyle.MEGATRON or self.layout.G_inter > 1):
+            raise NotImplementedError(
+                f"rank {self.grid.world.rank}: sequence_parallel is built for tp_style='megatron' with "
+                f"G_intra_c > 1 and no pipeline; got {self.layout} with tp_style={tp_style!r}")
         self.schedule = _schedule(schedule)
         self.num_microbatches = int(num_microbatches)
         self.global_batch = int(global_batch)
@@ -409,7 +424,10 @@ class HybridGPT:
             self.model = GPT(config, dtype=dtype)
             if self.style is TPStyle.MEGATRON:
                 from .tensor import parallelize_gpt
-                parallelize_gpt(self.model, group=g.intra_group)
+                parallelize_gpt(self.model, group=g.intra_group, sequence_parallel=sequence_parallel)
+            if self.layout.G_context > 1:        # each rank its tokens; gradients over data x context
+                from .context import context_parallel_gpt
+                context_parallel_gpt(self.model, g.context_group, cp_algo)
         self.ddp = None
         self.pipe = None
         self.fsdp = None
@@ -422,7 +440,7 @@ class HybridGPT:
             self._params = list(self.fsdp.parameters())
         elif self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
             from .ddp import DistributedDataParallel
-            self.ddp = DistributedDataParallel(self.model, group=g.data_group)
+            self.ddp = DistributedDataParallel(self.model, group=g.data_context_group)
             self._params = list(self.model.parameters())
         else:
             from .pipeline import Pipeline, split_module
@@ -510,7 +528,7 @@ class HybridGPT:
         """DDP / FSDP layouts: the groups the rank's mean loss is averaged over (its row slices)."""
         if self._fsdp_tp and self.style is TPStyle.AXONN:
             return [self.grid.data_group, self.grid.intra_group]
-        return [self.grid.data_group]
+        return [self.grid.data_context_group]
 
     def _sync_axonn_fsdp(self) -> None:
         """FSDP x AxoNN TP, after FSDP's reduce-scatter averaged every gradient over ``data_group``: the

@@ -69,8 +69,9 @@ def _axonn(module: Module, grid: ProcessGrid) -> int:
     return n
 
 
-def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str]) -> int:
-    """The modules ``plan`` names -> Megatron column / row / vocab-parallel layers over the grid's tensor group."""
+def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optional[int] = None) -> int:
+    """The modules ``plan`` names -> Megatron column / row / vocab-parallel layers over the grid's tensor group
+    (``sp``: the sequence dimension under sequence parallelism, else ``None``)."""
     from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     for pattern, style in plan.items():
         if style not in _STYLES:
@@ -87,12 +88,15 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str]) -> int:
         if style == "vocab" and type(child) is not nn_layers.Embedding:
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a 'vocab' pattern but is a "
                             f"{type(child).__name__}, not an nn.Embedding")
+        seq = {} if sp is None else {"sequence_parallel": True, "sequence_dim": sp}
+        if style == "vocab" and sp is not None:
+            raise NotImplementedError(f"rank {grid.rank}: a 'vocab' layer under sequence_parallel is not built yet")
         if style == "column":
             new = ColumnParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                       gather_output=False, group=group, dtype=child.weight.dtype)
+                                       gather_output=False, group=group, dtype=child.weight.dtype, **seq)
         elif style == "row":
             new = RowParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                    input_is_parallel=True, group=group, dtype=child.weight.dtype)
+                                    input_is_parallel=True, group=group, dtype=child.weight.dtype, **seq)
         else:
             new = VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
                                          dtype=child.weight.dtype)
@@ -100,6 +104,30 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str]) -> int:
         _swap(parent, name, new)
         n += 1
     return n
+
+
+def _sequence_parallel(module: Module, grid: ProcessGrid) -> List[Any]:
+    """Sequence parallelism outside the plan's layers: every ``nn.LayerNorm`` -> a
+    :class:`~axonmpi.parallel.tensor.SequenceParallelLayerNorm`; every other replicated parameter (used on
+    sequence shards too) is tagged ``sequence_parallel`` and returned, for a hook that sums its gradient
+    over the tensor group."""
+    from ..distributed.placement import placement_of
+    from .tensor import SequenceParallelLayerNorm
+    from .tensor.layers import _tag_sequence_parallel
+    g = grid.intra_group
+    for parent, name, child, _ in _children(module):
+        if type(child) is nn_layers.LayerNorm:
+            new = SequenceParallelLayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
+                                            bias=child.bias is not None, group=g,
+                                            dtype=None if child.weight is None else child.weight.dtype)
+            _copy_serial(new, child)
+            _swap(parent, name, new)
+    rest = []
+    for p in module.parameters():
+        if placement_of(p).is_replicated and not getattr(p, "sequence_parallel", False):
+            _tag_sequence_parallel(p, g)
+            rest.append(p)
+    return rest
 
 
 class ParallelModule(Module):
@@ -131,6 +159,7 @@ class ParallelModule(Module):
         self.depth_group = grid.depth_group
         if axonn and data_parallel != "fsdp" and grid.G_inter == 1:
             self._hook_axonn(data_parallel is not None)
+        self.sequence_dim: Optional[int] = None     # set by parallelize(sequence_parallel=True)
 
     @property
     def inner(self) -> Module:
@@ -157,7 +186,13 @@ class ParallelModule(Module):
                 self._hooks.append(p.register_post_accumulate_grad_hook(reduce))
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        if self.sequence_dim is None or not args:
+            return self.module(*args, **kwargs)
+        from .tensor import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+        g, d = self.grid.intra_group, self.sequence_dim
+        x = args[0] if isinstance(args[0], Tensor) else Tensor(args[0])
+        y = self.module(scatter_to_sequence_parallel_region(x, g, dim=d), *args[1:], **kwargs)
+        return gather_from_sequence_parallel_region(y, g, tensor_parallel_output_grad=False, dim=d)
 
     def local_batch(self, *arrays):
         """This rank's rows of the global batch: equal contiguous slices over the batch shards.
@@ -355,7 +390,8 @@ def _finish_axonn_fsdp(fsdp, grid: ProcessGrid) -> None:
 
 def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                 tensor_parallel: Union[None, str, Dict[str, str]] = None,
-                data_parallel: Optional[str] = "ddp", sharding_strategy=None, **strategy_options) -> ParallelModule:
+                data_parallel: Optional[str] = "ddp", sharding_strategy=None, sequence_parallel: bool = False,
+                sequence_dim: int = 1, context_parallel: Optional[str] = None, **strategy_options) -> ParallelModule:
     """Lay ``module`` out over the grid: tensor parallel, then data parallel (DDP or FSDP).
 
     Args:
@@ -374,6 +410,19 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             the grid has one data replica, or a :class:`~axonmpi.parallel.Pipeline` over
             parallelized stages reduces over its ``data_group``).
         sharding_strategy: FSDP's :class:`~axonmpi.parallel.ShardingStrategy` (FSDP only).
+        sequence_parallel: Megatron's sequence parallelism (with a Megatron plan): ``pm(x)`` keeps
+            this rank's ``1/p`` of ``x`` along ``sequence_dim`` (split over the tensor group), the plan's
+            column / row layers all-gather / reduce-scatter it instead of all-reducing, every
+            ``nn.LayerNorm`` becomes a ``SequenceParallelLayerNorm``, every other replicated
+            parameter's gradient is summed over the tensor group as it completes, and the output is
+            all-gathered back: the same results with ``1/p`` of the activation bytes outside the
+            matmuls.  The length along ``sequence_dim`` must divide by the tensor size.
+        sequence_dim: the sequence dimension of the model's input and output (default 1:
+            ``(batch, seq, ...)``; 0 for token rows ``(tokens, features)``).
+        context_parallel: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1``: every
+            ``nn.CausalSelfAttention`` becomes a :class:`~axonmpi.parallel.context.ContextParallelAttention`
+            (:func:`~axonmpi.parallel.context.context_parallel_gpt`; a GPT then keeps its tokens of each
+            sequence), and gradients are reduced over data x context (``grid.data_context_group``).
         **strategy_options: keyword options of DDP or FSDP (``bucket_size_mb``, ``mixed_precision``, ...).
 
     Returns:
@@ -418,18 +467,41 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                                   "(FSDP x 'axonn' is); use DDP with a Megatron plan")
     if strategy_options and data_parallel is None:
         raise ValueError(f"rank {r}: options {sorted(strategy_options)} need data_parallel='ddp' or 'fsdp'")
+    if sequence_parallel and not isinstance(tensor_parallel, dict):
+        raise ValueError(f"rank {r}: sequence_parallel=True needs a Megatron plan (tensor_parallel={{pattern: "
+                         f"'column' | 'row'}}), got tensor_parallel={tensor_parallel!r}")
+    cp_size = getattr(grid, "G_context", 1)
+    if context_parallel is not None and cp_size == 1:
+        raise ValueError(f"rank {r}: context_parallel={context_parallel!r} needs a grid with G_context > 1 "
+                         "(axonmpi.init(G_context=N))")
+    if cp_size > 1 and (context_parallel is None or tensor_parallel is not None or data_parallel == "fsdp"):
+        raise NotImplementedError(
+            f"rank {r}: on a grid with G_context={cp_size} parallelize builds context parallelism with DDP and "
+            f"no tensor parallelism (context_parallel='ring' | 'ulysses'); got context_parallel={context_parallel!r}, "
+            f"tensor_parallel={tensor_parallel!r}, data_parallel={data_parallel!r}")
     shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
     if tensor_parallel == "axonn":
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
-        if _megatron(module, grid, tensor_parallel) == 0:
+        sp = int(sequence_dim) if sequence_parallel else None
+        if _megatron(module, grid, tensor_parallel, sp) == 0:
             raise ValueError(f"rank {r}: no module of the model matches the plan {tensor_parallel}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
+    sp_hooks = []
+    if sequence_parallel and grid.intra_group.size > 1:
+        # registered before DDP's hooks: each gradient is summed over the tensor group before DDP reads it
+        def reduce_tp(p, g=grid.intra_group):
+            all_reduce(p.grad.data, group=g, out=p.grad.data)
+        sp_hooks = [p.register_post_accumulate_grad_hook(reduce_tp) for p in _sequence_parallel(module, grid)]
+    if context_parallel is not None:
+        from .context import context_parallel_gpt
+        context_parallel_gpt(module, grid.context_group, context_parallel)
     wrapped = module
     cls = ParallelModule
     if data_parallel == "ddp" and tensor_parallel != "axonn":
         from .ddp import DistributedDataParallel
-        wrapped = DistributedDataParallel(module, group=grid.data_group, **strategy_options)
+        from .grad_sync import data_reduction_group
+        wrapped = DistributedDataParallel(module, group=data_reduction_group(grid), **strategy_options)
     elif data_parallel == "ddp" and strategy_options:
         raise ValueError(f"rank {r}: AxoNN layouts reduce through the gradient-sync table; DDP options "
                          f"{sorted(strategy_options)} do not apply")
@@ -445,6 +517,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
     pm._serial_shapes = shapes
+    pm._hooks.extend(sp_hooks)
+    if sequence_parallel:
+        pm.sequence_dim = int(sequence_dim)
     return pm
 
 

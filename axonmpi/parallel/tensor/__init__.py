@@ -1,16 +1,16 @@
 """Megatron-style 1-D tensor parallelism: differentiable region mappings and column/row/vocab/attention layers."""
 from .layers import (
-    ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding,
+    ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
 from .groups import TensorParallelGroups, default_groups, one_d_group
 from .mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_parallel_region,
+    scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
 )
 from .state import full_state_dict, load_full_state_dict, load_sharded_state_dict, sharded_state_dict
-from .transformer import parallelize_gpt
+from .transformer import SequenceParallelDropout, parallelize_gpt
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",
@@ -18,6 +18,7 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region", "SequenceParallelLayerNorm", "SequenceParallelDropout",
     "TensorParallelGroups", "default_groups", "one_d_group",
     "full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict", "parallelize_gpt",
 ]

@@ -5,6 +5,18 @@ Weights keep the serial (PyTorch) names and are cut from the serial shapes: a co
 ``weight`` (out, in) keeps rows ``[r*out/p, (r+1)*out/p)``, a row-parallel one keeps columns
 ``[r*in/p, (r+1)*in/p)``; ``load_state_dict`` takes either the full or the sharded arrays and
 ``state_dict(full=True)`` gathers.  Every size that is split must divide by the group size.
+
+[Note: sequence parallelism]  Megatron's sequence parallelism (``sequence_parallel=True``): outside
+the matmuls (LayerNorm, dropout, residual adds) the activations are split along the sequence over
+the tensor group, so they take ``1/p`` of the bytes.  A column-parallel layer all-gathers its input
+along the sequence (backward: reduce-scatter of the input gradient) where it would copy it; a
+row-parallel one reduce-scatters its partial output along the sequence where it would all-reduce it
+(backward: all-gather).  The same bytes as the all-reduce they replace (a ring all-reduce *is* a
+reduce-scatter then an all-gather).  Parameters used on sequence shards (LayerNorm weight and bias,
+a row-parallel bias) get partial gradients on each tensor rank: they take them through
+``copy_to_tensor_parallel_region`` (identity forward, all-reduce over the tensor group backward),
+so their ``.grad`` is the full gradient before any data-parallel reduction sees it, and they are
+tagged ``sequence_parallel = True`` (Megatron's attribute) with a placement replicated over the group.
 """
 from __future__ import annotations
 from ...distributed.placement import Placement, Shard, ShardKind, set_placement
@@ -20,17 +32,17 @@ from ...autograd.ops_nn import _check_targets
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module
 from ...distributed import ProcessGroup, ReduceOp, all_gather, all_reduce
-from ...nn import Dropout, GELU, init
+from ...nn import Dropout, GELU, LayerNorm, init
 from ...nn.parameter import Parameter
 from .groups import one_d_group
 from .mappings import (
-    copy_to_tensor_parallel_region, divide, gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region,
+    copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
 )
 from .state import _TensorParallelModule, axis_block, axis_shard, init_full
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",
+    "ColumnParallelLinear", "RowParallelLinear", "SequenceParallelLayerNorm", "TensorParallelAttention", "TensorParallelMLP",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
 ]
 
@@ -50,6 +62,42 @@ def _tag(p: Parameter, group: Optional[ProcessGroup], *, replicated_over: Option
         set_placement(p, Placement(shards=(Shard(group, ShardKind.DIM),)))
     else:
         set_placement(p, Placement(replicas=(replicated_over,) if replicated_over is not None else ()))
+
+
+def _tag_sequence_parallel(p: Parameter, group: ProcessGroup) -> None:
+    """``p`` is used on sequence shards: replicated over ``group``, gradient summed over it in backward."""
+    _tag(p, None, replicated_over=group)
+    p.sequence_parallel = True
+
+
+def _sp_param(p: Optional[Parameter], group: ProcessGroup):
+    """``p`` as used on this rank's sequence shard: backward all-reduces its gradient over ``group``."""
+    return None if p is None else copy_to_tensor_parallel_region(p, group)
+
+
+class SequenceParallelLayerNorm(LayerNorm):
+    """:class:`~axonmpi.nn.LayerNorm` on sequence shards: same names and values, weight and bias gradients
+    all-reduced over ``group`` in backward (each rank normalises its own tokens).
+
+    Example:
+        >>> ln = SequenceParallelLayerNorm(64, group=tp, dtype="float64")
+        >>> y_seq = ln(x_seq)                        # (b, s / p, 64)
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 group: Optional[ProcessGroup] = None, dtype=None, device=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias=bias, dtype=dtype, device=device)
+        self.group = one_d_group(group)
+        for p in (self.weight, self.bias):
+            if p is not None:
+                _tag_sequence_parallel(p, self.group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops_nn.LayerNorm.apply(x, _sp_param(self.weight, self.group), _sp_param(self.bias, self.group),
+                                      len(self.normalized_shape), self.eps)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", sequence parallel over group size={self.group.size}"
 
 
 class _AxisSharded(_TensorParallelModule):
@@ -84,6 +132,10 @@ class ColumnParallelLinear(_AxisSharded):
         group: the tensor-parallel group (default: the current grid's ``intra_group``).
         init_method: initializer of the full weight (default: PyTorch's kaiming-uniform a=sqrt(5)).
         dtype: parameter dtype (default float32).
+        sequence_parallel: the input is this rank's sequence shard: all-gather it along
+            ``sequence_dim`` (backward: reduce-scatter) instead of copying it (see the module's
+            note).  The sequence length must divide by the group size.
+        sequence_dim: the sequence dimension of the input (default -2: ``(b, s, h)`` or ``(s, h)``).
 
     Example:
         >>> fc = ColumnParallelLinear(16, 32, group=tp, dtype="float64")   # weight (32/p, 16)
@@ -91,11 +143,13 @@ class ColumnParallelLinear(_AxisSharded):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group: Optional[ProcessGroup] = None, init_method: Optional[Callable] = None, dtype=None):
+                 group: Optional[ProcessGroup] = None, init_method: Optional[Callable] = None, dtype=None, *,
+                 sequence_parallel: bool = False, sequence_dim: int = -2):
         super().__init__()
         self.group = one_d_group(group)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.gather_output = bool(gather_output)
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
         local_out = divide(self.out_features, self.group, "out_features")
         full = init_full((self.out_features, self.in_features), dtype, init_method or _kaiming, [self.group])
         self.weight = Parameter(axis_shard(full, 0, self.group))
@@ -111,14 +165,18 @@ class ColumnParallelLinear(_AxisSharded):
         self.local_out_features = local_out
 
     def forward(self, x: Tensor) -> Tensor:
-        x = copy_to_tensor_parallel_region(x, self.group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group, dim=self.sequence_dim)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
         y = ops_nn.linear(x, self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(local {self.local_out_features}), bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, group size={self.group.size}")
+                f"gather_output={self.gather_output}, group size={self.group.size}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(_AxisSharded):
@@ -135,6 +193,10 @@ class RowParallelLinear(_AxisSharded):
         group: the tensor-parallel group (default: the current grid's ``intra_group``).
         dtype: parameter dtype.
         init_method: initializer of the full weight (keyword only).
+        sequence_parallel: reduce-scatter the partial output along ``sequence_dim`` (each rank
+            keeps its sequence shard; backward: all-gather) instead of all-reducing it; the bias is
+            added on the shard and its gradient all-reduced over the group (see the module's note).
+        sequence_dim: the sequence dimension of the output (default -2).
 
     Example:
         >>> proj = RowParallelLinear(32, 16, group=tp)
@@ -142,11 +204,16 @@ class RowParallelLinear(_AxisSharded):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group: Optional[ProcessGroup] = None, dtype=None, *, init_method: Optional[Callable] = None):
+                 group: Optional[ProcessGroup] = None, dtype=None, *, init_method: Optional[Callable] = None,
+                 sequence_parallel: bool = False, sequence_dim: int = -2):
         super().__init__()
         self.group = one_d_group(group)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.input_is_parallel = bool(input_is_parallel)
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
+        if self.sequence_parallel and not self.input_is_parallel:
+            raise ValueError(f"rank {self.group.world.rank}: RowParallelLinear(sequence_parallel=True) needs "
+                             "input_is_parallel=True (the input of a column-parallel layer)")
         self.local_in_features = divide(self.in_features, self.group, "in_features")
         full = init_full((self.out_features, self.in_features), dtype, init_method or _kaiming, [self.group])
         self.weight = Parameter(axis_shard(full, 1, self.group))
@@ -155,20 +222,28 @@ class RowParallelLinear(_AxisSharded):
         if bias:
             self.bias = Parameter(init_full((self.out_features,), dtype, _bias_init(self.in_features),
                                             [self.group]))
-            _tag(self.bias, None, replicated_over=self.group)
+            if self.sequence_parallel:
+                _tag_sequence_parallel(self.bias, self.group)
+            else:
+                _tag(self.bias, None, replicated_over=self.group)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(ops_nn.linear(x, self.weight), self.group,
+                                                           dim=self.sequence_dim)
+            return y if self.bias is None else y + _sp_param(self.bias, self.group)
         y = reduce_from_tensor_parallel_region(ops_nn.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.local_in_features}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"input_is_parallel={self.input_is_parallel}, group size={self.group.size}")
+                f"input_is_parallel={self.input_is_parallel}, group size={self.group.size}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 class _MaskRows(Function):
@@ -357,6 +432,7 @@ class TensorParallelMLP(_TensorParallelModule):
         approximate: GELU variant ("tanh", the default of nn.MLP, or "none").
         dropout: dropout after ``proj`` (as nn.MLP; masks are drawn per rank).
         dtype: parameter dtype.
+        sequence_parallel: input and output are sequence shards (``(b, s/p, h)``); dropout runs on them.
 
     Example:
         >>> mlp = TensorParallelMLP(64, group=tp, dtype="float64")
@@ -365,13 +441,14 @@ class TensorParallelMLP(_TensorParallelModule):
 
     def __init__(self, embed_dim: int, hidden_dim: Optional[int] = None, bias: bool = True,
                  group: Optional[ProcessGroup] = None, approximate: str = "tanh", dropout: float = 0.0,
-                 dtype=None):
+                 dtype=None, *, sequence_parallel: bool = False):
         super().__init__()
         hidden = 4 * embed_dim if hidden_dim is None else int(hidden_dim)
         group = one_d_group(group)
-        self.fc = ColumnParallelLinear(embed_dim, hidden, bias=bias, group=group, dtype=dtype)
+        sp = dict(sequence_parallel=sequence_parallel)
+        self.fc = ColumnParallelLinear(embed_dim, hidden, bias=bias, group=group, dtype=dtype, **sp)
         self.act = GELU(approximate)
-        self.proj = RowParallelLinear(hidden, embed_dim, bias=bias, group=group, dtype=dtype)
+        self.proj = RowParallelLinear(hidden, embed_dim, bias=bias, group=group, dtype=dtype, **sp)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -381,9 +458,10 @@ class TensorParallelMLP(_TensorParallelModule):
 class _QKVParallelLinear(_AxisSharded):
     """The fused (3C, C) q/k/v projection with each of q, k, v split by rows (heads) over ``group``."""
 
-    def __init__(self, embed_dim: int, bias: bool, group: ProcessGroup, dtype):
+    def __init__(self, embed_dim: int, bias: bool, group: ProcessGroup, dtype, sequence_parallel: bool = False):
         super().__init__()
         self.group = group
+        self.sequence_parallel = bool(sequence_parallel)
         c = self.embed_dim = int(embed_dim)
         self.local = divide(c, group, "embed_dim")
         full = init_full((3 * c, c), dtype, _kaiming, [group])
@@ -418,6 +496,8 @@ class _QKVParallelLinear(_AxisSharded):
         return self._tp_shard(name, np.asarray(block))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            return ops_nn.linear(gather_from_sequence_parallel_region(x, self.group, dim=-2), self.weight, self.bias)
         return ops_nn.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
 
 
@@ -468,6 +548,8 @@ class TensorParallelAttention(_TensorParallelModule):
             ``CausalSelfAttention`` draws (each rank draws the full mask and keeps its heads).
         bias: biases on the projections.
         dtype: parameter dtype.
+        sequence_parallel: input and output are sequence shards ``(B, T/p, C)``: ``qkv`` all-gathers
+            the sequence, ``proj`` reduce-scatters it (the output dropout runs on the shard).
 
     Example:
         >>> attn = TensorParallelAttention(64, 4, group=tp, dtype="float64")
@@ -475,7 +557,7 @@ class TensorParallelAttention(_TensorParallelModule):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None, causal: bool = True,
-                 dropout: float = 0.0, bias: bool = True, dtype=None):
+                 dropout: float = 0.0, bias: bool = True, dtype=None, *, sequence_parallel: bool = False):
         super().__init__()
         group = one_d_group(group)
         if embed_dim % num_heads:
@@ -483,15 +565,18 @@ class TensorParallelAttention(_TensorParallelModule):
         self.embed_dim, self.num_heads, self.causal = int(embed_dim), int(num_heads), bool(causal)
         self.local_heads = divide(self.num_heads, group, "num_heads")
         self.group = group
-        self.qkv = _QKVParallelLinear(embed_dim, bias, group, dtype)
-        self.proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=group, dtype=dtype)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.qkv = _QKVParallelLinear(embed_dim, bias, group, dtype, self.sequence_parallel)
+        self.proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=group, dtype=dtype,
+                                      sequence_parallel=self.sequence_parallel)
         self.attn_dropout = Dropout(dropout)
         self.resid_dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
+        qkv = self.qkv(x)                      # sequence parallel: the whole sequence from here to proj
+        B, T, C = qkv.shape[0], qkv.shape[1], x.shape[2]
         nh, hd = self.local_heads, C // self.num_heads
-        q, k, v = ops.split(self.qkv(x), nh * hd, axis=2)
+        q, k, v = ops.split(qkv, nh * hd, axis=2)
         q = ops.permute(ops.reshape(q, B, T, nh, hd), 0, 2, 1, 3)
         k = ops.permute(ops.reshape(k, B, T, nh, hd), 0, 2, 3, 1)
         v = ops.permute(ops.reshape(v, B, T, nh, hd), 0, 2, 1, 3)

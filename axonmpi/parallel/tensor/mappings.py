@@ -9,6 +9,9 @@ Layer 2, autograd ``Function`` pairs whose backward is the conjugate collective:
     gather_from    forward all-gather last dim backward split last dim
     reduce_scatter_to_sequence  forward reduce-scatter dim 0   backward all-gather dim 0
     gather_from_sequence        forward all-gather dim 0       backward reduce-scatter dim 0
+    scatter_to_sequence         forward split dim 0            backward all-gather dim 0
+
+(the sequence wrappers take ``dim=``: the sequence dimension, 0 as Megatron's ``(s, b, h)``, 1 for ``(b, s, h)``).
 
 Layer 3, public lowercase wrappers taking ``group``; a group of size 1 returns the input unchanged.
 Splits must be even: a size that does not divide by the group size raises ``ValueError``.
@@ -26,7 +29,7 @@ __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "divide",
+    "scatter_to_sequence_parallel_region", "divide",
 ]
 
 
@@ -71,6 +74,28 @@ def _reduce_scatter_along_first_dim(x, group: ProcessGroup):
         return x
     divide(x.shape[0], group, "first dimension")
     return reduce_scatter(x, group=group)
+
+
+def _seq_check(x, group, dim):
+    if x.shape[dim] % group.size:
+        raise ValueError(
+            f"rank {group.world.rank}: sequence parallelism splits dimension {dim} (the sequence, length "
+            f"{x.shape[dim]}) over the {group.size} ranks of group {group.name!r}, and {x.shape[dim]} is not "
+            f"divisible by {group.size}; use a sequence length that is a multiple of {group.size}")
+
+
+def _on_dim(fn, x, group, dim, check=True):
+    """``fn`` (an op on dimension 0) applied on dimension ``dim``."""
+    if group.size == 1:
+        return x
+    if check:
+        _seq_check(x, group, dim)
+    if dim == 0:
+        return fn(x, group)
+    from ...backend import get_array_module
+    xp = get_array_module(x)
+    y = fn(xp.ascontiguousarray(xp.moveaxis(x, dim, 0)), group)
+    return xp.ascontiguousarray(xp.moveaxis(y, 0, dim))
 
 
 # -- layer 2: autograd pairs ------------------------------------------------------------------
@@ -129,28 +154,41 @@ class _ReduceScatterToSequenceParallelRegion(Function):
     _fresh_grads = True  # backward returns new arrays or the incoming gradient
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_along_first_dim(x, group)
+    def forward(ctx, x, group, dim=0):
+        ctx.group, ctx.dim = group, dim
+        return _on_dim(_reduce_scatter_along_first_dim, x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_along_first_dim(g, ctx.group), None
+        return _on_dim(_gather_along_first_dim, g, ctx.group, ctx.dim, False), None, None
 
 
 class _GatherFromSequenceParallelRegion(Function):
     _fresh_grads = True  # backward returns new arrays or the incoming gradient
 
     @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group, ctx.reduce = group, tensor_parallel_output_grad
-        return _gather_along_first_dim(x, group)
+    def forward(ctx, x, group, tensor_parallel_output_grad, dim=0):
+        ctx.group, ctx.reduce, ctx.dim = group, tensor_parallel_output_grad, dim
+        return _on_dim(_gather_along_first_dim, x, group, dim, False)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.reduce:
-            return _reduce_scatter_along_first_dim(g, ctx.group), None, None
-        return _split_along_first_dim(g, ctx.group), None, None
+            return _on_dim(_reduce_scatter_along_first_dim, g, ctx.group, ctx.dim), None, None, None
+        return _on_dim(_split_along_first_dim, g, ctx.group, ctx.dim), None, None, None
+
+
+class _ScatterToSequenceParallelRegion(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
+    @staticmethod
+    def forward(ctx, x, group, dim=0):
+        ctx.group, ctx.dim = group, dim
+        return _on_dim(_split_along_first_dim, x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _on_dim(_gather_along_first_dim, g, ctx.group, ctx.dim, False), None, None
 
 
 # -- layer 3: public wrappers -----------------------------------------------------------------
@@ -211,17 +249,31 @@ def gather_from_tensor_parallel_region(x: Tensor, group: Optional[ProcessGroup] 
     return _apply(_GatherFromTensorParallelRegion, x, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: Tensor, group: Optional[ProcessGroup] = None) -> Tensor:
-    """Sum over ``group`` and keep this rank's block of dimension 0 forward; all-gather dim 0 backward.
+def reduce_scatter_to_sequence_parallel_region(x: Tensor, group: Optional[ProcessGroup] = None, *,
+                                               dim: int = 0) -> Tensor:
+    """Sum over ``group`` and keep this rank's block of dimension ``dim`` forward; all-gather it backward.
+
+    Raises:
+        ValueError: the sequence length does not divide by the group size (names both and the rank).
 
     Example:
         >>> y_seq = reduce_scatter_to_sequence_parallel_region(partial, group=tp)  # (s / p, b, h)
     """
-    return _apply(_ReduceScatterToSequenceParallelRegion, x, group)
+    return _apply(_ReduceScatterToSequenceParallelRegion, x, group, int(dim))
+
+
+def scatter_to_sequence_parallel_region(x: Tensor, group: Optional[ProcessGroup] = None, *,
+                                        dim: int = 0) -> Tensor:
+    """Keep this rank's block of dimension ``dim`` forward (input replicated); all-gather the gradient backward.
+
+    Example:
+        >>> x_seq = scatter_to_sequence_parallel_region(embeddings, group=tp, dim=1)   # (b, s / p, h)
+    """
+    return _apply(_ScatterToSequenceParallelRegion, x, group, int(dim))
 
 
 def gather_from_sequence_parallel_region(x: Tensor, group: Optional[ProcessGroup] = None, *,
-                                         tensor_parallel_output_grad: bool = True) -> Tensor:
+                                         tensor_parallel_output_grad: bool = True, dim: int = 0) -> Tensor:
     """All-gather along dimension 0 forward; backward reduce-scatters the gradient (or only splits it).
 
     Args:
@@ -230,8 +282,9 @@ def gather_from_sequence_parallel_region(x: Tensor, group: Optional[ProcessGroup
         tensor_parallel_output_grad: the gathered output feeds tensor-parallel work whose gradient
             is partial on each rank (reduce-scatter backward, Megatron's default); ``False`` when
             the gradient is replicated (split backward).
+        dim: the sequence dimension (0: Megatron's ``(s, b, h)``; 1: ``(b, s, h)``).
 
     Example:
         >>> x_full = gather_from_sequence_parallel_region(x_seq, group=tp)  # (s, b, h)
     """
-    return _apply(_GatherFromSequenceParallelRegion, x, group, bool(tensor_parallel_output_grad))
+    return _apply(_GatherFromSequenceParallelRegion, x, group, bool(tensor_parallel_output_grad), int(dim))

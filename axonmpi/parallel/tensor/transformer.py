@@ -5,12 +5,26 @@ from __future__ import annotations
 from typing import Optional
 
 from ...distributed import ProcessGroup
-from ...nn import CausalSelfAttention, Embedding, Linear, MLP, Module
+from ...nn import CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear, MLP, Module
 from .groups import one_d_group
-from .layers import ColumnParallelLinear, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding
+from .layers import (ColumnParallelLinear, SequenceParallelLayerNorm, TensorParallelAttention, TensorParallelMLP,
+                     VocabParallelEmbedding)
+from .mappings import scatter_to_sequence_parallel_region
 from .state import load_full_state_dict
 
-__all__ = ["parallelize_gpt"]
+__all__ = ["parallelize_gpt", "SequenceParallelDropout"]
+
+
+class SequenceParallelDropout(Dropout):
+    """Enter the sequence-parallel region: keep this rank's block of the sequence (dimension -2; backward:
+    all-gather), then dropout on it.  Replaces a GPT's embedding dropout (``drop``)."""
+
+    def __init__(self, p: float, group: ProcessGroup):
+        super().__init__(p)
+        self.group = group
+
+    def forward(self, x):
+        return super().forward(scatter_to_sequence_parallel_region(x, self.group, dim=-2))
 
 
 def _replace(parent: Module, name: str, new: Module, old: Module) -> None:
@@ -18,7 +32,8 @@ def _replace(parent: Module, name: str, new: Module, old: Module) -> None:
     setattr(parent, name, new)
 
 
-def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, vocab_parallel: bool = True) -> Module:
+def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, vocab_parallel: bool = True,
+                    sequence_parallel: bool = False) -> Module:
     """Swap, in place, every attention for :class:`TensorParallelAttention` (heads split), every MLP for
     :class:`TensorParallelMLP`, and (``vocab_parallel``) ``wte`` for a :class:`VocabParallelEmbedding` and
     ``lm_head`` for a :class:`ColumnParallelLinear` gathering the logits.  Weights are kept (each rank
@@ -31,6 +46,12 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
         model: the serial model, built identically on every rank.
         group: the tensor-parallel group (default: the current grid's ``intra_group``).
         vocab_parallel: also split ``wte`` and ``lm_head`` over the vocabulary.
+        sequence_parallel: Megatron's sequence parallelism: from the embedding dropout (``drop``, which
+            keeps this rank's ``T/p`` tokens) to ``lm_head`` (which all-gathers them), LayerNorms,
+            dropouts and residual adds run on sequence shards; the attention and MLP all-gather /
+            reduce-scatter the sequence instead of all-reducing; every LayerNorm becomes a
+            :class:`SequenceParallelLayerNorm` (gradients all-reduced over ``group``).  Needs
+            ``vocab_parallel`` and sequences whose length divides by the group size.
 
     Returns:
         ``model`` itself.
@@ -40,24 +61,37 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
         >>> logits, loss = model(idx, targets)          # same results as the serial model
     """
     g = one_d_group(group)
+    sp = bool(sequence_parallel)
+    if sp and not vocab_parallel:
+        raise ValueError(f"rank {g.world.rank}: parallelize_gpt(sequence_parallel=True) needs vocab_parallel=True "
+                         "(lm_head all-gathers the sequence shards)")
+    if sp and type(getattr(model, "drop", None)) is not Dropout:
+        raise ValueError(f"rank {g.world.rank}: parallelize_gpt(sequence_parallel=True) enters the sequence-parallel "
+                         f"region at the model's embedding dropout 'drop', which {type(model).__name__} does not have")
     for _, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             dtype = next(iter(child.parameters())).dtype if any(True for _ in child.parameters()) else None
             if type(child) is CausalSelfAttention:
                 new = TensorParallelAttention(child.n_embd, child.n_head, group=g, causal=True,
                                               dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
-                                              dtype=dtype)
+                                              dtype=dtype, sequence_parallel=sp)
                 _replace(parent, name, new, child)
             elif type(child) is MLP:
                 new = TensorParallelMLP(child.fc.in_features, child.fc.out_features, bias=child.fc.bias is not None,
                                         group=g, approximate=child.act.approximate, dropout=child.dropout.p,
-                                        dtype=dtype)
+                                        dtype=dtype, sequence_parallel=sp)
                 _replace(parent, name, new, child)
+            elif sp and type(child) is LayerNorm:
+                new = SequenceParallelLayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
+                                                bias=child.bias is not None, group=g, dtype=dtype)
+                _replace(parent, name, new, child)
+            elif sp and parent is model and name == "drop" and type(child) is Dropout:
+                setattr(parent, name, SequenceParallelDropout(child.p, g))
             elif vocab_parallel and name == "wte" and type(child) is Embedding:
                 _replace(parent, name, VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=g,
                                                               dtype=dtype, padding_idx=child.padding_idx), child)
             elif vocab_parallel and name == "lm_head" and type(child) is Linear:
                 _replace(parent, name, ColumnParallelLinear(child.in_features, child.out_features,
                                                             bias=child.bias is not None, gather_output=True,
-                                                            group=g, dtype=dtype), child)
+                                                            group=g, dtype=dtype, sequence_parallel=sp), child)
     return model

@@ -1,0 +1,102 @@
+"""``context_parallel_gpt``: a GPT (or any model of ``nn.CausalSelfAttention`` blocks) whose sequences are split over the context group."""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+from ...distributed import ProcessGroup, role_group
+from ...distributed.placement import add_placement
+from ...nn import CausalSelfAttention, Module
+from .attention import ContextParallelAttention
+from .layout import CPAlgo, ContextLayout
+
+__all__ = ["ContextParallelism", "context_parallel_gpt"]
+
+
+class ContextParallelism:
+    """What a model under :func:`context_parallel_gpt` reads: the group, the algorithm, the attention layers.
+
+    ``GPT.forward`` keeps this rank's tokens (:meth:`positions`) of the full ``(B, T)`` ids it is
+    given, and its loss is this rank's token sum scaled by ``P / (tokens in the batch)``: the mean
+    over the context group is the serial mean loss (and, averaged over data x context, its gradient).
+    """
+
+    def __init__(self, group: ProcessGroup, algo: CPAlgo, attention: List[ContextParallelAttention]):
+        self.group, self.algo, self.attention = group, algo, attention
+        self.active = True
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def layout(self, seq_len: int) -> ContextLayout:
+        """The :class:`ContextLayout` of a ``seq_len``-token sequence."""
+        return ContextLayout(int(seq_len), self.group.size, self.algo)
+
+    def positions(self, seq_len: int):
+        """This rank's token positions of a ``seq_len``-token sequence."""
+        return self.layout(seq_len).positions(self.group.rank)
+
+    def begin(self, seq_len: int) -> None:
+        """Tell every attention layer the whole sequence length of this forward."""
+        for a in self.attention:
+            a.seq_len = int(seq_len)
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Run the model on whole sequences on this rank alone (generation on one rank)."""
+        self.active = False
+        for a in self.attention:
+            a.context_enabled = False
+        try:
+            yield
+        finally:
+            self.active = True
+            for a in self.attention:
+                a.context_enabled = True
+
+
+def context_parallel_gpt(model: Module, group: Optional[ProcessGroup] = None, algo="ring") -> Module:
+    """Swap, in place, every :class:`~axonmpi.nn.CausalSelfAttention` for a :class:`ContextParallelAttention`
+    holding the same ``qkv`` / ``proj`` layers (names and values unchanged), record every parameter as
+    replicated over the context group, and set ``model.context_parallel``.
+
+    A GPT so changed takes the whole ``(B, T)`` token ids on every rank of the group and computes only
+    this rank's tokens (ring: chunks ``r`` and ``2P-1-r`` of ``2P``; Ulysses: the ``r``-th of ``P``).
+    Reduce the gradients over data x context (``grid.data_context_group``; ``parallelize`` and
+    ``HybridGPT`` do) and average the loss there.
+
+    Args:
+        model: the serial model, built identically on every rank (attention dropout must be 0).
+        group: the context-parallel group (default: the grid's ``"context"`` group).
+        algo: ``"ring"`` or ``"ulysses"`` (:class:`CPAlgo`).
+
+    Returns:
+        ``model`` itself.
+
+    Example:
+        >>> axonmpi.init(G_context=2)
+        >>> model = context_parallel_gpt(GPT(cfg, dtype="float64"), algo="ring")
+        >>> logits, loss = model(idx, targets)        # logits: this rank's tokens only
+    """
+    g = role_group("context", group)
+    algo = CPAlgo.coerce(algo)
+    layers = []
+    for _, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not CausalSelfAttention:
+                continue
+            if child.attn_dropout.p:
+                raise NotImplementedError(f"rank {g.world.rank}: attention dropout ({child.attn_dropout.p}) is not "
+                                          "built for context parallelism; use dropout=0")
+            new = ContextParallelAttention(child.n_embd, child.n_head, group=g, algo=algo,
+                                           dropout=child.resid_dropout.p, bias=child.qkv.bias is not None)
+            new.qkv, new.proj = child.qkv, child.proj          # the same layers: names and values kept
+            setattr(parent, name, new)
+            layers.append(new)
+    if not layers:
+        raise ValueError(f"rank {g.world.rank}: context_parallel_gpt found no CausalSelfAttention in the model")
+    for p in model.parameters():
+        add_placement(p, replica=g)
+    model.context_parallel = ContextParallelism(g, algo, layers)
+    return model
