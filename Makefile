@@ -40,7 +40,8 @@ test: install
 	    exit $$status; }; \
 	done; echo "=== all passes green: $(NPS) rank(s) ==="
 
-INTEROP_TESTS ?= tests/test_gpt2_interop.py tests/test_safetensors.py tests/test_torch_surface.py
+INTEROP_TESTS ?= tests/test_gpt2_interop.py tests/test_gpt2_layouts.py tests/test_safetensors.py tests/test_torch_surface.py \
+	tests/test_collectives_interop.py
 
 test-interop: install
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 transformers

@@ -17,6 +17,17 @@ def _model(widths, seed=0):
     return nn.Sequential(*mods)
 
 
+def _check_pairs_agree(world, pipe):
+    """Between every two ranks, the receives one posted come in the order the other sent
+    (headers included): what NCCL, which has no tags, needs ([Note: p2p order])."""
+    posted = axonmpi.distributed.all_gather_object(pipe._posted, world.default_group)
+    sent = axonmpi.distributed.all_gather_object(pipe._sent, world.default_group)
+    for q in range(world.world_size):
+        for r in range(world.world_size):
+            got = [x for peer, x in posted[r] if peer == q]
+            assert got == [x for peer, x in sent[q] if peer == r], (q, r)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", list(PipelineSchedule))
 def test_measured_in_flight_matches_the_schedule(kind):
@@ -32,6 +43,9 @@ def test_measured_in_flight_matches_the_schedule(kind):
     x = np.random.default_rng(0).standard_normal((3 * m, 4))
     pipe.step(x, np.zeros((3 * m, 6)))
     assert pipe._executed == make_schedule(kind, p, m, v).actions(r)     # exactly the schedule's list
+    _check_pairs_agree(world, pipe)
+    pipe.eval_step(x)                   # forwards only: the gradient sends drop out of both sides
+    _check_pairs_agree(world, pipe)
     st = pipe.memory_stats()
     sim = simulate(make_schedule(kind, p, m, v))
     assert st.peak_in_flight == {s: sim.peak_activations_per_stage[s] for s in st.stages}

@@ -143,3 +143,48 @@ def test_split_errors():
     tied = nn.Sequential(lin, nn.ReLU(), lin)
     with pytest.raises(ValueError, match="tied weights across pipeline stages"):
         split_module(tied, 2, boundaries=[2], rank=0)
+
+
+def _every_schedule():
+    for kind in PipelineSchedule:
+        v = 2 if kind in (PipelineSchedule.INTERLEAVED_ONE_F_ONE_B, PipelineSchedule.ZBV) else 1
+        for p in range(1, 5):
+            for m in (p, 2 * p, 2 * p + 1):
+                if kind is PipelineSchedule.INTERLEAVED_ONE_F_ONE_B and m % p:
+                    continue
+                yield make_schedule(kind, p, m, v)
+
+
+def test_receives_are_matched_in_each_peers_send_order():
+    """[Note: p2p order]: NCCL matches a pair's messages by order alone, so the runtime posts each
+    rank's receives in the order its peer sends them; that order covers every receive exactly once."""
+    from axonmpi.parallel.pipeline.schedules import _check_fifo, _recv_order
+    reordered = []
+    for s in _every_schedule():
+        _check_fifo(s)
+        for r in range(s.num_stages):
+            order = _recv_order(s, r)
+            for q, recvs in order.items():
+                sends = [a for a in s.actions(q) if a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+                         and s.rank_of(a.stage + (1 if a.kind is ActionKind.SEND_ACT else -1)) == r]
+                assert [(a.microbatch, a.stage + (1 if a.kind is ActionKind.SEND_ACT else -1)) for a in sends] \
+                    == [(b.microbatch, b.stage) for b in recvs]
+                own = [a for a in s.actions(r) if a in set(recvs)]
+                assert sorted(own, key=str) == sorted(recvs, key=str)
+                if own != recvs:
+                    reordered.append((s.kind, s.num_stages, r, q))
+            assert all(b.kind is ActionKind.RECV_ACT for bs in _recv_order(s, r, train=False).values() for b in bs)
+    # the case that hung on NCCL: ZBV on 2 ranks receives a gradient before an activation sent earlier
+    assert (PipelineSchedule.ZBV, 2, 1, 0) in reordered
+    s = make_schedule("zbv", 2, 4)
+    assert [str(b) for b in _recv_order(s, 1)[0]][:5] == ["1RECV_F0", "1RECV_F1", "1RECV_F2", "2RECV_B0", "2RECV_B1"]
+    assert [str(a) for a in s.actions(1) if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)][:4] \
+        == ["1RECV_F0", "1RECV_F1", "2RECV_B0", "1RECV_F2"]
+
+
+def test_a_receive_nobody_sends_is_refused_before_running():
+    from axonmpi.parallel.pipeline.schedules import _check_fifo
+    good = make_schedule("1f1b", 2, 2)
+    extra = good.actions(1) + [Action(ActionKind.RECV_ACT, 1, 1)]
+    with pytest.raises(ValueError, match=r"rank 1: its receives and its peers' sends to it differ"):
+        _check_fifo(Schedule(2, 2, 1, (tuple(good.actions(0)), tuple(extra))))

@@ -14,6 +14,9 @@ Conventions (shared by every function here):
   or ``"nccl"``), else to MPI directly when it is CUDA-aware (``AXONMPI_CUDA_AWARE``), else
   they are staged through host memory, and ``async_op=True`` then completes before returning.
   Host arrays and objects go over MPI. The CPU path never imports CuPy.
+* Any array: objects with ``__dlpack__``, ``__cuda_array_interface__`` or the buffer protocol
+  (PyTorch tensors, JAX arrays, ``bytearray``...) are moved as zero-copy views where the producer
+  allows, and results come back in the caller's type (:mod:`axonmpi.distributed.interop`).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from .backends.base import P2PBuffer
 from .backends import device_backend, host_backend
 from .backends.mpi import CudaAwareMPIBackend, MPIBackend, cuda_aware_mpi
 from .group import ProcessGroup
+from .interop import any_array, any_array_p2p, call_with_arrays, foreign
 from .reduce_op import ReduceOp, mpi_op
 from .work import Work
 from . import world as _world_mod
@@ -264,6 +268,8 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         if recv is not None:
             (g._host or _host_backend(g)).allreduce(x, recv, op)
             return recv
+    if foreign(x, out):                  # torch, JAX, buffers...: interop.py
+        return call_with_arrays(all_reduce, x, op, group, out=out, async_op=async_op)
     x = _as_array(x)
     if g.world.debug:
         _debug(g, "all_reduce", shape=x.shape, dtype=x.dtype, op=op)
@@ -322,6 +328,7 @@ def all_reduce_product(x, group=None, **kw):
     return all_reduce(x, ReduceOp.PRODUCT, group, **kw)
 
 
+@any_array
 def reduce(x, dst: int = 0, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None):
     """Reduce ``x`` onto group rank ``dst``; returns the result there and ``None`` elsewhere."""
     g = _group(group)
@@ -361,6 +368,8 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, *, async_op
         if g.size > 1:
             (g._host or _host_backend(g)).broadcast(x, src)
         return Work(result=x) if async_op else x
+    if foreign(x):                       # torch, JAX, buffers...: interop.py
+        return call_with_arrays(broadcast, x, src, group, async_op=async_op)
     x = _as_array(x)
     if type(x) is _ND and not x.flags.writeable:
         raise ValueError(f"rank {g.world.rank}: broadcast writes into x in place; x is read-only")
@@ -405,6 +414,8 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
         if shape is not None:
             (g._host or _host_backend(g)).allgather(x, out)
             return out
+    if foreign(x, out):                  # torch, JAX, buffers...: interop.py
+        return call_with_arrays(all_gather, x, axis, group, uneven=uneven, out=out, async_op=async_op)
     x = _as_array(x)
     if x.ndim == 0:
         x = x.reshape(1)
@@ -495,6 +506,8 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
             recv = np.empty(shape, x.dtype) if out is None else out
             (g._host or _host_backend(g)).reduce_scatter(x, recv, None, op)
             return recv
+    if foreign(x, out):                  # torch, JAX, buffers...: interop.py
+        return call_with_arrays(reduce_scatter, x, op, group, out=out, async_op=async_op)
     x = _as_array(x)
     if x.ndim == 0:
         raise ValueError(f"rank {g.world.rank}: reduce_scatter needs at least 1-d input, got a 0-d array")
@@ -548,6 +561,7 @@ def _split_flat(recv, shapes, counts, stage, like):
     return out
 
 
+@any_array
 def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[Any]]:
     """Collect every rank's ``x`` on group rank ``dst`` as a list (in group-rank order).
 
@@ -576,6 +590,7 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[Li
     return _split_flat(recv, shapes, counts, stage, x)
 
 
+@any_array
 def scatter(chunks, src: int = 0, group: Optional[ProcessGroup] = None):
     """Send chunk ``i`` from group rank ``src`` to rank ``i``; return this rank's chunk.
 
@@ -633,6 +648,7 @@ def scatter(chunks, src: int = 0, group: Optional[ProcessGroup] = None):
 
 
 # -- all_to_all ----------------------------------------------------------------------------------
+@any_array
 def all_to_all(x, group: Optional[ProcessGroup] = None):
     """Personalized exchange: rank ``i`` sends its ``j``-th piece to rank ``j``.
 
@@ -748,6 +764,7 @@ def _recv_buf(g, x, what):
     return x, be, buf, finish
 
 
+@any_array
 def send(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
     """Send array ``x`` to group rank ``dst`` (blocking). The receiver needs a buffer of the same size."""
     g = _group(group)
@@ -757,6 +774,7 @@ def send(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Non
     be.send(buf, dst, tag)
 
 
+@any_array
 def recv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0):
     """Receive into array ``x`` (in place) from group rank ``src``; return ``x``."""
     g = _group(group)
@@ -767,6 +785,7 @@ def recv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0):
     return x if finish is None else finish()
 
 
+@any_array
 def isend(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
     """Non-blocking :func:`send`; returns a :class:`Work` (keep it and ``wait()`` on it).
 
@@ -779,6 +798,7 @@ def isend(x, dst: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Wo
     return Work(be.isend(buf, dst, tag), keep=buf)
 
 
+@any_array
 def irecv(x, src: int, group: Optional[ProcessGroup] = None, tag: int = 0) -> Work:
     """Non-blocking :func:`recv` into ``x``; ``wait()`` returns ``x`` once filled."""
     g = _group(group)
@@ -820,6 +840,7 @@ class P2POp:
         return f"P2POp({self.op.__name__}, shape={shape}, peer={self.peer}, tag={self.tag})"
 
 
+@any_array_p2p
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> List[Work]:
     """Start a batch of sends and receives together; return one :class:`Work` per op, in order.
 

@@ -343,7 +343,8 @@ class HybridGPT:
     """The GPT on this rank under any layout of the grid, with one ``step``/``clip`` for all of them.
 
     Args:
-        config: the model.
+        config: the model. A tied head (``tie_word_embeddings=True``, GPT-2) is built for the DDP, FSDP
+            and Megatron layouts; with ``tp_style="axonn"`` or a pipeline it raises ``NotImplementedError``.
         grid: the process grid (default: ``axonmpi.get_grid()``).
         tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
         schedule: pipeline schedule ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (2 virtual stages).
@@ -406,6 +407,13 @@ class HybridGPT:
                      schedule=schedule, tp_style=tp_style, world_size=self.grid.world.world_size)
         self.shards = batch_shards(self.layout, self.style or "megatron")
         g = self.grid
+        if config.tie_word_embeddings and (self.layout.G_inter > 1 or self.style is TPStyle.AXONN):
+            where = "across pipeline stages (wte on the first, lm_head on the last)" if self.layout.G_inter > 1 \
+                else "with tp_style='axonn' (a 3-D lm_head cannot share wte's Parameter)"
+            raise NotImplementedError(
+                f"rank {g.world.rank}: tie_word_embeddings=True {where} is not built: the head would train "
+                f"apart from the embedding. Use the DDP/FSDP or Megatron layouts, parallelize(model, "
+                f"tensor_parallel='axonn') (it keeps a tied head whole), or an untied GPTConfig")
         self.groups = None
         self._v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
         if self.style is TPStyle.AXONN:

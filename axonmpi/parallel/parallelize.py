@@ -52,15 +52,22 @@ def _copy_serial(new: Module, old: Module) -> None:
 
 def _axonn(module: Module, grid: ProcessGrid) -> int:
     """Every ``nn.Linear`` whose sizes divide over the grid (AxoNN's rule, ``is_parallelizable_linear``)
-    -> a 3-D ``intra_layer.Linear`` over the grid (easy mode); the others stay replicated. Returns how many."""
+    -> a 3-D ``intra_layer.Linear`` over the grid (easy mode); the others stay replicated, and so does a
+    Linear whose weight another module shares (a head tied to the embedding: one Parameter, so its
+    gradient keeps both uses). Returns how many."""
     from .auto_parallelize import is_parallelizable_linear
     from .intra_layer import Linear as Linear3D
     from .tensor.groups import TensorParallelGroups
     groups = TensorParallelGroups.from_grid(grid)
+    users: Dict[int, int] = {}       # parameter -> modules holding it: a tied weight (GPT-2's head) stays whole
+    for m in module.modules():
+        for q in m._parameters.values():
+            if q is not None:
+                users[id(q)] = users.get(id(q), 0) + 1
     n = 0
     for parent, name, child, _ in _children(module):
-        if type(child) is nn_layers.Linear and is_parallelizable_linear(child.in_features, child.out_features,
-                                                                         groups.sizes):
+        if (type(child) is nn_layers.Linear and users.get(id(child.weight), 0) == 1
+                and is_parallelizable_linear(child.in_features, child.out_features, groups.sizes)):
             new = Linear3D(child.in_features, child.out_features, bias=child.bias is not None,
                            dtype=child.weight.dtype, groups=groups)
             _copy_serial(new, child)

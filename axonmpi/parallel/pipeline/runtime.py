@@ -20,7 +20,8 @@ from ...distributed.reduce_op import ReduceOp
 from ...nn.module import Module
 from ...random import fork_rng, initial_seed
 from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, encode_header
-from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, make_schedule, simulate)
+from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, _recv_order, make_schedule,
+                        simulate)
 from .stage import PipelineStage
 from ..grad_sync import check_group, reduction_groups
 
@@ -418,6 +419,8 @@ class Pipeline:
             self._stats = ex.memory_stats()
             self._timing = ex.timing
             self._executed = ex.executed      # what ran, in order (tests compare it with the schedule)
+        self._posted = ex.posted              # receives in posting order, and sends in sending order:
+        self._sent = ex.sent                  # tests check that each pair's sequences agree ([Note: p2p order])
         return value
 
 
@@ -449,6 +452,12 @@ class _Executor:
         self.weight_grads: Dict[Tuple[int, int], Any] = {}   # (stage, mb) -> its deferred W (zero-bubble)
         self.recvs: Dict[Action, Tuple[Any, Any]] = {}   # posted receive -> (work, buffer)
         self.headers: Dict[int, Tuple[Any, Any]] = {}    # stage -> (work, header buffer)
+        # receives are posted in each peer's send order ([Note: p2p order] in schedules.py)
+        self.order = _recv_order(pipe.schedule, r, train)
+        self.slot = {b: (q, k) for q, bs in self.order.items() for k, b in enumerate(bs)}
+        self.next = {q: 0 for q in self.order}           # peer -> index of its first receive not posted
+        self.posted: List[Tuple[int, str]] = []          # (peer, receive) in posting order ("3H": a header)
+        self.sent: List[Tuple[int, str]] = []            # (peer, the receive it feeds) in sending order
         self.sends: List[Any] = []
         self.loss = 0.0
         self.outputs: List[Any] = []
@@ -488,27 +497,44 @@ class _Executor:
         return _raw(batch)[a:b]
 
     # -- transfers -----------------------------------------------------------------------------------
-    def _post(self, a: Action) -> None:
-        """Post the receive of action ``a`` (or, the first time for a stage, its shape header)."""
-        if a in self.recvs:
-            return
+    def _post(self, a: Action, block: bool = False) -> bool:
+        """Post the receive of action ``a`` after every receive its peer sends before it
+        (``[Note: p2p order]`` in schedules.py). Without ``block`` it stops, returning False, at a
+        receive whose buffer cannot be made yet (a stage's shape header not arrived, a gradient
+        whose forward has not run); with ``block`` it waits for headers. True when ``a`` is posted."""
+        q, k = self.slot[a]
+        while self.next[q] <= k:
+            if not self._post_one(self.order[q][self.next[q]], q, block):
+                return False
+            self.next[q] += 1
+        return True
+
+    def _post_one(self, a: Action, peer: int, block: bool) -> bool:
         p = self.pipe
         if a.kind is ActionKind.RECV_ACT:
-            meta = p._meta.get(a.stage)
-            peer = p.schedule.rank_of(a.stage - 1)
-            if meta is None:
+            if a.stage not in p._meta:
                 if a.stage not in self.headers:
                     h = np.zeros(HEADER_SIZE, np.int64)
                     self.headers[a.stage] = (_communicate([], [(h, peer, _header_tag(a.stage))], self.group)[0], h)
-                return
-            trailing, dtype = meta
-            xp = self._xp()
-            buf = xp.empty((self.sizes[a.microbatch],) + trailing, dtype)
+                    self.posted.append((peer, f"{a.stage}H"))
+                if not block:
+                    return False
+                work, h = self.headers.pop(a.stage)
+                work.wait()
+                p._meta[a.stage] = decode_header(h)
+            trailing, dtype = p._meta[a.stage]
+            buf = self._xp().empty((self.sizes[a.microbatch],) + trailing, dtype)
         else:
-            peer = p.schedule.rank_of(a.stage + 1)
-            out = self.y[(a.stage, a.microbatch)]
+            out = self.y.get((a.stage, a.microbatch))
+            if out is None:
+                if block:   # the peer sends it after our forward, which a checked schedule runs first
+                    raise RuntimeError(f"rank {self.rank}: {a} must be received before stage {a.stage}'s "
+                                       f"forward of micro-batch {a.microbatch} ran; the schedule is inconsistent")
+                return False
             buf = get_array_module(out.data).empty(out.shape, out.dtype)
         self.recvs[a] = (_communicate([], [(buf, peer, _tag(a.kind, a.stage))], self.group)[0], buf)
+        self.posted.append((peer, str(a)))
+        return True
 
     def _xp(self):
         for st in self.pipe.stages.values():
@@ -517,13 +543,7 @@ class _Executor:
         return np
 
     def _receive(self, a: Action):
-        p = self.pipe
-        if a.kind is ActionKind.RECV_ACT and a.stage not in p._meta:
-            self._post(a)
-            work, h = self.headers.pop(a.stage)
-            work.wait()
-            p._meta[a.stage] = decode_header(h)
-        self._post(a)
+        self._post(a, block=True)
         work, buf = self.recvs.pop(a)
         work.wait()
         return buf
@@ -551,6 +571,9 @@ class _Executor:
             arr = x.grad.data if x.grad is not None else get_array_module(x.data).zeros_like(x.data)
             peer, into = p.schedule.rank_of(a.stage - 1), a.stage - 1
             sends = [(arr, peer, _tag(a.kind, into))]
+        kind = ActionKind.RECV_ACT if a.kind is ActionKind.SEND_ACT else ActionKind.RECV_GRAD
+        recv = Action(kind, a.microbatch, into)
+        self.sent.extend([(peer, f"{into}H")] * (len(sends) - 1) + [(peer, str(recv))])
         self.sends.extend(_communicate(sends, [], self.group))
 
     # -- compute -----------------------------------------------------------------------------------
@@ -663,8 +686,7 @@ class _Executor:
             else:
                 # post the receives the next compute action needs, so they arrive while this one runs
                 for b in acts[k + 1:nxt[k]]:
-                    if b.kind is ActionKind.RECV_ACT or (b.kind is ActionKind.RECV_GRAD
-                                                         and (b.stage, b.microbatch) in self.y):
+                    if b.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
                         self._post(b)
                 self.sends = [w for w in self.sends if not w.is_completed()]
                 t0 = time.perf_counter()

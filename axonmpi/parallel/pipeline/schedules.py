@@ -603,8 +603,49 @@ def _compute_order(schedule: Schedule, rank: int) -> List[Action]:
     return [a for a in schedule.actions(rank) if a.kind in _COMPUTE]
 
 
+def _recv_order(schedule: Schedule, rank: int, train: bool = True) -> Dict[int, List[Action]]:
+    """``rank``'s receives from each peer, in the order that peer sends them (``[Note: p2p order]``).
+
+    Every send of ``schedule.actions(q)`` to ``rank`` (``SEND_F`` of stage ``s`` into stage ``s + 1``,
+    ``SEND_B`` of stage ``s`` into ``s - 1``) becomes the receive action of ``rank`` it feeds; with
+    ``train=False`` (eval: forwards only) gradient sends are left out. Peers that send nothing are absent.
+
+    Example:
+        >>> [str(a) for a in _recv_order(make_schedule("zbv", 2, 4), 1)[0][:4]]
+        ['1RECV_F0', '1RECV_F1', '1RECV_F2', '2RECV_B0']
+    """
+    order: Dict[int, List[Action]] = {}
+    for q in range(schedule.num_stages):
+        if q == rank:
+            continue
+        for a in schedule.actions(q):
+            if a.kind is ActionKind.SEND_ACT:
+                b = Action(ActionKind.RECV_ACT, a.microbatch, a.stage + 1)
+            elif a.kind is ActionKind.SEND_GRAD and train:
+                b = Action(ActionKind.RECV_GRAD, a.microbatch, a.stage - 1)
+            else:
+                continue
+            if schedule.rank_of(b.stage) == rank:
+                order.setdefault(q, []).append(b)
+    return order
+
+
+# [Note: p2p order]
+# NCCL has no tags: between two ranks, the n-th receive one posts from the other takes the n-th
+# send the other posts to it (per direction, in posting order). A rank's action list need not receive
+# in the order its peer sends: in ZBV on 2 ranks, rank 0 sends stage 0's activation of micro-batch 2
+# before stage 3's gradient of micro-batch 0, while rank 1 needs that gradient (2RECV_B0) before that
+# activation (1RECV_F2). So the runtime posts every receive from a peer in that peer's send order
+# (:func:`_recv_order`): to post one, it first posts the ones the peer sends before it, which always
+# can be allocated by then (an activation's shape is known from its stage's header; a gradient's
+# from the forward output that the peer's send depends on). Sends go out in action-list order.
 def _check_fifo(schedule: Schedule) -> None:
-    """Each stage's forwards and backwards run in micro-batch order (the runtime's message matching needs it)."""
+    """The runtime's message matching holds for ``schedule`` (``[Note: p2p order]``).
+
+    Each stage's forwards and backwards run in micro-batch order, and the receives of every rank
+    are exactly the sends its peers address to it (each one once), so posting them in each peer's
+    send order matches every message on MPI (tags) and on NCCL (order alone).
+    """
     for r in range(schedule.num_stages):
         last: Dict[Tuple[ActionKind, int], int] = {}
         for a in schedule.actions(r):
@@ -613,4 +654,12 @@ def _check_fifo(schedule: Schedule) -> None:
                 raise ValueError(f"rank {r}: {a} comes after micro-batch {last[key]} of the same stage and kind; "
                                  "the runtime needs each stage's transfers in micro-batch order")
             last[key] = a.microbatch
-
+        for train in (True, False):
+            sent = sorted((b for q, bs in _recv_order(schedule, r, train).items() for b in bs), key=str)
+            kinds = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD) if train else (ActionKind.RECV_ACT,)
+            got = sorted((a for a in schedule.actions(r) if a.kind in kinds), key=str)
+            if sent != got:
+                missing = sorted(set(map(str, got)) - set(map(str, sent)))
+                extra = sorted(set(map(str, sent)) - set(map(str, got)))
+                raise ValueError(f"rank {r}: its receives and its peers' sends to it differ (receives nobody "
+                                 f"sends: {missing}; sends nobody receives: {extra}, or a transfer twice)")

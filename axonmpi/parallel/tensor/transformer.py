@@ -68,6 +68,8 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
     if sp and type(getattr(model, "drop", None)) is not Dropout:
         raise ValueError(f"rank {g.world.rank}: parallelize_gpt(sequence_parallel=True) enters the sequence-parallel "
                          f"region at the model's embedding dropout 'drop', which {type(model).__name__} does not have")
+    tied = getattr(model, "wte", None) is not None and getattr(getattr(model, "lm_head", None), "weight", None) \
+        is getattr(model.wte, "weight", False)
     for _, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             dtype = next(iter(child.parameters())).dtype if any(True for _ in child.parameters()) else None
@@ -94,4 +96,9 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
                 _replace(parent, name, ColumnParallelLinear(child.in_features, child.out_features,
                                                             bias=child.bias is not None, gather_output=True,
                                                             group=g, dtype=dtype, sequence_parallel=sp), child)
+    if tied and vocab_parallel:     # both hold vocabulary rows chunk_bounds(V, p, rank): share one Parameter again
+        if model.lm_head.weight.shape != model.wte.weight.shape:
+            raise ValueError(f"rank {g.world.rank}: the tied head's shard {tuple(model.lm_head.weight.shape)} and the "
+                             f"embedding's {tuple(model.wte.weight.shape)} differ; cannot keep them tied")
+        model.lm_head.weight = model.wte.weight
     return model
