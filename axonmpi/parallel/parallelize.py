@@ -156,6 +156,21 @@ class ParallelModule(Module):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(reduce))
 
+    def _hook_experts(self, params) -> None:
+        """Expert parameters: summed over their expert-data group (the grad-sync table), divided by
+        ``G_data`` (the data-parallel mean), as each one's gradient completes."""
+        data = self.grid.data_group
+        scale = 1.0 / self.batch_shards[0]
+
+        def reduce(p):
+            grad = p.grad.data
+            for grp in reduction_groups(p, data):
+                all_reduce(grad, group=grp, out=grad)
+            grad *= scale
+
+        for p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(reduce))
+
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -355,7 +370,8 @@ def _finish_axonn_fsdp(fsdp, grid: ProcessGrid) -> None:
 
 def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                 tensor_parallel: Union[None, str, Dict[str, str]] = None,
-                data_parallel: Optional[str] = "ddp", sharding_strategy=None, **strategy_options) -> ParallelModule:
+                data_parallel: Optional[str] = "ddp", sharding_strategy=None, expert_parallel: Optional[int] = None,
+                expert_tensor_parallel: bool = False, **strategy_options) -> ParallelModule:
     """Lay ``module`` out over the grid: tensor parallel, then data parallel (DDP or FSDP).
 
     Args:
@@ -374,6 +390,12 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             the grid has one data replica, or a :class:`~axonmpi.parallel.Pipeline` over
             parallelized stages reduces over its ``data_group``).
         sharding_strategy: FSDP's :class:`~axonmpi.parallel.ShardingStrategy` (FSDP only).
+        expert_parallel: EP for the model's ``nn.MoE`` layers (divides ``G_data``; see
+            :func:`axonmpi.parallel.moe.expert_parallel`): experts split over the expert group,
+            reduced over the expert-data group. ``None``: 1 when the model has MoE layers (their
+            routing statistics are still summed over the data group).
+        expert_tensor_parallel: split the experts' hidden width over the tensor group instead
+            (AxoNN style; needs ``tensor_parallel="axonn"``, whose batch split it shares).
         **strategy_options: keyword options of DDP or FSDP (``bucket_size_mb``, ``mixed_precision``, ...).
 
     Returns:
@@ -419,6 +441,21 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if strategy_options and data_parallel is None:
         raise ValueError(f"rank {r}: options {sorted(strategy_options)} need data_parallel='ddp' or 'fsdp'")
     shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
+    from ..nn.moe import MoE
+    from .moe import expert_parallel as _ep, expert_parameters
+    has_moe = any(isinstance(m, MoE) for m in module.modules())
+    if expert_tensor_parallel and tensor_parallel != "axonn":
+        raise ValueError(f"rank {r}: expert_tensor_parallel=True splits the batch over the tensor block as "
+                         f"AxoNN's easy mode does; pass tensor_parallel='axonn' (got {tensor_parallel!r})")
+    if has_moe or (expert_parallel or 1) > 1:
+        if data_parallel == "fsdp" and (expert_parallel or 1) > 1:
+            raise NotImplementedError(f"rank {r}: FSDP with expert_parallel > 1 is not built yet; use DDP")
+        if not has_moe:
+            raise ValueError(f"rank {r}: expert_parallel={expert_parallel} but the model has no nn.MoE layer")
+        _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel)
+    experts = expert_parameters(module)
+    if experts and data_parallel == "ddp" and tensor_parallel != "axonn":
+        strategy_options = dict(strategy_options, ignored_parameters=experts)
     if tensor_parallel == "axonn":
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
@@ -445,6 +482,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
     pm._serial_shapes = shapes
+    if experts and data_parallel == "ddp" and tensor_parallel != "axonn":
+        pm._hook_experts(experts)
     return pm
 
 
