@@ -258,3 +258,51 @@ def test_checkpoint_saved_at_ep_resumes_at_other_ep_and_loads_serially():
     serial.load_state_dict(CheckpointManager(path).load_latest()["model"])
     for k, v in at2.items():
         _close(serial.state_dict()[k], v, 1e-12, what=f"serial load: {k}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_planner_bytes_equal_the_backend_counts_for_both_options():
+    from axonmpi.plan import moe_estimate, moe_options
+    w = axonmpi.init()
+    n = w.world_size
+    rows_per_rank, C, H, E, k = 6, 8, 12, 2 * n, 2
+    # expert parallelism over every rank: the planner with this rank's measured off-rank fraction
+    grid = _grid()
+    pm = parallelize(nn.Sequential(nn.MoE(C, E, top_k=k, hidden=H, dtype=np.float64)), grid=grid,
+                     expert_parallel=n)
+    x = np.random.default_rng(3).standard_normal((rows_per_rank * n, C))
+    xb = pm.local_batch(x)
+    wts = np.random.default_rng(4).standard_normal(xb.shape)
+    with count_traffic() as c:
+        out = pm(Tensor(xb, requires_grad=True))     # else the dispatch's backward has nothing to send
+        fwd, cnt = c.bytes(method="alltoallv", dtype="float64"), c.bytes(method="alltoallv", dtype="int64")
+        c.reset()
+        (out * Tensor(wts)).sum().backward()
+        bwd = c.bytes(method="alltoallv", dtype="float64")
+    moe = pm.inner[0]
+    f = moe.dispatcher.last_rows_sent_off_rank / (rows_per_rank * k)
+    est = moe_estimate(rows_per_rank, C, H, E, k, expert_parallel=n, itemsize=8, off_rank_fraction=f)
+    assert cnt == est.count_bytes == 8 * E
+    tot = all_reduce(np.array([fwd, bwd, est.bytes_forward, est.bytes_backward]), group=w.default_group)
+    assert tot[0] == tot[2] and tot[1] == tot[3]
+    assert est.expert_params == sum(p.numel() for p in moe.experts.parameters())
+    grid.free()
+    # tensor-parallel experts over 2 ranks: exact on every rank
+    if n % 2:
+        return
+    grid = _grid(G_intra_c=2, G_data=n // 2)
+    pm = parallelize(nn.Sequential(nn.MoE(C, E, top_k=k, hidden=H, dtype=np.float64)), grid=grid,
+                     tensor_parallel="axonn", expert_tensor_parallel=True)
+    xb = pm.local_batch(x)
+    with count_traffic() as c:
+        out = pm(Tensor(xb, requires_grad=True))
+        fwd = c.bytes(group="col_group", dtype="float64")
+        c.reset()
+        (out * Tensor(wts[:xb.shape[0]])).sum().backward()
+        bwd = c.bytes(group="col_group", dtype="float64")
+    est = moe_estimate(xb.shape[0], C, H, E, k, tensor_parallel=2, itemsize=8)
+    assert fwd == est.bytes_forward == 2 * 2 * xb.shape[0] * C * 8
+    assert bwd == est.bytes_backward
+    assert est.expert_params == sum(p.numel() for p in pm.inner[0].experts.parameters())
+    assert {o.option for o in moe_options(64, 32, 128, 8, 2, 2)} == {"expert_parallel", "tensor_parallel_experts"}
+    grid.free()

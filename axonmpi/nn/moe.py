@@ -19,7 +19,8 @@
 
 A dispatcher object (``self.dispatcher``) runs step 3's expert computation; ``None`` runs the
 local experts in this process. ``axonmpi.parallel.moe`` installs an all-to-all dispatcher
-(expert parallelism) or a gather dispatcher (tensor-parallel experts).
+(expert parallelism) or a gather dispatcher (tensor-parallel experts), whose ``before`` /
+``after`` methods also gather the tokens ahead of step 1 and scatter the outputs after step 4.
 
 [Note: MoE losses from the global batch]
 The load-balancing loss is Switch's / GShard's ``E * sum_i f_i * P_i``: ``f_i`` the fraction of
@@ -229,6 +230,9 @@ class MoE(Module):
         if C != self.n_embd:
             raise ValueError(f"MoE: input width {C} != n_embd {self.n_embd}")
         x2 = ops.reshape(x, -1, C)
+        gather = getattr(self.dispatcher, "before", None)
+        if gather is not None:                 # tensor-parallel experts: route the group's tokens
+            x2 = gather(x2)
         N = x2.shape[0]
         E, k = self.num_experts, self.top_k
         xp = get_array_module(x2.data)
@@ -274,6 +278,8 @@ class MoE(Module):
         lse = ops.reshape(ops_math.log(ops_reduce.sum(ops_math.exp(logits - m), dim=-1, keepdim=True)) + m, N)
         z = _global_sum(ops_reduce.sum(lse * lse), self.stats_group) * (1.0 / n_g)
         self.losses = MoELosses(aux, z)
+        if gather is not None:
+            out = self.dispatcher.after(out)
         out = ops.reshape(out, *shape)
         return (out, self.losses) if return_losses else out
 

@@ -38,7 +38,10 @@ hidden width). The ranks of the tensor group read different rows of the batch (t
 over data x tensor); the dispatcher all-gathers the tokens over the tensor group, runs the local
 slices on all of them and reduce-scatters the partial outputs back to their owners ("tokens
 gathered rather than sent"): per layer and direction ``2 * (T - 1) * (rows per rank) * n_embd *
-itemsize`` bytes per rank (an all-gather and a reduce-scatter).
+itemsize`` bytes per rank (an all-gather and a reduce-scatter, counted by the backend as
+``T * (rows per rank) * n_embd * itemsize`` each). The tokens are gathered before routing, so a
+token chosen by two experts travels once; every rank of the tensor group routes the same tokens,
+and the routing statistics are summed over the data group.
 """
 from __future__ import annotations
 
@@ -142,41 +145,25 @@ class AllToAllDispatcher:
 
 
 class GatherDispatcher:
-    """Runs a MoE's tensor-parallel experts: tokens all-gathered over ``group``, partial outputs
-    reduce-scattered back (see ``[Note: tensor-parallel experts (AxoNN style)]``).
-
-    The routed rows differ in number per rank, so they are padded to the group's largest count for
-    the gather (the pad rows are zeros and are cut off after the reduce-scatter).
+    """Runs a MoE's tensor-parallel experts: the layer's tokens are all-gathered over ``group`` before
+    routing, every rank routes all of them and runs its hidden slice of every expert, and the
+    partial outputs are reduce-scattered back to the ranks that own the tokens (see
+    ``[Note: tensor-parallel experts (AxoNN style)]``).
     """
 
     def __init__(self, group):
         self.group = group
 
+    def before(self, x2: Tensor) -> Tensor:
+        """This rank's tokens -> the tensor group's tokens (rank-major)."""
+        return _GatherRowsFromTensorGroup.apply(x2, self.group)
+
+    def after(self, out: Tensor) -> Tensor:
+        """Partial outputs of the group's tokens -> the full outputs of this rank's tokens."""
+        return _ReduceScatterRowsToTensorGroup.apply(out, self.group)
+
     def __call__(self, rows: Tensor, counts: np.ndarray, experts: Module) -> Tensor:
-        g = self.group
-        from ..distributed import all_gather_object
-        every = np.asarray(all_gather_object(np.asarray(counts, np.int64), group=g))   # (T, E)
-        n = every.sum(1)
-        width = int(n.max())
-        xp = get_array_module(rows.data)
-        C = rows.shape[1]
-        mine = int(n[g.rank])
-        padded = rows if mine == width else ops.concat(
-            [rows, Tensor(xp.zeros((width - mine, C), rows.dtype))], dim=0)
-        allr = _GatherRowsFromTensorGroup.apply(padded, g)          # (T*width, C), rank-major
-        # regroup rank-major (each rank sorted by expert) -> expert-major
-        E = every.shape[1]
-        offs = np.concatenate([np.zeros((every.shape[0], 1), np.int64), np.cumsum(every, 1)[:, :-1]], 1)
-        perm = np.concatenate([np.arange(r * width + offs[r, e], r * width + offs[r, e] + every[r, e])
-                               for e in range(E) for r in range(every.shape[0])] or [np.zeros(0, np.int64)])
-        xe = ops.getitem(allr, xp.asarray(perm))
-        ye = experts(xe, every.sum(0))                               # partial sums (hidden slice)
-        back = np.full(every.shape[0] * width, perm.size, np.int64)
-        back[perm] = np.arange(perm.size)
-        ye = ops.concat([ye, Tensor(xp.zeros((1, C), ye.dtype))], dim=0)
-        yr = ops.getitem(ye, xp.asarray(back))                       # rank-major, pad rows zero
-        out = _ReduceScatterRowsToTensorGroup.apply(yr, g)
-        return out if mine == width else ops.getitem(out, slice(0, mine))
+        return experts(rows, counts)
 
 
 # -- sharded expert weights ------------------------------------------------------------------------
@@ -250,7 +237,7 @@ def expert_parallel(module: Module, expert_parallel: int = 1, *, grid=None,
             instead (AxoNN style; the batch is split over data x tensor, tokens are all-gathered
             over the tensor group). Needs ``expert_parallel=1``.
         stats_group: the ranks whose routing counts make the global batch's statistics (default:
-            the data group, or every rank of data x tensor with ``expert_tensor_parallel``).
+            the data group; with ``expert_tensor_parallel`` each tensor group routes its gathered tokens).
 
     Example:
         >>> axonmpi.init()                                   # 4 ranks, G_data = 4
@@ -268,8 +255,7 @@ def expert_parallel(module: Module, expert_parallel: int = 1, *, grid=None,
             raise ValueError(f"rank {grid.rank}: tensor-parallel experts split over the grid's column group "
                              f"(G_intra_c); the grid has G_intra_r={grid.G_intra_r}, G_intra_d={grid.G_intra_d}")
         tp = grid.col_group
-        stats = stats_group if stats_group is not None else (grid.world.default_group if grid.G_inter == 1
-                                                             else grid.model_group)
+        stats = stats_group if stats_group is not None else data
         for m in moes:
             if m.hidden % tp.size:
                 raise ValueError(f"rank {grid.rank}: MoE hidden={m.hidden} does not divide over the tensor "
