@@ -157,19 +157,9 @@ class ParallelModule(Module):
                 self._hooks.append(p.register_post_accumulate_grad_hook(reduce))
 
     def _hook_experts(self, params) -> None:
-        """Expert parameters: summed over their expert-data group (the grad-sync table), divided by
-        ``G_data`` (the data-parallel mean), as each one's gradient completes."""
-        data = self.grid.data_group
-        scale = 1.0 / self.batch_shards[0]
-
-        def reduce(p):
-            grad = p.grad.data
-            for grp in reduction_groups(p, data):
-                all_reduce(grad, group=grp, out=grad)
-            grad *= scale
-
-        for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(reduce))
+        """Expert parameters: reduced over their expert-data group (the grad-sync table), divided by ``G_data``."""
+        from .moe import hook_expert_gradients
+        self._hooks.extend(hook_expert_gradients(params, self.grid.data_group, self.batch_shards[0]))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
