@@ -160,6 +160,9 @@ def test_dropless_conserves_tokens_and_bytes_match_formula():
     g = grid.expert_groups(ep)[0]
     for moe in (pm.inner.moe1, pm.inner.moe2):
         assert int(moe.tokens_per_expert.sum()) == rows * k and moe.dropped_tokens == 0
+        # conserved through the dispatcher: the experts of the group ran on every assignment once
+        assert int(all_reduce(np.array([moe.dispatcher.last_rows_computed]), group=grid.expert_groups(ep)[0])[0]) \
+            == rows * k
     sent = sum(m.dispatcher.last_rows_sent_off_rank for m in (pm.inner.moe1, pm.inner.moe2))
     recv = sum(m.dispatcher.last_rows_received_off_rank for m in (pm.inner.moe1, pm.inner.moe2))
     assert fwd == (sent + recv) * 8 * 8 and bwd == fwd          # this rank: dispatch + combine
@@ -198,6 +201,8 @@ def test_expert_groups_layout_and_placements():
     assert grid.group_for("expert") is eg and grid.group_for("expert_data") is edg
     with pytest.raises(ValueError, match="divides G_data"):
         grid.expert_groups(n + 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        parallelize(_make(ep + 1, 1), grid=grid, expert_parallel=ep)
     pm = parallelize(_make(2 * ep, 1), grid=grid, expert_parallel=ep)
     pl = axonmpi.distributed.placement_of(pm.inner.moe1.experts.fc.weight)
     assert pl.shard_groups == (eg,) and pl.full_shape == (2 * ep, 12, 8)
@@ -305,4 +310,17 @@ def test_planner_bytes_equal_the_backend_counts_for_both_options():
     assert bwd == est.bytes_backward
     assert est.expert_params == sum(p.numel() for p in pm.inner[0].experts.parameters())
     assert {o.option for o in moe_options(64, 32, 128, 8, 2, 2)} == {"expert_parallel", "tensor_parallel_experts"}
+    grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_expert_groups_on_a_tensor_grid_match_the_closed_form():
+    w = axonmpi.init()
+    if w.world_size != 4:
+        pytest.skip("the layout is for 4 ranks")
+    grid = _grid(G_intra_c=2)                  # data ranks (0, 2) and (1, 3)
+    eg, edg = grid.expert_groups(2)
+    assert eg.ranks == grid.expert_group_ranks(2)[0] == ((0, 2) if w.rank % 2 == 0 else (1, 3))
+    assert edg.size == 1
+    assert grid.expert_group_ranks(1, 3) == ((3,), (1, 3))
     grid.free()

@@ -114,6 +114,7 @@ class AllToAllDispatcher:
         num_experts: E.
         last_rows_sent_off_rank / last_rows_received_off_rank: rows of the last forward's dispatch
             that left / reached this rank (the byte formula's count).
+        last_rows_computed: rows the local experts ran on in the last forward.
     """
 
     def __init__(self, group, num_experts: int):
@@ -121,7 +122,7 @@ class AllToAllDispatcher:
             raise ValueError(f"rank {group.world.rank}: num_experts={num_experts} does not divide over the "
                              f"expert group of {group.size} ranks {list(group.ranks)}")
         self.group, self.num_experts = group, num_experts
-        self.last_rows_sent_off_rank = self.last_rows_received_off_rank = 0
+        self.last_rows_sent_off_rank = self.last_rows_received_off_rank = self.last_rows_computed = 0
 
     def __call__(self, rows: Tensor, counts: np.ndarray, experts: Module) -> Tensor:
         g = self.group
@@ -130,6 +131,7 @@ class AllToAllDispatcher:
         cm = np.asarray(counts, np.int64).reshape(p, local)
         rcm = exchange_counts(cm, g)                                 # rows from source s for local expert l
         send, recv = cm.sum(1), rcm.sum(1)
+        self.last_rows_computed = int(rcm.sum())            # rows this rank's experts ran on
         self.last_rows_sent_off_rank = int(send.sum() - send[me])
         self.last_rows_received_off_rank = int(recv.sum() - recv[me])
         xr = _AllToAllV.apply(rows, send, recv, g)                  # source-major
