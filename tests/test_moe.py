@@ -139,3 +139,23 @@ def test_bad_options_raise():
         MoE(4, num_experts=2, capacity_factor=0)
     with pytest.raises(ValueError, match="num_experts"):
         MoE(4, num_experts=0)
+
+
+def test_planner_moe_options_and_cli():
+    import subprocess
+    import sys
+    from axonmpi.plan import moe_estimate, moe_options
+    ep = moe_estimate(100, 16, 64, 8, 2, expert_parallel=4, itemsize=4)
+    assert ep.bytes_forward == 2 * 0.75 * 200 * 16 * 4 and ep.count_bytes == 64
+    assert ep.expert_params == 2 * (2 * 16 * 64 + 64 + 16)
+    tp = moe_estimate(100, 16, 64, 8, 2, tensor_parallel=4, itemsize=4)
+    assert tp.bytes_forward == 2 * 4 * 100 * 16 * 4
+    assert moe_options(100, 16, 64, 8, 2, 4)[0].option == "expert_parallel"
+    assert [o.option for o in moe_options(100, 16, 64, 6, 2, 4)] == ["tensor_parallel_experts"]   # 6 % 4
+    with pytest.raises(ValueError, match="divide"):
+        moe_estimate(100, 16, 64, 6, 2, expert_parallel=4)
+    r = subprocess.run([sys.executable, "-m", "axonmpi", "plan", "--world", "4", "--layers", "2", "--width", "64",
+                        "--seq", "16", "--global-batch", "8", "--top", "1", "--moe-experts", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "expert_parallel" in r.stdout and "tensor_parallel_experts" in r.stdout
