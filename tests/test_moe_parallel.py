@@ -67,11 +67,11 @@ def _close(a, b, rtol=RTOL, what=""):
     return err
 
 
-def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, **kw):
+def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, dp="ddp", **kw):
     """Losses of the parallel run and of the serial run, step by step, and the final states."""
     serial = _make(E, k, **kw)
     pm = parallelize(_make(E, k, **kw), grid=grid, tensor_parallel=tp, expert_parallel=ep,
-                     expert_tensor_parallel=etp)
+                     expert_tensor_parallel=etp, data_parallel=dp)
     opt_s = axonmpi.optim.AdamW(serial.parameters(), lr=0.05, weight_decay=0.1)
     opt_p = axonmpi.optim.AdamW(pm.parameters(), lr=0.05, weight_decay=0.1)
     batch = grid.group_for("world") if etp else grid.data_group
@@ -100,7 +100,7 @@ def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, **kw):
     for name, v in serial.state_dict().items():
         worst = max(worst, _close(sd[name], v, 1e-9, what=name))
     tpname = "megatron" if isinstance(tp, dict) else tp
-    print(f"\n[parity] ep={ep} tp={tpname} etp={etp} k={k} ranks={grid.world_size}: worst rel err {worst:.2e}")
+    print(f"\n[parity] ep={ep} tp={tpname} etp={etp} dp={dp} k={k} ranks={grid.world_size}: worst rel err {worst:.2e}")
     return worst, pm, serial
 
 
@@ -121,6 +121,16 @@ def test_expert_parallel_equals_serial(k):
             p = pm.inner.moe1.experts.fc.weight
             assert p.shape[0] == E // ep
         grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_moe_under_fsdp_equals_serial():
+    grid = _grid()                             # experts replicated, flattened into FSDP's shards
+    _train(grid, 4, 2, dp="fsdp")
+    with pytest.raises(NotImplementedError, match="FSDP with expert_parallel"):
+        parallelize(_make(4, 2), grid=grid, expert_parallel=2 if grid.G_data % 2 == 0 else grid.G_data,
+                    data_parallel="fsdp")
+    grid.free()
 
 
 @pytest.mark.mpi(min_size=4)
