@@ -185,7 +185,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"{hw.flops / 1e12:.3f} TFLOP/s per rank{' (measured GEMM)' if args.measure else ''}"
           f"{f', {hw.cores:.2g} cores per node' if hw.cores else ''}")
     print(P.format_plan(P.plan(model, args.world, hw, memory_limit=limit), top=args.top, dtype_bytes=model.dtype_bytes))
+    if args.moe_experts:
+        _print_moe_plan(P, args, hw)
     return 0
+
+
+def _print_moe_plan(P, args, hw) -> None:
+    """Per MoE layer and rank: expert parallelism vs tensor-parallel experts over each group size."""
+    tokens = args.global_batch * args.seq // args.world
+    hidden = 4 * args.width
+    print(f"\nMoE layer ({args.moe_experts} experts, top-{args.moe_top_k}, hidden {hidden}, {tokens} tokens per rank; "
+          f"per rank and step, forward + backward; expert parallelism at uniform routing)")
+    print(f"{'option':26s} {'group':>5s} {'MB moved':>10s} {'comm ms':>9s} {'expert params':>14s}")
+    for n in range(2, args.world + 1):
+        if args.world % n:
+            continue
+        for e in P.moe_options(tokens, args.width, hidden, args.moe_experts, args.moe_top_k, n,
+                               itemsize=args.dtype_bytes):
+            ms = 1e3 * e.bytes_total / hw.bw_intra
+            print(f"{e.option:26s} {n:5d} {e.bytes_total / 1e6:10.2f} {ms:9.3f} {e.expert_params:14d}")
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -249,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cores per node; more ranks than cores stretch compute (0: one per rank)")
     sp.add_argument("--memory-gib", type=float, default=None, help="leave out layouts needing more per rank")
     sp.add_argument("--top", type=_positive_int, default=20, help="rows shown")
+    sp.add_argument("--moe-experts", type=int, default=0,
+                    help="also estimate one MoE layer of E experts: expert parallelism vs tensor-parallel experts")
+    sp.add_argument("--moe-top-k", type=int, default=1, choices=[1, 2], help="experts per token (with --moe-experts)")
     sp.add_argument("--measure", action="store_true",
                     help="time all-reduces and a GEMM on this allocation for the bandwidths, latency, flop rate and "
                          "cores (run under mpiexec/srun)")

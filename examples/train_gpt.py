@@ -47,14 +47,15 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
-ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype")
+ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype", "moe_experts", "moe_top_k",
+                "moe_every")
 # training options a --resume may change: applied from the resumed step on, one log line each (old -> new)
 APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "global_batch")
 # training options a --resume cannot change honestly: refused, naming them
 FIXED_ON_RESUME = {"seed": "the data order and the random streams continue from the checkpoint's, so a new seed "
                            "would not take effect"}
 LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel", "cp_algo", "tp_style",
-                  "sequence_parallel", "schedule", "microbatches", "fsdp")
+                  "sequence_parallel", "schedule", "microbatches", "fsdp", "expert_parallel")
 
 
 def parse_args(argv=None):
@@ -65,6 +66,15 @@ def parse_args(argv=None):
     g.add_argument("--n-embd", type=int, default=128, help="width; must divide by --n-head")
     g.add_argument("--block-size", type=int, default=64, help="context length in characters")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="mixture of experts: E expert MLPs replace the MLP of every (--moe-every 2: every other) "
+                        "block; 0: dense (docs/moe.md)")
+    g.add_argument("--moe-top-k", type=int, default=1, choices=[1, 2], help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, choices=[1, 2], help="MoE in every block (1) or every other (2)")
+    g.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="drop tokens past capacity_factor * tokens * k / E per expert (Switch); default: dropless")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2, help="weight of the load-balancing loss")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=1e-3, help="weight of the router z-loss")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300,
                    help="optimizer steps in total; on --resume a larger value extends the LR schedule")
@@ -88,6 +98,9 @@ def parse_args(argv=None):
     g.add_argument("--cp-algo", choices=["ring", "ulysses"], default="ring",
                    help="with --context-parallel: ring attention (K/V passed around, causal load balancing) or "
                         "DeepSpeed-Ulysses all-to-all (--n-head must divide by N)")
+    g.add_argument("--expert-parallel", type=int, default=1,
+                   help="with --moe-experts: split the experts over N ranks of the data dimension (N divides "
+                        "--G-data and --moe-experts; tokens move by all-to-all)")
     g.add_argument("--tp-style", choices=["megatron", "axonn"], default="axonn",
                    help="megatron: heads/MLP/vocabulary over G-intra-c; axonn: every Linear over r x c x d")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -146,7 +159,7 @@ def parse_args(argv=None):
     g.add_argument("--log-every", type=int, default=25, help="a log line every N steps without a progress bar")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
                    help="one JSON line per step (step, loss, grad_norm, lr, tokens_per_s, and loss_scale "
-                        "with --mixed-precision fp16); rank 0 writes. A fresh run starts the file anew; a resumed "
+                        "with --mixed-precision fp16; with --moe-experts also aux_loss, z_loss, tokens_per_expert_min/mean/max and dropped_tokens); rank 0 writes. A fresh run starts the file anew; a resumed "
                         "one keeps the rows up to the resumed step and appends")
     g.add_argument("--trace", default=None, metavar="DIR",
                    help="write a Chrome/Perfetto timeline per rank to DIR/trace_rank<r>.json (collectives, forward, "
@@ -365,8 +378,18 @@ def main(argv=None):
     train_tokens, val_tokens = data[:split], data[split:]
     h_unigram = unigram_entropy(train_tokens)
     train_ds = CharDataset(train_tokens, args.block_size)
-    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    if args.expert_parallel > 1 and (not args.moe_experts or grid.G_data % args.expert_parallel
+                                     or args.moe_experts % args.expert_parallel):
+        axonmpi.log.exit0(f"--expert-parallel {args.expert_parallel} needs --moe-experts and must divide both "
+                          f"--G-data ({grid.G_data}) and --moe-experts ({args.moe_experts})")
+    try:
+        cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts,
+                        moe_top_k=args.moe_top_k, moe_every=args.moe_every,
+                        moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                        moe_z_loss_coeff=args.moe_z_loss_coeff)
+    except ValueError as e:
+        axonmpi.log.exit0(str(e))
     try:
         check_layout(cfg, Layout.from_grid(grid), global_batch=args.global_batch, num_microbatches=args.microbatches,
                      schedule=args.schedule, tp_style=args.tp_style, world_size=world.world_size)
@@ -393,7 +416,7 @@ def main(argv=None):
                         cpu_offload="full" if args.cpu_offload else None,
                         mixed_precision=_mixed_precision(args.mixed_precision),
                         hybrid_shard_size=args.hybrid_shard_size, cp_algo=args.cp_algo,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel)
     except (NotImplementedError, ValueError) as e:     # a combination not built, found the same way on every rank
         axonmpi.log.exit0(str(e))
     scaler = (GradScaler(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
@@ -478,6 +501,8 @@ def main(argv=None):
             row = {"step": step, "loss": lval, "grad_norm": float(grad_norm), "lr": lr, "tokens_per_s": tok_s}
             if scaler is not None:
                 row["loss_scale"] = scaler.get_scale()     # after this step's update
+            if args.moe_experts:      # global batch: aux_loss, z_loss, tokens_per_expert_{min,mean,max}, dropped_tokens
+                row.update(axonmpi.nn.moe_stats(hyb.model))
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
         if bar is not None:
@@ -520,11 +545,13 @@ def main(argv=None):
     if args.sample_chars > 0 and hyb.ddp is None:
         log.info("no sample: generation needs the whole model on one rank (pure data parallel layouts with "
                  "--fsdp none)")
-    elif args.sample_chars > 0 and world.rank == 0:
+    elif args.sample_chars > 0 and (world.rank == 0 or args.expert_parallel > 1):
+        # expert parallel: every rank runs the generation (its forwards dispatch tokens to the others)
         prompt = "def "
         idx = tok.encode(prompt)[None, :]
         out = hyb.model.generate(idx, args.sample_chars, temperature=0.8, top_k=20)
-        print("---- sample ----\n" + tok.decode(out[0]) + "\n----------------", flush=True)
+        if world.rank == 0:
+            print("---- sample ----\n" + tok.decode(out[0]) + "\n----------------", flush=True)
     axonmpi.barrier()
 
 

@@ -235,6 +235,9 @@ EXAMPLES = {
     "axonmpi.nn.checkpoint_sequential": lambda: _close(
         nn.checkpoint_sequential([nn.Tanh(), nn.Tanh()], 2, _x(2, 3)).data, np.tanh(np.tanh(_x(2, 3).data))),
     "axonmpi.nn.MLP": lambda: nn.MLP(4, dtype=np.float64)(_x(2, 4)).shape == (2, 4),
+    "axonmpi.nn.MoE": lambda: _backward_ok(nn.MoE(4, num_experts=3, top_k=2, dtype=np.float64)(_x(2, 4))),
+    "axonmpi.nn.moe_losses": lambda: nn.moe_losses(nn.MLP(4)) is None,
+    "axonmpi.nn.moe_stats": lambda: nn.moe_stats(nn.MLP(4)) == {},
     "axonmpi.nn.Module": _module_api,
     "axonmpi.nn.ModuleDict": lambda: list(nn.ModuleDict({"a": nn.ReLU()})) == ["a"],
     "axonmpi.nn.ModuleList": lambda: len(nn.ModuleList([nn.ReLU(), nn.Tanh()])) == 2,

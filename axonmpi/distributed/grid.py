@@ -293,7 +293,8 @@ class ProcessGrid:
         defaults keep meaning "every rank"), ``"pipeline"``/``"inter"``, ``"tensor"``/``"intra"``,
         ``"depth"``, ``"row"``, ``"col"``, ``"model"``, ``"context"`` (Megatron's CP group: the
         sequence chunks of one sample), ``"data_context"`` (data x context: where gradients are
-        reduced under context parallelism), ``"world"``.
+        reduced under context parallelism), ``"world"``; ``"expert"`` and ``"expert_data"`` (the
+        groups of the grid's last :meth:`expert_groups`; EP=1 when none was made).
 
         Example:
             >>> axonmpi.init(G_intra_c=2).grid.group_for("data").ranks     # on rank 3 of 4
@@ -301,11 +302,66 @@ class ProcessGrid:
         """
         if role == "world" or (role == "data" and self.is_trivial):
             return self.world.default_group
+        if role in ("expert", "expert_data"):
+            return self.expert_groups(getattr(self, "expert_parallel", 1))[role == "expert_data"]
         name = ROLES.get(role)
         if name is None:
             raise ValueError(f"rank {self.rank}: unknown group role {role!r}; expected one of "
-                             f"{sorted(set(ROLES) | {'world'})}")
+                             f"{sorted(set(ROLES) | {'world', 'expert', 'expert_data'})}")
         return self._groups[name]
+
+    # -- expert parallelism: two groups carved from the data dimension -----------------------
+    def expert_group_ranks(self, expert_parallel: int,
+                           world_rank: Optional[int] = None) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """World ranks of the expert group and the expert-data group holding ``world_rank`` (closed form).
+
+        ``expert_parallel`` (EP) divides ``G_data``; data coordinate ``d = e * EP + i`` puts a rank at
+        place ``i`` of expert group ``e`` (EP consecutive data ranks, as Megatron and DeepSpeed carve
+        them), and at place ``e`` of expert-data group ``i`` (``G_data / EP`` ranks). The other
+        coordinates are fixed in both.
+
+        Example (8 ranks, pure data parallel, EP=4): rank 5 -> expert ``(4, 5, 6, 7)``, expert-data ``(1, 5)``.
+        """
+        ep = self._check_expert_parallel(expert_parallel)
+        base = self.coords if world_rank is None else self.coords_of(world_rank)
+        e, i = divmod(base.data, ep)
+        expert = tuple(self.rank_of(base._replace(data=e * ep + j)) for j in range(ep))
+        edp = tuple(self.rank_of(base._replace(data=f * ep + i)) for f in range(self.G_data // ep))
+        return expert, edp
+
+    def _check_expert_parallel(self, expert_parallel) -> int:
+        if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, numbers.Integral) \
+                or expert_parallel < 1 or self.G_data % expert_parallel:
+            raise ValueError(f"rank {self.rank}: expert_parallel={expert_parallel!r} must be a positive int that "
+                             f"divides G_data={self.G_data} (the expert group is carved from the data dimension)")
+        return int(expert_parallel)
+
+    def expert_groups(self, expert_parallel: int) -> Tuple[ProcessGroup, ProcessGroup]:
+        """``(expert_group, expert_data_group)`` for ``expert_parallel`` EP (see :meth:`expert_group_ranks`).
+
+        Collective over the World the first time a value is asked for (two ``Comm.Split``; call it on
+        every rank, as building a model does); cached afterwards. The last value asked for is the
+        grid's ``expert_parallel``, which ``group_for("expert")`` / ``group_for("expert_data")`` read.
+
+        Example (4 ranks, ``init()``, EP=2): rank 3 -> expert ranks ``(2, 3)``, expert-data ranks ``(1, 3)``.
+        """
+        ep = self._check_expert_parallel(expert_parallel)
+        cache = self.__dict__.setdefault("_expert_cache", {})
+        if ep not in cache:
+            from mpi4py import MPI
+            made = []
+            for name, ranks in zip(("expert_group", "expert_data_group"), self.expert_group_ranks(ep)):
+                if len(ranks) == 1:
+                    made.append(ProcessGroup(self.world, MPI.COMM_SELF, ranks, name=name))
+                    continue
+                comm = self.world._comm.Split(min(ranks), ranks.index(self.rank))
+                g = ProcessGroup(self.world, comm, ranks, name=name)
+                self.world._groups.append(g)
+                self._groups[f"{name}_{ep}"] = g        # freed with the grid
+                made.append(g)
+            cache[ep] = tuple(made)
+        self.expert_parallel = ep
+        return cache[ep]
 
     def group_ranks(self, name: str, world_rank: Optional[int] = None) -> Tuple[int, ...]:
         """World ranks of the ``name`` group (a key of ``GROUP_DIMS``) that holds ``world_rank``.

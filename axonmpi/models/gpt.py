@@ -15,6 +15,7 @@ from ..backend import get_array_module, to_device, to_host
 from ..nn import init
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.module import Module, ModuleList
+from ..nn.moe import ExpertLinear, MoE, moe_losses
 from ..nn.transformer import TransformerBlock
 from ..random import default_generator
 
@@ -77,6 +78,14 @@ class GPTConfig:
         bias: biases in Linear and LayerNorm layers.
         tie_word_embeddings: ``lm_head.weight`` is ``wte.weight`` (one Parameter, as GPT-2 and
             PyTorch's ``weight tying``; both names stay in ``state_dict``). Default: untied.
+        moe_experts: 0 (dense MLPs) or E: the MLP of every ``moe_every``-th block (blocks
+            ``moe_every - 1, 2 moe_every - 1, ...``) is an :class:`~axonmpi.nn.MoE` of E experts of
+            the MLP's shape (``blocks.{i}.mlp.router.weight``, ``blocks.{i}.mlp.experts.{fc,proj}.*``).
+        moe_top_k, moe_gating, moe_capacity_factor: the MoE's ``top_k``, ``gating`` and
+            ``capacity_factor`` (``None``: dropless).
+        moe_every: 1 (every block) or 2 (every other block, as GShard and Switch).
+        moe_aux_loss_coeff, moe_z_loss_coeff: weights of the load-balancing and router z losses in
+            :meth:`GPT.moe_auxiliary_loss` (Megatron's ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``).
     """
 
     vocab_size: int
@@ -87,6 +96,13 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_word_embeddings: bool = False
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_every: int = 1
+    moe_gating: str = "softmax"
+    moe_capacity_factor: Optional[float] = None
+    moe_aux_loss_coeff: float = 1e-2
+    moe_z_loss_coeff: float = 1e-3
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -97,6 +113,13 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+            raise ValueError(f"GPTConfig.moe_experts must be 0 (dense) or a positive int, got {self.moe_experts!r}")
+        if self.moe_experts and (self.moe_top_k not in (1, 2) or self.moe_top_k > self.moe_experts):
+            raise ValueError(f"GPTConfig.moe_top_k must be 1 or 2 and at most moe_experts={self.moe_experts}, "
+                             f"got {self.moe_top_k!r}")
+        if self.moe_every not in (1, 2):
+            raise ValueError(f"GPTConfig.moe_every must be 1 (every block) or 2 (every other), got {self.moe_every!r}")
 
 
 class GPTEmbedding(Module):
@@ -152,6 +175,11 @@ class GPT(Module):
         self.drop = Dropout(c.dropout)
         self.blocks = ModuleList(
             TransformerBlock(c.n_embd, c.n_head, c.dropout, c.bias, dtype=dtype) for _ in range(c.n_layer))
+        if c.moe_experts:
+            for i, block in enumerate(self.blocks):
+                if (i + 1) % c.moe_every == 0:
+                    block.mlp = MoE(c.n_embd, c.moe_experts, top_k=c.moe_top_k, gating=c.moe_gating,
+                                    capacity_factor=c.moe_capacity_factor, bias=c.bias, dtype=dtype)
         self.ln_f = LayerNorm(c.n_embd, bias=c.bias, dtype=dtype)
         self.lm_head = Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype)
         self._init_weights()
@@ -163,8 +191,8 @@ class GPT(Module):
     def _init_weights(self) -> None:
         std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, m in self.named_modules():
-            std = std_resid if name.endswith("attn.proj") or name.endswith("mlp.proj") else 0.02
-            if isinstance(m, (Linear, Embedding)):
+            std = std_resid if name.endswith(("attn.proj", "mlp.proj", "experts.proj")) else 0.02
+            if isinstance(m, (Linear, Embedding, ExpertLinear)):
                 init.normal_(m.weight, 0.0, std)
             elif hasattr(m, "init_full_") and m._parameters.get("weight") is not None:
                 # a tensor-parallel layer (auto_parallelize): this rank's shard of the full N(0, std) draw
@@ -173,6 +201,21 @@ class GPT(Module):
                 continue
             if not isinstance(m, Embedding) and getattr(m, "bias", None) is not None:
                 init.zeros_(m.bias)
+
+    def moe_auxiliary_loss(self) -> Optional[Tensor]:
+        """``moe_aux_loss_coeff * aux + moe_z_loss_coeff * z`` of the last forward's MoE layers (summed
+        over layers; global-batch values), to add to the language-model loss before backward;
+        ``None`` for a dense GPT.
+
+        Example:
+            >>> logits, loss = gpt(idx, targets)
+            >>> (loss + gpt.moe_auxiliary_loss()).backward()
+        """
+        got = moe_losses(self)
+        if got is None:
+            return None
+        aux, z = got
+        return aux * self.config.moe_aux_loss_coeff + z * self.config.moe_z_loss_coeff
 
     def pipeline_layers(self) -> list:
         """The model as pipeline layers sharing its parameters: ``[embedding, block 0, ..., head]``
@@ -313,6 +356,9 @@ class GPT(Module):
         Example:
             >>> hf.load_state_dict({k: torch.from_numpy(v) for k, v in gpt.to_hf_gpt2().items()})
         """
+        if self.config.moe_experts:
+            raise ValueError(f"to_hf_gpt2: GPT-2 has no mixture-of-experts layers (this GPT has moe_experts="
+                             f"{self.config.moe_experts}); save its state_dict() instead")
         if not self.config.bias:
             raise ValueError("to_hf_gpt2: this GPT has bias=False; GPT-2 has biases in every Linear and "
                              "LayerNorm (build it with GPTConfig(bias=True))")

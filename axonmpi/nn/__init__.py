@@ -7,13 +7,14 @@ from .layers import (GELU, Dropout, Embedding, Flatten, Identity, LayerNorm, Lin
                      SiLU, Softmax, Tanh)
 from .loss import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss,
                    SmoothL1Loss)
+from .moe import MoE, moe_losses, moe_stats
 from .module import IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
 from .transformer import MLP, CausalSelfAttention, TransformerBlock
 
 __all__ = [
     "CausalSelfAttention", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
-    "LayerNorm", "Linear", "MLP", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
+    "LayerNorm", "Linear", "MLP", "MoE", "moe_losses", "moe_stats", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
     "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "TransformerBlock", "functional", "init",
     "checkpoint", "checkpoint_sequential", "utils", "BCELoss", "BCEWithLogitsLoss", "CrossEntropyLoss",
     "L1Loss", "MSELoss", "NLLLoss", "SmoothL1Loss",

@@ -1,5 +1,6 @@
 """Parallel strategies: data parallel (DDP), the flat parameter the sharded strategies build on, tensor
-parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in ``intra_layer``, ``auto_parallelize``), pipeline parallel (``pipeline``)."""
+parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in ``intra_layer``, ``auto_parallelize``), pipeline parallel (``pipeline``),
+expert parallelism for ``nn.MoE`` (``moe``)."""
 from ._flat import FlatLayout, FlatParameter, FlatSegment
 from .ddp import (
     DDP, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy, allreduce_hook,
@@ -13,6 +14,8 @@ from .fsdp import (
 from .auto_parallelize import auto_parallelize
 from .parallelize import ParallelModule, full_state_dict, parallelize
 from . import grad_sync
+from . import moe
+from .moe import expert_parallel
 from .tensor.groups import TensorParallelGroups
 from .pipeline import *  # noqa: F401,F403  (Pipeline, PipelineSchedule, make_schedule, split_module, ...)
 from . import pipeline
@@ -22,7 +25,7 @@ __all__ = [
     "TensorParallelGroups", "FlatLayout", "FlatParameter", "FlatSegment",
     "FSDP", "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats",
     "ModuleWrapPolicy", "SizeWrapPolicy", "fsdp",
-    "ParallelModule", "parallelize", "full_state_dict", "grad_sync",
+    "ParallelModule", "parallelize", "full_state_dict", "grad_sync", "moe", "expert_parallel",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
 __all__ += pipeline.__all__

@@ -463,6 +463,8 @@ class DistributedDataParallel(Module):
             scale the loss by local/global batch size yourself and sum).
         sync_params: broadcast parameters and buffers from group rank 0 at construction.
         record_events: keep an event log of hook/launch order in ``ddp.synchronizer.events``.
+        ignored_parameters: parameters DDP neither broadcasts nor reduces (their owner reduces them:
+            expert parameters of ``parallelize(expert_parallel=)`` go over the expert-data group).
 
     Example:
         >>> world = axonmpi.init()
@@ -482,19 +484,21 @@ class DistributedDataParallel(Module):
     def __init__(self, module: Module, group=None, bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
                  grad_sync: GradSyncStrategy = GradSyncStrategy.OVERLAP, *, find_unused_parameters: bool = False,
                  comm_hook=None, reduce_op: ReduceOp = ReduceOp.MEAN, sync_params: bool = True,
-                 record_events: bool = False):
+                 record_events: bool = False, ignored_parameters=()):
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
         self.module = module
         self.group = role_group("data", group)
-        named = list(module.named_parameters())
+        ignored = {id(p) for p in ignored_parameters}     # reduced elsewhere (expert parameters)
+        named = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]
+        self.named_params = named
         check_group(named, self.group, "DDP")
         for _, p in named:
             add_placement(p, replica=self.group)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.synchronizer = GradientSynchronizer(
-            list(module.named_parameters()), self.group, bucket_size_mb=bucket_size_mb, strategy=grad_sync,
+            named, self.group, bucket_size_mb=bucket_size_mb, strategy=grad_sync,
             comm_hook=comm_hook, reduce_op=reduce_op, find_unused_parameters=find_unused_parameters,
             record_events=record_events)
         if sync_params:
@@ -526,7 +530,7 @@ class DistributedDataParallel(Module):
         if self.group.size == 1:
             return
         with no_grad():
-            tensors = [p for _, p in self.module.named_parameters()] + [b for _, b in self.module.named_buffers()]
+            tensors = [p for _, p in self.named_params] + [b for _, b in self.module.named_buffers()]
             broadcast_flat([t for t in tensors], self.group)
 
     def _sync_buffers(self) -> None:

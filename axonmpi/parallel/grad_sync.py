@@ -16,6 +16,8 @@ replicated (no shard group)                ``data`` and every ``batch`` group
 Megatron 1-D ``DIM`` shard                 ``data`` (the tensor group computed its part)
 AxoNN 3-D ``BLOCK`` weight                 ``data`` (the layer reduce-scattered over depth)
 AxoNN 3-D bias (replicated over depth)     ``data`` and the layer's depth group
+expert ``DIM`` shard over a subgroup of    its replica groups inside ``data`` (the expert-data
+``data`` (expert parallelism)              group), never the expert group
 FSDP ``FLAT`` chunk                        reduce-scattered by FSDP over its shard group
 pipeline ``STAGE`` shard                   as above, over the stage's own groups
 sequence-parallel (``sequence_parallel``)  also the tensor group, inside backward
@@ -68,8 +70,16 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
     pl = placement_of(param)
     if getattr(param, "needs_depth_parallel_gradient_sync", False):
         out = [data, depth]
+    elif data is not None and any(s.kind is ShardKind.DIM and _inside(s.group, data) for s in pl.shards):
+        out = [r for r in pl.replica_groups if _inside(r, data)]
     elif any(s.kind is not ShardKind.STAGE for s in pl.shards) or getattr(param, "is_tensor_parallel", False):
         out = [data]
     else:
         out = [data, *batch]
     return [g for g in out if g is not None and g.size > 1]
+
+
+def _inside(group: Any, data: Any) -> bool:
+    """True when ``group`` has more than one rank, all of them in ``data`` (an expert or expert-data group)."""
+    ranks = getattr(group, "ranks", None)
+    return ranks is not None and len(ranks) > 1 and set(ranks) <= set(getattr(data, "ranks", ()))

@@ -374,7 +374,8 @@ class HybridGPT:
     def __init__(self, config: GPTConfig, grid: Optional[ProcessGrid] = None, *, tp_style="axonn",
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
                  dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
-                 hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False):
+                 hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False,
+                 expert_parallel: int = 1):
         from ..random import manual_seed  # noqa: F401  (the caller seeds; documented)
         from .fsdp import ShardingStrategy
         self.grid = get_grid() if grid is None else grid
@@ -436,6 +437,17 @@ class HybridGPT:
             if self.layout.G_context > 1:        # each rank its tokens; gradients over data x context
                 from .context import context_parallel_gpt
                 context_parallel_gpt(self.model, g.context_group, cp_algo)
+        self._expert_parallel, experts = int(expert_parallel), []
+        if config.moe_experts or self._expert_parallel > 1:   # MoE blocks: see axonmpi.parallel.moe
+            from .moe import expert_parallel as _ep, expert_parameters
+            if not config.moe_experts or self.layout.G_inter > 1 or self.layout.G_context > 1 or self.style is not None \
+                    or self.sharding is not None or activation_checkpointing:
+                raise NotImplementedError(f"rank {g.world.rank}: MoE GPTs run on data-parallel layouts (DDP; "
+                                          f"expert_parallel divides G_data) here, not {self.layout}"
+                                          f"{' with FSDP' if self.sharding else ''}; use axonmpi.parallel."
+                                          "parallelize(gpt, expert_parallel=N) for tensor-parallel experts")
+            _ep(self.model, self._expert_parallel, grid=g)
+            experts = expert_parameters(self.model)
         self.ddp = None
         self.pipe = None
         self.fsdp = None
@@ -448,8 +460,11 @@ class HybridGPT:
             self._params = list(self.fsdp.parameters())
         elif self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
             from .ddp import DistributedDataParallel
-            self.ddp = DistributedDataParallel(self.model, group=g.data_context_group)
+            self.ddp = DistributedDataParallel(self.model, group=g.data_context_group, ignored_parameters=experts)
             self._params = list(self.model.parameters())
+            if experts:
+                from .moe import hook_expert_gradients
+                self._expert_hooks = hook_expert_gradients(experts, g.data_group, g.G_data)
         else:
             from .pipeline import Pipeline, split_module
             v = self._v
@@ -505,7 +520,9 @@ class HybridGPT:
         g = self.grid
         if self.ddp is not None or self.fsdp is not None:
             _, loss = (self.ddp or self.fsdp)(x, y)
-            (loss if scaler is None else scaler.scale(loss)).backward()
+            aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
+            total = loss if aux is None else loss + aux      # the returned value stays the LM loss
+            (total if scaler is None else scaler.scale(total)).backward()
             value = float(loss.item())
             for grp in self._loss_groups():
                 if grp.size > 1:
@@ -563,7 +580,7 @@ class HybridGPT:
 
     # -- state ------------------------------------------------------------------------------------------
     def _tp_map(self) -> Dict[str, Any]:
-        if self.style is None:
+        if self.style is None and self._expert_parallel == 1:
             return {}
         from .tensor.state import _tp_entries
         return {key: (m, name) for key, m, name, _ in _tp_entries(self.model)}

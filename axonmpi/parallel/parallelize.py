@@ -192,6 +192,11 @@ class ParallelModule(Module):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(reduce))
 
+    def _hook_experts(self, params) -> None:
+        """Expert parameters: reduced over their expert-data group (the grad-sync table), divided by ``G_data``."""
+        from .moe import hook_expert_gradients
+        self._hooks.extend(hook_expert_gradients(params, self.grid.data_group, self.batch_shards[0]))
+
     def forward(self, *args, **kwargs):
         if self.sequence_dim is None or not args:
             return self.module(*args, **kwargs)
@@ -398,7 +403,8 @@ def _finish_axonn_fsdp(fsdp, grid: ProcessGrid) -> None:
 def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                 tensor_parallel: Union[None, str, Dict[str, str]] = None,
                 data_parallel: Optional[str] = "ddp", sharding_strategy=None, sequence_parallel: bool = False,
-                sequence_dim: int = 1, context_parallel: Optional[str] = None, **strategy_options) -> ParallelModule:
+                sequence_dim: int = 1, context_parallel: Optional[str] = None, expert_parallel: Optional[int] = None,
+                expert_tensor_parallel: bool = False, **strategy_options) -> ParallelModule:
     """Lay ``module`` out over the grid: tensor parallel, then data parallel (DDP or FSDP).
 
     Args:
@@ -430,6 +436,12 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             ``nn.CausalSelfAttention`` becomes a :class:`~axonmpi.parallel.context.ContextParallelAttention`
             (:func:`~axonmpi.parallel.context.context_parallel_gpt`; a GPT then keeps its tokens of each
             sequence), and gradients are reduced over data x context (``grid.data_context_group``).
+        expert_parallel: EP for the model's ``nn.MoE`` layers (divides ``G_data``; see
+            :func:`axonmpi.parallel.moe.expert_parallel`): experts split over the expert group,
+            reduced over the expert-data group. ``None``: 1 when the model has MoE layers (their
+            routing statistics are still summed over the data group).
+        expert_tensor_parallel: split the experts' hidden width over the tensor group instead
+            (AxoNN style; needs ``tensor_parallel="axonn"``, whose batch split it shares).
         **strategy_options: keyword options of DDP or FSDP (``bucket_size_mb``, ``mixed_precision``, ...).
 
     Returns:
@@ -487,6 +499,23 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             f"no tensor parallelism (context_parallel='ring' | 'ulysses'); got context_parallel={context_parallel!r}, "
             f"tensor_parallel={tensor_parallel!r}, data_parallel={data_parallel!r}")
     shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
+    from ..nn.moe import MoE
+    from .moe import expert_parallel as _ep, expert_parameters
+    has_moe = any(isinstance(m, MoE) for m in module.modules())
+    if expert_tensor_parallel and tensor_parallel != "axonn":
+        raise ValueError(f"rank {r}: expert_tensor_parallel=True splits the batch over the tensor block as "
+                         f"AxoNN's easy mode does; pass tensor_parallel='axonn' (got {tensor_parallel!r})")
+    if has_moe and cp_size > 1:
+        raise NotImplementedError(f"rank {r}: nn.MoE with context parallelism (G_context={cp_size}) is not built yet")
+    if has_moe or (expert_parallel or 1) > 1:
+        if data_parallel == "fsdp" and (expert_parallel or 1) > 1:
+            raise NotImplementedError(f"rank {r}: FSDP with expert_parallel > 1 is not built yet; use DDP")
+        if not has_moe:
+            raise ValueError(f"rank {r}: expert_parallel={expert_parallel} but the model has no nn.MoE layer")
+        _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel)
+    experts = expert_parameters(module)
+    if experts and data_parallel == "ddp" and tensor_parallel != "axonn":
+        strategy_options = dict(strategy_options, ignored_parameters=experts)
     if tensor_parallel == "axonn":
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
@@ -527,6 +556,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     pm._hooks.extend(sp_hooks)
     if sequence_parallel:
         pm.sequence_dim = int(sequence_dim)
+    if experts and data_parallel == "ddp" and tensor_parallel != "axonn":
+        pm._hook_experts(experts)
     return pm
 
 
