@@ -9,7 +9,7 @@ Run on 4 local ranks (what `make demo` does):
 By default each rank holds the whole model (DistributedDataParallel); the global batch is split
 across ranks, gradients are averaged with bucketed all-reduces overlapped with backward. The
 five AxoNN sizes (--G-data, --G-inter, --G-intra-r, --G-intra-c, --G-intra-d) lay the ranks out
-as data x pipeline x tensor parallel (axonmpi.parallel.hybrid; docs/hybrid.md); the loss printed
+as data x pipeline x tensor parallel (axonmpi.recipes.gpt; docs/hybrid.md); the loss printed
 is the mean over the whole global batch under every layout, and checkpoints load under any other
 layout. Rank 0
 shows a progress bar (loss, tokens/s, ETA), evaluates on held-out text, prints a generated
@@ -37,7 +37,7 @@ from axonmpi.models import GPTConfig  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
-from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout, fsdp_refusal  # noqa: E402
+from axonmpi.recipes import HybridGPT, Layout, check_layout, fsdp_refusal  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
 
 
