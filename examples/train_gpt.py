@@ -283,7 +283,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if fixed:
         axonmpi.log.exit0(f"{path}: a resume cannot change {'; '.join(fixed)}. Pass the saved values to resume, "
                           "or start a new run in another --checkpoint-dir")
-    loaded = ckpt.load(path, model.hyb.checkpoint_template(path))   # each rank reads only its blocks
+    loaded = ckpt.load(path, model.owner.checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
     apply_changed_options(saved, args, sched, log)
@@ -308,7 +308,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if saved_ranks != world.world_size:
         # a continuation of the random streams is impossible on another rank count: derive one
         # independent stream per rank from the seed and the step, the same way on every rank
-        axonmpi.manual_seed(model.hyb.dropout_seed(args.seed) + 7919 * step)
+        axonmpi.manual_seed(model.owner.dropout_seed(args.seed) + 7919 * step)
         log.warning("saved on %d ranks, resumed on %d: dropout/sampling streams re-seeded per rank "
                     "(deterministic, not a continuation)", saved_ranks, world.world_size)
     if args.steps != sched.total_steps and args.steps > step:

@@ -21,7 +21,7 @@ def _run(fn: Callable, raw: Sequence[Any], is_tensor: Sequence[bool], grads_for:
         if not t:
             args.append(a)
             continue
-        x = Tensor._wrap(a)
+        x = Tensor.wrap(a)
         if g:
             x.requires_grad = True
         args.append(x)
@@ -114,7 +114,7 @@ def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True):
     is_tensor = tuple(isinstance(a, Tensor) for a in args)
     first = next((a.data for a in args if isinstance(a, Tensor)), None)
     xp = get_array_module(first) if first is not None else np
-    anchor = Tensor._wrap(xp.zeros((), np.float64))
+    anchor = Tensor.wrap(xp.zeros((), np.float64))
     anchor.requires_grad = True
     return _Checkpoint.apply(*args, anchor, fn=fn, is_tensor=is_tensor, preserve_rng_state=bool(preserve_rng_state))
 

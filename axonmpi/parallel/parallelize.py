@@ -34,7 +34,7 @@ def _children(module: Module) -> List[Tuple[Module, str, Module, str]]:
     """``(parent, attribute name, child, qualified name)`` for every submodule, in ``named_modules`` order."""
     out = []
     for qname, m in module.named_modules():
-        for name, child in list(m._modules.items()):
+        for name, child in list(m.named_children()):
             if child is not None:
                 out.append((m, name, child, f"{qname}.{name}" if qname else name))
     return out

@@ -340,78 +340,78 @@ class ModelState:
     an empty block.  Loading takes full arrays (any layout's checkpoint) and keeps the shard.
     """
 
-    def __init__(self, layout: LayoutState):
-        self.layout = layout
+    def __init__(self, owner: LayoutState):
+        self.owner = owner   # the LayoutState (e.g. a HybridGPT) whose state this is
 
     def state_dict(self):
-        if self.layout._fsdp_tp:
-            local = self.layout._fsdp_local()
-            return OrderedDict((n, self.layout._block(n, local[n])) for n, _ in self.layout.model.named_parameters())
-        if self.layout.fsdp is not None:
-            return self.layout.sharded_state_dict()
-        return OrderedDict((n, self.layout._block(n, p.data)) for n, p in self.layout.model.named_parameters())
+        if self.owner._fsdp_tp:
+            local = self.owner._fsdp_local()
+            return OrderedDict((n, self.owner._block(n, local[n])) for n, _ in self.owner.model.named_parameters())
+        if self.owner.fsdp is not None:
+            return self.owner.sharded_state_dict()
+        return OrderedDict((n, self.owner._block(n, p.data)) for n, p in self.owner.model.named_parameters())
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        self.layout.load_full_state_dict(state_dict, strict=strict)
+        self.owner.load_full_state_dict(state_dict, strict=strict)
 
 
 class OptimizerState:
     """An optimizer's per-parameter state keyed by serial parameter names, as blocks like the parameters'."""
 
-    def __init__(self, layout: LayoutState, optimizer):
-        self.layout, self.opt = layout, optimizer
+    def __init__(self, owner: LayoutState, optimizer):
+        self.owner, self.opt = owner, optimizer
 
     def state_dict(self):
-        ls = self.layout
-        named = dict(ls.model.named_parameters())
-        if ls._fsdp_tp:             # FSDP x TP: the moments gathered over data, saved as TP blocks
-            local = ls._fsdp_local(self.opt)
-            state = OrderedDict((n, {k: (ls._block(n, v) if _is_array(v) else v) for k, v in local[n].items()})
+        lay = self.owner
+        named = dict(lay.model.named_parameters())
+        if lay._fsdp_tp:             # FSDP x TP: the moments gathered over data, saved as TP blocks
+            local = lay._fsdp_local(self.opt)
+            state = OrderedDict((n, {k: (lay._block(n, v) if _is_array(v) else v) for k, v in local[n].items()})
                                 for n in named if local.get(n))
             return {"state": state,
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]}
-        if ls.fsdp is not None:     # FSDP: keyed by serial names, moments as 1-D blocks of the flattened arrays
-            osd = ls.fsdp.optim_state_dict(self.opt)
+        if lay.fsdp is not None:     # FSDP: keyed by serial names, moments as 1-D blocks of the flattened arrays
+            osd = lay.fsdp.optim_state_dict(self.opt)
             return {"state": OrderedDict((n, osd["state"][n]) for n in named if n in osd["state"]),
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]}
-        own = [n for n in ls.param_names if self.opt.state.get(named[n])]
+        own = [n for n in lay.param_names if self.opt.state.get(named[n])]
         # the per-parameter keys (and scalar values such as AdamW's step) are the same for every parameter
         sample = {k: (None if _is_array(v) else v) for k, v in self.opt.state[named[own[0]]].items()} if own else None
-        inter = ls.grid.inter_group
+        inter = lay.grid.inter_group
         samples = [x for x in (all_gather_object(sample, group=inter) if inter.size > 1 else [sample]) if x]
         state = OrderedDict()
         if samples:
             keys = samples[0]
             for n, p in named.items():
-                st = self.opt.state.get(p, {}) if n in ls.param_names else {}
-                state[n] = {k: (ls._block(n, st.get(k)) if v is None else v) for k, v in keys.items()}
+                st = self.opt.state.get(p, {}) if n in lay.param_names else {}
+                state[n] = {k: (lay._block(n, st.get(k)) if v is None else v) for k, v in keys.items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict, strict: bool = True):
         from ..backend import get_array_module
-        named = dict(self.layout.model.named_parameters())
+        named = dict(self.owner.model.named_parameters())
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.opt.param_groups):
-            raise ValueError(f"rank {self.layout.grid.world.rank}: the checkpoint has {len(saved_groups)} parameter "
+            raise ValueError(f"rank {self.owner.grid.world.rank}: the checkpoint has {len(saved_groups)} parameter "
                              f"groups, the optimizer {len(self.opt.param_groups)}")
         for g, saved in zip(self.opt.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
-        if self.layout._fsdp_tp:
-            state = {n: {k: (self.layout._tp_flat(n, v) if _is_array(v) else v) for k, v in st.items()}
+        if self.owner._fsdp_tp:
+            state = {n: {k: (self.owner._tp_flat(n, v) if _is_array(v) else v) for k, v in st.items()}
                      for n, st in state_dict["state"].items() if st}
-            self.layout.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
+            self.owner.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
             return
-        if self.layout.fsdp is not None:
-            state = {n: {k: (self.layout._flat_block(n, v) if _is_array(v) else v) for k, v in st.items()}
+        if self.owner.fsdp is not None:
+            state = {n: {k: (self.owner._flat_block(n, v) if _is_array(v) else v) for k, v in st.items()}
                      for n, st in state_dict["state"].items() if st}
-            self.layout.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
+            self.owner.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
             return
-        for n in self.layout.param_names:
+        for n in self.owner.param_names:
             saved = state_dict["state"].get(n)
             if not saved:
                 continue
             p = named[n]
             xp = get_array_module(p.data)
-            self.opt.state[p] = {k: (xp.asarray(self.layout._shard(n, v), dtype=_dtype(v)) if _is_array(v) else v)
+            self.opt.state[p] = {k: (xp.asarray(self.owner._shard(n, v), dtype=_dtype(v)) if _is_array(v) else v)
                                  for k, v in saved.items()}

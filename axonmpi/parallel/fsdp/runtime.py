@@ -207,7 +207,7 @@ class FullyShardedDataParallel(Module):
         for pre, m in unwrapped_named_modules(module):
             if id(m) in inner_mods:
                 continue
-            for n, p in m._parameters.items():
+            for n, p in m.named_parameters(recurse=False):
                 name = f"{pre}.{n}" if pre else n
                 if p is not None and id(p) in inner_params:
                     raise ValueError(f"FSDP: parameter {name!r} is shared with the FSDP instance nested at "
@@ -216,7 +216,7 @@ class FullyShardedDataParallel(Module):
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append((name, p))
-            buffers += [((f"{pre}.{n}" if pre else n), b) for n, b in m._buffers.items() if b is not None]
+            buffers += [((f"{pre}.{n}" if pre else n), b) for n, b in m.named_buffers(recurse=False)]
         if not params and not nested:
             raise ValueError("FSDP: the module has no parameters")
         first = params[0][1] if params else next(nested[0][1].module.parameters())

@@ -565,7 +565,7 @@ class _Executor:
                 data = prev.data
             else:
                 data = self._received.pop((s, i))
-            x = Tensor._wrap(data)
+            x = Tensor.wrap(data)
             if self.train and data.dtype.kind == "f":
                 x.requires_grad = True
         seed = _microbatch_seed(initial_seed(), p._step, s, i, p.data_group.rank if p.data_group is not None else 0)
@@ -574,7 +574,7 @@ class _Executor:
         if s == p.last_stage:
             if self.targets is not None and p.loss_fn is not None:
                 w = self.weights[i]
-                loss = p.loss_fn(y, Tensor._wrap(self._slice(self.targets, i))) * w
+                loss = p.loss_fn(y, Tensor.wrap(self._slice(self.targets, i))) * w
                 if w:  # a micro-batch of ignored targets only: NaN * 0, zero gradients, not counted
                     self.loss += float(loss.item())
                 y = loss

@@ -36,7 +36,7 @@ def tp_entries(model: Module):
     """
     for prefix, m in model.named_modules():
         if isinstance(m, _TensorParallelModule):
-            for name, p in m._parameters.items():
+            for name, p in m.named_parameters(recurse=False):
                 if p is not None and m._tp_full_shape(name) is not None:
                     yield (f"{prefix}.{name}" if prefix else name), m, name, p
 
