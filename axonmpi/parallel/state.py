@@ -188,6 +188,11 @@ class LayoutState:
                         out[nm][key] = v
         return out
 
+    def _fsdp_flat(self, name: str, v):
+        """A loaded value of ``name`` as the 1-D ``ShardedArray`` FSDP's loaders take (they keep the elements
+        of this rank's chunk): FSDP x TP, this rank's TP shard flattened; FSDP alone, the serial array's."""
+        return self._tp_flat(name, v) if self._fsdp_tp else self._flat_block(name, v)
+
     def _flat_block(self, name: str, v):
         """A loaded value of parameter ``name`` (full array, a block of whole rows, or FSDP's flattened
         block) as the 1-D ``ShardedArray`` FSDP's loaders take."""
@@ -242,12 +247,8 @@ class LayoutState:
             missing = sorted(set(named) - set(state_dict))
             if missing:
                 raise KeyError(f"rank {self.grid.world.rank}: the state dict lacks {missing}")
-        if self._fsdp_tp:     # this rank's TP shard, flattened: FSDP keeps the elements of its chunk
-            self.fsdp.load_state_dict({n: self._tp_flat(n, v) for n, v in state_dict.items() if n in named},
-                                      strict=strict)
-            return
         if self.fsdp is not None:
-            self.fsdp.load_state_dict({n: self._flat_block(n, v) for n, v in state_dict.items() if n in named},
+            self.fsdp.load_state_dict({n: self._fsdp_flat(n, v) for n, v in state_dict.items() if n in named},
                                       strict=strict)
             return
         for n in self.param_names:
@@ -397,13 +398,8 @@ class OptimizerState:
                              f"groups, the optimizer {len(self.opt.param_groups)}")
         for g, saved in zip(self.opt.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
-        if self.owner._fsdp_tp:
-            state = {n: {k: (self.owner._tp_flat(n, v) if _is_array(v) else v) for k, v in st.items()}
-                     for n, st in state_dict["state"].items() if st}
-            self.owner.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
-            return
         if self.owner.fsdp is not None:
-            state = {n: {k: (self.owner._flat_block(n, v) if _is_array(v) else v) for k, v in st.items()}
+            state = {n: {k: (self.owner._fsdp_flat(n, v) if _is_array(v) else v) for k, v in st.items()}
                      for n, st in state_dict["state"].items() if st}
             self.owner.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
             return

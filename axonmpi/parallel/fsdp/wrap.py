@@ -217,14 +217,8 @@ def unwrapped_state_items(root: Module, kind: str = "state") -> Iterator[Tuple[s
     ``"buffers"`` only those, each tensor once (``named_parameters()`` order)."""
     seen = set()
     for pre, m in unwrapped_named_modules(root):
-        items: List[Tuple[str, Any]] = []
-        if kind in ("state", "params"):
-            items += list(m._parameters.items())
-        if kind in ("state", "buffers"):
-            items += [(n, b) for n, b in m._buffers.items()
-                      if kind == "buffers" or n not in m._non_persistent]
-        for name, t in items:
-            if t is None or (kind != "state" and id(t) in seen):
+        for name, t in list(m.own_state_items(kind)):
+            if kind != "state" and id(t) in seen:
                 continue
             seen.add(id(t))
             yield (f"{pre}.{name}" if pre else name), t

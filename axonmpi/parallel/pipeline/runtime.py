@@ -22,7 +22,7 @@ from ...random import fork_rng, initial_seed
 from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, encode_header
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, make_schedule, simulate)
 from .stage import PipelineStage
-from ..grad_sync import check_group, reduction_groups
+from ..grad_sync import check_group, mean_over, reduction_groups
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -314,9 +314,7 @@ class Pipeline:
                                                                  ActionKind.RECV_ACT)]
         with no_grad():
             out = self._run(acts, sizes, inputs, targets, train=False)
-        if targets is not None and self.data_group is not None and self.data_group.size > 1:
-            out = float(all_reduce(np.array([out]), ReduceOp.MEAN, self.data_group)[0])
-        return out
+        return mean_over(out, [self.data_group]) if targets is not None else out
 
     def schedule_actions(self) -> List[Action]:
         """This rank's action list (what :meth:`step` executes)."""
@@ -397,10 +395,7 @@ class Pipeline:
         """The loss averaged over the batch groups the stages declare (every rank of a tensor block in
         AxoNN's easy mode reads its own rows); a no-op for plain stages."""
         groups = {id(b): b for st in self.stages.values() for b in getattr(st.module, "batch_groups", ())}
-        for b in groups.values():
-            if b.size > 1:
-                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, b)[0])
-        return value
+        return mean_over(value, groups.values())
 
     def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool):
         ex = _Executor(self, acts, sizes, inputs, targets, train)
@@ -410,10 +405,8 @@ class Pipeline:
                 src = self.schedule.rank_of(self.last_stage)
                 value = float(all_reduce(np.array([value if self.rank == src else 0.0]), ReduceOp.SUM,
                                          self.group)[0])
-            if train and self.data_group is not None and self.data_group.size > 1:
-                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, self.data_group)[0])
             if train:
-                value = self._mean_over_batch_groups(value)
+                value = self._mean_over_batch_groups(mean_over(value, [self.data_group]))
         if train:
             self._stats = ex.memory_stats()
             self._timing = ex.timing
