@@ -151,28 +151,11 @@ class LayoutState:
         """FSDP x TP: this rank's whole TP-local arrays, gathered over FSDP's shard group (collective):
         ``{name: array}`` of the parameters, or with ``optimizer`` ``{name: {key: array or scalar}}`` of
         its state (moments gathered like the parameters, scalars such as ``step`` as they are)."""
-        from ..backend import to_host
-        from ..distributed import all_gather
-        from ..distributed.sharding import compact_slots
         out: Dict[str, Any] = {}
         for f in self.fsdp.parameters():
             names = self.fsdp.param_names(f)
-            k, size, n = f.world_size, f.padded_size, f.total_numel
-
-            def gather(chunk):
-                chunk = np.asarray(to_host(chunk))
-                send = np.zeros(size, chunk.dtype)
-                send[:chunk.size] = chunk
-                buf = np.empty(k * size, chunk.dtype)
-                if k > 1:
-                    all_gather(send, group=f.group, out=buf)
-                else:
-                    buf[:] = send
-                compact_slots(buf, n, k, size)
-                return [np.array(v, copy=True) for v in f.layout.views(buf[:n])]
-
             if optimizer is None:
-                for nm, v in zip(names, gather(f.data)):
+                for nm, v in zip(names, f.gather_host(f.data)):
                     out[nm] = v
                 continue
             st = optimizer.state.get(f) or {}
@@ -181,7 +164,7 @@ class LayoutState:
             for key in sorted(st):
                 v = st[key]
                 if _is_array(v):
-                    for nm, a in zip(names, gather(v)):
+                    for nm, a in zip(names, f.gather_host(v)):
                         out[nm][key] = a
                 else:
                     for nm in names:
