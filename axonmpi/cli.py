@@ -111,7 +111,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     """``mpiexec -n N python SCRIPT ARGS`` with the MPI beside this Python."""
     import subprocess
 
-    from axonmpi.testing import mpiexec_path
+    from axonmpi.distributed.launch import mpiexec_path
 
     env = dict(os.environ)
     if args.threads is not None:

@@ -53,7 +53,8 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "through pinned host memory); auto asks MPI (Query_cuda_support / MPIX_Query_cuda_support)"),
     EnvVar("AXONMPI_CUDA_AWARE_MPI", "tribool", "auto", "older name of AXONMPI_CUDA_AWARE (used when that is unset)"),
     EnvVar("AXONMPI_FAKE_NCCL", "bool", "0",
-           "tests only: run the NCCL backend on axonmpi.testing.fake_nccl (NCCL's API over MPI on host arrays)"),
+           "tests only: run the NCCL backend on the registered stand-in (axonmpi.testing.fake_nccl registers itself "
+           "when imported: NCCL's API over MPI on host arrays)"),
     EnvVar("AXONMPI_MPI_FLOAT16", "bool", "1",
            "0 forces the float16 path for MPI libraries without a half type (moved as 16-bit words, reduced in float32)"),
     EnvVar("AXONMPI_NO_THREAD_LIMIT", "bool", "0",

@@ -7,7 +7,7 @@ G_d``; ``b`` bytes per element.  Everything is per optimizer step and per rank; 
 the busiest pipeline stage.
 
 * Rows.  Each rank holds ``n = B S / (G_data T)`` tokens (``B S / G_data`` when ``T = 1``): in easy
-  mode every rank of a tensor block reads its own rows (``hybrid.batch_shards``).
+  mode every rank of a tensor block reads its own rows (``recipes.gpt.batch_shards``).
 * One 3-D Linear ``(in, out)`` (``intra_layer.Linear``, easy mode; a Linear the grid does not divide
   stays replicated).  Forward: rows in over the column group (all-to-all ``n in``), over the row
   group (all-gather, ``G_r n in`` gathered), weight all-gathered over depth (``in out / (G_r G_c)``),
@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .distributed.sharding import chunk_bounds
-from .parallel.hybrid import Layout
+from .distributed.grid import Layout
 from .parallel.pipeline.split import _balanced   # the cut split_module makes
 
 __all__ = ["Estimate", "Hardware", "Layout", "Model", "candidate_layouts", "estimate", "format_plan", "linear_volumes",
@@ -361,7 +361,7 @@ def _divisors(n: int) -> List[int]:
 def candidate_layouts(model: Model, world: int) -> Iterator[Layout]:
     """Every ``(G_data, G_inter, G_r, G_c, G_d)`` with product ``world`` that ``HybridGPT`` runs the GPT under.
 
-    Rules (``hybrid.check_layout``): ``G_inter <= layers + 2`` (embedding, blocks, head); the batch
+    Rules (``recipes.gpt.check_layout``): ``G_inter <= layers + 2`` (embedding, blocks, head); the batch
     divides into ``G_data T`` row slices (``G_data`` when ``T = 1``); and, so that the tensor split
     splits something, the grid divides every Linear of a block (``out % G_r``, ``in % G_c``,
     ``in out / (G_r G_c) % G_d``; the head may stay replicated).

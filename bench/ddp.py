@@ -97,7 +97,7 @@ def main() -> None:
         worker()
         return
     sys.path.insert(0, ROOT)
-    from axonmpi.testing import mpiexec_path
+    from axonmpi.distributed.launch import mpiexec_path
 
     env = _env()
     mpiexec = mpiexec_path()

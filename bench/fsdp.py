@@ -202,7 +202,8 @@ def main() -> None:
         torch_worker()
         return
     sys.path.insert(0, ROOT)
-    from axonmpi.testing import mpiexec_env, mpiexec_path
+    from axonmpi.distributed.launch import mpiexec_path
+    from axonmpi.testing import mpiexec_env
 
     env = mpiexec_env({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     mpiexec = mpiexec_path()

@@ -10,7 +10,7 @@ Run on 4 local ranks (what `make demo` does):
 By default each rank holds the whole model (DistributedDataParallel); the global batch is split
 across ranks, gradients are averaged with bucketed all-reduces overlapped with backward. The
 five AxoNN sizes (--G-data, --G-inter, --G-intra-r, --G-intra-c, --G-intra-d) lay the ranks out
-as data x pipeline x tensor parallel (axonmpi.parallel.hybrid; docs/hybrid.md); the loss printed
+as data x pipeline x tensor parallel (axonmpi.recipes.gpt; docs/hybrid.md); the loss printed
 is the mean over the whole global batch under every layout, and checkpoints load under any other
 layout. Rank 0
 shows a progress bar (loss, tokens/s, ETA), evaluates on held-out text, prints a generated
@@ -38,7 +38,7 @@ from axonmpi.models import GPTConfig  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
-from axonmpi.parallel.hybrid import HybridGPT, Layout, check_layout, fsdp_refusal  # noqa: E402
+from axonmpi.recipes import HybridGPT, Layout, check_layout, fsdp_refusal  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
 
 
@@ -306,7 +306,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if fixed:
         axonmpi.log.exit0(f"{path}: a resume cannot change {'; '.join(fixed)}. Pass the saved values to resume, "
                           "or start a new run in another --checkpoint-dir")
-    loaded = ckpt.load(path, model.hyb.checkpoint_template(path))   # each rank reads only its blocks
+    loaded = ckpt.load(path, model.owner.checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
     apply_changed_options(saved, args, sched, log)
@@ -331,7 +331,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if saved_ranks != world.world_size:
         # a continuation of the random streams is impossible on another rank count: derive one
         # independent stream per rank from the seed and the step, the same way on every rank
-        axonmpi.manual_seed(model.hyb.dropout_seed(args.seed) + 7919 * step)
+        axonmpi.manual_seed(model.owner.dropout_seed(args.seed) + 7919 * step)
         log.warning("saved on %d ranks, resumed on %d: dropout/sampling streams re-seeded per rank "
                     "(deterministic, not a continuation)", saved_ranks, world.world_size)
     if args.steps != sched.total_steps and args.steps > step:

@@ -230,6 +230,7 @@ EXAMPLES = {
     "axonmpi.nn.IncompatibleKeys": lambda: nn.IncompatibleKeys([], []).missing_keys == [],
     "axonmpi.nn.LayerNorm": lambda: _close(nn.LayerNorm(3, dtype=np.float64)(X).mean(dim=-1), [0, 0]),
     "axonmpi.nn.Linear": lambda: nn.Linear(3, 5)(X.float()).shape == (2, 5),
+    "axonmpi.nn.Checkpointed": lambda: _close(nn.Checkpointed(nn.Tanh())(_x(2, 3)), np.tanh(_x(2, 3).data)),
     "axonmpi.nn.checkpoint": lambda: _close(nn.checkpoint(lambda t: (t * t).sum(), _x(3)).item(),
                                             float((_x(3).data ** 2).sum())),
     "axonmpi.nn.checkpoint_sequential": lambda: _close(
@@ -353,6 +354,7 @@ EXAMPLES = {
 # Tensor members: "Tensor.name" -> a small call on X (2, 3 float64, requires grad)
 TENSOR_EXAMPLES = {
     "T": lambda: X.T.shape == (3, 2),
+    "wrap": lambda: (lambda a: Tensor.wrap(a).data is a and not Tensor.wrap(a).requires_grad)(np.ones(2)),
     "abs": lambda: _close(X.abs(), np.abs(X.numpy())),
     "add": lambda: _close(X.add(1.0), X.numpy() + 1),
     "all": lambda: bool(Tensor(np.ones(2)).all()),

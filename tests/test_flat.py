@@ -99,6 +99,21 @@ def test_shard_unshard_round_trip(world, n, dtype):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n", sorted(SHAPES))
+def test_gather_host_gives_each_parameters_full_values(world, n):
+    """gather_host of the shard (and of an array shaped like it) gives every parameter's serial values."""
+    ps = _params(SHAPES[n], np.float64)
+    want = [np.array(p.data, copy=True) for p in ps]
+    flat = FlatParameter(ps).shard()
+    for got, w in zip(flat.gather_host(flat.data), want):
+        assert got.shape == w.shape and got.dtype == w.dtype
+        np.testing.assert_array_equal(got, w)
+    for got, w in zip(flat.gather_host(2.0 * flat.data), want):     # e.g. an optimizer moment of the shard
+        np.testing.assert_array_equal(got, 2.0 * w)
+    assert flat.full is None and all(p.data.size == 0 for p in ps)   # the parameters stay sharded
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reshard_releases_the_full_buffer(world, dtype):
     ps = _params(SHAPES[13], dtype)

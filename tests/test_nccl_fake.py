@@ -315,6 +315,7 @@ def test_pipeline_parity_every_schedule_on_the_nccl_backend(nworld):
 
 MISSING = """
 import time, numpy as np, axonmpi
+import axonmpi.testing.fake_nccl  # registers the stand-in that AXONMPI_FAKE_NCCL=1 selects
 from axonmpi.distributed import CollectiveTimeoutError
 from axonmpi.distributed.backends import NcclBackend
 w = axonmpi.init(backend="nccl")

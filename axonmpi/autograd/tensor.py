@@ -95,6 +95,12 @@ class Tensor:
         return t
 
     @classmethod
+    def wrap(cls, arr) -> "Tensor":
+        """A Tensor over the array ``arr`` as it is: no copy, no checks, no gradient (the fast path
+        for code that feeds raw arrays into a graph, e.g. a pipeline's received activations)."""
+        return cls._wrap(arr)
+
+    @classmethod
     def _wrap_out(cls, arr, fn, idx: int) -> "Tensor":
         t = object.__new__(Tensor)
         t.data = arr

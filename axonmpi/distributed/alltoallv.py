@@ -12,7 +12,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .. import backend as _be
-from .collectives import _Staged, _backend, _check_dtype, _debug, _group, all_to_all
+from .array_collectives import all_to_all
+from .host_staging import _Staged, _backend, _check_dtype, _debug, _group
 from .group import ProcessGroup
 
 __all__ = ["exchange_counts", "all_to_all_v"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .group import ProcessGroup
@@ -9,7 +10,7 @@ from .group import ProcessGroup
 if TYPE_CHECKING:  # pragma: no cover
     from .world import World
 
-__all__ = ["ProcessGrid", "GridCoords", "resolve_grid_sizes", "GROUP_DIMS", "ROLES"]
+__all__ = ["ProcessGrid", "GridCoords", "Layout", "resolve_grid_sizes", "GROUP_DIMS", "ROLES"]
 
 
 class GridCoords(NamedTuple):
@@ -482,3 +483,46 @@ class ProcessGrid:
 
     def __repr__(self) -> str:
         return self.describe(max_rows=32)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """AxoNN's five sizes of a run.
+
+    Example:
+        >>> Layout(G_data=2, G_inter=2).world_size
+        4
+    """
+    G_data: int = 1
+    G_inter: int = 1
+    G_intra_r: int = 1
+    G_intra_c: int = 1
+    G_intra_d: int = 1
+    G_context: int = 1
+
+    @classmethod
+    def from_grid(cls, grid: "ProcessGrid") -> "Layout":
+        """The sizes of ``grid``."""
+        return cls(grid.G_data, grid.G_inter, grid.G_intra_r, grid.G_intra_c, grid.G_intra_d,
+                   getattr(grid, "G_context", 1))
+
+    @property
+    def world_size(self) -> int:
+        """The product of the sizes."""
+        return self.G_data * self.G_inter * self.tensor_size * self.G_context
+
+    @property
+    def tensor_size(self) -> int:
+        """``G_intra_r * G_intra_c * G_intra_d``."""
+        return self.G_intra_r * self.G_intra_c * self.G_intra_d
+
+    def as_dict(self) -> Dict[str, int]:
+        """``{"G_data": .., "G_inter": .., "G_intra_r": .., "G_intra_c": .., "G_intra_d": ..}``."""
+        out = {"G_data": self.G_data, "G_inter": self.G_inter, "G_intra_r": self.G_intra_r,
+               "G_intra_c": self.G_intra_c, "G_intra_d": self.G_intra_d}
+        if self.G_context != 1:
+            out["G_context"] = self.G_context
+        return out
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.as_dict().items())

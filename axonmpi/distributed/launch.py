@@ -1,7 +1,8 @@
-"""Launch-time defaults and checks run by ``init()``: one BLAS thread per rank, launcher/MPI mismatch."""
+"""Launching: defaults and checks run by ``init()`` (one BLAS thread per rank, launcher/MPI mismatch), the ``mpiexec`` to use."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import warnings
 from typing import Optional, Tuple
@@ -9,7 +10,7 @@ from typing import Optional, Tuple
 from .. import env as _env
 
 __all__ = ["THREAD_VARS", "LauncherMismatchWarning", "limit_threads", "launcher_world_size",
-           "check_launcher", "apply_launch_defaults"]
+           "check_launcher", "apply_launch_defaults", "mpiexec_path"]
 
 #: variables a user sets to choose the BLAS/OpenMP thread count; any of them set means "leave it alone"
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -106,3 +107,14 @@ def apply_launch_defaults(world) -> None:
 
     check_launcher(MPI.COMM_WORLD.Get_size())
     limit_threads(world.local_size, world.rank)
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` beside this Python (a venv with the ``mpich`` wheel), else the one on PATH."""
+    cand = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(cand):
+        return cand
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise FileNotFoundError("no mpiexec found: pip install 'axonmpi[mpich]' or load your cluster's MPI module")
+    return found

@@ -19,7 +19,7 @@ from ..nn.moe import ExpertLinear, MoE, moe_losses
 from ..nn.transformer import TransformerBlock
 from ..random import default_generator
 
-__all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead"]
+__all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "init_gpt_weights"]
 
 # ours <-> Hugging Face GPT-2 names inside a block (Conv1D layers store their weight transposed)
 _HF_BLOCK = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln_2": "ln_2",
@@ -147,6 +147,26 @@ class GPTHead(Module):
         return self.lm_head(self.ln_f(x))
 
 
+def init_gpt_weights(module: Module, n_layer: int) -> None:
+    """GPT-2's init of ``module``'s Linear / Embedding weights (and tensor-parallel layers' shards of the
+    full draw): N(0, 0.02), residual projections (names ending ``attn.proj`` / ``mlp.proj`` /
+    ``experts.proj``)
+    N(0, 0.02 / sqrt(2 * n_layer)), biases 0; in ``named_modules`` order (one layer alone draws as
+    it would inside the whole GPT)."""
+    std_resid = 0.02 / math.sqrt(2 * n_layer)
+    for name, m in module.named_modules():
+        std = std_resid if name.endswith(("attn.proj", "mlp.proj", "experts.proj")) else 0.02
+        if isinstance(m, (Linear, Embedding, ExpertLinear)):
+            init.normal_(m.weight, 0.0, std)
+        elif hasattr(m, "init_full_") and "weight" in dict(m.named_parameters(recurse=False)):
+            # a tensor-parallel layer (auto_parallelize): this rank's shard of the full N(0, std) draw
+            m.init_full_("weight", lambda w, s=std: init.normal_(w, 0.0, s))
+        else:
+            continue
+        if not isinstance(m, Embedding) and getattr(m, "bias", None) is not None:
+            init.zeros_(m.bias)
+
+
 class GPT(Module):
     """Decoder-only transformer: ``wte`` + ``wpe`` -> ``blocks`` -> ``ln_f`` -> ``lm_head``.
 
@@ -182,25 +202,42 @@ class GPT(Module):
                                     capacity_factor=c.moe_capacity_factor, bias=c.bias, dtype=dtype)
         self.ln_f = LayerNorm(c.n_embd, bias=c.bias, dtype=dtype)
         self.lm_head = Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype)
-        self._init_weights()
+        self.init_weights()
         if c.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
         if device is not None:
             self.to(device)
 
-    def _init_weights(self) -> None:
-        std_resid = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, m in self.named_modules():
-            std = std_resid if name.endswith(("attn.proj", "mlp.proj", "experts.proj")) else 0.02
-            if isinstance(m, (Linear, Embedding, ExpertLinear)):
-                init.normal_(m.weight, 0.0, std)
-            elif hasattr(m, "init_full_") and m._parameters.get("weight") is not None:
-                # a tensor-parallel layer (auto_parallelize): this rank's shard of the full N(0, std) draw
-                m.init_full_("weight", lambda w, s=std: init.normal_(w, 0.0, s))
-            else:
-                continue
-            if not isinstance(m, Embedding) and getattr(m, "bias", None) is not None:
-                init.zeros_(m.bias)
+    def init_weights(self) -> None:
+        """GPT-2's init over all modules (see the class docstring); ``GPT.__init__`` calls it."""
+        init_gpt_weights(self, self.config.n_layer)
+
+    @staticmethod
+    def build_pipeline_layer(config: GPTConfig, i: int, dtype=None) -> Module:
+        """Pipeline layer ``i`` (``0``: embedding, ``1..n_layer``: blocks, ``n_layer + 1``: head) as
+        ``GPT.__init__`` constructs it (same modules, same random draws in the same order), not yet
+        passed through :meth:`init_weights` (:func:`init_gpt_weights` on the layer does that)."""
+        c = config
+        if i == 0:
+            return GPTEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dtype),
+                                Embedding(c.block_size, c.n_embd, dtype=dtype), Dropout(c.dropout))
+        if i <= c.n_layer:
+            return TransformerBlock(c.n_embd, c.n_head, c.dropout, c.bias, dtype=dtype)
+        return GPTHead(LayerNorm(c.n_embd, bias=c.bias, dtype=dtype),
+                       Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype))
+
+    @classmethod
+    def from_pipeline_layers(cls, config: GPTConfig, layers: list) -> "GPT":
+        """The GPT made of ``[embedding, block 0, ..., head]`` (as :meth:`pipeline_layers` gives them),
+        sharing their parameters; no init, no tying."""
+        model = cls.__new__(cls)
+        Module.__init__(model)
+        model.config = config
+        emb, head = layers[0], layers[-1]
+        model.wte, model.wpe, model.drop = emb.wte, emb.wpe, emb.drop
+        model.blocks = ModuleList(layers[1:-1])
+        model.ln_f, model.lm_head = head.ln_f, head.lm_head
+        return model
 
     def moe_auxiliary_loss(self) -> Optional[Tensor]:
         """``moe_aux_loss_coeff * aux + moe_z_loss_coeff * z`` of the last forward's MoE layers (summed

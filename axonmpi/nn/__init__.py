@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import functional, init, utils
-from .checkpointing import checkpoint, checkpoint_sequential
+from .checkpointing import Checkpointed, checkpoint, checkpoint_sequential
 from .layers import (GELU, Dropout, Embedding, Flatten, Identity, LayerNorm, Linear, ReLU, Sigmoid,
                      SiLU, Softmax, Tanh)
 from .loss import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss,
@@ -16,6 +16,6 @@ __all__ = [
     "CausalSelfAttention", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
     "LayerNorm", "Linear", "MLP", "MoE", "moe_losses", "moe_stats", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
     "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "TransformerBlock", "functional", "init",
-    "checkpoint", "checkpoint_sequential", "utils", "BCELoss", "BCEWithLogitsLoss", "CrossEntropyLoss",
+    "Checkpointed", "checkpoint", "checkpoint_sequential", "utils", "BCELoss", "BCEWithLogitsLoss", "CrossEntropyLoss",
     "L1Loss", "MSELoss", "NLLLoss", "SmoothL1Loss",
 ]

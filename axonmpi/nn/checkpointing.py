@@ -12,7 +12,7 @@ from ..backend import get_array_module, is_floating
 from ..random import get_rng_state, set_rng_state
 from .module import Module, Sequential
 
-__all__ = ["checkpoint", "checkpoint_sequential"]
+__all__ = ["Checkpointed", "checkpoint", "checkpoint_sequential"]
 
 
 def _run(fn: Callable, raw: Sequence[Any], is_tensor: Sequence[bool], grads_for: Sequence[bool]):
@@ -21,7 +21,7 @@ def _run(fn: Callable, raw: Sequence[Any], is_tensor: Sequence[bool], grads_for:
         if not t:
             args.append(a)
             continue
-        x = Tensor._wrap(a)
+        x = Tensor.wrap(a)
         if g:
             x.requires_grad = True
         args.append(x)
@@ -114,7 +114,7 @@ def checkpoint(fn: Callable, *args: Any, preserve_rng_state: bool = True):
     is_tensor = tuple(isinstance(a, Tensor) for a in args)
     first = next((a.data for a in args if isinstance(a, Tensor)), None)
     xp = get_array_module(first) if first is not None else np
-    anchor = Tensor._wrap(xp.zeros((), np.float64))
+    anchor = Tensor.wrap(xp.zeros((), np.float64))
     anchor.requires_grad = True
     return _Checkpoint.apply(*args, anchor, fn=fn, is_tensor=is_tensor, preserve_rng_state=bool(preserve_rng_state))
 
@@ -151,3 +151,19 @@ def checkpoint_sequential(modules: Union[Sequential, Sequence[Module]], segments
         seg = Sequential(*part)
         x = seg(x) if k == segments - 1 else checkpoint(seg, x, preserve_rng_state=preserve_rng_state)
     return x
+
+
+class Checkpointed(Module):
+    """``inner`` with its forward recomputed in backward (activation checkpointing of a whole module,
+    e.g. a pipeline chunk).
+
+    Example:
+        >>> chunk = Checkpointed(nn.Sequential(block0, block1))
+    """
+
+    def __init__(self, inner: Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x)

@@ -1,9 +1,10 @@
 """Standard layers: Linear, Embedding, LayerNorm, Dropout, activations, Identity, Flatten."""
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
-from typing import Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -28,6 +29,22 @@ def _param(shape, dtype, device) -> Parameter:
 # Set only by ``axonmpi.parallel.auto_parallelize`` for the duration of its ``with`` block:
 # a callable (in_features, out_features, bias=, dtype=, device=) -> Module or None (None: build a plain Linear).
 _linear_factory: contextvars.ContextVar = contextvars.ContextVar("axonmpi_linear_factory", default=None)
+
+
+@contextlib.contextmanager
+def linear_factory(factory: Callable) -> Iterator[None]:
+    """While the block runs, ``nn.Linear(...)`` calls ``factory(in_features, out_features, bias=, dtype=,
+    device=)`` and returns what it gives (``None``: a plain Linear).  ``auto_parallelize`` uses it.
+
+    Example:
+        >>> with linear_factory(lambda i, o, **kw: None):
+        ...     lin = Linear(4, 2)          # a plain Linear
+    """
+    token = _linear_factory.set(factory)
+    try:
+        yield
+    finally:
+        _linear_factory.reset(token)
 
 
 def _to_device(module: Module, device) -> None:

@@ -232,12 +232,28 @@ class Module:
     def _state_items(self) -> Iterator[Tuple[str, Tensor]]:
         """(key, tensor) for every entry of the state dict (parameters then buffers per module)."""
         for mod_prefix, m in self.named_modules(memo=None):
-            for name, p in m._parameters.items():
+            for name, t in m.own_state_items():
+                yield (f"{mod_prefix}.{name}" if mod_prefix else name), t
+
+    def own_state_items(self, kind: str = "state") -> Iterator[Tuple[str, Tensor]]:
+        """This module's own entries (not its submodules'), in state-dict order, ``None`` ones left out:
+        ``kind="state"`` its parameters then its persistent buffers; ``"params"`` its parameters;
+        ``"buffers"`` all its buffers (persistent or not).
+
+        Example:
+            >>> [n for n, _ in nn.Linear(2, 3).own_state_items()]
+            ['weight', 'bias']
+        """
+        if kind not in ("state", "params", "buffers"):
+            raise ValueError(f"own_state_items: kind={kind!r}; expected 'state', 'params' or 'buffers'")
+        if kind in ("state", "params"):
+            for name, p in self._parameters.items():
                 if p is not None:
-                    yield (f"{mod_prefix}.{name}" if mod_prefix else name), p
-            for name, b in m._buffers.items():
-                if b is not None and name not in m._non_persistent:
-                    yield (f"{mod_prefix}.{name}" if mod_prefix else name), b
+                    yield name, p
+        if kind in ("state", "buffers"):
+            for name, b in self._buffers.items():
+                if b is not None and (kind == "buffers" or name not in self._non_persistent):
+                    yield name, b
 
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
         """OrderedDict of host NumPy copies of parameters and persistent buffers (PyTorch key names)."""

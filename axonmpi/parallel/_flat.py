@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import trace as _trace
 from ..autograd import Tensor
-from ..backend import as_device, device_of, get_array_module, to_device
+from ..backend import as_device, device_of, get_array_module, to_device, to_host
 from ..distributed import ReduceOp, Work, all_gather, broadcast, chunk_bounds, reduce_scatter, resolve_group
 from ..distributed.sharding import FlatLayout, FlatSegment, compact_slots as _compact, expand_slots as _expand
 from ..nn.parameter import Parameter
@@ -274,6 +274,26 @@ class FlatParameter(Parameter):
             return work
         work.wait()
         return None
+
+    def gather_host(self, chunk) -> List[np.ndarray]:
+        """Every parameter's full values from ``chunk``, an array shaped like this rank's chunk (the shard
+        itself, or optimizer state of it), all-gathered over the group through host memory: one host
+        array per parameter, in its shape.  Collective over :attr:`group`; the parameters are untouched.
+
+        Example:
+            >>> full_exp_avg = dict(zip(flat.names, flat.gather_host(opt.state[flat]["exp_avg"])))
+        """
+        chunk = np.asarray(to_host(chunk))
+        k, size, n = self.world_size, self.padded_size, self.total_numel
+        send = np.zeros(size, chunk.dtype)
+        send[:chunk.size] = chunk
+        buf = np.empty(k * size, chunk.dtype)
+        if k > 1:
+            all_gather(send, group=self.group, out=buf)
+        else:
+            buf[:] = send
+        _compact(buf, n, k, size)
+        return [np.array(v, copy=True) for v in self.layout.views(buf[:n])]
 
     @_trace.traced("fsdp.reshard", "fsdp")
     def reshard(self) -> None:

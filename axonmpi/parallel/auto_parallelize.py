@@ -67,8 +67,5 @@ def auto_parallelize(*, groups: Optional[TensorParallelGroups] = None):
             layer.to(device)
         return layer
 
-    token = _layers._linear_factory.set(factory)
-    try:
+    with _layers.linear_factory(factory):
         yield
-    finally:
-        _layers._linear_factory.reset(token)

@@ -35,9 +35,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable, List, Sequence, Tuple
 
+import numpy as np
+
+from ..distributed import ReduceOp, all_gather_object, all_reduce
 from ..distributed.placement import ShardKind, check_group, placement_of
 
-__all__ = ["check_group", "reduction_groups", "data_reduction_group"]
+__all__ = ["check_axonn_fsdp_shapes", "check_group", "data_reduction_group", "finish_axonn_fsdp", "mean_over",
+           "reduce_gradient", "reduction_groups"]
 
 
 def data_reduction_group(grid: Any) -> Any:
@@ -83,3 +87,63 @@ def _inside(group: Any, data: Any) -> bool:
     """True when ``group`` has more than one rank, all of them in ``data`` (an expert or expert-data group)."""
     ranks = getattr(group, "ranks", None)
     return ranks is not None and len(ranks) > 1 and set(ranks) <= set(getattr(data, "ranks", ()))
+
+
+def mean_over(value: float, groups: Iterable[Any]) -> float:
+    """A per-rank scalar (a loss) averaged over each group of more than one rank in turn: the mean over
+    the batch shards when ``groups`` are the groups that split the batch rows (collective over them).
+
+    Example:
+        >>> loss = mean_over(loss.item(), [grid.data_group])     # the global batch's mean loss
+    """
+    for grp in groups:
+        if grp is not None and grp.size > 1:
+            value = float(all_reduce(np.array([value]), ReduceOp.MEAN, grp)[0])
+    return value
+
+
+def reduce_gradient(grad: Any, groups: Iterable[Any], scale: float = 1.0) -> None:
+    """Sum the gradient array ``grad`` over each of ``groups`` in turn, in place, then multiply it by
+    ``scale`` (``1 / batch shards``: the gradient of the mean loss).  Collective over the groups.
+
+    Example:
+        >>> reduce_gradient(p.grad.data, reduction_groups(p, grid.data_group), 1.0 / grid.G_data)
+    """
+    for grp in groups:
+        all_reduce(grad, group=grp, out=grad)
+    if scale != 1.0:
+        grad *= scale
+
+
+def finish_axonn_fsdp(fsdp: Any, grid: Any) -> None:
+    """FSDP x AxoNN 3-D layers, after FSDP averaged every flat chunk over the data group: the rest of
+    the table on each segment (3-D biases over depth, replicated parameters over the tensor block) and
+    the division by the tensor block's size (each of its ranks read its own rows).  The ranks of one
+    tensor block hold chunks over the same elements (same data rank, same local shapes), so they
+    reduce together."""
+    scale = 1.0 / grid.G_intra
+    for f in fsdp.parameters():
+        if f.grad is None:
+            continue
+        grad = f.grad.data
+        for seg in f.segments():
+            reduce_gradient(seg.in_chunk(grad), reduction_groups(f.params[seg.index], None, (grid.intra_group,),
+                                                                 grid.depth_group), scale)
+
+
+def check_axonn_fsdp_shapes(named_shapes: Sequence[Tuple[str, Tuple[int, ...]]], grid: Any) -> None:
+    """Refuse FSDP x AxoNN when the ranks of a tensor block pack different TP-local shapes: the
+    replicated parameters' gradients are summed over ``intra_group`` segment by segment of the flat
+    shards (:func:`finish_axonn_fsdp`), so every rank of the block must hold the same shape of each
+    parameter.  Collective over the grid's ``intra_group``.
+
+    Raises:
+        NotImplementedError: naming the parameter and its shapes over the block.
+    """
+    got = all_gather_object([tuple(s) for _, s in named_shapes], group=grid.intra_group)
+    for i, (n, _) in enumerate(named_shapes):
+        if len({tuple(x[i]) for x in got}) > 1:
+            raise NotImplementedError(
+                f"rank {grid.world.rank}: fsdp with tp_style='axonn' needs every tensor-parallel rank to hold "
+                f"the same shape of each parameter; {n!r} has shapes {[tuple(x[i]) for x in got]} over "
+                "intra_group (choose sizes that divide the GPT's dimensions evenly)")

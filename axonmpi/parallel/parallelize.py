@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ..autograd.tensor import Tensor
-from ..distributed import all_reduce, get_grid
+from ..distributed import get_grid
 from ..distributed.grid import ProcessGrid
 from ..nn import layers as nn_layers
 from ..nn.module import Module
-from .grad_sync import reduction_groups
+from .grad_sync import finish_axonn_fsdp, reduce_gradient, reduction_groups
 
 __all__ = ["ParallelModule", "parallelize", "full_state_dict"]
 
@@ -34,7 +34,7 @@ def _children(module: Module) -> List[Tuple[Module, str, Module, str]]:
     """``(parent, attribute name, child, qualified name)`` for every submodule, in ``named_modules`` order."""
     out = []
     for qname, m in module.named_modules():
-        for name, child in list(m._modules.items()):
+        for name, child in list(m.named_children()):
             if child is not None:
                 out.append((m, name, child, f"{qname}.{name}" if qname else name))
     return out
@@ -182,11 +182,7 @@ class ParallelModule(Module):
         scale = 1.0 / self.batch_shards[0]
 
         def reduce(p):
-            grad = p.grad.data
-            for grp in reduction_groups(p, data, (g.intra_group,), g.depth_group):
-                all_reduce(grad, group=grp, out=grad)
-            if scale != 1.0:
-                grad *= scale
+            reduce_gradient(p.grad.data, reduction_groups(p, data, (g.intra_group,), g.depth_group), scale)
 
         for p in self.inner.parameters():
             if p.requires_grad:
@@ -267,9 +263,9 @@ class ParallelModule(Module):
         [names]}]}``: saved by ``training_state(pm, opt)`` and loadable under any layout.
         """
         from ..backend import to_host
-        from .tensor.state import _tp_entries
+        from .tensor.state import tp_entries
         names = {id(p): n for n, p in self.inner.named_parameters()}
-        tp = {key: (m, name) for key, m, name, _ in _tp_entries(self.inner)}
+        tp = {key: (m, name) for key, m, name, _ in tp_entries(self.inner)}
         state: Dict[str, Dict[str, Any]] = {}
         groups = []
         for g in optimizer.param_groups:
@@ -282,7 +278,7 @@ class ParallelModule(Module):
                 gnames.append(n)
                 for k, v in optimizer.state.get(p, {}).items():
                     if hasattr(v, "shape") and tuple(v.shape) == tuple(p.shape) and getattr(v, "ndim", 0) > 0:
-                        v = tp[n][0]._tp_block(tp[n][1], v) if n in tp else np.array(to_host(v), copy=True)
+                        v = tp[n][0].tp_block(tp[n][1], v) if n in tp else np.array(to_host(v), copy=True)
                     state.setdefault(n, {})[k] = v
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": gnames})
         return {"state": state, "param_groups": groups}
@@ -291,9 +287,9 @@ class ParallelModule(Module):
         """Load an :meth:`optim_state_dict` saved under any layout (blocks, full arrays or FSDP's
         flattened arrays) into ``optimizer`` (built on ``pm.parameters()``)."""
         from ..distributed.sharding import ShardedArray
-        from .tensor.state import _tp_entries
+        from .tensor.state import tp_entries
         names = {id(p): n for n, p in self.inner.named_parameters()}
-        tp = {key: (m, name) for key, m, name, _ in _tp_entries(self.inner)}
+        tp = {key: (m, name) for key, m, name, _ in tp_entries(self.inner)}
         saved = state_dict["state"]
         index_state, groups, i = {}, [], 0
         for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
@@ -304,13 +300,13 @@ class ParallelModule(Module):
                 st = {}
                 for k, v in saved.get(n, {}).items():
                     if isinstance(v, ShardedArray) and v.local_shape != v.shape:
-                        v = tp[n][0]._tp_unblock(tp[n][1], np.asarray(v.local)) if n in tp else v.local
+                        v = tp[n][0].tp_unblock(tp[n][1], np.asarray(v.local)) if n in tp else v.local
                     elif isinstance(v, ShardedArray):
                         v = v.local
                     if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0 and tuple(v.shape) != tuple(p.shape):
                         v = _serial(v, self._serial_shapes.get(n))
                         if n in tp and tuple(v.shape) != tuple(p.shape):
-                            v = tp[n][0]._tp_shard(tp[n][1], v)
+                            v = tp[n][0].tp_shard(tp[n][1], v)
                     st[k] = v
                 if st:
                     index_state[i] = st
@@ -347,10 +343,10 @@ class _FSDPTensorParallelModule(ParallelModule):
     """FSDP over the data group of a model with AxoNN 3-D layers: FSDP shards the tensor-parallel shards."""
 
     def _local_full(self) -> "OrderedDict[str, Any]":
-        from .tensor.state import _tp_entries
+        from .tensor.state import tp_entries
         sd = self.module.state_dict()            # the tensor-parallel local arrays, gathered over data
-        for key, m, name, _ in _tp_entries(self.inner):
-            sd[key] = np.asarray(m._tp_gather(name, sd[key]))
+        for key, m, name, _ in tp_entries(self.inner):
+            sd[key] = np.asarray(m.tp_gather(name, sd[key]))
         return sd
 
     def state_dict(self):
@@ -365,12 +361,12 @@ class _FSDPTensorParallelModule(ParallelModule):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a full serial state dict (any layout's, FSDP's flattened arrays included)."""
         from ..distributed.sharding import ShardedArray
-        from .tensor.state import _tp_entries
+        from .tensor.state import tp_entries
         sd = OrderedDict((k, _serial(v.local if isinstance(v, ShardedArray) and v.local_shape == v.shape else v,
                                      self._serial_shapes.get(k))) for k, v in state_dict.items())
-        for key, m, name, _ in _tp_entries(self.inner):
+        for key, m, name, _ in tp_entries(self.inner):
             if key in sd:
-                sd[key] = m._tp_shard(name, sd[key])
+                sd[key] = m.tp_shard(name, sd[key])
         return self.module.load_state_dict(sd, strict)
 
     def load_optim_state_dict(self, optimizer, state_dict) -> None:
@@ -380,24 +376,6 @@ class _FSDPTensorParallelModule(ParallelModule):
         raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x tensor parallel "
                                   "cannot be checkpointed yet (FSDP's chunks of tensor-parallel shards have no "
                                   "serial-named block form); checkpoint the model with pm.state_dict()")
-
-
-def _finish_axonn_fsdp(fsdp, grid: ProcessGrid) -> None:
-    """After FSDP averaged every flat chunk over the data group: the rest of the table on each segment
-    (3-D biases over depth, replicated parameters over the tensor block) and the division by the
-    tensor block's size (each of its ranks read its own rows).  The ranks of one tensor block hold
-    chunks over the same elements (same data rank, same local shapes), so they reduce together."""
-    scale = 1.0 / grid.G_intra
-    for f in fsdp.parameters():
-        if f.grad is None:
-            continue
-        grad = f.grad.data
-        for seg in f.segments():
-            v = seg.in_chunk(grad)
-            for grp in reduction_groups(f.params[seg.index], None, (grid.intra_group,), grid.depth_group):
-                all_reduce(v, group=grp, out=v)
-            if scale != 1.0:
-                v *= scale
 
 
 def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
@@ -549,7 +527,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         wrapped = FSDP(module, group=grid.data_group, **opts)
         cls = _FSDPParallelModule
         if tensor_parallel == "axonn":
-            wrapped.register_post_backward_hook(lambda: _finish_axonn_fsdp(wrapped, grid))
+            wrapped.register_post_backward_hook(lambda: finish_axonn_fsdp(wrapped, grid))
             cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
     pm._serial_shapes = shapes

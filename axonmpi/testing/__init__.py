@@ -2,25 +2,15 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from typing import Dict, Optional, Sequence
 
+from ..distributed.launch import mpiexec_path  # the production helper, re-exported
+
 __all__ = ["mpiexec_path", "mpiexec_env", "run_mpiexec"]
 
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "MPICH_INTERFACE")
-
-
-def mpiexec_path() -> str:
-    """The ``mpiexec`` beside this Python (a venv with the ``mpich`` wheel), else the one on PATH."""
-    cand = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(cand):
-        return cand
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if not found:
-        raise FileNotFoundError("no mpiexec found: pip install 'axonmpi[mpich]' or load your cluster's MPI module")
-    return found
 
 
 def mpiexec_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

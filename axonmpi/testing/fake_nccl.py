@@ -1,6 +1,8 @@
 """A CPU stand-in for ``cupy.cuda.nccl`` over MPI on host arrays, so the NCCL backend runs in CI (tests only).
 
-It is used only when asked: ``AXONMPI_FAKE_NCCL=1`` (or :func:`enabled`, which sets it), and
+Importing it registers it with the NCCL backend (``backends.nccl.register_stand_in``; production
+code never imports ``axonmpi.testing``). It is used only when asked: ``AXONMPI_FAKE_NCCL=1`` (or
+:func:`enabled`, which sets it), and
 ``axonmpi.init(backend="nccl")`` then routes host (NumPy) arrays through
 :class:`~axonmpi.distributed.backends.nccl.NcclBackend` too. Never set it in production:
 the stand-in moves host memory over MPI and has none of NCCL's speed.
@@ -373,3 +375,13 @@ class NcclCommunicator:
     def recv(self, recvbuf, count, datatype, peer, stream):
         st = self._p2p("recv", peer, stream)
         st.pending.append(self._comm.Irecv(_view(recvbuf, count, datatype), source=peer, tag=0))
+
+
+def _register() -> None:
+    """Register this module as the NCCL backend's stand-in (what ``AXONMPI_FAKE_NCCL=1`` selects)."""
+    import sys
+    from ..distributed.backends.nccl import register_stand_in
+    register_stand_in(sys.modules[__name__])
+
+
+_register()

@@ -40,7 +40,7 @@ from .mpi import MPIBackend
 from ...enums import coerce_enum
 
 __all__ = ["NcclBackend", "NcclBackendError", "BackendKind", "nccl_library", "nccl_available",
-           "nccl_version"]
+           "nccl_version", "register_stand_in"]
 
 
 class BackendKind(enum.Enum):
@@ -63,15 +63,36 @@ def _fake_requested() -> bool:
     return _env.get_bool("AXONMPI_FAKE_NCCL")
 
 
+# [Note: the NCCL stand-in registers itself]  Production code never imports ``axonmpi.testing``.
+# A stand-in for ``cupy.cuda.nccl`` (the CPU one, ``axonmpi.testing.fake_nccl``, over MPI on host
+# arrays) calls :func:`register_stand_in` when it is imported; ``AXONMPI_FAKE_NCCL=1`` selects it.
+_STAND_IN: list = []     # the registered stand-in module (at most one)
+
+
+def register_stand_in(module) -> None:
+    """Register ``module`` (the part of ``cupy.cuda.nccl``'s API the backend uses) as the library that
+    ``AXONMPI_FAKE_NCCL=1`` selects (tests only).  ``axonmpi.testing.fake_nccl`` registers itself.
+
+    Example:
+        >>> import axonmpi.testing.fake_nccl      # registers the CPU stand-in
+    """
+    _STAND_IN[:] = [module]
+
+
 def nccl_library():
     """The NCCL module in use, or ``None``: ``cupy.cuda.nccl`` when CuPy, a GPU and NCCL load.
 
-    With ``AXONMPI_FAKE_NCCL=1`` (tests only) it is :mod:`axonmpi.testing.fake_nccl`, the
-    stand-in over MPI on host arrays.
+    With ``AXONMPI_FAKE_NCCL=1`` (tests only) it is the registered stand-in (:func:`register_stand_in`;
+    ``axonmpi.testing.fake_nccl``, over MPI on host arrays, registers itself when imported).
+
+    Raises:
+        RuntimeError: ``AXONMPI_FAKE_NCCL=1`` and no stand-in is registered.
     """
     if _fake_requested():
-        from ...testing import fake_nccl
-        return fake_nccl
+        if not _STAND_IN:
+            raise RuntimeError("AXONMPI_FAKE_NCCL=1 selects the registered NCCL stand-in, but none is registered: "
+                               "import axonmpi.testing.fake_nccl first (it registers itself), or unset it")
+        return _STAND_IN[0]
     cp = _be.get_cupy()
     if cp is None:
         return None

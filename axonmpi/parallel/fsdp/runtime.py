@@ -207,7 +207,7 @@ class FullyShardedDataParallel(Module):
         for pre, m in unwrapped_named_modules(module):
             if id(m) in inner_mods:
                 continue
-            for n, p in m._parameters.items():
+            for n, p in m.named_parameters(recurse=False):
                 name = f"{pre}.{n}" if pre else n
                 if p is not None and id(p) in inner_params:
                     raise ValueError(f"FSDP: parameter {name!r} is shared with the FSDP instance nested at "
@@ -216,7 +216,7 @@ class FullyShardedDataParallel(Module):
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append((name, p))
-            buffers += [((f"{pre}.{n}" if pre else n), b) for n, b in m._buffers.items() if b is not None]
+            buffers += [((f"{pre}.{n}" if pre else n), b) for n, b in m.named_buffers(recurse=False)]
         if not params and not nested:
             raise ValueError("FSDP: the module has no parameters")
         first = params[0][1] if params else next(nested[0][1].module.parameters())
@@ -343,7 +343,7 @@ class FullyShardedDataParallel(Module):
             self._unit_strategy[id(u)] = inner._unit_strategy[id(u)]
             if u.flat is not None:
                 u.flat.fsdp_unit = u.name
-                for n, p in zip(self._param_names(u.flat), u.flat.params):
+                for n, p in zip(self.param_names(u.flat), u.flat.params):
                     owner[id(p)] = n
             units.append(u)
         self._frozen += [(f"{qname}.{n}", p) for n, p in inner._frozen]
@@ -578,7 +578,7 @@ class FullyShardedDataParallel(Module):
         out: Dict[str, Any] = {}
         for u in self._all_units:
             if u.flat is not None:
-                for fn, (_, blk) in zip(self._param_names(u.flat), self._blocks(u.flat, u.flat.data)):
+                for fn, (_, blk) in zip(self.param_names(u.flat), self._blocks(u.flat, u.flat.data)):
                     out[fn] = blk
         for k, p in self._frozen:
             out[k] = to_host(self._frozen_master.get(id(p), p.data)).copy()
@@ -600,7 +600,8 @@ class FullyShardedDataParallel(Module):
         """Split a chunk-shaped array of ``f`` into one 1-D ShardedArray per original parameter."""
         return list(zip(f.names, f.layout.shard_blocks(f.segments(), arr)))
 
-    def _param_names(self, f: FlatParameter) -> List[str]:
+    def param_names(self, f: FlatParameter) -> List[str]:
+        """The model's names of the parameters packed in ``f`` (its FSDP unit's prefix, then their names)."""
         prefix = f"{f.fsdp_unit}." if f.fsdp_unit else ""
         return [prefix + n for n in f.names]
 
@@ -621,11 +622,11 @@ class FullyShardedDataParallel(Module):
             for f in g["params"]:
                 if not isinstance(f, FlatParameter) or not hasattr(f, "fsdp_unit"):
                     raise ValueError("FSDP.optim_state_dict: the optimizer must be built on fsdp.parameters()")
-                names += self._param_names(f)
+                names += self.param_names(f)
                 st = optimizer.state.get(f)
                 if not st:
                     continue
-                full_names = self._param_names(f)
+                full_names = self.param_names(f)
                 for key, v in st.items():
                     if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
                         for (n, blk), fn in zip(self._blocks(f, v), full_names):
@@ -644,7 +645,7 @@ class FullyShardedDataParallel(Module):
         saved = state_dict["state"]
         for g in optimizer.param_groups:
             for f in g["params"]:
-                names = self._param_names(f)
+                names = self.param_names(f)
                 st: Dict[str, Any] = {}
                 c = f.shard_range[1] - f.shard_range[0]
                 for s in f.segments():

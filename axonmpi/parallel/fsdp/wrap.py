@@ -99,7 +99,7 @@ class _TorchPolicy:
     def _visit(self, m: Module, is_root: bool) -> "tuple[int, bool]":
         """(this subtree's parameters left unwrapped, whether a unit lies inside it)."""
         total = sum(p.data.size for p in m.parameters())
-        own = sum(p.data.size for p in m._parameters.values() if p is not None)
+        own = sum(p.data.size for p in m.parameters(recurse=False))
         left, inner = own, False
         if self.policy(m, True, total):
             for child in m.children():
@@ -204,7 +204,7 @@ def unwrapped_named_modules(root: Module, prefix: str = "") -> Iterator[Tuple[st
             return
         memo.add(id(mod))
         yield pre, mod
-        for name, child in mod._modules.items():
+        for name, child in mod.named_children():
             if child is not None:
                 yield from walk(child, f"{pre}.{name}" if pre else name)
 
@@ -217,14 +217,8 @@ def unwrapped_state_items(root: Module, kind: str = "state") -> Iterator[Tuple[s
     ``"buffers"`` only those, each tensor once (``named_parameters()`` order)."""
     seen = set()
     for pre, m in unwrapped_named_modules(root):
-        items: List[Tuple[str, Any]] = []
-        if kind in ("state", "params"):
-            items += list(m._parameters.items())
-        if kind in ("state", "buffers"):
-            items += [(n, b) for n, b in m._buffers.items()
-                      if kind == "buffers" or n not in m._non_persistent]
-        for name, t in items:
-            if t is None or (kind != "state" and id(t) in seen):
+        for name, t in list(m.own_state_items(kind)):
+            if kind != "state" and id(t) in seen:
                 continue
             seen.add(id(t))
             yield (f"{pre}.{name}" if pre else name), t

@@ -12,9 +12,8 @@ from typing import Iterable, Optional, Union
 
 from ...autograd import no_grad
 from ...autograd.tensor import Tensor
-from ...distributed import all_reduce
 from ...optim.clip import clip_grad_norm_ as _clip_grad_norm
-from ..grad_sync import reduction_groups
+from ..grad_sync import reduce_gradient, reduction_groups
 from ..tensor.groups import TensorParallelGroups, default_groups
 
 __all__ = ["clip_grad_norm_", "no_grad_sync", "sync_gradients"]
@@ -46,7 +45,7 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
       and the tensor block (the table of :mod:`axonmpi.parallel.grad_sync`).
 
     Args:
-        model: the module.
+        model: the module (or an iterable of its parameters, e.g. one pipeline stage's).
         mean: divide by the number of replica ranks (the mean over every rank's rows).
         groups: the :class:`TensorParallelGroups` the model's layers were built with (default:
             ``default_groups()``, the current grid's).
@@ -57,16 +56,13 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
     if _NO_SYNC.get():
         return
     g = default_groups() if groups is None else groups
-    scale = 1.0 / g.replica_size if mean else None
+    scale = 1.0 / g.replica_size if mean else 1.0
+    params = model.parameters() if hasattr(model, "parameters") else model
     with no_grad():
-        for p in model.parameters():
+        for p in params:
             if not p.requires_grad or p.grad is None:
                 continue
-            grad = p.grad.data
-            for grp in reduction_groups(p, g.data, (g.intra,), g.depth):
-                all_reduce(grad, group=grp, out=grad)
-            if scale is not None:
-                grad *= scale
+            reduce_gradient(p.grad.data, reduction_groups(p, g.data, (g.intra,), g.depth), scale)
 
 
 def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float, norm_type: float = 2.0,

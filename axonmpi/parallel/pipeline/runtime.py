@@ -23,7 +23,7 @@ from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, enc
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, _recv_order, make_schedule,
                         simulate)
 from .stage import PipelineStage
-from ..grad_sync import check_group, reduction_groups
+from ..grad_sync import check_group, mean_over, reduction_groups
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -315,9 +315,7 @@ class Pipeline:
                                                                  ActionKind.RECV_ACT)]
         with no_grad():
             out = self._run(acts, sizes, inputs, targets, train=False)
-        if targets is not None and self.data_group is not None and self.data_group.size > 1:
-            out = float(all_reduce(np.array([out]), ReduceOp.MEAN, self.data_group)[0])
-        return out
+        return mean_over(out, [self.data_group]) if targets is not None else out
 
     def schedule_actions(self) -> List[Action]:
         """This rank's action list (what :meth:`step` executes)."""
@@ -398,10 +396,7 @@ class Pipeline:
         """The loss averaged over the batch groups the stages declare (every rank of a tensor block in
         AxoNN's easy mode reads its own rows); a no-op for plain stages."""
         groups = {id(b): b for st in self.stages.values() for b in getattr(st.module, "batch_groups", ())}
-        for b in groups.values():
-            if b.size > 1:
-                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, b)[0])
-        return value
+        return mean_over(value, groups.values())
 
     def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool):
         ex = _Executor(self, acts, sizes, inputs, targets, train)
@@ -411,10 +406,8 @@ class Pipeline:
                 src = self.schedule.rank_of(self.last_stage)
                 value = float(all_reduce(np.array([value if self.rank == src else 0.0]), ReduceOp.SUM,
                                          self.group)[0])
-            if train and self.data_group is not None and self.data_group.size > 1:
-                value = float(all_reduce(np.array([value]), ReduceOp.MEAN, self.data_group)[0])
             if train:
-                value = self._mean_over_batch_groups(value)
+                value = self._mean_over_batch_groups(mean_over(value, [self.data_group]))
         if train:
             self._stats = ex.memory_stats()
             self._timing = ex.timing
@@ -588,7 +581,7 @@ class _Executor:
                 data = prev.data
             else:
                 data = self._received.pop((s, i))
-            x = Tensor._wrap(data)
+            x = Tensor.wrap(data)
             if self.train and data.dtype.kind == "f":
                 x.requires_grad = True
         seed = _microbatch_seed(initial_seed(), p._step, s, i, p.data_group.rank if p.data_group is not None else 0)
@@ -597,7 +590,7 @@ class _Executor:
         if s == p.last_stage:
             if self.targets is not None and p.loss_fn is not None:
                 w = self.weights[i]
-                loss = p.loss_fn(y, Tensor._wrap(self._slice(self.targets, i))) * w
+                loss = p.loss_fn(y, Tensor.wrap(self._slice(self.targets, i))) * w
                 if w:  # a micro-batch of ignored targets only: NaN * 0, zero gradients, not counted
                     self.loss += float(loss.item())
                 y = loss

@@ -25,14 +25,18 @@ from ...distributed import ProcessGroup, broadcast, get_world
 from ...distributed.sharding import ShardedArray
 from ...nn import Module
 
-__all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict", "tp_entries"]
 
 
-def _tp_entries(model: Module):
-    """(key, module, local name, parameter) for every parameter of a TP module inside ``model``."""
+def tp_entries(model: Module):
+    """(key, module, local name, parameter) for every parameter of a TP module inside ``model``.
+
+    Example:
+        >>> {key: m.tp_full_shape(name) for key, m, name, _ in tp_entries(model)}
+    """
     for prefix, m in model.named_modules():
         if isinstance(m, _TensorParallelModule):
-            for name, p in m._parameters.items():
+            for name, p in m.named_parameters(recurse=False):
                 if p is not None and m._tp_full_shape(name) is not None:
                     yield (f"{prefix}.{name}" if prefix else name), m, name, p
 
@@ -55,7 +59,7 @@ def full_state_dict(model: Module, *, grads: bool = False) -> "OrderedDict[str, 
                          for k, p in model.named_parameters() if p.grad is not None)
     else:
         sd = Module.state_dict(model)
-    for key, m, name, p in _tp_entries(model):
+    for key, m, name, p in tp_entries(model):
         if key in sd:
             sd[key] = np.array(to_host(m._tp_gather(name, (p.grad if grads else p).data)), copy=True)
     return sd
@@ -69,7 +73,7 @@ def load_full_state_dict(model: Module, state_dict: Mapping[str, Any], strict: b
         >>> load_full_state_dict(tp_model, serial_model.state_dict())
     """
     sd: Dict[str, Any] = dict(state_dict)
-    for key, m, name, p in _tp_entries(model):
+    for key, m, name, p in tp_entries(model):
         if key not in sd:
             continue
         v = sd[key]
@@ -93,7 +97,7 @@ def sharded_state_dict(model: Module) -> "OrderedDict[str, Any]":
         >>> axonmpi.checkpoint.save("ckpt.h5", sharded_state_dict(model))
     """
     sd = Module.state_dict(model)
-    for key, m, name, p in _tp_entries(model):
+    for key, m, name, p in tp_entries(model):
         sd[key] = m._tp_block(name, p.data)
     return sd
 
@@ -110,7 +114,7 @@ def load_sharded_state_dict(model: Module, state_dict: Mapping[str, Any], strict
         >>> load_sharded_state_dict(model, template)
     """
     sd: Dict[str, Any] = {}
-    tp = {key: (m, name) for key, m, name, _ in _tp_entries(model)}
+    tp = {key: (m, name) for key, m, name, _ in tp_entries(model)}
     for key, v in state_dict.items():
         if key in tp and hasattr(v, "global_shape"):
             m, name = tp[key]
@@ -146,6 +150,27 @@ class _TensorParallelModule(Module):
 
     def _tp_full_shape(self, name: str) -> Optional[tuple]:
         return None
+
+    # the public face of the ``_tp_*`` protocol (subclasses override the private hooks)
+    def tp_full_shape(self, name: str) -> Optional[tuple]:
+        """The serial shape of parameter ``name`` (``None``: not sharded)."""
+        return self._tp_full_shape(name)
+
+    def tp_shard(self, name: str, full):
+        """This rank's shard of parameter ``name`` cut from its full serial array."""
+        return self._tp_shard(name, full)
+
+    def tp_gather(self, name: str, local):
+        """The full serial array of parameter ``name`` from every rank's ``local`` shard (collective)."""
+        return self._tp_gather(name, local)
+
+    def tp_block(self, name: str, local):
+        """``local`` (this rank's shard of ``name``, or an array shaped like it) as a ``ShardedArray`` block."""
+        return self._tp_block(name, local)
+
+    def tp_unblock(self, name: str, block):
+        """The shard of ``name`` from a block read by ``checkpoint.load`` into :meth:`tp_block`'s form."""
+        return self._tp_unblock(name, block)
 
     def state_dict(self, full: bool = False) -> "OrderedDict[str, np.ndarray]":
         """This layer's state: shards (default) or, with ``full=True``, full serial arrays (collective)."""
@@ -206,3 +231,6 @@ def axis_block(local, full_shape, axis: int, group: ProcessGroup):
     offsets = [0] * len(full_shape)
     offsets[axis] = group.rank * local.shape[axis]
     return _sharded_array(local, full_shape, offsets)
+
+
+_tp_entries = tp_entries   # the old name, for code written against it

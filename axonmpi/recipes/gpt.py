@@ -1,0 +1,258 @@
+"""The GPT recipe: data x pipeline x tensor parallel training of the GPT on the 5-D grid (``HybridGPT``).
+
+[Note: the GPT recipe]  Generic pieces do the work; this file picks them for the GPT (the rules:
+``docs/hybrid.md``).  Model: the same seed on every rank; Megatron's 1-D layers over ``intra_group``
+or AxoNN's ``auto_parallelize``; with a pipeline only the stage's layers (``build_stage_layers``).
+Rows: :func:`batch_shards` equal slices of the global batch.  Gradients: DDP / FSDP over
+``data_group``, the ``Pipeline``'s ``data_group``, AxoNN's table (``parallel.grad_sync``).  Loss: the
+global batch's mean on every rank.  Clipping: the placements.  State: ``parallel.state.LayoutState``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..distributed.grid import Layout, ProcessGrid
+from ..distributed.world import get_grid
+from ..models.gpt import GPT, GPTConfig, init_gpt_weights
+from ..nn import Checkpointed
+from ..nn import functional as F
+from ..optim.clip import clip_grad_norm_
+from ..parallel.grad_sync import check_axonn_fsdp_shapes, finish_axonn_fsdp, mean_over
+from ..parallel.auto_parallelize import auto_parallelize
+from ..parallel.ddp import DistributedDataParallel
+from ..parallel.fsdp import FSDP, ShardingStrategy
+from ..parallel.pipeline import Pipeline, split_module
+from ..parallel.pipeline.staged import build_stage_layers
+from ..parallel.state import LayoutState
+from ..parallel.tensor import TensorParallelGroups, parallelize_gpt
+from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout, fsdp_refusal
+
+__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "fsdp_refusal"]
+
+
+class HybridGPT(LayoutState):
+    """The GPT on this rank under any layout of the grid, with one ``forward_backward``/``clip`` for all;
+    its state (``full_state_dict``, ``checkpoint_state``, ``checkpoint_template``, ...) is the
+    :class:`~axonmpi.parallel.state.LayoutState` of its layers.
+
+    Args:
+        config: the model (a tied head, GPT-2's, is built for the DDP, FSDP and Megatron layouts; with
+            ``tp_style="axonn"`` or a pipeline it raises ``NotImplementedError``).
+        grid: the process grid (default: ``axonmpi.get_grid()``).
+        tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
+        schedule: pipeline schedule ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (2 virtual stages).
+        num_microbatches: micro-batches per step.  activation_checkpointing: recompute each pipeline
+            chunk's activations in backward.  dtype: parameter dtype.  global_batch: sequences per step.
+        fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over ``data_group`` instead
+            of DDP (``NotImplementedError`` where :func:`fsdp_refusal` says why not).
+        cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options (with ``fsdp``).
+        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (DDP over data x context).
+        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, no pipeline).
+        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``; DDP).
+
+    Example:
+        >>> hyb = HybridGPT(cfg, axonmpi.init(G_data=2, G_inter=2).grid, global_batch=8, num_microbatches=2)
+        >>> opt = AdamW(hyb.parameters()); opt.zero_grad()
+        >>> loss = hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y)); hyb.clip_grad_norm_(1.0); opt.step()
+    """
+
+    def __init__(self, config: GPTConfig, grid: Optional[ProcessGrid] = None, *, tp_style="axonn",
+                 schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
+                 dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
+                 hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False,
+                 expert_parallel: int = 1):
+        g = self.grid = get_grid() if grid is None else grid
+        self.layout = Layout.from_grid(g)
+        self.sharding = None if fsdp is None or fsdp == "none" else ShardingStrategy.coerce(fsdp)
+        if self.sharding is None and (cpu_offload not in (None, False, "none") or mixed_precision is not None):
+            raise ValueError(f"rank {g.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
+                             f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
+        why = self.sharding and fsdp_refusal(self.layout, tp_style, activation_checkpointing)
+        if why:
+            raise NotImplementedError(f"rank {g.world.rank}: fsdp={self.sharding.value} {why}")
+        self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
+        self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
+        self.cp_algo, self.sequence_parallel, self._expert_parallel = cp_algo, bool(sequence_parallel), int(expert_parallel)
+        _refuse(self, config, fsdp, activation_checkpointing)
+        self.num_microbatches, self.global_batch = int(num_microbatches), int(global_batch)
+        check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
+                     schedule=schedule, tp_style=tp_style, world_size=g.world.world_size)
+        self.shards = batch_shards(self.layout, self.style or "megatron")
+        self._v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+        axonn = self.style is TPStyle.AXONN
+        self.groups = TensorParallelGroups.from_grid(g) if axonn else None
+        self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank if axonn else g.coords.data
+        self.model = self._build()
+        experts = []
+        if config.moe_experts:            # MoE blocks: experts over the expert group (axonmpi.parallel.moe)
+            from ..parallel.moe import expert_parallel as _ep, expert_parameters
+            _ep(self.model, self._expert_parallel, grid=g)
+            experts = expert_parameters(self.model)
+        self.ddp = self.pipe = self.fsdp = None
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}   # FSDP frees them
+        if self.sharding is not None:
+            self.fsdp = FSDP(self.model, group=g.data_group, sharding_strategy=self.sharding,
+                             cpu_offload=cpu_offload, mixed_precision=mixed_precision,
+                             hybrid_shard_size=hybrid_shard_size)
+            self._params = list(self.fsdp.parameters())
+        elif self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
+            self.ddp = DistributedDataParallel(self.model, group=g.data_context_group, ignored_parameters=experts)
+            self._params = list(self.model.parameters())
+            if experts:
+                from ..parallel.moe import hook_expert_gradients
+                self._expert_hooks = hook_expert_gradients(experts, g.data_group, g.G_data)
+        else:
+            chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group)
+            if activation_checkpointing:
+                chunks = [Checkpointed(c) for c in chunks]
+            self.pipe = Pipeline(chunks, self.schedule, num_microbatches=self.num_microbatches,
+                                 loss_fn=F.cross_entropy, group=g.inter_group, virtual_stages=self._v,
+                                 data_group=None if self.style is TPStyle.AXONN else g.data_group,
+                                 track_memory=False)
+            self._params = self.pipe.parameters()
+        mine = {id(p) for p in self._params}
+        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
+        LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
+                             tensor_parallel=self.style is not None or self._expert_parallel > 1, grid=g,
+                             dtype=self.dtype)
+        if self.fsdp is not None and self.style is TPStyle.AXONN:
+            check_axonn_fsdp_shapes([(n, shapes[n]) for n in self.param_names], g)
+
+    def _build(self):
+        """This rank's GPT: TP layers in place; with a pipeline only its stage's (others: stand-ins)."""
+        c, g = self.config, self.grid
+        axonn, megatron = self.style is TPStyle.AXONN, self.style is TPStyle.MEGATRON
+
+        def ctx():
+            return auto_parallelize(groups=self.groups) if axonn else contextlib.nullcontext()
+
+        def tp_form(layer, i=None):
+            if megatron:
+                parallelize_gpt(layer, group=g.intra_group, sequence_parallel=self.sequence_parallel)
+            return layer
+
+        if self.layout.G_inter > 1:
+            def construct(i):
+                with ctx():
+                    return GPT.build_pipeline_layer(c, i, self.dtype)
+            layers = build_stage_layers(construct, lambda layer, i: init_gpt_weights(layer, c.n_layer), tp_form,
+                                        c.n_layer + 2, g.G_inter, self._v, g.inter_group.rank)
+            return GPT.from_pipeline_layers(c, layers)
+        with ctx():
+            model = tp_form(GPT(c, dtype=self.dtype))
+        if self.layout.G_context > 1:        # each rank its tokens; gradients over data x context
+            from ..parallel.context import context_parallel_gpt
+            context_parallel_gpt(model, g.context_group, self.cp_algo)
+        return model
+
+    # -- training -----------------------------------------------------------------------------------
+    def parameters(self) -> List[Any]:
+        """The parameters this rank trains (its stage's; its shards of tensor-parallel ones)."""
+        return list(self._params)
+
+    def local_batch(self, batch):
+        """This rank's rows of a global batch (the slice ``shard_index`` of ``shards`` equal slices)."""
+        n = len(batch)
+        if n % self.shards:
+            raise ValueError(f"rank {self.grid.world.rank}: a batch of {n} rows does not divide into "
+                             f"{self.shards} equal slices")
+        b = n // self.shards
+        return batch[self.shard_index * b:(self.shard_index + 1) * b]
+
+    def _loss_groups(self) -> list:
+        """The groups the rank's mean loss is averaged over (its row slices; the pipeline's own first)."""
+        if self.pipe is not None:
+            return list(self.groups.replica) if self.style is TPStyle.AXONN else []
+        if self.fsdp is not None and self.style is TPStyle.AXONN:
+            return [self.grid.data_group, self.grid.intra_group]
+        return [self.grid.data_context_group]
+
+    def forward_backward(self, x, y, *, scaler=None) -> float:
+        """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
+        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`, DDP and FSDP layouts) scales the loss.
+        Returns the mean loss over the whole global batch (the same on every rank and every layout)."""
+        if self.pipe is None:
+            _, loss = (self.ddp or self.fsdp)(x, y)
+            aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
+            total = loss if aux is None else loss + aux      # the returned value stays the LM loss
+            (total if scaler is None else scaler.scale(total)).backward()
+            value = mean_over(float(loss.item()), self._loss_groups())
+            if self.fsdp is not None and self.style is TPStyle.AXONN:
+                finish_axonn_fsdp(self.fsdp, self.grid)
+            return value
+        if scaler is not None:
+            raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling is built for the DDP and FSDP "
+                                      f"layouts, not {self.layout} with a pipeline or tensor parallelism")
+        value = self.pipe.step(x, y)       # Megatron / pure PP: already averaged over data_group
+        if self.style is TPStyle.AXONN:
+            from ..parallel.intra_layer import sync_gradients
+            sync_gradients(self._params, mean=True, groups=self.groups)
+        return mean_over(value, self._loss_groups())
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the global model's gradients to ``max_norm`` (their placements count each element once);
+        return the global norm before clipping."""
+        return float(clip_grad_norm_(self._params, max_norm))
+
+    def eval_loss(self, x, y) -> float:
+        """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
+        from ..autograd import no_grad
+        if self.pipe is not None:
+            return mean_over(self.pipe.eval_step(x, y), self._loss_groups())
+        with no_grad():
+            _, loss = (self.fsdp or self.model)(x, y)
+        return mean_over(float(loss.item()), self._loss_groups())
+
+    def dropout_seed(self, seed: int) -> int:
+        """The seed of this rank's random stream: ``seed * 1000 + shard_index``, so ranks holding the same
+        rows (Megatron's tensor ranks) draw the same masks and data replicas distinct ones."""
+        return int(seed) * 1000 + self.shard_index
+
+    def layout_record(self) -> Dict[str, Any]:
+        """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
+        return {**self.layout.as_dict(), "tp_style": self.style.value if self.style else "none",
+                "schedule": ("fsdp" if self.fsdp is not None else "ddp" if self.ddp is not None
+                             else self.schedule.name.lower()), "fsdp": self.sharding.value if self.sharding else "none",
+                "microbatches": self.num_microbatches}
+
+    def describe(self) -> str:
+        """One line: the layout, the TP style, the schedule and what this rank holds."""
+        if self.fsdp is not None:
+            rep = self.fsdp.replicate_group.size if self.fsdp.replicate_group is not None else 1
+            how = f"FSDP {self.sharding.name} (shards over {self.fsdp.shard_group.size} ranks x {rep} replicas)"
+        else:
+            how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}"
+        style = self.style.value if self.style else "none"
+        return (f"{self.layout} | tp-style {style} | {how} | batch in {self.shards} "
+                f"row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
+
+
+def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
+    """``NotImplementedError`` for the combinations the recipe does not build (context parallelism beyond
+    DDP, sequence parallelism beyond Megatron without a pipeline, a tied head under AxoNN or a pipeline,
+    MoE beyond DDP), naming the layout and what to use instead."""
+    lay, r = h.layout, h.grid.world.rank
+    if lay.G_context > 1 and (lay.G_inter > 1 or lay.tensor_size > 1 or h.sharding is not None
+                              or activation_checkpointing):
+        raise NotImplementedError(
+            f"rank {r}: context parallelism (G_context={lay.G_context}) is built with data parallelism (DDP over "
+            f"data x context); not yet with {lay} with fsdp={fsdp!r}, activation_checkpointing={activation_checkpointing}")
+    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or lay.G_inter > 1):
+        raise NotImplementedError(f"rank {r}: sequence_parallel is built for tp_style='megatron' with G_intra_c > 1 "
+                                  f"and no pipeline; got {lay} with tp_style={h.style and h.style.value!r}")
+    if config.tie_word_embeddings and (lay.G_inter > 1 or h.style is TPStyle.AXONN):
+        where = "across pipeline stages (wte on the first, lm_head on the last)" if lay.G_inter > 1 \
+            else "with tp_style='axonn' (a 3-D lm_head cannot share wte's Parameter)"
+        raise NotImplementedError(
+            f"rank {r}: tie_word_embeddings=True {where} is not built: the head would train apart from the "
+            f"embedding. Use the DDP/FSDP or Megatron layouts, parallelize(model, tensor_parallel='axonn') (it "
+            f"keeps a tied head whole), or an untied GPTConfig")
+    if (config.moe_experts or h._expert_parallel > 1) and (
+            not config.moe_experts or lay.G_inter > 1 or lay.G_context > 1 or h.style is not None
+            or h.sharding is not None or activation_checkpointing):
+        raise NotImplementedError(f"rank {r}: MoE GPTs run on data-parallel layouts (DDP; expert_parallel divides "
+                                  f"G_data) here, not {lay}{' with FSDP' if h.sharding else ''}; use axonmpi.parallel."
+                                  "parallelize(gpt, expert_parallel=N) for tensor-parallel experts")

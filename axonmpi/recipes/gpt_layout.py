@@ -1,0 +1,107 @@
+"""The GPT recipe's layout rules: which layouts the GPT can run on (:func:`check_layout`), into how
+many row slices the batch is cut (:func:`batch_shards`), where FSDP is built (:func:`fsdp_refusal`).
+Used by :class:`~axonmpi.recipes.gpt.HybridGPT` and ``examples/train_gpt.py``; see ``docs/hybrid.md``.
+"""
+from __future__ import annotations
+
+import enum
+from typing import List, Optional
+
+from ..distributed.grid import Layout
+from ..enums import coerce_enum
+from ..models.gpt import GPTConfig
+from ..parallel.pipeline import PipelineSchedule
+
+__all__ = ["Layout", "TPStyle", "batch_shards", "check_layout", "fsdp_refusal"]
+
+
+class TPStyle(enum.Enum):
+    """How the tensor dimensions of the grid split the GPT."""
+    MEGATRON = "megatron"   # 1-D: heads / MLP columns / vocabulary over intra_group (G_intra_c only)
+    AXONN = "axonn"         # 3-D: every Linear over row x column x depth (auto_parallelize)
+
+
+def _style(tp_style) -> TPStyle:
+    return coerce_enum(TPStyle, tp_style, "tp_style")
+
+
+def _schedule(schedule):
+    return coerce_enum(PipelineSchedule, schedule, "schedule")
+
+
+def batch_shards(layout: Layout, tp_style="axonn") -> int:
+    """Into how many equal row slices the global batch is cut.
+
+    Example:
+        >>> batch_shards(Layout(G_data=2, G_intra_c=2), "megatron"), batch_shards(Layout(G_data=2, G_intra_c=2))
+        (2, 4)
+    """
+    if layout.tensor_size > 1 and _style(tp_style) is TPStyle.AXONN:
+        return layout.G_data * layout.tensor_size
+    return layout.G_data
+
+
+def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_microbatches: int = 1,
+                 schedule="1f1b", tp_style="axonn", world_size: Optional[int] = None) -> None:
+    """Refuse a layout the GPT cannot run on, before any work: a ``ValueError`` naming every size that
+    does not fit (e.g. ``n_head=4 does not divide by G_intra_c=3``).
+
+    Example:
+        >>> check_layout(GPTConfig(vocab_size=16, n_layer=1), Layout(G_inter=4), global_batch=8)
+        Traceback (most recent call last):
+        ValueError: ...the GPT has 3 pipeline layers (embedding, 1 blocks, head) but G_inter=4 ...
+    """
+    style, sched = _style(tp_style), _schedule(schedule)
+    errs: List[str] = []
+    if world_size is not None and layout.world_size != world_size:
+        errs.append(f"G_data*G_context*G_inter*G_intra_r*G_intra_c*G_intra_d = {layout.world_size} but there are "
+                    f"{world_size} ranks")
+    errs += [f"{k}={v} must be >= 1" for k, v in layout.as_dict().items() if v < 1]
+    if errs:
+        raise ValueError(f"impossible layout {layout}: " + "; ".join(errs))
+    if layout.tensor_size > 1 and style is TPStyle.MEGATRON:
+        if layout.G_intra_r > 1 or layout.G_intra_d > 1:
+            errs.append(f"--tp-style megatron splits over one dimension (G_intra_c); got G_intra_r={layout.G_intra_r}, "
+                        f"G_intra_d={layout.G_intra_d} (use --tp-style axonn)")
+        c = layout.G_intra_c
+        errs += [f"{what}={n} does not divide by G_intra_c={c}" for what, n in
+                 (("n_head", config.n_head), ("4*n_embd (MLP width)", 4 * config.n_embd),
+                  ("vocab_size", config.vocab_size)) if n % c]
+    n_layers = config.n_layer + 2
+    v = 2 if sched.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+    if layout.G_inter * v > n_layers:
+        errs.append(f"the GPT has {n_layers} pipeline layers (embedding, {config.n_layer} blocks, head) but "
+                    f"G_inter={layout.G_inter}" + (f" x {v} virtual stages" if v > 1 else "")
+                    + " needs at least one each")
+    if num_microbatches < 1:
+        errs.append(f"num_microbatches={num_microbatches} must be >= 1")
+    elif v > 1 and num_microbatches % layout.G_inter:
+        errs.append(f"the interleaved schedule needs num_microbatches={num_microbatches} to be a multiple of "
+                    f"G_inter={layout.G_inter}")
+    shards = batch_shards(layout, style)
+    if global_batch % shards:
+        errs.append(f"global batch {global_batch} does not divide into {shards} equal row slices "
+                    f"({'G_data*G_intra_r*G_intra_c*G_intra_d' if shards != layout.G_data else 'G_data'} = {shards})")
+    elif global_batch // shards < num_microbatches:
+        errs.append(f"{global_batch // shards} rows per rank cannot make num_microbatches={num_microbatches}")
+    if errs:
+        raise ValueError(f"impossible layout {layout} (tp_style={style.value}, schedule={schedule}): "
+                         + "; ".join(errs))
+
+
+def fsdp_refusal(layout: Layout, tp_style="axonn", activation_checkpointing: bool = False) -> Optional[str]:
+    """Why FSDP over the data dimension cannot run on ``layout`` (``None`` when it can): built for pure
+    data parallel and data parallel x tensor parallel (``G_inter = 1``, no activation checkpointing).
+
+    Example:
+        >>> fsdp_refusal(Layout(G_data=2, G_intra_c=2), "megatron") is None
+        True
+    """
+    if layout.G_inter == 1 and not activation_checkpointing:
+        return None
+    what = "pipeline parallelism" if layout.G_inter > 1 else "activation checkpointing"
+    tp = layout.tensor_size > 1
+    return (f"is built for pure data parallel and for data parallel x tensor parallel (G_inter = 1, no "
+            f"activation checkpointing); got {layout}" + (f" tp-style {_style(tp_style).value}" if tp else "")
+            + (" with activation checkpointing" if activation_checkpointing else "")
+            + f": FSDP combined with {what} is not built")
