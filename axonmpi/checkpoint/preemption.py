@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, NoReturn
 
 import numpy as np
 

@@ -505,7 +505,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if sequence_parallel and grid.intra_group.size > 1:
         # registered before DDP's hooks: each gradient is summed over the tensor group before DDP reads it
         def reduce_tp(p, g=grid.intra_group):
-            all_reduce(p.grad.data, group=g, out=p.grad.data)
+            reduce_gradient(p.grad.data, [g])
         sp_hooks = [p.register_post_accumulate_grad_hook(reduce_tp) for p in _sequence_parallel(module, grid)]
     if context_parallel is not None:
         from .context import context_parallel_gpt
