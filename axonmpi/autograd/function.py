@@ -222,6 +222,66 @@ def _finalize_leaf(leaf: Tensor, g, owned: bool) -> None:
 
 
 @_trace.traced("backward", "backward")
+
+def _graph_order(tensors) -> List["Function"]:
+    """The nodes reachable from ``tensors``' grad_fns, in the order a backward runs them (newest first)."""
+    nodes: Dict[int, Function] = {}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in nodes:
+            continue
+        if fn._freed:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (saved tensors were freed); "
+                "pass retain_graph=True to the first backward")
+        nodes[id(fn)] = fn
+        for e in fn._edges:
+            if e is not None and e[1] >= 0 and id(e[0]) not in nodes:
+                stack.append(e[0])
+    return sorted(nodes.values(), key=lambda f: f._seq, reverse=True)
+
+
+def _leaf_schedule(order, counts=None):
+    """Where each leaf receives its last contribution: ``(last, finalize_at)`` with ``last[id(leaf)]``
+    the position in ``order`` of its last node and ``finalize_at[pos]`` the leaves finished there.
+    ``counts(fn, k)``, when given, says whether edge ``k`` of ``fn`` contributes in this pass."""
+    last: Dict[int, int] = {}
+    leaves: Dict[int, Tensor] = {}
+    for pos, fn in enumerate(order):
+        for k, e in enumerate(fn._edges):
+            if e is not None and e[1] < 0 and (counts is None or counts(fn, k)):
+                last[id(e[0])] = pos
+                leaves[id(e[0])] = e[0]
+    finalize_at: Dict[int, List[Tensor]] = {}
+    for lid, pos in last.items():
+        finalize_at.setdefault(pos, []).append(leaves[lid])
+    return last, finalize_at
+
+
+def _incoming(fn: "Function", pending: Dict[Any, list]):
+    """The gradient entries ``[array, owned]`` of ``fn``'s outputs, taken from ``pending`` (zeros where
+    none arrived) after ``fn``'s output hooks; ``None`` when no gradient reached ``fn`` at all."""
+    fid = id(fn)
+    entries = [pending.pop((fid, k), None) for k in range(fn._n_out)]
+    if all(e is None for e in entries):
+        return None
+    incoming = []
+    for k, entry in enumerate(entries):
+        if entry is None:
+            shape, dtype, xp = fn._out_meta[k]
+            entry = [xp.zeros(shape, dtype), True]
+        if fn._out_hooks and k in fn._out_hooks:
+            for hook in list(fn._out_hooks[k].values()):
+                r = hook(Tensor._wrap(entry[0]))
+                if r is not None:
+                    r = r.data if isinstance(r, Tensor) else r
+                    if r is not entry[0]:
+                        entry = [r, False]
+        incoming.append(entry)
+    return incoming
+
+
 def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
              retain_graph: bool = False) -> None:
     """Accumulate gradients of ``tensors`` (weighted by ``grad_tensors``) into the graph's leaves.
@@ -255,34 +315,9 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
         else:
             _accumulate(pending, (id(t.grad_fn), t._out_idx), g, owned)
 
-    # discover nodes reachable from the roots
-    nodes: Dict[int, Function] = {}
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if id(fn) in nodes:
-            continue
-        if fn._freed:
-            raise RuntimeError(
-                "Trying to backward through the graph a second time (saved tensors were freed); "
-                "pass retain_graph=True to the first backward")
-        nodes[id(fn)] = fn
-        for e in fn._edges:
-            if e is not None and e[1] >= 0 and id(e[0]) not in nodes:
-                stack.append(e[0])
-    order = sorted(nodes.values(), key=lambda f: f._seq, reverse=True)
+    order = _graph_order(tensors)
 
-    # where each leaf receives its last contribution
-    last: Dict[int, int] = {}
-    leaves: Dict[int, Tensor] = {}
-    for pos, fn in enumerate(order):
-        for e in fn._edges:
-            if e is not None and e[1] < 0:
-                last[id(e[0])] = pos
-                leaves[id(e[0])] = e[0]
-    finalize_at: Dict[int, List[Tensor]] = {}
-    for lid, pos in last.items():
-        finalize_at.setdefault(pos, []).append(leaves[lid])
+    last, finalize_at = _leaf_schedule(order)
 
     for t, g, owned in roots:  # a leaf passed directly to backward
         if id(t) in last:
@@ -292,9 +327,8 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
 
     with no_grad():
         for pos, fn in enumerate(order):
-            fid = id(fn)
-            entries = [pending.pop((fid, k), None) for k in range(fn._n_out)]
-            if all(e is None for e in entries):
+            incoming = _incoming(fn, pending)
+            if incoming is None:
                 # no gradient reached this node (a custom backward returned None on the way):
                 # like PyTorch, do not run it; the leaves below keep .grad as it was
                 if not retain_graph:
@@ -304,19 +338,6 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
                     if entry is not None:
                         _finalize_leaf(leaf, *entry)
                 continue
-            incoming = []
-            for k, entry in enumerate(entries):
-                if entry is None:
-                    shape, dtype, xp = fn._out_meta[k]
-                    entry = [xp.zeros(shape, dtype), True]
-                if fn._out_hooks and k in fn._out_hooks:
-                    for hook in list(fn._out_hooks[k].values()):
-                        r = hook(Tensor._wrap(entry[0]))
-                        if r is not None:
-                            r = r.data if isinstance(r, Tensor) else r
-                            if r is not entry[0]:
-                                entry = [r, False]
-                incoming.append(entry)
             results = type(fn).backward(fn, *(e[0] for e in incoming))
             if type(results) is not tuple:
                 results = (results,)

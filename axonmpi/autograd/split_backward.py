@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from .function import Function, _accumulate, _classify, _finalize_leaf, _to_array
+from .function import Function, _accumulate, _classify, _finalize_leaf, _graph_order, _incoming, _leaf_schedule, _to_array
 from .grad_mode import no_grad
 from .tensor import Tensor
 
@@ -44,28 +44,6 @@ def _with_needs(fn: Function, needs, incoming):
     return tuple(None if (r is None or not n) else _to_array(r, None) for r, n in zip(results, needs))
 
 
-def _incoming(fn: Function, pending: Dict[Any, list]):
-    """The gradient entries of ``fn``'s outputs (zeros where none arrived; ``None`` if none at all)."""
-    fid = id(fn)
-    entries = [pending.pop((fid, k), None) for k in range(fn._n_out)]
-    if all(e is None for e in entries):
-        return None
-    incoming = []
-    for k, entry in enumerate(entries):
-        if entry is None:
-            shape, dtype, xp = fn._out_meta[k]
-            entry = [xp.zeros(shape, dtype), True]
-        if fn._out_hooks and k in fn._out_hooks:
-            for hook in list(fn._out_hooks[k].values()):
-                r = hook(Tensor._wrap(entry[0]))
-                if r is not None:
-                    r = r.data if isinstance(r, Tensor) else r
-                    if r is not entry[0]:
-                        entry = [r, False]
-        incoming.append(entry)
-    return incoming
-
-
 def _propagate(fn: Function, needs, incoming, pending: Dict[Any, list]) -> None:
     results = _with_needs(fn, needs, [e[0] for e in incoming])
     owned = _classify(results, incoming, type(fn)._fresh_grads)
@@ -95,16 +73,7 @@ class WeightGradients:
                                "accumulated; each backward_input has exactly one W")
         self._done = True
         pending, order, deferred = self._pending, self._order, self._deferred
-        last: Dict[int, int] = {}
-        leaves: Dict[int, Tensor] = {}
-        for pos, fn in enumerate(order):
-            for k, e in enumerate(fn._edges):
-                if e is not None and e[1] < 0 and (id(fn) not in deferred or deferred[id(fn)][0][k]):
-                    last[id(e[0])] = pos
-                    leaves[id(e[0])] = e[0]
-        finalize_at: Dict[int, List[Tensor]] = {}
-        for lid, pos in last.items():
-            finalize_at.setdefault(pos, []).append(leaves[lid])
+        last, finalize_at = _leaf_schedule(order, lambda fn, k: id(fn) not in deferred or deferred[id(fn)][0][k])
         for t, g, owned in self._roots:
             if id(t) in last:
                 _accumulate(pending, id(t), g, owned)
@@ -184,19 +153,7 @@ def backward_input(tensors, grad_tensors=None, inputs: Sequence[Tensor] = ()) ->
         else:
             _accumulate(pending, (id(t.grad_fn), t._out_idx), g, owned)
 
-    nodes: Dict[int, Function] = {}
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if id(fn) in nodes:
-            continue
-        if fn._freed:
-            raise RuntimeError("Trying to backward through the graph a second time (saved tensors were freed)")
-        nodes[id(fn)] = fn
-        for e in fn._edges:
-            if e is not None and e[1] >= 0 and id(e[0]) not in nodes:
-                stack.append(e[0])
-    order = sorted(nodes.values(), key=lambda f: f._seq, reverse=True)
+    order = _graph_order(tensors)
 
     # a node's inputs were made before it (lower _seq): walk upwards to mark the input path
     on_path: Dict[int, bool] = {}
