@@ -49,7 +49,7 @@ def _piece_columns(entries: List[Entry]) -> Tuple[Dict[str, Any], np.ndarray, Li
 
 
 def write_index(path: str, entries: List[Entry], attrs: Dict[str, Any],
-                file_bytes: Optional[Dict[str, int]] = None) -> None:
+                file_bytes: Optional[Dict[str, int]] = None, on_open=None) -> None:
     """Write ``index.h5`` at ``path``: the manifest, block checksums, values and one virtual dataset per array.
 
     The manifest (format 2) is one UTF-8 JSON document at ``/_axonmpi/manifest`` — the root
@@ -70,6 +70,8 @@ def write_index(path: str, entries: List[Entry], attrs: Dict[str, Any],
     }
     blob = json.dumps(doc).encode()
     with h5py.File(path, "w") as f:
+        if on_open is not None:   # save reserves the file's blocks here, before HDF5 writes to it
+            on_open()
         for k, v in attrs.items():
             f.attrs[k] = v
         f.attrs["checksum"] = np.uint32(zlib.crc32(crcs.view(np.uint8), zlib.crc32(blob)))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import errno
+import json
 import os
 import shutil
 import uuid
@@ -83,6 +84,105 @@ def _rename_exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
+# -- disk space -----------------------------------------------------------------------------------
+# HDF5 that meets ENOSPC while it flushes its metadata leaves the library in a state in which
+# closing or freeing its objects raises again, prints its error stack and can crash the process
+# (a segmentation fault at 1 rank, "Can't decrement id ref count" at 4). So HDF5 must never meet
+# a full disk: every rank checks the free space against what the whole checkpoint needs before it
+# writes, and each writer reserves its file's blocks (fallocate, FALLOC_FL_KEEP_SIZE) before
+# HDF5 writes to it. Both errors are one OSError(ENOSPC) naming the folder and the bytes.
+_PER_DATASET = 2048      # an HDF5 dataset's object header, link and B-tree share (about 800 B measured)
+_PER_FILE = 16 << 10     # superblock, root group, free-space slack of one HDF5 file (about 2 KiB measured)
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _piece_bytes(plan: WritePlan, p: Piece) -> int:
+    return int(np.prod(p.shape, dtype=np.int64)) * np.dtype(plan.entries[p.entry].dtype).itemsize
+
+
+def _shard_bytes(plan: WritePlan, pieces: List[Piece]) -> int:
+    """An upper bound of the size of a shard file holding ``pieces``."""
+    return sum(_piece_bytes(plan, p) for p in pieces) + _PER_DATASET * len(pieces) + _PER_FILE
+
+
+def _index_bytes(plan: WritePlan) -> int:
+    """An upper bound of the size of ``index.h5`` (manifest JSON, checksums, one view per entry)."""
+    blocks = sum(-(-p.shape[0] // max(p.block_rows, 1)) if p.shape else 1 for p in plan.pieces())
+    values = sum(len(json.dumps(e.value)) for e in plan.entries if e.kind == "value")   # in the manifest and a dataset
+    return _PER_FILE + _PER_DATASET * len(plan.entries) + 256 * len(plan.pieces()) + 8 * blocks + 2 * values
+
+
+def _needed(plan: WritePlan, collective: bool) -> int:
+    """Bytes the whole checkpoint needs on its file system (every writer's file and the index)."""
+    if collective:
+        return _shard_bytes(plan, plan.pieces()) + _index_bytes(plan)
+    return sum(_shard_bytes(plan, ps) for ps in plan.by_writer.values()) + _index_bytes(plan)
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes free for this process on ``path``'s file system (tests replace it)."""
+    return shutil.disk_usage(path).free
+
+
+def _no_space(folder: str, needed: int, rank: int, free: "int | None" = None, what: str = "the checkpoint") -> OSError:
+    have = "" if free is None else f", {free} bytes ({_human(free)}) are free"
+    return OSError(errno.ENOSPC, f"No space left on device: rank {rank}: {what} needs {needed} bytes "
+                                 f"({_human(needed)}) in {folder}{have}; free space there or save to another "
+                                 "folder (nothing was written; the previous checkpoint is intact)")
+
+
+def _is_no_space(e: BaseException) -> bool:
+    """True for a full disk, as Python (errno 28) or as HDF5's message text ("errno = 28") says it."""
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "errno = 28" in str(e)
+
+
+def _ours(e: BaseException) -> bool:
+    """True for an error made by :func:`_no_space` (it already names the folder and the bytes)."""
+    return isinstance(e, OSError) and str(e.strerror or "").startswith("No space left on device: rank")
+
+
+def _check_space(tmp: str, needed: int, rank: int) -> None:
+    free = _free_bytes(tmp)
+    if free < needed:
+        raise _no_space(os.path.dirname(os.path.abspath(tmp)), needed, rank, free)
+
+
+def _reserve(fname: str, nbytes: int, rank: int) -> bool:
+    """Reserve ``nbytes`` of blocks for ``fname`` without changing its size; False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    fd = os.open(fname, os.O_WRONLY)
+    try:
+        if fn(fd, _FALLOC_FL_KEEP_SIZE, 0, int(nbytes)) == 0:
+            return True
+        err = ctypes.get_errno()
+    finally:
+        os.close(fd)
+    if err == errno.ENOSPC:
+        raise _no_space(os.path.dirname(os.path.dirname(os.path.abspath(fname))), nbytes, rank,
+                        what=f"its file {os.path.basename(fname)}")
+    return False   # EOPNOTSUPP (NFS, some parallel file systems), ENOSYS, ...: the free-space check stands
+
+
+def _trim(fname: str) -> None:
+    """Give back the reserved blocks past the end of ``fname`` (shrinking frees blocks beyond EOF)."""
+    size = os.path.getsize(fname)
+    os.truncate(fname, size + 1)
+    os.truncate(fname, size)
+
+
 class _Written(NamedTuple):
     """What a writer reports to rank 0: per piece its block checksums and byte offset; file sizes."""
 
@@ -91,12 +191,19 @@ class _Written(NamedTuple):
     file_bytes: Dict[str, int]
 
 
-def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> _Written:
-    """Write the pieces; a worker thread checksums each piece while h5py writes it (xxhash frees the GIL)."""
+def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool, reserve: int = 0) -> _Written:
+    """Write the pieces; a worker thread checksums each piece while h5py writes it (xxhash frees the GIL).
+
+    ``reserve`` bytes are reserved for the file before HDF5 writes to it (see ``_reserve``).
+    """
     import h5py
     from concurrent.futures import ThreadPoolExecutor
     futures, offsets = [], []
+    reserved = False
     with ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-checksum") as pool, h5py.File(fname, "w") as f:
+        if reserve:
+            reserved = _reserve(fname, reserve, rank)
+            _fault("after_reserve", rank)
         for n, (p, arr) in enumerate(jobs):
             if n == len(jobs) // 2:
                 _fault("mid_shard", rank)
@@ -106,6 +213,8 @@ def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bo
             off = ds.id.get_offset()
             offsets.append(-1 if off is None else int(off))
         sums = [fu.result() for fu in futures]
+    if reserved:
+        _trim(fname)
     if fsync:
         _fsync_path(fname)
     return _Written(sums, offsets, {os.path.basename(fname): os.path.getsize(fname)})
@@ -213,6 +322,7 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         )
     rank = g.rank
     what = f"save to {path}"
+    h5py._errors.silence_errors()   # per thread (h5py does it for the main thread only): no HDF5 error stack on stderr
 
     # 1. rank 0 makes the temporary directory
     tmp, err = None, None
@@ -247,15 +357,18 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         try:
             jobs = [(p, arrays[plan.entries[p.entry].name]) for p in plan.by_writer.get(rank, [])]
             jobs = [(p, a.local if isinstance(a, ShardedArray) else a) for p, a in jobs]
+            _check_space(tmp, _needed(plan, collective), rank)
             _fault("before_shard", rank)
             if collective:
                 written = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
             elif jobs:
                 with _trace.span("checkpoint.write_shard", "checkpoint"):
-                    written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
+                    written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync,
+                                           reserve=_shard_bytes(plan, [p for p, _ in jobs]))
             _fault("after_shard", rank)
         except Exception as e:
-            err = e
+            err = _no_space(os.path.dirname(os.path.abspath(path)), _needed(plan, collective), rank) if (
+                _is_no_space(e) and not _ours(e)) else e
         results = gather_object((written, describe(err)), dst=0, group=g)
 
         # 4. rank 0: index, rename
@@ -271,12 +384,18 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
                     file_bytes.update(w.file_bytes)
                 _fault("before_index", rank)
                 index = os.path.join(tmp, INDEX_NAME)
-                write_index(index, plan.entries, _attrs(g, plan.writers), file_bytes)
+                reserved = []
+                write_index(index, plan.entries, _attrs(g, plan.writers), file_bytes,
+                            on_open=lambda: reserved.append(_reserve(index, _index_bytes(plan), rank)))
+                if any(reserved):
+                    _trim(index)
                 if fsync:
                     _fsync_path(index)
                 _fault("after_index", rank)
                 _commit(tmp, path, rank, fsync)
             except Exception as e:
+                if err is None and _is_no_space(e) and not _ours(e):
+                    e = _no_space(os.path.dirname(os.path.abspath(path)), _needed(plan, collective), rank)
                 err2 = e if err is None else err
         outcome = broadcast_object(describe(err2), src=0, group=g)
         agreed = True
