@@ -277,7 +277,12 @@ def open_checkpoints(args, world, log):
             mgr.acquire()   # a second job on the same folder stops here, before it deletes or writes anything
         except ckpt.FolderInUseError as e:   # raised by rank 0, the same error type on the others
             axonmpi.log.exit0(str(e))
-    steps = axonmpi.broadcast_object(mgr.steps() if world.rank == 0 else None)
+    steps, damaged = axonmpi.broadcast_object((mgr.steps(), mgr.damaged()) if world.rank == 0 else None)
+    if resuming and not steps and damaged:   # a folder of damaged checkpoints is not a fresh run
+        axonmpi.log.exit0(
+            f"{'--resume' if args.resume else '--auto-resume'}: {args.checkpoint_dir!r} holds no intact checkpoint, only "
+            f"ones set aside as damaged: {damaged} (`axonmpi ckpt verify {args.checkpoint_dir}` lists their problems). "
+            "Nothing was loaded; move them out of the folder to start fresh", code=1)
     if args.resume and not steps:
         axonmpi.log.exit0(f"--resume: no checkpoint found in {args.checkpoint_dir!r}; run without --resume first")
     if not resuming and steps:
@@ -429,9 +434,12 @@ def main(argv=None):
 
     mgr, latest = open_checkpoints(args, world, log)
     step = 0
-    if latest is not None:   # the newest checkpoint that loads; damaged ones are moved aside, saying so
-        found = mgr.load_newest_intact(
-            lambda path: resume(path, args, world, log, model, opt_state, sched, sampler, scaler))
+    if latest is not None:   # the newest intact checkpoint; ones failing verification are moved aside, saying so
+        try:
+            found = mgr.load_newest_intact(
+                lambda path: resume(path, args, world, log, model, opt_state, sched, sampler, scaler))
+        except ckpt.CheckpointError as e:   # every checkpoint damaged, or one that does not fit: never step 0
+            axonmpi.log.exit0(f"{'--resume' if args.resume else '--auto-resume'}: {e}", code=1)
         step = 0 if found is None else found[1]
     saving = mgr is not None and not args.no_save
     log.info("%s", hyb.describe())

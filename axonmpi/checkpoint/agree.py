@@ -9,13 +9,13 @@ import re
 from typing import Any, List, Optional, Tuple
 
 from ..distributed.collectives import all_gather_object, broadcast_object
-from .format import CheckpointError
+from .format import CheckpointError, CheckpointMismatchError
 from .runlock import FolderInUseError
 
 __all__ = ["describe", "agree", "share", "raise_from"]
 
 _SAME_TYPE = {c.__name__: c for c in (TypeError, ValueError, KeyError, FileExistsError, FileNotFoundError,
-                                       PermissionError, NotImplementedError, CheckpointError,
+                                       PermissionError, NotImplementedError, CheckpointError, CheckpointMismatchError,
                                        FolderInUseError)}
 
 Outcome = Optional[Tuple[str, str]]  # None, or (exception type name, message)

@@ -16,7 +16,7 @@ import numpy as np
 from .format import META_GROUP
 from .index import write_entry_view
 from .read import CheckpointReader
-from .manager import list_run_folder
+from .manager import list_run_folder, run_folder_rows
 
 __all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate", "export",
            "create_temporary"]
@@ -116,14 +116,78 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
 def verify(path: str, as_json: bool = False, out=None) -> int:
     """Check every block of every piece against its checksum; list every problem.
 
+    ``path`` is a checkpoint, or a run folder (as ``inspect`` takes): then every checkpoint in it
+    (those set aside as ``.damaged`` and ``.old-*`` ones too) is verified, one line each, and
+    unfinished saves are listed as such.
+
     Returns:
-        0 when the checkpoint is intact, 1 when any file is missing, short or unreadable or any
-        block's checksum differs (each problem names the entry and the file).
+        0 when the checkpoint (every checkpoint of the folder) is intact, 1 when any file is
+        missing, short or unreadable or any block's checksum differs (each problem names the
+        entry and the file).
 
     Example:
         >>> verify("runs/gpt/ckpt/step-00000500")     # prints "ok: ..." and returns 0
     """
     out = out or sys.stdout
+    rows = run_folder_rows(path)
+    if rows is not None:
+        return _verify_folder(path, rows, as_json, out)
+    code, info = _verify_one(path)
+    if as_json:
+        json.dump(info, out, indent=1)
+        out.write("\n")
+    else:
+        out.write(_verify_text(info))
+    return code
+
+
+def _verify_text(info: dict) -> str:
+    if info["problems"]:
+        lines = [f"DAMAGED: {info['path']}: {len(info['problems'])} problem(s)\n"]
+        for p in info["problems"]:
+            where = f"entry {p['entry']!r} in {p['file']}" if p["entry"] else p["file"]
+            lines.append(f"  {where}: {p['message']}\n")
+        return "".join(lines)
+    return (f"ok: {info['path']}: {info['entries']} entries, {info['pieces']} pieces, {info['blocks']} blocks, "
+            f"{_size(info['bytes'])} verified ({info['checksum_algorithm']})\n")
+
+
+def _verify_folder(path: str, rows: List[dict], as_json: bool, out) -> int:
+    """``verify`` of every checkpoint of a run folder."""
+    results, bad = [], 0
+    for row in rows:
+        if not row["has_index"]:
+            results.append({"path": row["path"], "step": row["step"], "ok": None, "status": row["status"]})
+            continue
+        try:
+            code, info = _verify_one(row["path"])
+        except Exception as e:   # an unreadable index: damaged, and the other checkpoints still get checked
+            code, info = 1, {"path": row["path"], "ok": False,
+                             "problems": [{"entry": "", "file": "index.h5", "message": f"{type(e).__name__}: {e}"}]}
+        bad += code
+        info.update(step=row["step"], status=row["status"])
+        results.append(info)
+    if as_json:
+        json.dump({"run_folder": path, "ok": bad == 0, "checkpoints": results}, out, indent=1)
+        out.write("\n")
+        return 1 if bad else 0
+    out.write(f"run folder  {path}\n")
+    for info in results:
+        if info["ok"] is None:
+            out.write(f"not verified: {info['path']}: {info['status']}\n")
+            continue
+        text = _verify_text(info)
+        if info["ok"] and ".damaged" in os.path.basename(info["path"]):
+            text = text.rstrip("\n") + (f"; set aside as damaged by an earlier load but intact: rename it back to "
+                                        f"{os.path.basename(info['path']).split('.damaged')[0]} to use it\n")
+        out.write(text)
+    n = sum(1 for i in results if i["ok"] is not None)
+    out.write(f"{n - bad} of {n} checkpoint(s) intact\n")
+    return 1 if bad else 0
+
+
+def _verify_one(path: str):
+    """``(exit code, info)`` of verifying one checkpoint."""
     with CheckpointReader(path) as r:
         problems = r.file_problems()
         bad_files = {p.file for p in problems if not p.entry}
@@ -134,18 +198,7 @@ def verify(path: str, as_json: bool = False, out=None) -> int:
         info = {"path": r.path, "checksum_algorithm": r.manifest.checksum_algorithm, "entries": len(r.names()),
                 "pieces": npieces, "blocks": nblocks, "bytes": nbytes, "ok": not problems,
                 "problems": [p._asdict() for p in problems]}
-    if as_json:
-        json.dump(info, out, indent=1)
-        out.write("\n")
-    elif problems:
-        out.write(f"DAMAGED: {info['path']}: {len(problems)} problem(s)\n")
-        for p in problems:
-            where = f"entry {p.entry!r} in {p.file}" if p.entry else p.file
-            out.write(f"  {where}: {p.message}\n")
-    else:
-        out.write(f"ok: {info['path']}: {info['entries']} entries, {npieces} pieces, {nblocks} blocks, "
-                  f"{_size(nbytes)} verified ({info['checksum_algorithm']})\n")
-    return 1 if problems else 0
+    return (1 if problems else 0), info
 
 
 def consolidate(path: str, out_path: str, force: bool = False) -> int:
@@ -232,7 +285,7 @@ def add_commands(sub) -> None:
     p.set_defaults(func=lambda a: inspect(a.path, a.json))
     p = sub.add_parser("verify", help="check every block of a checkpoint against its checksum "
                                       "(exit 1 naming each damaged entry and file)")
-    p.add_argument("path", help="checkpoint directory (or its index.h5)")
+    p.add_argument("path", help="checkpoint directory (or its index.h5), or a run folder: every checkpoint in it")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=lambda a: verify(a.path, a.json))
     p = sub.add_parser("consolidate", help="write a checkpoint as one plain HDF5 file of full arrays (verified)")

@@ -44,6 +44,7 @@ import numpy as np
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "INDEX_NAME", "META_GROUP", "ARRAY_KINDS", "CheckpointError",
+    "CheckpointMismatchError",
     "Entry", "Piece", "Manifest", "shard_name", "key_name", "flatten", "unflatten",
     "encode_value", "decode_value",
 ]
@@ -58,6 +59,12 @@ ARRAY_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read: missing/extra entries, a missing, truncated or
     corrupt shard, a changed shape, a failure on another rank."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """An intact checkpoint does not fit the template it is loaded into: other entries, another
+    shape or another dtype. Not damage: :class:`~axonmpi.checkpoint.CheckpointManager` never sets
+    such a checkpoint aside; the message names the first entry and what to change."""
 
 
 def shard_name(group_rank: int) -> str:

@@ -17,7 +17,7 @@ from .. import backend as _be
 from .. import trace as _trace
 from ..distributed.sharding import ShardedArray
 from .agree import agree, share
-from .format import INDEX_NAME, CheckpointError, Entry, flatten, key_name, unflatten
+from .format import INDEX_NAME, CheckpointError, CheckpointMismatchError, Entry, flatten, key_name, unflatten
 from .index import read_index
 from .read import CheckpointReader, resolve_path
 
@@ -104,6 +104,73 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
     return result
 
 
+def _template_form(leaf: Any):
+    """``(stored shape, logical shape, dtype)`` of an array leaf of a template, None for other leaves."""
+    if isinstance(leaf, ShardedArray):
+        g = tuple(leaf.global_shape)
+        return g, tuple(leaf.view_shape) if leaf.view_shape is not None else g, np.dtype(leaf.local.dtype)
+    if isinstance(leaf, np.ndarray) or _be.is_cupy_array(leaf):
+        return tuple(leaf.shape), tuple(leaf.shape), np.dtype(leaf.dtype)
+    return None
+
+
+def _misfit(e: Entry, leaf: Any, cast: bool) -> Optional[str]:
+    """Why ``leaf`` cannot take entry ``e`` ("shape", "dtype", "kind"), or None when it fits."""
+    form = _template_form(leaf)
+    if e.kind != "array":
+        return "kind" if form is not None else None
+    if form is None:
+        return None                    # a value, None or a NumPy scalar leaf takes the saved array
+    stored, logical, dt = form
+    if stored != tuple(e.shape) and logical != e.full_shape:
+        return "shape"
+    if dt != np.dtype(e.dtype) and not cast:
+        return "dtype"
+    return None
+
+
+def _describe_saved(e: Entry) -> str:
+    if e.kind != "array":
+        return f"a {e.pytype} value"
+    return f"{np.dtype(e.dtype)} of shape {e.full_shape}"
+
+
+def _describe_template(leaf: Any) -> str:
+    form = _template_form(leaf)
+    if form is None:
+        return f"a {type(leaf).__name__} value"
+    stored, logical, dt = form
+    extra = f" (stored flattened as {stored})" if stored != logical else ""
+    return f"{dt} of shape {logical}{extra}"
+
+
+def _misfit_error(path: str, rank: int, found: list, cast: bool) -> "CheckpointMismatchError":
+    """One error naming the first entry that does not fit, the others by name, and what to do."""
+    why, e, leaf = found[0]
+    more = ""
+    if len(found) > 1:
+        names = [f"{x.name!r} ({w})" for w, x, _ in found[1:6]]
+        more = f"; {len(found) - 1} more entr{'y differs' if len(found) == 2 else 'ies differ'}: " + ", ".join(names) + (
+            ", ..." if len(found) > 6 else "")
+    if why == "dtype":
+        fix = (f"pass cast=True to convert the saved {np.dtype(e.dtype)} values to "
+               f"{_template_form(leaf)[2]} (load(path, state, cast=True), mgr.load_latest(state, cast=True)), "
+               f"or build the model in {np.dtype(e.dtype)}")
+    elif why == "shape":
+        fix = ("build the model with the options it was saved with (the saved shapes); load(path) without a "
+               "template returns the saved arrays as they are")
+    else:
+        fix = "build the template from the same kind of object that was saved"
+    return CheckpointMismatchError(
+        f"rank {rank}: {path} is intact but does not fit the template: entry {e.name!r} is saved as "
+        f"{_describe_saved(e)}, the template has {_describe_template(leaf)}{more}. To load it, {fix}")
+
+
+def _optional(name: str, leaf: Any) -> bool:
+    """A template value that an older checkpoint may lack: ``meta/step`` or ``meta/epoch`` left as None."""
+    return leaf is None and name in ("meta/step", "meta/epoch")
+
+
 def _fill(reader: CheckpointReader, state: Optional[dict], rank: int, strict: bool, cast: bool) -> dict:
     saved = reader.manifest.entries
     if state is None:
@@ -117,8 +184,8 @@ def _fill(reader: CheckpointReader, state: Optional[dict], rank: int, strict: bo
         parts = name.split("/")
         return any("/".join(parts[:i]) in wild for i in range(1, len(parts)))
 
-    missing = [n for n in (key_name(k) for k, _ in tmpl) if n not in by_name and not (
-        n in wild and any(s.name.startswith(n + "/") for s in saved))]
+    missing = [n for n, v in ((key_name(k), v) for k, v in tmpl) if n not in by_name and not (
+        n in wild and any(s.name.startswith(n + "/") for s in saved)) and not _optional(n, v)]
     extra = [e.name for e in saved if e.name not in tnames and not under_wild(e.name)]
     if strict and (missing or extra):
         parts = []
@@ -126,8 +193,20 @@ def _fill(reader: CheckpointReader, state: Optional[dict], rank: int, strict: bo
             parts.append(f"missing from the checkpoint: {missing}")
         if extra:
             parts.append(f"in the checkpoint but not in the template: {extra}")
-        raise CheckpointError(f"rank {rank}: {reader.path}: " + "; ".join(parts) + " (strict=False skips them)")
-    items, problems = [], []
+        raise CheckpointMismatchError(
+            f"rank {rank}: {reader.path} is intact but does not fit the template: " + "; ".join(parts) +
+            ". Build the template from the model and optimizer the checkpoint was saved from (the same parameter "
+            "names), or pass strict=False to skip these entries")
+    found = []
+    for keys, leaf in tmpl:
+        e = by_name.get(key_name(keys))
+        if e is not None:
+            why = _misfit(e, leaf, cast)
+            if why is not None:
+                found.append((why, e, leaf))
+    if found:   # before any data is read
+        raise _misfit_error(reader.path, rank, found, cast)
+    items = []
     for keys, leaf in tmpl:
         name = key_name(keys)
         e = by_name.get(name)
@@ -139,52 +218,65 @@ def _fill(reader: CheckpointReader, state: Optional[dict], rank: int, strict: bo
                     continue
             items.append((keys, leaf))
             continue
-        try:
-            items.append((keys, _fill_one(reader, e, leaf, cast)))
-        except CheckpointError as ex:
-            problems.append(str(ex))
-    if problems:
-        raise CheckpointError(f"rank {rank}: {reader.path}: " + "; ".join(problems))
+        items.append((keys, _fill_one(reader, e, leaf, cast)))
     return unflatten(items)
 
 
+def _read_flat(reader: CheckpointReader, e: Entry, lo: int, hi: int) -> np.ndarray:
+    """Elements ``lo:hi`` of the entry's values in C order (whole stored rows are read and verified)."""
+    rest = tuple(e.shape[1:])
+    rs = int(np.prod(rest, dtype=np.int64)) if e.shape else 1
+    if not e.shape:
+        return reader.read_block(e, (), ()).reshape(-1)[lo:hi]
+    r0, r1 = lo // rs, -(-hi // rs)
+    buf = reader.read_block(e, (r0,) + (0,) * len(rest), (r1 - r0,) + rest).reshape(-1)
+    return buf[lo - r0 * rs: hi - r0 * rs]
+
+
+def _read_reshaped(reader: CheckpointReader, e: Entry, tshape, off, shp) -> np.ndarray:
+    """The block ``off:off+shp`` of the entry seen in the shape ``tshape`` (same elements, C order).
+
+    An FSDP template (flattened 1-D blocks) reads a checkpoint saved in the parameters' own shapes
+    (tensor parallel, AxoNN, serial), and a sharded N-D template reads one FSDP saved flattened.
+    """
+    if not tshape:
+        return _read_flat(reader, e, 0, 1).reshape(())
+    trs = int(np.prod(tshape[1:], dtype=np.int64))
+    flat = _read_flat(reader, e, off[0] * trs, (off[0] + shp[0]) * trs)
+    rows = flat.reshape((shp[0],) + tuple(tshape[1:]))
+    return rows[(slice(None),) + tuple(slice(o, o + n) for o, n in zip(off[1:], shp[1:]))]
+
+
 def _fill_one(reader: CheckpointReader, e: Entry, leaf: Any, cast: bool) -> Any:
+    """Fill ``leaf`` from entry ``e`` (``_misfit`` said it fits)."""
     is_arr = isinstance(leaf, (ShardedArray, np.ndarray)) or _be.is_cupy_array(leaf)
     if e.kind != "array":
-        if is_arr:
-            raise CheckpointError(f"entry {e.name!r}: the checkpoint holds a {e.pytype} value, the template an array")
         return reader.value(e)
     if not is_arr:
         if isinstance(leaf, np.generic):
             return reader.read_block(e, (0,) * len(e.shape), e.shape).astype(leaf.dtype if cast else e.dtype)[()]
         return reader.read(e.name)
+    reshaped = None
     if isinstance(leaf, ShardedArray):
         target, off, shp = leaf.local, leaf.offsets, leaf.local_shape
-        if leaf.global_shape != e.shape:
-            raise CheckpointError(
-                f"entry {e.name!r}: saved global shape {e.shape}, template ShardedArray global shape "
-                f"{leaf.global_shape} (changed shape)"
-            )
+        if tuple(leaf.global_shape) != tuple(e.shape):    # same elements, another shape (FSDP <-> TP/serial)
+            reshaped = tuple(leaf.global_shape)
     else:
         target, off, shp = leaf, (0,) * len(e.shape), e.shape
-        if tuple(leaf.shape) != e.shape and tuple(leaf.shape) == e.full_shape and leaf.flags.c_contiguous:
+        if tuple(leaf.shape) != e.shape and leaf.flags.c_contiguous:
             target = leaf.reshape(e.shape)   # saved flattened (FSDP/ZeRO): a view, so filled in place
         elif tuple(leaf.shape) != e.shape:
-            raise CheckpointError(f"entry {e.name!r}: saved shape {e.shape}, template shape {tuple(leaf.shape)} (changed shape)")
+            reshaped, off, shp = tuple(leaf.shape), (0,) * leaf.ndim, tuple(leaf.shape)
     dt = np.dtype(e.dtype)
-    if target.dtype != dt and not cast:
-        raise CheckpointError(
-            f"entry {e.name!r}: saved dtype {dt}, template dtype {target.dtype} (pass cast=True to convert)"
-        )
     on_host = isinstance(target, np.ndarray)
-    if on_host and target.dtype == dt and target.flags.c_contiguous and target.flags.writeable:
+    if on_host and not target.flags.writeable:
+        raise CheckpointError(f"entry {e.name!r}: the template array is read-only; load fills arrays in place")
+    if reshaped is None and on_host and target.dtype == dt and target.flags.c_contiguous:
         reader.read_block(e, off, shp, target)
+        return leaf
+    buf = _read_reshaped(reader, e, reshaped, off, shp) if reshaped is not None else reader.read_block(e, off, shp)
+    if on_host:
+        target[...] = buf
     else:
-        if on_host and not target.flags.writeable:
-            raise CheckpointError(f"entry {e.name!r}: the template array is read-only; load fills arrays in place")
-        buf = reader.read_block(e, off, shp)
-        if on_host:
-            target[...] = buf
-        else:
-            target[...] = _be.get_array_module(target).asarray(buf).astype(target.dtype, copy=False)
+        target[...] = _be.get_array_module(target).asarray(buf).astype(target.dtype, copy=False)
     return leaf

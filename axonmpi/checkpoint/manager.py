@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import backend as _be
 from ..distributed.sharding import ShardedArray
-from .format import CheckpointError, flatten, unflatten
+from .format import CheckpointError, CheckpointMismatchError, flatten, unflatten
 from .io import is_checkpoint, load, save
 from .runlock import RunLock
 
@@ -241,42 +241,74 @@ class CheckpointManager:
                 shutil.rmtree(self.path_for(s), ignore_errors=True)
         return broadcast_object(removed, group=g)  # the others wait here until rank 0 is done
 
-    def load_latest(self, state: Optional[dict] = None, *, fallback: bool = True, **kw) -> Optional[dict]:
-        """Load the newest checkpoint (collective); None when there is none.
+    def damaged(self) -> List[str]:
+        """Paths of checkpoints set aside as damaged (``<prefix>N.damaged[-K]``), oldest step first."""
+        if not os.path.isdir(self.directory):
+            return []
+        pat = re.compile(re.escape(self.prefix) + r"(\d+)\.damaged(-\d+)?$")
+        found = [(int(m.group(1)), n) for n in os.listdir(self.directory) for m in [pat.match(n)] if m]
+        return [os.path.join(self.directory, n) for _, n in sorted(found)]
 
-        With ``fallback`` (default), a checkpoint that fails to load with a
-        :class:`~axonmpi.checkpoint.CheckpointError` (damaged: a checksum mismatch, a truncated or
-        missing file) is renamed ``<path>.damaged`` (kept for inspection, no longer "latest"),
-        a warning says so, and the next older one is tried. Keyword arguments go to
-        :func:`axonmpi.checkpoint.load`.
+    def load_latest(self, state: Optional[dict] = None, *, fallback: bool = True, **kw) -> Optional[dict]:
+        """Load the newest intact checkpoint (collective); None only when the folder holds no checkpoint.
+
+        With ``fallback`` (default), a checkpoint that fails to load is verified (every block
+        against its checksum, as ``axonmpi ckpt verify`` does). Only one that fails verification is
+        damaged: it is renamed ``<path>.damaged`` (kept for inspection), a warning names it and
+        its problems, and the next older one is tried. A checkpoint that verifies but does not fit
+        ``state`` (another dtype, shape or set of entries) is never renamed: its
+        :class:`~axonmpi.checkpoint.format.CheckpointMismatchError` is raised, naming the first
+        entry and what to do. When every checkpoint is damaged (or only ``.damaged`` ones are
+        left) a :class:`~axonmpi.checkpoint.CheckpointError` names them instead of returning None,
+        so a run never restarts from step 0 silently. Keyword arguments go to
+        :func:`axonmpi.checkpoint.load` (``cast=True`` converts dtypes).
         """
         out = self.load_newest_intact(lambda path: load(path, state, self.group, **kw), fallback=fallback)
         return None if out is None else out[1]
 
     def load_newest_intact(self, load_fn, *, fallback: bool = True):
-        """``(step, load_fn(path))`` for the newest checkpoint ``load_fn`` reads without a CheckpointError.
+        """``(step, load_fn(path))`` for the newest checkpoint ``load_fn`` reads; None when there is none.
 
-        Collective over the group. Each damaged checkpoint met on the way is moved aside to
-        ``<path>.damaged`` with a warning naming it and the error (never deleted); with
-        ``fallback=False`` the first error is raised instead. None when there is no checkpoint.
+        Collective over the group. When ``load_fn`` raises a :class:`CheckpointError`, group rank 0
+        verifies the checkpoint (every file and block). One that fails verification is moved aside to
+        ``<path>.damaged`` with a warning naming it and its problems (never deleted), and the next
+        older one is tried; one that verifies is not damage: the error is raised as it is (a
+        template that does not fit, an option the caller refused). With ``fallback=False`` the first
+        error is raised. Raises :class:`CheckpointError` naming the folder when no intact checkpoint
+        is left but damaged ones are there.
         """
         from ..distributed import broadcast_object, resolve_group
         from ..log import get_logger
         g = resolve_group(self.group)
         log = get_logger(__name__, rank0_only=True)
-        steps = broadcast_object(self.steps() if g.rank == 0 else None, group=g)
+        steps, damaged = broadcast_object((self.steps(), self.damaged()) if g.rank == 0 else None, group=g)
+        set_aside, kept = [], list(damaged)
         for i, step in enumerate(reversed(steps)):
             path = self.path_for(step)
             try:
                 return step, load_fn(path)
+            except CheckpointMismatchError:   # intact, does not fit: never damage
+                raise
             except CheckpointError as e:   # raised on every rank (load agrees on failures)
                 if not fallback:
                     raise
+                problems = broadcast_object(_verify_problems(path) if g.rank == 0 else None, group=g)
+                if not problems:
+                    raise                  # the checkpoint is intact: the error is about the caller's side
                 older = steps[-2 - i] if i + 1 < len(steps) else None
                 aside = self._set_aside(path, g)
-                log.warning("checkpoint %s is damaged (%s); moved it to %s and %s", path, e, aside,
-                            f"falling back to step {older}" if older is not None else
-                            "no older checkpoint is left: starting fresh")
+                kept.append(aside)
+                set_aside.append(f"{path} ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})")
+                log.warning("checkpoint %s failed verification: %s; moved it to %s and %s", path,
+                            "; ".join(problems[:3]) + (f"; ... {len(problems) - 3} more" if len(problems) > 3 else ""),
+                            aside, f"falling back to step {older}" if older is not None else
+                            "no older checkpoint is left")
+        if kept:
+            raise CheckpointError(
+                f"no intact checkpoint in {self.directory}: "
+                + (f"every checkpoint failed verification: {'; '.join(set_aside)}. " if set_aside else "")
+                + f"The damaged ones are kept as {kept} (`axonmpi ckpt verify {self.directory}` lists "
+                "their problems). Nothing was loaded; to start fresh anyway, move them out of the folder")
         return None
 
     def _set_aside(self, path: str, g) -> str:
@@ -338,19 +370,29 @@ class CheckpointManager:
                 f"every_steps={self.every_steps}, latest_step={self.latest_step()})")
 
 
-def list_run_folder(path: "str | os.PathLike", as_json: bool = False, out=None, *, prefix: str = "step-") -> bool:
-    """Print the ``step-*`` checkpoints of a run folder (step, size, time); False when ``path`` is not one.
+def _verify_problems(path: str) -> List[str]:
+    """Every problem ``axonmpi ckpt verify`` finds in the checkpoint at ``path`` ([] when it is intact)."""
+    from .read import CheckpointReader
+    try:
+        with CheckpointReader(path) as r:
+            problems = r.file_problems()
+            bad = {p.file for p in problems if not p.entry}
+            problems += [p for p in r.verify_all() if p.file not in bad]
+    except Exception as e:   # the index itself is missing, unreadable or fails its checksum
+        return [f"{type(e).__name__}: {e}"]
+    return [(f"entry {p.entry!r} in {p.file}: " if p.entry else f"{p.file}: ") + p.message for p in problems]
 
-    What ``axonmpi ckpt inspect RUN_DIR`` shows for a folder a :class:`CheckpointManager` writes
-    into; unfinished saves (no index) are listed as such.
 
-    Example:
-        >>> list_run_folder("checkpoints/gpt")
-        True
+def run_folder_rows(path: "str | os.PathLike", prefix: str = "step-") -> Optional[List[dict]]:
+    """The ``<prefix>N*`` directories of a run folder with their state; None when ``path`` is not a run folder.
+
+    Each row: ``step``, ``path``, ``bytes``, ``modified``, ``has_index``, ``complete`` (a checkpoint
+    ``load_latest`` would consider: an index, no suffix, every data file present with its size)
+    and ``status`` (one line: what the directory is).
     """
     path = os.fspath(path)
     if not os.path.isdir(path) or is_checkpoint(path):
-        return False
+        return None
     pattern = re.compile(re.escape(prefix) + r"(\d+)(.*)$")
     rows = []
     for name in sorted(os.listdir(path)):
@@ -360,11 +402,54 @@ def list_run_folder(path: "str | os.PathLike", as_json: bool = False, out=None, 
             continue
         size = sum(os.path.getsize(os.path.join(full, f)) for f in os.listdir(full)
                    if os.path.isfile(os.path.join(full, f)))
-        complete = is_checkpoint(full) and not m.group(2)
-        rows.append({"step": int(m.group(1)), "path": full, "complete": complete, "bytes": size,
+        suffix, has_index = m.group(2), is_checkpoint(full)
+        problems = _file_problems(full) if has_index else []
+        if suffix.startswith(".tmp-") or not has_index:
+            status = "incomplete: an unfinished or crashed save (no index.h5)" if not has_index else \
+                "incomplete: an unfinished or crashed save"
+        elif suffix.startswith(".damaged"):
+            status = ("set aside by load_latest after failing verification" +
+                      (f": {problems[0]}" if problems else "; `axonmpi ckpt verify` checks every block"))
+        elif suffix.startswith(".old-"):
+            status = "the previous checkpoint, kept by a save that crashed between its two renames"
+        elif suffix:
+            status = f"not a checkpoint name ({prefix}N{suffix})"
+        elif problems:
+            status = f"DAMAGED: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        else:
+            status = "complete"
+        rows.append({"step": int(m.group(1)), "path": full, "bytes": size, "has_index": has_index,
+                     "complete": has_index and not suffix and not problems, "status": status,
                      "modified": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(full)))})
-    if not rows:
+    return rows or None
+
+
+def _file_problems(path: str) -> List[str]:
+    """Missing, unreadable or short files of a checkpoint (no block read), as ``inspect`` reports them."""
+    from .read import CheckpointReader
+    try:
+        with CheckpointReader(path) as r:
+            return [(f"{p.file}: " if p.file else "") + p.message for p in r.file_problems()]
+    except Exception as e:
+        return [f"{type(e).__name__}: {e}"]
+
+
+def list_run_folder(path: "str | os.PathLike", as_json: bool = False, out=None, *, prefix: str = "step-") -> bool:
+    """Print the ``step-*`` checkpoints of a run folder (step, size, time, state); False when ``path`` is not one.
+
+    What ``axonmpi ckpt inspect RUN_DIR`` shows for a folder a :class:`CheckpointManager` writes
+    into: unfinished saves (no index) are listed as such, checkpoints set aside as damaged as
+    such, and each checkpoint's files are checked as ``inspect PATH`` does (no block is read:
+    ``axonmpi ckpt verify RUN_DIR`` reads them all).
+
+    Example:
+        >>> list_run_folder("checkpoints/gpt")
+        True
+    """
+    rows = run_folder_rows(path, prefix)
+    if rows is None:
         return False
+    path = os.fspath(path)
     out = out or sys.stdout
     if as_json:
         out.write(json.dumps({"run_folder": path, "checkpoints": rows}, indent=1) + "\n")
@@ -372,7 +457,8 @@ def list_run_folder(path: "str | os.PathLike", as_json: bool = False, out=None, 
     out.write(f"run folder  {path}: {sum(r['complete'] for r in rows)} complete checkpoint(s)\n\n")
     out.write(f"{'step':>10}  {'MiB':>9}  {'modified':<19}  path\n")
     for r in rows:
-        note = "" if r["complete"] else "   (incomplete: an unfinished or crashed save)"
+        note = "" if r["status"] == "complete" else f"   ({r['status']})"
         out.write(f"{r['step']:>10}  {r['bytes'] / 2**20:>9.1f}  {r['modified']:<19}  {r['path']}{note}\n")
-    out.write(f"\ninspect one with: axonmpi ckpt inspect {rows[-1]['path']}\n")
+    out.write(f"\ninspect one with: axonmpi ckpt inspect {rows[-1]['path']}; check every block with: "
+              f"axonmpi ckpt verify {path}\n")
     return True

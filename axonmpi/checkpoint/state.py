@@ -67,12 +67,10 @@ def training_state(model=None, optimizer=None, scheduler=None, sampler=None, *, 
     if rng:
         from .. import random as _random
         state["rng"] = json.dumps(all_gather_object(_random.get_rng_state(), group=g))
-    meta: Dict[str, Any] = {"world_size": g.size}
-    if step is not None:
-        meta["step"] = int(step)
-    if epoch is not None:
-        meta["epoch"] = int(epoch)
-    state["meta"] = meta
+    # step and epoch are always present (None when not given), so the state of a fresh model is a
+    # template that takes any saved step: mgr.load_latest(training_state(model, opt))
+    state["meta"] = {"world_size": g.size, "step": None if step is None else int(step),
+                     "epoch": None if epoch is None else int(epoch)}
     if extra is not None:
         if not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
@@ -95,6 +93,14 @@ def restore_training_state(loaded: Dict[str, Any], model=None, optimizer=None, s
         >>> start = meta["step"]
     """
     from ..distributed import resolve_group
+    if loaded is None:
+        raise ValueError(
+            "restore_training_state(None, ...): nothing was loaded. CheckpointManager.load_latest() returns None "
+            "when its folder holds no checkpoint (a fresh run): restore only when it returned a state "
+            "(loaded = mgr.load_latest(...); if loaded is not None: restore_training_state(loaded, model, opt))")
+    if not isinstance(loaded, dict):
+        raise TypeError(f"restore_training_state: loaded must be the dict that load()/load_latest() returned, "
+                        f"got {type(loaded).__name__}")
     for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("sampler", sampler)):
         if obj is None:
             continue
