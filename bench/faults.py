@@ -7,7 +7,8 @@ set to ``--timeout`` seconds (default 5):
   * one rank stuck in user code;
   * ``sys.exit(3)`` / ``os._exit(0)`` on one rank while the others are in ``all_reduce``;
   * ``sys.exit(0)`` everywhere;
-  * SIGTERM to ``examples/train_gpt.py`` mid-run, then ``--auto-resume``: the step it resumes at.
+  * SIGTERM to ``examples/train_gpt.py`` mid-run, then ``--auto-resume``: the step it resumes at;
+  * a checkpoint save onto a full disk (a small tmpfs, root only) at 1 rank and at ``--ranks``.
 
     python bench/faults.py --ranks 4
 """
@@ -51,6 +52,41 @@ if w.rank == 1:
     {how}
 axonmpi.all_reduce(np.ones(2))
 """
+
+
+DISK_FULL = """
+import os, shutil, sys, numpy as np, axonmpi
+from axonmpi.checkpoint import CheckpointManager, training_state
+from axonmpi.models import GPT, GPTConfig
+w = axonmpi.init()
+mgr = CheckpointManager(sys.argv[1])
+mgr.save(1, {"w": np.arange(8.0)})
+if w.rank == 0:   # fill the disk, leaving less than the GPT's checkpoint needs
+    with open(os.path.join(os.path.dirname(sys.argv[1]), "filler"), "wb") as fh:
+        fh.write(b"\\0" * max(0, shutil.disk_usage(sys.argv[1]).free - (192 << 10)))
+axonmpi.barrier()
+m = GPT(GPTConfig(vocab_size=94, block_size=32, n_layer=2, n_head=2, n_embd=64))
+mgr.save(2, training_state(m, axonmpi.optim.AdamW(m.parameters()), step=2))
+"""
+
+
+def _disk_full(n, env, timeout):
+    """(exit code, seconds, what it said, lines of output) of a save onto a 4 MiB tmpfs; None where mounting fails."""
+    d = tempfile.mkdtemp(prefix="axonmpi-full-")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", d], capture_output=True).returncode:
+        os.rmdir(d)
+        return None
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run([mpiexec_path(), "-n", str(n), sys.executable, "-c", DISK_FULL, os.path.join(d, "run")],
+                           capture_output=True, text=True, env=mpiexec_env(env), timeout=timeout)
+        m = re.search(r"root cause: (rank \d+ of \d+ raised \w+: .{0,60})", r.stderr)
+        said = m.group(1) if m else _said(r.stderr)
+        return r.returncode, time.monotonic() - t0, said, len(r.stderr.splitlines())
+    finally:   # ranks that MPI_Abort ended may still hold the mount for a moment: detach it lazily then
+        if subprocess.run(["umount", d], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", d], capture_output=True)
+        os.rmdir(d)
 
 
 def _mpi(code, n, env, timeout):
@@ -126,6 +162,14 @@ def main() -> None:
     for name, code, e in cases:
         rc, took, err = _mpi(code, n, e, timeout=10 * t + 60)
         print(f"| {name} | {rc} | {took:.1f} | {_said(err)} |", flush=True)
+    for k in sorted({1, n}):
+        got = _disk_full(k, env, timeout=10 * t + 60)
+        if got is None:
+            print(f"| disk full during a save, {k} rank(s) | not run: mounting a tmpfs is not allowed here | | |")
+        else:
+            rc, took, said, lines = got
+            print(f"| disk full during a save, {k} rank(s) | {rc} | {took:.1f} | {said} ({lines} lines of stderr) |",
+                  flush=True)
     if not args.skip_preemption:
         rc, took, seen, resumed = _preempt(n, t)
         print(f"| SIGTERM to train_gpt at step {seen} | {rc} | {took:.1f} | --auto-resume resumes at step "
