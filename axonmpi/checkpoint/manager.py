@@ -269,15 +269,15 @@ class CheckpointManager:
     def load_newest_intact(self, load_fn, *, fallback: bool = True):
         """``(step, load_fn(path))`` for the newest checkpoint ``load_fn`` reads; None when there is none.
 
-        Collective over the group. When ``load_fn`` raises a :class:`CheckpointError`, group rank 0
-        verifies the checkpoint (every file and block). One that fails verification is moved aside to
+        Collective over the group. When ``load_fn`` raises a :class:`CheckpointError`, the ranks
+        verify the checkpoint together (every file and block, each rank a share of the files). One that fails verification is moved aside to
         ``<path>.damaged`` with a warning naming it and its problems (never deleted), and the next
         older one is tried; one that verifies is not damage: the error is raised as it is (a
         template that does not fit, an option the caller refused). With ``fallback=False`` the first
         error is raised. Raises :class:`CheckpointError` naming the folder when no intact checkpoint
         is left but damaged ones are there.
         """
-        from ..distributed import broadcast_object, resolve_group
+        from ..distributed import all_gather_object, broadcast_object, resolve_group
         from ..log import get_logger
         g = resolve_group(self.group)
         log = get_logger(__name__, rank0_only=True)
@@ -292,7 +292,8 @@ class CheckpointManager:
             except CheckpointError as e:   # raised on every rank (load agrees on failures)
                 if not fallback:
                     raise
-                problems = broadcast_object(_verify_problems(path) if g.rank == 0 else None, group=g)
+                problems = [x for part in all_gather_object(_verify_problems(path, g.rank, g.size), group=g)
+                            for x in part]   # each rank checks its share of the files
                 if not problems:
                     raise                  # the checkpoint is intact: the error is about the caller's side
                 older = steps[-2 - i] if i + 1 < len(steps) else None
@@ -370,16 +371,21 @@ class CheckpointManager:
                 f"every_steps={self.every_steps}, latest_step={self.latest_step()})")
 
 
-def _verify_problems(path: str) -> List[str]:
-    """Every problem ``axonmpi ckpt verify`` finds in the checkpoint at ``path`` ([] when it is intact)."""
+def _verify_problems(path: str, part: int = 0, parts: int = 1) -> List[str]:
+    """The problems ``axonmpi ckpt verify`` finds in the checkpoint at ``path`` ([] when it is intact).
+
+    Split over ``parts`` callers: this one checks the index and file sizes (part 0) and the blocks
+    of every ``parts``-th data file from ``part``.
+    """
     from .read import CheckpointReader
     try:
         with CheckpointReader(path) as r:
-            problems = r.file_problems()
-            bad = {p.file for p in problems if not p.entry}
-            problems += [p for p in r.verify_all() if p.file not in bad]
+            problems = r.file_problems() if part == 0 else []
+            bad = {p.file for p in r.file_problems() if not p.entry}
+            mine = [f for i, f in enumerate(r.files()) if i % parts == part and f not in bad]
+            problems += r.verify_all(mine)
     except Exception as e:   # the index itself is missing, unreadable or fails its checksum
-        return [f"{type(e).__name__}: {e}"]
+        return [f"{type(e).__name__}: {e}"] if part == 0 else []
     return [(f"entry {p.entry!r} in {p.file}: " if p.entry else f"{p.file}: ") + p.message for p in problems]
 
 
