@@ -191,19 +191,18 @@ class _Written(NamedTuple):
     file_bytes: Dict[str, int]
 
 
-def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool, reserve: int = 0) -> _Written:
+def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> _Written:
     """Write the pieces; a worker thread checksums each piece while h5py writes it (xxhash frees the GIL).
 
-    ``reserve`` bytes are reserved for the file before HDF5 writes to it (see ``_reserve``).
+    The file's blocks are reserved before HDF5 writes to it (see ``_reserve``).
     """
     import h5py
     from concurrent.futures import ThreadPoolExecutor
     futures, offsets = [], []
-    reserved = False
+    need = sum(int(np.prod(p.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for p, a in jobs) + \
+        _PER_DATASET * len(jobs) + _PER_FILE
     with ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-checksum") as pool, h5py.File(fname, "w") as f:
-        if reserve:
-            reserved = _reserve(fname, reserve, rank)
-            _fault("after_reserve", rank)
+        reserved = _reserve(fname, need, rank)
         for n, (p, arr) in enumerate(jobs):
             if n == len(jobs) // 2:
                 _fault("mid_shard", rank)
@@ -363,8 +362,7 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
                 written = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
             elif jobs:
                 with _trace.span("checkpoint.write_shard", "checkpoint"):
-                    written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync,
-                                           reserve=_shard_bytes(plan, [p for p, _ in jobs]))
+                    written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
             _fault("after_shard", rank)
         except Exception as e:
             err = _no_space(os.path.dirname(os.path.abspath(path)), _needed(plan, collective), rank) if (
