@@ -586,18 +586,21 @@ def _checkpoint_modules(module: Module, spec, r: int) -> int:
     return len(targets)
 
 
-def _finish_fsdp_segments(fsdp, grid: ProcessGrid, axonn: bool) -> None:
+def _finish_fsdp_segments(fsdp, grid: ProcessGrid, axonn: bool, sp_params=()) -> None:
     """FSDP over a tensor-parallel model, after FSDP averaged each flat chunk over its data group: AxoNN's
     table on each segment (:func:`finish_axonn_fsdp`); a Megatron plan's parameters used on sequence
-    shards summed over the tensor group (the ranks of a tensor group hold chunks over the same elements)."""
+    shards summed over the tensor group (``sp_params``: those whose layer does not sum them itself; the ranks
+    of a tensor group hold chunks over the same elements)."""
     if axonn:
         return finish_axonn_fsdp(fsdp, grid)
-    g = grid.intra_group
+    g, ids = grid.intra_group, {id(p) for p in sp_params}
+    if not ids:
+        return
     for f in fsdp.parameters():
         if f.grad is None:
             continue
         for seg in f.segments():
-            if getattr(f.params[seg.index], "sequence_parallel", False):
+            if id(f.params[seg.index]) in ids:
                 reduce_gradient(seg.in_chunk(f.grad.data), [g])
 
 
@@ -788,7 +791,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         wrapped = FSDP(module, group=dgroup, **opts)
         cls = _FSDPParallelModule
         if tensor_parallel is not None:
-            wrapped.register_post_backward_hook(lambda: _finish_fsdp_segments(wrapped, grid, axonn))
+            wrapped.register_post_backward_hook(lambda: _finish_fsdp_segments(wrapped, grid, axonn, sp_params))
             cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
     pm._serial_shapes = shapes
