@@ -84,6 +84,16 @@ LAYOUTS = {
     "fsdp_axonn2_cp2_ac": ("transformer", {"G_intra_r": 2, "G_context": 2},
                            dict(tensor_parallel="axonn", context_parallel="ring", data_parallel="fsdp",
                                 activation_checkpointing=["1", "2"])),
+    "fsdp_pp2_tp2_sp_cp2_zbh1": ("transformer", {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
+                                 dict(tensor_parallel=PLAN, sequence_parallel=True, context_parallel="ring",
+                                      data_parallel="fsdp", pipeline=("zb-h1", None))),
+    "fsdp_pp2_axonn2_1f1b": ("transformer", {"G_inter": 2, "G_intra_r": 2},
+                             dict(tensor_parallel="axonn", data_parallel="fsdp", pipeline=("1f1b", None))),
+    "fsdp_pp2_tp2_zbv": ("transformer", {"G_inter": 2, "G_intra_c": 2},
+                         dict(tensor_parallel=PLAN, data_parallel="fsdp", pipeline=("zbv", None))),
+    "moe_fsdp_pp2_tp2_ep2": ("moe", {"G_inter": 2, "G_intra_c": 2},
+                             dict(tensor_parallel=PLAN, expert_parallel=2, data_parallel="fsdp",
+                                  pipeline=("1f1b", None))),
     "moe_dp_pp2_tp2_ep2": ("moe", {"G_inter": 2, "G_intra_c": 2},
                            dict(tensor_parallel=PLAN, expert_parallel=2, pipeline=("1f1b", None))),
     "moe_dp_tp2_cp2_ep2": ("moe", {"G_intra_c": 2, "G_context": 2},
@@ -192,7 +202,8 @@ def test_nd_layout_matches_serial(world, layout):
 
 CHECKPOINT_PAIRS = [("dp_pp2_tp2_zbv", "fsdp_tp2_sp_cp2_ring"), ("fsdp_tp2_sp_cp2_ring", "dp_pp2_axonn2_gpipe"),
                     ("pp2_tp2_sp_cp2_ring", "dp_tp2_cp2_ulysses"), ("moe_dp_pp2_tp2_ep2", "moe_pp2_cp2_ep2_zbh1"),
-                    ("moe_dp_tp2_cp2_ep2", "moe_dp_pp2_tp2_ep2")]
+                    ("moe_dp_tp2_cp2_ep2", "moe_dp_pp2_tp2_ep2"), ("fsdp_pp2_tp2_sp_cp2_zbh1", "fsdp_pp2_axonn2_1f1b"),
+                    ("fsdp_pp2_axonn2_1f1b", "dp_tp2_cp2_ulysses"), ("moe_fsdp_pp2_tp2_ep2", "moe_dp_tp2_cp2_ep2")]
 
 
 @pytest.mark.mpi(min_size=8)

@@ -450,16 +450,38 @@ class _Stage(Module):
     Pipeline reads to reduce it (AxoNN's batch groups and depth group)."""
 
     def __init__(self, chunk: Module, grid: ProcessGrid, *, axonn: bool, sequence_dim: Optional[int],
-                 checkpointed: bool):
+                 checkpointed: bool, shard_group=None):
         super().__init__()
-        self.chunk = chunk
         self._grid = [grid]
         self.sequence_dim, self.checkpointed = sequence_dim, bool(checkpointed)
         self.batch_groups = (grid.intra_group,) if axonn else ()
         self.depth_group = grid.depth_group
+        self.flat = None
+        if shard_group is None:
+            self.chunk = chunk
+            return
+        self._chunk = [chunk]        # FSDP: the Pipeline sees the flat shard (and the experts), not the chunk
+        self._fsdp(chunk, shard_group)
+
+    def _fsdp(self, chunk: Module, group) -> None:
+        """[Note: FSDP in a pipeline]  The chunk's parameters (experts aside: their own groups reduce them)
+        become one :class:`~axonmpi.parallel.FlatParameter` sharded over ``group`` (data x context): the
+        optimizer holds this rank's chunk of them.  A step all-gathers them once before the first
+        micro-batch and reduce-scatters the accumulated gradient once after the last (FSDP2's behaviour
+        under a pipeline schedule, ``reshard_after_forward=False``), then frees the full copy."""
+        from ..distributed.placement import Placement, Shard, ShardKind, set_placement
+        from ._flat import FlatParameter
+        from .grad_sync import sharded_within
+        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        flat = [(n, p) for n, p in named if not sharded_within(p, group)]
+        if flat:
+            self.flat = FlatParameter([p for _, p in flat], [n for n, _ in flat]).shard(group)
+            set_placement(self.flat, Placement(shards=(Shard(group, ShardKind.FLAT),)))
+        for i, (_, p) in enumerate(x for x in named if sharded_within(x[1], group)):
+            self.register_parameter(f"expert_{i}", p)
 
     def _run(self, x):
-        return self.chunk(x)
+        return (self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)(x)
 
     def forward(self, x):
         from ..nn.checkpointing import checkpoint
@@ -494,23 +516,57 @@ class PipelinedModule(ParallelModule):
 
     def step(self, inputs, targets) -> float:
         """Forward and backward of this rank's rows (:meth:`local_batch`); returns the global batch's mean loss."""
+        flats = self._flats()
+        for f in flats:                          # [Note: FSDP in a pipeline]
+            f.unshard()
+            f.bind_grads()
         loss = self.pipeline.step(inputs, targets)
         g = self.grid.intra_group
-        if self._sp_params and g.size > 1:      # used on sequence shards: the whole step's gradient summed once
+        if flats:
+            for f in flats:
+                f.reduce_grad()                  # reduce-scatter: the mean over data x context
+            _finish_fsdp_segments(_Flats(flats), self.grid, self.tensor_parallel == "axonn", self._sp_params)
+            for f in flats:
+                f.reshard()
+        elif self._sp_params and g.size > 1:    # used on sequence shards: the whole step's gradient summed once
             for p in self._sp_params:
                 if p.grad is not None:
                     reduce_gradient(p.grad.data, [g])
         return loss
 
+    def _flats(self) -> List[Any]:
+        return [st.flat for st in self._stages if st.flat is not None]
+
+    def _gathered(self):
+        """Context: every FSDP stage's full parameters bound while inside (state dicts read and write them)."""
+        pm = self
+
+        class _G:
+            def __enter__(self):
+                for f in pm._flats():
+                    f.unshard()
+
+            def __exit__(self, *exc):
+                for f in pm._flats():
+                    full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
+                    f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
+                    f.reshard()
+        return _G()
+
     def eval_step(self, inputs, targets) -> float:
         """The global batch's mean loss without gradients."""
-        return self.pipeline.eval_step(inputs, targets)
+        with self._gathered():
+            return self.pipeline.eval_step(inputs, targets)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True):
+        """This rank's stages' parameters under serial names (FSDP: their flat shards, ``stage<k>.flat``)."""
         mine = {id(p) for p in self.pipeline.parameters()}
         for n, p in self.inner.named_parameters(prefix, recurse):
             if id(p) in mine:
                 yield n, p
+        for k, st in enumerate(self._stages):
+            if st.flat is not None:
+                yield f"{prefix}stage{k}.flat", st.flat
 
     def parameters(self, recurse: bool = True):
         return self.pipeline.parameters()
@@ -523,7 +579,8 @@ class PipelinedModule(ParallelModule):
         """Load a full serial state dict (any layout's); each rank keeps its stages' shards."""
         from .tensor.state import load_full_state_dict
         sd = OrderedDict((k, _serial(v, self._serial_shapes.get(k))) for k, v in state_dict.items())
-        return load_full_state_dict(self.inner, sd, strict)
+        with self._gathered():
+            return load_full_state_dict(self.inner, sd, strict)
 
     def sharded_state_dict(self):
         raise NotImplementedError(f"rank {self.grid.rank}: a pipelined ParallelModule checkpoints its full "
@@ -534,6 +591,16 @@ class PipelinedModule(ParallelModule):
                                   "is not checkpointed by parallelize yet; checkpoint the model with pm.state_dict()")
 
     load_optim_state_dict = optim_state_dict
+
+
+class _Flats:
+    """The flat shards of FSDP stages, as the segment finishers read an FSDP module (``.parameters()``)."""
+
+    def __init__(self, flats):
+        self._flats = list(flats)
+
+    def parameters(self):
+        return list(self._flats)
 
 
 def _swap_attention_for_context(module: Module, grid: ProcessGrid, algo) -> List[Any]:
@@ -694,11 +761,14 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             raise TypeError(f"rank {r}: pipeline={pipeline!r}; expected a PipelinePlan(num_microbatches, schedule)")
         if grid.G_inter == 1:
             raise ValueError(f"rank {r}: pipeline={pipeline} needs a grid with G_inter > 1 (axonmpi.init(G_inter=p))")
-        if data_parallel == "fsdp":
-            raise NotImplementedError(
-                f"rank {r}: FSDP inside a pipeline (data_parallel='fsdp' with pipeline=) is not built: FSDP's "
-                "units gather and reduce once per forward/backward pair, and a schedule runs several forwards "
-                "before their backwards; use data_parallel='ddp' (the Pipeline reduces over data x context)")
+        if data_parallel == "fsdp" and sharding_strategy is not None:
+            from .fsdp import ShardingStrategy
+            if ShardingStrategy.coerce(sharding_strategy) not in (ShardingStrategy.FULL_SHARD,
+                                                                   ShardingStrategy.SHARD_GRAD_OP):
+                raise NotImplementedError(
+                    f"rank {r}: sharding_strategy={sharding_strategy!r} with pipeline=: a pipeline's FSDP gathers "
+                    "each stage once per step and reduce-scatters once (full_shard and shard_grad_op are then "
+                    "the same); hybrid shard's two-level reduction is not built there, and no_shard is DDP")
         if strategy_options:
             raise ValueError(f"rank {r}: options {sorted(strategy_options)} are DDP's / FSDP's; with pipeline= the "
                              "Pipeline reduces each stage (no options)")
@@ -725,10 +795,11 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     has_moe = any(isinstance(m, MoE) for m in module.modules())
     if (expert_parallel or 1) > 1 and not has_moe:
         raise ValueError(f"rank {r}: expert_parallel={expert_parallel} but the model has no nn.MoE layer")
-    if data_parallel == "fsdp" and (expert_parallel or 1) > 1:
+    if data_parallel == "fsdp" and (expert_parallel or 1) > 1 and pipeline is None:
         raise NotImplementedError(
-            f"rank {r}: FSDP with expert_parallel={expert_parallel} is not built: FSDP averages every flat chunk "
-            "over the whole data group, and an expert is replicated only over its expert-data group; use DDP")
+            f"rank {r}: FSDP with expert_parallel={expert_parallel} and no pipeline is not built: the FSDP wrapper "
+            "averages every flat chunk over the whole data group and takes no ignored parameters, and an expert "
+            "is replicated only over its expert-data group; use DDP, or a pipeline (its FSDP leaves experts out)")
     dgroup = data_reduction_group(grid)
     shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
     axonn = tensor_parallel == "axonn"
@@ -816,12 +887,14 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by,
                           boundaries=plan.boundaries, group=grid.inter_group, stage_ranks=sched.stage_ranks)
     axonn = tensor_parallel == "axonn"
-    stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks) for c in chunks]
+    shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
+    stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard)
+              for c in chunks]
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._serial_shapes = shapes
-    mine = {id(p) for p in pipe.parameters()}
+    mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
     pm._sp_params = [p for p in sp_params if id(p) in mine]
     pm._context(cp, None)
     return pm
@@ -842,7 +915,11 @@ def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
     if isinstance(pm, PipelinedModule):
         from ..distributed import all_gather_object
         mine = {n for n, _ in pm.named_parameters()}
-        local = OrderedDict((k, v) for k, v in tp_full(pm.inner).items() if k in mine)
+        for st in pm._stages:
+            if st.flat is not None:
+                mine |= {n for n, p in pm.inner.named_parameters() if any(p is q for q in st.flat.params)}
+        with pm._gathered():
+            local = OrderedDict((k, v) for k, v in tp_full(pm.inner).items() if k in mine)
         out = OrderedDict()
         for part in all_gather_object(local, group=pm.grid.inter_group):
             out.update(part)
