@@ -19,7 +19,7 @@ import axonmpi
 import axonmpi.nn as nn
 import axonmpi.nn.functional as F
 from axonmpi import Tensor
-from axonmpi.optim import AdamW, clip_grad_norm_
+from axonmpi.optim import AdamW, ZeroRedundancyOptimizer, clip_grad_norm_
 from axonmpi.parallel import PipelinePlan, full_state_dict, parallelize
 from axonmpi.parallel.grad_sync import data_reduction_group, mean_over
 
@@ -96,8 +96,21 @@ LAYOUTS = {
                                   pipeline=("1f1b", None))),
     "moe_dp_pp2_tp2_ep2": ("moe", {"G_inter": 2, "G_intra_c": 2},
                            dict(tensor_parallel=PLAN, expert_parallel=2, pipeline=("1f1b", None))),
-    "moe_dp_tp2_cp2_ep2": ("moe", {"G_intra_c": 2, "G_context": 2},
-                           dict(tensor_parallel=PLAN, context_parallel="ring", expert_parallel=2)),
+    "moe_dp_tp2_cp2_ep2_ac": ("moe", {"G_intra_c": 2, "G_context": 2},
+                              dict(tensor_parallel=PLAN, context_parallel="ring", expert_parallel=2,
+                                   activation_checkpointing=["2"])),
+    "moe_axonn2_texperts_pp2_ac": ("moe", {"G_inter": 2, "G_intra_c": 2},
+                                   dict(tensor_parallel="axonn", expert_tensor_parallel=True,
+                                        activation_checkpointing=True, pipeline=("1f1b", None))),
+    "zero1_pp2_tp2_cp2_interleaved": ("transformer", {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
+                                      dict(tensor_parallel=PLAN, context_parallel="ring", zero1=True,
+                                           pipeline=("interleaved", 2))),
+    "fsdp_sgo_tp2_cp2_ulysses": ("transformer", {"G_intra_c": 2, "G_context": 2},
+                                 dict(tensor_parallel=PLAN, context_parallel="ulysses", data_parallel="fsdp",
+                                      sharding_strategy="shard_grad_op")),
+    "fsdp_hybrid2_tp2_sp": ("transformer", {"G_intra_c": 2},
+                            dict(tensor_parallel=PLAN, sequence_parallel=True, data_parallel="fsdp",
+                                 sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
     "moe_pp2_cp2_ep2_zbh1": ("moe", {"G_inter": 2, "G_context": 2},
                              dict(context_parallel="ring", expert_parallel=2, pipeline=("zb-h1", None))),
 }
@@ -155,8 +168,19 @@ def _build(world, layout, seed=7):
     if opts.get("expert_parallel", 1) > 1 and grid.G_data % opts["expert_parallel"]:
         grid.free()
         pytest.skip(f"{layout}: expert_parallel={opts['expert_parallel']} does not divide G_data={grid.G_data}")
+    zero1 = opts.pop("zero1", False)
     axonmpi.manual_seed(seed)
-    return grid, parallelize(MODELS[name](), grid=grid, **opts)
+    pm = parallelize(MODELS[name](), grid=grid, **opts)
+    pm.zero1 = zero1
+    return grid, pm
+
+
+def _optimizer(pm, grid):
+    """AdamW; with ``zero1`` a ZeRO-1 wrapper whose state is split over the replicas (data x context)."""
+    if getattr(pm, "zero1", False):
+        return ZeroRedundancyOptimizer(pm.parameters(), AdamW, group=data_reduction_group(grid), lr=1e-2,
+                                       weight_decay=0.1)
+    return AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _train_step(pm, grid, opt, step):
@@ -186,7 +210,7 @@ def test_nd_layout_matches_serial(world, layout):
     grid, pm = _build(world, layout)
     old, world.grid = world.grid, grid       # the Pipeline and clipping read the current grid
     try:
-        opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = _optimizer(pm, grid)
         for s in range(STEPS):
             loss, norm = _train_step(pm, grid, opt, s)
             _close(loss, want_losses[s], f"{layout} step {s} loss")
@@ -202,8 +226,8 @@ def test_nd_layout_matches_serial(world, layout):
 
 CHECKPOINT_PAIRS = [("dp_pp2_tp2_zbv", "fsdp_tp2_sp_cp2_ring"), ("fsdp_tp2_sp_cp2_ring", "dp_pp2_axonn2_gpipe"),
                     ("pp2_tp2_sp_cp2_ring", "dp_tp2_cp2_ulysses"), ("moe_dp_pp2_tp2_ep2", "moe_pp2_cp2_ep2_zbh1"),
-                    ("moe_dp_tp2_cp2_ep2", "moe_dp_pp2_tp2_ep2"), ("fsdp_pp2_tp2_sp_cp2_zbh1", "fsdp_pp2_axonn2_1f1b"),
-                    ("fsdp_pp2_axonn2_1f1b", "dp_tp2_cp2_ulysses"), ("moe_fsdp_pp2_tp2_ep2", "moe_dp_tp2_cp2_ep2")]
+                    ("moe_dp_tp2_cp2_ep2_ac", "moe_dp_pp2_tp2_ep2"), ("fsdp_pp2_tp2_sp_cp2_zbh1", "fsdp_pp2_axonn2_1f1b"),
+                    ("fsdp_pp2_axonn2_1f1b", "dp_tp2_cp2_ulysses"), ("moe_fsdp_pp2_tp2_ep2", "moe_dp_tp2_cp2_ep2_ac"), ("zero1_pp2_tp2_cp2_interleaved", "fsdp_hybrid2_tp2_sp")]
 
 
 @pytest.mark.mpi(min_size=8)
@@ -218,8 +242,7 @@ def test_nd_checkpoint_loads_under_another_layout_and_the_plain_model(world, sav
     old = world.grid
     try:
         world.grid = grid
-        opt = AdamW(pm.parameters(), lr=1e-2)
-        _train_step(pm, grid, opt, 0)
+        _train_step(pm, grid, _optimizer(pm, grid), 0)
         want = full_state_dict(pm)
         axonmpi.checkpoint.save(path, {"model": want})
     finally:
@@ -237,7 +260,7 @@ def test_nd_checkpoint_loads_under_another_layout_and_the_plain_model(world, sav
         plain.load_state_dict({k: np.asarray(v) for k, v in stored.items()})
         x, y = _batch(1)
         ref = float(F.cross_entropy(plain(Tensor(x)), y).data)
-        loss, _ = _train_step(pm2, grid, AdamW(pm2.parameters(), lr=1e-2), 1)
+        loss, _ = _train_step(pm2, grid, _optimizer(pm2, grid), 1)
         _close(loss, ref, f"saved {saved}, loaded {loaded}: next loss")
     finally:
         world.grid = old
