@@ -74,8 +74,8 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
     pl = placement_of(param)
     if getattr(param, "needs_depth_parallel_gradient_sync", False):
         out = [data, depth]
-    elif sharded_within(param, data):
-        out = [r for r in pl.replica_groups if _inside(r, data)]
+    elif sharded_within(param, data):       # an expert: its expert-data replicas, and the batch groups (its
+        out = [r for r in pl.replica_groups if _inside(r, data)] + list(batch)   # gradient is of this rank's rows)
     elif any(s.kind is not ShardKind.STAGE for s in pl.shards) or getattr(param, "is_tensor_parallel", False):
         out = [data]
     else:

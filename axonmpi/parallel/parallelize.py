@@ -522,15 +522,16 @@ class PipelinedModule(ParallelModule):
             f.bind_grads()
         loss = self.pipeline.step(inputs, targets)
         g = self.grid.intra_group
+        in_flat = {id(q) for f in flats for q in f.params}
         if flats:
             for f in flats:
                 f.reduce_grad()                  # reduce-scatter: the mean over data x context
             _finish_fsdp_segments(_Flats(flats), self.grid, self.tensor_parallel == "axonn", self._sp_params)
             for f in flats:
                 f.reshard()
-        elif self._sp_params and g.size > 1:    # used on sequence shards: the whole step's gradient summed once
+        if g.size > 1:                          # used on sequence shards: the whole step's gradient summed once
             for p in self._sp_params:
-                if p.grad is not None:
+                if p.grad is not None and id(p) not in in_flat:
                     reduce_gradient(p.grad.data, [g])
         return loss
 
