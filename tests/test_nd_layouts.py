@@ -173,6 +173,14 @@ LAYOUTS = {
                                 dict(tensor_parallel=PLAN, context_parallel="ring", data_parallel="fsdp",
                                      sharding_strategy="hybrid_shard", hybrid_shard_size=2,
                                      activation_checkpointing=["1", "2"])),
+    "fsdp_sgo_pp2_axonn2_cp2u_1f1b": ("transformer", {"G_inter": 2, "G_intra_r": 2, "G_context": 2},
+                                      dict(tensor_parallel="axonn", context_parallel="ulysses", data_parallel="fsdp",
+                                           sharding_strategy="shard_grad_op", pipeline=("1f1b", None))),
+    "pp2_tp2_cp2u_zbh1": ("transformer", {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
+                          dict(tensor_parallel=PLAN, context_parallel="ulysses", pipeline=("zb-h1", None))),
+    "pp2_axonn2_cp2u_interleaved": ("transformer", {"G_inter": 2, "G_intra_r": 2, "G_context": 2},
+                                    dict(tensor_parallel="axonn", context_parallel="ulysses",
+                                         pipeline=("interleaved", 2))),
     "fsdp_hybrid2_tp2_sp": ("transformer", {"G_intra_c": 2},
                             dict(tensor_parallel=PLAN, sequence_parallel=True, data_parallel="fsdp",
                                  sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
@@ -327,6 +335,45 @@ def test_nd_checkpoint_loads_under_another_layout_and_the_plain_model(world, sav
         ref = float(F.cross_entropy(plain(Tensor(x)), y).data)
         loss, _ = _train_step(pm2, grid, _optimizer(pm2, grid), 1)
         _close(loss, ref, f"saved {saved}, loaded {loaded}: next loss")
+    finally:
+        world.grid = old
+        grid.free()
+
+
+SCALED = ["fsdp_tp2_sp_cp2_ring", "dp_tp2_cp2_ulysses", "fsdp_axonn2_cp2_ac", "fsdp_hybrid2_tp2_cp2_ac",
+          "fsdp_sgo_tp2_cp2_ulysses", "moe_dp_tp2_cp2_ep2_ac", "moe_fsdp_hybrid2_axonn2_texperts", "moe_dp_axonn2_ep2",
+          "fsdp_hybrid2_tp2_sp"]
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", SCALED)
+def test_nd_loss_scaling_matches_serial(world, layout):
+    """A :class:`~axonmpi.amp.GradScaler` (loss x 2**12, gradients unscaled before clipping) in a layout
+    without a pipeline: in float64 the scale is exact, so every step still equals the serial one."""
+    from axonmpi.amp import GradScaler
+    name = LAYOUTS[layout][0]
+    want_losses, want_norms, want = _serial_run(name)
+    grid, pm = _build(world, layout)
+    old, world.grid = world.grid, grid
+    try:
+        opt = _optimizer(pm, grid)
+        scaler = GradScaler(init_scale=2.0 ** 12)
+        for s in range(STEPS):
+            x, y = _batch(s)
+            xb, yb = pm.local_batch(x, y)
+            opt.zero_grad()
+            lb = F.cross_entropy(pm(Tensor(xb)), yb)
+            scaler.scale(lb).backward()
+            scaler.unscale_(opt)
+            norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
+            scaler.step(opt)
+            scaler.update()
+            groups = [data_reduction_group(grid)] + ([grid.intra_group] if pm.tensor_parallel == "axonn" else [])
+            _close(mean_over(float(lb.item()), groups), want_losses[s], f"{layout} step {s} loss")
+            _close(norm, want_norms[s], f"{layout} step {s} clip norm")
+        got = full_state_dict(pm)
+        for k, v in want.items():
+            _close(got[k], v, f"{layout} with loss scaling after {STEPS} steps: {k}")
     finally:
         world.grid = old
         grid.free()
