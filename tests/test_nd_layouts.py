@@ -181,6 +181,8 @@ LAYOUTS = {
     "pp2_axonn2_cp2u_interleaved": ("transformer", {"G_inter": 2, "G_intra_r": 2, "G_context": 2},
                                     dict(tensor_parallel="axonn", context_parallel="ulysses",
                                          pipeline=("interleaved", 2))),
+    "moe_dp_tp2_sp_ep2": ("moe", {"G_intra_c": 2},
+                          dict(tensor_parallel=PLAN, sequence_parallel=True, expert_parallel=2)),
     "fsdp_hybrid2_tp2_sp": ("transformer", {"G_intra_c": 2},
                             dict(tensor_parallel=PLAN, sequence_parallel=True, data_parallel="fsdp",
                                  sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
