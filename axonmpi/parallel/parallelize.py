@@ -7,6 +7,7 @@ no per-model rule.  See ``docs/parallelize.md``.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -538,21 +539,20 @@ class PipelinedModule(ParallelModule):
     def _flats(self) -> List[Any]:
         return [st.flat for st in self._stages if st.flat is not None]
 
+    @contextlib.contextmanager
     def _gathered(self):
-        """Context: every FSDP stage's full parameters bound while inside (state dicts read and write them)."""
-        pm = self
-
-        class _G:
-            def __enter__(self):
-                for f in pm._flats():
-                    f.unshard()
-
-            def __exit__(self, *exc):
-                for f in pm._flats():
-                    full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
-                    f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
-                    f.reshard()
-        return _G()
+        """Every FSDP stage's full parameters bound while inside (state dicts read and write them); on the
+        way out this rank's chunk is taken from them again (a load may have changed them)."""
+        flats = self._flats()
+        for f in flats:
+            f.unshard()
+        try:
+            yield
+        finally:
+            for f in flats:
+                full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
+                f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
+                f.reshard()
 
     def eval_step(self, inputs, targets) -> float:
         """The global batch's mean loss without gradients."""
@@ -591,7 +591,8 @@ class PipelinedModule(ParallelModule):
         raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of a pipelined ParallelModule "
                                   "is not checkpointed by parallelize yet; checkpoint the model with pm.state_dict()")
 
-    load_optim_state_dict = optim_state_dict
+    def load_optim_state_dict(self, optimizer, state_dict) -> None:
+        self.optim_state_dict(optimizer)
 
 
 class _Flats:
