@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 
 import pytest
 
@@ -43,7 +44,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if "nd" not in (config.option.markexpr or ""):
+    if not re.search(r"\bnd\b", config.option.markexpr or ""):
         # the N-D layouts (8 and 16 ranks) run in make test's own pass: pytest -m nd
         skip_nd = pytest.mark.skip(reason="N-D layout: runs in its own pass (mpiexec -n 8|16 pytest -m nd)")
         for item in items:
