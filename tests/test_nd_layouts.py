@@ -395,3 +395,49 @@ def test_nd_loss_scaling_matches_serial(world, layout):
     finally:
         world.grid = old
         grid.free()
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("schedule,fsdp", [("zbv", False), ("1f1b", True)], ids=["dp_pp2_tp2_zbv", "fsdp_pp2_tp2_1f1b"])
+def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp):
+    """The library's GPT (tokens, learned positions, its own loss head) through ``parallelize(pipeline=...)``:
+    data (DDP or FSDP) x pipeline x Megatron tensor parallel; losses, clip norms and parameters equal serial."""
+    from axonmpi.models import GPT, GPTConfig
+    if world.world_size >= 16:
+        pytest.skip("runs at 8 ranks")
+    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    rng = np.random.default_rng(3)
+    batches = [(rng.integers(0, 12, (8, 6)), rng.integers(0, 12, (8, 6))) for _ in range(STEPS)]
+    axonmpi.manual_seed(7)
+    ref = GPT(cfg, dtype="float64")
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    want = []
+    for x, y in batches:
+        opt.zero_grad()
+        _, loss = ref(x, y)
+        loss.backward()
+        want.append((float(loss.item()), float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
+        opt.step()
+    grid = axonmpi.ProcessGrid(world, G_inter=2, G_intra_c=2)
+    old, world.grid = world.grid, grid
+    try:
+        axonmpi.manual_seed(7)
+        pm = parallelize(GPT(cfg, dtype="float64"), grid=grid, data_parallel="fsdp" if fsdp else "ddp",
+                         tensor_parallel={"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column",
+                                          "blocks.*.mlp.proj": "row"},
+                         pipeline=PipelinePlan(num_microbatches=2, schedule=schedule))
+        opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+        for s, (x, y) in enumerate(batches):
+            xb, yb = pm.local_batch(x, y)
+            opt.zero_grad()
+            loss = pm.step(xb, yb)
+            norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
+            opt.step()
+            _close(loss, want[s][0], f"GPT step {s} loss")
+            _close(norm, want[s][1], f"GPT step {s} clip norm")
+        got = full_state_dict(pm)
+        for k, v in ref.state_dict().items():
+            _close(got[k], v, f"GPT {k}")
+    finally:
+        world.grid = old
+        grid.free()

@@ -802,6 +802,13 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             f"rank {r}: FSDP with expert_parallel={expert_parallel} and no pipeline is not built: the FSDP wrapper "
             "averages every flat chunk over the whole data group and takes no ignored parameters, and an expert "
             "is replicated only over its expert-data group; use DDP, or a pipeline (its FSDP leaves experts out)")
+    from ..models.gpt import GPT
+    if pipeline is not None and cp_size > 1 and isinstance(module, GPT):
+        raise NotImplementedError(
+            f"rank {r}: context_parallel={context_parallel!r} of a GPT inside a pipeline is not built: the GPT keeps "
+            "its context tokens in its own forward, which a pipeline's embedding stage does not run (its position "
+            "embedding would number this rank's tokens from 0); use a model whose inputs carry their positions, "
+            "or a GPT without a pipeline")
     dgroup = data_reduction_group(grid)
     shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
     axonn = tensor_parallel == "axonn"
@@ -825,7 +832,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         from ..distributed.placement import add_placement
         for p in module.parameters():
             add_placement(p, replica=grid.context_group)
-        from ..models.gpt import GPT
         if isinstance(module, GPT):         # a GPT takes whole sequences and keeps its tokens itself
             from .context.gpt import ContextParallelism
             from .context.layout import CPAlgo
