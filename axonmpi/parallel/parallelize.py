@@ -1,4 +1,4 @@
-"""``parallelize``: data parallel, tensor parallel (Megatron 1-D or AxoNN 3-D) and FSDP on any model built from the library's layers.
+"""``parallelize``: the one composer -- tensor, sequence, context and expert parallel, activation checkpointing, DDP / FSDP and the pipeline -- on any model built from the library's layers.
 
 The layers are swapped in place of the model's ``nn.Linear`` (and ``nn.Embedding``) with the
 serial weights cut into shards; every parameter carries its :class:`~axonmpi.distributed.Placement`,
