@@ -1,11 +1,13 @@
 # axonmpi — two commands for a new machine with python3 and pip:
 #   make demo   installs into .venv, then trains the char GPT with DDP on RANKS (default 4) local ranks
-#   make test   installs, then runs the whole test suite at 1, 2, 3 and 4 ranks
+#   make test   installs, then runs the whole test suite at 1, 2, 3 and 4 ranks, and the N-D layouts at 8 and 16
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 NPS ?= 1 2 3 4
+# the N-D layouts (tests marked nd: three or more axes through parallelize) run in their own pass at these sizes
+ND_NPS ?= 8 16
 PYTEST_ARGS ?= -q
 DEMO_ARGS ?=
 RANKS ?= 4
@@ -38,7 +40,15 @@ test: install
 	    status=$$?; echo "*** the $$n-rank run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
-	done; echo "=== all passes green: $(NPS) rank(s) ==="
+	done; \
+	for n in $(ND_NPS); do \
+	  echo "=== N-D layouts: pytest -m nd --with-mpi on $$n ranks ==="; \
+	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
+	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider -m nd $(PYTEST_ARGS) tests/test_nd_layouts.py || { \
+	    status=$$?; echo "*** the $$n-rank N-D run failed (exit $$status); reports of the other ranks:"; \
+	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
+	    exit $$status; }; \
+	done; echo "=== all passes green: $(NPS) rank(s), N-D layouts at $(ND_NPS) ==="
 
 INTEROP_TESTS ?= tests/test_gpt2_interop.py tests/test_gpt2_layouts.py tests/test_safetensors.py tests/test_torch_surface.py \
 	tests/test_collectives_interop.py

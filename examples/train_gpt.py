@@ -106,8 +106,9 @@ def parse_args(argv=None):
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
                         "sequence shards over G-intra-c; --block-size must divide by it)")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b",
-                   help="pipeline schedule (interleaved: 2 virtual stages per rank)")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
+                   help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
+                        "ZBV with 2 chunks per rank in a V)")
     g.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches per step")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each pipeline chunk's activations in backward")

@@ -320,9 +320,11 @@ def test_fp16_resume_continues_with_the_saved_loss_scale(tmp_path):
 
 # -- in process, on the pass's ranks: HybridGPT against the serial GPT --------------------------------------
 IN_PROCESS = {2: [((1, 2, 1, 1, 1), "axonn", "gpipe"), ((1, 1, 1, 2, 1), "megatron", "1f1b"),
+                  ((1, 2, 1, 1, 1), "axonn", "zbv"), ((1, 2, 1, 1, 1), "axonn", "zb-h1"),
                   ((1, 1, 1, 2, 1), "megatron", "1f1b", "full_shard")],
               3: [((1, 1, 3, 1, 1), "axonn", "1f1b")],
               4: [((1, 2, 2, 1, 1), "axonn", "1f1b"), ((2, 2, 1, 1, 1), "megatron", "interleaved"),
+                  ((1, 2, 1, 2, 1), "megatron", "zbv"), ((2, 2, 1, 1, 1), "axonn", "zb-h1"),
                   ((2, 1, 1, 2, 1), "megatron", "1f1b", "shard_grad_op"), ((2, 1, 2, 1, 1), "axonn", "1f1b", "full_shard")]}
 
 

@@ -91,6 +91,7 @@ LAYOUTS = {       # name: (grid sizes, tensor_parallel (MEGATRON: the model's pl
     "megatron_2data_2tensor": ({"G_intra_c": 2}, "MEGATRON", "ddp"),
     "fsdp4": ({}, None, "fsdp"),
     "fsdp2_x_axonn_2row": ({"G_intra_r": 2}, "axonn", "fsdp"),
+    "fsdp2_x_megatron_2tensor": ({"G_intra_c": 2}, "MEGATRON", "fsdp"),
 }
 
 
@@ -207,8 +208,8 @@ def test_options_not_built_raise(world):
         pytest.skip("needs an even world")
     grid = axonmpi.ProcessGrid(world, G_intra_c=2)
     try:
-        with pytest.raises(NotImplementedError, match="FSDP x a Megatron plan"):
-            parallelize(_make(ResMLP), grid=grid, tensor_parallel={"*.fc1": "column"}, data_parallel="fsdp")
+        with pytest.raises(ValueError, match="needs a grid with G_context > 1"):
+            parallelize(_make(ResMLP), grid=grid, tensor_parallel={"*.fc1": "column"}, context_parallel="ring")
         with pytest.raises(ValueError, match="tensor_parallel is None"):
             parallelize(_make(ResMLP), grid=grid, data_parallel="ddp")
         with pytest.raises(ValueError, match="no module of the model matches"):
@@ -260,7 +261,7 @@ def test_a_checkpoint_of_each_layout_loads_under_every_other_and_into_the_plain_
         _close(v, want[k], f"saved {saved}, loaded serial: {k}")
 
 
-RESUME = [(k, k) for k in sorted(LAYOUTS) if k != "fsdp2_x_axonn_2row"] + [
+RESUME = [(k, k) for k in sorted(LAYOUTS) if k not in ("fsdp2_x_axonn_2row", "fsdp2_x_megatron_2tensor")] + [
     ("megatron_2data_2tensor", "fsdp4"), ("fsdp4", "axonn_2col_2depth"), ("axonn_2data_2row", "ddp"),
     ("ddp", "megatron_2data_2tensor")]
 

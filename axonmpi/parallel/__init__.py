@@ -12,7 +12,7 @@ from .fsdp import (
     SizeWrapPolicy,
 )
 from .auto_parallelize import auto_parallelize
-from .parallelize import ParallelModule, full_state_dict, parallelize
+from .parallelize import ParallelModule, PipelinePlan, PipelinedModule, full_state_dict, parallelize
 from . import grad_sync
 from . import moe
 from .moe import expert_parallel
@@ -25,7 +25,7 @@ __all__ = [
     "TensorParallelGroups", "FlatLayout", "FlatParameter", "FlatSegment",
     "FSDP", "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats",
     "ModuleWrapPolicy", "SizeWrapPolicy", "fsdp",
-    "ParallelModule", "parallelize", "full_state_dict", "grad_sync", "moe", "expert_parallel",
+    "ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict", "grad_sync", "moe", "expert_parallel",
     "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
 __all__ += pipeline.__all__

@@ -41,7 +41,7 @@ from ..distributed import ReduceOp, all_gather_object, all_reduce
 from ..distributed.placement import ShardKind, check_group, placement_of
 
 __all__ = ["check_axonn_fsdp_shapes", "check_group", "data_reduction_group", "finish_axonn_fsdp", "mean_over",
-           "reduce_gradient", "reduction_groups"]
+           "reduce_gradient", "reduction_groups", "sharded_within"]
 
 
 def data_reduction_group(grid: Any) -> Any:
@@ -74,13 +74,20 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
     pl = placement_of(param)
     if getattr(param, "needs_depth_parallel_gradient_sync", False):
         out = [data, depth]
-    elif data is not None and any(s.kind is ShardKind.DIM and _inside(s.group, data) for s in pl.shards):
-        out = [r for r in pl.replica_groups if _inside(r, data)]
+    elif sharded_within(param, data):       # an expert: its expert-data replicas, and the batch groups (its
+        out = [r for r in pl.replica_groups if _inside(r, data)] + list(batch)   # gradient is of this rank's rows)
     elif any(s.kind is not ShardKind.STAGE for s in pl.shards) or getattr(param, "is_tensor_parallel", False):
         out = [data]
     else:
         out = [data, *batch]
     return [g for g in out if g is not None and g.size > 1]
+
+
+def sharded_within(param: Any, data: Any) -> bool:
+    """True when ``param`` is split over a subgroup of ``data`` (an expert over its expert group): the table
+    reduces it over its replica groups inside ``data``, never over ``data`` itself."""
+    return data is not None and any(s.kind is ShardKind.DIM and _inside(s.group, data)
+                                    for s in placement_of(param).shards)
 
 
 def _inside(group: Any, data: Any) -> bool:

@@ -1,4 +1,4 @@
-"""``parallelize``: data parallel, tensor parallel (Megatron 1-D or AxoNN 3-D) and FSDP on any model built from the library's layers.
+"""``parallelize``: the one composer -- tensor, sequence, context and expert parallel, activation checkpointing, DDP / FSDP and the pipeline -- on any model built from the library's layers.
 
 The layers are swapped in place of the model's ``nn.Linear`` (and ``nn.Embedding``) with the
 serial weights cut into shards; every parameter carries its :class:`~axonmpi.distributed.Placement`,
@@ -7,9 +7,11 @@ no per-model rule.  See ``docs/parallelize.md``.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -18,11 +20,12 @@ from ..distributed import get_grid
 from ..distributed.grid import ProcessGrid
 from ..nn import layers as nn_layers
 from ..nn.module import Module
+from ..nn.transformer import CausalSelfAttention
 from .grad_sync import finish_axonn_fsdp, reduce_gradient, reduction_groups
 
-__all__ = ["ParallelModule", "parallelize", "full_state_dict"]
+__all__ = ["ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict"]
 
-_STYLES = ("column", "row", "vocab")
+_STYLES = ("column", "row", "vocab", "attention")
 _DATA = ("ddp", "fsdp", None)
 
 
@@ -92,13 +95,21 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
         if style in ("column", "row") and type(child) is not nn_layers.Linear:
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a {style!r} pattern but is a "
                             f"{type(child).__name__}, not an nn.Linear")
+        if style == "attention" and type(child) is not CausalSelfAttention:
+            raise TypeError(f"rank {grid.rank}: {qname!r} matches an 'attention' pattern but is a "
+                            f"{type(child).__name__}, not an nn.CausalSelfAttention")
         if style == "vocab" and type(child) is not nn_layers.Embedding:
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a 'vocab' pattern but is a "
                             f"{type(child).__name__}, not an nn.Embedding")
         seq = {} if sp is None else {"sequence_parallel": True, "sequence_dim": sp}
         if style == "vocab" and sp is not None:
             raise NotImplementedError(f"rank {grid.rank}: a 'vocab' layer under sequence_parallel is not built yet")
-        if style == "column":
+        if style == "attention":
+            from .tensor import TensorParallelAttention
+            new = TensorParallelAttention(child.n_embd, child.n_head, group=group, causal=True,
+                                          dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
+                                          dtype=child.qkv.weight.dtype, sequence_parallel=sp is not None)
+        elif style == "column":
             new = ColumnParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                        gather_output=False, group=group, dtype=child.weight.dtype, **seq)
         elif style == "row":
@@ -118,7 +129,7 @@ def _sequence_parallel(module: Module, grid: ProcessGrid) -> List[Any]:
     :class:`~axonmpi.parallel.tensor.SequenceParallelLayerNorm`; every other replicated parameter (used on
     sequence shards too) is tagged ``sequence_parallel`` and returned, for a hook that sums its gradient
     over the tensor group."""
-    from ..distributed.placement import placement_of
+    from ..distributed.placement import add_placement, placement_of
     from .tensor import SequenceParallelLayerNorm
     from .tensor.layers import _tag_sequence_parallel
     g = grid.intra_group
@@ -130,9 +141,15 @@ def _sequence_parallel(module: Module, grid: ProcessGrid) -> List[Any]:
             _copy_serial(new, child)
             _swap(parent, name, new)
     rest = []
-    for p in module.parameters():
-        if placement_of(p).is_replicated and not getattr(p, "sequence_parallel", False):
-            _tag_sequence_parallel(p, g)
+    for p in module.parameters():      # replicated, or split over another group (experts over the expert group)
+        pl = placement_of(p)
+        if not any(s.group is g or getattr(s.group, "ranks", None) == g.ranks for s in pl.shards) \
+                and not getattr(p, "sequence_parallel", False):
+            if pl.is_replicated:
+                _tag_sequence_parallel(p, g)
+            else:
+                add_placement(p, replica=g)
+                p.sequence_parallel = True
             rest.append(p)
     return rest
 
@@ -164,9 +181,18 @@ class ParallelModule(Module):
         # what a Pipeline over this stage reads to reduce it (the grad_sync table's batch groups)
         self.batch_groups = (grid.intra_group,) if axonn else ()
         self.depth_group = grid.depth_group
+        self.context = None            # (group, CPAlgo) when local_batch splits the sequences (context parallel)
         if axonn and data_parallel != "fsdp" and grid.G_inter == 1:
             self._hook_axonn(data_parallel is not None)
         self.sequence_dim: Optional[int] = None     # set by parallelize(sequence_parallel=True)
+
+    def _context(self, on: bool, algo) -> None:
+        """Context parallel: ``local_batch`` keeps this rank's tokens of each sequence (a GPT keeps them itself)."""
+        if not on or getattr(self.inner, "context_parallel", None) is not None:
+            return
+        from .context import ContextParallelAttention
+        a = next(m for m in self.inner.modules() if isinstance(m, ContextParallelAttention))
+        self.context = (a.group, a.algo)
 
     @property
     def inner(self) -> Module:
@@ -177,9 +203,10 @@ class ParallelModule(Module):
         """AxoNN easy mode: after each parameter's gradient of a backward is complete, sum it over the
         groups of the table (:func:`~axonmpi.parallel.grad_sync.reduction_groups`) and divide by the
         number of batch shards (every rank's loss is the mean over its own rows)."""
+        from .grad_sync import data_reduction_group
         g = self.grid
-        data = g.data_group if over_data else None
-        scale = 1.0 / self.batch_shards[0]
+        data = data_reduction_group(g) if over_data else None
+        scale = 1.0 / (self.batch_shards[0] * getattr(g, "G_context", 1))
 
         def reduce(p):
             reduce_gradient(p.grad.data, reduction_groups(p, data, (g.intra_group,), g.depth_group), scale)
@@ -190,8 +217,10 @@ class ParallelModule(Module):
 
     def _hook_experts(self, params) -> None:
         """Expert parameters: reduced over their expert-data group (the grad-sync table), divided by ``G_data``."""
+        from .grad_sync import data_reduction_group
         from .moe import hook_expert_gradients
-        self._hooks.extend(hook_expert_gradients(params, self.grid.data_group, self.batch_shards[0]))
+        self._hooks.extend(hook_expert_gradients(params, data_reduction_group(self.grid),
+                                                 self.batch_shards[0] * getattr(self.grid, "G_context", 1)))
 
     def forward(self, *args, **kwargs):
         if self.sequence_dim is None or not args:
@@ -219,6 +248,11 @@ class ParallelModule(Module):
                                  f"use a multiple of {n}")
             b = rows // n
             piece = _raw(a)[k * b:(k + 1) * b]
+            d = 1 if self.sequence_dim is None else self.sequence_dim
+            if self.context is not None and np.ndim(piece) > d:
+                from .context.layout import ContextLayout
+                cg, algo = self.context
+                piece = ContextLayout(int(np.shape(piece)[d]), cg.size, algo).split(piece, cg.rank, axis=d)
             out.append(Tensor(piece) if isinstance(a, Tensor) else piece)
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -378,66 +412,334 @@ class _FSDPTensorParallelModule(ParallelModule):
                                   "serial-named block form); checkpoint the model with pm.state_dict()")
 
 
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline axis of :func:`parallelize`: how the model is cut and run.
+
+    ``parallelize(model, ..., pipeline=PipelinePlan(num_microbatches=4, schedule="zbv"))`` cuts the model
+    (an ``nn.Sequential`` or a GPT, by :func:`~axonmpi.parallel.pipeline.split_module`) into the schedule's
+    stages, placing each chunk on the pipeline rank the schedule runs it on (ZBV's V included), after the
+    model went through tensor, sequence, context and expert parallelism and activation checkpointing;
+    the :class:`~axonmpi.parallel.Pipeline` then reduces every stage over its replica group.
+
+    Args:
+        num_microbatches: micro-batches per step.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``, ``"zbv"`` (or a :class:`PipelineSchedule`).
+        virtual_stages: chunks per pipeline rank (interleaved: any; ZBV: 2, the default for it; else 1).
+        loss_fn: ``loss_fn(output, target)`` the mean over a micro-batch (default ``F.cross_entropy``).
+        boundaries: explicit start indices of chunks 1 .. p v - 1 (else balanced ``split_by``).
+        split_by: ``"params"`` or ``"layers"``.
+        ignore_index: targets not counted (the loss is the mean over the counted targets of the global batch).
+
+    Example:
+        >>> pm = parallelize(model, tensor_parallel=plan, pipeline=PipelinePlan(4, "1f1b"))
+        >>> xb, yb = pm.local_batch(x, y); loss = pm.step(xb, yb)
+    """
+
+    num_microbatches: int
+    schedule: Any = "1f1b"
+    virtual_stages: Optional[int] = None
+    loss_fn: Optional[Callable] = None
+    boundaries: Optional[Tuple[int, ...]] = None
+    split_by: str = "params"
+    ignore_index: Optional[int] = -100
+
+
+class _Stage(Module):
+    """One pipeline chunk as the composer runs it: sequence-parallel scatter / gather at its ends (the
+    activations between stages are whole sequences), recomputation in backward, and the groups the
+    Pipeline reads to reduce it (AxoNN's batch groups and depth group)."""
+
+    def __init__(self, chunk: Module, grid: ProcessGrid, *, axonn: bool, sequence_dim: Optional[int],
+                 checkpointed: bool, shard_group=None):
+        super().__init__()
+        self._grid = [grid]
+        self.sequence_dim, self.checkpointed = sequence_dim, bool(checkpointed)
+        self.batch_groups = (grid.intra_group,) if axonn else ()
+        self.depth_group = grid.depth_group
+        self.flat = None
+        if shard_group is None:
+            self.chunk = chunk
+            return
+        self._chunk = [chunk]        # FSDP: the Pipeline sees the flat shard (and the experts), not the chunk
+        self._fsdp(chunk, shard_group)
+
+    def _fsdp(self, chunk: Module, group) -> None:
+        """[Note: FSDP in a pipeline]  The chunk's parameters (experts aside: their own groups reduce them)
+        become one :class:`~axonmpi.parallel.FlatParameter` sharded over ``group`` (data x context): the
+        optimizer holds this rank's chunk of them.  A step all-gathers them once before the first
+        micro-batch and reduce-scatters the accumulated gradient once after the last (FSDP2's behaviour
+        under a pipeline schedule, ``reshard_after_forward=False``), then frees the full copy."""
+        from ..distributed.placement import Placement, Shard, ShardKind, set_placement
+        from ._flat import FlatParameter
+        from .grad_sync import sharded_within
+        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        flat = [(n, p) for n, p in named if not sharded_within(p, group)]
+        if flat:
+            self.flat = FlatParameter([p for _, p in flat], [n for n, _ in flat]).shard(group)
+            set_placement(self.flat, Placement(shards=(Shard(group, ShardKind.FLAT),)))
+        for i, (_, p) in enumerate(x for x in named if sharded_within(x[1], group)):
+            self.register_parameter(f"expert_{i}", p)
+
+    def _run(self, x):
+        return (self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)(x)
+
+    def forward(self, x):
+        from ..nn.checkpointing import checkpoint
+        g = self._grid[0].intra_group
+        if self.sequence_dim is not None and g.size > 1:
+            from .tensor import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+            x = scatter_to_sequence_parallel_region(x if isinstance(x, Tensor) else Tensor(x), g, dim=self.sequence_dim)
+        y = checkpoint(self._run, x) if self.checkpointed else self._run(x)
+        if self.sequence_dim is not None and g.size > 1:
+            y = gather_from_sequence_parallel_region(y, g, tensor_parallel_output_grad=False, dim=self.sequence_dim)
+        return y
+
+
+class PipelinedModule(ParallelModule):
+    """A model under :func:`parallelize` with ``pipeline=``: this rank's stages in a :class:`Pipeline`.
+
+    ``pm.step(xb, yb)`` runs one training step's forward and backward over the micro-batches (``xb, yb``
+    from :meth:`local_batch`; every rank passes them) and returns the serial mean loss of the global batch
+    on every rank; ``pm.parameters()`` are this rank's stage parameters; ``pm.state_dict()`` is the whole
+    serial state dict (collective over the grid).
+    """
+
+    def __init__(self, module: Module, grid: ProcessGrid, tensor_parallel, data_parallel, pipe, stages):
+        super().__init__(module, grid, tensor_parallel, data_parallel, module, module)
+        self.pipeline = pipe
+        self._stages = list(stages)
+        self._sp_params: List[Any] = []
+
+    def forward(self, *args, **kwargs):
+        raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
+                        "(training) or pm.eval_step(xb, yb), not pm(x)")
+
+    def step(self, inputs, targets) -> float:
+        """Forward and backward of this rank's rows (:meth:`local_batch`); returns the global batch's mean loss."""
+        flats = self._flats()
+        for f in flats:                          # [Note: FSDP in a pipeline]
+            f.unshard()
+            f.bind_grads()
+        loss = self.pipeline.step(inputs, targets)
+        g = self.grid.intra_group
+        in_flat = {id(q) for f in flats for q in f.params}
+        if flats:
+            for f in flats:
+                f.reduce_grad()                  # reduce-scatter: the mean over data x context
+            _finish_fsdp_segments(_Flats(flats), self.grid, self.tensor_parallel == "axonn", self._sp_params)
+            for f in flats:
+                f.reshard()
+        if g.size > 1:                          # used on sequence shards: the whole step's gradient summed once
+            for p in self._sp_params:
+                if p.grad is not None and id(p) not in in_flat:
+                    reduce_gradient(p.grad.data, [g])
+        return loss
+
+    def _flats(self) -> List[Any]:
+        return [st.flat for st in self._stages if st.flat is not None]
+
+    @contextlib.contextmanager
+    def _gathered(self):
+        """Every FSDP stage's full parameters bound while inside (state dicts read and write them); on the
+        way out this rank's chunk is taken from them again (a load may have changed them)."""
+        flats = self._flats()
+        for f in flats:
+            f.unshard()
+        try:
+            yield
+        finally:
+            for f in flats:
+                full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
+                f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
+                f.reshard()
+
+    def eval_step(self, inputs, targets) -> float:
+        """The global batch's mean loss without gradients."""
+        with self._gathered():
+            return self.pipeline.eval_step(inputs, targets)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True):
+        """This rank's stages' parameters under serial names (FSDP: their flat shards, ``stage<k>.flat``)."""
+        mine = {id(p) for p in self.pipeline.parameters()}
+        for n, p in self.inner.named_parameters(prefix, recurse):
+            if id(p) in mine:
+                yield n, p
+        for k, st in enumerate(self._stages):
+            if st.flat is not None:
+                yield f"{prefix}stage{k}.flat", st.flat
+
+    def parameters(self, recurse: bool = True):
+        return self.pipeline.parameters()
+
+    def state_dict(self):
+        """The full serial state dict on every rank (collective over the grid: tensor, then pipeline)."""
+        return full_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load a full serial state dict (any layout's); each rank keeps its stages' shards."""
+        from .tensor.state import load_full_state_dict
+        sd = OrderedDict((k, _serial(v, self._serial_shapes.get(k))) for k, v in state_dict.items())
+        with self._gathered():
+            return load_full_state_dict(self.inner, sd, strict)
+
+    def sharded_state_dict(self):
+        raise NotImplementedError(f"rank {self.grid.rank}: a pipelined ParallelModule checkpoints its full "
+                                  "serial state (pm.state_dict()); its sharded form is not built")
+
+    def optim_state_dict(self, optimizer):
+        raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of a pipelined ParallelModule "
+                                  "is not checkpointed by parallelize yet; checkpoint the model with pm.state_dict()")
+
+    def load_optim_state_dict(self, optimizer, state_dict) -> None:
+        self.optim_state_dict(optimizer)
+
+
+class _Flats:
+    """The flat shards of FSDP stages, as the segment finishers read an FSDP module (``.parameters()``)."""
+
+    def __init__(self, flats):
+        self._flats = list(flats)
+
+    def parameters(self):
+        return list(self._flats)
+
+
+def _swap_attention_for_context(module: Module, grid: ProcessGrid, algo) -> List[Any]:
+    """Step 2: every attention (``nn.CausalSelfAttention``, or the head-split ``TensorParallelAttention`` of
+    step 1) -> a :class:`~axonmpi.parallel.context.ContextParallelAttention` over the grid's context group
+    holding the same ``qkv`` / ``proj`` layers (so names, values, shards and placements are kept)."""
+    from .context import ContextParallelAttention
+    from .context.layout import CPAlgo
+    from .tensor import TensorParallelAttention
+    g, algo, r = grid.context_group, CPAlgo.coerce(algo), grid.rank
+    layers = []
+    for parent, name, child, qname in _children(module):
+        if type(child) is CausalSelfAttention:
+            n_embd, n_head, local, drop = child.n_embd, child.n_head, child.n_head, child.attn_dropout.p
+        elif type(child) is TensorParallelAttention:
+            n_embd, n_head, local, drop = child.embed_dim, child.num_heads, child.local_heads, child.attn_dropout.p
+        else:
+            continue
+        if drop:
+            raise NotImplementedError(f"rank {r}: {qname!r} has attention dropout {drop}; context parallelism "
+                                      "computes attention blockwise and draws no attention-weight mask: use 0")
+        if algo is CPAlgo.ULYSSES and local % g.size:
+            raise ValueError(f"rank {r}: Ulysses splits {qname!r}'s {local} heads on this rank (of {n_head}) "
+                             f"over the {g.size} context ranks; {local} is not divisible by {g.size} (use ring, "
+                             "or heads that divide by tensor x context)")
+        new = ContextParallelAttention(n_embd, n_head, group=g, algo=algo, dropout=child.resid_dropout.p,
+                                       bias=child.qkv.bias is not None)
+        new.qkv, new.proj = child.qkv, child.proj
+        _swap(parent, name, new)
+        layers.append(new)
+    if not layers:
+        raise ValueError(f"rank {r}: context_parallel={algo.value!r} found no nn.CausalSelfAttention in the model")
+    return layers
+
+
+def _checkpoint_modules(module: Module, spec, r: int) -> int:
+    """Step 4: the modules ``spec`` names (``True``: every child of the model) recompute their forward in
+    backward (:func:`axonmpi.nn.checkpoint`); their names and parameters are unchanged."""
+    from ..nn.checkpointing import checkpoint
+    if spec is True:
+        targets = [m for _, m in module.named_children()]
+    else:
+        pats = [spec] if isinstance(spec, str) else list(spec)
+        targets = [m for q, m in module.named_modules() if q and any(fnmatch.fnmatchcase(q, p) for p in pats)]
+        if not targets:
+            raise ValueError(f"rank {r}: activation_checkpointing={spec!r} matches no module of the model")
+    for m in targets:
+        fwd = m.forward
+        object.__setattr__(m, "forward", lambda *a, _f=fwd: checkpoint(_f, *a))
+    return len(targets)
+
+
+def _finish_fsdp_segments(fsdp, grid: ProcessGrid, axonn: bool, sp_params=()) -> None:
+    """FSDP over a tensor-parallel model, after FSDP averaged each flat chunk over its data group: AxoNN's
+    table on each segment (:func:`finish_axonn_fsdp`); a Megatron plan's parameters used on sequence
+    shards summed over the tensor group (``sp_params``: those whose layer does not sum them itself; the ranks
+    of a tensor group hold chunks over the same elements)."""
+    if axonn:
+        return finish_axonn_fsdp(fsdp, grid)
+    g, ids = grid.intra_group, {id(p) for p in sp_params}
+    if not ids:
+        return
+    for f in fsdp.parameters():
+        if f.grad is None:
+            continue
+        for seg in f.segments():
+            if id(f.params[seg.index]) in ids:
+                reduce_gradient(seg.in_chunk(f.grad.data), [g])
+
+
 def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                 tensor_parallel: Union[None, str, Dict[str, str]] = None,
                 data_parallel: Optional[str] = "ddp", sharding_strategy=None, sequence_parallel: bool = False,
                 sequence_dim: int = 1, context_parallel: Optional[str] = None, expert_parallel: Optional[int] = None,
-                expert_tensor_parallel: bool = False, **strategy_options) -> ParallelModule:
-    """Lay ``module`` out over the grid: tensor parallel, then data parallel (DDP or FSDP).
+                expert_tensor_parallel: bool = False, activation_checkpointing=None,
+                pipeline: Optional[PipelinePlan] = None, **strategy_options) -> ParallelModule:
+    """Lay ``module`` out over every axis of the grid: the one composer.
+
+    [Note: the composer's order]  The axes are applied in a fixed order, each a transform that swaps
+    modules and sets placements (torchtitan's ``parallelize_llama`` over one device mesh):
+
+      1. tensor parallel (a Megatron plan or AxoNN 3-D) and sequence parallel;
+      2. context parallel (attention swapped; every parameter replicated over the context group);
+      3. expert parallel (``nn.MoE`` experts over the expert group carved from data);
+      4. activation checkpointing;
+      5. DDP / FSDP over each parameter's replica group (data x context), FSDP chunking the TP shards;
+      6. the pipeline (``pipeline=PipelinePlan(...)``) over stages that went through 1-4; its runtime is
+         then the data-parallel reducer of each stage (step 5 is its ``data_group``).
 
     Args:
-        module: any ``nn.Module`` built from the library's layers (changed in place: its
-            ``nn.Linear`` / ``nn.Embedding`` children are replaced by tensor-parallel ones
-            holding their shards of the serial weights; build it the same way on every rank).
+        module: any ``nn.Module`` built from the library's layers (changed in place; build it the same
+            way on every rank). With ``pipeline`` an ``nn.Sequential`` (or a GPT) that ``split_module`` cuts.
         grid: the :class:`ProcessGrid` (default: the current World's, ``axonmpi.init(...)``).
         tensor_parallel: ``None``; ``"axonn"``: every ``nn.Linear`` becomes a 3-D
             ``intra_layer.Linear`` over the grid's row x column x depth, in easy mode (each rank
             of the tensor block reads its own rows; a Linear whose sizes do not divide over the
             grid stays replicated, AxoNN's ``auto_parallelize`` rule); or ``{"<fnmatch pattern on
-            named_modules()>": "column" | "row" | "vocab"}``: Megatron 1-D over the grid's tensor
-            group (every rank of it reads the same rows); modules matching no pattern stay
-            replicated.
-        data_parallel: ``"ddp"`` (default), ``"fsdp"``, or ``None`` (no data-parallel reduction:
-            the grid has one data replica, or a :class:`~axonmpi.parallel.Pipeline` over
-            parallelized stages reduces over its ``data_group``).
+            named_modules()>": "column" | "row" | "vocab" | "attention"}``: Megatron 1-D over the
+            grid's tensor group (every rank of it reads the same rows; ``"attention"``: an
+            ``nn.CausalSelfAttention`` with its heads split); modules matching no pattern stay replicated.
+        data_parallel: ``"ddp"`` (default), ``"fsdp"``, or ``None`` (no data-parallel reduction).  With a
+            pipeline, ``"ddp"`` and ``None`` mean the Pipeline reduces each stage over data x context.
         sharding_strategy: FSDP's :class:`~axonmpi.parallel.ShardingStrategy` (FSDP only).
         sequence_parallel: Megatron's sequence parallelism (with a Megatron plan): ``pm(x)`` keeps
-            this rank's ``1/p`` of ``x`` along ``sequence_dim`` (split over the tensor group), the plan's
-            column / row layers all-gather / reduce-scatter it instead of all-reducing, every
-            ``nn.LayerNorm`` becomes a ``SequenceParallelLayerNorm``, every other replicated
-            parameter's gradient is summed over the tensor group as it completes, and the output is
-            all-gathered back: the same results with ``1/p`` of the activation bytes outside the
-            matmuls.  The length along ``sequence_dim`` must divide by the tensor size.
-        sequence_dim: the sequence dimension of the model's input and output (default 1:
-            ``(batch, seq, ...)``; 0 for token rows ``(tokens, features)``).
-        context_parallel: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1``: every
-            ``nn.CausalSelfAttention`` becomes a :class:`~axonmpi.parallel.context.ContextParallelAttention`
-            (:func:`~axonmpi.parallel.context.context_parallel_gpt`; a GPT then keeps its tokens of each
-            sequence), and gradients are reduced over data x context (``grid.data_context_group``).
+            this rank's ``1/p`` of ``x`` along ``sequence_dim``, the plan's column / row layers
+            all-gather / reduce-scatter it, every ``nn.LayerNorm`` becomes a ``SequenceParallelLayerNorm``,
+            every other parameter not split over the tensor group has its gradient summed over it,
+            and the output is all-gathered back.  With a pipeline, each stage enters and leaves the region.
+        sequence_dim: the sequence dimension of the model's input and output (default 1).
+        context_parallel: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1``: every attention
+            becomes a :class:`~axonmpi.parallel.context.ContextParallelAttention`; ``local_batch`` gives
+            this rank's tokens of each sequence (a GPT takes whole sequences and keeps its tokens itself),
+            and gradients are reduced over data x context (``grid.data_context_group``).
         expert_parallel: EP for the model's ``nn.MoE`` layers (divides ``G_data``; see
-            :func:`axonmpi.parallel.moe.expert_parallel`): experts split over the expert group,
-            reduced over the expert-data group. ``None``: 1 when the model has MoE layers (their
-            routing statistics are still summed over the data group).
+            :func:`axonmpi.parallel.moe.expert_parallel`). ``None``: 1 when the model has MoE layers.
         expert_tensor_parallel: split the experts' hidden width over the tensor group instead
             (AxoNN style; needs ``tensor_parallel="axonn"``, whose batch split it shares).
+        activation_checkpointing: ``None``; ``True`` (every child of the model, or every pipeline chunk);
+            or fnmatch patterns on ``named_modules()``: those modules recompute their forward in backward.
+        pipeline: a :class:`PipelinePlan` on a grid with ``G_inter > 1``: returns a :class:`PipelinedModule`.
         **strategy_options: keyword options of DDP or FSDP (``bucket_size_mb``, ``mixed_precision``, ...).
 
     Returns:
-        A :class:`ParallelModule` ``pm``; ``pm.local_batch(x, y)`` gives this rank's rows, and
-        after ``loss.backward()`` (``loss`` the mean over those rows) every gradient is that of
-        the mean loss over the global batch.
+        A :class:`ParallelModule` ``pm``; ``pm.local_batch(x, y)`` gives this rank's rows (and tokens),
+        and after ``loss.backward()`` (``loss`` the mean over those rows) every gradient is that of
+        the mean loss over the global batch. With ``pipeline``: ``pm.step(xb, yb)``.
 
     Raises:
-        ValueError: a grid with tensor dimensions and no ``tensor_parallel``, a pipeline grid with
-            a data-parallel wrapper, an unknown option.
-        NotImplementedError: FSDP combined with a Megatron plan; AxoNN stages in a pipeline (not built yet).
+        ValueError / TypeError: an unknown option, a grid whose sizes do not fit the options.
+        NotImplementedError: the refusals listed in ``docs/parallelize.md`` (each with its reason).
 
     Example:
-        >>> axonmpi.init(G_intra_c=2)                                  # 4 ranks: 2 data x 2 tensor
-        >>> pm = parallelize(model, tensor_parallel={"*.fc1": "column", "*.fc2": "row"})
-        >>> xb, yb = pm.local_batch(x, y)
-        >>> F.cross_entropy(pm(xb), yb).backward()
-        >>> axonmpi.optim.clip_grad_norm_(pm.parameters(), 1.0); opt.step()
+        >>> axonmpi.init(G_intra_c=2, G_inter=2, G_context=2)              # 16 ranks: 2 data x ...
+        >>> pm = parallelize(model, tensor_parallel={"*.attn": "attention", "*.mlp.fc": "column",
+        ...                  "*.mlp.proj": "row"}, sequence_parallel=True, context_parallel="ring",
+        ...                  pipeline=PipelinePlan(num_microbatches=2, schedule="zb-h1"))
+        >>> xb, yb = pm.local_batch(x, y); loss = pm.step(xb, yb)
     """
     if not isinstance(module, Module):
         raise TypeError(f"parallelize needs an axonmpi.nn.Module, got {type(module).__name__}")
@@ -447,7 +749,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         raise ValueError(f"rank {r}: data_parallel={data_parallel!r}; expected 'ddp', 'fsdp' or None")
     if not (tensor_parallel is None or tensor_parallel == "axonn" or isinstance(tensor_parallel, dict)):
         raise ValueError(f"rank {r}: tensor_parallel={tensor_parallel!r}; expected None, 'axonn' or a dict "
-                         "{pattern: 'column' | 'row' | 'vocab'}")
+                         "{pattern: 'column' | 'row' | 'vocab' | 'attention'}")
     if sharding_strategy is not None and data_parallel != "fsdp":
         raise ValueError(f"rank {r}: sharding_strategy={sharding_strategy!r} needs data_parallel='fsdp'")
     if tensor_parallel is None and grid.G_intra > 1:
@@ -456,12 +758,25 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if isinstance(tensor_parallel, dict) and (grid.G_intra_r > 1 or grid.G_intra_d > 1):
         raise ValueError(f"rank {r}: a Megatron plan is 1-D over the grid's tensor group; the grid has "
                          f"G_intra_r={grid.G_intra_r}, G_intra_d={grid.G_intra_d} (use G_intra_c or 'axonn')")
-    if grid.G_inter > 1 and data_parallel is not None:
-        raise ValueError(f"rank {r}: on a pipeline grid (G_inter={grid.G_inter}) parallelize each stage with "
-                         "data_parallel=None; the Pipeline reduces over the grid's data group")
-    if data_parallel == "fsdp" and isinstance(tensor_parallel, dict):
-        raise NotImplementedError(f"rank {r}: parallelize with FSDP x a Megatron plan is not built yet "
-                                  "(FSDP x 'axonn' is); use DDP with a Megatron plan")
+    if pipeline is not None:
+        if not isinstance(pipeline, PipelinePlan):
+            raise TypeError(f"rank {r}: pipeline={pipeline!r}; expected a PipelinePlan(num_microbatches, schedule)")
+        if grid.G_inter == 1:
+            raise ValueError(f"rank {r}: pipeline={pipeline} needs a grid with G_inter > 1 (axonmpi.init(G_inter=p))")
+        if data_parallel == "fsdp" and sharding_strategy is not None:
+            from .fsdp import ShardingStrategy
+            if ShardingStrategy.coerce(sharding_strategy) not in (ShardingStrategy.FULL_SHARD,
+                                                                   ShardingStrategy.SHARD_GRAD_OP):
+                raise NotImplementedError(
+                    f"rank {r}: sharding_strategy={sharding_strategy!r} with pipeline=: a pipeline's FSDP gathers "
+                    "each stage once per step and reduce-scatters once (full_shard and shard_grad_op are then "
+                    "the same); hybrid shard's two-level reduction is not built there, and no_shard is DDP")
+        if strategy_options:
+            raise ValueError(f"rank {r}: options {sorted(strategy_options)} are DDP's / FSDP's; with pipeline= the "
+                             "Pipeline reduces each stage (no options)")
+    elif grid.G_inter > 1 and data_parallel is not None:
+        raise ValueError(f"rank {r}: on a pipeline grid (G_inter={grid.G_inter}) pass pipeline=PipelinePlan(...), "
+                         "or parallelize each stage with data_parallel=None for a Pipeline you build")
     if strategy_options and data_parallel is None:
         raise ValueError(f"rank {r}: options {sorted(strategy_options)} need data_parallel='ddp' or 'fsdp'")
     if sequence_parallel and not isinstance(tensor_parallel, dict):
@@ -471,51 +786,79 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if context_parallel is not None and cp_size == 1:
         raise ValueError(f"rank {r}: context_parallel={context_parallel!r} needs a grid with G_context > 1 "
                          "(axonmpi.init(G_context=N))")
-    if cp_size > 1 and (context_parallel is None or tensor_parallel is not None or data_parallel == "fsdp"):
-        raise NotImplementedError(
-            f"rank {r}: on a grid with G_context={cp_size} parallelize builds context parallelism with DDP and "
-            f"no tensor parallelism (context_parallel='ring' | 'ulysses'); got context_parallel={context_parallel!r}, "
-            f"tensor_parallel={tensor_parallel!r}, data_parallel={data_parallel!r}")
-    shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
-    from ..nn.moe import MoE
-    from .moe import expert_parallel as _ep, expert_parameters
-    has_moe = any(isinstance(m, MoE) for m in module.modules())
+    if cp_size > 1 and context_parallel is None:
+        raise ValueError(f"rank {r}: the grid has G_context={cp_size}; pass context_parallel='ring' | 'ulysses'")
     if expert_tensor_parallel and tensor_parallel != "axonn":
         raise ValueError(f"rank {r}: expert_tensor_parallel=True splits the batch over the tensor block as "
                          f"AxoNN's easy mode does; pass tensor_parallel='axonn' (got {tensor_parallel!r})")
-    if has_moe and cp_size > 1:
-        raise NotImplementedError(f"rank {r}: nn.MoE with context parallelism (G_context={cp_size}) is not built yet")
-    if has_moe or (expert_parallel or 1) > 1:
-        if data_parallel == "fsdp" and (expert_parallel or 1) > 1:
-            raise NotImplementedError(f"rank {r}: FSDP with expert_parallel > 1 is not built yet; use DDP")
-        if not has_moe:
-            raise ValueError(f"rank {r}: expert_parallel={expert_parallel} but the model has no nn.MoE layer")
-        _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel)
-    experts = expert_parameters(module)
-    if experts and data_parallel == "ddp" and tensor_parallel != "axonn":
-        strategy_options = dict(strategy_options, ignored_parameters=experts)
-    if tensor_parallel == "axonn":
+    from ..nn.moe import MoE
+    from .grad_sync import data_reduction_group
+    from .moe import expert_parallel as _ep, expert_parameters
+    has_moe = any(isinstance(m, MoE) for m in module.modules())
+    if (expert_parallel or 1) > 1 and not has_moe:
+        raise ValueError(f"rank {r}: expert_parallel={expert_parallel} but the model has no nn.MoE layer")
+    if data_parallel == "fsdp" and (expert_parallel or 1) > 1 and pipeline is None:
+        raise NotImplementedError(
+            f"rank {r}: FSDP with expert_parallel={expert_parallel} and no pipeline is not built: the FSDP wrapper "
+            "averages every flat chunk over the whole data group and takes no ignored parameters, and an expert "
+            "is replicated only over its expert-data group; use DDP, or a pipeline (its FSDP leaves experts out)")
+    from ..models.gpt import GPT
+    if pipeline is not None and cp_size > 1 and isinstance(module, GPT):
+        raise NotImplementedError(
+            f"rank {r}: context_parallel={context_parallel!r} of a GPT inside a pipeline is not built: the GPT keeps "
+            "its context tokens in its own forward, which a pipeline's embedding stage does not run (its position "
+            "embedding would number this rank's tokens from 0); use a model whose inputs carry their positions, "
+            "or a GPT without a pipeline")
+    dgroup = data_reduction_group(grid)
+    shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
+    axonn = tensor_parallel == "axonn"
+    # 1 tensor parallel + sequence parallel
+    if axonn:
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
         sp = int(sequence_dim) if sequence_parallel else None
         if _megatron(module, grid, tensor_parallel, sp) == 0:
             raise ValueError(f"rank {r}: no module of the model matches the plan {tensor_parallel}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
+    # 2 context parallel
+    cp_layers = _swap_attention_for_context(module, grid, context_parallel) if cp_size > 1 else []
+    # 3 expert parallel
+    if has_moe:
+        _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel,
+            stats_group=dgroup if cp_size > 1 and not expert_tensor_parallel else None)
+    experts = expert_parameters(module)
+    sp_params = _sequence_parallel(module, grid) if sequence_parallel and grid.intra_group.size > 1 else []
+    if cp_size > 1:
+        from ..distributed.placement import add_placement
+        for p in module.parameters():
+            add_placement(p, replica=grid.context_group)
+        if isinstance(module, GPT):         # a GPT takes whole sequences and keeps its tokens itself
+            from .context.gpt import ContextParallelism
+            from .context.layout import CPAlgo
+            module.context_parallel = ContextParallelism(grid.context_group, CPAlgo.coerce(context_parallel),
+                                                         cp_layers)
+    # 4 activation checkpointing (with a pipeline: True checkpoints each chunk)
+    if activation_checkpointing not in (None, False) and not (pipeline is not None and activation_checkpointing is True):
+        _checkpoint_modules(module, activation_checkpointing, r)
+    # 6 the pipeline, over the stages of steps 1-4 (its runtime is step 5's reducer)
+    if pipeline is not None:
+        return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, shapes, sp_params,
+                         int(sequence_dim) if sequence_parallel else None, activation_checkpointing is True,
+                         cp_size > 1)
+    # 5 data parallel over each parameter's replica group
     sp_hooks = []
-    if sequence_parallel and grid.intra_group.size > 1:
+    if sp_params and data_parallel != "fsdp":
         # registered before DDP's hooks: each gradient is summed over the tensor group before DDP reads it
         def reduce_tp(p, g=grid.intra_group):
             reduce_gradient(p.grad.data, [g])
-        sp_hooks = [p.register_post_accumulate_grad_hook(reduce_tp) for p in _sequence_parallel(module, grid)]
-    if context_parallel is not None:
-        from .context import context_parallel_gpt
-        context_parallel_gpt(module, grid.context_group, context_parallel)
+        sp_hooks = [p.register_post_accumulate_grad_hook(reduce_tp) for p in sp_params]
     wrapped = module
     cls = ParallelModule
-    if data_parallel == "ddp" and tensor_parallel != "axonn":
+    if data_parallel == "ddp" and not axonn:
         from .ddp import DistributedDataParallel
-        from .grad_sync import data_reduction_group
-        wrapped = DistributedDataParallel(module, group=data_reduction_group(grid), **strategy_options)
+        if experts:
+            strategy_options = dict(strategy_options, ignored_parameters=experts)
+        wrapped = DistributedDataParallel(module, group=dgroup, **strategy_options)
     elif data_parallel == "ddp" and strategy_options:
         raise ValueError(f"rank {r}: AxoNN layouts reduce through the gradient-sync table; DDP options "
                          f"{sorted(strategy_options)} do not apply")
@@ -524,18 +867,44 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         opts = dict(strategy_options)
         if sharding_strategy is not None:
             opts["sharding_strategy"] = sharding_strategy
-        wrapped = FSDP(module, group=grid.data_group, **opts)
+        wrapped = FSDP(module, group=dgroup, **opts)
         cls = _FSDPParallelModule
-        if tensor_parallel == "axonn":
-            wrapped.register_post_backward_hook(lambda: finish_axonn_fsdp(wrapped, grid))
+        if tensor_parallel is not None:
+            wrapped.register_post_backward_hook(lambda: _finish_fsdp_segments(wrapped, grid, axonn, sp_params))
             cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
     pm._serial_shapes = shapes
     pm._hooks.extend(sp_hooks)
+    pm._context(cp_size > 1, context_parallel)
     if sequence_parallel:
         pm.sequence_dim = int(sequence_dim)
-    if experts and data_parallel == "ddp" and tensor_parallel != "axonn":
+    if experts and data_parallel == "ddp" and not axonn:
         pm._hook_experts(experts)
+    return pm
+
+
+def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
+              checkpoint_chunks: bool, cp: bool) -> "PipelinedModule":
+    """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
+    schedule runs it on (``schedule.stage_ranks``: ZBV's V, never a permuted model), and run them in a
+    :class:`Pipeline` that reduces each stage over data x context (the grad-sync table)."""
+    from ..nn import functional as F
+    from .grad_sync import data_reduction_group
+    from .pipeline import Pipeline, make_schedule, split_module
+    sched = make_schedule(plan.schedule, grid.G_inter, plan.num_microbatches, plan.virtual_stages)
+    chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by,
+                          boundaries=plan.boundaries, group=grid.inter_group, stage_ranks=sched.stage_ranks)
+    axonn = tensor_parallel == "axonn"
+    shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
+    stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard)
+              for c in chunks]
+    pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
+                    data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
+    pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
+    pm._serial_shapes = shapes
+    mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
+    pm._sp_params = [p for p in sp_params if id(p) in mine]
+    pm._context(cp, None)
     return pm
 
 
@@ -551,6 +920,18 @@ def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
     """
     from .fsdp import FSDP
     from .tensor.state import full_state_dict as tp_full
+    if isinstance(pm, PipelinedModule):
+        from ..distributed import all_gather_object
+        mine = {n for n, _ in pm.named_parameters()}
+        for st in pm._stages:
+            if st.flat is not None:
+                mine |= {n for n, p in pm.inner.named_parameters() if any(p is q for q in st.flat.params)}
+        with pm._gathered():
+            local = OrderedDict((k, v) for k, v in tp_full(pm.inner).items() if k in mine)
+        out = OrderedDict()
+        for part in all_gather_object(local, group=pm.grid.inter_group):
+            out.update(part)
+        return OrderedDict((k, out[k]) for k in pm._serial_shapes if k in out)
     if isinstance(pm, ParallelModule):
         if isinstance(pm, _FSDPTensorParallelModule):
             return pm.state_dict()

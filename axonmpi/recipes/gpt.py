@@ -24,7 +24,7 @@ from ..parallel.grad_sync import check_axonn_fsdp_shapes, finish_axonn_fsdp, mea
 from ..parallel.auto_parallelize import auto_parallelize
 from ..parallel.ddp import DistributedDataParallel
 from ..parallel.fsdp import FSDP, ShardingStrategy
-from ..parallel.pipeline import Pipeline, split_module
+from ..parallel.pipeline import Pipeline, make_schedule, split_module
 from ..parallel.pipeline.staged import build_stage_layers
 from ..parallel.state import LayoutState
 from ..parallel.tensor import TensorParallelGroups, parallelize_gpt
@@ -43,7 +43,8 @@ class HybridGPT(LayoutState):
             ``tp_style="axonn"`` or a pipeline it raises ``NotImplementedError``).
         grid: the process grid (default: ``axonmpi.get_grid()``).
         tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
-        schedule: pipeline schedule ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (2 virtual stages).
+        schedule: pipeline schedule ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or
+            ``"zbv"`` (zero bubble; ZBV: 2 chunks per rank in a V).
         num_microbatches: micro-batches per step.  activation_checkpointing: recompute each pipeline
             chunk's activations in backward.  dtype: parameter dtype.  global_batch: sequences per step.
         fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over ``data_group`` instead
@@ -81,7 +82,10 @@ class HybridGPT(LayoutState):
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
                      schedule=schedule, tp_style=tp_style, world_size=g.world.world_size)
         self.shards = batch_shards(self.layout, self.style or "megatron")
-        self._v = 2 if self.schedule.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+        self._v = 2 if self.schedule.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
+        # each chunk on the pipeline rank its schedule runs it on (ZBV's V; round-robin for the others)
+        self._stage_ranks = make_schedule(self.schedule, g.G_inter, self.num_microbatches, self._v).stage_ranks \
+            if g.G_inter > 1 else None
         axonn = self.style is TPStyle.AXONN
         self.groups = TensorParallelGroups.from_grid(g) if axonn else None
         self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank if axonn else g.coords.data
@@ -105,7 +109,7 @@ class HybridGPT(LayoutState):
                 from ..parallel.moe import hook_expert_gradients
                 self._expert_hooks = hook_expert_gradients(experts, g.data_group, g.G_data)
         else:
-            chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group)
+            chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group, stage_ranks=self._stage_ranks)
             if activation_checkpointing:
                 chunks = [Checkpointed(c) for c in chunks]
             self.pipe = Pipeline(chunks, self.schedule, num_microbatches=self.num_microbatches,
@@ -139,7 +143,8 @@ class HybridGPT(LayoutState):
                 with ctx():
                     return GPT.build_pipeline_layer(c, i, self.dtype)
             layers = build_stage_layers(construct, lambda layer, i: init_gpt_weights(layer, c.n_layer), tp_form,
-                                        c.n_layer + 2, g.G_inter, self._v, g.inter_group.rank)
+                                        c.n_layer + 2, g.G_inter, self._v, g.inter_group.rank,
+                                        stage_ranks=self._stage_ranks)
             return GPT.from_pipeline_layers(c, layers)
         with ctx():
             model = tp_form(GPT(c, dtype=self.dtype))

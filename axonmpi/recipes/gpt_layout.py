@@ -68,7 +68,7 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
                  (("n_head", config.n_head), ("4*n_embd (MLP width)", 4 * config.n_embd),
                   ("vocab_size", config.vocab_size)) if n % c]
     n_layers = config.n_layer + 2
-    v = 2 if sched.name == "INTERLEAVED_ONE_F_ONE_B" else 1
+    v = 2 if sched.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
     if layout.G_inter * v > n_layers:
         errs.append(f"the GPT has {n_layers} pipeline layers (embedding, {config.n_layer} blocks, head) but "
                     f"G_inter={layout.G_inter}" + (f" x {v} virtual stages" if v > 1 else "")

@@ -80,10 +80,15 @@ class ContextParallelAttention(Module):
         return ContextLayout(int(seq_len), self.group.size, self.algo)
 
     def forward(self, x: Tensor, seq_len: Optional[int] = None) -> Tensor:
-        B, T, C = x.shape
+        # the widths come from qkv's output: under tensor parallelism (parallelize swaps in a head-split
+        # qkv and a row-parallel proj) this rank holds C/t of the width and n_head/t of the heads, and
+        # under sequence parallelism qkv all-gathers the tokens, so T is read after it too
+        qkv = self.qkv(x)
+        B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        hd = self.n_embd // self.n_head
+        nh = C // hd
         if not self.context_enabled:
-            nh, hd = self.n_head, C // self.n_head
-            q, k, v = (ops.permute(ops.reshape(t, B, T, nh, hd), 0, 2, 1, 3) for t in ops.split(self.qkv(x), C, axis=2))
+            q, k, v = (ops.permute(ops.reshape(t, B, T, nh, hd), 0, 2, 1, 3) for t in ops.split(qkv, C, axis=2))
             y = ops.reshape(ops.permute(_causal(q, k, v, hd), 0, 2, 1, 3), B, T, C)
             return self.resid_dropout(self.proj(y))
         P = self.group.size
@@ -93,8 +98,6 @@ class ContextParallelAttention(Module):
             raise ValueError(f"rank {self.group.world.rank}: a {n}-token sequence over {P} context ranks "
                              f"({self.algo.value}) puts {layout.local_len(self.group.rank)} tokens on context rank "
                              f"{self.group.rank}, got {T}; split it with ContextLayout.split or pass seq_len")
-        nh, hd = self.n_head, C // self.n_head
-        qkv = self.qkv(x)
         if self.algo is CPAlgo.RING:
             q, k, v = (ops.permute(ops.reshape(t, B, T, nh, hd), 0, 2, 1, 3) for t in ops.split(qkv, C, axis=2))
             y = ring_attention(q, k, v, self.group, n)

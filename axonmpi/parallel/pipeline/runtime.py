@@ -23,7 +23,7 @@ from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, enc
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, _recv_order, make_schedule,
                         simulate)
 from .stage import PipelineStage
-from ..grad_sync import check_group, mean_over, reduction_groups
+from ..grad_sync import check_group, mean_over, reduction_groups, sharded_within
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -233,6 +233,8 @@ class Pipeline:
             named = [(f"stage {st.stage_id}: {n}", q) for n, q in st.module.named_parameters()]
             for _, q in named:
                 add_placement(q, shard=Shard(self.group, ShardKind.STAGE))
+            # an expert (split over a subgroup of data_group) is reduced over its own replica groups
+            named = [(n, q) for n, q in named if not sharded_within(q, self.data_group)]
             check_group(named, self.data_group, "Pipeline(data_group=...)")
             for _, q in named:
                 add_placement(q, replica=self.data_group)
