@@ -222,6 +222,38 @@ class ParallelModule(Module):
             out.append(Tensor(piece) if isinstance(a, Tensor) else piece)
         return out[0] if len(out) == 1 else tuple(out)
 
+    def token_groups(self) -> List[Any]:
+        """The groups whose ranks read different targets of the global batch, as the gradient reducer
+        averages over them: data (x context) when there is a data-parallel wrapper, and the tensor block
+        in AxoNN's easy mode (never a Megatron tensor group: its ranks read the same rows)."""
+        from .grad_sync import data_reduction_group
+        groups = [data_reduction_group(self.grid)] if self.data_parallel is not None else []
+        if self.tensor_parallel == "axonn":
+            groups.append(self.grid.intra_group)
+        return groups
+
+    def token_mean(self, loss_sum: Tensor, num_tokens: int) -> Tensor:
+        """The serial mean over the global batch's counted targets (``docs/parallelize.md``, one loss rule).
+
+        Args:
+            loss_sum: this rank's loss summed over its counted targets (``reduction="sum"``).
+            num_tokens: this rank's counted targets (``int((yb != -100).sum())``).
+
+        Returns:
+            A scalar Tensor, the global token mean on every rank; ``backward()`` gives every
+            parameter the serial gradient of that mean (collective over :meth:`token_groups`).
+
+        Example:
+            >>> lsum = F.cross_entropy(pm(xb), yb, ignore_index=-100, reduction="sum")
+            >>> loss = pm.token_mean(lsum, num_tokens=int((yb != -100).sum())); loss.backward()
+        """
+        from .token_mean import token_mean
+        groups = self.token_groups()
+        shards = None
+        if self.tensor_parallel == "axonn" and self.data_parallel is None:
+            shards = self.batch_shards[0]      # the AxoNN hooks divide by every batch shard
+        return token_mean(loss_sum, num_tokens, groups, shards=shards)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True):
         return self.module.named_parameters(prefix, recurse)
 
