@@ -244,3 +244,72 @@ def test_token_mean_function_and_errors(world):
         token_mean(Tensor(np.ones(3)), 1, [g])
     nan = token_mean(Tensor(np.array(0.0), requires_grad=True), 0, [g])
     assert np.isnan(nan.item())
+
+
+RECIPE = {   # world size: [(grid sizes, tp_style, schedule, fsdp)]
+    2: [({"G_data": 2}, "axonn", "1f1b", None), ({"G_inter": 2}, "axonn", "1f1b", None),
+        ({"G_intra_r": 2}, "axonn", "1f1b", None), ({"G_intra_c": 2}, "megatron", "1f1b", None),
+        ({"G_data": 2}, "axonn", "1f1b", "full_shard"), ({"G_context": 2}, "axonn", "1f1b", None)],
+    3: [({"G_data": 3}, "axonn", "1f1b", None), ({"G_inter": 3}, "axonn", "gpipe", None)],
+    4: [({"G_data": 2, "G_inter": 2}, "axonn", "1f1b", None), ({"G_data": 2, "G_intra_r": 2}, "axonn", "1f1b", None),
+        ({"G_inter": 2, "G_intra_r": 2}, "axonn", "1f1b", None),
+        ({"G_data": 2, "G_intra_c": 2}, "megatron", "1f1b", "shard_grad_op"),
+        ({"G_data": 2, "G_intra_r": 2}, "axonn", "1f1b", "full_shard"),
+        ({"G_data": 2, "G_context": 2}, "axonn", "1f1b", None)],
+}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpt_recipe_logs_the_serial_token_mean(world):
+    """``HybridGPT.forward_backward`` (what ``examples/train_gpt.py`` logs) with unevenly ignored targets:
+    the serial global token mean at every step and the serial parameters after 3 AdamW steps with clipping,
+    under DDP, FSDP, FSDP x Megatron / AxoNN, AxoNN, Megatron, pipelines and context parallelism."""
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.optim import AdamW, clip_grad_norm_
+    from axonmpi.recipes import HybridGPT
+    cfg = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    rng = np.random.default_rng(4)
+    batches = []
+    for _ in range(3):
+        x, y = rng.integers(0, 12, (12, 8)), rng.integers(0, 12, (12, 8))
+        y[:4][rng.random((4, 8)) < 0.8] = -100        # the first rows mostly ignored
+        y[:, :3][rng.random((12, 3)) < 0.5] = -100    # and the first tokens (context parallel)
+        y[0] = -100
+        batches.append((x, y))
+    axonmpi.manual_seed(7)
+    ref = GPT(cfg, dtype="float64")
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        logits, _ = ref(x)
+        loss = F.cross_entropy(logits, y, ignore_index=-100)
+        loss.backward()
+        clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        ref_losses.append(float(loss.item()))
+    want = ref.state_dict()
+    for sizes, style, sched, fsdp in RECIPE.get(world.world_size, []):
+        grid = axonmpi.ProcessGrid(world, **sizes)
+        try:
+            axonmpi.manual_seed(7)
+            hyb = HybridGPT(cfg, grid, tp_style=style, schedule=sched, num_microbatches=2, dtype="float64",
+                            global_batch=12, fsdp=fsdp)
+            opt = AdamW(hyb.parameters(), lr=1e-2, weight_decay=0.1)
+            losses = []
+            for x, y in batches:
+                opt.zero_grad()
+                losses.append(hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y)))
+                hyb.clip_grad_norm_(0.05)
+                opt.step()
+            assert _rel(losses, ref_losses) <= TOL, (sizes, style, fsdp, losses, ref_losses)
+            x, y = batches[0]
+            ev = hyb.eval_loss(hyb.local_batch(x), hyb.local_batch(y))
+            got = hyb.full_state_dict()
+            for k, v in want.items():
+                assert _rel(got[k], v) <= TOL, (sizes, style, fsdp, k)
+            with axonmpi.no_grad():
+                logits, _ = ref(x)
+                assert _rel(ev, F.cross_entropy(logits, y).item()) <= TOL, (sizes, style, fsdp, "eval")
+        finally:
+            grid.free()
