@@ -22,7 +22,7 @@ from .grad_sync import finish_axonn_fsdp, reduce_gradient, reduction_groups
 
 __all__ = ["ParallelModule", "parallelize", "full_state_dict"]
 
-_STYLES = ("column", "row", "vocab")
+_STYLES = ("column", "column_gather", "row", "vocab")
 _DATA = ("ddp", "fsdp", None)
 
 
@@ -78,18 +78,24 @@ def _axonn(module: Module, grid: ProcessGrid) -> int:
 
 def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optional[int] = None) -> int:
     """The modules ``plan`` names -> Megatron column / row / vocab-parallel layers over the grid's tensor group
-    (``sp``: the sequence dimension under sequence parallelism, else ``None``)."""
-    from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    (``sp``: the sequence dimension under sequence parallelism, else ``None``); ``"column_gather"``: a column
+    layer whose output is all-gathered (the serial width; under sequence parallelism cut back to this rank's
+    sequence shard). A ``"column"`` layer whose output reaches the model's output unpaired raises at the first
+    forward ([Note: the output keeps the serial shape] in ``split_output.py``)."""
+    from .split_output import refuse_split_outputs
+    from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, \
+        scatter_to_sequence_parallel_region
     for pattern, style in plan.items():
         if style not in _STYLES:
             raise ValueError(f"rank {grid.rank}: tensor_parallel[{pattern!r}] = {style!r}; expected one of {_STYLES}")
     group = grid.intra_group
     n = 0
+    columns, rows = {}, []
     for parent, name, child, qname in _children(module):
         style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(qname, pat)), None)
         if style is None:
             continue
-        if style in ("column", "row") and type(child) is not nn_layers.Linear:
+        if style in ("column", "column_gather", "row") and type(child) is not nn_layers.Linear:
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a {style!r} pattern but is a "
                             f"{type(child).__name__}, not an nn.Linear")
         if style == "vocab" and type(child) is not nn_layers.Embedding:
@@ -98,18 +104,26 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
         seq = {} if sp is None else {"sequence_parallel": True, "sequence_dim": sp}
         if style == "vocab" and sp is not None:
             raise NotImplementedError(f"rank {grid.rank}: a 'vocab' layer under sequence_parallel is not built yet")
-        if style == "column":
+        if style in ("column", "column_gather"):
             new = ColumnParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                       gather_output=False, group=group, dtype=child.weight.dtype, **seq)
+                                       gather_output=style == "column_gather", group=group,
+                                       dtype=child.weight.dtype, **seq)
+            if style == "column":
+                columns[qname] = new
+            elif sp is not None:       # gathered over features: back to this rank's sequence shard
+                new.register_forward_hook(lambda m, a, y, d=sp: scatter_to_sequence_parallel_region(y, group, dim=d))
         elif style == "row":
             new = RowParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                     input_is_parallel=True, group=group, dtype=child.weight.dtype, **seq)
         else:
             new = VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
                                          dtype=child.weight.dtype)
+        if style in ("row", "vocab"):
+            rows.append(new)
         _copy_serial(new, child)
         _swap(parent, name, new)
         n += 1
+    refuse_split_outputs(module, columns, rows, group)
     return n
 
 
@@ -426,9 +440,12 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             ``intra_layer.Linear`` over the grid's row x column x depth, in easy mode (each rank
             of the tensor block reads its own rows; a Linear whose sizes do not divide over the
             grid stays replicated, AxoNN's ``auto_parallelize`` rule); or ``{"<fnmatch pattern on
-            named_modules()>": "column" | "row" | "vocab"}``: Megatron 1-D over the grid's tensor
+            named_modules()>": "column" | "column_gather" | "row" | "vocab"}``: Megatron 1-D over the grid's tensor
             group (every rank of it reads the same rows); modules matching no pattern stay
-            replicated.
+            replicated. ``"column_gather"`` all-gathers the layer's output (PyTorch's
+            ``ColwiseParallel(output_layouts=Replicate())``: an output layer keeps the serial width);
+            a ``"column"`` layer whose output reaches the model's output with no ``"row"`` layer after
+            it raises ``ValueError`` at the first forward, naming it.
         data_parallel: ``"ddp"`` (default), ``"fsdp"``, or ``None`` (no data-parallel reduction:
             the grid has one data replica, or a :class:`~axonmpi.parallel.Pipeline` over
             parallelized stages reduces over its ``data_group``).
@@ -479,7 +496,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         raise ValueError(f"rank {r}: data_parallel={data_parallel!r}; expected 'ddp', 'fsdp' or None")
     if not (tensor_parallel is None or tensor_parallel == "axonn" or isinstance(tensor_parallel, dict)):
         raise ValueError(f"rank {r}: tensor_parallel={tensor_parallel!r}; expected None, 'axonn' or a dict "
-                         "{pattern: 'column' | 'row' | 'vocab'}")
+                         "{pattern: 'column' | 'column_gather' | 'row' | 'vocab'}")
     if sharding_strategy is not None and data_parallel != "fsdp":
         raise ValueError(f"rank {r}: sharding_strategy={sharding_strategy!r} needs data_parallel='fsdp'")
     if tensor_parallel is None and grid.G_intra > 1:
