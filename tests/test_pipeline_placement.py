@@ -129,3 +129,24 @@ def test_split_module_schedule_argument():
         split_module(model, 2, rank=0, schedule="zbv", stage_ranks=(0, 1, 0, 1))
     with pytest.raises(ValueError, match="virtual_stages"):
         split_module(model, 2, 3, rank=0, schedule=PipelineSchedule.ZBV)
+
+
+def test_staged_build_follows_the_schedule_placement():
+    """``build_stage_layers(..., stage_ranks=)``: a pipeline rank builds the layers of the chunks its schedule
+    places there (ZBV: chunks 0 and 3 on rank 0 of 2), with the serial values; the others are stand-ins."""
+    from axonmpi.parallel.pipeline.staged import build_stage_layers
+
+    def construct(i):
+        return nn.Linear(6, 6, dtype=np.float64)
+
+    V = make_schedule("zbv", 2, 2).stage_ranks
+    axonmpi.manual_seed(3)
+    serial = [construct(i) for i in range(4)]
+    for r, mine in ((0, {0, 3}), (1, {1, 2})):
+        axonmpi.manual_seed(3)
+        layers = build_stage_layers(construct, lambda m, i: None, lambda m, i: m, 4, 2, 2, r, stage_ranks=V)
+        for i, layer in enumerate(layers):
+            built = layer.weight.data.strides != (0, 0)
+            assert built == (i in mine), (r, i)
+            if built:
+                np.testing.assert_array_equal(layer.weight.data, serial[i].weight.data)

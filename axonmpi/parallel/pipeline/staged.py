@@ -1,7 +1,7 @@
 """Build only one pipeline rank's layers of a model, with the values the serial model would have."""
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -22,7 +22,8 @@ def stand_in(layer: Module) -> Module:
 
 def build_stage_layers(construct: Callable[[int], Module], init: Callable[[Module, int], None],
                        tp_form: Callable[[Module, int], Module], num_layers: int, num_stages: int,
-                       virtual_stages: int, stage_rank: int) -> List[Module]:
+                       virtual_stages: int, stage_rank: int,
+                       stage_ranks: Optional[Sequence[int]] = None) -> List[Module]:
     """The ``num_layers`` pipeline layers of a model as pipeline rank ``stage_rank`` holds them: its
     own chunks' layers built (the serial model's values), every other layer a :func:`stand_in`.
 
@@ -44,6 +45,8 @@ def build_stage_layers(construct: Callable[[int], Module], init: Callable[[Modul
         num_layers: the model's pipeline layers.
         num_stages, virtual_stages: the pipeline's ranks and chunks per rank.
         stage_rank: this rank's index in the pipeline group.
+        stage_ranks: the pipeline rank of each chunk when not round-robin (ZBV's V:
+            ``make_schedule("zbv", p, m).stage_ranks``; cut with ``split_module(..., stage_ranks=)`` too).
 
     Example:
         >>> layers = build_stage_layers(lambda i: GPT.build_pipeline_layer(cfg, i),
@@ -56,7 +59,9 @@ def build_stage_layers(construct: Callable[[int], Module], init: Callable[[Modul
     set_rng_state(start)
     k = num_stages * virtual_stages
     starts = split_points(Sequential(*stand_ins), num_stages, virtual_stages) + [n]
-    mine = {i for c in range(stage_rank, k, num_stages) for i in range(starts[c], starts[c + 1])}
+    placed = range(stage_rank, k, num_stages) if stage_ranks is None else \
+        [c for c in range(k) if int(stage_ranks[c]) == stage_rank]
+    mine = {i for c in placed for i in range(starts[c], starts[c + 1])}
     layers = []
     for i in range(n):                                                                          # (B)
         layer = construct(i)
