@@ -313,3 +313,39 @@ def test_gpt_recipe_logs_the_serial_token_mean(world):
                 assert _rel(ev, F.cross_entropy(logits, y).item()) <= TOL, (sizes, style, fsdp, "eval")
         finally:
             grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_token_mean_expert_parallel(world):
+    """MoE experts split over an expert group (``expert_parallel``): the experts' gradients (tokens of every
+    rank, reduced over the expert-data group) follow the same rule."""
+    n = world.world_size
+    ep = 2 if n % 2 == 0 else n
+    grid = axonmpi.ProcessGrid(world)
+
+    def make():
+        axonmpi.manual_seed(5)
+        return nn.Sequential(nn.Linear(D, 8, dtype=np.float64), nn.MoE(8, 2 * ep, top_k=2, hidden=12,
+                                                                        dtype=np.float64),
+                             nn.Linear(8, C, dtype=np.float64))
+
+    try:
+        x, y = _batch(4 * n)
+        x, y = x[:, 0], y[:, 0]
+        y[: n] = -100
+        want, ref = _serial(x, y, make())
+        pm = parallelize(make(), grid=grid, expert_parallel=ep)
+        xb, yb = pm.local_batch(x, y)
+
+        def step():
+            lsum = F.cross_entropy(pm(Tensor(xb)), yb, ignore_index=-100, reduction="sum")
+            loss = pm.token_mean(lsum, num_tokens=int((yb != -100).sum()))
+            loss.backward()
+            return loss.item()
+
+        value, grads = _grads_by_sgd(pm, pm.parameters(), step)
+        assert _rel(value, want) <= TOL, (value, want)
+        for k, p in ref.named_parameters():
+            assert _rel(grads[k], p.grad.data) <= TOL, (k, _rel(grads[k], p.grad.data))
+    finally:
+        grid.free()
