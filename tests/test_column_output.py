@@ -120,3 +120,32 @@ def test_column_gather_keeps_the_serial_shape_and_trains_as_serial(world, sp):
             assert err <= 1e-10, (k, err)
     finally:
         grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_loss_over_split_logits_is_paired(world):
+    """A column head whose split logits feed ``vocab_parallel_cross_entropy`` (Megatron's loss over the
+    vocabulary shards) leaves the region whole: the loss is the serial one and nothing raises."""
+    from axonmpi.parallel.tensor import vocab_parallel_cross_entropy
+    grid = _grid(world)
+    old, world.grid = world.grid, grid
+    try:
+        class WithLoss(Net):
+            def forward(self, x, y):
+                logits = self.head(self.blocks(self.embed(x)))
+                if logits.shape[-1] == C:                     # the serial model
+                    return F.cross_entropy(logits, y)
+                return vocab_parallel_cross_entropy(logits, y, grid.intra_group)
+
+        rng = np.random.default_rng(3)
+        x, y = rng.standard_normal((4, D)), rng.integers(0, C, 4)
+        axonmpi.manual_seed(11)
+        want = WithLoss()(Tensor(x), y).item()
+        axonmpi.manual_seed(11)
+        pm = parallelize(WithLoss(), grid=grid, tensor_parallel={**PLAN, "head": "column"}, data_parallel=None)
+        loss = pm(Tensor(x), y)
+        loss.backward()
+        assert abs(loss.item() - want) <= 1e-12 * want
+    finally:
+        world.grid = old
+        grid.free()

@@ -35,9 +35,12 @@ def _tensors(out: Any) -> List[Tensor]:
 
 
 def _boundary_types() -> tuple:
-    from .tensor import mappings
-    names = ("_GatherFromTensorParallelRegion", "_ReduceFromTensorParallelRegion")
-    return tuple(getattr(mappings, n) for n in names if hasattr(mappings, n))
+    """The autograd nodes whose output is whole again over the tensor group: the feature all-gather, the
+    all-reduce, and the vocabulary-parallel cross-entropy (a loss over split logits)."""
+    from .tensor import layers, mappings
+    names = ((mappings, "_GatherFromTensorParallelRegion"), (mappings, "_ReduceFromTensorParallelRegion"),
+             (layers, "_VocabParallelCrossEntropy"))
+    return tuple(getattr(m, n) for m, n in names if hasattr(m, n))
 
 
 def refuse_split_outputs(model: Module, columns: Dict[str, Module], rows: List[Module], group: Any) -> None:
