@@ -36,6 +36,14 @@ def _serial(n_layers, x, y):
     return float(loss.item()), {n: p.grad.data.copy() for n, p in ref.named_parameters()}
 
 
+def _setup(world, v):
+    """Pipeline ranks ``p`` (all), ``2p`` micro-batches, their data, the serial loss and gradients, the model."""
+    p = world.world_size
+    n_layers = max(4, p * v)
+    x, y = _data(4 * p)
+    return (p, 2 * p, x, y, *_serial(n_layers, x, y), _model(n_layers))
+
+
 def _check(pipe, model, x, y, want_loss, want_grads):
     loss = pipe.step(x, y)
     assert abs(loss - want_loss) <= 1e-10 * abs(want_loss), (loss, want_loss)
@@ -50,12 +58,7 @@ def _check(pipe, model, x, y, want_loss, want_grads):
 def test_default_cut_runs_as_serial_or_raises_naming_the_fix(world, kind, v):
     """``Pipeline(split_module(model, p, virtual_stages=v), schedule=kind)``: equal to serial where the
     schedule places chunks round-robin; ZBV raises on every rank, naming the chunks and the fix."""
-    p = world.world_size
-    n_layers = max(4, p * v)
-    m = 2 * p
-    x, y = _data(2 * m)
-    want_loss, want_grads = _serial(n_layers, x, y)
-    model = _model(n_layers)
+    p, m, x, y, want_loss, want_grads, model = _setup(world, v)
     chunks = split_module(model, p, virtual_stages=v, group=world.default_group)
     assert [c.stage_index for c in chunks] == list(range(world.rank, p * v, p))
     if kind == "zbv":
@@ -77,12 +80,7 @@ def test_cut_for_the_schedule_equals_serial(world, kind, v):
     """``split_module(model, p, v, schedule=kind)`` places the chunks where ``kind`` runs them: every schedule,
     ZBV's V included, equals the serial model's loss and gradients; the chunks wrapped (activation
     checkpointing) keep their place."""
-    p = world.world_size
-    n_layers = max(4, p * v)
-    m = 2 * p
-    x, y = _data(2 * m)
-    want_loss, want_grads = _serial(n_layers, x, y)
-    model = _model(n_layers)
+    p, m, x, y, want_loss, want_grads, model = _setup(world, v)
     chunks = split_module(model, p, v, schedule=kind, group=world.default_group)
     sched = make_schedule(kind, p, m, v)
     assert [c.stage_index for c in chunks] == sched.stages_of(world.rank)

@@ -91,6 +91,14 @@ def _grads_by_sgd(pm, params, step_fn):
     return value, {k: before[k] - after[k] for k in before}
 
 
+def _contract(pm, xb, yb):
+    """The one loss rule, exactly as the issue states it; the loss value."""
+    lsum = F.cross_entropy(pm(Tensor(xb)), yb, ignore_index=-100, reduction="sum")
+    loss = pm.token_mean(lsum, num_tokens=int((yb != -100).sum()))
+    loss.backward()
+    return loss.item()
+
+
 LAYOUTS = {       # name: (grid sizes per world size, tensor_parallel, data_parallel)
     "ddp": (lambda n: {}, None, "ddp"),
     "fsdp": (lambda n: {}, None, "fsdp"),
@@ -116,14 +124,7 @@ def test_token_mean_equals_serial(world, layout):
         want, ref = _serial(x, y)
         want_grads = {k: p.grad.data for k, p in ref.named_parameters()}
         xb, yb = pm.local_batch(x, y)
-
-        def step():
-            lsum = F.cross_entropy(pm(Tensor(xb)), yb, ignore_index=-100, reduction="sum")
-            loss = pm.token_mean(lsum, num_tokens=int((yb != -100).sum()))
-            loss.backward()
-            return loss.item()
-
-        value, grads = _grads_by_sgd(pm, pm.parameters(), step)
+        value, grads = _grads_by_sgd(pm, pm.parameters(), lambda: _contract(pm, xb, yb))
         assert _rel(value, want) <= TOL, (value, want)          # the same on every rank
         for k, g in want_grads.items():
             assert _rel(grads[k], g) <= TOL, (k, _rel(grads[k], g))
@@ -336,14 +337,7 @@ def test_token_mean_expert_parallel(world):
         want, ref = _serial(x, y, make())
         pm = parallelize(make(), grid=grid, expert_parallel=ep)
         xb, yb = pm.local_batch(x, y)
-
-        def step():
-            lsum = F.cross_entropy(pm(Tensor(xb)), yb, ignore_index=-100, reduction="sum")
-            loss = pm.token_mean(lsum, num_tokens=int((yb != -100).sum()))
-            loss.backward()
-            return loss.item()
-
-        value, grads = _grads_by_sgd(pm, pm.parameters(), step)
+        value, grads = _grads_by_sgd(pm, pm.parameters(), lambda: _contract(pm, xb, yb))
         assert _rel(value, want) <= TOL, (value, want)
         for k, p in ref.named_parameters():
             assert _rel(grads[k], p.grad.data) <= TOL, (k, _rel(grads[k], p.grad.data))
