@@ -174,7 +174,9 @@ class Pipeline:
         virtual_stages: chunks per rank ``v`` (interleaved: any; ZBV: 2, the default for it; else 1;
             default: the number of chunks given, when more than one).
             ZBV places its chunks in a V: pipeline rank ``r`` holds stages ``r`` and ``2p - 1 - r``
-            (``split_module(model, p, 2, stage_ranks=make_schedule("zbv", p, m).stage_ranks)``).
+            (``split_module(model, p, 2, schedule="zbv")``). A chunk from :func:`split_module` carries its
+            global stage; chunks that are not the stages the schedule runs on this rank raise
+            ``ValueError`` on every rank of the group, naming them and the fix.
         data_group: the data-parallel group of this rank's stages (the ranks holding the same
             stages for other rows of the batch). Default: the grid's data group when ``group`` is
             the grid's pipeline group (``axonmpi.init(G_inter=p)``), else none. A group two of
