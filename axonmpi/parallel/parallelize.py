@@ -25,7 +25,7 @@ from .grad_sync import finish_axonn_fsdp, reduce_gradient, reduction_groups
 
 __all__ = ["ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict"]
 
-_STYLES = ("column", "row", "vocab", "attention")
+_STYLES = ("column", "column_gather", "row", "vocab", "attention")
 _DATA = ("ddp", "fsdp", None)
 
 
@@ -81,18 +81,24 @@ def _axonn(module: Module, grid: ProcessGrid) -> int:
 
 def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optional[int] = None) -> int:
     """The modules ``plan`` names -> Megatron column / row / vocab-parallel layers over the grid's tensor group
-    (``sp``: the sequence dimension under sequence parallelism, else ``None``)."""
-    from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    (``sp``: the sequence dimension under sequence parallelism, else ``None``); ``"column_gather"``: a column
+    layer whose output is all-gathered (the serial width; under sequence parallelism cut back to this rank's
+    sequence shard). A ``"column"`` layer whose output reaches the model's output unpaired raises at the first
+    forward ([Note: the output keeps the serial shape] in ``split_output.py``)."""
+    from .split_output import refuse_split_outputs
+    from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, \
+        scatter_to_sequence_parallel_region
     for pattern, style in plan.items():
         if style not in _STYLES:
             raise ValueError(f"rank {grid.rank}: tensor_parallel[{pattern!r}] = {style!r}; expected one of {_STYLES}")
     group = grid.intra_group
     n = 0
+    columns, rows = {}, []
     for parent, name, child, qname in _children(module):
         style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(qname, pat)), None)
         if style is None:
             continue
-        if style in ("column", "row") and type(child) is not nn_layers.Linear:
+        if style in ("column", "column_gather", "row") and type(child) is not nn_layers.Linear:
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a {style!r} pattern but is a "
                             f"{type(child).__name__}, not an nn.Linear")
         if style == "attention" and type(child) is not CausalSelfAttention:
@@ -109,18 +115,26 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
             new = TensorParallelAttention(child.n_embd, child.n_head, group=group, causal=True,
                                           dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
                                           dtype=child.qkv.weight.dtype, sequence_parallel=sp is not None)
-        elif style == "column":
+        elif style in ("column", "column_gather"):
             new = ColumnParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                       gather_output=False, group=group, dtype=child.weight.dtype, **seq)
+                                       gather_output=style == "column_gather", group=group,
+                                       dtype=child.weight.dtype, **seq)
+            if style == "column":
+                columns[qname] = new
+            elif sp is not None:       # gathered over features: back to this rank's sequence shard
+                new.register_forward_hook(lambda m, a, y, d=sp: scatter_to_sequence_parallel_region(y, group, dim=d))
         elif style == "row":
             new = RowParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                     input_is_parallel=True, group=group, dtype=child.weight.dtype, **seq)
         else:
             new = VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
                                          dtype=child.weight.dtype)
+        if style in ("row", "vocab"):
+            rows.append(new)
         _copy_serial(new, child)
         _swap(parent, name, new)
         n += 1
+    refuse_split_outputs(module, columns, rows, group)
     return n
 
 
@@ -255,6 +269,38 @@ class ParallelModule(Module):
                 piece = ContextLayout(int(np.shape(piece)[d]), cg.size, algo).split(piece, cg.rank, axis=d)
             out.append(Tensor(piece) if isinstance(a, Tensor) else piece)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def token_groups(self) -> List[Any]:
+        """The groups whose ranks read different targets of the global batch, as the gradient reducer
+        averages over them: data (x context) when there is a data-parallel wrapper, and the tensor block
+        in AxoNN's easy mode (never a Megatron tensor group: its ranks read the same rows)."""
+        from .grad_sync import data_reduction_group
+        groups = [data_reduction_group(self.grid)] if self.data_parallel is not None else []
+        if self.tensor_parallel == "axonn":
+            groups.append(self.grid.intra_group)
+        return groups
+
+    def token_mean(self, loss_sum: Tensor, num_tokens: int) -> Tensor:
+        """The serial mean over the global batch's counted targets (``docs/parallelize.md``, one loss rule).
+
+        Args:
+            loss_sum: this rank's loss summed over its counted targets (``reduction="sum"``).
+            num_tokens: this rank's counted targets (``int((yb != -100).sum())``).
+
+        Returns:
+            A scalar Tensor, the global token mean on every rank; ``backward()`` gives every
+            parameter the serial gradient of that mean (collective over :meth:`token_groups`).
+
+        Example:
+            >>> lsum = F.cross_entropy(pm(xb), yb, ignore_index=-100, reduction="sum")
+            >>> loss = pm.token_mean(lsum, num_tokens=int((yb != -100).sum())); loss.backward()
+        """
+        from .token_mean import token_mean
+        groups = self.token_groups()
+        shards = None
+        if self.tensor_parallel == "axonn" and self.data_parallel is None:
+            shards = self.batch_shards[0]      # the AxoNN hooks divide by every batch shard
+        return token_mean(loss_sum, num_tokens, groups, shards=shards)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True):
         return self.module.named_parameters(prefix, recurse)
@@ -700,9 +746,13 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             ``intra_layer.Linear`` over the grid's row x column x depth, in easy mode (each rank
             of the tensor block reads its own rows; a Linear whose sizes do not divide over the
             grid stays replicated, AxoNN's ``auto_parallelize`` rule); or ``{"<fnmatch pattern on
-            named_modules()>": "column" | "row" | "vocab" | "attention"}``: Megatron 1-D over the
-            grid's tensor group (every rank of it reads the same rows; ``"attention"``: an
+            named_modules()>": "column" | "column_gather" | "row" | "vocab" | "attention"}``: Megatron 1-D
+            over the grid's tensor group (every rank of it reads the same rows; ``"attention"``: an
             ``nn.CausalSelfAttention`` with its heads split); modules matching no pattern stay replicated.
+            ``"column_gather"`` all-gathers the layer's output (PyTorch's
+            ``ColwiseParallel(output_layouts=Replicate())``: an output layer keeps the serial width);
+            a ``"column"`` layer whose output reaches the model's output with no ``"row"`` layer after
+            it raises ``ValueError`` at the first forward, naming it.
         data_parallel: ``"ddp"`` (default), ``"fsdp"``, or ``None`` (no data-parallel reduction).  With a
             pipeline, ``"ddp"`` and ``None`` mean the Pipeline reduces each stage over data x context.
         sharding_strategy: FSDP's :class:`~axonmpi.parallel.ShardingStrategy` (FSDP only).
@@ -749,7 +799,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         raise ValueError(f"rank {r}: data_parallel={data_parallel!r}; expected 'ddp', 'fsdp' or None")
     if not (tensor_parallel is None or tensor_parallel == "axonn" or isinstance(tensor_parallel, dict)):
         raise ValueError(f"rank {r}: tensor_parallel={tensor_parallel!r}; expected None, 'axonn' or a dict "
-                         "{pattern: 'column' | 'row' | 'vocab' | 'attention'}")
+                         "{pattern: 'column' | 'column_gather' | 'row' | 'vocab' | 'attention'}")
     if sharding_strategy is not None and data_parallel != "fsdp":
         raise ValueError(f"rank {r}: sharding_strategy={sharding_strategy!r} needs data_parallel='fsdp'")
     if tensor_parallel is None and grid.G_intra > 1:

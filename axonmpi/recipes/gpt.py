@@ -5,7 +5,7 @@
 or AxoNN's ``auto_parallelize``; with a pipeline only the stage's layers (``build_stage_layers``).
 Rows: :func:`batch_shards` equal slices of the global batch.  Gradients: DDP / FSDP over
 ``data_group``, the ``Pipeline``'s ``data_group``, AxoNN's table (``parallel.grad_sync``).  Loss: the
-global batch's mean on every rank.  Clipping: the placements.  State: ``parallel.state.LayoutState``.
+global batch's token mean on every rank (``parallel.token_mean``, the pipeline's counting).  Clipping: the placements.  State: ``parallel.state.LayoutState``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from ..models.gpt import GPT, GPTConfig, init_gpt_weights
 from ..nn import Checkpointed
 from ..nn import functional as F
 from ..optim.clip import clip_grad_norm_
-from ..parallel.grad_sync import check_axonn_fsdp_shapes, finish_axonn_fsdp, mean_over
+from ..parallel.grad_sync import check_axonn_fsdp_shapes, finish_axonn_fsdp
+from ..parallel.token_mean import token_mean
 from ..parallel.auto_parallelize import auto_parallelize
 from ..parallel.ddp import DistributedDataParallel
 from ..parallel.fsdp import FSDP, ShardingStrategy
@@ -115,6 +116,7 @@ class HybridGPT(LayoutState):
             self.pipe = Pipeline(chunks, self.schedule, num_microbatches=self.num_microbatches,
                                  loss_fn=F.cross_entropy, group=g.inter_group, virtual_stages=self._v,
                                  data_group=None if self.style is TPStyle.AXONN else g.data_group,
+                                 token_groups=self.groups.replica if self.style is TPStyle.AXONN else (),
                                  track_memory=False)
             self._params = self.pipe.parameters()
         mine = {id(p) for p in self._params}
@@ -168,34 +170,45 @@ class HybridGPT(LayoutState):
         return batch[self.shard_index * b:(self.shard_index + 1) * b]
 
     def _loss_groups(self) -> list:
-        """The groups the rank's mean loss is averaged over (its row slices; the pipeline's own first)."""
+        """The groups whose ranks read other targets (the token mean sums over them; the pipeline's own)."""
         if self.pipe is not None:
-            return list(self.groups.replica) if self.style is TPStyle.AXONN else []
+            return self.pipe.token_groups()
         if self.fsdp is not None and self.style is TPStyle.AXONN:
             return [self.grid.data_group, self.grid.intra_group]
         return [self.grid.data_context_group]
 
+    def _token_mean(self, model, x, y):
+        """The one loss rule (:mod:`axonmpi.parallel.token_mean`): this rank's loss sum over its counted
+        targets (its tokens of each sequence under context parallelism) -> the global batch's token mean."""
+        logits, _ = model(x)
+        cp = getattr(self.model, "context_parallel", None)
+        if cp is not None and cp.active:
+            y = y[:, cp.positions(y.shape[1])]
+        lsum = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+        return token_mean(lsum, int((y != -100).sum()), self._loss_groups())
+
     def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
         needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`, DDP and FSDP layouts) scales the loss.
-        Returns the mean loss over the whole global batch (the same on every rank and every layout)."""
+        Returns the mean loss over the global batch's counted targets (the serial model's, the same on
+        every rank and every layout, ignored targets anywhere)."""
         if self.pipe is None:
-            _, loss = (self.ddp or self.fsdp)(x, y)
+            loss = self._token_mean(self.ddp or self.fsdp, x, y)
             aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
             total = loss if aux is None else loss + aux      # the returned value stays the LM loss
             (total if scaler is None else scaler.scale(total)).backward()
-            value = mean_over(float(loss.item()), self._loss_groups())
+            value = float(loss.item())
             if self.fsdp is not None and self.style is TPStyle.AXONN:
                 finish_axonn_fsdp(self.fsdp, self.grid)
             return value
         if scaler is not None:
             raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling is built for the DDP and FSDP "
                                       f"layouts, not {self.layout} with a pipeline or tensor parallelism")
-        value = self.pipe.step(x, y)       # Megatron / pure PP: already averaged over data_group
+        value = self.pipe.step(x, y)       # the token mean over its micro-batches and token groups
         if self.style is TPStyle.AXONN:
             from ..parallel.intra_layer import sync_gradients
             sync_gradients(self._params, mean=True, groups=self.groups)
-        return mean_over(value, self._loss_groups())
+        return value
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the global model's gradients to ``max_norm`` (their placements count each element once);
@@ -206,10 +219,9 @@ class HybridGPT(LayoutState):
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
         if self.pipe is not None:
-            return mean_over(self.pipe.eval_step(x, y), self._loss_groups())
+            return self.pipe.eval_step(x, y)
         with no_grad():
-            _, loss = (self.fsdp or self.model)(x, y)
-        return mean_over(float(loss.item()), self._loss_groups())
+            return float(self._token_mean(self.fsdp or self.model, x, y).item())
 
     def dropout_seed(self, seed: int) -> int:
         """The seed of this rank's random stream: ``seed * 1000 + shard_index``, so ranks holding the same

@@ -13,6 +13,7 @@ from ...autograd.split_backward import backward_input
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
 from ...distributed.collectives import all_reduce, broadcast
+from ...distributed.object_collectives import all_gather_object
 from ...distributed.group import ProcessGroup
 from ...distributed.placement import Shard, ShardKind, add_placement
 from ...distributed.world import get_grid, resolve_group
@@ -24,6 +25,7 @@ from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_f
                         simulate)
 from .stage import PipelineStage
 from ..grad_sync import check_group, mean_over, reduction_groups, sharded_within
+from ..token_mean import global_count, token_groups_size
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -169,14 +171,20 @@ class Pipeline:
             of the batch, as the serial model computes it.  ``None``, or float targets: weighted
             by sample counts.
         group: the pipeline group (default: all ranks).
-        virtual_stages: chunks per rank ``v`` (interleaved: any; ZBV: 2, the default for it; else 1).
+        virtual_stages: chunks per rank ``v`` (interleaved: any; ZBV: 2, the default for it; else 1;
+            default: the number of chunks given, when more than one).
             ZBV places its chunks in a V: pipeline rank ``r`` holds stages ``r`` and ``2p - 1 - r``
-            (``split_module(model, p, 2, stage_ranks=make_schedule("zbv", p, m).stage_ranks)``).
+            (``split_module(model, p, 2, schedule="zbv")``). A chunk from :func:`split_module` carries its
+            global stage; chunks that are not the stages the schedule runs on this rank raise
+            ``ValueError`` on every rank of the group, naming them and the fix.
         data_group: the data-parallel group of this rank's stages (the ranks holding the same
             stages for other rows of the batch). Default: the grid's data group when ``group`` is
             the grid's pipeline group (``axonmpi.init(G_inter=p)``), else none. A group two of
             whose ranks hold different stages or shards raises ``ValueError``.
         track_memory: measure activation bytes (walks each micro-batch's graph once).
+        token_groups: more groups whose ranks read other rows of the batch, reduced outside the
+            pipeline by a mean over them (AxoNN's ``sync_gradients(mean=True)`` in the GPT recipe):
+            counted targets are summed over them too, and the loss averaged (:meth:`token_groups`).
 
     Example:
         >>> chunks = split_module(model, num_stages=world.world_size)
@@ -188,7 +196,7 @@ class Pipeline:
                  num_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
                  group: Optional[ProcessGroup] = None, virtual_stages: Optional[int] = None, *,
                  data_group: Optional[ProcessGroup] = None, track_memory: bool = True,
-                 ignore_index: Optional[int] = -100):
+                 ignore_index: Optional[int] = -100, token_groups: Sequence[ProcessGroup] = ()):
         self.group = _default_group(group)
         p, r = self.group.size, self.group.rank
         if isinstance(schedule, Schedule):
@@ -202,6 +210,8 @@ class Pipeline:
         else:
             if num_microbatches is None:
                 raise ValueError(f"rank {r}: Pipeline needs num_microbatches (a positive int)")
+            if virtual_stages is None and isinstance(stages, (list, tuple)) and len(stages) > 1:
+                virtual_stages = len(stages)       # the chunks given per rank
             sched = make_schedule(schedule, p, num_microbatches, virtual_stages)
         if sched.num_stages != p:
             raise ValueError(f"rank {r}: the schedule is for {sched.num_stages} pipeline ranks but the group has {p}")
@@ -213,6 +223,7 @@ class Pipeline:
             stages = [stages]
         if len(stages) != v:
             raise ValueError(f"rank {r}: Pipeline got {len(stages)} stages; virtual_stages={v} needs {v} per rank")
+        _check_placement(stages, sched, self.group)
         self.stages: Dict[int, PipelineStage] = {}
         for k, st in enumerate(stages):
             sid = sched.stages_of(r)[k]
@@ -229,6 +240,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.ignore_index = ignore_index
         self.data_group = _data_group(self.group, data_group)
+        self._extra_token_groups = tuple(resolve_group(x) for x in token_groups)
         for st in self.stages.values():
             named = [(f"stage {st.stage_id}: {n}", q) for n, q in st.module.named_parameters()]
             for _, q in named:
@@ -268,6 +280,19 @@ class Pipeline:
         header; call this before a step whose activations have another trailing shape.
         """
         self._meta.clear()
+
+    def token_groups(self) -> List[ProcessGroup]:
+        """The groups whose ranks read other rows of the batch: ``data_group``, the ``batch_groups`` the
+        stages declare (AxoNN's easy mode under ``parallelize``) and ``token_groups``.  Counted targets
+        are summed over them and the loss averaged there (the one loss rule,
+        :mod:`axonmpi.parallel.token_mean`)."""
+        batch = [b for s in sorted(self.stages) for b in getattr(self.stages[s].module, "batch_groups", ())]
+        out, seen = [], set()
+        for g in [self.data_group, *batch, *self._extra_token_groups]:
+            if g is not None and g.size > 1 and id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
+        return out
 
     def timing(self) -> PipelineTiming:
         """Compute and wall time of the last :meth:`step` on this rank (see :class:`PipelineTiming`)."""
@@ -317,7 +342,7 @@ class Pipeline:
                                                                  ActionKind.RECV_ACT)]
         with no_grad():
             out = self._run(acts, sizes, inputs, targets, train=False)
-        return mean_over(out, [self.data_group]) if targets is not None else out
+        return mean_over(out, self.token_groups()) if targets is not None else out
 
     def schedule_actions(self) -> List[Action]:
         """This rank's action list (what :meth:`step` executes)."""
@@ -394,12 +419,6 @@ class Pipeline:
                     x[...] = flat[at:at + x.size].reshape(x.shape)
                     at += x.size
 
-    def _mean_over_batch_groups(self, value: float) -> float:
-        """The loss averaged over the batch groups the stages declare (every rank of a tensor block in
-        AxoNN's easy mode reads its own rows); a no-op for plain stages."""
-        groups = {id(b): b for st in self.stages.values() for b in getattr(st.module, "batch_groups", ())}
-        return mean_over(value, groups.values())
-
     def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool):
         ex = _Executor(self, acts, sizes, inputs, targets, train)
         value = ex.run()
@@ -409,7 +428,7 @@ class Pipeline:
                 value = float(all_reduce(np.array([value if self.rank == src else 0.0]), ReduceOp.SUM,
                                          self.group)[0])
             if train:
-                value = self._mean_over_batch_groups(mean_over(value, [self.data_group]))
+                value = mean_over(value, self.token_groups())
         if train:
             self._stats = ex.memory_stats()
             self._timing = ex.timing
@@ -417,6 +436,57 @@ class Pipeline:
         self._posted = ex.posted              # receives in posting order, and sends in sending order:
         self._sent = ex.sent                  # tests check that each pair's sequences agree ([Note: p2p order])
         return value
+
+
+def _stage_index(m) -> Optional[Tuple[int, int]]:
+    """``(stage_index, num_chunks)`` that :func:`split_module` set on a chunk, looked for through the
+    wrappers around it (``PipelineStage``, ``parallelize``'s ``ParallelModule``, ``Checkpointed``, DDP,
+    FSDP: their ``module`` / ``inner``); ``None`` for a chunk cut by hand."""
+    seen = set()
+    while m is not None and id(m) not in seen:
+        seen.add(id(m))
+        if isinstance(getattr(m, "stage_index", None), int):
+            return m.stage_index, getattr(m, "num_chunks", None)
+        m = getattr(m, "inner", None) or getattr(m, "module", None)
+    return None
+
+
+def _check_placement(stages: Sequence[Any], sched: Schedule, group: ProcessGroup) -> None:
+    """Raise on every rank of the pipeline group when a rank's chunks are not the stages the schedule
+    places there (:func:`_misplaced`; collective over ``group``)."""
+    msg = _misplaced(stages, sched, group.rank)
+    msgs = all_gather_object(msg, group=group) if group.size > 1 else [msg]
+    if msg is not None:
+        raise ValueError(msg)
+    bad = [q for q, m in enumerate(msgs) if m is not None]
+    if bad:
+        raise ValueError(f"rank {group.rank}: pipeline rank(s) {bad} hold chunks that the schedule places "
+                         f"elsewhere; pipeline {msgs[bad[0]]}")
+
+
+def _misplaced(stages: Sequence[Any], sched: Schedule, r: int) -> Optional[str]:
+    """[Note: stages know their place]  A chunk from :func:`split_module` carries its global stage index;
+    the schedule says which stages run on rank ``r`` (round-robin ``r, r + p``; ZBV's V ``r, 2p - 1 - r``).
+    A chunk holding another stage would run a permuted model silently, so it raises, naming the chunks and
+    the fix."""
+    want = sched.stages_of(r)
+    got = [_stage_index(st) for st in stages]
+    if all(x is None for x in got):
+        return None
+    total = sched.total_stages
+    bad = [(k, x) for k, x in enumerate(got)
+           if x is not None and (x[0] != want[k] or (x[1] is not None and x[1] != total))]
+    if not bad:
+        return None
+    have = [None if x is None else x[0] for x in got]
+    cuts = sorted({x[1] for x in got if x is not None and x[1] is not None})
+    kind = sched.kind.value if sched.kind is not None else "given"
+    of = f" of a {cuts[0]}-chunk cut" if cuts and cuts != [total] else ""
+    return (
+        f"rank {r}: the {kind} schedule over {sched.num_stages} pipeline ranks runs global stages {want} (of "
+        f"{total}) on this rank, but the chunks given are split_module's stages {have}{of}: the model would run "
+        f"permuted. Cut it for the schedule: split_module(model, {sched.num_stages}, {sched.virtual_stages}, "
+        f"schedule={kind!r}) (or stage_ranks=make_schedule({kind!r}, p, m).stage_ranks)")
 
 
 def _tag(kind: ActionKind, stage: int) -> int:
@@ -469,21 +539,21 @@ class _Executor:
     def _loss_weights(self) -> List[float]:
         """Each micro-batch's share of the batch loss: its counted targets over all (see ``ignore_index``).
 
-        With a data group the total is summed over it and the weights multiplied by its size,
-        so the replicas' MEAN of losses and gradients is the mean over all their counted targets.
+        The one loss rule (:mod:`axonmpi.parallel.token_mean`): the total is counted over the
+        micro-batches and over :meth:`Pipeline.token_groups` (data, the stages' batch groups, and
+        ``token_groups``), and the weights are multiplied by the number of batch shards they make,
+        so the shards' MEAN of losses and gradients is the mean over all their counted targets.
         """
         p, t = self.pipe, self.targets
         if t is None or p.loss_fn is None:
             return [0.0] * len(self.sizes)
         t = _raw(t)
         if p.ignore_index is None or getattr(t, "dtype", np.dtype(float)).kind not in "iu":
-            counts = [float(s) for s in self.sizes]
+            counts = [int(s) for s in self.sizes]
         else:
-            counts = [float((self._slice(t, i) != p.ignore_index).sum()) for i in range(len(self.sizes))]
-        total, scale = sum(counts), 1.0
-        g = p.data_group
-        if g is not None and g.size > 1:
-            total, scale = float(all_reduce(np.array([total]), ReduceOp.SUM, g)[0]), float(g.size)
+            counts = [int((self._slice(t, i) != p.ignore_index).sum()) for i in range(len(self.sizes))]
+        groups = p.token_groups()
+        total, scale = global_count(sum(counts), groups), float(token_groups_size(groups))
         self.no_counted_targets = total == 0
         return [c * scale / total if total else 0.0 for c in counts]
 

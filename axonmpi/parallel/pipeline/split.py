@@ -104,13 +104,35 @@ def _check_untied(chunks: List[Sequential]) -> None:
                     "or choose boundaries that keep both uses in one chunk")
 
 
+def _placement(schedule, num_stages: int, virtual_stages: int):
+    """``(virtual_stages, stage_ranks)`` of ``schedule`` over ``num_stages`` ranks (``stage_ranks`` round-robin
+    when the schedule does not say otherwise)."""
+    from .schedules import PipelineSchedule, Schedule, make_schedule
+    if isinstance(schedule, Schedule):
+        sched = schedule
+    else:
+        kind = coerce_enum(PipelineSchedule, schedule, "split_module schedule")
+        v = None if kind is PipelineSchedule.ZBV and virtual_stages == 1 else virtual_stages
+        sched = make_schedule(kind, num_stages, max(num_stages, 1), v)
+    if sched.num_stages != num_stages:
+        raise ValueError(f"split_module: the schedule is for {sched.num_stages} pipeline ranks, num_stages={num_stages}")
+    if virtual_stages not in (1, sched.virtual_stages):
+        raise ValueError(f"split_module: virtual_stages={virtual_stages} disagrees with the schedule's "
+                         f"{sched.virtual_stages}")
+    return sched.virtual_stages, tuple(sched.rank_of(s) for s in range(sched.total_stages))
+
+
 def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Union[SplitBy, str] = "params",
                  boundaries: Optional[Sequence[int]] = None, *, group: Optional[ProcessGroup] = None,
-                 rank: Optional[int] = None, stage_ranks: Optional[Sequence[int]] = None) -> List[Sequential]:
+                 rank: Optional[int] = None, stage_ranks: Optional[Sequence[int]] = None,
+                 schedule=None) -> List[Sequential]:
     """Cut ``model`` into ``num_stages * virtual_stages`` chunks; return this rank's.
 
-    Chunk ``s`` lives on pipeline rank ``s % num_stages``; the result is
-    ``[chunk r, chunk r + p, ...]`` for pipeline rank ``r``. Every chunk is a ``Sequential`` of at
+    Chunk ``s`` lives on pipeline rank ``s % num_stages`` (or where ``schedule`` / ``stage_ranks``
+    place it); the result is ``[chunk r, chunk r + p, ...]`` for pipeline rank ``r``. Each chunk
+    carries its place: ``chunk.stage_index`` (its global stage ``s``) and ``chunk.num_chunks``
+    (``num_stages * virtual_stages``); a :class:`~axonmpi.parallel.Pipeline` whose schedule places
+    other stages on this rank raises instead of running a permuted model. Every chunk is a ``Sequential`` of at
     least one of the model's own modules (parameters are shared, never copied, so
     ``model.state_dict()`` on a rank shows its stages' trained values); chunks without
     parameters are allowed. A parameter used by two chunks (tied weights) is refused with a
@@ -128,6 +150,9 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
         stage_ranks: the pipeline rank of each chunk when not round-robin (ZBV's V:
             ``make_schedule("zbv", p, m).stage_ranks``); the result lists this rank's chunks in
             increasing order.
+        schedule: cut for this schedule's placement: a :class:`PipelineSchedule` (or its name,
+            e.g. ``"zbv"``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``; its
+            ``virtual_stages`` is then 2 unless given) or a ready :class:`Schedule`.
 
     Returns:
         This rank's chunks, a list of ``v`` ``Sequential`` modules.
@@ -137,11 +162,19 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
         >>> [len(c) for c in split_module(model, num_stages=2, rank=0)]
         [2]
     """
+    if schedule is not None:
+        virtual_stages, placed = _placement(schedule, num_stages, virtual_stages)
+        if stage_ranks is not None and tuple(int(x) for x in stage_ranks) != placed:
+            raise ValueError(f"split_module: stage_ranks={tuple(stage_ranks)} disagrees with schedule "
+                             f"{schedule!r}'s placement {placed}; pass one of them")
+        stage_ranks = placed
     starts = split_points(model, num_stages, virtual_stages, by, boundaries)
     layers = _layers(model)
     ends = starts[1:] + [len(layers)]
     chunks = [Sequential(*layers[a:b]) for a, b in zip(starts, ends)]
     _check_untied(chunks)
+    for s, chunk in enumerate(chunks):
+        chunk.stage_index, chunk.num_chunks = s, len(chunks)
     if rank is None:
         g = _default_group(group)
         if g.size != num_stages:

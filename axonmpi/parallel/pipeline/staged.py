@@ -46,7 +46,7 @@ def build_stage_layers(construct: Callable[[int], Module], init: Callable[[Modul
         num_stages, virtual_stages: the pipeline's ranks and chunks per rank.
         stage_rank: this rank's index in the pipeline group.
         stage_ranks: the pipeline rank of each chunk when not round-robin (ZBV's V:
-            ``make_schedule("zbv", p, m).stage_ranks``), as ``split_module`` takes it.
+            ``make_schedule("zbv", p, m).stage_ranks``; cut with ``split_module(..., stage_ranks=)`` too).
 
     Example:
         >>> layers = build_stage_layers(lambda i: GPT.build_pipeline_layer(cfg, i),
@@ -59,9 +59,9 @@ def build_stage_layers(construct: Callable[[int], Module], init: Callable[[Modul
     set_rng_state(start)
     k = num_stages * virtual_stages
     starts = split_points(Sequential(*stand_ins), num_stages, virtual_stages) + [n]
-    chunks = range(stage_rank, k, num_stages) if stage_ranks is None else \
-        [c for c in range(k) if stage_ranks[c] == stage_rank]
-    mine = {i for c in chunks for i in range(starts[c], starts[c + 1])}
+    placed = range(stage_rank, k, num_stages) if stage_ranks is None else \
+        [c for c in range(k) if int(stage_ranks[c]) == stage_rank]
+    mine = {i for c in placed for i in range(starts[c], starts[c + 1])}
     layers = []
     for i in range(n):                                                                          # (B)
         layer = construct(i)
