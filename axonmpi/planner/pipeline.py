@@ -14,7 +14,7 @@ from ..parallel.pipeline.schedules import make_schedule, simulate
 
 __all__ = ["bubble_and_peak"]
 
-_SCALE = 24
+_SCALE = 12
 
 
 @lru_cache(maxsize=4096)

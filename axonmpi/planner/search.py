@@ -61,7 +61,7 @@ def candidates(cfg: TransformerConfig, train: TrainConfig, world: int, hw: Hardw
                 dp = world // (T * cp * pp)
                 scheds = [("1f1b", 1)]
                 if pp > 1:
-                    scheds += [("interleaved", v) for v in range(2, 9) if (cfg.layers // pp) % v == 0]
+                    scheds += [("interleaved", v) for v in range(2, 5) if (cfg.layers // pp) % v == 0]
                     scheds += [("zb-h1", 1)]
                     if cfg.layers % (2 * pp) == 0:
                         scheds += [("zbv", 1)]
