@@ -174,7 +174,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _cmd_plan_model(args)
     hw = P.Hardware(bw_intra=args.bw_intra * 1e9, bw_inter=args.bw_inter * 1e9, flops=args.tflops * 1e12,
                     gpus_per_node=args.gpus_per_node, cores=args.cores)
-    if args.hardware == "cpu":             # the shipped measurement of the development allocation
+    if args.hardware == "cpu" and not args.measure:    # the shipped measurement of the development allocation
         from axonmpi.planner.cpu import hardware_from_spec
         hw = hardware_from_spec("cpu", args.gpus_per_node if args.gpus_per_node_set else None)
     if args.measure:

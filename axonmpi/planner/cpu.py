@@ -42,7 +42,8 @@ def save_measured(path: str, bw: Dict[str, float], ranks: int) -> None:
                                        f"at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
          "source": "axonmpi.plan.measure_bandwidth (medians under load; see docs/hybrid.md) and a NumPy copy",
          "gpus_per_node": ranks, "matrix_tflops": {"fp32": bw["flops"] / 1e12, "fp64": bw["flops"] / 2e12},
-         "vector_tflops": bw["flops"] / 8e12, "memory_gbs": copy / 1e9, "memory_gib": 8.0,
+         "vector_tflops": bw["flops"] / 8e12, "memory_gbs": copy / 1e9,
+         "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / ranks,
          "intra_gbs": bw["intra"] / 1e9, "intra_latency_us": bw["latency"] * 1e6, "nic_gbs": bw["inter"] / 1e9,
          "inter_latency_us": bw["latency"] * 1e6, "cores": bw["cores"], "measured": bw}
     with open(path, "w") as f:

@@ -132,3 +132,51 @@ def fit(rows: Sequence[PublishedRun] = TABLE1, grid: Optional[Dict[str, Sequence
         if err < best_err:
             best, best_err = cal, err
     return best
+
+
+def recommend(rows: Sequence[PublishedRun] = TABLE1, hardware: str = "dgx-a100", top: int = 1) -> List[Dict]:
+    """For each row's model, GPU count and batch (and micro-batch, recomputation): the planner's first choice
+    beside the published layout (predicted with ``overlap=0``, as it ran, and with axonmpi's overlap)."""
+    from .search import search
+    hw = load_hardware(hardware)
+    out = []
+    for r in rows:
+        pub = estimate_layout(r.config(), r.train(), r.layout(), hw)
+        best = search(r.config(), r.train(), r.gpus, hw)[:top]
+        out.append({"row": r.label, "gpus": r.gpus, "published_layout": r.layout().label(),
+                    "published_pred_s": pub.step_time, "best": best[0] if best else None})
+    return out
+
+
+def _main(argv=None) -> int:
+    import argparse
+    from .report import format_validation
+    p = argparse.ArgumentParser(description="the planner against the published runs (markdown tables)")
+    p.add_argument("--fit", action="store_true", help="re-run the fit on Table 1 and print the constants")
+    p.add_argument("--recommend", action="store_true", help="also search every Table 1 row (slow: minutes)")
+    args = p.parse_args(argv)
+    cal = fit() if args.fit else FITTED
+    print(f"calibration: {cal}\n")
+    print("Megatron 2021 Table 1 (fitted on):\n")
+    print(format_validation(compare(TABLE1, cal)))
+    print("\nKorthikanti 2022 (held out):\n")
+    print(format_validation(compare(KORTHIKANTI, cal)))
+    print("\nKorthikanti 2022 Figure 1, GiB per GPU (held out):\n")
+    print("| model | what | published | predicted | error |\n|---|---|---|---|---|")
+    for m in memory_compare(cal):
+        print(f"| {m['row']} | {m['what']} | {m['published_gib']:.2f} | {m['predicted_gib']:.2f} | "
+              f"{100 * m['error']:+.1f}% |")
+    if args.recommend:
+        print("\nRecommendations (Table 1 rows' model, GPUs, batch, micro-batch, full recomputation):\n")
+        print("| row | GPUs | published layout | its predicted s (overlap=0) | first choice | predicted s | "
+              "memory GiB |\n|---|---|---|---|---|---|---|")
+        for r in recommend():
+            b = r["best"]
+            lab = b.layout.label() + ("" if b.layout.pp == 1 else f",schedule={b.layout.pipeline_schedule}")
+            print(f"| {r['row']} | {r['gpus']} | {r['published_layout']} | {r['published_pred_s']:.2f} | {lab} | "
+                  f"{b.step_time:.2f} | {b.memory_bytes / 2 ** 30:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
