@@ -1,8 +1,8 @@
 """The pipeline's bubble and in-flight micro-batches, from ``schedules.simulate`` (cached).
 
 The bubble of a schedule does not grow with the micro-batches once every rank reaches its steady
-state, so the schedule is simulated with ``min(m, 2p)`` micro-batches (a multiple of ``p`` for the
-interleaved schedule) and the per-micro-batch work of the rest is added: the step is
+state, so the schedule is simulated with ``min(m, p)`` micro-batches (1F1B) or ``min(m, 2p)`` (the
+interleaved schedule, a multiple of ``p``, fills its warm-up only then; ZB-H1 and ZBV settle only then) and the per-micro-batch work of the rest is added: the step is
 ``m (F + B + W) v + bubble`` for one rank's ``v`` chunks of ``F``, ``B``, ``W`` seconds each.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def bubble_and_peak(kind: str, p: int, m: int, v: int, f: float, b: float, w: fl
     """
     if p == 1:
         return 0.0, 1
-    ms = min(m, 2 * p)
+    ms = min(m, p if kind in ("1f1b", "gpipe") else 2 * p)      # 1F1B: p already reaches the steady state
     if kind == "interleaved":
         if m % p:
             raise ValueError(f"the interleaved schedule needs micro-batches m={m} to be a multiple of pp={p}")

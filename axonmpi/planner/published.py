@@ -134,7 +134,8 @@ def fit(rows: Sequence[PublishedRun] = TABLE1, grid: Optional[Dict[str, Sequence
     return best
 
 
-def recommend(rows: Sequence[PublishedRun] = TABLE1, hardware: str = "dgx-a100", top: int = 1) -> List[Dict]:
+def recommend(rows: Sequence[PublishedRun] = TABLE1, hardware: str = "dgx-a100", top: int = 1,
+              axonn: bool = True) -> List[Dict]:
     """For each row's model, GPU count and batch (and micro-batch, recomputation): the planner's first choice
     beside the published layout (predicted with ``overlap=0``, as it ran, and with axonmpi's overlap)."""
     from .search import search
@@ -142,7 +143,7 @@ def recommend(rows: Sequence[PublishedRun] = TABLE1, hardware: str = "dgx-a100",
     out = []
     for r in rows:
         pub = estimate_layout(r.config(), r.train(), r.layout(), hw)
-        best = search(r.config(), r.train(), r.gpus, hw)[:top]
+        best = search(r.config(), r.train(), r.gpus, hw, axonn=axonn)[:top]
         out.append({"row": r.label, "gpus": r.gpus, "published_layout": r.layout().label(),
                     "published_pred_s": pub.step_time, "best": best[0] if best else None})
     return out
@@ -154,6 +155,8 @@ def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description="the planner against the published runs (markdown tables)")
     p.add_argument("--fit", action="store_true", help="re-run the fit on Table 1 and print the constants")
     p.add_argument("--recommend", action="store_true", help="also search every Table 1 row (slow: minutes)")
+    p.add_argument("--no-axonn", action="store_true", help="leave AxoNN 3-D layouts out of --recommend's search")
+    p.add_argument("--rows", nargs="+", default=None, help="only these Table 1 rows in --recommend")
     args = p.parse_args(argv)
     cal = fit() if args.fit else FITTED
     print(f"calibration: {cal}\n")
@@ -170,8 +173,13 @@ def _main(argv=None) -> int:
         print("\nRecommendations (Table 1 rows' model, GPUs, batch, micro-batch, full recomputation):\n")
         print("| row | GPUs | published layout | its predicted s (overlap=0) | first choice | predicted s | "
               "memory GiB |\n|---|---|---|---|---|---|---|")
-        for r in recommend():
+        rows = [r for r in TABLE1 if not args.rows or r.label in args.rows]
+        for r in recommend(rows, axonn=not args.no_axonn):
             b = r["best"]
+            if b is None:
+                print(f"| {r['row']} | {r['gpus']} | {r['published_layout']} | {r['published_pred_s']:.2f} | "
+                      "(nothing fits) | | |", flush=True)
+                continue
             lab = b.layout.label() + ("" if b.layout.pp == 1 else f",schedule={b.layout.pipeline_schedule}")
             print(f"| {r['row']} | {r['gpus']} | {r['published_layout']} | {r['published_pred_s']:.2f} | {lab} | "
                   f"{b.step_time:.2f} | {b.memory_bytes / 2 ** 30:.1f} |", flush=True)
