@@ -44,5 +44,9 @@ def bubble_and_peak(kind: str, p: int, m: int, v: int, f: float, b: float, w: fl
         ms = max(p, ms - ms % p)
     unit = max(f + b + w, 1e-30) / _SCALE                    # integer times: exact and cacheable
     fi, bi, wi, ci = (int(round(x / unit)) for x in (f, b, w, comm))
+    if w == 0 and comm == 0:
+        # an unsplit backward: the bubble scales with F + B whatever their ratio (1F1B's (p-1)(F+B)), so one
+        # simulation at F:B = 1:2 serves every ratio
+        fi, bi = _SCALE // 3, _SCALE - _SCALE // 3
     bub, peak = _sim(kind, p, ms, v, max(fi, 1), max(bi, 1), wi, ci)
     return bub * unit, peak
