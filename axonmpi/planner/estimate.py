@@ -226,7 +226,7 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
     else:
         moe_p, moe_exp = dense_p, 0.0
     layer_local = ((1 - moe_frac) * dense_p + moe_frac * moe_p) / T
-    emb = (cfg.vocab + (s if lay.pp == 1 else s)) * h / (t if lay.axonn == 1 else T)
+    emb = (cfg.vocab + s) * h / (t if lay.axonn == 1 else T)     # word + position embeddings (first stage)
     params_rank = lrank * layer_local + emb
     expert_rank = lrank * moe_frac * moe_exp
     dense_rank = params_rank - expert_rank
