@@ -13,8 +13,8 @@ point-to-point ``V``.  The link's bandwidth: inside a node the GPU's link (NVLin
 bus bandwidth is ``min(intra, k nic)``; an all-to-all sends its off-node part ``(g-k)/g V`` through
 the rank's own card.  Machines with a measured table (AxoNN's, Perlmutter and Frontier) take the
 bandwidth from it by ``ip`` and ``g``.  Latency per call: inside a node the link's latency (one
-NVSwitch round); across nodes the network's latency times ``2 log2 g`` (all-reduce), ``log2 g`` (gathers,
-scatters) or 1 (all-to-all, point-to-point).  Bandwidths are scaled by the fitted efficiencies (``link`` inside a
+NVSwitch round); across nodes the network's latency times ``2 log2 g`` (all-reduce: NCCL's tree), ``g - 1``
+(all-gather, reduce-scatter: rings) or 1 (all-to-all, point-to-point).  Bandwidths are scaled by the fitted efficiencies (``link`` inside a
 node, ``network`` across nodes); each
 call adds the link's latency.
 """
@@ -66,7 +66,7 @@ def _log2(g: int) -> float:
     return max(1.0, math.ceil(math.log2(g)))
 
 
-# latency terms per call: NCCL's tree / recursive algorithms for latency (2 log2 g hops for an all-reduce,
-# log2 g for gathers and scatters), all-to-all and point-to-point one round
-_STEPS = {"allreduce": lambda g: 2 * _log2(g), "allgather": _log2, "reducescatter": _log2,
+# latency terms per call across nodes: NCCL's tree for an all-reduce (2 log2 g hops), rings for gathers and
+# scatters (g - 1 steps), one round for all-to-all and point-to-point
+_STEPS = {"allreduce": lambda g: 2 * _log2(g), "allgather": lambda g: g - 1.0, "reducescatter": lambda g: g - 1.0,
           "alltoall": lambda g: 1.0, "p2p": lambda g: 1.0}

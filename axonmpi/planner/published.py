@@ -143,9 +143,11 @@ def recommend(rows: Sequence[PublishedRun] = TABLE1, hardware: str = "dgx-a100",
     out = []
     for r in rows:
         pub = estimate_layout(r.config(), r.train(), r.layout(), hw)
+        pub1 = estimate_layout(r.config(), r.train(), r.layout(overlap=1), hw)
         best = search(r.config(), r.train(), r.gpus, hw, axonn=axonn)[:top]
         out.append({"row": r.label, "gpus": r.gpus, "published_layout": r.layout().label(),
-                    "published_pred_s": pub.step_time, "best": best[0] if best else None})
+                    "published_pred_s": pub.step_time, "published_overlap_s": pub1.step_time,
+                    "best": best[0] if best else None})
     return out
 
 
@@ -171,7 +173,7 @@ def _main(argv=None) -> int:
               f"{100 * m['error']:+.1f}% |")
     if args.recommend:
         print("\nRecommendations (Table 1 rows' model, GPUs, batch, micro-batch, full recomputation):\n")
-        print("| row | GPUs | published layout | its predicted s (overlap=0) | first choice | predicted s | "
+        print("| row | GPUs | published layout | its predicted s (overlap=0 / 1) | first choice | predicted s | "
               "memory GiB |\n|---|---|---|---|---|---|---|")
         rows = [r for r in TABLE1 if not args.rows or r.label in args.rows]
         for r in recommend(rows, axonn=not args.no_axonn):
@@ -180,8 +182,11 @@ def _main(argv=None) -> int:
                 print(f"| {r['row']} | {r['gpus']} | {r['published_layout']} | {r['published_pred_s']:.2f} | "
                       "(nothing fits) | | |", flush=True)
                 continue
-            lab = b.layout.label() + ("" if b.layout.pp == 1 else f",schedule={b.layout.pipeline_schedule}")
-            print(f"| {r['row']} | {r['gpus']} | {r['published_layout']} | {r['published_pred_s']:.2f} | {lab} | "
+            lab = b.layout.label()
+            if b.layout.pp > 1 and "schedule=" not in lab:
+                lab += f",schedule={b.layout.pipeline_schedule}"
+            print(f"| {r['row']} | {r['gpus']} | {r['published_layout']} | {r['published_pred_s']:.2f} / "
+                  f"{r['published_overlap_s']:.2f} | {lab} | "
                   f"{b.step_time:.2f} | {b.memory_bytes / 2 ** 30:.1f} |", flush=True)
     return 0
 
