@@ -135,3 +135,18 @@ def test_first_choice_is_no_slower_than_the_published_layout():
     from axonmpi.planner.published import recommend
     r = recommend(TABLE1[:1], axonn=False)[0]           # 1.7B on 32 GPUs (the other rows: docs/plan.md)
     assert r["best"] is not None and r["best"].step_time <= r["published_pred_s"]
+
+
+@pytest.mark.serial
+def test_cpu_hardware_plans_hybridgpt_layouts_in_the_same_json(capsys):
+    from axonmpi.cli import main
+    base = ["plan", "--json", "--hardware", "cpu", "--world", "4", "--layers", "2", "--width", "64", "--seq", "8",
+            "--global-batch", "8", "--vocab", "95"]
+    assert main(base + ["--layout", "dp=2,col=2"]) == 0
+    (e,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert e["layout"]["dp"] == 2 and e["layout"]["col"] == 2 and e["step_time_s"] > 0 and e["breakdown"]["col_comm_s"] > 0
+    assert main(base) == 0
+    lays = json.loads(capsys.readouterr().out)["layouts"]
+    assert len(lays) == 15 and [x["step_time_s"] for x in lays] == sorted(x["step_time_s"] for x in lays)
+    assert main(base + ["--layout", "tp=2,dp=2"]) == 1
+    assert "use ['col', 'depth', 'dp', 'm', 'pp', 'row', 'schedule', 'zero']" in capsys.readouterr().err
