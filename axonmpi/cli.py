@@ -167,26 +167,85 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from axonmpi import plan as P
+    args.gpus_per_node_set = args.gpus_per_node is not None
+    if args.gpus_per_node is None:
+        args.gpus_per_node = 8
+    if args.hardware not in (None, "cpu") or (args.hardware is None and args.heads):
+        return _cmd_plan_model(args)
     hw = P.Hardware(bw_intra=args.bw_intra * 1e9, bw_inter=args.bw_inter * 1e9, flops=args.tflops * 1e12,
                     gpus_per_node=args.gpus_per_node, cores=args.cores)
+    if args.hardware == "cpu" and not args.measure:    # the shipped measurement of the development allocation
+        from axonmpi.planner.cpu import hardware_from_spec
+        hw = hardware_from_spec("cpu", args.gpus_per_node if args.gpus_per_node_set else None)
     if args.measure:
         bw = P.measure_bandwidth()
         hw = P.Hardware(bw_intra=bw["intra"] or hw.bw_intra, bw_inter=bw["inter"] or hw.bw_inter, flops=bw["flops"],
                         gpus_per_node=hw.gpus_per_node, latency=bw["latency"], cores=args.cores or bw["cores"])
+        if args.save_hardware:
+            from axonmpi.planner.cpu import save_measured
+            import axonmpi
+            if axonmpi.get_world().rank == 0:
+                save_measured(args.save_hardware, bw, hw.gpus_per_node)
     model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
                     vocab=args.vocab, dtype_bytes=args.dtype_bytes)
     limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
     import axonmpi
     if axonmpi.is_initialized() and axonmpi.get_world().rank != 0:
         return 0
+    if args.layout:
+        from axonmpi.planner.cpu import legacy_layout
+        lay, fsdp, m = legacy_layout(args.layout, args.world)
+        ests = [P.estimate(model, lay, hw, microbatches=m, fsdp=fsdp)]
+    else:
+        ests = P.plan(model, args.world, hw, memory_limit=limit)
+    if args.json:
+        import json
+        from axonmpi.planner.cpu import legacy_json
+        print(json.dumps({"layouts": [legacy_json(e, model) for e in ests]}, indent=1))
+        return 0
     print(f"GPT {model.params / 1e6:.1f}M weights on {args.world} ranks ({hw.gpus_per_node} per node); "
           f"bandwidth intra {hw.bw_intra / 1e9:.1f} GB/s, inter {hw.bw_inter / 1e9:.1f} GB/s"
           f"{' (measured)' if args.measure else ''}, latency {hw.latency * 1e6:.1f} us; "
           f"{hw.flops / 1e12:.3f} TFLOP/s per rank{' (measured GEMM)' if args.measure else ''}"
           f"{f', {hw.cores:.2g} cores per node' if hw.cores else ''}")
-    print(P.format_plan(P.plan(model, args.world, hw, memory_limit=limit), top=args.top, dtype_bytes=model.dtype_bytes))
+    print(P.format_plan(ests, top=args.top, dtype_bytes=model.dtype_bytes))
     if args.moe_experts:
         _print_moe_plan(P, args, hw)
+    return 0
+
+
+def _cmd_plan_model(args: argparse.Namespace) -> int:
+    """The planner's cost model of every axis on a described machine (``axonmpi.planner``)."""
+    import json
+
+    from axonmpi.planner import ParallelLayout, TrainConfig, TransformerConfig, estimate_layout, load_hardware
+    from axonmpi.planner.search import search
+    from axonmpi.planner.report import format_table
+    if not args.heads:
+        raise ValueError(f"--hardware {args.hardware or 'dgx-a100'} plans with the full cost model, which needs "
+                         "--heads (attention heads)")
+    hw = load_hardware(args.hardware or "dgx-a100")
+    if args.gpus_per_node_set:
+        hw = hw.with_(gpus_per_node=args.gpus_per_node)
+    cfg = TransformerConfig(layers=args.layers, width=args.width, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                            ffn=args.ffn, experts=args.moe_experts, top_k=args.moe_top_k)
+    train = TrainConfig(args.global_batch, args.micro_batch, args.precision, args.recompute)
+    limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
+    if args.layout:
+        lay = ParallelLayout.parse(args.layout)
+        if "overlap=" not in args.layout:
+            lay = lay.with_(overlap=args.overlap)
+        ests = [estimate_layout(cfg, train, lay, hw, world=args.world)]
+    else:
+        ests = search(cfg, train, args.world, hw, memory_limit=limit, max_cp=args.max_cp, axonn=not args.no_axonn,
+                      overlap=args.overlap)
+    if args.json:
+        print(json.dumps({"layouts": [e.as_dict() for e in ests]}, indent=1))
+        return 0
+    print(f"GPT {cfg.params / 1e9:.2f}B parameters, {args.world} GPUs of {hw.name} ({hw.gpus_per_node} per node), "
+          f"global batch {train.global_batch}, micro-batch {train.micro_batch}, {train.precision}, recompute "
+          f"{train.recompute}; memory limit {(limit or hw.memory_bytes) / 2 ** 30:.0f} GiB")
+    print(format_table(ests, top=args.top))
     return 0
 
 
@@ -258,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seq", type=_positive_int, required=True, help="sequence length")
     sp.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
     sp.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size")
-    sp.add_argument("--gpus-per-node", type=_positive_int, default=8, help="ranks per node")
+    sp.add_argument("--gpus-per-node", type=_positive_int, default=None, help="ranks per node (default: the "
+                    "--hardware file's, else 8)")
     sp.add_argument("--dtype-bytes", type=_positive_int, default=4, help="bytes per element")
     sp.add_argument("--bw-intra", type=float, default=50.0, help="GB/s inside a node")
     sp.add_argument("--bw-inter", type=float, default=12.5, help="GB/s between nodes")
@@ -273,6 +333,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--measure", action="store_true",
                     help="time all-reduces and a GEMM on this allocation for the bandwidths, latency, flop rate and "
                          "cores (run under mpiexec/srun)")
+    sp.add_argument("--hardware", default=None,
+                    help="a shipped machine (dgx-a100, dgx-h100, perlmutter, frontier: the full cost model of "
+                         "axonmpi.planner; cpu: HybridGPT's model with this allocation's measured numbers) or a JSON file")
+    sp.add_argument("--heads", type=int, default=0, help="attention heads (the full cost model)")
+    sp.add_argument("--ffn", type=int, default=0, help="MLP hidden size (default 4 x width)")
+    sp.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch")
+    sp.add_argument("--precision", choices=["fp16", "bf16", "fp32", "fp64"], default="fp16",
+                    help="compute precision (the full cost model)")
+    sp.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                    help="activation recomputation (the full cost model)")
+    sp.add_argument("--layout", default=None,
+                    help="estimate one layout: tp=8,pp=12,dp=16[,vp=2][,cp=..][,ep=..][,sp=1][,zero=0|1|3]"
+                         "[,row=..,col=..,depth=..][,schedule=1f1b|interleaved|zb-h1|zbv]")
+    sp.add_argument("--json", action="store_true", help='print {"layouts": [...]} as JSON')
+    sp.add_argument("--max-cp", type=_positive_int, default=1, help="largest context-parallel size searched")
+    sp.add_argument("--no-axonn", action="store_true", help="leave AxoNN 3-D tensor layouts out of the search")
+    sp.add_argument("--overlap", type=int, choices=[0, 1], default=1,
+                    help="1: gradients reduced during the backward (DDP buckets, FSDP prefetch) as axonmpi's "
+                         "runtime does; 0: after it")
+    sp.add_argument("--save-hardware", default=None, metavar="PATH",
+                    help="with --measure: write the measured numbers as a hardware JSON file")
     sp.set_defaults(func=_cmd_plan)
     sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot)")
     sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")

@@ -122,6 +122,9 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the layouts; the best tokens/s kept")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these layouts, e.g. 2x1x1x2x1-full_shard 4x1x1x1x1")
+    p.add_argument("--flops-from", choices=["measure", "serial"], default="measure",
+                   help="the flop rate: measure_bandwidth's GEMM (what `axonmpi plan --hardware cpu --measure` "
+                        "uses) or the model's flops over a 1-rank step's CPU seconds")
     args = p.parse_args()
     from axonmpi.plan import GROUPS, Hardware, Layout, Model, estimate
     from axonmpi.testing import run_mpiexec
@@ -140,6 +143,8 @@ def main():
         sys.exit(f"measure_bandwidth failed: {r.stderr.strip()[-2000:]}")
     bw = json.loads(r.stdout.strip().splitlines()[-1])
     cores = bw["cores"]
+    if args.flops_from == "measure":
+        flops = bw["flops"]
     hw = Hardware(bw_intra=bw["intra"], bw_inter=bw["inter"], flops=flops, gpus_per_node=args.ranks,
                   latency=bw["latency"], cores=cores)
     print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {model.vocab}, global batch "
@@ -173,8 +178,9 @@ def main():
     rho, rm, rp = _spearman([args.global_batch * args.block / r[3] for r in ok], [r[6].step_time for r in ok])
     rank_of = {id(r): (a, b) for r, a, b in zip(ok, rm, rp)}
     b = model.dtype_bytes
+    ratios = []
     print(f"{'layout (d,i,r,c,d)':<24} {'m':>2} {'cores':>5} {'tokens/s':>9} {'vs 1':>5} {'step ms':>8} {'pred ms':>8} "
-          f"{'rank':>4} {'pred':>4}  " + " ".join(f"{g + ' KiB meas/pred':>21}" for g in GROUPS) + f" {'worst':>6}")
+          f"{'rank':>4} {'pred':>4} {'p/m':>5}  " + " ".join(f"{g + ' KiB meas/pred':>21}" for g in GROUPS) + f" {'worst':>6}")
     for r in rows:
         sizes, fsdp, m, tok, counted, err, pred = r
         label = str(sizes) + (f" {fsdp}" if fsdp else "")
@@ -190,9 +196,17 @@ def main():
             if meas or want:
                 ratio = meas / want if want else float("inf")
                 worst = ratio if abs(ratio - 1) > abs(worst - 1) else worst
+        ratios.append(pred.step_time / step)
         print(f"{label:<24} {m:>2} {counted['_cores']:>5.2f} {tok:>9,.0f} {tok / serial:>5.2f} {step * 1e3:>8.0f} "
-              f"{pred.step_time * 1e3:>8.0f} {a + 1:>4} {c + 1:>4}  " + " ".join(cells) + f" {worst:>6.3f}")
-    print(f"Spearman rank correlation (predicted vs measured step time): {rho:.2f} over {len(ok)} layouts")
+              f"{pred.step_time * 1e3:>8.0f} {a + 1:>4} {c + 1:>4} {ratios[-1]:>5.2f}  " + " ".join(cells)
+              + f" {worst:>6.3f}")
+    print(f"Spearman rank correlation (predicted vs measured step time): {rho:.2f} over {len(ok)} layouts "
+          f"(target >= 0.9)")
+    if ratios:
+        far = max(max(r, 1 / r) for r in ratios)
+        inside = sum(1 / 1.33 <= r <= 1.33 for r in ratios)
+        print(f"predicted / measured step time: {min(ratios):.2f} .. {max(ratios):.2f}; worst factor {far:.2f} "
+              f"(target <= 1.33); {inside} of {len(ratios)} layouts within 1.33x (flop rate from {args.flops_from})")
 
 
 if __name__ == "__main__":

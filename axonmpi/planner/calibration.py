@@ -1,0 +1,45 @@
+"""The planner's fitted constants: each named, with the published rows it was fitted on.
+
+Everything else the planner uses is a datasheet number (``hardware/*.json``) or a count of flops and
+bytes.  The constants below were fitted by :func:`axonmpi.planner.published.fit` (a coarse grid search
+minimising the mean relative step-time error) on the ten rows of Megatron 2021 Table 1 only
+(``published.TABLE1``); Korthikanti et al. 2022 (``published.KORTHIKANTI``) is held out: never fitted,
+only checked.  The same constants are used for every GPU machine (an assumption for dgx-h100,
+perlmutter and frontier: nobody fitted them there).  The ``cpu`` machine has its own, measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Calibration", "FITTED", "FITTED_ON"]
+
+#: The rows the constants were fitted on (published.TABLE1's labels).
+FITTED_ON = ("1.7B", "3.6B", "7.5B", "18.4B", "39.1B", "76.1B", "145.6B", "310.1B", "529.6B", "1008B")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiencies (fractions of the datasheet rates).
+
+    Attributes:
+        gemm_max: the fraction of peak matrix flop/s a large GEMM reaches.
+        gemm_half_gflop: the GEMM size (GFLOP) at which it reaches half of ``gemm_max``
+            (``eff(f) = gemm_max f / (f + gemm_half_gflop)``).
+        memory: the fraction of the memory bandwidth element-wise kernels reach.
+        link: the fraction of the intra-node link's bandwidth (NVLink) a large collective reaches.
+        network: the fraction of the per-GPU network bandwidth (InfiniBand, Slingshot) a large collective
+            or transfer across nodes reaches.
+    """
+    gemm_max: float = 0.70
+    gemm_half_gflop: float = 0.25
+    memory: float = 0.75
+    link: float = 0.90
+    network: float = 0.90
+
+    def with_(self, **kw) -> "Calibration":
+        return replace(self, **kw)
+
+
+#: The fitted values: ``published.fit()`` over ``published.GRID`` on Table 1 (mean 2.6%, worst 5.2% there).
+#: ``link``, ``network`` and ``gemm_half_gflop`` ended at the edge of the grid (0.9, 0.9, 0.25).
+FITTED = Calibration()
