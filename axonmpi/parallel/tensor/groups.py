@@ -109,4 +109,4 @@ def one_d_group(group: Optional[ProcessGroup]) -> ProcessGroup:
         >>> one_d_group(None).size
         2
     """
-    return get_grid().intra_group if group is None else group
+    return get_grid().group_for("tensor") if group is None else group
