@@ -19,6 +19,7 @@ from ..distributed.grid import ProcessGrid
 from ..nn import layers as nn_layers
 from ..nn.module import Module
 from .grad_sync import finish_axonn_fsdp, reduce_gradient, reduction_groups
+from .swap import module_slots as _children
 
 __all__ = ["ParallelModule", "parallelize", "full_state_dict"]
 
@@ -28,16 +29,6 @@ _DATA = ("ddp", "fsdp", None)
 
 def _raw(a):
     return a.data if isinstance(a, Tensor) else a
-
-
-def _children(module: Module) -> List[Tuple[Module, str, Module, str]]:
-    """``(parent, attribute name, child, qualified name)`` for every submodule, in ``named_modules`` order."""
-    out = []
-    for qname, m in module.named_modules():
-        for name, child in list(m.named_children()):
-            if child is not None:
-                out.append((m, name, child, f"{qname}.{name}" if qname else name))
-    return out
 
 
 def _swap(parent: Module, name: str, new: Module) -> None:

@@ -11,6 +11,7 @@ from ...backend import get_array_module
 from ...distributed import ProcessGroup, role_group
 from ...distributed.placement import add_placement
 from ...nn import CausalSelfAttention, Module
+from ..swap import swap_modules
 from .attention import ContextParallelAttention
 from .layout import CPAlgo, ContextLayout
 
@@ -129,19 +130,19 @@ def context_parallel_gpt(model: Module, group: Optional[ProcessGroup] = None, al
     """
     g = role_group("context", group)
     algo = CPAlgo.coerce(algo)
-    layers = []
-    for _, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not CausalSelfAttention:
-                continue
-            if child.attn_dropout.p:
-                raise NotImplementedError(f"rank {g.world.rank}: attention dropout ({child.attn_dropout.p}) is not "
-                                          "built for context parallelism; use dropout=0")
-            new = ContextParallelAttention(child.n_embd, child.n_head, group=g, algo=algo,
-                                           dropout=child.resid_dropout.p, bias=child.qkv.bias is not None)
-            new.qkv, new.proj = child.qkv, child.proj          # the same layers: names and values kept
-            setattr(parent, name, new)
-            layers.append(new)
+
+    def swap(parent, name, child, _):
+        if type(child) is not CausalSelfAttention:
+            return None
+        if child.attn_dropout.p:
+            raise NotImplementedError(f"rank {g.world.rank}: attention dropout ({child.attn_dropout.p}) is not "
+                                      "built for context parallelism; use dropout=0")
+        new = ContextParallelAttention(child.n_embd, child.n_head, group=g, algo=algo,
+                                       dropout=child.resid_dropout.p, bias=child.qkv.bias is not None)
+        new.qkv, new.proj = child.qkv, child.proj          # the same layers: names and values kept
+        return new
+
+    layers = [new for _, new in swap_modules(model, swap)]
     if not layers:
         raise ValueError(f"rank {g.world.rank}: context_parallel_gpt found no CausalSelfAttention in the model")
     for p in model.parameters():
