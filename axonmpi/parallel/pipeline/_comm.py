@@ -1,4 +1,4 @@
-"""The pipeline's process group (the grid's inter_group by default) and its batched point-to-point transfers."""
+"""The pipeline's batched point-to-point transfers (its group defaults to ``role_group("pipeline")``)."""
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple

@@ -60,7 +60,7 @@ class TensorParallelGroups:
         """
         if not isinstance(grid, ProcessGrid):
             raise TypeError(f"TensorParallelGroups.from_grid needs a ProcessGrid, got {type(grid).__name__}")
-        replica = ((grid.world.default_group,) if grid.G_inter == 1 else (grid.data_group, grid.intra_group))
+        replica = ((grid.group_for("world"),) if grid.G_inter == 1 else (grid.data_group, grid.intra_group))
         return cls(row=grid.row_group, col=grid.col_group, depth=grid.depth_group, intra=grid.intra_group,
                    data=grid.data_group, replica=replica)
 
