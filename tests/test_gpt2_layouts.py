@@ -15,7 +15,7 @@ import axonmpi
 from axonmpi import Tensor
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.parallel import parallelize
-from axonmpi.parallel.hybrid import HybridGPT
+from axonmpi.recipes import HybridGPT
 from axonmpi.parallel.tensor import parallelize_gpt
 
 TOL = 1e-10

@@ -333,7 +333,7 @@ def test_hybrid_gpt_in_process_equals_serial():
     import axonmpi
     from axonmpi.models import GPT, GPTConfig
     from axonmpi.optim import AdamW, clip_grad_norm_
-    from axonmpi.parallel.hybrid import HybridGPT
+    from axonmpi.recipes import HybridGPT
     world = axonmpi.init()
     cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
     rng = np.random.default_rng(3)
@@ -405,7 +405,7 @@ def test_hybrid_gpt_fsdp_refuses_pipeline_and_activation_checkpointing():
     without a sharding strategy are refused too."""
     import axonmpi
     from axonmpi.models import GPTConfig
-    from axonmpi.parallel.hybrid import HybridGPT
+    from axonmpi.recipes import HybridGPT
     world = axonmpi.init()
     cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
     half = world.world_size // 2
@@ -431,7 +431,7 @@ def test_pipeline_ranks_build_only_their_layers():
     their values equal the serial GPT's init (the random stream replayed layer by layer); Megatron TP too."""
     import axonmpi
     from axonmpi.models import GPT, GPTConfig
-    from axonmpi.parallel.hybrid import HybridGPT
+    from axonmpi.recipes import HybridGPT
     world = axonmpi.init()
     n = world.world_size
     cfg = GPTConfig(vocab_size=16, block_size=6, n_layer=2 * n, n_head=2, n_embd=8)

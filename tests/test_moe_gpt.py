@@ -9,7 +9,7 @@ import pytest
 import axonmpi
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.nn import MoE
-from axonmpi.parallel.hybrid import HybridGPT
+from axonmpi.recipes import HybridGPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))

@@ -12,8 +12,6 @@ def test_one_rule_exported_everywhere():
     assert axonmpi.distributed.chunk_sizes is chunk_sizes and axonmpi.distributed.chunk_bounds is chunk_bounds
     assert axonmpi.distributed.collectives.chunk_sizes is chunk_sizes
     assert axonmpi.checkpoint.ShardedArray is ShardedArray
-    from axonmpi.checkpoint.sharded import ShardedArray as Old
-    assert Old is ShardedArray
     assert sharding.__all__ == ["chunk_sizes", "chunk_bounds", "ShardedArray", "FlatLayout", "FlatSegment",
                                 "compact_slots", "expand_slots"]
     assert axonmpi.parallel.FlatLayout is sharding.FlatLayout        # one layout type for DDP, FSDP and ZeRO

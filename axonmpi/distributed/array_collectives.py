@@ -42,8 +42,7 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         >>> s = axonmpi.all_reduce(np.array([world.rank]))        # [0 + 1 + ... + (n-1)]
         >>> axonmpi.all_reduce(grad, op="mean", out=grad)           # in place average
     """
-    w = _world_mod._WORLD                                        # inline _group(None): hot path
-    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
+    g = _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
     if type(x) is _ND and not async_op and g.size > 1 and not g.world.debug and x.flags.c_contiguous:
@@ -149,8 +148,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, *, async_op
         >>> w = np.empty(3) if world.rank else np.arange(3.0)
         >>> axonmpi.broadcast(w, src=0)        # now [0., 1., 2.] everywhere
     """
-    w = _world_mod._WORLD                                        # inline _group(None): hot path
-    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
+    g = _group(group)
     if (type(x) is _ND and type(src) is int and 0 <= src < g.size and not g.world.debug
             and x.flags.c_contiguous and x.flags.writeable and x.dtype.kind in "biufc"):
         if g.size > 1:
@@ -189,8 +187,7 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     Example (3 ranks):
         >>> axonmpi.all_gather(np.full(2, world.rank))     # [0 0 1 1 2 2]
     """
-    w = _world_mod._WORLD                                        # inline _group(None): hot path
-    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
+    g = _group(group)
     p = g.size
     if (type(x) is _ND and axis == 0 and not uneven and not async_op and p > 1 and not g.world.debug
             and x.ndim > 0 and x.flags.c_contiguous and x.dtype.kind in "biufc"):
@@ -281,8 +278,7 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
     Example (2 ranks):
         >>> axonmpi.reduce_scatter(np.arange(4.0))    # rank 0: [0, 2], rank 1: [4, 6]
     """
-    w = _world_mod._WORLD                                        # inline _group(None): hot path
-    g = w.default_group if group is None and w is not None and not w._destroyed else _group(group)
+    g = _group(group)
     if type(op) is not ReduceOp:
         op = ReduceOp.coerce(op)
     p = g.size

@@ -190,6 +190,8 @@ class ProcessGrid:
                 self._groups[name] = self._groups["data_group"]     # the same ranks: no second communicator
                 continue
             self._groups[name] = self._make_group(name, varying)
+        self.expert_parallel = 1      # the EP whose groups group_for("expert" / "expert_data") gives
+        self._expert: Dict[int, Tuple[ProcessGroup, ProcessGroup]] = {}     # expert_groups(ep), by EP
 
     # -- sizes and coordinates -----------------------------------------------------------
     @property
@@ -304,7 +306,7 @@ class ProcessGrid:
         if role == "world" or (role == "data" and self.is_trivial):
             return self.world.default_group
         if role in ("expert", "expert_data"):
-            return self.expert_groups(getattr(self, "expert_parallel", 1))[role == "expert_data"]
+            return self.expert_groups(self.expert_parallel)[role == "expert_data"]
         name = ROLES.get(role)
         if name is None:
             raise ValueError(f"rank {self.rank}: unknown group role {role!r}; expected one of "
@@ -347,7 +349,7 @@ class ProcessGrid:
         Example (4 ranks, ``init()``, EP=2): rank 3 -> expert ranks ``(2, 3)``, expert-data ranks ``(1, 3)``.
         """
         ep = self._check_expert_parallel(expert_parallel)
-        cache = self.__dict__.setdefault("_expert_cache", {})
+        cache = self._expert
         if ep not in cache:
             from mpi4py import MPI
             made = []

@@ -28,11 +28,11 @@ _ND = np.ndarray
 
 # -- plumbing (written once) ----------------------------------------------------------------
 def _group(group):
-    """Fast :func:`resolve_group` for the common ``group=None`` case."""
+    """:func:`resolve_group` with a fast path for the common ``group=None`` case (the grid's ``"world"`` role)."""
     if group is None:
         w = _world_mod._WORLD
         if w is not None and not w._destroyed:
-            return w.default_group
+            return w.grid.group_for("world")
     return resolve_group(group)
 
 

@@ -397,10 +397,10 @@ def destroy() -> None:
 
 
 def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
-    """Return ``group``, or the current World's default group for ``None``; check membership."""
+    """Return ``group``, or the current grid's ``group_for("world")`` (all ranks) for ``None``; check membership."""
     if group is None:
         w = _WORLD if (_WORLD is not None and not _WORLD._destroyed) else get_world()
-        return w.default_group
+        return w.grid.group_for("world")
     if type(group) is not ProcessGroup:
         raise TypeError(f"group must be an axonmpi ProcessGroup or None, got {type(group).__name__}")
     if group.comm is None:

@@ -259,8 +259,12 @@ class GPT(Module):
         (what :func:`~axonmpi.parallel.pipeline.split_module` cuts)."""
         return [GPTEmbedding(self.wte, self.wpe, self.drop), *self.blocks, GPTHead(self.ln_f, self.lm_head)]
 
-    def forward(self, idx, targets=None) -> Tuple[Tensor, Optional[Tensor]]:
-        """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``."""
+    def forward(self, idx, targets=None, positions=None) -> Tuple[Tensor, Optional[Tensor]]:
+        """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``.
+
+        ``positions``: the position of each column of ``idx`` (default ``0 .. T-1``; Hugging Face's
+        ``position_ids``), for a caller that feeds a subset of a sequence's tokens.
+        """
         idx = idx.data if isinstance(idx, Tensor) else idx
         if idx.ndim != 2:
             raise ValueError(f"GPT.forward expects idx of shape (batch, time), got {tuple(idx.shape)}")
@@ -269,12 +273,7 @@ class GPT(Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         xp = get_array_module(self.wte.weight.data)
         idx = xp.asarray(idx)
-        pos = xp.arange(T)
-        cp = getattr(self, "context_parallel", None)    # set by parallel.context.context_parallel_gpt
-        if cp is not None and cp.active:                # this rank's tokens only; logits (B, T_local, vocab)
-            pos = xp.asarray(cp.positions(T))
-            idx = idx[:, pos]
-            cp.begin(T)
+        pos = xp.arange(T) if positions is None else xp.asarray(positions)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
@@ -282,11 +281,7 @@ class GPT(Module):
         loss = None
         if targets is not None:
             targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
-            if cp is not None and cp.active:            # the token sum x P / tokens: its context mean is the mean
-                count = max(int((targets != -100).sum()), 1)
-                loss = ops_nn.cross_entropy(logits, targets[:, pos], reduction="sum") * (cp.size / count)
-            else:
-                loss = ops_nn.cross_entropy(logits, targets)
+            loss = ops_nn.cross_entropy(logits, targets)
         return logits, loss
 
     @no_grad()
@@ -301,14 +296,9 @@ class GPT(Module):
         idx = to_host(idx.data if was_tensor else idx).astype(np.int64)
         device = self.wte.weight.device
         gen = default_generator()
-        cp = getattr(self, "context_parallel", None)
         for _ in range(max_new_tokens):
             cond = idx[:, -self.config.block_size:]
-            if cp is not None:          # whole sequences on this rank alone
-                with cp.disabled():
-                    logits, _ = self(to_device(cond, device))
-            else:
-                logits, _ = self(to_device(cond, device))
+            logits, _ = self(to_device(cond, device))
             z = to_host(logits.data[:, -1, :]).astype(np.float64) / temperature
             if top_k is not None:
                 k = min(int(top_k), z.shape[-1])

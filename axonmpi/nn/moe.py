@@ -41,7 +41,6 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from ..autograd import ops, ops_math, ops_nn, ops_reduce
-from ..autograd.function import Function
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module, to_host
 from . import init
@@ -58,28 +57,9 @@ class MoELosses(NamedTuple):
     z_loss: Tensor
 
 
-class _GlobalSum(Function):
-    """Forward: sum over ``group`` (an all-reduce); backward: the gradient times the group size.
-
-    Every rank adds the same global loss, and the data-parallel mean divides by the group size,
-    so each rank's share of the serial gradient is ``size * d(global)/d(local)``.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        from ..distributed import all_reduce
-        ctx.size = 1 if group is None else group.size
-        if ctx.size == 1:
-            return x.copy()
-        return all_reduce(x, group=group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.size, None
-
-
 def _global_sum(x: Tensor, group) -> Tensor:
-    return _GlobalSum.apply(x, group)
+    from ..parallel.tensor.mappings import global_sum   # nn is imported by parallel: resolved at call time
+    return global_sum(x, group)
 
 
 def _sum_counts(counts: np.ndarray, group) -> np.ndarray:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..autograd import Tensor, no_grad
 from ..backend import get_array_module, to_host
-from ..distributed import all_gather, chunk_bounds, resolve_group
+from ..distributed import all_gather, chunk_bounds, role_group
 from ..distributed.sharding import FlatLayout, ShardedArray, compact_slots
 from ..nn.parameter import Parameter
 from .optimizer import Optimizer
@@ -150,11 +150,10 @@ class ZeroRedundancyOptimizer(Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class, *, group=None, **defaults):
-        from ..distributed import get_world
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be an Optimizer subclass, "
                             f"got {optimizer_class!r}")
-        self.process_group = get_world().grid.data_group if group is None else resolve_group(group)
+        self.process_group = role_group("data", group)
         groups = list(params)
         if not groups:
             raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")

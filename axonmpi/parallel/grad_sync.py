@@ -52,9 +52,7 @@ def data_reduction_group(grid: Any) -> Any:
         >>> data_reduction_group(axonmpi.init(G_context=2).grid).ranks       # 4 ranks, on rank 0
         (0, 1, 2, 3)
     """
-    if getattr(grid, "G_context", 1) > 1:
-        return grid.data_context_group
-    return grid.data_group
+    return grid.group_for("data_context")
 
 
 def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: Any = None) -> List[Any]:

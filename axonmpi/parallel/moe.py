@@ -50,59 +50,21 @@ from typing import Optional
 import numpy as np
 
 from ..autograd import ops
-from ..autograd.function import Function
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module
-from ..distributed import all_gather, get_grid, reduce_scatter
-from ..distributed.alltoallv import all_to_all_v, exchange_counts
+from ..distributed import get_grid
+from ..distributed.alltoallv import exchange_counts
 from ..distributed.placement import Placement, Shard, ShardKind, set_placement
 from ..nn import Module
 from ..nn.moe import ExpertLinear, MoE
 from ..nn.parameter import Parameter
 from .tensor.layers import _AxisSharded
+from .tensor.mappings import (
+    all_to_all_along, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+)
 
 __all__ = ["AllToAllDispatcher", "GatherDispatcher", "ShardedExpertLinear", "expert_parallel",
            "expert_parameters", "hook_expert_gradients"]
-
-
-# -- differentiable exchanges (conjugate pairs) -------------------------------------------------
-class _AllToAllV(Function):
-    """Forward: rows to the ranks by ``send`` counts; backward: the same exchange with the counts swapped."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return all_to_all_v(x, send, recv, group)[0]
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_to_all_v(g, ctx.recv, ctx.send, ctx.group)[0], None, None, None
-
-
-class _GatherRowsFromTensorGroup(Function):
-    """Forward: all-gather rows over the tensor group; backward: reduce-scatter (sum) the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, axis=0, group=group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter(g, group=ctx.group), None
-
-
-class _ReduceScatterRowsToTensorGroup(Function):
-    """Forward: reduce-scatter (sum) rows over the tensor group; backward: all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, group=group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, axis=0, group=ctx.group), None
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -134,7 +96,7 @@ class AllToAllDispatcher:
         self.last_rows_computed = int(rcm.sum())            # rows this rank's experts ran on
         self.last_rows_sent_off_rank = int(send.sum() - send[me])
         self.last_rows_received_off_rank = int(recv.sum() - recv[me])
-        xr = _AllToAllV.apply(rows, send, recv, g)                  # source-major
+        xr = all_to_all_along(rows, g, 0, 0, send, recv)             # source-major
         start = np.concatenate([[0], np.cumsum(rcm.reshape(-1))[:-1]]).reshape(p, local)
         perm = np.concatenate([np.arange(start[s, l], start[s, l] + rcm[s, l])
                                for l in range(local) for s in range(p)] or [np.zeros(0, np.int64)])
@@ -143,7 +105,7 @@ class AllToAllDispatcher:
         xl = xr if identity else ops.getitem(xr, xp.asarray(perm))  # expert-major
         yl = experts(xl, rcm.sum(0))
         yr = yl if identity else ops.getitem(yl, xp.asarray(np.argsort(perm, kind="stable")))
-        return _AllToAllV.apply(yr, recv, send, g)
+        return all_to_all_along(yr, g, 0, 0, recv, send)
 
 
 class GatherDispatcher:
@@ -157,12 +119,12 @@ class GatherDispatcher:
         self.group = group
 
     def before(self, x2: Tensor) -> Tensor:
-        """This rank's tokens -> the tensor group's tokens (rank-major)."""
-        return _GatherRowsFromTensorGroup.apply(x2, self.group)
+        """This rank's tokens -> the tensor group's tokens (rank-major); backward reduce-scatters (sums)."""
+        return gather_from_sequence_parallel_region(x2, self.group)
 
     def after(self, out: Tensor) -> Tensor:
-        """Partial outputs of the group's tokens -> the full outputs of this rank's tokens."""
-        return _ReduceScatterRowsToTensorGroup.apply(out, self.group)
+        """Partial outputs of the group's tokens -> the full outputs of this rank's tokens; backward all-gathers."""
+        return reduce_scatter_to_sequence_parallel_region(out, self.group)
 
     def __call__(self, rows: Tensor, counts: np.ndarray, experts: Module) -> Tensor:
         return experts(rows, counts)

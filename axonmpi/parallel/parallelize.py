@@ -22,6 +22,7 @@ from ..nn import layers as nn_layers
 from ..nn.module import Module
 from ..nn.transformer import CausalSelfAttention
 from .grad_sync import finish_axonn_fsdp, reduce_gradient, reduction_groups
+from .swap import module_slots as _children
 
 __all__ = ["ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict"]
 
@@ -31,16 +32,6 @@ _DATA = ("ddp", "fsdp", None)
 
 def _raw(a):
     return a.data if isinstance(a, Tensor) else a
-
-
-def _children(module: Module) -> List[Tuple[Module, str, Module, str]]:
-    """``(parent, attribute name, child, qualified name)`` for every submodule, in ``named_modules`` order."""
-    out = []
-    for qname, m in module.named_modules():
-        for name, child in list(m.named_children()):
-            if child is not None:
-                out.append((m, name, child, f"{qname}.{name}" if qname else name))
-    return out
 
 
 def _swap(parent: Module, name: str, new: Module) -> None:
@@ -883,10 +874,11 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         for p in module.parameters():
             add_placement(p, replica=grid.context_group)
         if isinstance(module, GPT):         # a GPT takes whole sequences and keeps its tokens itself
-            from .context.gpt import ContextParallelism
+            from .context.gpt import ContextParallelism, _context_parallel_class
             from .context.layout import CPAlgo
             module.context_parallel = ContextParallelism(grid.context_group, CPAlgo.coerce(context_parallel),
                                                          cp_layers)
+            module.__class__ = _context_parallel_class(type(module))   # the model knows nothing of CP
     # 4 activation checkpointing (with a pipeline: True checkpoints each chunk)
     if activation_checkpointing not in (None, False) and not (pipeline is not None and activation_checkpointing is True):
         _checkpoint_modules(module, activation_checkpointing, r)

@@ -2,24 +2,24 @@
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+import inspect
+from typing import Dict, List, Optional
 
+from ...autograd import ops_nn
+from ...autograd.tensor import Tensor
+from ...backend import get_array_module
 from ...distributed import ProcessGroup, role_group
 from ...distributed.placement import add_placement
 from ...nn import CausalSelfAttention, Module
+from ..swap import swap_modules
 from .attention import ContextParallelAttention
 from .layout import CPAlgo, ContextLayout
 
-__all__ = ["ContextParallelism", "context_parallel_gpt"]
+__all__ = ["ContextParallelism", "ContextParallelModel", "context_parallel_gpt"]
 
 
 class ContextParallelism:
-    """What a model under :func:`context_parallel_gpt` reads: the group, the algorithm, the attention layers.
-
-    ``GPT.forward`` keeps this rank's tokens (:meth:`positions`) of the full ``(B, T)`` ids it is
-    given, and its loss is this rank's token sum scaled by ``P / (tokens in the batch)``: the mean
-    over the context group is the serial mean loss (and, averaged over data x context, its gradient).
-    """
+    """What a model under :func:`context_parallel_gpt` reads: the group, the algorithm, the attention layers."""
 
     def __init__(self, group: ProcessGroup, algo: CPAlgo, attention: List[ContextParallelAttention]):
         self.group, self.algo, self.attention = group, algo, attention
@@ -56,12 +56,61 @@ class ContextParallelism:
                 a.context_enabled = True
 
 
+class ContextParallelModel:
+    """The class a model takes under :func:`context_parallel_gpt` (``ContextParallel<its class>``, as
+    PyTorch's ``fully_shard`` swaps a module's class): the model itself knows nothing of context parallelism.
+
+    ``forward(idx, targets)`` keeps this rank's tokens (:meth:`ContextParallelism.positions`) of the full
+    ``(B, T)`` ids it is given and runs the model's own forward on them at their positions; the loss is
+    this rank's token sum scaled by ``P / (tokens in the batch)``: the mean over the context group is
+    the serial mean loss (and, averaged over data x context, its gradient). ``generate`` runs whole
+    sequences on this rank alone.
+    """
+
+    context_parallel: ContextParallelism
+
+    def forward(self, idx, targets=None):
+        cp = self.context_parallel
+        ids = idx.data if isinstance(idx, Tensor) else idx
+        config = getattr(self, "config", None)
+        if (not cp.active or getattr(ids, "ndim", 0) != 2
+                or (config is not None and ids.shape[1] > config.block_size)):
+            return super().forward(idx, targets)       # whole sequences; or the model's own error, on every rank
+        T = ids.shape[1]
+        pos = cp.positions(T)
+        cp.begin(T)
+        logits, _ = super().forward(ids[:, get_array_module(ids).asarray(pos)], positions=pos)
+        if targets is None:
+            return logits, None
+        xp = get_array_module(logits.data)
+        targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
+        count = max(int((targets != -100).sum()), 1)
+        loss = ops_nn.cross_entropy(logits, targets[:, xp.asarray(pos)], reduction="sum") * (cp.size / count)
+        return logits, loss
+
+    def generate(self, *args, **kwargs):
+        with self.context_parallel.disabled():
+            return super().generate(*args, **kwargs)
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _context_parallel_class(cls: type) -> type:
+    if issubclass(cls, ContextParallelModel):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (ContextParallelModel, cls), {})
+    return _CLASSES[cls]
+
+
 def context_parallel_gpt(model: Module, group: Optional[ProcessGroup] = None, algo="ring") -> Module:
     """Swap, in place, every :class:`~axonmpi.nn.CausalSelfAttention` for a :class:`ContextParallelAttention`
     holding the same ``qkv`` / ``proj`` layers (names and values unchanged), record every parameter as
-    replicated over the context group, and set ``model.context_parallel``.
+    replicated over the context group, and set ``model.context_parallel``. A model whose ``forward``
+    takes ``positions=`` (the GPT) becomes a :class:`ContextParallelModel`:
 
-    A GPT so changed takes the whole ``(B, T)`` token ids on every rank of the group and computes only
+    it takes the whole ``(B, T)`` token ids on every rank of the group and computes only
     this rank's tokens (ring: chunks ``r`` and ``2P-1-r`` of ``2P``; Ulysses: the ``r``-th of ``P``).
     Reduce the gradients over data x context (``grid.data_context_group``; ``parallelize`` and
     ``HybridGPT`` do) and average the loss there.
@@ -81,22 +130,24 @@ def context_parallel_gpt(model: Module, group: Optional[ProcessGroup] = None, al
     """
     g = role_group("context", group)
     algo = CPAlgo.coerce(algo)
-    layers = []
-    for _, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not CausalSelfAttention:
-                continue
-            if child.attn_dropout.p:
-                raise NotImplementedError(f"rank {g.world.rank}: attention dropout ({child.attn_dropout.p}) is not "
-                                          "built for context parallelism; use dropout=0")
-            new = ContextParallelAttention(child.n_embd, child.n_head, group=g, algo=algo,
-                                           dropout=child.resid_dropout.p, bias=child.qkv.bias is not None)
-            new.qkv, new.proj = child.qkv, child.proj          # the same layers: names and values kept
-            setattr(parent, name, new)
-            layers.append(new)
+
+    def swap(parent, name, child, _):
+        if type(child) is not CausalSelfAttention:
+            return None
+        if child.attn_dropout.p:
+            raise NotImplementedError(f"rank {g.world.rank}: attention dropout ({child.attn_dropout.p}) is not "
+                                      "built for context parallelism; use dropout=0")
+        new = ContextParallelAttention(child.n_embd, child.n_head, group=g, algo=algo,
+                                       dropout=child.resid_dropout.p, bias=child.qkv.bias is not None)
+        new.qkv, new.proj = child.qkv, child.proj          # the same layers: names and values kept
+        return new
+
+    layers = [new for _, new in swap_modules(model, swap)]
     if not layers:
         raise ValueError(f"rank {g.world.rank}: context_parallel_gpt found no CausalSelfAttention in the model")
     for p in model.parameters():
         add_placement(p, replica=g)
     model.context_parallel = ContextParallelism(g, algo, layers)
+    if "positions" in inspect.signature(type(model).forward).parameters:
+        model.__class__ = _context_parallel_class(type(model))
     return model

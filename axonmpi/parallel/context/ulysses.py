@@ -1,4 +1,5 @@
-"""DeepSpeed-Ulysses: all-to-all from sequence shards to head shards and back, as a conjugate pair of autograd Functions.
+"""DeepSpeed-Ulysses: all-to-all from sequence shards to head shards and back (the one differentiable
+all-to-all of ``tensor/mappings.py``).
 
 ``seq_to_head``: each rank's ``(B, T_r, G, H, D)`` (``G`` fused groups, e.g. q/k/v) becomes
 ``(B, T, G, H/P, D)``: the whole sequence for this rank's ``H/P`` heads; its backward is
@@ -10,10 +11,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ...autograd.function import Function
 from ...autograd.tensor import Tensor
-from ...backend import get_array_module
-from ...distributed import ProcessGroup, all_to_all
+from ...distributed import ProcessGroup
+from ..tensor.mappings import all_to_all_along
 
 __all__ = ["seq_to_head", "head_to_seq", "check_heads"]
 
@@ -26,53 +26,6 @@ def check_heads(num_heads: int, group: ProcessGroup) -> int:
             f"context-parallel ranks, and {num_heads} is not divisible by {group.size}; use a number of heads "
             f"that is a multiple of {group.size}, another context-parallel size, or cp_algo='ring'")
     return num_heads // group.size
-
-
-def _exchange(pieces, group, axis, even):
-    """Send ``pieces[j]`` to rank ``j``; concatenate what arrives along ``axis`` (source-rank order)."""
-    xp = get_array_module(pieces[0])
-    if even:        # one array: no shape exchange
-        got = all_to_all(xp.ascontiguousarray(xp.stack(pieces)), group=group)
-        return xp.concatenate(list(got), axis=axis)
-    return xp.concatenate(all_to_all([xp.ascontiguousarray(c) for c in pieces], group=group), axis=axis)
-
-
-def _s2h(x, group, lens):
-    h = x.shape[3] // group.size
-    pieces = [x[:, :, :, j * h:(j + 1) * h] for j in range(group.size)]
-    return _exchange(pieces, group, 1, len(set(lens)) == 1)
-
-
-def _h2s(y, group, lens):
-    starts = [sum(lens[:j]) for j in range(group.size)]
-    pieces = [y[:, s:s + n] for s, n in zip(starts, lens)]
-    return _exchange(pieces, group, 3, len(set(lens)) == 1)
-
-
-class _SeqToHead(Function):
-    _fresh_grads = True
-
-    @staticmethod
-    def forward(ctx, x, group, lens):
-        ctx.group, ctx.lens = group, lens
-        return _s2h(x, group, lens)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _h2s(g, ctx.group, ctx.lens), None, None
-
-
-class _HeadToSeq(Function):
-    _fresh_grads = True
-
-    @staticmethod
-    def forward(ctx, y, group, lens):
-        ctx.group, ctx.lens = group, lens
-        return _h2s(y, group, lens)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _s2h(g, ctx.group, ctx.lens), None, None
 
 
 def seq_to_head(x: Tensor, group: ProcessGroup, lens: Optional[Sequence[int]] = None) -> Tensor:
@@ -90,7 +43,7 @@ def seq_to_head(x: Tensor, group: ProcessGroup, lens: Optional[Sequence[int]] = 
         return x
     check_heads(x.shape[3], group)
     lens = tuple(int(n) for n in (lens if lens is not None else [x.shape[1]] * group.size))
-    return _SeqToHead.apply(x, group, lens)
+    return all_to_all_along(x, group, 3, 1, recv_sizes=lens)
 
 
 def head_to_seq(y: Tensor, group: ProcessGroup, lens: Optional[Sequence[int]] = None) -> Tensor:
@@ -102,4 +55,4 @@ def head_to_seq(y: Tensor, group: ProcessGroup, lens: Optional[Sequence[int]] = 
     if group.size == 1:
         return y
     lens = tuple(int(n) for n in (lens if lens is not None else [y.shape[1] // group.size] * group.size))
-    return _HeadToSeq.apply(y, group, lens)
+    return all_to_all_along(y, group, 1, 3, send_sizes=lens)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...autograd import Tensor, is_grad_enabled, no_grad
 from ...backend import device_of, get_array_module, to_host
-from ...distributed import get_world, resolve_group
+from ...distributed import get_world, resolve_group, role_group
 from ...distributed.placement import check_group
 from ...distributed.sharding import ShardedArray
 from ...nn import IncompatibleKeys, Module, Parameter
@@ -65,7 +65,7 @@ def _resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Option
                          f"sharding_strategy=HYBRID_SHARD, got {strategy.name}")
     if hybrid_shard_size is not None and strategy is not ShardingStrategy.HYBRID_SHARD:
         raise ValueError(f"rank {world.rank}: hybrid_shard_size needs HYBRID_SHARD, got {strategy.name}")
-    data = world.grid.data_group if group is None else resolve_group(group)
+    data = role_group("data", group)
     if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         return data, None
     if strategy is ShardingStrategy.NO_SHARD:

@@ -13,9 +13,8 @@ from ...distributed import all_gather
 from ...nn import init
 from ...nn.parameter import Parameter
 from ..tensor.groups import TensorParallelGroups, default_groups
-from ..tensor.mappings import gather_from_sequence_parallel_region
+from ..tensor.mappings import all_to_all_along, gather_from_sequence_parallel_region, gatherv, row_sizes
 from ..tensor.state import _TensorParallelModule, _sharded_array, init_full
-from ._comm import gather_channels_scatter_batch, gatherv, row_sizes
 
 __all__ = ["Embedding"]
 
@@ -81,7 +80,7 @@ class Embedding(_TensorParallelModule):
         flat = idx.reshape(-1)
         sizes = row_sizes(flat.shape[0], self.split)
         plane = all_gather(flat, axis=0, group=self.split, uneven=True)
-        h = gather_channels_scatter_batch(ops_nn.embedding(plane, w), sizes, self.split)
+        h = all_to_all_along(ops_nn.embedding(plane, w), self.split, 0, -1, send_sizes=sizes)
         return ops.reshape(h, *lead, self.embedding_dim)
 
     def _tp_init_groups(self):

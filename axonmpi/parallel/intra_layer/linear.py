@@ -28,11 +28,11 @@ from ...nn import init
 from ...nn.parameter import Parameter
 from ..tensor.groups import TensorParallelGroups, default_groups
 from ..tensor.mappings import (
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
+    all_to_all_along, copy_to_tensor_parallel_region, dropv, gather_bias, gather_from_sequence_parallel_region,
+    gatherv, reduce_from_tensor_parallel_region, row_sizes,
 )
 from ..tensor.state import _TensorParallelModule, _sharded_array, init_full
 from .overlap import overlapped_matmul
-from ._comm import dropv, gather_batch_scatter_channels, gather_bias_easy, gather_channels_scatter_batch, gatherv, row_sizes
 
 __all__ = ["Linear"]
 
@@ -115,7 +115,7 @@ class Linear(_TensorParallelModule):
         easy = not self.expert_mode and self.inner.size * self.outer.size > 1
         if easy:
             inner_sizes = row_sizes(x.shape[0], self.inner)
-            x = gather_batch_scatter_channels(x, inner_sizes, self.inner)
+            x = all_to_all_along(x, self.inner, -1, 0, recv_sizes=inner_sizes)   # all rows, a column slice
             outer_sizes = row_sizes(x.shape[0], self.outer)
             x = gatherv(x, outer_sizes, self.outer)
         y = overlapped_matmul(x, self)
@@ -128,13 +128,13 @@ class Linear(_TensorParallelModule):
         if add_here:
             y = y + self.bias
         if easy:
-            y = gather_channels_scatter_batch(y, outer_sizes, self.outer)
+            y = all_to_all_along(y, self.outer, 0, -1, send_sizes=outer_sizes)  # own rows, all columns
             y = dropv(y, inner_sizes, self.inner)
         y = ops.reshape(y, *lead, y.shape[-1])
         if self.skip_bias_add:
             if self.bias is None:
                 return y, None
-            return y, (self.bias if self.expert_mode else gather_bias_easy(self.bias, self.outer, self.inner))
+            return y, (self.bias if self.expert_mode else gather_bias(self.bias, self.outer, self.inner))
         return y
 
     # -- full <-> shard ----------------------------------------------------------------------

@@ -1,15 +1,13 @@
-"""The pipeline's process group (the grid's inter_group by default) and its batched point-to-point transfers."""
+"""The pipeline's batched point-to-point transfers (its group defaults to ``role_group("pipeline")``)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
 from ...distributed.collectives import P2POp, batch_isend_irecv, irecv, isend
 from ...distributed.group import ProcessGroup
 from ...distributed.work import Work
-from ...distributed.world import resolve_group
-from ...distributed.world import role_group
 
 __all__: List[str] = []
 
@@ -17,11 +15,6 @@ _DTYPES = (np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.
            np.complex64, np.complex128)
 _MAX_DIMS = 13
 HEADER_SIZE = _MAX_DIMS + 2
-
-
-def _default_group(group: Optional[ProcessGroup] = None) -> ProcessGroup:
-    """The pipeline group: ``group`` if given, else the grid's ``inter_group`` (``axonmpi.init(G_inter=p)``)."""
-    return role_group("pipeline", group)
 
 
 def _communicate(sends: Sequence[Tuple[object, int, int]], recvs: Sequence[Tuple[object, int, int]],

@@ -16,11 +16,11 @@ from ...distributed.collectives import all_reduce, broadcast
 from ...distributed.object_collectives import all_gather_object
 from ...distributed.group import ProcessGroup
 from ...distributed.placement import Shard, ShardKind, add_placement
-from ...distributed.world import get_grid, resolve_group
+from ...distributed.world import get_grid, resolve_group, role_group
 from ...distributed.reduce_op import ReduceOp
 from ...nn.module import Module
 from ...random import fork_rng, initial_seed
-from ._comm import HEADER_SIZE, _communicate, _default_group, decode_header, encode_header
+from ._comm import HEADER_SIZE, _communicate, decode_header, encode_header
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, _recv_order, make_schedule,
                         simulate)
 from .stage import PipelineStage
@@ -132,7 +132,7 @@ def _data_group(group: ProcessGroup, data_group: Optional[ProcessGroup]) -> Opti
     if data_group is not None:
         return resolve_group(data_group)
     grid = get_grid()
-    return grid.data_group if group is grid.inter_group else None
+    return grid.group_for("data") if group is grid.group_for("pipeline") else None
 
 
 class Pipeline:
@@ -197,7 +197,7 @@ class Pipeline:
                  group: Optional[ProcessGroup] = None, virtual_stages: Optional[int] = None, *,
                  data_group: Optional[ProcessGroup] = None, track_memory: bool = True,
                  ignore_index: Optional[int] = -100, token_groups: Sequence[ProcessGroup] = ()):
-        self.group = _default_group(group)
+        self.group = role_group("pipeline", group)
         p, r = self.group.size, self.group.rank
         if isinstance(schedule, Schedule):
             sched = schedule

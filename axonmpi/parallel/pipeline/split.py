@@ -5,8 +5,8 @@ import enum
 from typing import List, Optional, Sequence, Union
 
 from ...distributed.group import ProcessGroup
+from ...distributed.world import role_group
 from ...nn.module import Module, Sequential
-from ._comm import _default_group
 from ...enums import coerce_enum
 
 __all__ = ["SplitBy", "split_module", "split_points"]
@@ -176,7 +176,7 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
     for s, chunk in enumerate(chunks):
         chunk.stage_index, chunk.num_chunks = s, len(chunks)
     if rank is None:
-        g = _default_group(group)
+        g = role_group("pipeline", group)
         if g.size != num_stages:
             raise ValueError(f"rank {g.rank}: split_module num_stages={num_stages} must equal the pipeline "
                              f"group's size {g.size}")

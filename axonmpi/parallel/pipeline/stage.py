@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 from ...distributed.group import ProcessGroup
+from ...distributed.world import role_group
 from ...nn.module import Module
-from ._comm import _default_group
 
 __all__ = ["PipelineStage"]
 
@@ -36,7 +36,7 @@ class PipelineStage:
                  stage_ranks: Optional[Sequence[int]] = None):
         if not isinstance(module, Module):
             raise TypeError(f"PipelineStage expects an axonmpi.nn.Module, got {type(module).__name__}")
-        self.group = _default_group(group)
+        self.group = role_group("pipeline", group)
         r = self.group.rank
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages != self.group.size:
             raise ValueError(f"rank {r}: PipelineStage num_stages={num_stages!r} must equal the pipeline "

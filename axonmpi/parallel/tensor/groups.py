@@ -60,7 +60,7 @@ class TensorParallelGroups:
         """
         if not isinstance(grid, ProcessGrid):
             raise TypeError(f"TensorParallelGroups.from_grid needs a ProcessGrid, got {type(grid).__name__}")
-        replica = ((grid.world.default_group,) if grid.G_inter == 1 else (grid.data_group, grid.intra_group))
+        replica = ((grid.group_for("world"),) if grid.G_inter == 1 else (grid.data_group, grid.intra_group))
         return cls(row=grid.row_group, col=grid.col_group, depth=grid.depth_group, intra=grid.intra_group,
                    data=grid.data_group, replica=replica)
 
@@ -109,4 +109,4 @@ def one_d_group(group: Optional[ProcessGroup]) -> ProcessGroup:
         >>> one_d_group(None).size
         2
     """
-    return get_grid().intra_group if group is None else group
+    return get_grid().group_for("tensor") if group is None else group

@@ -10,6 +10,11 @@ Layer 2, autograd ``Function`` pairs whose backward is the conjugate collective:
     reduce_scatter_to_sequence  forward reduce-scatter dim 0   backward all-gather dim 0
     gather_from_sequence        forward all-gather dim 0       backward reduce-scatter dim 0
     scatter_to_sequence         forward split dim 0            backward all-gather dim 0
+    all_to_all     forward pieces of one axis to the ranks, concatenated along another; backward the reverse
+    gatherv        forward all-gather dim 0, uneven rows          backward keep this rank's rows
+    dropv          forward keep this rank's rows of dim 0         backward all-gather dim 0, uneven rows
+    gather_bias    forward all-gather dim 0 over ``outer``        backward all-reduce over ``inner``, reduce-scatter over ``outer``
+    global_sum     forward all-reduce                             backward the gradient times the group size
 
 (the sequence wrappers take ``dim=``: the sequence dimension, 0 as Megatron's ``(s, b, h)``, 1 for ``(b, s, h)``).
 
@@ -18,18 +23,23 @@ Splits must be even: a size that does not divide by the group size raises ``Valu
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
+
+import numpy as np
 
 from ...autograd.function import Function
 from ...autograd.tensor import Tensor
-from ...distributed import ProcessGroup, all_gather, all_reduce, reduce_scatter
+from ...backend import get_array_module
+from ...distributed import ProcessGroup, all_gather, all_gather_object, all_reduce, all_to_all, reduce_scatter
+from ...distributed.alltoallv import all_to_all_v, exchange_counts
 from ...distributed.world import resolve_group
 
 __all__ = [
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region", "divide",
+    "scatter_to_sequence_parallel_region", "all_to_all_along", "gatherv", "dropv", "gather_bias",
+    "global_sum", "row_sizes", "divide",
 ]
 
 
@@ -96,6 +106,39 @@ def _on_dim(fn, x, group, dim, check=True):
     xp = get_array_module(x)
     y = fn(xp.ascontiguousarray(xp.moveaxis(x, dim, 0)), group)
     return xp.ascontiguousarray(xp.moveaxis(y, 0, dim))
+
+
+def _cut(x, axis, sizes):
+    """``x`` cut along ``axis`` into consecutive pieces of ``sizes``."""
+    bounds = np.cumsum([0] + list(sizes))
+    head = (slice(None),) * axis
+    return [x[head + (slice(int(bounds[j]), int(bounds[j + 1])),)] for j in range(len(sizes))]
+
+
+def _all_to_all(x, group: ProcessGroup, split_axis, cat_axis, send_sizes, recv_sizes):
+    """Cut ``x`` along ``split_axis`` into ``send_sizes`` (one piece per group rank), send piece ``j``
+    to rank ``j`` and concatenate what arrives along ``cat_axis`` (``recv_sizes[j]`` from rank ``j``).
+
+    Rows (both axes 0) go by ``all_to_all_v``: only the rows that leave a rank reach the backend.
+    Pieces of one shape on every rank go as one array (no shape exchange); others as a list.
+    """
+    if split_axis == cat_axis == 0:
+        return all_to_all_v(x, send_sizes, recv_sizes, group)[0]
+    xp = get_array_module(x)
+    pieces = _cut(x, split_axis, send_sizes)
+    if len(set(send_sizes)) == 1 and len(set(recv_sizes)) == 1:
+        got = all_to_all(xp.ascontiguousarray(xp.stack(pieces)), group=group)
+        return xp.concatenate(list(got), axis=cat_axis)
+    return xp.concatenate(all_to_all([xp.ascontiguousarray(c) for c in pieces], group=group), axis=cat_axis)
+
+
+def row_sizes(n: int, group: ProcessGroup) -> List[int]:
+    """Every group rank's row count (this rank's is ``n``)."""
+    return [int(n)] if group.size == 1 else [int(v) for v in all_gather_object(int(n), group)]
+
+
+def _own_rows(sizes, rank):
+    return sum(sizes[:rank]), sum(sizes[:rank + 1])
 
 
 # -- layer 2: autograd pairs ------------------------------------------------------------------
@@ -189,6 +232,86 @@ class _ScatterToSequenceParallelRegion(Function):
     @staticmethod
     def backward(ctx, g):
         return _on_dim(_gather_along_first_dim, g, ctx.group, ctx.dim, False), None, None
+
+
+class _AllToAll(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
+    @staticmethod
+    def forward(ctx, x, group, split_axis, cat_axis, send_sizes, recv_sizes):
+        ctx.args = group, cat_axis, split_axis, recv_sizes, send_sizes
+        return _all_to_all(x, group, split_axis, cat_axis, send_sizes, recv_sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_all_to_all(g, *ctx.args),) + (None,) * 5
+
+
+class _Gatherv(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.bounds = _own_rows(sizes, group.rank)
+        return all_gather(x, axis=0, group=group, uneven=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.bounds
+        return g[a:b].copy(), None, None
+
+
+class _Dropv(Function):
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.group = group
+        a, b = _own_rows(sizes, group.rank)
+        return x[a:b].copy()
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, axis=0, group=ctx.group, uneven=True), None, None
+
+
+class _GatherBias(Function):
+    """Forward: the full bias from the ``outer`` group's slices.  Backward: each rank of the plane added it
+    to its own rows, so the gradient is summed over ``inner`` and reduce-scattered over ``outer``."""
+
+    _fresh_grads = True  # backward returns new arrays or the incoming gradient
+
+    @staticmethod
+    def forward(ctx, b, outer, inner):
+        ctx.outer, ctx.inner = outer, inner
+        return b if outer.size == 1 else all_gather(b, axis=0, group=outer)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.inner.size > 1:
+            g = all_reduce(g, group=ctx.inner)
+        if ctx.outer.size > 1:
+            g = reduce_scatter(g, group=ctx.outer)
+        return g, None, None
+
+
+class _GlobalSum(Function):
+    """Forward: sum over ``group`` (an all-reduce); backward: the gradient times the group size.
+
+    Every rank adds the same global loss, and the data-parallel mean divides by the group size,
+    so each rank's share of the serial gradient is ``size * d(global)/d(local)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.size = 1 if group is None else group.size
+        if ctx.size == 1:
+            return x.copy()
+        return all_reduce(x, group=group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.size, None
 
 
 # -- layer 3: public wrappers -----------------------------------------------------------------
@@ -288,3 +411,58 @@ def gather_from_sequence_parallel_region(x: Tensor, group: Optional[ProcessGroup
         >>> x_full = gather_from_sequence_parallel_region(x_seq, group=tp)  # (s, b, h)
     """
     return _apply(_GatherFromSequenceParallelRegion, x, group, bool(tensor_parallel_output_grad), int(dim))
+
+
+def all_to_all_along(x: Tensor, group: ProcessGroup, split_axis: int, cat_axis: int,
+                     send_sizes: Optional[Sequence[int]] = None,
+                     recv_sizes: Optional[Sequence[int]] = None) -> Tensor:
+    """The differentiable all-to-all: cut ``x`` along ``split_axis``, send piece ``j`` to group rank ``j``,
+    concatenate the pieces received along ``cat_axis`` (source-rank order); backward the reverse exchange.
+
+    Args:
+        x: this rank's array.
+        group: the group of the exchange.
+        split_axis / cat_axis: the axis cut into pieces / the axis the received pieces are joined on.
+        send_sizes: the piece for each rank along ``split_axis`` (default: an even split, which must divide).
+        recv_sizes: the extent along ``cat_axis`` coming from each rank (default: with both axes 0 the
+            counts are exchanged; otherwise every rank sends ``x.shape[cat_axis]``).
+
+    Example:
+        >>> heads = all_to_all_along(x, cp, split_axis=3, cat_axis=1, recv_sizes=lens)   # Ulysses
+        >>> rows = all_to_all_along(tokens, ep, 0, 0, send_sizes=counts)                 # MoE dispatch
+    """
+    if group.size == 1:
+        return x
+    p = group.size
+    split_axis, cat_axis = split_axis % x.ndim, cat_axis % x.ndim
+    if send_sizes is None:
+        k = divide(x.shape[split_axis], group, f"axis {split_axis}")
+        send_sizes = [k] * p
+    send_sizes = tuple(int(n) for n in send_sizes)
+    if recv_sizes is None:
+        recv_sizes = exchange_counts(np.asarray(send_sizes, np.int64).reshape(p, 1), group).reshape(p) \
+            if split_axis == cat_axis == 0 else [x.shape[cat_axis]] * p
+    recv_sizes = tuple(int(n) for n in recv_sizes)
+    return _AllToAll.apply(x, group, split_axis, cat_axis, send_sizes, recv_sizes)
+
+
+def gatherv(x: Tensor, sizes: Sequence[int], group: ProcessGroup) -> Tensor:
+    """All-gather rows (dimension 0; ``sizes[j]`` rows on rank ``j``) forward; keep this rank's rows backward."""
+    return x if group.size == 1 else _Gatherv.apply(x, sizes, group)
+
+
+def dropv(x: Tensor, sizes: Sequence[int], group: ProcessGroup) -> Tensor:
+    """Keep this rank's rows of dimension 0 (``sizes[j]`` for rank ``j``) forward; all-gather them backward."""
+    return x if group.size == 1 else _Dropv.apply(x, sizes, group)
+
+
+def gather_bias(b: Tensor, outer: ProcessGroup, inner: ProcessGroup) -> Tensor:
+    """The full bias from ``outer``'s slices forward; backward its gradient summed over ``inner`` and
+    reduce-scattered over ``outer`` (AxoNN's easy-mode bias of ``skip_bias_add``)."""
+    return b if outer.size * inner.size == 1 else _GatherBias.apply(b, outer, inner)
+
+
+def global_sum(x: Tensor, group: Optional[ProcessGroup]) -> Tensor:
+    """Sum over ``group`` forward (``None``: a copy); the gradient times the group size backward
+    (a global statistic each data-parallel rank adds to its local-mean loss)."""
+    return _GlobalSum.apply(x, group)

@@ -91,7 +91,7 @@ def sharded_state_dict(model: Module) -> "OrderedDict[str, Any]":
     """State dict whose sharded entries are ``ShardedArray`` blocks of the full arrays (no gather).
 
     Other entries are host arrays (replicated).  ``ShardedArray`` comes from
-    ``axonmpi.checkpoint.sharded`` (moving to ``axonmpi.distributed.sharding``).
+    ``axonmpi.distributed.sharding`` (also ``axonmpi.checkpoint.ShardedArray``).
 
     Example:
         >>> axonmpi.checkpoint.save("ckpt.h5", sharded_state_dict(model))

@@ -11,6 +11,7 @@ from .layers import (ColumnParallelLinear, SequenceParallelLayerNorm, TensorPara
                      VocabParallelEmbedding)
 from .mappings import scatter_to_sequence_parallel_region
 from .state import load_full_state_dict
+from ..swap import swap_modules
 
 __all__ = ["parallelize_gpt", "SequenceParallelDropout"]
 
@@ -27,9 +28,10 @@ class SequenceParallelDropout(Dropout):
         return super().forward(scatter_to_sequence_parallel_region(x, self.group, dim=-2))
 
 
-def _replace(parent: Module, name: str, new: Module, old: Module) -> None:
+def _loaded(new: Module, old: Module) -> Module:
+    """``new`` holding ``old``'s (serial) weights, each rank its shard."""
     load_full_state_dict(new, Module.state_dict(old))
-    setattr(parent, name, new)
+    return new
 
 
 def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, vocab_parallel: bool = True,
@@ -70,32 +72,33 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
                          f"region at the model's embedding dropout 'drop', which {type(model).__name__} does not have")
     tied = getattr(model, "wte", None) is not None and getattr(getattr(model, "lm_head", None), "weight", None) \
         is getattr(model.wte, "weight", False)
-    for _, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            dtype = next(iter(child.parameters())).dtype if any(True for _ in child.parameters()) else None
-            if type(child) is CausalSelfAttention:
-                new = TensorParallelAttention(child.n_embd, child.n_head, group=g, causal=True,
-                                              dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
-                                              dtype=dtype, sequence_parallel=sp)
-                _replace(parent, name, new, child)
-            elif type(child) is MLP:
-                new = TensorParallelMLP(child.fc.in_features, child.fc.out_features, bias=child.fc.bias is not None,
-                                        group=g, approximate=child.act.approximate, dropout=child.dropout.p,
-                                        dtype=dtype, sequence_parallel=sp)
-                _replace(parent, name, new, child)
-            elif sp and type(child) is LayerNorm:
-                new = SequenceParallelLayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
-                                                bias=child.bias is not None, group=g, dtype=dtype)
-                _replace(parent, name, new, child)
-            elif sp and parent is model and name == "drop" and type(child) is Dropout:
-                setattr(parent, name, SequenceParallelDropout(child.p, g))
-            elif vocab_parallel and name == "wte" and type(child) is Embedding:
-                _replace(parent, name, VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=g,
-                                                              dtype=dtype, padding_idx=child.padding_idx), child)
-            elif vocab_parallel and name == "lm_head" and type(child) is Linear:
-                _replace(parent, name, ColumnParallelLinear(child.in_features, child.out_features,
-                                                            bias=child.bias is not None, gather_output=True,
-                                                            group=g, dtype=dtype, sequence_parallel=sp), child)
+
+    def swap(parent, name, child, _):
+        dtype = next(iter(child.parameters())).dtype if any(True for _ in child.parameters()) else None
+        if type(child) is CausalSelfAttention:
+            return _loaded(TensorParallelAttention(child.n_embd, child.n_head, group=g, causal=True,
+                                                   dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
+                                                   dtype=dtype, sequence_parallel=sp), child)
+        if type(child) is MLP:
+            return _loaded(TensorParallelMLP(child.fc.in_features, child.fc.out_features,
+                                             bias=child.fc.bias is not None, group=g,
+                                             approximate=child.act.approximate, dropout=child.dropout.p,
+                                             dtype=dtype, sequence_parallel=sp), child)
+        if sp and type(child) is LayerNorm:
+            return _loaded(SequenceParallelLayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
+                                                     bias=child.bias is not None, group=g, dtype=dtype), child)
+        if sp and parent is model and name == "drop" and type(child) is Dropout:
+            return SequenceParallelDropout(child.p, g)
+        if vocab_parallel and name == "wte" and type(child) is Embedding:
+            return _loaded(VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=g,
+                                                  dtype=dtype, padding_idx=child.padding_idx), child)
+        if vocab_parallel and name == "lm_head" and type(child) is Linear:
+            return _loaded(ColumnParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                                gather_output=True, group=g, dtype=dtype, sequence_parallel=sp),
+                           child)
+        return None
+
+    swap_modules(model, swap)
     if tied and vocab_parallel:     # both hold vocabulary rows chunk_bounds(V, p, rank): share one Parameter again
         if model.lm_head.weight.shape != model.wte.weight.shape:
             raise ValueError(f"rank {g.world.rank}: the tied head's shard {tuple(model.lm_head.weight.shape)} and the "
