@@ -105,6 +105,7 @@ LAYOUTS = {       # name: (grid sizes per world size, tensor_parallel, data_para
     "axonn_row": (lambda n: {"G_intra_r": 2 if n % 2 == 0 else n}, "axonn", "ddp"),
     "fsdp_x_axonn_row": (lambda n: {"G_intra_r": 2} if n % 2 == 0 else None, "axonn", "fsdp"),
     "megatron": (lambda n: {"G_intra_c": 2 if n % 2 == 0 else n}, PLAN, "ddp"),
+    "fsdp_x_megatron": (lambda n: {"G_intra_c": 2} if n % 2 == 0 else None, PLAN, "fsdp"),
 }
 
 
@@ -343,3 +344,39 @@ def test_token_mean_expert_parallel(world):
             assert _rel(grads[k], p.grad.data) <= TOL, (k, _rel(grads[k], p.grad.data))
     finally:
         grid.free()
+
+
+COMPOSED = {   # world size: [(grid sizes, tensor_parallel, data_parallel, schedule)]
+    2: [({"G_inter": 2}, None, "ddp", "zbv")],
+    4: [({"G_inter": 2}, None, "ddp", "1f1b"), ({"G_inter": 2}, None, "fsdp", "zb-h1"),
+        ({"G_inter": 2, "G_intra_c": 2}, {"*.fc1": "column", "*.fc2": "row"}, "ddp", "interleaved"),
+        ({"G_inter": 2, "G_intra_r": 2}, "axonn", "ddp", "gpipe")],
+}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_composed_pipeline_counts_tokens(world):
+    """``parallelize(..., pipeline=PipelinePlan(...))``: ``pm.step`` gives the serial token mean and its
+    gradients with unevenly ignored targets (data, the AxoNN tensor block and the micro-batches counted)."""
+    from axonmpi.parallel import PipelinePlan
+
+    def make():
+        axonmpi.manual_seed(7)
+        return nn.Sequential(nn.Linear(D, D, dtype=np.float64), Block(), Block(), nn.Linear(D, C, dtype=np.float64))
+
+    for sizes, tp, dp, sched in COMPOSED.get(world.world_size, []):
+        grid = axonmpi.ProcessGrid(world, **sizes)
+        old, world.grid = world.grid, grid
+        try:
+            pm = parallelize(make(), grid=grid, tensor_parallel=tp, data_parallel=dp,
+                             pipeline=PipelinePlan(num_microbatches=2 * grid.G_inter, schedule=sched))
+            x, y = _batch(8 * pm.batch_shards[0])
+            want, ref = _serial(x, y, make())
+            xb, yb = pm.local_batch(x, y)
+            value, grads = _grads_by_sgd(pm, pm.parameters(), lambda: pm.step(xb, yb))
+            assert _rel(value, want) <= TOL, (sizes, tp, dp, sched, value, want)
+            for k, p in ref.named_parameters():
+                assert _rel(grads[k], p.grad.data) <= TOL, (sizes, tp, dp, sched, k)
+        finally:
+            world.grid = old
+            grid.free()

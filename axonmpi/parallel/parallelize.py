@@ -120,7 +120,7 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
         else:
             new = VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
                                          dtype=child.weight.dtype)
-        if style in ("row", "vocab"):
+        if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group
             rows.append(new)
         _copy_serial(new, child)
         _swap(parent, name, new)
@@ -290,7 +290,8 @@ class ParallelModule(Module):
         groups = self.token_groups()
         shards = None
         if self.tensor_parallel == "axonn" and self.data_parallel is None:
-            shards = self.batch_shards[0]      # the AxoNN hooks divide by every batch shard
+            # the AxoNN hooks divide by every batch shard (x context)
+            shards = self.batch_shards[0] * getattr(self.grid, "G_context", 1)
         return token_mean(loss_sum, num_tokens, groups, shards=shards)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True):
