@@ -4,7 +4,8 @@ FSDP gathers a unit's parameters only around that unit's forward and backward; a
 unit ``emb`` read by the root's ``forward`` after ``emb`` has resharded is an empty array (NumPy:
 ``matmul ... size 0 is different from 8``).  At wrap time :func:`find_outside_uses` reads the
 source of every module class in the tree (``ast``: the ``self.a.b...`` attribute chains of its
-``forward`` and of the methods ``forward`` calls) and resolves each chain on the live modules; a chain that reaches a
+``forward`` and of the methods ``forward`` calls; metadata reads such as ``.dtype`` or
+``get_array_module(self.emb.weight.data)`` excepted) and resolves each chain on the live modules; a chain that reaches a
 parameter of another unit is an outside use.  FSDP then keeps that parameter in the root unit
 (gathered from forward to the end of backward, as torch's FSDP advice: put the modules sharing a
 weight in one unit or the root), so the model trains exactly as the serial one; a parameter that
@@ -22,6 +23,8 @@ from ...nn.parameter import Parameter
 
 __all__ = ["OutsideUse", "find_outside_uses"]
 
+_META_CALLS = {"get_array_module", "device_of", "isinstance", "type", "id"}
+_META_ATTRS = {"dtype", "device", "ndim", "requires_grad"}
 _SOURCE_CHAINS: Dict[type, List[Tuple[Tuple[str, ...], str]]] = {}
 
 
@@ -60,7 +63,17 @@ def _chains(cls: type) -> List[Tuple[Tuple[str, ...], str]]:
             continue
         done.add(name)
         node, kname, fname, first = methods[name]
+        meta = set()     # reads of metadata only (dtype, device, array module): an empty shard answers them
         for sub in ast.walk(node):
+            if isinstance(sub, ast.Call):
+                fn = sub.func.attr if isinstance(sub.func, ast.Attribute) else getattr(sub.func, "id", "")
+                if fn in _META_CALLS:
+                    meta.update(id(x) for a in sub.args for x in ast.walk(a))
+            elif isinstance(sub, ast.Attribute) and sub.attr in _META_ATTRS:
+                meta.update(id(x) for x in ast.walk(sub.value))
+        for sub in ast.walk(node):
+            if id(sub) in meta:
+                continue
             if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) \
                     and isinstance(sub.func.value, ast.Name) and sub.func.value.id == "self":
                 todo.append(sub.func.attr)
