@@ -84,3 +84,23 @@ def test_outside_read_of_a_nested_instance_is_refused_at_wrap_time(world):
     with pytest.raises(ValueError, match=r"parameter 'emb.weight' .*nested at 'emb'.* read outside that instance "
                                          r"by the root module at TiedLM.logits"):
         FSDP(TiedLM(nested=True))
+
+
+class Hidden(TiedLM):
+    """The weight reached through a local alias the source scan cannot follow."""
+
+    def forward(self, idx):
+        emb = self.emb
+        h = self.body(emb(idx)).tanh()
+        return F.linear(self.ln(h), emb.weight)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_unseen_outside_read_names_the_empty_parameters(world):
+    axonmpi.manual_seed(0)
+    model = FSDP(Hidden(), sharding_strategy=ShardingStrategy.FULL_SHARD)
+    assert not model.hoisted
+    with pytest.raises(ValueError) as info:
+        model(Tensor(np.zeros((2, T), np.int64)))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "'emb.weight' (unit 'emb')" in notes and "F.linear(h, self.emb.weight)" in notes

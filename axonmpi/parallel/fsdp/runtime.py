@@ -513,6 +513,9 @@ class FullyShardedDataParallel(Module):
         self._phase = _Phase.FORWARD
         try:
             out = self.module(*args, **kwargs)
+        except (ValueError, IndexError, RuntimeError, TypeError) as e:
+            self._note_empty_params(e)
+            raise
         finally:
             self._phase = _Phase.OUTSIDE
         if is_grad_enabled():
@@ -521,6 +524,22 @@ class FullyShardedDataParallel(Module):
             for u in self._all_units:
                 u.free()
         return out
+
+    def _note_empty_params(self, e: BaseException) -> None:
+        """A shape error in forward while some units are resharded: say which parameters are empty
+        shards now (a read the wrap-time scan of the source could not see: through a variable, a
+        closure or another object)."""
+        msg = str(e)
+        if not any(t in msg for t in ("size 0", "(0,", " 0 ", "0)")) or not hasattr(e, "add_note"):
+            return
+        empty = [(f"{u.name}.{n}" if u.name else n, u.name) for u in self._all_units if u.flat is not None
+                 for n, p in zip(u.flat.names, u.flat.params) if p.data.size == 0]
+        if empty:
+            shown = ", ".join(f"{n!r} (unit {q!r})" for n, q in empty[:6]) + (" ..." if len(empty) > 6 else "")
+            e.add_note(f"[axonmpi FSDP rank {get_world().rank}] parameters that are empty shards at this point "
+                       f"(their unit is not gathered): {shown}. A parameter read outside its module's forward "
+                       "(a tied head F.linear(h, self.emb.weight)) must be visible to FSDP's wrap-time scan of "
+                       "forward (self.<module>.<param>) or live in the root unit / the same unit as its reader")
 
     # -- parameters ---------------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True):
