@@ -5,8 +5,8 @@
 tied and untied alike (``tie_word_embeddings`` in the config says which; before, an untied GPT's
 ``to_hf_gpt2()`` loaded into the docstring's default, tied, ``GPT2LMHeadModel`` gave logits off by
 0.69 at scale 0.35 while reporting every key matched).  ``axonmpi ckpt export CKPT OUT --format
-hf-gpt2`` does the same from a training checkpoint saved under a parallel layout (Megatron TP,
-FSDP, pipeline).  ``from_hf_gpt2`` reads the directory back.  Without torch/transformers: the
+hf-gpt2`` does the same from a training checkpoint saved under a parallel layout (DDP, Megatron
+and AxoNN tensor parallel, FSDP, pipeline).  ``from_hf_gpt2`` reads the directory back.  Without torch/transformers: the
 round trip save_hf_gpt2 -> from_hf_gpt2 gives equal logits and the config fields are checked.
 """
 import json
@@ -132,7 +132,7 @@ def test_to_hf_gpt2_docstring_recipe_untied():
 
 # -- a training checkpoint saved under a parallel layout -> ckpt export --format hf-gpt2 ---------
 
-LAYOUTS = ["serial", "ddp", "megatron", "fsdp", "pipeline"]
+LAYOUTS = ["serial", "ddp", "megatron", "axonn", "fsdp", "pipeline"]
 
 
 @pytest.mark.mpi(min_size=1)
@@ -152,6 +152,10 @@ def test_ckpt_export_hf_gpt2_from_any_layout(world, tmp_path_factory, layout, ti
                 if H % p or V % p:
                     pytest.skip(f"heads and vocabulary do not split over {p} ranks")
                 grid, kw = axonmpi.ProcessGrid(world, G_intra_c=p), dict(tp_style="megatron")
+            elif layout == "axonn":
+                if tied or H % p or V % p:
+                    pytest.skip("HybridGPT's AxoNN layout: untied head, heads and vocabulary split over the ranks")
+                grid, kw = axonmpi.ProcessGrid(world, G_intra_c=p), dict(tp_style="axonn")
             elif layout == "ddp":
                 grid, kw = axonmpi.ProcessGrid(world, G_data=p), {}
             elif layout == "fsdp":
@@ -187,3 +191,16 @@ def test_ckpt_export_hf_gpt2_from_any_layout(world, tmp_path_factory, layout, ti
     finally:
         if grid is not None:
             grid.free()
+
+
+@pytest.mark.serial
+def test_save_hf_gpt2_bf16(tmp_path):
+    from axonmpi.checkpoint.safetensors_io import from_bfloat16_bits, to_bfloat16_bits
+    gpt = _gpt(False)
+    gpt.save_hf_gpt2(tmp_path, dtype="bf16")
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    back = GPT.from_hf_gpt2(str(tmp_path))                        # bf16 read back as float32
+    w = gpt.state_dict()["blocks.0.mlp.fc.weight"]
+    assert np.array_equal(back.state_dict()["blocks.0.mlp.fc.weight"], from_bfloat16_bits(to_bfloat16_bits(w)))
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        gpt.save_hf_gpt2(tmp_path / "x", dtype="int8")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import axonmpi
-from axonmpi import Tensor
+from axonmpi import Tensor, nn
 from axonmpi.nn.moe import _capacity_keep
 
 from test_moe_parallel import _data, _grid, _make, _train
@@ -33,6 +33,8 @@ def _check(grid, k, **kw):
     got, want = _counts(pm.inner), _counts(serial)
     assert got == want, f"rank {grid.rank}: (tokens per expert, dropped, capacity) {got} vs serial {want}"
     assert all(d > 0 for _, d, _ in want), "the test needs drops"
+    stats = nn.moe_stats(pm.inner)
+    assert stats["expert_capacity"] == want[0][2] and stats["dropped_tokens"] == sum(d for _, d, _ in want)
     return worst
 
 

@@ -434,12 +434,13 @@ class GPT(Module):
         from . import hf_gpt2
         return hf_gpt2.hf_config(self.config, self.wte.weight.data.dtype)
 
-    def save_hf_gpt2(self, directory, max_shard_size="5GB") -> list:
+    def save_hf_gpt2(self, directory, max_shard_size="5GB", dtype=None) -> list:
         """Write ``config.json`` and ``model.safetensors`` into ``directory`` so that
         ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` is this GPT (same logits), tied
         or untied as this GPT is (``tie_word_embeddings`` in the config; a tied head is stored once,
         as ``save_pretrained`` does).  Above ``max_shard_size`` the weights are split into HF shards
-        with ``model.safetensors.index.json``.  :meth:`from_hf_gpt2` reads the directory back.
+        with ``model.safetensors.index.json``; ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"``)
+        casts the stored weights (default: the model's).  :meth:`from_hf_gpt2` reads the directory back.
 
         Returns:
             The paths written.
@@ -450,7 +451,7 @@ class GPT(Module):
         """
         self._check_hf_gpt2("save_hf_gpt2")
         from . import hf_gpt2
-        return hf_gpt2.save(self, directory, max_shard_size=max_shard_size)
+        return hf_gpt2.save(self, directory, max_shard_size=max_shard_size, dtype=dtype)
 
     def _check_hf_gpt2(self, who: str) -> None:
         if self.config.moe_experts:

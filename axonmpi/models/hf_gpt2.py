@@ -47,20 +47,31 @@ def hf_config(config, dtype) -> Dict[str, Any]:
     }
 
 
-def save(gpt, directory: "str | os.PathLike", max_shard_size="5GB") -> List[str]:
-    """Write ``config.json`` and ``model.safetensors`` (HF shards above ``max_shard_size``) for ``gpt``."""
+_CAST_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+               "fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
+
+
+def save(gpt, directory: "str | os.PathLike", max_shard_size="5GB", dtype: Optional[str] = None) -> List[str]:
+    """Write ``config.json`` and ``model.safetensors`` (HF shards above ``max_shard_size``) for ``gpt``;
+    ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"``) casts the stored weights and the config's dtype."""
     from ..checkpoint.safetensors_io import save_safetensors
     directory = os.fspath(directory)
     if directory.endswith(".safetensors"):
         raise ValueError(f"save_hf_gpt2: {directory!r} is a file name; pass a directory (config.json and "
                          "model.safetensors are written into it)")
     sd = gpt.to_hf_gpt2()
+    cast = dtype
     dtype = sd["transformer.wte.weight"].dtype
+    if cast is not None and str(cast).lower() not in _CAST_NAMES:
+        raise ValueError(f"save_hf_gpt2: dtype={cast!r}; expected one of bf16, fp16, fp32, fp64 (or None to keep "
+                         f"the model's {dtype})")
     cfg = hf_config(gpt.config, dtype)
+    if cast is not None:
+        cfg["dtype"] = _CAST_NAMES[str(cast).lower()]
     if cfg["tie_word_embeddings"]:
         sd.pop("lm_head.weight")      # as save_pretrained: a tied head is wte (one tensor in the file)
     os.makedirs(directory, exist_ok=True)
-    written = save_safetensors(sd, directory, max_shard_size=max_shard_size)
+    written = save_safetensors(sd, directory, max_shard_size=max_shard_size, dtype=cast)
     path = os.path.join(directory, CONFIG_FILE)
     with open(path + ".tmp", "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
@@ -126,7 +137,8 @@ def export_checkpoint(path: str, out: str, *, n_head: Optional[int] = None, pref
     reads the full model state, builds the serial :class:`~axonmpi.models.GPT` from it and calls
     :meth:`~axonmpi.models.GPT.save_hf_gpt2`.  The number of heads is in no shape: ``n_head``,
     else the ``extra/config/n_head`` that ``examples/train_gpt.py`` saves, else ``n_embd // 64``
-    (GPT-2's head width).  The head is tied when ``lm_head.weight`` is absent or equal to
+    (GPT-2's head width).  ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"``) casts the
+    stored weights (the config's ``dtype`` says which).  The head is tied when ``lm_head.weight`` is absent or equal to
     ``wte.weight`` (a tied model saves both names holding one array).
 
     Returns:
@@ -156,10 +168,8 @@ def export_checkpoint(path: str, out: str, *, n_head: Optional[int] = None, pref
     bias = "ln_f.bias" in sd
     cfg = GPTConfig(vocab_size=int(vocab), block_size=int(sd["wpe.weight"].shape[0]), n_layer=len(layers),
                     n_head=int(n_head), n_embd=int(c), bias=bias, tie_word_embeddings=bool(tied))
-    wdtype = np.dtype({None: sd["wte.weight"].dtype, "fp32": np.float32, "fp64": np.float64,
-                       "fp16": np.float16}.get(dtype, dtype or sd["wte.weight"].dtype))
-    gpt = GPT(cfg, dtype=wdtype)
+    gpt = GPT(cfg, dtype=sd["wte.weight"].dtype)
     if tied:
         sd["lm_head.weight"] = sd["wte.weight"]
     gpt.load_state_dict(sd)
-    return gpt.save_hf_gpt2(out, max_shard_size=max_shard_size)
+    return gpt.save_hf_gpt2(out, max_shard_size=max_shard_size, dtype=dtype)

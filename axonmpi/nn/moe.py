@@ -357,16 +357,21 @@ def moe_losses(model: Module):
 
 def moe_stats(model: Module) -> dict:
     """Metrics of the MoE layers' last forward: ``aux_loss``, ``z_loss`` (summed over layers, floats),
-    tokens per expert ``min/mean/max`` (over every layer's experts) and ``dropped_tokens`` (summed);
-    ``{}`` when the model has no MoE layer."""
+    tokens per expert ``min/mean/max`` (over every layer's experts) and ``dropped_tokens`` (summed),
+    all over the global batch; with a ``capacity_factor``, ``expert_capacity`` (rows per expert of
+    the global batch, the largest over layers); ``{}`` when the model has no MoE layer."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.losses is not None]
     if not layers:
         return {}
     per = np.concatenate([m.tokens_per_expert for m in layers])
-    return {
+    caps = [m.capacity for m in layers if m.capacity_factor is not None and m.capacity is not None]
+    out = {
         "aux_loss": float(sum(float(to_host(m.losses.aux_loss.data)) for m in layers)),
         "z_loss": float(sum(float(to_host(m.losses.z_loss.data)) for m in layers)),
         "tokens_per_expert_min": int(per.min()), "tokens_per_expert_mean": float(per.mean()),
         "tokens_per_expert_max": int(per.max()),
         "dropped_tokens": int(sum(m.dropped_tokens for m in layers)),
     }
+    if caps:
+        out["expert_capacity"] = int(max(caps))
+    return out
