@@ -90,3 +90,24 @@ def test_global_queue_offsets_give_the_serial_keep_mask():
     finally:
         dist.all_gather = real
     np.testing.assert_array_equal(got, want)
+
+
+def test_generate_routes_alone_so_one_data_rank_can_sample():
+    """examples/train_gpt.py samples on rank 0 only; a data-parallel MoE GPT's forward all-reduced
+    its routing statistics over the data group, so rank 0 waited for ranks that never came (the run
+    hung after training, dropless or not). generate() now sets the statistics group aside."""
+    from axonmpi.models import GPT, GPTConfig
+
+    class Unreachable:           # a group whose collectives would hang: any use fails the test
+        size = 2
+
+        def __getattr__(self, name):
+            raise AssertionError(f"generate used the data group ({name})")
+    axonmpi.manual_seed(0)
+    for cap in (None, 0.5):
+        gpt = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8, moe_experts=2, moe_top_k=2,
+                            moe_capacity_factor=cap), dtype=np.float64)
+        fake = Unreachable()
+        gpt.blocks[0].mlp.stats_group = fake
+        out = gpt.generate(np.zeros((1, 2), np.int64), 3)
+        assert out.shape == (1, 5) and gpt.blocks[0].mlp.stats_group is fake

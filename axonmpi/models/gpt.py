@@ -294,10 +294,24 @@ class GPT(Module):
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
         """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); returns (B, T + max_new_tokens) ids.
 
-        Sampling uses :mod:`axonmpi.random`'s generator on the host.
+        Sampling uses :mod:`axonmpi.random`'s generator on the host.  MoE layers whose experts are
+        all on this rank route these sequences alone (their data-parallel statistics group, whose
+        collectives the other ranks would not join, is set aside meanwhile), so one rank of a
+        data-parallel MoE run can sample; expert-parallel layers need every rank to call this.
         """
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        local = [m for m in self.modules() if isinstance(m, MoE) and m.dispatcher is None]
+        saved = [m.stats_group for m in local]
+        for m in local:
+            m.stats_group = None
+        try:
+            return self._generate(idx, max_new_tokens, temperature, top_k)
+        finally:
+            for m, g in zip(local, saved):
+                m.stats_group = g
+
+    def _generate(self, idx, max_new_tokens: int, temperature: float, top_k: Optional[int]):
         was_tensor = isinstance(idx, Tensor)
         idx = to_host(idx.data if was_tensor else idx).astype(np.int64)
         device = self.wte.weight.device
