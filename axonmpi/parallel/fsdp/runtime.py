@@ -240,7 +240,7 @@ class FullyShardedDataParallel(Module):
         self._hooks = []
         owner: Dict[int, str] = {}
         inside = {id(p) for q, m, is_nested in plan if not is_nested for p in m.parameters()}
-        self.hoisted = self._hoist_outside_uses(module, plan, inner_params, inside)
+        self.hoisted = self._hoist_outside_uses(module, plan, inner_params)
         root_named = [(n, p) for n, p in params if id(p) not in inside or id(p) in self.hoisted]
         self.root_unit = self._make_unit("", module, root_named, owner, mode="keep")
         for qname, m, is_nested in plan:
@@ -280,7 +280,7 @@ class FullyShardedDataParallel(Module):
         for u in self._all_units:
             u.reset()
 
-    def _hoist_outside_uses(self, module: Module, plan, inner_params, inside) -> Dict[int, Tuple[str, str]]:
+    def _hoist_outside_uses(self, module: Module, plan, inner_params) -> Dict[int, Tuple[str, str]]:
         """The parameters read outside their unit (``F.linear(h, self.emb.weight)`` in the root's
         forward while ``emb`` is a unit of its own): id -> (name, where it is read).  They go to
         the root unit, gathered from forward to the end of backward, so the step is the serial
@@ -530,7 +530,7 @@ class FullyShardedDataParallel(Module):
         shards now (a read the wrap-time scan of the source could not see: through a variable, a
         closure or another object)."""
         msg = str(e)
-        if not any(t in msg for t in ("size 0", "(0,", " 0 ", "0)")) or not hasattr(e, "add_note"):
+        if not any(t in msg for t in ("size 0", "(0,", "(0)", "0 is different")) or not hasattr(e, "add_note"):
             return
         empty = [(f"{u.name}.{n}" if u.name else n, u.name) for u in self._all_units if u.flat is not None
                  for n, p in zip(u.flat.names, u.flat.params) if p.data.size == 0]
