@@ -127,3 +127,17 @@ def test_matches_torch(rank, weighted, eps, reduction, all_ignored):
         loss, grad = _ours(x, t, weighted, 0.0, reduction, module=False)
         np.testing.assert_allclose(loss, lt.detach().numpy(), rtol=1e-12, atol=1e-14, equal_nan=True)
         np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("target", [2, -100])
+@pytest.mark.parametrize("weighted,eps,reduction", list(itertools.product([False, True], [0.0, 0.3],
+                                                                         ["mean", "sum", "none"])))
+def test_unbatched_input_is_one_row(weighted, eps, reduction, target):
+    """Input rank 1 ((C,) with a scalar target, torch's unbatched form) equals the (1, C) batch."""
+    x = np.random.default_rng(5).standard_normal(5)
+    one, g1 = _ours(x, np.array(target), weighted, eps, reduction)
+    row, g2 = _ours(x[None], np.array([target]), weighted, eps, reduction)
+    np.testing.assert_array_equal(one, row.reshape(one.shape))
+    np.testing.assert_array_equal(g1, g2[0])
+    if target == -100:
+        assert np.all(g1 == 0)
