@@ -258,19 +258,29 @@ def create_temporary(out_path: str) -> str:
 
 
 def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = "5GB",
-           dtype: Optional[str] = None, prefix: Optional[str] = None, stream=None) -> int:
-    """``axonmpi ckpt export CKPT OUT --format safetensors``: the model state as safetensors files.
+           dtype: Optional[str] = None, prefix: Optional[str] = None, stream=None,
+           n_head: Optional[int] = None) -> int:
+    """``axonmpi ckpt export CKPT OUT --format safetensors|hf-gpt2``: the model state as safetensors files.
 
-    Full shapes under the serial ``state_dict`` names, streamed block by block, HF-style shards
-    with ``model.safetensors.index.json`` above ``max_shard_size`` (see
-    :func:`axonmpi.checkpoint.export_safetensors`).
+    ``safetensors``: full shapes under the serial ``state_dict`` names, streamed block by block,
+    HF-style shards with ``model.safetensors.index.json`` above ``max_shard_size`` (see
+    :func:`axonmpi.checkpoint.export_safetensors`).  ``hf-gpt2``: an axonmpi GPT saved under any
+    layout as a directory that ``transformers.GPT2LMHeadModel.from_pretrained(OUT)`` loads
+    (``config.json`` with GPT-2's names and ``tie_word_embeddings``, ``model.safetensors``; see
+    :func:`axonmpi.models.hf_gpt2.export_checkpoint`; ``n_head`` when the checkpoint does not record it).
 
     Returns:
         0 on success.
     """
     from .safetensors_io import export_safetensors
+    if fmt == "hf-gpt2":
+        from ..models.hf_gpt2 import export_checkpoint
+        written = export_checkpoint(path, out, n_head=n_head, prefix=prefix, dtype=dtype,
+                                    max_shard_size=max_shard_size)
+        (stream or sys.stdout).write("".join(f"wrote {p}\n" for p in written))
+        return 0
     if fmt != "safetensors":
-        raise ValueError(f"--format {fmt!r}: the export formats are: safetensors")
+        raise ValueError(f"--format {fmt!r}: the export formats are: safetensors, hf-gpt2")
     written = export_safetensors(path, out, max_shard_size=max_shard_size, dtype=dtype, prefix=prefix)
     (stream or sys.stdout).write("".join(f"wrote {p}\n" for p in written))
     return 0
@@ -297,12 +307,18 @@ def add_commands(sub) -> None:
                                       "HF-style shards with model.safetensors.index.json)")
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("out", help="output directory (or a single .safetensors file)")
-    p.add_argument("--format", default="safetensors", choices=["safetensors"], help="output format")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "hf-gpt2"],
+                   help="output format: safetensors (serial names) or hf-gpt2 (an axonmpi GPT as a directory "
+                        "transformers.GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors)")
+    p.add_argument("--n-head", type=int, default=None,
+                   help="hf-gpt2: the GPT's number of heads when the checkpoint does not record it "
+                        "(default: extra/config/n_head, else n_embd // 64)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per file, e.g. 5GB (10^9) or 500MiB")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp64"],
                    help="cast floating tensors (default: keep each tensor's dtype)")
     p.add_argument("--prefix", default=None, help="state key holding the model (default: 'model' if present)")
-    p.set_defaults(func=lambda a: export(a.path, a.out, a.format, a.max_shard_size, a.dtype, a.prefix))
+    p.set_defaults(func=lambda a: export(a.path, a.out, a.format, a.max_shard_size, a.dtype, a.prefix,
+                                         n_head=a.n_head))
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:

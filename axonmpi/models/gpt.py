@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -288,10 +289,24 @@ class GPT(Module):
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
         """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); returns (B, T + max_new_tokens) ids.
 
-        Sampling uses :mod:`axonmpi.random`'s generator on the host.
+        Sampling uses :mod:`axonmpi.random`'s generator on the host.  MoE layers whose experts are
+        all on this rank route these sequences alone (their data-parallel statistics group, whose
+        collectives the other ranks would not join, is set aside meanwhile), so one rank of a
+        data-parallel MoE run can sample; expert-parallel layers need every rank to call this.
         """
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        local = [m for m in self.modules() if isinstance(m, MoE) and m.dispatcher is None]
+        saved = [m.stats_group for m in local]
+        for m in local:
+            m.stats_group = None
+        try:
+            return self._generate(idx, max_new_tokens, temperature, top_k)
+        finally:
+            for m, g in zip(local, saved):
+                m.stats_group = g
+
+    def _generate(self, idx, max_new_tokens: int, temperature: float, top_k: Optional[int]):
         was_tensor = isinstance(idx, Tensor)
         idx = to_host(idx.data if was_tensor else idx).astype(np.int64)
         device = self.wte.weight.device
@@ -316,7 +331,14 @@ class GPT(Module):
     @classmethod
     def from_hf_gpt2(cls, state_dict, n_head: Optional[int] = None, *, dtype=None, device=None,
                      dropout: float = 0.0) -> "GPT":
-        """A GPT holding Hugging Face GPT-2 weights (``GPT2LMHeadModel`` or ``GPT2Model`` state dict).
+        """A GPT holding Hugging Face GPT-2 weights (``GPT2LMHeadModel`` or ``GPT2Model`` state dict,
+        or a directory of ``config.json`` and ``model.safetensors``).
+
+        A directory (a ``str`` or path: what :meth:`save_hf_gpt2` or transformers'
+        ``save_pretrained`` writes) gives the sizes, ``n_head`` and the tie
+        (``tie_word_embeddings``, transformers' default True) from its ``config.json``, as
+        ``GPT2LMHeadModel.from_pretrained`` reads them; a config our GPT cannot compute (another
+        activation, LayerNorm epsilon or MLP width) raises naming the field.
 
         Sizes come from the shapes: vocabulary and width from ``wte``, context from ``wpe``,
         depth from the ``h.{i}`` blocks. The number of heads is not in any shape: pass
@@ -340,6 +362,11 @@ class GPT(Module):
             >>> hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2))
             >>> gpt = GPT.from_hf_gpt2(hf.state_dict(), n_head=2)
         """
+        tie = None
+        if isinstance(state_dict, (str, os.PathLike)):
+            from . import hf_gpt2
+            state_dict, kw = hf_gpt2.read_directory(state_dict)
+            n_head, tie = (kw["n_head"] if n_head is None else n_head), kw["tie_word_embeddings"]
         sd = _hf_arrays(state_dict)
         if "wte.weight" not in sd or "wpe.weight" not in sd:
             raise ValueError(f"from_hf_gpt2: no wte.weight/wpe.weight among the keys {sorted(sd)[:8]}...; "
@@ -355,7 +382,11 @@ class GPT(Module):
                                  "pass n_head= (config.n_head)")
             n_head = c // 64
         head = sd.get("lm_head.weight")
-        tied = head is None or (head.shape == sd["wte.weight"].shape and np.array_equal(head, sd["wte.weight"]))
+        if tie is False and head is None:
+            raise ValueError("from_hf_gpt2: the config says tie_word_embeddings=false but the weights have no "
+                             "lm_head.weight (transformers would initialise it at random)")
+        tied = tie if tie is not None else (
+            head is None or (head.shape == sd["wte.weight"].shape and np.array_equal(head, sd["wte.weight"])))
         cfg = GPTConfig(vocab_size=int(vocab), block_size=int(block), n_layer=len(layers), n_head=int(n_head),
                         n_embd=int(c), dropout=dropout, bias=True, tie_word_embeddings=bool(tied))
         model = cls(cfg, dtype=dtype if dtype is not None else sd["wte.weight"].dtype)
@@ -373,27 +404,66 @@ class GPT(Module):
         return model
 
     def to_hf_gpt2(self) -> "OrderedDict[str, np.ndarray]":
-        """This GPT's weights under Hugging Face ``GPT2LMHeadModel`` names (host NumPy copies).
+        """This GPT's weights under Hugging Face ``GPT2LMHeadModel`` names (host NumPy arrays).
 
-        ``transformer.wte.weight``, ``transformer.wpe.weight``, ``transformer.h.{i}.{ln_1,
-        attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}.*`` (Conv1D weights as (in, out)),
-        ``transformer.ln_f.*`` and ``lm_head.weight``: what ``GPT2LMHeadModel.load_state_dict``
-        takes (``torch.from_numpy`` each). The GPT must have biases (GPT-2 has them everywhere).
+        Returns a state dict, not a model: ``transformer.wte.weight``, ``transformer.wpe.weight``,
+        ``transformer.h.{i}.{ln_1,attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}.*`` (Conv1D
+        weights as (in, out)), ``transformer.ln_f.*`` and ``lm_head.weight`` (always present; equal
+        to ``wte`` when tied).  The GPT must have biases (GPT-2 has them everywhere).
+
+        To load it, the transformers model must be built from *this* GPT's config, above all
+        ``tie_word_embeddings``: our GPT is untied by default while ``GPT2Config()`` ties, and a
+        tied ``GPT2LMHeadModel`` replaces the loaded ``lm_head`` by ``wte`` (wrong logits, with
+        "all keys matched").  :meth:`hf_gpt2_config` gives that config; simpler still,
+        :meth:`save_hf_gpt2` writes a directory that ``from_pretrained`` loads.
 
         Example:
+            >>> hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt.hf_gpt2_config())).eval()
             >>> hf.load_state_dict({k: torch.from_numpy(v) for k, v in gpt.to_hf_gpt2().items()})
+            >>> gpt.save_hf_gpt2("gpt2-out")      # or: config.json + model.safetensors
+            >>> hf = transformers.GPT2LMHeadModel.from_pretrained("gpt2-out")
         """
-        if self.config.moe_experts:
-            raise ValueError(f"to_hf_gpt2: GPT-2 has no mixture-of-experts layers (this GPT has moe_experts="
-                             f"{self.config.moe_experts}); save its state_dict() instead")
-        if not self.config.bias:
-            raise ValueError("to_hf_gpt2: this GPT has bias=False; GPT-2 has biases in every Linear and "
-                             "LayerNorm (build it with GPTConfig(bias=True))")
+        self._check_hf_gpt2("to_hf_gpt2")
         out = OrderedDict()
         for k, v in self.state_dict().items():
             name = _to_hf_name(k)
             out[name] = np.ascontiguousarray(v.T) if k.endswith(".weight") and _is_conv1d(name) else v
         return out
+
+    def hf_gpt2_config(self) -> dict:
+        """transformers' ``GPT2Config`` fields for this GPT (``GPT2Config(**gpt.hf_gpt2_config())``):
+        sizes, ``n_positions = block_size``, tanh GELU (``gelu_new``), LayerNorm epsilon 1e-5, the
+        dropouts, ``dtype`` and ``tie_word_embeddings`` (True only for ``GPTConfig(tie_word_embeddings=True)``)."""
+        self._check_hf_gpt2("hf_gpt2_config")
+        from . import hf_gpt2
+        return hf_gpt2.hf_config(self.config, self.wte.weight.data.dtype)
+
+    def save_hf_gpt2(self, directory, max_shard_size="5GB", dtype=None) -> list:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` so that
+        ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` is this GPT (same logits), tied
+        or untied as this GPT is (``tie_word_embeddings`` in the config; a tied head is stored once,
+        as ``save_pretrained`` does).  Above ``max_shard_size`` the weights are split into HF shards
+        with ``model.safetensors.index.json``; ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"``)
+        casts the stored weights (default: the model's).  :meth:`from_hf_gpt2` reads the directory back.
+
+        Returns:
+            The paths written.
+
+        Example:
+            >>> gpt.save_hf_gpt2("gpt2-out")
+            >>> hf = transformers.GPT2LMHeadModel.from_pretrained("gpt2-out")
+        """
+        self._check_hf_gpt2("save_hf_gpt2")
+        from . import hf_gpt2
+        return hf_gpt2.save(self, directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    def _check_hf_gpt2(self, who: str) -> None:
+        if self.config.moe_experts:
+            raise ValueError(f"{who}: GPT-2 has no mixture-of-experts layers (this GPT has moe_experts="
+                             f"{self.config.moe_experts}); save its state_dict() instead")
+        if not self.config.bias:
+            raise ValueError(f"{who}: this GPT has bias=False; GPT-2 has biases in every Linear and "
+                             "LayerNorm (build it with GPTConfig(bias=True))")
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameter count (optionally excluding the position embedding, like nanoGPT)."""

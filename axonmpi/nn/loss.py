@@ -1,7 +1,8 @@
 """Loss functions and modules with PyTorch's names, arguments and reductions (``reduction=``).
 
 Built from differentiable ops (every backward is that of its parts), except the fused
-:func:`~axonmpi.autograd.ops_nn.cross_entropy` used for the plain class-index case.
+:func:`~axonmpi.autograd.ops_nn.cross_entropy` (``F.cross_entropy``), which ``CrossEntropyLoss``
+calls for every class-index target.
 ``CrossEntropyLoss``/``NLLLoss`` take the class axis at dim 1 as PyTorch does ((N, C) or
 (N, C, d1, ...)); :func:`axonmpi.nn.functional.cross_entropy` keeps its class-last layout.
 """
@@ -97,15 +98,25 @@ def _weighted_nll(logp: Tensor, t, weight, ignore_index: int, reduction: str, sm
     if reduction == "none":
         return ops.reshape(loss, *logp.shape[:-1])
     total = ops_reduce.sum(loss)
-    return total if reduction == "sum" else total / Tensor(xp.asarray(wt.sum(), dtype=logp.data.dtype))
+    if reduction == "sum":
+        return total
+    count = wt.sum()
+    if not bool(count):
+        # every target ignored: torch's loss is NaN (0/0) but its gradient is zero; divide by 1
+        # so the backward multiplies the (zero) per-row weights by a finite number, then add NaN
+        return total + Tensor(xp.asarray(xp.nan, dtype=logp.data.dtype))
+    return total / Tensor(xp.asarray(count, dtype=logp.data.dtype))
 
 
 def class_cross_entropy(input, target, weight=None, ignore_index: int = -100, reduction: str = "mean",  # noqa: A002
                         label_smoothing: float = 0.0) -> Tensor:
     """PyTorch's ``F.cross_entropy``: classes at dim 1, class-index or probability targets.
 
-    Class-index targets without weights or smoothing use the fused kernel; the rest is
-    ``log_softmax`` + weighted NLL with PyTorch's label-smoothing rule.
+    Class-index targets, with or without ``weight`` and ``label_smoothing``, go to the one fused
+    kernel :func:`axonmpi.nn.functional.cross_entropy` (after moving the classes last), so the
+    module and the function cannot disagree; a batch whose targets are all ``ignore_index``
+    gives a NaN ``"mean"`` loss and zero gradients, as torch does.  Probability targets are
+    ``log_softmax`` times the target, summed over classes.
     """
     _check_reduction(reduction, "cross_entropy")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -127,9 +138,10 @@ def class_cross_entropy(input, target, weight=None, ignore_index: int = -100, re
         if reduction == "mean":
             return ops_reduce.sum(loss) / float(int(np.prod(loss.shape)) or 1)
         return _reduce(loss, reduction)
-    if weight is None and not label_smoothing:
-        return ops_nn.cross_entropy(x, t, reduction=reduction, ignore_index=ignore_index)
-    return _weighted_nll(ops_nn.log_softmax(x, -1), t, weight, ignore_index, reduction, label_smoothing)
+    # class indices: the one fused implementation, F.cross_entropy (classes last), for every
+    # weight / label_smoothing / reduction / rank; an all-ignored batch gives zero gradients
+    return ops_nn.cross_entropy(x, t, weight=weight, reduction=reduction, ignore_index=ignore_index,
+                                label_smoothing=label_smoothing)
 
 
 def l1_loss(input, target, reduction: str = "mean") -> Tensor:  # noqa: A002

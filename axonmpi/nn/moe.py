@@ -12,9 +12,13 @@
 3. Dispatch: the (token, choice) assignments are sorted by expert (stable: token order inside
    an expert); expert ``e`` runs its MLP on its rows (dropless: every assignment is computed).
    With ``capacity_factor=c`` each expert takes at most ``ceil(c * tokens * top_k / E)`` rows of
-   this rank's batch, first choices before second choices, each in token order (Switch /
-   GShard); the rest are dropped (they contribute zero; the residual carries the token) and
-   counted.
+   the *global* batch (``tokens`` summed over ``stats_group``), first choices before second
+   choices, each in global token order (Switch / GShard); the rest are dropped (they contribute
+   zero; the residual carries the token) and counted.  Each rank learns its place in the global
+   queues from one all-gather of its per-(choice, expert) counts (an exclusive prefix sum over
+   the lower ranks plus the totals of the earlier choices), so a data-parallel run drops exactly
+   the assignments the serial model drops on the global batch: the ranks of ``stats_group``
+   must hold consecutive slices of the global batch in rank order (``local_batch`` does).
 4. Combine: every row is multiplied by its gate weight and summed back into its token.
 
 A dispatcher object (``self.dispatcher``) runs step 3's expert computation; ``None`` runs the
@@ -128,15 +132,47 @@ class Experts(Module):
         return ys[0] if len(ys) == 1 else ops.concat(ys, dim=0)
 
 
-def _capacity_keep(experts: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
-    """Keep mask of ``(N, k)`` assignments: per expert the first ``capacity`` in (choice, token) order."""
+def _capacity_keep(experts: np.ndarray, num_experts: int, capacity: int,
+                   offsets: Optional[np.ndarray] = None) -> np.ndarray:
+    """Keep mask of ``(N, k)`` assignments: per expert the first ``capacity`` in (choice, token) order.
+
+    ``offsets[j, e]``: the place in expert ``e``'s queue of this batch's first choice-``j``
+    assignment to ``e`` (default: the choice-``j' < j`` assignments of this batch, i.e. a batch of
+    its own); with the global counts it is the serial queue of the whole batch (:func:`_global_queue`).
+    """
     n, k = experts.shape
-    order = experts.T.reshape(-1)                      # choice-major: all first choices first
-    rank_in = np.empty(n * k, np.int64)                # place of each assignment in its expert's queue
-    for e in range(num_experts):
-        idx = np.nonzero(order == e)[0]
-        rank_in[idx] = np.arange(idx.size)
-    return (rank_in < capacity).reshape(k, n).T
+    if offsets is None:
+        counts = np.stack([np.bincount(experts[:, j], minlength=num_experts) for j in range(k)]).astype(np.int64)
+        offsets = np.cumsum(counts, axis=0) - counts
+    rank_in = np.empty((n, k), np.int64)               # place of each assignment in its expert's queue
+    for j in range(k):
+        col = experts[:, j]
+        for e in range(num_experts):
+            idx = np.nonzero(col == e)[0]
+            rank_in[idx, j] = offsets[j, e] + np.arange(idx.size)
+    return rank_in < capacity
+
+
+def _global_queue(experts: np.ndarray, num_experts: int, n: int, group):
+    """(global tokens, routed per expert (global), offsets (k, E)) from ONE all-gather of this rank's
+    per-(choice, expert) counts over ``group`` (whose ranks hold consecutive slices of the global
+    batch in rank order): the serial queue is all first choices of the global batch in token order,
+    then all second choices, so this rank's choice-``j`` assignments to ``e`` start after every
+    choice-``j' < j`` assignment to ``e`` of all ranks and the choice-``j`` ones of lower ranks."""
+    k = experts.shape[1]
+    mine = np.concatenate([np.bincount(experts[:, j], minlength=num_experts) for j in range(k)] + [[n]])
+    mine = mine.astype(np.int64)
+    if group is None or group.size == 1:
+        rows = mine[None]
+        me = 0
+    else:
+        from ..distributed import all_gather
+        rows = all_gather(mine[None], group=group)       # (ranks, k E + 1), group-rank order
+        me = group.rank
+    per = rows[:, :-1].reshape(rows.shape[0], k, num_experts)
+    total = per.sum(axis=0)                               # (k, E) over the global batch
+    offsets = (np.cumsum(total, axis=0) - total) + per[:me].sum(axis=0)
+    return int(rows[:, -1].sum()), total.sum(axis=0), offsets
 
 
 class MoE(Module):
@@ -150,13 +186,15 @@ class MoE(Module):
         gating: ``"softmax"`` or ``"sigmoid"`` scores.
         normalize: renormalise the top-k gate weights to sum to one (default: ``top_k > 1``).
         capacity_factor: ``None`` (dropless) or ``c > 0``: each expert takes at most
-            ``ceil(c * tokens * top_k / E)`` rows of this rank's batch; the rest are dropped.
+            ``ceil(c * tokens * top_k / E)`` rows of the global batch (counted over
+            ``stats_group``: parallel runs drop what the serial model drops); the rest are dropped.
         bias: biases in the experts (the router has none).
         approximate: the GELU form (``"tanh"``, as the GPT's MLP, or ``"none"``).
 
     After each forward: ``self.losses`` (:class:`MoELosses`: ``aux_loss``, ``z_loss``, global
-    batch), ``self.tokens_per_expert`` (global rows computed per expert, host int64 array) and
-    ``self.dropped_tokens`` (global count of dropped assignments).
+    batch), ``self.tokens_per_expert`` (global rows computed per expert, host int64 array),
+    ``self.dropped_tokens`` (global count of dropped assignments) and, with a capacity,
+    ``self.capacity`` (rows per expert of the global batch).
 
     Example:
         >>> moe = MoE(64, num_experts=8, top_k=2, dtype="float64")
@@ -193,6 +231,7 @@ class MoE(Module):
         self.losses: Optional[MoELosses] = None
         self.tokens_per_expert: Optional[np.ndarray] = None
         self.dropped_tokens = 0
+        self.capacity: Optional[int] = None
 
     # -- router ----------------------------------------------------------------------------
     def _route(self, x2: Tensor):
@@ -224,12 +263,14 @@ class MoE(Module):
             gates = gates / ops_reduce.sum(gates, dim=-1, keepdim=True)
         if np.dtype(gates.dtype) != np.dtype(x2.dtype):
             gates = ops.cast(gates, x2.dtype)
-        # capacity (Switch): this rank's batch, first choices first
+        # capacity (Switch) over the global batch: first choices first, each in global token order
         if self.capacity_factor is None:
             keep = np.ones((N, k), bool)
         else:
-            cap = int(math.ceil(self.capacity_factor * N * k / E))
-            keep = _capacity_keep(top, E, cap)
+            n_glob, routed_glob, offsets = _global_queue(top, E, N, self.stats_group)
+            cap = int(math.ceil(self.capacity_factor * n_glob * k / E))
+            keep = _capacity_keep(top, E, cap, offsets)
+            self.capacity = cap
         flat_e = top.reshape(-1)                                                 # assignment a = t*k + j
         kept = np.nonzero(keep.reshape(-1))[0]
         order = kept[np.argsort(flat_e[kept], kind="stable")]                    # sorted by expert
@@ -245,9 +286,13 @@ class MoE(Module):
             y = ops.concat([y, Tensor(xp.zeros((1, C), y.dtype))], dim=0)
         out = ops_reduce.sum(ops.reshape(ops.getitem(y, xp.asarray(inv)), N, k, C), dim=1)
         # global-batch statistics and losses
-        routed = np.bincount(flat_e, minlength=E).astype(np.int64)
-        tot = _sum_counts(np.concatenate([routed, counts, [N]]).astype(np.int64), self.stats_group)
-        routed_g, kept_g, n_g = tot[:E], tot[E:2 * E], int(tot[-1])
+        if self.capacity_factor is None:
+            routed = np.bincount(flat_e, minlength=E).astype(np.int64)
+            tot = _sum_counts(np.concatenate([routed, counts, [N]]).astype(np.int64), self.stats_group)
+            routed_g, kept_g, n_g = tot[:E], tot[E:2 * E], int(tot[-1])
+        else:       # the global queue's counts: expert e keeps its first `cap` assignments
+            routed_g, n_g = routed_glob.astype(np.int64), n_glob
+            kept_g = np.minimum(routed_g, cap)
         self.tokens_per_expert = kept_g
         self.dropped_tokens = int(routed_g.sum() - kept_g.sum())
         probs = scores if self.gating == "softmax" else scores / ops_reduce.sum(scores, dim=-1, keepdim=True)
@@ -292,16 +337,21 @@ def moe_losses(model: Module):
 
 def moe_stats(model: Module) -> dict:
     """Metrics of the MoE layers' last forward: ``aux_loss``, ``z_loss`` (summed over layers, floats),
-    tokens per expert ``min/mean/max`` (over every layer's experts) and ``dropped_tokens`` (summed);
-    ``{}`` when the model has no MoE layer."""
+    tokens per expert ``min/mean/max`` (over every layer's experts) and ``dropped_tokens`` (summed),
+    all over the global batch; with a ``capacity_factor``, ``expert_capacity`` (rows per expert of
+    the global batch, the largest over layers); ``{}`` when the model has no MoE layer."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.losses is not None]
     if not layers:
         return {}
     per = np.concatenate([m.tokens_per_expert for m in layers])
-    return {
+    caps = [m.capacity for m in layers if m.capacity_factor is not None and m.capacity is not None]
+    out = {
         "aux_loss": float(sum(float(to_host(m.losses.aux_loss.data)) for m in layers)),
         "z_loss": float(sum(float(to_host(m.losses.z_loss.data)) for m in layers)),
         "tokens_per_expert_min": int(per.min()), "tokens_per_expert_mean": float(per.mean()),
         "tokens_per_expert_max": int(per.max()),
         "dropped_tokens": int(sum(m.dropped_tokens for m in layers)),
     }
+    if caps:
+        out["expert_capacity"] = int(max(caps))
+    return out

@@ -240,14 +240,15 @@ class FullyShardedDataParallel(Module):
         self._hooks = []
         owner: Dict[int, str] = {}
         inside = {id(p) for q, m, is_nested in plan if not is_nested for p in m.parameters()}
-        root_named = [(n, p) for n, p in params if id(p) not in inside]
+        self.hoisted = self._hoist_outside_uses(module, plan, inner_params)
+        root_named = [(n, p) for n, p in params if id(p) not in inside or id(p) in self.hoisted]
         self.root_unit = self._make_unit("", module, root_named, owner, mode="keep")
         for qname, m, is_nested in plan:
             if is_nested:
                 self.units += self._adopt(qname, m, owner)
                 continue
             named = [(f"{qname}.{n}", p) for n, p in unwrapped_state_items(m, "params")
-                     if id(p) not in inner_params]
+                     if id(p) not in inner_params and id(p) not in self.hoisted]
             unit = self._make_unit(qname, m, named, owner, mode="keep")
             unit._orig_forward = m.forward
             object.__setattr__(m, "forward", unit.call)
@@ -278,6 +279,47 @@ class FullyShardedDataParallel(Module):
                     self._hooks.append(p.register_post_accumulate_grad_hook(u.on_param_ready))
         for u in self._all_units:
             u.reset()
+
+    def _hoist_outside_uses(self, module: Module, plan, inner_params) -> Dict[int, Tuple[str, str]]:
+        """The parameters read outside their unit (``F.linear(h, self.emb.weight)`` in the root's
+        forward while ``emb`` is a unit of its own): id -> (name, where it is read).  They go to
+        the root unit, gathered from forward to the end of backward, so the step is the serial
+        one; one of a nested FSDP instance cannot move and is refused, naming it and both users.
+        See :mod:`axonmpi.parallel.fsdp.shared`."""
+        from .shared import find_outside_uses
+        unit_of: Dict[int, str] = {}
+        for q, m, is_nested in plan:
+            if not is_nested:
+                for p in m.parameters():
+                    if id(p) not in inner_params:
+                        unit_of.setdefault(id(p), q)
+        nested_at = dict(inner_params)
+
+        def owner_of(pid):
+            if pid in nested_at:
+                return None
+            return unit_of.get(pid, "")
+
+        hoisted: Dict[int, Tuple[str, str]] = {}
+        for use in find_outside_uses(list(unwrapped_named_modules(module)), owner_of):
+            pid = use.pid
+            owner_mod = use.param.rsplit(".", 1)[0] if "." in use.param else ""
+            reader = repr(use.user) if use.user else "the root module"
+            if pid in nested_at:
+                raise ValueError(
+                    f"FSDP: parameter {use.param!r} (of module {owner_mod!r}, inside the FSDP instance nested at "
+                    f"{nested_at[pid]!r}) is read outside that instance by {reader} at {use.where}; it is an "
+                    "empty shard there. Fix: do not wrap that module in its own FSDP instance (let the outer "
+                    "FSDP place it), or use the weight only inside its module's forward")
+            if pid not in hoisted:
+                hoisted[pid] = (use.param, f"{reader} at {use.where}")
+        if hoisted:
+            from ... import log as _log
+            _log.get_logger("axonmpi.fsdp", rank0_only=True).info(
+                "FSDP: %s read outside their unit (%s): kept in the root unit, gathered for the whole step",
+                ", ".join(repr(n) for n, _ in hoisted.values()),
+                "; ".join(f"{n} by {w}" for n, w in hoisted.values()))
+        return hoisted
 
     def _make_unit(self, name: str, module: Module, named, owner: Dict[int, str], *, mode: str) -> FSDPUnit:
         """One unit over ``named`` (unwrapped names): the trainable parameters flattened and sharded,
@@ -471,6 +513,9 @@ class FullyShardedDataParallel(Module):
         self._phase = _Phase.FORWARD
         try:
             out = self.module(*args, **kwargs)
+        except (ValueError, IndexError, RuntimeError, TypeError) as e:
+            self._note_empty_params(e)
+            raise
         finally:
             self._phase = _Phase.OUTSIDE
         if is_grad_enabled():
@@ -479,6 +524,22 @@ class FullyShardedDataParallel(Module):
             for u in self._all_units:
                 u.free()
         return out
+
+    def _note_empty_params(self, e: BaseException) -> None:
+        """A shape error in forward while some units are resharded: say which parameters are empty
+        shards now (a read the wrap-time scan of the source could not see: through a variable, a
+        closure or another object)."""
+        msg = str(e)
+        if not any(t in msg for t in ("size 0", "(0,", "(0)", "0 is different")) or not hasattr(e, "add_note"):
+            return
+        empty = [(f"{u.name}.{n}" if u.name else n, u.name) for u in self._all_units if u.flat is not None
+                 for n, p in zip(u.flat.names, u.flat.params) if p.data.size == 0]
+        if empty:
+            shown = ", ".join(f"{n!r} (unit {q!r})" for n, q in empty[:6]) + (" ..." if len(empty) > 6 else "")
+            e.add_note(f"[axonmpi FSDP rank {get_world().rank}] parameters that are empty shards at this point "
+                       f"(their unit is not gathered): {shown}. A parameter read outside its module's forward "
+                       "(a tied head F.linear(h, self.emb.weight)) must be visible to FSDP's wrap-time scan of "
+                       "forward (self.<module>.<param>) or live in the root unit / the same unit as its reader")
 
     # -- parameters ---------------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True):
