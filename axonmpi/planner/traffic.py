@@ -28,7 +28,8 @@ element; ``B`` blocks on the rank (``L / pp``):
 * pipeline: each transfer of the schedule (``make_schedule``'s ``SEND``/``RECV`` actions of the busiest
   rank: 1F1B, GPipe, ZB-H1 ``2 (neighbours) m``; interleaved and ZBV more) moves one activation
   ``n h e`` (``/ t`` with Megatron's scatter/gather or SP); a tied embedding's gradient between the
-  first and the last stage adds an all-reduce of ``V h e / t``.
+  first and the last stage adds an all-reduce of ``V h e / t``.  ZBV's V puts the first and the last chunk
+  (the embeddings and the head) on pipeline rank 0.
 * context (per block and micro-batch): ring -- ``(cp - 1)`` K/V blocks (``kv = 2 n h e / t``) sent and as
   many received forward, ``(2 cp - 1)`` backward (the last hop brings ``dK, dV`` home), ``2 (3 cp - 2) kv``;
   Ulysses -- 4 all-to-alls of ``n h e / t`` each way (q, k, v and the output), ``8 n h e / t``;
@@ -108,8 +109,9 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
 
     out = {g: 0.0 for g in GROUP_NAMES}
     per_stage = []
+    last_rank = 0 if lay.pipeline_schedule == "zbv" else pp - 1     # ZBV's V: the last chunk on rank 0
     for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
+        first, last = stage == 0, stage == last_rank
         g = {k: 0.0 for k in GROUP_NAMES}
         # -- tensor ------------------------------------------------------------------------------------
         if t > 1:
@@ -131,7 +133,7 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
         # -- pipeline ----------------------------------------------------------------------------------
         if pp > 1:
             g["pipeline"] += pipeline_transfers(lay.pipeline_schedule, pp, m, lay.vp) * act / (t if t > 1 else 1)
-            if cfg.tied and (first or last):
+            if cfg.tied and (first or last) and last_rank != 0:
                 g["pipeline"] += V * h * e / (t if vocab_split else 1)
         # -- context -----------------------------------------------------------------------------------
         if cp > 1:
