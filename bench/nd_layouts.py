@@ -63,7 +63,13 @@ LAYOUTS = {
     "fsdp2 x tp2 x cp2 ring": ({"G_intra_c": 2, "G_context": 2},
                                dict(tensor_parallel=PLAN, context_parallel="ring", data_parallel="fsdp"),
                                "tp=2,cp=2,dp=2,zero=3"),
+    # the MoE GPT (every MLP 4 experts, top-2): its own DDP row, then Megatron's MoE shape
+    "moe: ddp": ({}, {}, "dp=8"),
+    "moe: dp2 (ep2) x pp2 x tp2 (1f1b)": ({"G_inter": 2, "G_intra_c": 2},
+                                         dict(tensor_parallel={"blocks.*.attn": "attention"}, expert_parallel=2,
+                                              pipeline=("1f1b", None)), "tp=2,pp=2,dp=2,ep=2"),
 }
+EXPERTS, TOP_K = 4, 2
 GROUP_OF = {"data_group": "data", "data_context_group": "data", "expert_data_group": "data", "intra_group": "tensor",
             "col_group": "tensor", "row_group": "tensor", "depth_group": "tensor", "inter_group": "pipeline",
             "context_group": "context", "expert_group": "expert"}
@@ -94,8 +100,9 @@ def run_layout(world, args, name, x, y):
             sched, v = opts["pipeline"]
             opts["pipeline"] = PipelinePlan(num_microbatches=M, schedule=sched, virtual_stages=v)
         axonmpi.manual_seed(0)
+        moe = name.startswith("moe:")
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                        n_embd=args.width)
+                        n_embd=args.width, moe_experts=EXPERTS if moe else 0, moe_top_k=TOP_K)
         pm = parallelize(GPT(cfg), grid=grid, **opts)
         opt = AdamW(pm.parameters(), lr=1e-3)
         xb, yb = pm.local_batch(x, y)
@@ -139,7 +146,7 @@ def main():
     x = rng.integers(0, args.vocab, (args.batch, args.seq))
     y = rng.integers(0, args.vocab, (args.batch, args.seq))
     names = [n for n in LAYOUTS if world.world_size % int(np.prod(list(LAYOUTS[n][0].values()) or [1])) == 0
-             and (not args.only or n in args.only or n == "ddp")]
+             and (not args.only or n in args.only or n in ("ddp", "moe: ddp"))]
     times = {n: [] for n in names}
     counted = {}
     for _ in range(args.repeats):
@@ -149,9 +156,10 @@ def main():
             counted[n] = c           # deterministic: the same every round
     if world.rank != 0:
         return
-    cfg = TransformerConfig(layers=args.layers, width=args.width, heads=args.heads, seq=args.seq, vocab=args.vocab,
-                            tied=False)
-    base = float(np.median(times["ddp"]))
+    dense = TransformerConfig(layers=args.layers, width=args.width, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                              tied=False)
+    moe = TransformerConfig(layers=args.layers, width=args.width, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                            tied=False, experts=EXPERTS, top_k=TOP_K)
     print(f"GPT {args.layers} layers x width {args.width}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, "
           f"global batch {args.batch}, float32, {world.world_size} ranks, {M} micro-batches with a pipeline; "
           f"median of {args.repeats} rounds x {args.steps} steps")
@@ -159,6 +167,8 @@ def main():
           + "  ".join(f"{g + ' KiB meas/plan (ratio)':>31s}" for g in GROUP_NAMES))
     for n in names:
         t = float(np.median(times[n]))
+        cfg = moe if n.startswith("moe:") else dense
+        base = float(np.median(times["moe: ddp" if n.startswith("moe:") else "ddp"]))
         text = LAYOUTS[n][2].replace("dp=8", f"dp={world.world_size}")
         lay = ParallelLayout.parse(text)
         m = M if lay.pp > 1 else 1
