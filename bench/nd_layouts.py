@@ -7,7 +7,8 @@ Every layout trains the same GPT (``axonmpi.models.GPT``, untied head, float32) 
 of token ids; the tensor-parallel plan splits the blocks (attention, MLP column / row) and leaves the
 embeddings and the head whole.  ``ms/step``: a training step (forward, backward, clipping, AdamW) after
 one warm-up step, the median over the steps of the slowest rank, then the median over ``--repeats``
-interleaved rounds (other jobs on a shared machine come and go); ``vs DDP`` divides it by the DDP row's.
+interleaved rounds (other jobs on a shared machine come and go); ``vs DDP`` divides it by the DDP row's
+(the MoE GPT's rows -- every MLP 4 experts, top-2 -- by its own DDP row).
 
 Bytes: what one rank handed the backend during the last step (``count_traffic``: all-reduce and
 reduce-scatter the send buffer, all-gather the gathered buffer, point-to-point sent + received), the
@@ -15,7 +16,8 @@ busiest rank's, per group -- data (``data_group`` / ``data_context_group`` / ``e
 tensor (``intra_group``, ``col_group``, ...), pipeline (``inter_group``), context, expert -- beside
 :func:`axonmpi.planner.traffic.group_bytes` for the planner's layout (``--layout`` syntax, ``embeddings=
 "replicated"``).  Scalar calls (loss, clip norm: at most 24 bytes a call) are left out of the measured
-bytes, as the planner leaves them out.  Byte counts do not depend on the machine's load.
+bytes, as the planner leaves them out.  Byte counts do not depend on the machine's load.  What the
+ratios mean, row by row: docs/parallelize.md, "Speed and bytes".
 """
 import argparse
 import os
