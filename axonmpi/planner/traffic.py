@@ -46,7 +46,8 @@ element; ``B`` blocks on the rank (``L / pp``):
 Example:
     >>> from axonmpi.planner import ParallelLayout, TrainConfig, TransformerConfig
     >>> cfg = TransformerConfig(layers=2, width=8, heads=2, seq=4, vocab=16, tied=False)
-    >>> group_bytes(cfg, TrainConfig(4, 2, "fp32"), ParallelLayout(tp=2, dp=2))["tensor"]   # 2 blocks x 4 n h e + both ends + the loss
+    >>> # 2 blocks x 4 n h e, both vocab-parallel ends n h e each, the loss's 3 n floats
+    >>> group_bytes(cfg, TrainConfig(4, 2, "fp32"), ParallelLayout(tp=2, dp=2))["tensor"]
     2656.0
 """
 from __future__ import annotations
@@ -69,8 +70,8 @@ def pipeline_transfers(kind: str, p: int, m: int, v: int = 1) -> int:
     in one step of ``make_schedule(kind, p, m, v)``.
 
     Example:
-        >>> pipeline_transfers("1f1b", 2, 4), pipeline_transfers("zbv", 2, 4), pipeline_transfers("interleaved", 2, 4, 2)
-        (8, 16, 24)
+        >>> [pipeline_transfers(*a) for a in (("1f1b", 2, 4), ("zbv", 2, 4), ("interleaved", 2, 4, 2))]
+        [8, 16, 24]
     """
     if p == 1:
         return 0
