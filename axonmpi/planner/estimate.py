@@ -8,14 +8,16 @@ block reads its own rows), ``v`` chunks per pipeline rank of ``L / (p v)`` block
   group's collectives (Megatron: 2 all-reduces forward, 2 backward, 2 more in a full recomputation;
   with sequence parallelism all-gathers + reduce-scatters of the same time; AxoNN 3-D: the easy-mode
   volumes of ``axonmpi.plan.linear_volumes`` per group), the context group's (ring: ``cp - 1``
-  exchanges of K and V forward, twice backward, hidden under the attention core as far as it lasts;
-  Ulysses: 4 all-to-alls each way), the expert group's (dispatch and combine all-to-alls each way) and
+  exchanges of K and V forward, ``2 cp - 1`` backward (K/V on, dK/dV along, and dK/dV's hop home),
+  hidden under the attention core as far as it lasts; Ulysses: 4 all-to-alls of the rank's ``n h / t``
+  each way), the expert group's (dispatch and combine all-to-alls each way) and
   the point-to-point transfer to the next stage (Megatron's scatter/gather: ``1/t`` of the
   activation per rank over its own card, then an all-gather inside the node);
 * the pipeline: ``m v (F + B + W)`` on the busiest rank (the last also runs the head and the loss)
   plus the bubble that ``schedules.simulate`` gives for the schedule (1F1B, interleaved, ZB-H1, ZBV);
 * gradients over the data (x context) group: DDP all-reduce, ZeRO-1 reduce-scatter + all-gather,
-  FSDP all-gather forward and backward and reduce-scatter per micro-batch; with ``overlap=1`` DDP's
+  FSDP all-gather forward and backward and reduce-scatter per micro-batch (in a pipeline: one all-gather
+  and one reduce-scatter of the stage a step, exposed); with ``overlap=1`` DDP's
   buckets are reduced during the last micro-batch's backward and FSDP's gathers prefetched under
   compute (the part that does not fit is exposed); ``overlap=0``: all after the backward;
 * ``tp_overlap=1`` (Megatron since 2022's asynchronous tensor-parallel all-reduce): the backward's
@@ -179,10 +181,11 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
         if lay.cp_kind == "ring":
             kv = 2.0 * n * h / t * pb
             ring = (lay.cp - 1) * collective_time("p2p", kv, 2, ip, hw, cal)
+            back = (2 * lay.cp - 1) / (lay.cp - 1) * ring      # K/V on, dK/dV along, and dK/dV's hop home
             cp_fwd = max(0.0, ring - core if lay.overlap else ring)
-            cp_bwd = max(0.0, 2 * ring - 2 * core if lay.overlap else 2 * ring)
-        else:
-            cp_fwd = collective_time("alltoall", n * h / t * pb * lay.cp, lay.cp, ip, hw, cal, 4)
+            cp_bwd = max(0.0, back - 2 * core if lay.overlap else back)
+        else:            # the rank's q, k, v and output (n h / t each) through all-to-alls
+            cp_fwd = collective_time("alltoall", n * h / t * pb, lay.cp, ip, hw, cal, 4)
             cp_bwd = cp_fwd
     ep_fwd = 0.0
     if cfg.experts and lay.ep > 1:
@@ -251,6 +254,9 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
             ag = red("allgather", params_rank * pb)
             dp_total = rs + ag
             dp_exposed = (max(rs - last_bwd, 0.0) + max(ag - v * F, 0.0)) if lay.overlap else dp_total
+        elif lay.pp > 1:       # a stage gathered once before its first micro-batch, reduce-scattered after its last
+            dp_total = red("allgather", params_rank * pb) + red("reducescatter", params_rank * gbytes)
+            dp_exposed = dp_total
         else:
             units = max(1.0, float(lrank))      # one gather per block forward and backward, a reduce-scatter each
             per_mb = (red("allgather", params_rank * pb / units, 2 * units)
@@ -270,8 +276,8 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
 
     # -- memory -------------------------------------------------------------------------------------------
     state = params_rank * state_bytes_per_param(pb, lay.zero, gdp)
-    if lay.zero == 3:
-        state += 2 * layer_local * (pb + gbytes)
+    if lay.zero == 3:       # two gathered blocks at a time; in a pipeline the whole stage for the step
+        state += (params_rank if lay.pp > 1 else 2 * layer_local) * (pb + gbytes)
     act_layer = block_activation_bytes(s_loc, s, b, h, a, t, sp, train.recompute, pb,
                                        cfg.top_k if cfg.experts else 0)
     acts = act_layer * lpc * peak
