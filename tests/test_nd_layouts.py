@@ -398,8 +398,9 @@ def test_nd_loss_scaling_matches_serial(world, layout):
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("schedule,fsdp", [("zbv", False), ("1f1b", True)], ids=["dp_pp2_tp2_zbv", "fsdp_pp2_tp2_1f1b"])
-def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp):
+@pytest.mark.parametrize("schedule,fsdp,sp", [("zbv", False, False), ("1f1b", True, False), ("1f1b", False, True)],
+                         ids=["dp_pp2_tp2_zbv", "fsdp_pp2_tp2_1f1b", "dp_pp2_tp2_sp_1f1b"])
+def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp):
     """The library's GPT (tokens, learned positions, its own loss head) through ``parallelize(pipeline=...)``:
     data (DDP or FSDP) x pipeline x Megatron tensor parallel; losses, clip norms and parameters equal serial."""
     from axonmpi.models import GPT, GPTConfig
@@ -424,7 +425,7 @@ def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp):
         axonmpi.manual_seed(7)
         pm = parallelize(GPT(cfg, dtype="float64"), grid=grid, data_parallel="fsdp" if fsdp else "ddp",
                          tensor_parallel={"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column",
-                                          "blocks.*.mlp.proj": "row"},
+                                          "blocks.*.mlp.proj": "row"}, sequence_parallel=sp,
                          pipeline=PipelinePlan(num_microbatches=2, schedule=schedule))
         opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         for s, (x, y) in enumerate(batches):

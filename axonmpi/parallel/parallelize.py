@@ -496,6 +496,7 @@ class _Stage(Module):
         self.batch_groups = (grid.intra_group,) if axonn else ()
         self.depth_group = grid.depth_group
         self.flat = None
+        self.whole_first = False        # set by _pipeline: see [Note: the first layer runs on the whole sequence]
         if shard_group is None:
             self.chunk = chunk
             return
@@ -522,14 +523,33 @@ class _Stage(Module):
     def _run(self, x):
         return (self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)(x)
 
+    def _scatter(self, x):
+        from .tensor import scatter_to_sequence_parallel_region
+        return scatter_to_sequence_parallel_region(x if isinstance(x, Tensor) else Tensor(x),
+                                                   self._grid[0].intra_group, dim=self.sequence_dim)
+
+    def _run_whole_first(self, x):
+        """[Note: the first layer runs on the whole sequence]  The model's input enters the sequence-parallel
+        region after the first stage's first layer when that layer holds nothing split over the tensor group
+        (a GPT's embedding numbers positions from its input's columns: scattered token ids would give every
+        rank's tokens positions from 0).  That layer's gradients are then whole on every tensor rank and are
+        not summed over the group (``parallelize`` leaves them out of the sequence-parallel parameters)."""
+        layers = list(self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)
+        y = self._scatter(layers[0](x))
+        for layer in layers[1:]:
+            y = layer(y)
+        return y
+
     def forward(self, x):
         from ..nn.checkpointing import checkpoint
         g = self._grid[0].intra_group
-        if self.sequence_dim is not None and g.size > 1:
-            from .tensor import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-            x = scatter_to_sequence_parallel_region(x if isinstance(x, Tensor) else Tensor(x), g, dim=self.sequence_dim)
-        y = checkpoint(self._run, x) if self.checkpointed else self._run(x)
-        if self.sequence_dim is not None and g.size > 1:
+        sp = self.sequence_dim is not None and g.size > 1
+        run = self._run_whole_first if sp and self.whole_first else self._run
+        if sp and not self.whole_first:
+            x = self._scatter(x)
+        y = checkpoint(run, x) if self.checkpointed else run(x)
+        if sp:
+            from .tensor import gather_from_sequence_parallel_region
             y = gather_from_sequence_parallel_region(y, g, tensor_parallel_output_grad=False, dim=self.sequence_dim)
         return y
 
@@ -926,6 +946,22 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     return pm
 
 
+def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Optional[Module]:
+    """The first layer of the pipeline's first stage when it is on this rank, the model runs sequence parallel,
+    and the layer holds nothing split over the tensor group: it then runs on the whole sequence."""
+    from ..distributed.placement import placement_of
+    g = grid.intra_group
+    if sp_dim is None or g.size == 1:
+        return None
+    for c in chunks:
+        if getattr(c, "stage_index", None) == 0 and len(c) > 0:
+            first = c[0]
+            split = any(s.group is g or getattr(s.group, "ranks", None) == g.ranks
+                        for p in first.parameters() for s in placement_of(p).shards)
+            return None if split else first
+    return None
+
+
 def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
               checkpoint_chunks: bool, cp: bool) -> "PipelinedModule":
     """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
@@ -939,8 +975,16 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
                           boundaries=plan.boundaries, group=grid.inter_group, stage_ranks=sched.stage_ranks)
     axonn = tensor_parallel == "axonn"
     shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
+    whole = _whole_first_layer(chunks, grid, sp_dim)
+    if whole is not None:       # [Note: the first layer runs on the whole sequence]
+        skip = {id(p) for p in whole.parameters()}
+        for p in whole.parameters():
+            p.sequence_parallel = False
+        sp_params = [p for p in sp_params if id(p) not in skip]
     stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard)
               for c in chunks]
+    for st, c in zip(stages, chunks):
+        st.whole_first = whole is not None and len(c) > 0 and c[0] is whole
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
