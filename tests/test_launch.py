@@ -1,5 +1,4 @@
 """init()'s launch defaults: one BLAS thread per rank when ranks share a node; launcher/MPI mismatch warned."""
-import os
 import re
 import subprocess
 import sys
