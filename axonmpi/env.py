@@ -34,6 +34,9 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("AXONMPI_TIMEOUT", "float", "600",
            "seconds (> 0) any collective or point-to-point wait may last before the watchdog ends the job "
            "with a root-cause report (init(timeout=) sets it too)"),
+    EnvVar("AXONMPI_EARLY_SIGNAL_GRACE", "float", "30",
+           "seconds a SIGTERM recorded before any PreemptionHandler exists waits for one to be made; then the "
+           "rank ends as SIGTERM would (exit 143)"),
     EnvVar("AXONMPI_WATCHDOG", "bool", "1",
            "0 turns the watchdog's deadlines off (no monitor thread, no hang report, no exit announcements)"),
     EnvVar("AXONMPI_FLIGHT_RECORDER", "bool", "1",
