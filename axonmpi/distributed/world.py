@@ -69,7 +69,8 @@ class World:
             self.watchdog = Watchdog(self._comm, timeout=timeout, dump_dir=get_str("AXONMPI_FLIGHT_DIR"),
                                      capacity=max(1, int(get_float("AXONMPI_FLIGHT_RECORDER_SIZE"))),
                                      watch=watch, record=record,
-                                     polling=True if get_bool("AXONMPI_WATCHDOG_POLLING") else None)
+                                     polling=True if get_bool("AXONMPI_WATCHDOG_POLLING") else None,
+                                     check=get_bool("AXONMPI_CHECK_COLLECTIVES"))
 
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = node.Get_rank()
