@@ -545,10 +545,13 @@ class Watchdog:
 # -- MPI errors the MPI library makes fatal ------------------------------------------------------------
 # MPICH 5 ends the process from inside a blocking collective on some errors whatever the
 # communicator's error handler (a truncation in MPI_Allreduce: "Fatal error in internal_Allreduce_c:
-# Message truncated", exit 142), so no Python exception is raised. A C-level exit hook (glibc's
-# on_exit) then names the call this rank was in, from the flight recorder's newest entry.
+# Message truncated", exit 142), so no Python exception is raised. A C-level exit handler then names
+# the call this rank was in, from the flight recorder's newest entry. It is registered with
+# ``__cxa_atexit`` under a handle of its own, and a Python ``atexit`` handler runs and removes it
+# (``__cxa_finalize``) before the interpreter shuts down: a Python callback must never run after that.
 _EXIT_HOOK = None
 _HOOK_WD: list = []
+_NORMAL_EXIT = [False]
 
 
 def _name_fatal_mpi_errors(wd: "Watchdog") -> None:
@@ -556,19 +559,29 @@ def _name_fatal_mpi_errors(wd: "Watchdog") -> None:
     _HOOK_WD[:] = [wd]
     if _EXIT_HOOK is not None:
         return
+    _EXIT_HOOK = False
     try:
         import ctypes
         libc = ctypes.CDLL(None)
-        hook = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p)(_on_c_exit)
-        if libc.on_exit(hook, None) == 0:
-            _EXIT_HOOK = hook            # kept alive for the life of the process
-    except Exception:                    # not glibc: MPI's own message only
-        _EXIT_HOOK = False
+        hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_on_c_exit)
+        handle = ctypes.create_string_buffer(1)       # a unique "DSO handle" for __cxa_finalize
+        libc.__cxa_atexit.argtypes = [ctypes.c_void_p] * 3
+        libc.__cxa_finalize.argtypes = [ctypes.c_void_p]
+        if libc.__cxa_atexit(ctypes.cast(hook, ctypes.c_void_p), None, ctypes.addressof(handle)) != 0:
+            return
+
+        def remove():
+            _NORMAL_EXIT[0] = True
+            libc.__cxa_finalize(ctypes.addressof(handle))   # runs it now (a no-op), drops it
+        atexit.register(remove)
+        _EXIT_HOOK = (hook, handle, libc, remove)     # kept alive for the life of the process
+    except Exception:                                 # not glibc: MPI's own message only
+        pass
 
 
-def _on_c_exit(code, _arg) -> None:
+def _on_c_exit(_arg) -> None:
     try:
-        if code in (0, 1, 130, 143) or not _HOOK_WD:
+        if _NORMAL_EXIT[0] or not _HOOK_WD:
             return
         wd = _HOOK_WD[0]
         if wd._expiring or wd._closed:
@@ -583,10 +596,10 @@ def _on_c_exit(code, _arg) -> None:
         peer = f" with group rank {pe[_PEER]}" if pe[_PEER] is not None else ""
         where = f" at {_where(pe)}" if pe[_FILE] != "?" else ""
         dt = f", dtype={pe[_DTYPE]}" if pe[_DTYPE] is not None else ""
-        os.write(2, (f"[axonmpi] rank {wd.rank}: the MPI library ended this process (error code {code}) inside "
-                     f"{pe[_OP]} #{pe[_SEQ]} on {pe[_GROUP]}{peer} (this rank passed count={pe[_COUNT]}{dt}){where}; "
-                     "MPI's reason is above. Every rank of a collective must pass the same element count and "
-                     "dtype (AXONMPI_DEBUG=1 names what each rank passed before the call)\n").encode())
+        os.write(2, (f"[axonmpi] rank {wd.rank}: the MPI library ended this process inside {pe[_OP]} #{pe[_SEQ]} "
+                     f"on {pe[_GROUP]}{peer} (this rank passed count={pe[_COUNT]}{dt}){where}; MPI's reason is "
+                     "above. Every rank of a collective must pass the same element count and dtype "
+                     "(AXONMPI_DEBUG=1 names what each rank passed, before the call)\n").encode())
     except Exception:
         pass
 
@@ -643,10 +656,20 @@ class _Checks:
         self.started = 0            # checks started = collective calls on the group
         self.done = 0               # checks verified, in order
 
-    def start(self, e, op, dtype, count, root=_NO_ROOT, redop=0) -> None:
+    def start(self, e, op, dtype, count, root=_NO_ROOT, redop=0, block=True) -> None:
+        """Start the check of collective ``e``. Before a blocking call, the checks of earlier calls are
+        waited for (they complete once every rank has entered those calls): a rank must not block
+        in call n+1 while another rank raises for call n and waits for it to say what it passed.
+        Before a non-blocking call only the completed ones are verified (DDP's overlap stays)."""
         n = self.started
-        if n - self.done >= _CHECK_SLOTS:
-            self.settle(n - _CHECK_SLOTS + 1, True)
+        if self.done != n:
+            try:
+                self.settle(n, block)
+                if n - self.done >= _CHECK_SLOTS:      # its slot is still in use: wait for that check
+                    self.settle(n - _CHECK_SLOTS + 1, True)
+            except BaseException:
+                e[_BLK] = False        # this call never starts: not in flight for the monitor
+                raise
         k = n & (_CHECK_SLOTS - 1)
         h = hash((_OPCODE[op], dtype.num if dtype is not None else 0, count, root, redop, n)) >> 1
         s = self.s
@@ -862,11 +885,11 @@ class WatchedComm:
         c, d = _n(buf)
         return self._rec(op, c, d, peer, blocking)
 
-    def _cs(self, e, dtype, count, root=_NO_ROOT, redop=0):
+    def _cs(self, e, dtype, count, root=_NO_ROOT, redop=0, block=True):
         """Start the always-on check of collective ``e`` (when the group has one); return ``e``."""
         ck = self.ck
         if ck is not None:
-            ck.start(e, e[_OP], dtype, count, root, redop)
+            ck.start(e, e[_OP], dtype, count, root, redop, block)
         return e
 
     def _failed(self, err, e, collective: bool) -> None:
@@ -943,7 +966,7 @@ class WatchedComm:
         e = self._rec("all_reduce", r.size, r.dtype)
         ck = self.ck
         if ck is not None:
-            ck.start(e, "all_reduce", r.dtype, r.size, _NO_ROOT, _mop(op))
+            ck.start(e, "all_reduce", r.dtype, r.size, _NO_ROOT, _mop(op), False)
         return _Watched(self.raw.Iallreduce(s, r, op), self.wd, e, ck, self)
 
     def Reduce(self, s, r, op, root):  # noqa: N802
@@ -967,7 +990,7 @@ class WatchedComm:
             ck.settle(ck.started)
 
     def Ireduce_scatter_block(self, s, r, op):  # noqa: N802
-        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op))
+        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op), False)
         return _Watched(self.raw.Ireduce_scatter_block(s, r, op), self.wd, e, self.ck, self)
 
     def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
@@ -975,7 +998,7 @@ class WatchedComm:
         self._runc(e, self.raw.Reduce_scatter, s, r, counts, op)
 
     def Ireduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op))
+        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op), False)
         return _Watched(self.raw.Ireduce_scatter(s, r, counts, op), self.wd, e, self.ck, self)
 
     # data movement
@@ -1010,7 +1033,7 @@ class WatchedComm:
             ck.settle(ck.started)
 
     def Iallgather(self, s, r):  # noqa: N802
-        e = self._cs(self._start("all_gather", r), r.dtype, r.size)
+        e = self._cs(self._start("all_gather", r), r.dtype, r.size, _NO_ROOT, 0, False)
         return _Watched(self.raw.Iallgather(s, r), self.wd, e, self.ck, self)
 
     def Allgatherv(self, s, r):  # noqa: N802
