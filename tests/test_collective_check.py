@@ -187,3 +187,26 @@ def test_mismatch_raises_on_every_rank_in_session(world):
         assert "world ranks [1] called all_reduce(count=2, dtype=int64, op=SUM)" in text
         assert axonmpi.all_reduce(np.ones(2), group=g).tolist() == [2.0, 2.0]
     axonmpi.barrier()
+
+
+OP_MISMATCH = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+x = np.ones(4)
+if w.rank == 0:
+    axonmpi.all_reduce(x)
+else:
+    axonmpi.broadcast(x, src=0)
+"""
+
+
+@pytest.mark.serial
+def test_different_collectives_that_never_return_are_named_within_seconds():
+    """all_reduce on one rank, broadcast on the other: both block in MPI for ever, so nothing can
+    raise; the watchdog's monitor sees the completed check and reports at once, not at the deadline."""
+    import time
+    t0 = time.monotonic()
+    rc, out, err = _job(OP_MISMATCH, {"AXONMPI_TIMEOUT": "120"})
+    assert rc != 0 and time.monotonic() - t0 < 60, (rc, err)
+    assert "They called different collectives (the always-on check found the mismatch" in err, err
+    assert "ranks [0] all_reduce(4 x float64) at <string>:6; ranks [1] broadcast(4 x float64) at <string>:8" in err, err

@@ -87,6 +87,7 @@ MAX_SLEEP_S = 1e-3     # polling mode: the longest pause between two tests of a 
 LISTEN_S = 0.1         # the monitor looks for questions (and exited ranks) this often
 ANSWER_S = 2.0         # how long the reporting rank waits for the others' answers
 EXIT_GRACE_S = 1.0     # a call involving an exited rank gets this long to complete anyway
+PEEK_S = 1.0           # a call blocked this long: look whether the always-on check found a mismatch
 _ASK, _STATE, _EXIT = 1, 2, 3
 
 # one flight-recorder entry is a list: these are its fields, in order (entries() gives them so;
@@ -224,7 +225,7 @@ class Watchdog:
             now = _clock()
             if now < spin_until:
                 continue
-            if now > deadline:
+            if now > deadline or (now - t0 > PEEK_S and self._peek_checks()):
                 self.expire(e, now - t0)
             if self.exited:
                 if exit_seen is None:
@@ -271,7 +272,7 @@ class Watchdog:
             if not self.polling:
                 now = _clock()
                 for e, t0 in self._in_flight():
-                    if now - t0 > self.timeout:
+                    if now - t0 > self.timeout or (now - t0 > PEEK_S and self._peek_checks()):
                         self.expire(e, now - t0)
                     nap = min(nap, t0 + self.timeout - now)
                     if self.exited and self._blocked_by_exit(e):
@@ -282,6 +283,26 @@ class Watchdog:
             self._stop.wait(max(nap, 1e-3))
 
     _expected_notices = 0
+
+    def _peek_checks(self) -> bool:
+        """True when a pending always-on check has completed with a mismatch (read from its result
+        buffer without an MPI call: the main thread owns the requests). Ranks that called different
+        collectives (all_reduce on one, broadcast on another) block in them for ever, so the check
+        can never raise; the hang report then says who called what (:meth:`explain`)."""
+        for c in list(self._comms):
+            ck = c.ck
+            if ck is None:
+                continue
+            r = ck.r
+            for n in range(ck.done, ck.started):
+                k = n & (_CHECK_SLOTS - 1)
+                a, b = r[2 * k], r[2 * k + 1]
+                if not (a == 1 and b == 1) and a != -b:      # (1, 1): the sentinel, not yet complete
+                    self._check_found = n
+                    return True
+        return False
+
+    _check_found = None
 
     def _drain(self) -> None:
         """Receive and handle every message waiting on the watchdog communicator (thread-safe:
@@ -361,6 +382,7 @@ class Watchdog:
         else:
             others = [r for r in ranks if r != self.rank]
         behind, arrived, silent = [], [self.rank], []
+        calls = {self.rank: e}
         for r in others:
             st = answers.get(r)
             if st is None:
@@ -370,6 +392,8 @@ class Watchdog:
             last = st["last"].get(key)
             if e[_PEER] is None and (mine or (last is not None and last[_SEQ] >= e[_SEQ])):
                 arrived.append(r)
+                if mine:
+                    calls[r] = mine[0]
                 continue
             done = (f"its last completed call on {e[_GROUP]} was {_desc(last, 0)} ({last[_T1]:.1f} s ago)"
                     if last is not None else f"it has completed no call on {e[_GROUP]}")
@@ -389,6 +413,15 @@ class Watchdog:
             parts.append(f"Ranks {silent} did not answer within {ANSWER_S:g} s (dead, or their process is wedged).")
         if e[_PEER] is None and len(arrived) > 1:
             parts.append(f"Ranks {sorted(arrived)} reached call #{e[_SEQ]} on {e[_GROUP]}.")
+            kinds = {}
+            for r, f in sorted(calls.items()):
+                dt = f" x {f[_DTYPE]}" if f[_DTYPE] is not None else ""
+                kinds.setdefault(f"{f[_OP]}({f[_COUNT]}{dt}) at {_where(f)}", []).append(r)
+            if len(kinds) > 1 or self._check_found is not None:
+                parts.append("They called different collectives" + (
+                    " (the always-on check found the mismatch; the calls themselves never return)"
+                    if self._check_found is not None else "") + ": " +
+                    "; ".join(f"ranks {rs} {k}" for k, rs in kinds.items()) + ".")
         if path is None:
             parts.append("No flight records (AXONMPI_FLIGHT_RECORDER=0). Ending the job (exit 1).")
         else:
@@ -675,6 +708,9 @@ class _Checks:
         s = self.s
         s[2 * k] = h
         s[2 * k + 1] = -h
+        s = self.r                     # (1, 1) is no (min h, -max h): "not complete" for the monitor
+        s[2 * k] = 1
+        s[2 * k + 1] = 1
         req = self.reqs[k]
         if req is None:
             req = self.reqs[k] = self.comm.Allreduce_init(self.sbuf[k], self.rbuf[k], MPI.MIN)
