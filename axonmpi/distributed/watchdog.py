@@ -688,6 +688,16 @@ class _Checks:
         self.info = [None] * k      # (op, dtype, count, root, reduce op, ring entry, its call index)
         self.started = 0            # checks started = collective calls on the group
         self.done = 0               # checks verified, in order
+        self.persistent = True      # MPI-4 persistent collectives; else one Iallreduce per check
+
+    def _request(self, k):
+        """Slot ``k``'s request: persistent (made once, started per call) where MPI has them."""
+        if self.persistent:
+            try:
+                return self.comm.Allreduce_init(self.sbuf[k], self.rbuf[k], MPI.MIN)
+            except (NotImplementedError, AttributeError):   # below MPI 4: the same order on every rank
+                self.persistent = False
+        return self.comm.Iallreduce(self.sbuf[k], self.rbuf[k], MPI.MIN)
 
     def start(self, e, op, dtype, count, root=_NO_ROOT, redop=0, block=True) -> None:
         """Start the check of collective ``e``. Before a blocking call, the checks of earlier calls are
@@ -712,9 +722,10 @@ class _Checks:
         s[2 * k] = 1
         s[2 * k + 1] = 1
         req = self.reqs[k]
-        if req is None:
-            req = self.reqs[k] = self.comm.Allreduce_init(self.sbuf[k], self.rbuf[k], MPI.MIN)
-        req.Start()
+        if req is None or not self.persistent:
+            req = self.reqs[k] = self._request(k)
+        if self.persistent:
+            req.Start()
         self.info[k] = (op, dtype, count, root, redop, e, e[_IDX])
         self.started = n + 1
 
