@@ -210,3 +210,21 @@ def test_different_collectives_that_never_return_are_named_within_seconds():
     assert rc != 0 and time.monotonic() - t0 < 60, (rc, err)
     assert "They called different collectives (the always-on check found the mismatch" in err, err
     assert "ranks [0] all_reduce(4 x float64) at <string>:6; ranks [1] broadcast(4 x float64) at <string>:8" in err, err
+
+
+P2P_TRUNCATED = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+if w.rank == 0:
+    axonmpi.send(np.ones(5), dst=1)
+else:
+    axonmpi.recv(np.empty(4), src=0)
+"""
+
+
+@pytest.mark.serial
+def test_an_mpi_error_becomes_an_axonmpi_error_naming_the_op():
+    rc, out, err = _job(P2P_TRUNCATED)
+    assert rc != 0, (out, err)
+    assert ("CollectiveMPIError: rank 1: recv #0 on world with group rank 0 (group ranks [0, 1]) at <string>:7 "
+            "failed in MPI: Message truncated") in err, err
