@@ -40,9 +40,12 @@ check communicator (a duplicate made with the group, used for nothing else; one 
 request per slot of a 16-slot ring, so a call costs a ``Start`` and a ``Test``, no allocation).
 After the call the result is ``(min h, -max h)``: equal halves mean every rank passed the same
 signature. Checks are verified in call order, right after the call when the check has completed
-(it almost always has: every rank started it before its part of the call), else at the next call
-on the group, when the ring wraps, or at exit. A mismatch is seen at the same call number on every
-rank; the ranks then exchange descriptions (op, count, dtype, root, call site) point-to-point on the
+(it almost always has: every rank started it before its part of the call), else before the next
+blocking collective on the group (which waits for it: no rank may block in call n+1 while another
+raises for call n), when the ring wraps, or at exit. Ranks that block for ever in different
+collectives (all_reduce on one, broadcast on another) cannot raise: the monitor thread reads the
+completed check's result buffer after ``PEEK_S`` and reports the hang at once, naming who called
+what. A mismatch is seen at the same call number on every rank; the ranks then exchange descriptions (op, count, dtype, root, call site) point-to-point on the
 check communicator (:func:`axonmpi.distributed.debug.name_mismatch`, debug mode's protocol) and
 every rank raises :class:`~axonmpi.distributed.debug.CollectiveMismatchError` naming who called
 what where. An MPI error in a call (truncation: 5 vs 4 elements) becomes
