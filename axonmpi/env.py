@@ -34,11 +34,17 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("AXONMPI_TIMEOUT", "float", "600",
            "seconds (> 0) any collective or point-to-point wait may last before the watchdog ends the job "
            "with a root-cause report (init(timeout=) sets it too)"),
+    EnvVar("AXONMPI_EARLY_SIGNAL_GRACE", "float", "30",
+           "seconds a SIGTERM recorded before any PreemptionHandler exists waits for one to be made; then the "
+           "rank ends as SIGTERM would (exit 143)"),
     EnvVar("AXONMPI_WATCHDOG", "bool", "1",
            "0 turns the watchdog's deadlines off (no monitor thread, no hang report, no exit announcements)"),
     EnvVar("AXONMPI_FLIGHT_RECORDER", "bool", "1",
            "0 turns the flight recorder off (no call sites, no flight-record files); with AXONMPI_WATCHDOG=0 "
            "too, MPI calls go straight to mpi4py"),
+    EnvVar("AXONMPI_CHECK_COLLECTIVES", "bool", "1",
+           "0 turns off the always-on check that every rank of a group calls each collective with the same op, "
+           "dtype, element count and root (needs the watchdog or the flight recorder on)"),
     EnvVar("AXONMPI_WATCHDOG_POLLING", "bool", "0",
            "1 makes the watchdog poll non-blocking calls (the fallback used below MPI THREAD_MULTIPLE)"),
     EnvVar("AXONMPI_FLIGHT_RECORDER_SIZE", "float", "2000", "calls kept per rank in the flight recorder's ring buffer"),

@@ -9,6 +9,10 @@ set to ``--timeout`` seconds (default 5):
   * ``sys.exit(0)`` everywhere;
   * SIGTERM to ``examples/train_gpt.py`` mid-run, then ``--auto-resume``: the step it resumes at;
   * a checkpoint save onto a full disk (a small tmpfs, root only) at 1 rank and at ``--ranks``.
+  * collective misuse with debug mode off (issue 31): an ``all_reduce`` of int32 on rank 0 and float32
+    elsewhere, a ``broadcast`` with a different ``src`` on each rank, an ``all_reduce`` of 5 elements on
+    rank 0 and 4 elsewhere, a ``recv`` nobody sends, a 32-byte ``send`` nobody receives;
+  * SIGUSR1 to one rank right after ``init``, before its ``PreemptionHandler`` exists.
 
     python bench/faults.py --ranks 4
 """
@@ -53,6 +57,49 @@ if w.rank == 1:
 axonmpi.all_reduce(np.ones(2))
 """
 
+DTYPE = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+x = np.full(4, 1.5, np.float32) if w.rank else np.full(4, 1, np.int32)
+print(w.rank, axonmpi.all_reduce(x), flush=True)
+"""
+SRC = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+print(w.rank, axonmpi.broadcast(np.full(4, w.rank + 1.0), src=w.rank), flush=True)
+"""
+COUNT = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+print(w.rank, axonmpi.all_reduce(np.ones(5 if w.rank == 0 else 4)), flush=True)
+"""
+UNSENT = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+if w.rank == 0:
+    axonmpi.recv(np.empty(4), src=1)
+"""
+UNRECEIVED = """
+import numpy as np, axonmpi
+w = axonmpi.init()
+if w.rank == 0:
+    axonmpi.send(np.ones(4), dst=1)
+"""
+EARLY_USR1 = """
+import os, signal, time, numpy as np, axonmpi
+from axonmpi.checkpoint import PreemptionHandler
+w = axonmpi.init()
+if w.rank == 1:
+    os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(0.2)
+pre = PreemptionHandler()
+stop = axonmpi.all_gather_object(pre.should_stop())
+if w.rank == 0:
+    print("should_stop() on every rank:", stop, flush=True)
+if all(stop):
+    pre.exit("signal during start-up")
+"""
+
 
 DISK_FULL = """
 import os, shutil, sys, numpy as np, axonmpi
@@ -94,14 +141,20 @@ def _mpi(code, n, env, timeout):
     try:
         r = subprocess.run([mpiexec_path(), "-n", str(n), sys.executable, "-c", code], capture_output=True,
                            text=True, env=mpiexec_env(env), timeout=timeout)
-        rc, err = r.returncode, r.stderr
+        rc, err = r.returncode, r.stderr + r.stdout
     except subprocess.TimeoutExpired:
         rc, err = "hang", ""
     return rc, time.monotonic() - t0, err
 
 
 def _said(err):
-    for pat in (r"\[axonmpi\] watchdog: (rank \d+ waited [^ ]+ s)", r"(Behind: rank \d+)",
+    called = re.findall(r"(world ranks \[[^\]]*\] called [^\n]*?) call #", err)
+    if called:
+        return "CollectiveMismatchError: " + "; ".join(dict.fromkeys(called))
+    for pat in (r"(rank \d+: \d+ send\(s\) to rank \d+ were never received)",
+                r"\[axonmpi\] (rank \d+: the MPI library ended this process inside [^(]*)",
+                r"(should_stop\(\) on every rank: [^\n]*)",
+                r"\[axonmpi\] watchdog: (rank \d+ waited [^ ]+ s)", r"(Behind: rank \d+)",
                 r"(rank \d+ exited[^\n]{0,60})", r"(\[axonmpi\][^\n]{0,80})"):
         m = re.search(pat, err)
         if m:
@@ -144,6 +197,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--skip-preemption", action="store_true")
+    ap.add_argument("--only", default="", help="run only the cases whose name holds this text")
     args = ap.parse_args()
     n, t = args.ranks, args.timeout
     env = {"AXONMPI_TIMEOUT": str(t), "OMP_NUM_THREADS": "1"}
@@ -155,11 +209,19 @@ def main() -> None:
         ("os._exit(0) on rank 1", EXIT.format(how="os._exit(0)"), env),
         ("sys.exit(0) on every rank", EXIT.format(how="pass").replace("axonmpi.all_reduce(np.ones(2))\n", "", 1)
          + "sys.exit(0)\n", env),
+        ("all_reduce int32 on rank 0, float32 elsewhere", DTYPE, env),
+        ("broadcast with src=rank on each rank", SRC, env),
+        ("all_reduce of 5 elements on rank 0, 4 elsewhere", COUNT, env),
+        ("recv from rank 1, which never sends", UNSENT, env),
+        ("32-byte send to rank 1, never received", UNRECEIVED, env),
+        ("SIGUSR1 to rank 1 right after init", EARLY_USR1, env),
     ]
     print(f"{n} ranks, AXONMPI_TIMEOUT={t:g} s")
     print(f"| fault | exit code | seconds to end | first words |")
     print("| --- | ---: | ---: | --- |")
     for name, code, e in cases:
+        if args.only and args.only not in name:
+            continue
         rc, took, err = _mpi(code, n, e, timeout=10 * t + 60)
         print(f"| {name} | {rc} | {took:.1f} | {_said(err)} |", flush=True)
     for k in sorted({1, n}):

@@ -1,4 +1,4 @@
-"""What the watchdog and the flight recorder cost: DDP step and small all-reduce, off / recorder / both.
+"""What the watchdog, the flight recorder and the always-on collective check cost: DDP step and small all-reduce.
 
 Runs, interleaved (mode A, B, C, A, B, C, ...) so that load from other processes on a shared
 machine hits every mode alike, ``--repeats`` times at ``--ranks`` ranks:
@@ -8,9 +8,16 @@ machine hits every mode alike, ``--repeats`` times at ``--ranks`` ranks:
     mpi4py per call (the "added us" column), per size
 
 Modes: ``off`` (AXONMPI_WATCHDOG=0 AXONMPI_FLIGHT_RECORDER=0), ``recorder`` (recorder only:
-AXONMPI_WATCHDOG=0), ``both`` (the default: watchdog and recorder), and on request ``polling``
-(both, in the fallback used below THREAD_MULTIPLE: AXONMPI_WATCHDOG_POLLING=1). Prints best and median of
-each mode and the difference to ``off``.
+AXONMPI_WATCHDOG=0, no check), ``both`` (watchdog and recorder, AXONMPI_CHECK_COLLECTIVES=0: the
+watchdog alone), ``checked`` (the default: watchdog, recorder and the always-on collective check),
+and on request ``polling`` (checked, in the fallback used below THREAD_MULTIPLE:
+AXONMPI_WATCHDOG_POLLING=1). Prints best and median of each mode and the difference to ``off``.
+
+Then, per call (``--per-call``, on by default), one ``mpiexec`` job that interleaves in one process
+``--calls`` small all-reduces on a group with the check and on a group without (both watched), raw
+mpi4py ``Allreduce`` on a duplicate communicator, and times the check's own work on the calling
+rank (``Start`` of its persistent request, hashing, ``Test`` and the comparison; the MPI latency it
+overlaps is not the rank's time). Medians of ``--repeats`` rounds.
 
     python bench/watchdog_cost.py --ranks 2 --repeats 7
 """
@@ -26,10 +33,76 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {
     "off": {"AXONMPI_WATCHDOG": "0", "AXONMPI_FLIGHT_RECORDER": "0"},
-    "recorder": {"AXONMPI_WATCHDOG": "0", "AXONMPI_FLIGHT_RECORDER": "1"},
-    "both": {"AXONMPI_WATCHDOG": "1", "AXONMPI_FLIGHT_RECORDER": "1"},
+    "recorder": {"AXONMPI_WATCHDOG": "0", "AXONMPI_FLIGHT_RECORDER": "1", "AXONMPI_CHECK_COLLECTIVES": "0"},
+    "both": {"AXONMPI_WATCHDOG": "1", "AXONMPI_FLIGHT_RECORDER": "1", "AXONMPI_CHECK_COLLECTIVES": "0"},
+    "checked": {"AXONMPI_WATCHDOG": "1", "AXONMPI_FLIGHT_RECORDER": "1", "AXONMPI_CHECK_COLLECTIVES": "1"},
     "polling": {"AXONMPI_WATCHDOG": "1", "AXONMPI_FLIGHT_RECORDER": "1", "AXONMPI_WATCHDOG_POLLING": "1"},
 }
+
+
+def per_call_worker(calls: int, rounds: int) -> None:
+    """Under mpiexec: per-call times of small all-reduces, checked vs unchecked group vs raw mpi4py, and
+    the check's own CPU time; rank 0 prints medians over ``rounds``."""
+    import time
+    import numpy as np
+    from mpi4py import MPI
+    import axonmpi
+    from axonmpi.distributed import watchdog as W
+
+    w = axonmpi.init()
+    wd = w.watchdog
+    checked = w.new_group(list(range(w.world_size)), name="checked")
+    wd.check = False
+    plain = w.new_group(list(range(w.world_size)), name="unchecked")
+    wd.check = True
+    raw = MPI.COMM_WORLD.Dup()
+    x = np.ones(1)
+    axonmpi.all_reduce(x, group=checked)
+    ck = checked._watched.ck
+    assert ck is not None and plain._watched is None or plain._watched.ck is None
+    e = wd.ring[0]
+    rows = {"raw mpi4py Allreduce": [], "axonmpi all_reduce, watchdog + recorder": [],
+            "axonmpi all_reduce, + always-on check": [], "the check's own work (start + verify)": []}
+    clock = time.perf_counter
+    dt = np.dtype(np.float64)
+    for _ in range(rounds):             # each call timed alone: medians shrug off the descheduled ones
+        raw.Barrier()
+        out = rows["raw mpi4py Allreduce"]
+        for _ in range(calls):
+            t = clock()
+            raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+            out.append(clock() - t)
+        raw.Barrier()
+        out = rows["axonmpi all_reduce, watchdog + recorder"]
+        for _ in range(calls):
+            t = clock()
+            axonmpi.all_reduce(x, group=plain, out=x)
+            out.append(clock() - t)
+        raw.Barrier()
+        out = rows["axonmpi all_reduce, + always-on check"]
+        for _ in range(calls):
+            t = clock()
+            axonmpi.all_reduce(x, group=checked, out=x)
+            out.append(clock() - t)
+        raw.Barrier()
+        out = rows["the check's own work (start + verify)"]
+        for _ in range(calls):
+            t = clock()
+            ck.start(e, "all_reduce", dt, 1, -1, 3, False)
+            ck.settle(ck.started)
+            out.append(clock() - t)
+            if ck.done != ck.started:
+                ck.settle(ck.started, True)     # not timed: the latency a real call overlaps
+    raw.Free()
+    if w.rank == 0:
+        base = float(np.median(rows["axonmpi all_reduce, watchdog + recorder"]))
+        print(f"per call, {w.world_size} ranks, {rounds} rounds x {calls} calls, each timed (us):")
+        print(f"PERCALL {'':<42} {'median':>8} {'p10':>8}")
+        for k, v in rows.items():
+            m, p10 = float(np.median(v)), float(np.percentile(v, 10))
+            extra = f"  ({(m - base) * 1e6:+.2f} vs watchdog alone)" if "check" in k and "own" not in k else ""
+            print(f"PERCALL {k:<42} {m * 1e6:8.2f} {p10 * 1e6:8.2f}{extra}")
+    axonmpi.distributed.destroy()
 
 
 def _run(cmd, env):
@@ -43,9 +116,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--modes", default="off,recorder,both")
+    ap.add_argument("--modes", default="off,recorder,both,checked")
     ap.add_argument("--skip-collectives", action="store_true")
+    ap.add_argument("--skip-ddp", action="store_true")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--per-call-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.per_call_worker:
+        sys.path.insert(0, ROOT)
+        per_call_worker(args.calls, args.repeats)
+        return
     sys.path.insert(0, ROOT)
     from axonmpi.testing import mpiexec_env, mpiexec_path
 
@@ -55,7 +135,7 @@ def main() -> None:
     modes = args.modes.split(",")
     ddp = {m: [] for m in modes}
     added = {m: {} for m in modes}
-    for _ in range(args.repeats):
+    for _ in range(0 if args.skip_ddp else args.repeats):
         for m in modes:
             env = mpiexec_env({**base, **MODES[m]})
             out = _run(mpiexec + [os.path.join(ROOT, "bench", "ddp.py"), "--worker"], env)
@@ -67,18 +147,25 @@ def main() -> None:
                     f = line.split()
                     if f and f[0] == "all_reduce":
                         added[m].setdefault(int(f[1]), []).append(float(f[4]))
-    print(f"{args.ranks} ranks, {args.repeats} interleaved repeats, HIDDEN={base['HIDDEN']}")
-    print(f"{'mode':<10} {'DDP best ms':>11} {'median ms':>10} {'vs off (median)':>16}")
-    ref = statistics.median(ddp[modes[0]])
-    for m in modes:
-        med = statistics.median(ddp[m])
-        print(f"{m:<10} {min(ddp[m]):>11.2f} {med:>10.2f} {100 * (med / ref - 1):>+15.1f}%")
-    if not args.skip_collectives:
+    if not args.skip_ddp:
+        print(f"{args.ranks} ranks, {args.repeats} interleaved repeats, HIDDEN={base['HIDDEN']}")
+        print(f"{'mode':<10} {'DDP best ms':>11} {'median ms':>10} {'vs off (median)':>16} {'vs both':>8}")
+        ref = statistics.median(ddp[modes[0]])
+        wd_alone = statistics.median(ddp["both"]) if "both" in ddp else ref
+        for m in modes:
+            med = statistics.median(ddp[m])
+            print(f"{m:<10} {min(ddp[m]):>11.2f} {med:>10.2f} {100 * (med / ref - 1):>+15.1f}% "
+                  f"{100 * (med / wd_alone - 1):>+7.1f}%")
+    if not args.skip_collectives and not args.skip_ddp:
         print("all_reduce added latency over raw mpi4py, us (median of repeats of best-of-5)")
         sizes = sorted(added[modes[0]])
         print(f"{'mode':<10} " + " ".join(f"{s:>9}" for s in sizes))
         for m in modes:
             print(f"{m:<10} " + " ".join(f"{statistics.median(added[m][s]):>9.2f}" for s in sizes))
+
+    out = _run(mpiexec + [os.path.abspath(__file__), "--per-call-worker", "--calls", str(args.calls),
+                          "--repeats", str(args.repeats)], mpiexec_env(base))
+    print("\n".join(line.replace("PERCALL ", "") for line in out.splitlines()))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
 """init()'s launch defaults: one BLAS thread per rank when ranks share a node; launcher/MPI mismatch warned."""
-import os
 import re
 import subprocess
 import sys
@@ -62,8 +61,7 @@ def test_launcher_mismatch_warns_with_the_fix(monkeypatch, var):
 
 @pytest.mark.serial
 def test_init_warns_under_fake_srun():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_"))}
-    env["SLURM_NTASKS"] = "4"
+    env = mpiexec_env({"SLURM_NTASKS": "4"})
     r = subprocess.run([sys.executable, "-c", "import axonmpi; axonmpi.init()"], capture_output=True, text=True,
                        env=env, timeout=60)
     assert r.returncode == 0, r.stderr

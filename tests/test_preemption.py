@@ -64,7 +64,8 @@ def test_all_ranks_stop_at_the_same_step_when_one_rank_is_signalled(world):
         assert pre.signal_name == ("SIGUSR1" if world.rank == world.world_size - 1 else None)
     assert stops == [3]
     assert axonmpi.all_gather_object(stops) == [[3]] * world.world_size
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL     # close() restored the handler
+    from axonmpi.checkpoint.preemption import _on_early_signal
+    assert signal.getsignal(signal.SIGUSR1) is _on_early_signal   # close() restored init's recorder
     with PreemptionHandler() as pre, pytest.raises(SystemExit) as e:
         pre.exit("test")
     assert e.value.code == PREEMPTED_EXIT_CODE == 75
@@ -206,3 +207,28 @@ def test_template_flags_for_the_examples_and_on_request(slurm_env, tmp_path, nam
     assert r.stdout.splitlines()[-1].split(" env=")[0].endswith("[--y] [--x]")
     r = _template(slurm_env, tmp_path, name, AXONMPI_TEMPLATE_FLAGS="yes")
     assert r.returncode == 2 and "AXONMPI_TEMPLATE_FLAGS=yes; expected 1" in r.stderr
+
+@pytest.mark.mpi(min_size=2)
+def test_a_signal_before_the_handler_exists_is_not_lost(world):
+    """Issue 31 item 7: SIGUSR1 to one rank after init, before any PreemptionHandler: MPICH's C-level
+    SIGUSR1 handler swallowed it; init now records it and the first handler acts on it."""
+    if world.rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)                       # the Python-level handler runs in the main thread
+    axonmpi.barrier()
+    with PreemptionHandler() as pre:
+        assert pre.should_stop() is True
+        assert pre.signal_name == ("SIGUSR1" if world.rank == 1 else None)
+    with PreemptionHandler() as pre:           # taken once: the next handler starts clean
+        assert pre.should_stop() is False
+
+
+@pytest.mark.serial
+def test_an_early_sigterm_nobody_claims_still_ends_the_rank():
+    from axonmpi.testing import mpiexec_env
+    code = ("import os, signal, time, axonmpi; axonmpi.init(); os.kill(os.getpid(), signal.SIGTERM); "
+            "time.sleep(30); print('still running')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=mpiexec_env({"AXONMPI_EARLY_SIGNAL_GRACE": "0.5"}))
+    assert r.returncode == 143 and "still running" not in r.stdout, (r.returncode, r.stderr)
+    assert "no PreemptionHandler was made within 0.5 s" in r.stderr, r.stderr

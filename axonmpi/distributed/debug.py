@@ -25,7 +25,8 @@ from mpi4py import MPI
 
 from .. import env as _env
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "check_collective", "check_same_object"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "CollectiveMPIError", "check_collective",
+           "check_same_object", "name_mismatch"]
 
 _SIG_CHARS = 4096
 _ACK = b"A"
@@ -40,6 +41,11 @@ class CollectiveMismatchError(RuntimeError):
 
 class CollectiveTimeoutError(RuntimeError):
     """In debug mode, some ranks of a group never reached a collective the others entered."""
+
+
+class CollectiveMPIError(RuntimeError):
+    """The MPI library failed a collective or point-to-point call (truncation, ...); the message names the
+    op, the group, the call site and MPI's own error string (the ``mpi4py.MPI.Exception`` is the cause)."""
 
 
 def _timeout(group=None) -> float:
@@ -143,9 +149,10 @@ def _exchange(group, sig: str, text: str) -> None:
     raise CollectiveTimeoutError(where + verdict[len(_TIMEOUT):].decode())
 
 
-def _collect(group, sig: str, text: str, up: int, down: int) -> bytes:
+def _collect(group, sig: str, text: str, up: int, down: int, comm=None, timeout=None) -> bytes:
     """Group rank 0: gather the signatures (until the timeout), decide, tell every rank that came."""
-    comm, size, timeout = group.comm, group.size, _timeout(group)
+    comm = group.comm if comm is None else comm
+    size, timeout = group.size, _timeout(group) if timeout is None else timeout
     sigs = {0: sig}
     sends = []
     status = MPI.Status()
@@ -180,9 +187,10 @@ def _collect(group, sig: str, text: str, up: int, down: int) -> bytes:
     return verdict
 
 
-def _report(group, sig: str, text: str, up: int, down: int) -> bytes:
+def _report(group, sig: str, text: str, up: int, down: int, comm=None, timeout=None) -> bytes:
     """Any other rank: send the signature to rank 0, wait for its acknowledgement, then the verdict."""
-    comm, timeout = group.comm, _timeout(group)
+    comm = group.comm if comm is None else comm
+    timeout = _timeout(group) if timeout is None else timeout
     payload = sig.encode()
     req = comm.Isend([payload, MPI.BYTE], dest=0, tag=up)
     status = MPI.Status()
@@ -204,3 +212,28 @@ def _report(group, sig: str, text: str, up: int, down: int) -> bytes:
             f"verdict within {timeout + 60:.0f} s"
         ).encode()
     return verdict
+
+
+# -- the always-on check's slow path -----------------------------------------------------------------
+# [Note: naming a mismatch the always-on check found]
+# The always-on check (axonmpi.distributed.watchdog, ``_Checks``) compares a hash of every collective's
+# signature; when the hashes of call #n differ, every rank of the group learns it from the same
+# all-reduced (min, -max) pair, in call order, and comes here with its own description of call #n.
+# The descriptions then travel as in debug mode (signatures to group rank 0, which names who called
+# what), point-to-point on the check's own communicator with two fixed tags: its persistent
+# collectives may be started further on some ranks than on others, so no collective may follow.
+_SLOW_UP, _SLOW_DOWN = 1, 2
+
+
+def name_mismatch(group, comm, desc: str, timeout: float) -> str:
+    """Exchange ``desc`` (this rank's call #n) over ``comm`` (the group's check communicator) and return
+    the lines naming which world ranks called what (or, after ``timeout`` s, who never answered)."""
+    if group.rank == 0:
+        verdict = _collect(group, desc, desc, _SLOW_UP, _SLOW_DOWN, comm=comm, timeout=timeout)
+    else:
+        verdict = _report(group, desc, desc, _SLOW_UP, _SLOW_DOWN, comm=comm, timeout=timeout)
+    if verdict.startswith(_MISMATCH):
+        return verdict[len(_MISMATCH):].decode()
+    if verdict == _OK:   # a hash collision of two different signatures cannot give equal descriptions
+        return f"  every rank called {desc} (the signature hashes differed: fields not shown differ)"
+    return "  " + verdict[len(_TIMEOUT):].decode() + f"; this rank called {desc}"

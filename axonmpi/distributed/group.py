@@ -52,7 +52,7 @@ class ProcessGroup:
     """
 
     __slots__ = ("comm", "rank", "size", "ranks", "name", "world", "max_tag", "_index", "_backends", "_host",
-                 "_freed", "_debug_seq", "_debug_pending", "_watched")
+                 "_freed", "_debug_seq", "_debug_pending", "_watched", "_check")
 
     def __init__(self, world: "World", comm: "Optional[MPI.Intracomm]", ranks: Sequence[int],
                  name: str = "group"):
@@ -70,6 +70,11 @@ class ProcessGroup:
         self._debug_seq = 0   # debug mode: checks made on this group (picks their message tags)
         self._debug_pending = []  # debug mode: sends of a timed-out check, kept until they complete
         self._watched = None      # the WatchedComm its MPI backends share (per-group call numbers)
+        # the always-on collective check's own communicator (axonmpi.distributed.watchdog, _Checks):
+        # duplicated here, where every member makes the group together (Dup is collective)
+        wd = getattr(world, "watchdog", None)
+        self._check = (comm.Dup() if comm is not None and self.size > 1 and wd is not None and wd.check
+                       else None)
 
     # -- membership and rank translation -------------------------------------------------
     @property
@@ -120,10 +125,24 @@ class ProcessGroup:
         if self._freed:
             return
         self._freed = True
+        w = self._watched
+        if w is not None and getattr(w, "ck", None) is not None:
+            ck = w.ck
+            w.ck = None
+            try:
+                ck.settle(ck.started, True)   # collective, as free is: a mismatch still raises
+            finally:
+                ck.close()
         for b in self._backends.values():
             b.close()
         self._backends.clear()
         self._host = None
+        if self._check is not None:
+            try:
+                self._check.Free()
+            except Exception:  # MPI already finalized
+                pass
+            self._check = None
         if self.comm is not None and not self.world._is_builtin_comm(self.comm):
             try:
                 self.comm.Free()

@@ -31,6 +31,36 @@ communicator and waits for the others in a barrier that answers questions. A ran
 a call that an exited rank never made reports within ``EXIT_GRACE_S`` instead of after the
 deadline.
 
+[Note: the always-on collective check]
+Every collective through a :class:`WatchedComm` is also checked across its group, debug mode or not
+(``AXONMPI_CHECK_COLLECTIVES=1``, the default). Before the MPI call, the rank hashes the call's
+signature (op, wire dtype, element count where MPI needs it equal, root, reduce op, and the group's
+collective sequence number) and starts a persistent ``Allreduce(MIN)`` of ``(h, -h)`` on the group's
+check communicator (a duplicate made with the group, used for nothing else; one preallocated
+request per slot of a 16-slot ring, so a call costs a ``Start`` and a ``Test``, no allocation).
+After the call the result is ``(min h, -max h)``: equal halves mean every rank passed the same
+signature. Checks are verified in call order, right after the call when the check has completed
+(it almost always has: every rank started it before its part of the call), else before the next
+blocking collective on the group (which waits for it: no rank may block in call n+1 while another
+raises for call n), when the ring wraps, or at exit. Ranks that block for ever in different
+collectives (all_reduce on one, broadcast on another) cannot raise: the monitor thread reads the
+completed check's result buffer after ``PEEK_S`` and reports the hang at once, naming who called
+what. A mismatch is seen at the same call number on every rank; the ranks then exchange descriptions (op, count, dtype, root, call site) point-to-point on the
+check communicator (:func:`axonmpi.distributed.debug.name_mismatch`, debug mode's protocol) and
+every rank raises :class:`~axonmpi.distributed.debug.CollectiveMismatchError` naming who called
+what where. An MPI error in a call (truncation: 5 vs 4 elements) becomes
+:class:`~axonmpi.distributed.debug.CollectiveMPIError` naming the op, group and call site, or the
+mismatch error when the check names the cause. Debug mode still checks shapes, which the hash
+does not see (only element counts).
+
+[Note: point-to-point accounting]
+Each :class:`WatchedComm` counts the sends it posts to and the receives it posts from each peer.
+At exit (the watchdog's exit barrier, or ``World.destroy``) the ranks exchange the counts
+(``Ialltoall`` on the watchdog communicator): a rank whose sends to a peer outnumber that peer's
+receives from it names them and its last send's call site, and the job ends with exit 1 (from
+``destroy()``: a ``RuntimeError`` on every rank). A send nobody receives is otherwise invisible:
+small messages complete eagerly.
+
 ``AXONMPI_WATCHDOG=0`` turns off the deadlines (no monitor thread, no exit announcements);
 ``AXONMPI_FLIGHT_RECORDER=0`` turns off the call-site capture and the flight-record files (the
 watchdog then keeps a short ring for its deadlines and reports without file:line). Both off:
@@ -47,6 +77,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import trace as _trace
@@ -59,6 +90,7 @@ MAX_SLEEP_S = 1e-3     # polling mode: the longest pause between two tests of a 
 LISTEN_S = 0.1         # the monitor looks for questions (and exited ranks) this often
 ANSWER_S = 2.0         # how long the reporting rank waits for the others' answers
 EXIT_GRACE_S = 1.0     # a call involving an exited rank gets this long to complete anyway
+PEEK_S = 1.0           # a call blocked this long: look whether the always-on check found a mismatch
 _ASK, _STATE, _EXIT = 1, 2, 3
 
 # one flight-recorder entry is a list: these are its fields, in order (entries() gives them so;
@@ -132,10 +164,13 @@ class Watchdog:
     """
 
     def __init__(self, comm, *, timeout: float, capacity: int, dump_dir: str, watch: bool = True,
-                 record: bool = True, polling: Optional[bool] = None):
+                 record: bool = True, polling: Optional[bool] = None, check: bool = True):
         global _said_polling
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.watch, self.record = bool(watch), bool(record)
+        self.check = bool(check)       # the always-on collective check (groups made from now on)
+        self._comms: List["WatchedComm"] = []   # every group's watched communicator (p2p counts)
+        self._bad_exit: List[str] = []          # what makes this rank exit 1 at the end
         self.comm = comm.Dup() if self.watch else None
         self.timeout = float(timeout)
         self.capacity = int(capacity) if self.record else min(int(capacity), 64)
@@ -162,6 +197,7 @@ class Watchdog:
         self._closed = False
         self._expiring = False
         self._thread = None
+        _name_fatal_mpi_errors(self)
         if self.watch and self.size > 1:
             self._thread = threading.Thread(target=self._monitor, name="axonmpi-watchdog", daemon=True)
             self._thread.start()
@@ -192,7 +228,7 @@ class Watchdog:
             now = _clock()
             if now < spin_until:
                 continue
-            if now > deadline:
+            if now > deadline or (now - t0 > PEEK_S and self._peek_checks()):
                 self.expire(e, now - t0)
             if self.exited:
                 if exit_seen is None:
@@ -239,7 +275,7 @@ class Watchdog:
             if not self.polling:
                 now = _clock()
                 for e, t0 in self._in_flight():
-                    if now - t0 > self.timeout:
+                    if now - t0 > self.timeout or (now - t0 > PEEK_S and self._peek_checks()):
                         self.expire(e, now - t0)
                     nap = min(nap, t0 + self.timeout - now)
                     if self.exited and self._blocked_by_exit(e):
@@ -250,6 +286,26 @@ class Watchdog:
             self._stop.wait(max(nap, 1e-3))
 
     _expected_notices = 0
+
+    def _peek_checks(self) -> bool:
+        """True when a pending always-on check has completed with a mismatch (read from its result
+        buffer without an MPI call: the main thread owns the requests). Ranks that called different
+        collectives (all_reduce on one, broadcast on another) block in them for ever, so the check
+        can never raise; the hang report then says who called what (:meth:`explain`)."""
+        for c in list(self._comms):
+            ck = c.ck
+            if ck is None:
+                continue
+            r = ck.r
+            for n in range(ck.done, ck.started):
+                k = n & (_CHECK_SLOTS - 1)
+                a, b = r[2 * k], r[2 * k + 1]
+                if not (a == 1 and b == 1) and a != -b:      # (1, 1): the sentinel, not yet complete
+                    self._check_found = n
+                    return True
+        return False
+
+    _check_found = None
 
     def _drain(self) -> None:
         """Receive and handle every message waiting on the watchdog communicator (thread-safe:
@@ -329,6 +385,7 @@ class Watchdog:
         else:
             others = [r for r in ranks if r != self.rank]
         behind, arrived, silent = [], [self.rank], []
+        calls = {self.rank: e}
         for r in others:
             st = answers.get(r)
             if st is None:
@@ -338,6 +395,8 @@ class Watchdog:
             last = st["last"].get(key)
             if e[_PEER] is None and (mine or (last is not None and last[_SEQ] >= e[_SEQ])):
                 arrived.append(r)
+                if mine:
+                    calls[r] = mine[0]
                 continue
             done = (f"its last completed call on {e[_GROUP]} was {_desc(last, 0)} ({last[_T1]:.1f} s ago)"
                     if last is not None else f"it has completed no call on {e[_GROUP]}")
@@ -357,6 +416,15 @@ class Watchdog:
             parts.append(f"Ranks {silent} did not answer within {ANSWER_S:g} s (dead, or their process is wedged).")
         if e[_PEER] is None and len(arrived) > 1:
             parts.append(f"Ranks {sorted(arrived)} reached call #{e[_SEQ]} on {e[_GROUP]}.")
+            kinds = {}
+            for r, f in sorted(calls.items()):
+                dt = f" x {f[_DTYPE]}" if f[_DTYPE] is not None else ""
+                kinds.setdefault(f"{f[_OP]}({f[_COUNT]}{dt}) at {_where(f)}", []).append(r)
+            if len(kinds) > 1 or self._check_found is not None:
+                parts.append("They called different collectives" + (
+                    " (the always-on check found the mismatch; the calls themselves never return)"
+                    if self._check_found is not None else "") + ": " +
+                    "; ".join(f"ranks {rs} {k}" for k, rs in kinds.items()) + ".")
         if path is None:
             parts.append("No flight records (AXONMPI_FLIGHT_RECORDER=0). Ending the job (exit 1).")
         else:
@@ -411,30 +479,92 @@ class Watchdog:
         last = {}
         for e in self.entries():
             last[(e[_GROUP], e[_RANKS])] = e[_SEQ]
+        self._settle_checks()
         self.exited[self.rank] = last
         msg = pickle.dumps(last)
         for r in range(self.size):
             if r != self.rank:
                 self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_EXIT))
         self._expected_notices = self.size - 1
-        self._finish()
+        bad = self._finish()
+        if bad:
+            sys.stdout.flush()
+            sys.stderr.write("".join(f"[axonmpi] {line}\n" for line in self._bad_exit) or
+                             f"[axonmpi] rank {self.rank}: another rank found an error at exit (above); exiting 1\n")
+            sys.stderr.flush()
+            try:
+                MPI.Finalize()
+            finally:
+                os._exit(1)
+
+    def _settle_checks(self) -> None:
+        """At exit: verify the collective checks still pending (a broadcast root's, the last call's)."""
+        from .debug import CollectiveMismatchError
+        for c in self._comms:
+            ck = c.ck
+            if ck is None or ck.done >= ck.started or c.group._freed:
+                continue
+            try:
+                ck.settle(ck.started, True)
+            except CollectiveMismatchError as err:
+                self._bad_exit.append(f"at exit: {err}")
+
+    def _poll(self, req) -> None:
+        pause = 1e-4
+        while not req.Test():          # the monitor answers questions meanwhile
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _account(self) -> bool:
+        """Compare point-to-point counts (see the Note at the top): this rank's sends to each peer against
+        the receives that peer posted from it. Returns True when any rank found a problem (or a
+        mismatch at exit); this rank's findings go to ``_bad_exit``."""
+        n = self.size
+        sent, recvd = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        last = {}
+        for c in self._comms:
+            for gi, w in enumerate(c.ranks):
+                if c.sent[gi]:
+                    sent[w] += c.sent[gi]
+                    last[w] = (c.name, c.last_send[gi])
+                if c.recvd[gi]:
+                    recvd[w] += c.recvd[gi]
+        theirs = np.zeros(n, np.int64)
+        self._poll(self.comm.Ialltoall(recvd, theirs))
+        for q in range(n):
+            if sent[q] > theirs[q]:
+                name, (e, idx) = last[q]
+                site = ""
+                if e[_IDX] == idx and not isinstance(e[_FILE], str):
+                    site = f", the last from {_where(_public(e))}"
+                self._bad_exit.append(
+                    f"rank {self.rank}: {sent[q] - theirs[q]} send(s) to rank {q} were never received: rank "
+                    f"{self.rank} sent {sent[q]} message(s) to rank {q} (on {name}{site}), rank {q} posted "
+                    f"{theirs[q]} receive(s) from rank {self.rank}; exiting 1")
+        flag = np.array([1 if self._bad_exit else 0], np.int64)
+        anybad = np.zeros(1, np.int64)
+        self._poll(self.comm.Iallreduce(flag, anybad, MPI.MAX))
+        return bool(anybad[0])
 
     def close(self) -> None:
-        """Stop the listener and free the communicator (collective: ``World.destroy``)."""
+        """Stop the listener and free the communicator (collective: ``World.destroy``). Raises
+        ``RuntimeError`` on every rank when a send was never received."""
         if self._closed or self._thread is None:
             self._closed = True
             if self.comm is not None:
                 self.comm.Free()
                 self.comm = None
             return
-        self._finish()
+        self._settle_checks()
+        if self._finish():
+            lines = self._bad_exit or [f"rank {self.rank}: another rank found sends that were never received"]
+            self._bad_exit = []
+            raise RuntimeError("\n".join(lines))
 
-    def _finish(self) -> None:
+    def _finish(self) -> bool:
+        bad = self._account()
         req = self.comm.Ibarrier()     # the monitor answers questions meanwhile
-        pause = 1e-4
-        while not req.Test():
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        self._poll(req)
         self._stop.set()
         self._thread.join()
         MPI.Request.Waitall(self._sends)
@@ -445,6 +575,69 @@ class Watchdog:
             self.comm.Free()
         except Exception:
             pass
+        return bad
+
+
+# -- MPI errors the MPI library makes fatal ------------------------------------------------------------
+# MPICH 5 ends the process from inside a blocking collective on some errors whatever the
+# communicator's error handler (a truncation in MPI_Allreduce: "Fatal error in internal_Allreduce_c:
+# Message truncated", exit 142), so no Python exception is raised. A C-level exit handler then names
+# the call this rank was in, from the flight recorder's newest entry. It is registered with
+# ``__cxa_atexit`` under a handle of its own, and a Python ``atexit`` handler runs and removes it
+# (``__cxa_finalize``) before the interpreter shuts down: a Python callback must never run after that.
+_EXIT_HOOK = None
+_HOOK_WD: list = []
+_NORMAL_EXIT = [False]
+
+
+def _name_fatal_mpi_errors(wd: "Watchdog") -> None:
+    global _EXIT_HOOK
+    _HOOK_WD[:] = [wd]
+    if _EXIT_HOOK is not None:
+        return
+    _EXIT_HOOK = False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_on_c_exit)
+        handle = ctypes.create_string_buffer(1)       # a unique "DSO handle" for __cxa_finalize
+        libc.__cxa_atexit.argtypes = [ctypes.c_void_p] * 3
+        libc.__cxa_finalize.argtypes = [ctypes.c_void_p]
+        if libc.__cxa_atexit(ctypes.cast(hook, ctypes.c_void_p), None, ctypes.addressof(handle)) != 0:
+            return
+
+        def remove():
+            _NORMAL_EXIT[0] = True
+            libc.__cxa_finalize(ctypes.addressof(handle))   # runs it now (a no-op), drops it
+        atexit.register(remove)
+        _EXIT_HOOK = (hook, handle, libc, remove)     # kept alive for the life of the process
+    except Exception:                                 # not glibc: MPI's own message only
+        pass
+
+
+def _on_c_exit(_arg) -> None:
+    try:
+        if _NORMAL_EXIT[0] or not _HOOK_WD:
+            return
+        wd = _HOOK_WD[0]
+        if wd._expiring or wd._closed:
+            return
+        e = wd.ring[(wd.pos - 1) % wd.capacity]
+        w = wd.cur_wait
+        if w is not None:
+            e = w[0]
+        elif not (e[_BLK] and e[_T1] is None):
+            return
+        pe = _public(e)
+        peer = f" with group rank {pe[_PEER]}" if pe[_PEER] is not None else ""
+        where = f" at {_where(pe)}" if pe[_FILE] != "?" else ""
+        dt = f", dtype={pe[_DTYPE]}" if pe[_DTYPE] is not None else ""
+        os.write(2, (f"[axonmpi] rank {wd.rank}: the MPI library ended this process inside {pe[_OP]} #{pe[_SEQ]} "
+                     f"on {pe[_GROUP]}{peer} (this rank passed count={pe[_COUNT]}{dt}){where}; MPI's reason is "
+                     "above. Every rank of a collective must pass the same element count and dtype "
+                     "(AXONMPI_DEBUG=1 names what each rank passed, before the call)\n").encode())
+    except Exception:
+        pass
 
 
 def dump_flight_record(path: Optional[str] = None) -> str:
@@ -456,41 +649,202 @@ def dump_flight_record(path: Optional[str] = None) -> str:
     return wd.dump(path)
 
 
+# -- the always-on collective check (see the Note at the top) ---------------------------------------
+_CHECK_SLOTS = 16              # checks in flight per group before the oldest must be verified
+_VARIES = -1                   # element count not compared (v-collectives: counts differ by design)
+_NO_ROOT = -1
+_OPCODE = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 3, "broadcast": 4, "all_gather": 5, "gather": 6,
+           "scatter": 7, "all_to_all": 8, "barrier": 9, "broadcast_object": 10, "all_gather_object": 11,
+           "gather_object": 12, "all_to_all_object": 13}   # ints: str hashes are salted per process
+_MOPS: Dict[int, int] = {}     # id(MPI.Op) -> its handle (MPI.Op objects are unhashable)
+_MOP_KEEP: list = []           # ... kept alive so an id is never reused
+_MOP_NAMES = {}
+
+
+def _mop(op) -> int:
+    c = _MOPS.get(id(op))
+    if c is None:
+        c = _MOPS[id(op)] = op.py2f()
+        _MOP_KEEP.append(op)
+    return c
+
+
+def _mop_name(code: int) -> str:
+    if not _MOP_NAMES:
+        for n in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR", "MAXLOC", "MINLOC"):
+            _MOP_NAMES[getattr(MPI, n).py2f()] = n
+    return _MOP_NAMES.get(code, f"user op {code}")
+
+
+class _Checks:
+    """One group's always-on signature check: a ring of persistent ``Allreduce(MIN)`` requests on the
+    group's check communicator, started one per collective and verified in call order."""
+
+    def __init__(self, group, comm, wd):
+        k = _CHECK_SLOTS
+        self.group, self.comm, self.wd = group, comm, wd
+        self.sbuf = np.zeros((k, 2), np.int64)
+        self.rbuf = np.zeros((k, 2), np.int64)
+        self.s = memoryview(self.sbuf).cast("B").cast("q")
+        self.r = memoryview(self.rbuf).cast("B").cast("q")
+        self.reqs = [None] * k
+        self.info = [None] * k      # (op, dtype, count, root, reduce op, ring entry, its call index)
+        self.started = 0            # checks started = collective calls on the group
+        self.done = 0               # checks verified, in order
+        self.persistent = True      # MPI-4 persistent collectives; else one Iallreduce per check
+
+    def _request(self, k):
+        """Slot ``k``'s request: persistent (made once, started per call) where MPI has them."""
+        if self.persistent:
+            try:
+                return self.comm.Allreduce_init(self.sbuf[k], self.rbuf[k], MPI.MIN)
+            except (NotImplementedError, AttributeError):   # below MPI 4: the same order on every rank
+                self.persistent = False
+        return self.comm.Iallreduce(self.sbuf[k], self.rbuf[k], MPI.MIN)
+
+    def start(self, e, op, dtype, count, root=_NO_ROOT, redop=0, block=True) -> None:
+        """Start the check of collective ``e``. Before a blocking call, the checks of earlier calls are
+        waited for (they complete once every rank has entered those calls): a rank must not block
+        in call n+1 while another rank raises for call n and waits for it to say what it passed.
+        Before a non-blocking call only the completed ones are verified (DDP's overlap stays)."""
+        n = self.started
+        if self.done != n:
+            try:
+                self.settle(n, block)
+                if n - self.done >= _CHECK_SLOTS:      # its slot is still in use: wait for that check
+                    self.settle(n - _CHECK_SLOTS + 1, True)
+            except BaseException:
+                e[_BLK] = False        # this call never starts: not in flight for the monitor
+                raise
+        k = n & (_CHECK_SLOTS - 1)
+        h = hash((_OPCODE[op], dtype.num if dtype is not None else 0, count, root, redop, n)) >> 1
+        s = self.s
+        s[2 * k] = h
+        s[2 * k + 1] = -h
+        s = self.r                     # (1, 1) is no (min h, -max h): "not complete" for the monitor
+        s[2 * k] = 1
+        s[2 * k + 1] = 1
+        req = self.reqs[k]
+        if req is None or not self.persistent:
+            req = self.reqs[k] = self._request(k)
+        if self.persistent:
+            req.Start()
+        self.info[k] = (op, dtype, count, root, redop, e, e[_IDX])
+        self.started = n + 1
+
+    def settle(self, upto: int, wait: bool = False) -> None:
+        """Verify checks ``done .. upto-1`` in order; without ``wait``, stop at one not yet complete."""
+        while self.done < upto:
+            k = self.done & (_CHECK_SLOTS - 1)
+            req = self.reqs[k]
+            if not req.Test():
+                if not wait:
+                    return
+                self._wait(req, k)
+            r = self.r
+            if r[2 * k] != -r[2 * k + 1]:
+                self.done += 1
+                self._mismatch(self.done - 1, k)
+            self.done += 1
+
+    def _wait(self, req, k) -> None:
+        """A watched wait for check slot ``k`` (the monitor holds its deadline, naming its call)."""
+        wd, e = self.wd, self.info[k][5]
+        if wd.polling:
+            wd.wait(req, e)
+            return
+        wd.cur_wait = (e, e[_IDX], _clock())
+        try:
+            req.Wait()
+        finally:
+            wd.cur_wait = None
+
+    def describe(self, n: int, k: int) -> str:
+        op, dtype, count, root, redop, e, idx = self.info[k]
+        fields = []
+        if count != _VARIES:
+            fields.append(f"count={count}")
+        if dtype is not None:
+            fields.append(f"dtype={dtype}")
+        if redop:
+            fields.append(f"op={_mop_name(redop)}")
+        if root != _NO_ROOT:
+            fields.append(f"root={root}")
+        site = ""
+        if e[_IDX] == idx and not isinstance(e[_FILE], str):
+            pe = _public(e)
+            site = f" at {_where(pe)}"
+        return f"{op}({', '.join(fields)}) call #{n}{site}"
+
+    def _mismatch(self, n: int, k: int) -> None:
+        from .debug import CollectiveMismatchError, name_mismatch
+        g = self.group
+        lines = name_mismatch(g, self.comm, self.describe(n, k), timeout=min(self.wd.timeout, 60.0))
+        raise CollectiveMismatchError(
+            f"rank {g.world.rank}: ranks of {g.name} disagree on collective call #{n} (found by the always-on "
+            f"check; AXONMPI_DEBUG=1 also compares shapes):\n{lines}")
+
+    def close(self) -> None:
+        for i, req in enumerate(self.reqs):
+            if req is not None:
+                try:
+                    if req.Test():
+                        req.Free()
+                except Exception:
+                    pass
+        self.reqs = [None] * _CHECK_SLOTS
+
+
 class _Watched:
     """A request whose ``Wait()`` has the watchdog's deadline and records completion.
 
     ``Wait()`` is MPI's own blocking wait (the monitor thread holds the deadline), or in polling
-    mode :meth:`Watchdog.wait`; ``Test()`` is one ``MPI_Test`` (it never sleeps)."""
+    mode :meth:`Watchdog.wait`; ``Test()`` is one ``MPI_Test`` (it never sleeps). For a collective,
+    completion also verifies the always-on checks up to its own (``ck``: the group's :class:`_Checks`)."""
 
-    __slots__ = ("req", "wd", "e", "i", "done")
+    __slots__ = ("req", "wd", "e", "i", "done", "ck", "n", "wc")
 
-    def __init__(self, req, wd, e):
+    def __init__(self, req, wd, e, ck=None, wc=None):
         self.req, self.wd, self.e, self.i, self.done = req, wd, e, e[_IDX], False
+        self.ck, self.wc = ck, wc
+        self.n = ck.started if ck is not None else 0
 
     def _end(self):
         self.done = True
         e = self.e
         if e[_IDX] == self.i:          # the ring slot still holds this call
             e[_T1] = _clock()
+        ck = self.ck
+        if ck is not None and ck.done < self.n:
+            ck.settle(self.n)
 
     def Wait(self):  # noqa: N802 - mpi4py's request protocol
         if self.done:
             return
         wd = self.wd
-        if wd.polling:
-            wd.wait(self.req, self.e)
-        else:
-            wd.cur_wait = (self.e, self.i, _clock())
-            try:
-                self.req.Wait()
-            finally:
-                wd.cur_wait = None
+        try:
+            if wd.polling:
+                wd.wait(self.req, self.e)
+            else:
+                wd.cur_wait = (self.e, self.i, _clock())
+                try:
+                    self.req.Wait()
+                finally:
+                    wd.cur_wait = None
+        except MPI.Exception as err:
+            self.wc._failed(err, self.e, self.ck is not None)
+            raise
         self._end()
 
     def Test(self) -> bool:  # noqa: N802
         if self.done:
             return True
-        if self.req.Test():
+        try:
+            flag = self.req.Test()
+        except MPI.Exception as err:
+            self.wc._failed(err, self.e, self.ck is not None)
+            raise
+        if flag:
             self._end()
             return True
         return False
@@ -505,18 +859,40 @@ def _n(buf):
     return buf.size, buf.dtype
 
 
+def _dt(buf):
+    """The dtype of a buffer spec (None for IN_PLACE / None)."""
+    if isinstance(buf, list):
+        buf = buf[0]
+    if buf is None or buf is MPI.IN_PLACE:
+        return None
+    return buf.dtype
+
+
 class WatchedComm:
     """The slice of an mpi4py communicator the MPI backend uses, with deadlines and recording.
 
     Every call is stamped into the flight recorder (:meth:`_rec`); blocking calls are the
     ordinary blocking MPI calls, marked as the call in flight for the monitor thread while they
-    run; non-blocking calls return a request whose ``Wait()`` is marked the same way.
+    run; non-blocking calls return a request whose ``Wait()`` is marked the same way. Collectives
+    are checked across the group (:class:`_Checks`); point-to-point calls are counted per peer
+    (compared at exit); MPI errors become :class:`~axonmpi.distributed.debug.CollectiveMPIError`.
     """
 
     def __init__(self, group, wd: Watchdog):
         self.group, self.wd, self.raw = group, wd, group.comm
         self.name, self.ranks = group.name, group.ranks
         self.seq = 0
+        try:   # an MPI error raises here (and is named) instead of MPICH's fatal abort
+            self.raw.Set_errhandler(MPI.ERRORS_RETURN)
+        except Exception:
+            pass
+        chk = getattr(group, "_check", None)
+        self.ck = _Checks(group, chk, wd) if chk is not None else None
+        n = group.size
+        self.sent = [0] * n         # sends posted to each group rank
+        self.recvd = [0] * n        # receives posted from each group rank
+        self.last_send = [None] * n  # (ring entry, call index) of the last send to each group rank
+        wd._comms.append(self)
 
     def Get_attr(self, key):  # noqa: N802
         return self.raw.Get_attr(key)
@@ -559,128 +935,222 @@ class WatchedComm:
         c, d = _n(buf)
         return self._rec(op, c, d, peer, blocking)
 
+    def _cs(self, e, dtype, count, root=_NO_ROOT, redop=0, block=True):
+        """Start the always-on check of collective ``e`` (when the group has one); return ``e``."""
+        ck = self.ck
+        if ck is not None:
+            ck.start(e, e[_OP], dtype, count, root, redop, block)
+        return e
+
+    def _failed(self, err, e, collective: bool) -> None:
+        """Turn the MPI error ``err`` of call ``e`` into an axonmpi error (the mismatch, when the
+        always-on check names one). Returns for errors that are not MPI's."""
+        if not isinstance(err, MPI.Exception):
+            return
+        from .debug import CollectiveMismatchError, CollectiveMPIError
+        ck = self.ck
+        if collective and ck is not None and ck.done < ck.started:
+            try:
+                ck.settle(ck.started, True)
+            except CollectiveMismatchError as m:
+                raise m from err
+        try:
+            text = [ln.strip() for ln in err.Get_error_string().splitlines() if ln.strip()]
+            what = MPI.Get_error_string(err.Get_error_class())
+            last = text[-1] if text else ""
+            last = last.split(":", 1)[1].strip() if last.count(":") and "(" in last.split(":", 1)[0] else last
+        except Exception:
+            what, last = str(err), ""
+        pe = _public(e)
+        where = f" at {_where(pe)}" if pe[_FILE] != "?" else ""
+        peer = f" with group rank {e[_PEER]}" if e[_PEER] is not None else ""
+        raise CollectiveMPIError(
+            f"rank {self.wd.rank}: {e[_OP]} #{e[_SEQ]} on {self.name}{peer} (group ranks {list(self.ranks)}){where} "
+            f"failed in MPI: {what}" + (f" ({last})" if last and last != what else "")
+            + (". Every rank of a collective must pass the same element count and dtype" if collective else
+               ". The receive buffer must hold the whole message")) from err
+
     def _run(self, e, fn, *args, **kw):
         """Run the blocking MPI call ``fn`` for ``e`` (stamped with ``blocking=True``: the monitor
         watches the newest stamp while its ``t_end`` is unset)."""
         try:
             out = fn(*args, **kw)
-        except BaseException:
+        except BaseException as err:
             e[_BLK] = False
+            self._failed(err, e, False)
             raise
         e[_T1] = _clock()
+        return out
+
+    def _runc(self, e, fn, *args, **kw):
+        """:meth:`_run` for a collective: its check is verified after it (when complete)."""
+        try:
+            out = fn(*args, **kw)
+        except BaseException as err:
+            e[_BLK] = False
+            self._failed(err, e, True)
+            raise
+        e[_T1] = _clock()
+        ck = self.ck
+        if ck is not None:
+            ck.settle(ck.started)
         return out
 
     # reductions (the hot ones written out: no extra Python call on the fast path)
     def Allreduce(self, s, r, op):  # noqa: N802
         e = self._rec("all_reduce", r.size, r.dtype, None, True)
+        ck = self.ck
+        if ck is not None:
+            ck.start(e, "all_reduce", r.dtype, r.size, _NO_ROOT, _mop(op))
         try:
             self.raw.Allreduce(s, r, op)
-        except BaseException:
+        except BaseException as err:
             e[_BLK] = False
+            self._failed(err, e, True)
             raise
         e[_T1] = _clock()
+        if ck is not None:
+            ck.settle(ck.started)
 
     def Iallreduce(self, s, r, op):  # noqa: N802
         e = self._rec("all_reduce", r.size, r.dtype)
-        return _Watched(self.raw.Iallreduce(s, r, op), self.wd, e)
+        ck = self.ck
+        if ck is not None:
+            ck.start(e, "all_reduce", r.dtype, r.size, _NO_ROOT, _mop(op), False)
+        return _Watched(self.raw.Iallreduce(s, r, op), self.wd, e, ck, self)
 
     def Reduce(self, s, r, op, root):  # noqa: N802
-        e = self._start("reduce", s if s is not MPI.IN_PLACE else r, None, True)
-        self._run(e, self.raw.Reduce, s, r, op, root=root)
+        b = s if s is not MPI.IN_PLACE else r
+        e = self._cs(self._start("reduce", b, None, True), b.dtype, b.size, root, _mop(op))
+        self._runc(e, self.raw.Reduce, s, r, op, root=root)
 
     def Reduce_scatter_block(self, s, r, op):  # noqa: N802
         e = self._rec("reduce_scatter", s.size, s.dtype, None, True)
+        ck = self.ck
+        if ck is not None:
+            ck.start(e, "reduce_scatter", s.dtype, s.size, _NO_ROOT, _mop(op))
         try:
             self.raw.Reduce_scatter_block(s, r, op)
-        except BaseException:
+        except BaseException as err:
             e[_BLK] = False
+            self._failed(err, e, True)
             raise
         e[_T1] = _clock()
+        if ck is not None:
+            ck.settle(ck.started)
 
     def Ireduce_scatter_block(self, s, r, op):  # noqa: N802
-        e = self._start("reduce_scatter", s)
-        return _Watched(self.raw.Ireduce_scatter_block(s, r, op), self.wd, e)
+        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op), False)
+        return _Watched(self.raw.Ireduce_scatter_block(s, r, op), self.wd, e, self.ck, self)
 
     def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._start("reduce_scatter", s, None, True)
-        self._run(e, self.raw.Reduce_scatter, s, r, counts, op)
+        e = self._cs(self._start("reduce_scatter", s, None, True), s.dtype, s.size, _NO_ROOT, _mop(op))
+        self._runc(e, self.raw.Reduce_scatter, s, r, counts, op)
 
     def Ireduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._start("reduce_scatter", s)
-        return _Watched(self.raw.Ireduce_scatter(s, r, counts, op), self.wd, e)
+        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op), False)
+        return _Watched(self.raw.Ireduce_scatter(s, r, counts, op), self.wd, e, self.ck, self)
 
     # data movement
     def Bcast(self, buf, root):  # noqa: N802
         e = self._rec("broadcast", buf.size, buf.dtype, None, True)
+        ck = self.ck
+        if ck is not None:
+            ck.start(e, "broadcast", buf.dtype, buf.size, root)
         try:
             self.raw.Bcast(buf, root=root)
-        except BaseException:
+        except BaseException as err:
             e[_BLK] = False
+            self._failed(err, e, True)
             raise
         e[_T1] = _clock()
+        if ck is not None:
+            ck.settle(ck.started)
 
     def Allgather(self, s, r):  # noqa: N802
         e = self._rec("all_gather", r.size, r.dtype, None, True)
+        ck = self.ck
+        if ck is not None:
+            ck.start(e, "all_gather", r.dtype, r.size)
         try:
             self.raw.Allgather(s, r)
-        except BaseException:
+        except BaseException as err:
             e[_BLK] = False
+            self._failed(err, e, True)
             raise
         e[_T1] = _clock()
+        if ck is not None:
+            ck.settle(ck.started)
 
     def Iallgather(self, s, r):  # noqa: N802
-        e = self._start("all_gather", r)
-        return _Watched(self.raw.Iallgather(s, r), self.wd, e)
+        e = self._cs(self._start("all_gather", r), r.dtype, r.size, _NO_ROOT, 0, False)
+        return _Watched(self.raw.Iallgather(s, r), self.wd, e, self.ck, self)
 
     def Allgatherv(self, s, r):  # noqa: N802
-        e = self._start("all_gather", r, None, True)
-        self._run(e, self.raw.Allgatherv, s, r)
+        e = self._cs(self._start("all_gather", r, None, True), _dt(s), _VARIES)
+        self._runc(e, self.raw.Allgatherv, s, r)
 
     def Gatherv(self, s, r, root):  # noqa: N802
-        e = self._start("gather", s, None, True)
-        self._run(e, self.raw.Gatherv, s, r, root=root)
+        e = self._cs(self._start("gather", s, None, True), _dt(s), _VARIES, root)
+        self._runc(e, self.raw.Gatherv, s, r, root=root)
 
     def Scatterv(self, s, r, root):  # noqa: N802
-        e = self._start("scatter", r, None, True)
-        self._run(e, self.raw.Scatterv, s, r, root=root)
+        e = self._cs(self._start("scatter", r, None, True), _dt(r), _VARIES, root)
+        self._runc(e, self.raw.Scatterv, s, r, root=root)
 
     def Alltoallv(self, s, r):  # noqa: N802
-        e = self._start("all_to_all", s, None, True)
-        self._run(e, self.raw.Alltoallv, s, r)
+        e = self._cs(self._start("all_to_all", s, None, True), _dt(s), _VARIES)
+        self._runc(e, self.raw.Alltoallv, s, r)
 
     def Barrier(self):  # noqa: N802
-        e = self._rec("barrier", 0, None, None, True)
-        self._run(e, self.raw.Barrier)
+        e = self._cs(self._rec("barrier", 0, None, None, True), None, 0)
+        self._runc(e, self.raw.Barrier)
 
-    # point-to-point (sequence numbers count this rank's calls on the group; they need not match)
+    # point-to-point (sequence numbers count this rank's calls on the group; they need not match;
+    # sends and receives are counted per peer and compared at exit)
+    def _p2p(self, e, peer, send):
+        if send:
+            self.sent[peer] += 1
+            self.last_send[peer] = (e, e[_IDX])
+        else:
+            self.recvd[peer] += 1
+
     def Send(self, buf, dest, tag):  # noqa: N802
         e = self._rec("send", buf.size, buf.dtype, dest, True)
+        self._p2p(e, dest, True)
         self._run(e, self.raw.Send, buf, dest=dest, tag=tag)
 
     def Recv(self, buf, source, tag):  # noqa: N802
         e = self._rec("recv", buf.size, buf.dtype, source, True)
+        self._p2p(e, source, False)
         self._run(e, self.raw.Recv, buf, source=source, tag=tag)
 
     def Isend(self, buf, dest, tag):  # noqa: N802
         e = self._rec("send", buf.size, buf.dtype, dest)
-        return _Watched(self.raw.Isend(buf, dest=dest, tag=tag), self.wd, e)
+        self._p2p(e, dest, True)
+        return _Watched(self.raw.Isend(buf, dest=dest, tag=tag), self.wd, e, None, self)
 
     def Irecv(self, buf, source, tag):  # noqa: N802
         e = self._rec("recv", buf.size, buf.dtype, source)
-        return _Watched(self.raw.Irecv(buf, source=source, tag=tag), self.wd, e)
+        self._p2p(e, source, False)
+        return _Watched(self.raw.Irecv(buf, source=source, tag=tag), self.wd, e, None, self)
 
     # picklable objects
     def bcast(self, obj, root):
-        return self._run(self._rec("broadcast_object", 0, None, None, True), self.raw.bcast, obj, root=root)
+        e = self._cs(self._rec("broadcast_object", 0, None, None, True), None, 0, root)
+        return self._runc(e, self.raw.bcast, obj, root=root)
 
     def allgather(self, obj):
-        return self._run(self._rec("all_gather_object", 0, None, None, True), self.raw.allgather, obj)
+        e = self._cs(self._rec("all_gather_object", 0, None, None, True), None, 0)
+        return self._runc(e, self.raw.allgather, obj)
 
     def gather(self, obj, root):
-        return self._run(self._rec("gather_object", 0, None, None, True), self.raw.gather, obj, root=root)
+        e = self._cs(self._rec("gather_object", 0, None, None, True), None, 0, root)
+        return self._runc(e, self.raw.gather, obj, root=root)
 
     def alltoall(self, objs):
-        return self._run(self._rec("all_to_all_object", 0, None, None, True), self.raw.alltoall, objs)
+        e = self._cs(self._rec("all_to_all_object", 0, None, None, True), None, 0)
+        return self._runc(e, self.raw.alltoall, objs)
 
 
 class PolledComm(WatchedComm):
@@ -688,55 +1158,79 @@ class PolledComm(WatchedComm):
     twin plus :meth:`Watchdog.wait` (the main thread holds the deadline). Object collectives
     first pass a watched ``Ibarrier`` (every rank has arrived), then run as usual."""
 
-    def _w(self, e, req):
+    def _w(self, e, req, collective=True):
         e[_BLK] = True
-        self.wd.wait(req, e)
+        try:
+            self.wd.wait(req, e)
+        except MPI.Exception as err:
+            e[_BLK] = False
+            self._failed(err, e, collective)
+            raise
         e[_T1] = _clock()
+        ck = self.ck
+        if collective and ck is not None:
+            ck.settle(ck.started)
 
     def Allreduce(self, s, r, op):  # noqa: N802
-        self._w(self._start("all_reduce", r), self.raw.Iallreduce(s, r, op))
+        e = self._cs(self._start("all_reduce", r), r.dtype, r.size, _NO_ROOT, _mop(op))
+        self._w(e, self.raw.Iallreduce(s, r, op))
 
     def Reduce(self, s, r, op, root):  # noqa: N802
-        self._w(self._start("reduce", s if s is not MPI.IN_PLACE else r), self.raw.Ireduce(s, r, op, root=root))
+        b = s if s is not MPI.IN_PLACE else r
+        e = self._cs(self._start("reduce", b), b.dtype, b.size, root, _mop(op))
+        self._w(e, self.raw.Ireduce(s, r, op, root=root))
 
     def Reduce_scatter_block(self, s, r, op):  # noqa: N802
-        self._w(self._start("reduce_scatter", s), self.raw.Ireduce_scatter_block(s, r, op))
+        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op))
+        self._w(e, self.raw.Ireduce_scatter_block(s, r, op))
 
     def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
-        self._w(self._start("reduce_scatter", s), self.raw.Ireduce_scatter(s, r, counts, op))
+        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op))
+        self._w(e, self.raw.Ireduce_scatter(s, r, counts, op))
 
     def Bcast(self, buf, root):  # noqa: N802
-        self._w(self._start("broadcast", buf), self.raw.Ibcast(buf, root=root))
+        e = self._cs(self._start("broadcast", buf), buf.dtype, buf.size, root)
+        self._w(e, self.raw.Ibcast(buf, root=root))
 
     def Allgather(self, s, r):  # noqa: N802
-        self._w(self._start("all_gather", r), self.raw.Iallgather(s, r))
+        e = self._cs(self._start("all_gather", r), r.dtype, r.size)
+        self._w(e, self.raw.Iallgather(s, r))
 
     def Allgatherv(self, s, r):  # noqa: N802
-        self._w(self._start("all_gather", r), self.raw.Iallgatherv(s, r))
+        e = self._cs(self._start("all_gather", r), _dt(s), _VARIES)
+        self._w(e, self.raw.Iallgatherv(s, r))
 
     def Gatherv(self, s, r, root):  # noqa: N802
-        self._w(self._start("gather", s), self.raw.Igatherv(s, r, root=root))
+        e = self._cs(self._start("gather", s), _dt(s), _VARIES, root)
+        self._w(e, self.raw.Igatherv(s, r, root=root))
 
     def Scatterv(self, s, r, root):  # noqa: N802
-        self._w(self._start("scatter", r), self.raw.Iscatterv(s, r, root=root))
+        e = self._cs(self._start("scatter", r), _dt(r), _VARIES, root)
+        self._w(e, self.raw.Iscatterv(s, r, root=root))
 
     def Alltoallv(self, s, r):  # noqa: N802
-        self._w(self._start("all_to_all", s), self.raw.Ialltoallv(s, r))
+        e = self._cs(self._start("all_to_all", s), _dt(s), _VARIES)
+        self._w(e, self.raw.Ialltoallv(s, r))
 
     def Barrier(self):  # noqa: N802
-        self._w(self._start("barrier", None), self.raw.Ibarrier())
+        e = self._cs(self._start("barrier", None), None, 0)
+        self._w(e, self.raw.Ibarrier())
 
     def Send(self, buf, dest, tag):  # noqa: N802
-        self._w(self._start("send", buf, dest), self.raw.Isend(buf, dest=dest, tag=tag))
+        e = self._start("send", buf, dest)
+        self._p2p(e, dest, True)
+        self._w(e, self.raw.Isend(buf, dest=dest, tag=tag), False)
 
     def Recv(self, buf, source, tag):  # noqa: N802
-        self._w(self._start("recv", buf, source), self.raw.Irecv(buf, source=source, tag=tag))
+        e = self._start("recv", buf, source)
+        self._p2p(e, source, False)
+        self._w(e, self.raw.Irecv(buf, source=source, tag=tag), False)
 
-    def _arrive(self, op):
-        self._w(self._start(op, None), self.raw.Ibarrier())
+    def _arrive(self, op, root=_NO_ROOT):
+        self._w(self._cs(self._start(op, None), None, 0, root), self.raw.Ibarrier())
 
     def bcast(self, obj, root):
-        self._arrive("broadcast_object")
+        self._arrive("broadcast_object", root)
         return self.raw.bcast(obj, root=root)
 
     def allgather(self, obj):
@@ -744,7 +1238,7 @@ class PolledComm(WatchedComm):
         return self.raw.allgather(obj)
 
     def gather(self, obj, root):
-        self._arrive("gather_object")
+        self._arrive("gather_object", root)
         return self.raw.gather(obj, root=root)
 
     def alltoall(self, objs):

@@ -46,6 +46,8 @@ class World:
         if abort_on_exception:   # first: an error in the arguments below prints once, not once per rank
             install_abort_on_exception(comm if comm is not None else MPI.COMM_WORLD)
         base = comm if comm is not None else MPI.COMM_WORLD
+        from ..checkpoint.preemption import record_early_signals
+        record_early_signals()   # Slurm's USR1 during start-up: MPICH's C handler would swallow it
         sizes = resolve_grid_sizes(base.Get_size(), G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
                                    G_intra_c=G_intra_c, G_intra_d=G_intra_d, G_context=G_context,
                                    rank=base.Get_rank())
@@ -67,7 +69,8 @@ class World:
             self.watchdog = Watchdog(self._comm, timeout=timeout, dump_dir=get_str("AXONMPI_FLIGHT_DIR"),
                                      capacity=max(1, int(get_float("AXONMPI_FLIGHT_RECORDER_SIZE"))),
                                      watch=watch, record=record,
-                                     polling=True if get_bool("AXONMPI_WATCHDOG_POLLING") else None)
+                                     polling=True if get_bool("AXONMPI_WATCHDOG_POLLING") else None,
+                                     check=get_bool("AXONMPI_CHECK_COLLECTIVES"))
 
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = node.Get_rank()

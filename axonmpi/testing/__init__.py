@@ -10,7 +10,11 @@ from ..distributed.launch import mpiexec_path  # the production helper, re-expor
 
 __all__ = ["mpiexec_path", "mpiexec_env", "run_mpiexec"]
 
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "MPICH_INTERFACE")
+# what a launcher (Hydra, Slurm's PMI, Open MPI's prterun, Intel MPI) sets for its own children: a child
+# started by a test inherits them, and an MPI_Init that finds PMI_FD of a launch that is not its own
+# fails ("PMI_Init returned -1"). Every process a test spawns goes through mpiexec_env().
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_", "I_MPI_", "MPICH_INTERFACE",
+                      "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 
 
 def mpiexec_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
