@@ -78,10 +78,15 @@ def _is_tensor(x) -> bool:
 
 
 def _arr(x, what: str = "tensor"):
+    """The array a Tensor holds, made a writable array in place first where it is a NumPy scalar (a 0-d
+    result such as a loss) or read-only, so an in-place collective can write into it."""
     if not _is_tensor(x):
         raise TypeError(f"rank {_rank()}: {what} must be an axonmpi Tensor (torch.distributed's form), "
                         f"got {type(x).__name__}")
-    return x.data
+    a = x.data
+    if isinstance(a, np.generic) or (type(a) is np.ndarray and not a.flags.writeable):
+        a = x.data = np.array(a)
+    return a
 
 
 def _rank() -> int:
@@ -303,7 +308,7 @@ def all_reduce(tensor, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None
     """
     if not _is_tensor(tensor):
         return _ac.all_reduce(tensor, op, group, *args, async_op=async_op, **kw)
-    x = tensor.data
+    x = _arr(tensor)
     w = _ac.all_reduce(x, op, _grp(group), out=x, async_op=async_op)
     return w if async_op else None
 
@@ -319,8 +324,8 @@ def broadcast(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] =
         return _ac.broadcast(tensor, 0 if src is None else src, group, async_op=async_op)
     g = _grp(group)
     s = _group_rank(g, src, group_src, "src")
-    x = tensor.data
-    if not x.flags.c_contiguous or not x.flags.writeable:
+    x = _arr(tensor)
+    if not x.flags.c_contiguous:
         buf = np.ascontiguousarray(x) if type(x) is np.ndarray else x.copy()
         _ac.broadcast(buf, s, g)
         x[...] = buf
@@ -338,7 +343,7 @@ def reduce(tensor, dst: Optional[int] = None, op: ReduceOp = _SUM, group: Option
         return _ac.reduce(tensor, 0 if dst is None else dst, op, group)
     g = _grp(group)
     d = _group_rank(g, dst, group_dst, "dst")
-    res = _ac.reduce(tensor.data, d, op, g)
+    res = _ac.reduce(_arr(tensor), d, op, g)
     if res is not None:
         tensor.data[...] = res
     return _done(async_op)
@@ -440,7 +445,7 @@ def scatter(tensor, scatter_list=None, src: Optional[int] = None, group: Optiona
     g = _grp(group)
     s = _group_rank(g, 0 if src is None and group_src is None else src, group_src, "src")
     chunks = [_arr(t, f"scatter_list[{i}]") for i, t in enumerate(scatter_list)] if g.rank == s else None
-    tensor.data[...] = _ac.scatter(chunks, s, g)
+    _arr(tensor)[...] = _ac.scatter(chunks, s, g)
     return _done(async_op)
 
 
@@ -498,7 +503,7 @@ def recv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None
     if src is None and group_src is None:
         raise ValueError(f"rank {g.world.rank}: recv(src=None) (any sender) is not supported; pass src=")
     s = _group_rank(g, src, group_src, "src")
-    _p2p.recv(tensor.data, s, g, tag)
+    _p2p.recv(_arr(tensor), s, g, tag)
     return g.world_rank(s)
 
 
@@ -519,7 +524,7 @@ def irecv(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = Non
     g = _grp(group)
     if src is None and group_src is None:
         raise ValueError(f"rank {g.world.rank}: irecv(src=None) (any sender) is not supported; pass src=")
-    return _p2p.irecv(tensor.data, _group_rank(g, src, group_src, "src"), g, tag)
+    return _p2p.irecv(_arr(tensor), _group_rank(g, src, group_src, "src"), g, tag)
 
 
 # -- objects -------------------------------------------------------------------------------------------
