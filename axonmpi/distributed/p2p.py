@@ -134,6 +134,9 @@ class P2POp:
     __slots__ = ("op", "tensor", "peer", "group", "tag")
 
     def __init__(self, op, tensor, peer: int, group: Optional[ProcessGroup] = None, tag: int = 0):
+        op = getattr(op, "_p2p_op", op)            # torch_api's isend/irecv (the Tensor forms) name these
+        if type(tensor).__name__ in ("Tensor", "Parameter") and type(tensor).__module__.startswith("axonmpi."):
+            tensor = tensor.data                   # torch's P2POp(dist.isend, tensor, peer): moves its array
         if op is not isend and op is not irecv:
             name = getattr(op, "__name__", repr(op))
             raise ValueError(f"P2POp op must be axonmpi.isend or axonmpi.irecv, got {name}")

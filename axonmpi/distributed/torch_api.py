@@ -579,3 +579,7 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     s = _group_rank(g, 0 if src is None and group_src is None else src, group_src, "src")
     objs = _oc.broadcast_object(list(scatter_object_input_list) if g.rank == s else None, s, g)
     scatter_object_output_list[0] = objs[g.rank]
+
+
+isend._p2p_op = _p2p.isend      # P2POp(dist.isend, ...) with these names works as with p2p's
+irecv._p2p_op = _p2p.irecv
