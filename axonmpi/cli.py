@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time all-reduces and a GEMM on this allocation for the bandwidths, latency, flop rate and "
                          "cores (run under mpiexec/srun)")
     sp.set_defaults(func=_cmd_plan)
-    sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot)")
+    sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot; needs "
+                                     "pip install 'axonmpi[plot]')")
     sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")
     sp.add_argument("-o", "--output", default="metrics.png", help="the PNG to write")
     sp.set_defaults(func=_cmd_plot)
