@@ -552,6 +552,7 @@ EXAMPLES.update({
     "axonmpi.unsqueeze": lambda: axonmpi.unsqueeze(_V, 0).shape == (1, 2, 2),
     "axonmpi.stack": lambda: axonmpi.stack([_V, _V]).shape == (2, 2, 2),
     "axonmpi.where": lambda: _close(axonmpi.where(_V > 2, _V, 0.0), [[0, 4], [3, 0]]),
+    "axonmpi.optim.Adadelta": lambda: _train_step(optim.Adadelta, lr=1.0),
     "axonmpi.nn.functional.one_hot": lambda: F.one_hot(Tensor([0, 2]), 3).tolist() == [[1, 0, 0], [0, 0, 1]],
 })
 EXAMPLES.update({f"Tensor.{k}": v for k, v in TENSOR_EXAMPLES.items()})
