@@ -552,6 +552,12 @@ EXAMPLES.update({
     "axonmpi.unsqueeze": lambda: axonmpi.unsqueeze(_V, 0).shape == (1, 2, 2),
     "axonmpi.stack": lambda: axonmpi.stack([_V, _V]).shape == (2, 2, 2),
     "axonmpi.where": lambda: _close(axonmpi.where(_V > 2, _V, 0.0), [[0, 4], [3, 0]]),
+    "axonmpi.nn.Conv2d": lambda: _backward_ok(nn.Conv2d(2, 3, 3, padding=1, dtype=np.float64)(_x(1, 2, 4, 4)).sum()),
+    "axonmpi.nn.MaxPool2d": lambda: nn.MaxPool2d(2)(_x(1, 1, 4, 4)).shape == (1, 1, 2, 2),
+    "axonmpi.nn.functional.conv2d": lambda: F.conv2d(Tensor(np.ones((1, 1, 3, 3))), Tensor(np.ones((1, 1, 2, 2)))).tolist()
+    == [[[[4.0, 4.0], [4.0, 4.0]]]],
+    "axonmpi.nn.functional.max_pool2d": lambda: F.max_pool2d(Tensor(np.arange(16.0).reshape(1, 1, 4, 4)), 2).tolist()
+    == [[[[5.0, 7.0], [13.0, 15.0]]]],
     "axonmpi.optim.Adadelta": lambda: _train_step(optim.Adadelta, lr=1.0),
     "axonmpi.nn.functional.one_hot": lambda: F.one_hot(Tensor([0, 2]), 3).tolist() == [[1, 0, 0], [0, 0, 1]],
 })

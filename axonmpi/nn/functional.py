@@ -7,6 +7,7 @@ from ..autograd.ops import (MinMax, abs, add, amax, amin, argmax, argmin, cat, c
                             concat, cos, div, exp, expand, flatten, log, matmul, max, maximum, mean,
                             min, minimum, mul, neg, permute, pow, reshape, sin, split, sqrt, squeeze,
                             stack, std, sub, sum, tanh, transpose, unsqueeze, var, where)
+from .conv import conv2d, max_pool2d
 from .loss import (binary_cross_entropy, binary_cross_entropy_with_logits, l1_loss, nll_loss,
                    smooth_l1_loss)
 from ..autograd.ops_nn import (cross_entropy, dropout, embedding, gelu, layer_norm, linear,
@@ -41,7 +42,7 @@ def one_hot(tensor, num_classes: int = -1):
 
 
 __all__ = [
-    "one_hot", "MinMax", "abs", "add", "amax", "amin", "argmax", "argmin", "cat", "chunk", "clamp", "clip",
+    "conv2d", "max_pool2d", "one_hot", "MinMax", "abs", "add", "amax", "amin", "argmax", "argmin", "cat", "chunk", "clamp", "clip",
     "concat", "cos", "cross_entropy", "div", "dropout", "embedding", "exp", "expand", "flatten",
     "gelu", "layer_norm", "linear", "log", "log_softmax", "masked_fill", "matmul", "max", "maximum",
     "mean", "min", "minimum", "mse_loss", "mul", "neg", "permute", "pow", "relu", "reshape", "sigmoid",
