@@ -42,6 +42,7 @@ def plot_metrics(paths: Sequence[str], output: str = "metrics.png", labels: Opti
     Example:
         >>> plot_metrics(["dp4.json", "tp2pp2.json"], "compare.png")   # doctest: +SKIP
     """
+    runs = [load_metrics(p) for p in paths]          # a bad file is named first, matplotlib or not
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -49,7 +50,6 @@ def plot_metrics(paths: Sequence[str], output: str = "metrics.png", labels: Opti
     except ImportError as e:
         raise RuntimeError(f"axonmpi plot draws with matplotlib, which is not installed ({e}); install it with "
                            "pip install 'axonmpi[plot]' (or pip install matplotlib)") from None
-    runs = [load_metrics(p) for p in paths]
     labels = list(labels) if labels is not None else [os.path.basename(p) for p in paths]
     fig, (ax_loss, ax_tok) = plt.subplots(1, 2, figsize=(11, 4))
     for rows, label in zip(runs, labels):

@@ -55,3 +55,15 @@ def test_torch_raises_on_the_same_calls():
             lin(torch.ones((4, 3), dtype=dtype))
     with pytest.raises(RuntimeError):
         torch.nn.LayerNorm(3)(torch.ones((2, 3), dtype=torch.float64))
+
+
+@pytest.mark.serial
+def test_16_bit_layers_take_wider_float_input_as_mixed_precision_needs():
+    from axonmpi.autograd.ops_nn import dtype_refused
+    f16, f32, f64, i64 = (np.dtype(t) for t in ("float16", "float32", "float64", "int64"))
+    assert dtype_refused(f64, f32) and dtype_refused(f32, f64) and dtype_refused(f16, f32) and dtype_refused(i64, f16)
+    assert not dtype_refused(f32, f16) and not dtype_refused(f32, f32)
+    lin = nn.Linear(3, 2).to(np.float16)
+    assert lin(Tensor(np.ones((1, 3), np.float32))).dtype == np.float32     # computed in the wider dtype
+    with pytest.raises(DtypeMismatchError, match="integer input is never promoted"):
+        lin(Tensor(np.ones((1, 3), np.int64)))

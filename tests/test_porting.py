@@ -21,8 +21,9 @@ def _loop():
 
 
 def _run(code, python=sys.executable):
+    from axonmpi.testing import mpiexec_env      # without the launcher's PMI_* variables (the suite runs under mpiexec)
     r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+                       env=mpiexec_env({"OMP_NUM_THREADS": "1"}))
     assert r.returncode == 0, r.stderr
     return [float(a) for a in re.findall(r"test accuracy ([0-9.]+)", r.stdout)]
 

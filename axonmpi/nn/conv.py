@@ -13,7 +13,7 @@ from typing import Tuple, Union
 import numpy as np
 
 from ..autograd.function import Function
-from ..autograd.ops_nn import DtypeMismatchError, dtype_mismatch
+from ..autograd.ops_nn import DtypeMismatchError, dtype_mismatch, dtype_refused
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module
 from . import init
@@ -138,7 +138,7 @@ def conv2d(input: Tensor, weight: Tensor, bias=None, stride: _Pair = 1, padding:
     if _pair(dilation, "dilation") != (1, 1) or groups != 1:
         raise NotImplementedError(f"conv2d: dilation={dilation!r}, groups={groups!r}: only 1 and 1 are implemented")
     _check_input(input, "conv2d")
-    if input.dtype != weight.dtype:
+    if dtype_refused(input.dtype, weight.dtype):
         raise DtypeMismatchError(dtype_mismatch("conv2d", input, weight))
     if input.shape[1] != weight.shape[1]:
         raise ValueError(f"conv2d: input has {input.shape[1]} channels, the weight expects {weight.shape[1]}")
@@ -194,7 +194,7 @@ class Conv2d(Module):
             init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype != self.weight.dtype:
+        if dtype_refused(x.dtype, self.weight.dtype):
             raise DtypeMismatchError(dtype_mismatch(self, x, self.weight))
         return conv2d(x, self.weight, self.bias, self.stride, self.padding)
 

@@ -92,7 +92,7 @@ class Linear(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if x.dtype != w.dtype:
+        if x.dtype != w.dtype and ops_nn.dtype_refused(x.dtype, w.dtype):
             raise ops_nn.DtypeMismatchError(ops_nn.dtype_mismatch(self, x, w))
         return ops_nn.Linear.apply(x, w, self.bias)
 
@@ -170,7 +170,7 @@ class LayerNorm(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if w is not None and x.dtype != w.dtype:
+        if w is not None and x.dtype != w.dtype and ops_nn.dtype_refused(x.dtype, w.dtype):
             raise ops_nn.DtypeMismatchError(ops_nn.dtype_mismatch(self, x, w))
         return ops_nn.LayerNorm.apply(x, w, self.bias, len(self.normalized_shape), self.eps)
 
