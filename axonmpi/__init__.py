@@ -33,3 +33,8 @@ from . import nn, optim, data, models, parallel, checkpoint, amp
 from .parallel import DDP, DistributedDataParallel, GradSyncStrategy
 from .parallel import FSDP, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from .data.distributed import DistributedSampler, create_dataloader
+from . import cuda
+from .serialization import load, save
+from .distributed import (destroy_process_group, get_rank, get_world_size, init_process_group)  # noqa: F401
+from . import intra_layer
+from ._torch_names import *  # noqa: F401,F403  (torch.device, torch.float32, torch.argmax, ...: _torch_names.__all__)

@@ -97,6 +97,8 @@ class Device:
         if isinstance(spec, Device):
             self.type, self.index = spec.type, spec.index
             return
+        if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):   # torch.device(0) is cuda:0
+            spec, index = "cuda", int(spec)
         if not isinstance(spec, str):
             raise TypeError(f"device must be a str like 'cpu' or 'cuda:0', got {spec!r}")
         kind, _, idx = spec.partition(":")
@@ -147,11 +149,28 @@ class Device:
         return f"Device({str(self)!r})"
 
 
-def as_device(spec: "str | Device | None") -> Device:
-    """Coerce ``spec`` to a :class:`Device` (``None`` means CPU)."""
+def as_device(spec: "str | Device | int | None") -> Device:
+    """Coerce ``spec`` to a :class:`Device` (``None`` means CPU; an int, see :func:`index_device`)."""
     if spec is None:
         return Device("cpu")
+    if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+        return index_device(spec)
     return spec if isinstance(spec, Device) else Device(spec)
+
+
+def index_device(index: int) -> Device:
+    """What PyTorch's ``.to(rank)`` / ``device_ids=[rank]`` name: GPU ``index`` where CuPy sees GPUs
+    (``index % device_count()``, so one rank per GPU on each node), and the CPU on a host without one,
+    so a GPU script ported by its imports runs on a CPU cluster.
+
+    Example:
+        >>> index_device(0)          # Device('cpu') without a GPU, Device('cuda:0') with one
+    """
+    index = int(index)
+    if index < 0:
+        raise ValueError(f"device index must be >= 0, got {index}")
+    n = device_count() if cupy_available() else 0
+    return Device("cuda", index % n) if n else Device("cpu")
 
 
 def device_of(a: Any) -> Device:

@@ -355,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--save-hardware", default=None, metavar="PATH",
                     help="with --measure: write the measured numbers as a hardware JSON file")
     sp.set_defaults(func=_cmd_plan)
-    sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot)")
+    sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot; needs "
+                                     "pip install 'axonmpi[plot]')")
     sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")
     sp.add_argument("-o", "--output", default="metrics.png", help="the PNG to write")
     sp.set_defaults(func=_cmd_plot)

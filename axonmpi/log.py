@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 from . import env as _env
 
-__all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0", "run_main"]
+__all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0", "run_main",
+           "stderr_is_terminal"]
 
 _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
 
@@ -91,6 +92,66 @@ def rank0_parser(parser: "argparse.ArgumentParser") -> "argparse.ArgumentParser"
     if _rank_info()[0] != 0:
         parser._print_message = lambda message, file=None: None
     return parser
+
+
+# processes between a rank and the terminal: MPICH's and Open MPI's launchers and proxies, Slurm's
+_LAUNCHERS = ("mpiexec", "mpirun", "hydra_pmi_proxy", "mpiexec.hydra", "orterun", "orted", "prterun", "prted",
+              "srun", "slurmstepd")
+
+
+def _proc(pid: int, what: str) -> Optional[str]:
+    try:
+        if what == "fd2":
+            return os.readlink(f"/proc/{pid}/fd/2")
+        with open(f"/proc/{pid}/{what}", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _is_tty_path(path: Optional[str]) -> bool:
+    return bool(path) and (path.startswith("/dev/pts/") or path.startswith("/dev/tty") or path == "/dev/console")
+
+
+def stderr_is_terminal() -> bool:
+    """True when this process's stderr reaches a terminal, also through an MPI launcher.
+
+    Under ``mpiexec`` (or ``srun`` on the same host) a rank's stderr is a pipe to the launcher,
+    which forwards it to its own stderr; so where this process's stderr is not a terminal, the
+    launcher processes above it are asked (``/proc/<pid>/fd/2`` of each ancestor that is a
+    launcher or a proxy: mpiexec, hydra_pmi_proxy, mpirun, orted, prterun, srun, slurmstepd).
+    ``AXONMPI_PROGRESS=1`` / ``0`` overrides the answer. False where ``/proc`` is absent.
+
+    Example:
+        >>> show_bar = world.rank == 0 and stderr_is_terminal()
+    """
+    forced = os.environ.get("AXONMPI_PROGRESS", "").strip().lower()
+    if forced in ("1", "true", "yes", "on"):
+        return True
+    if forced in ("0", "false", "no", "off"):
+        return False
+    try:
+        if sys.stderr is not None and sys.stderr.isatty():
+            return True
+    except (AttributeError, ValueError):
+        return False
+    pid = os.getppid()
+    for _ in range(4):                      # rank -> proxy -> launcher (-> a wrapper script of the launcher)
+        if pid <= 1:
+            return False
+        comm = (_proc(pid, "comm") or "").strip()
+        if not comm.startswith(_LAUNCHERS):
+            return False
+        if _is_tty_path(_proc(pid, "fd2")):
+            return True
+        stat = _proc(pid, "stat")
+        if not stat:
+            return False
+        try:
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (IndexError, ValueError):
+            return False
+    return False
 
 
 def exit0(message: str, code: int = 2) -> "NoReturn":

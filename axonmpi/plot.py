@@ -37,18 +37,19 @@ def load_metrics(path: str) -> List[Dict[str, float]]:
 def plot_metrics(paths: Sequence[str], output: str = "metrics.png", labels: Optional[Sequence[str]] = None) -> str:
     """Draw loss (left) and tokens/s (right) against the step, one line per file; return ``output``.
 
-    Needs matplotlib (``pip install matplotlib``); without it a RuntimeError says so.
+    Needs matplotlib (``pip install 'axonmpi[plot]'``); without it a RuntimeError says how to install it.
 
     Example:
         >>> plot_metrics(["dp4.json", "tp2pp2.json"], "compare.png")   # doctest: +SKIP
     """
-    runs = [load_metrics(p) for p in paths]
+    runs = [load_metrics(p) for p in paths]          # a bad file is named first, matplotlib or not
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("axonmpi.plot needs matplotlib: pip install matplotlib") from None
+    except ImportError as e:
+        raise RuntimeError(f"axonmpi plot draws with matplotlib, which is not installed ({e}); install it with "
+                           "pip install 'axonmpi[plot]' (or pip install matplotlib)") from None
     labels = list(labels) if labels is not None else [os.path.basename(p) for p in paths]
     fig, (ax_loss, ax_tok) = plt.subplots(1, 2, figsize=(11, 4))
     for rows, label in zip(runs, labels):

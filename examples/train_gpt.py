@@ -12,8 +12,10 @@ across ranks, gradients are averaged with bucketed all-reduces overlapped with b
 five AxoNN sizes (--G-data, --G-inter, --G-intra-r, --G-intra-c, --G-intra-d) lay the ranks out
 as data x pipeline x tensor parallel (axonmpi.recipes.gpt; docs/hybrid.md); the loss printed
 is the mean over the whole global batch under every layout, and checkpoints load under any other
-layout. Rank 0
-shows a progress bar (loss, tokens/s, ETA), evaluates on held-out text, prints a generated
+layout: each log line and the final summary show the step's loss (the global batch's mean, what
+one process on the whole batch computes) beside its moving average (EMA 0.9), labelled. Rank 0
+shows a progress bar (loss, loss_ema, tokens/s, ETA) when its stderr reaches a terminal, also
+through mpiexec (--progress / --no-progress force it), evaluates on held-out text, prints a generated
 sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps).
 
 SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption; jobs/*.sbatch ask for
@@ -153,7 +155,8 @@ def parse_args(argv=None):
     g.add_argument("--sample-chars", type=int, default=200, help="characters to generate at the end (0: none)")
     bars = g.add_mutually_exclusive_group()
     bars.add_argument("--no-progress", action="store_true",
-                      help="log lines instead of a progress bar (automatic when stdout is not a terminal)")
+                      help="log lines instead of a progress bar (automatic when rank 0's stderr, or the launcher's "
+                           "under mpiexec, is not a terminal)")
     bars.add_argument("--progress", action="store_true",
                       help="force rank 0's progress bar, on stderr, even when it is a pipe (under mpiexec "
                            "it shows on the launcher's stderr)")
@@ -466,17 +469,19 @@ def main(argv=None):
              tok.vocab_size, h_unigram)
 
     bar = None
-    progress = args.progress or (not args.no_progress and sys.stdout.isatty())  # no \r updates in batch logs
+    # rank 0's bar where its stderr reaches a terminal, also through mpiexec (the launcher's stderr); never
+    # \r updates in a batch log; --progress / --no-progress force it either way
+    progress = args.progress or (not args.no_progress and world.rank == 0 and axonmpi.log.stderr_is_terminal())
     if world.rank == 0 and progress and step < args.steps:
         from tqdm import tqdm
-        # --progress: rank 0's stderr, which mpiexec/srun forward to the launcher's stderr unbuffered
+        # rank 0's stderr, which mpiexec/srun forward to the launcher's stderr unbuffered
         bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   file=sys.stderr if args.progress else sys.stdout, mininterval=0.5, disable=False)
+                   file=sys.stderr, mininterval=0.5, disable=False)
     metrics = (open_metrics(args.metrics_json, step, latest is not None, log)
                if (args.metrics_json and world.rank == 0) else None)
     start_step = step
     tokens_per_step = args.global_batch * args.block_size
-    t0, t_last, loss_ema = time.perf_counter(), time.perf_counter(), None
+    t0, t_last, loss_ema, lval = time.perf_counter(), time.perf_counter(), None, None
     it = None
     while step < args.steps:
         if it is None:
@@ -514,11 +519,13 @@ def main(argv=None):
                 row.update(axonmpi.nn.moe_stats(hyb.model))
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}", refresh=False)
+        if bar is not None:     # loss: this step's (the global batch's mean); loss_ema: its moving average
+            bar.set_postfix(loss=f"{lval:.3f}", loss_ema=f"{loss_ema:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}",
+                            refresh=False)
             bar.update(1)
         elif step % args.log_every == 0 or step == args.steps:
-            log.info("step %d/%d loss %.3f lr %.2e %.0f tokens/s", step, args.steps, loss_ema, lr, tok_s)
+            log.info("step %d/%d loss %.4f (moving average %.4f) lr %.2e %.0f tokens/s", step, args.steps, lval,
+                     loss_ema, lr, tok_s)
         t_last = now
         if saving and args.save_every and step % args.save_every == 0 and step < args.steps:
             save(step, async_save=args.async_save)
@@ -537,8 +544,9 @@ def main(argv=None):
     elapsed = time.perf_counter() - t0
 
     val = evaluate(hyb, val_tokens, args.block_size, args.eval_batches, args.global_batch, args.seed)
-    log.info("done: step %d (%d this run) in %.1f s | train loss %s | held-out loss %.3f vs unigram entropy %.3f "
-             "nats (%s)", step, step - start_step, elapsed, "n/a" if loss_ema is None else f"{loss_ema:.3f}", val,
+    log.info("done: step %d (%d this run) in %.1f s | train loss %s (last step's; moving average %s) | held-out "
+             "loss %.3f vs unigram entropy %.3f nats (%s)", step, step - start_step, elapsed,
+             "n/a" if lval is None else f"{lval:.4f}", "n/a" if loss_ema is None else f"{loss_ema:.4f}", val,
              h_unigram,
              "learned structure beyond character frequencies" if val < h_unigram else "not yet below unigram")
     if saving and step > start_step:

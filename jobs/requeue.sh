@@ -70,6 +70,32 @@ axonmpi_command() {
   AXONMPI_CMD+=("${words[@]}" "$@")
 }
 
+# axonmpi_run_name SCRIPT [ARGS...]: sets and exports RUN_NAME, the experiment's name and so its checkpoint folder
+# ($AXONMPI_SCRATCH/axonmpi/$RUN_NAME). Default: <job name>-<8 hex digits of the SHA-256 of the script's path,
+# SCRIPT_ARGS and the arguments given to sbatch>, so a requeued job (same arguments) resumes its own run and
+# another experiment under the same job name gets a folder of its own. RUN_NAME=name chooses it (resubmit
+# with the same RUN_NAME to continue a run with changed arguments). Says which, and whether it resumes.
+axonmpi_run_name() {
+  local how key
+  if [[ -n "${RUN_NAME:-}" ]]; then
+    how="set by RUN_NAME"
+  else
+    key=$(printf '%s\0' "$@" "SCRIPT_ARGS=${SCRIPT_ARGS:-}" | sha256sum | cut -c1-8)
+    RUN_NAME="${SLURM_JOB_NAME:-axonmpi}-$key"
+    how="job name + hash of the script and its arguments; RUN_NAME=... to choose"
+  fi
+  case "$RUN_NAME" in
+    */*|.|..|-*) echo "error: RUN_NAME=$RUN_NAME: one folder name (no '/', not '.', '..' or starting with '-')" >&2; exit 2 ;;
+  esac
+  export RUN_NAME
+  local dir="$AXONMPI_SCRATCH/axonmpi/$RUN_NAME"
+  if [[ -d "$dir" ]] && [[ -n "$(ls -A "$dir" 2>/dev/null)" ]]; then
+    echo "axonmpi: run $RUN_NAME ($how): $dir holds a run (this job requeued, or the same script and arguments submitted again): --auto-resume continues it; set RUN_NAME=<new name> for a fresh experiment" >&2
+  else
+    echo "axonmpi: run $RUN_NAME ($how): new checkpoint folder $dir" >&2
+  fi
+}
+
 # axonmpi_run COMMAND...: run srun in the background, forward SIGUSR1/SIGTERM to it, requeue on exit 75.
 axonmpi_run() {
   local pid rc

@@ -457,6 +457,110 @@ TENSOR_EXAMPLES = {
     "xp": lambda: X.xp is np,
     "zero_": lambda: _close(Tensor(np.ones(2)).zero_(), [0, 0]),
 }
+
+# PyTorch's top-level names and in-place Tensor methods (tests/test_torch_surface.py checks them further)
+def _inplace(name, *args, want):
+    t = Tensor(np.array([1.0, -2.0, 3.0]))
+    out = getattr(t, name)(*args)
+    return out is t and _close(t, want)
+
+
+def _save_load():
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "sd.h5")
+        axonmpi.save({"w": np.arange(3.0), "step": 2}, path)
+        got = axonmpi.load(path, map_location="cpu", weights_only=True)
+    return got["step"] == 2 and np.array_equal(got["w"], np.arange(3.0))
+
+
+_V = Tensor(np.array([[1.0, 4.0], [3.0, 2.0]]))
+TENSOR_EXAMPLES.update({
+    "add_": lambda: _inplace("add_", 1.0, want=[2.0, -1.0, 4.0]),
+    "sub_": lambda: _inplace("sub_", 1.0, want=[0.0, -3.0, 2.0]),
+    "mul_": lambda: _inplace("mul_", 2.0, want=[2.0, -4.0, 6.0]),
+    "div_": lambda: _inplace("div_", 2.0, want=[0.5, -1.0, 1.5]),
+    "clamp_": lambda: _inplace("clamp_", 0.0, 2.0, want=[1.0, 0.0, 2.0]),
+    "copy_": lambda: _inplace("copy_", np.zeros(3), want=[0.0, 0.0, 0.0]),
+    "normal_": lambda: Tensor(np.zeros(4)).normal_().numpy().std() > 0,
+    "uniform_": lambda: 0 <= Tensor(np.zeros(4)).uniform_(0, 1).numpy().min(),
+    "int": lambda: Tensor([1.7]).int().dtype == np.int32,
+    "bool": lambda: Tensor([0.0, 2.0]).bool().tolist() == [False, True],
+    "type": lambda: Tensor([1.0]).type() == "axonmpi.FloatTensor" and Tensor([1.0]).type(np.float64).dtype == np.float64,
+})
+EXAMPLES.update({
+    "axonmpi.abs": lambda: _close(axonmpi.abs(_V - 2), [[1, 2], [1, 0]]),
+    "axonmpi.allclose": lambda: axonmpi.allclose(_V, _V.numpy() + 1e-9),
+    "axonmpi.argmax": lambda: axonmpi.argmax(_V, dim=1).tolist() == [1, 0],
+    "axonmpi.argmin": lambda: axonmpi.argmin(_V, dim=1).tolist() == [0, 1],
+    "axonmpi.as_tensor": lambda: (lambda a: axonmpi.as_tensor(a).data is a)(np.ones(2)),
+    "axonmpi.bfloat16": lambda: np.dtype(axonmpi.bfloat16).name == "bfloat16",
+    "axonmpi.bool": lambda: axonmpi.bool is np.bool_,
+    "axonmpi.cat": lambda: axonmpi.cat([_V, _V]).shape == (4, 2),
+    "axonmpi.concat": lambda: axonmpi.concat([_V, _V], dim=1).shape == (2, 4),
+    "axonmpi.chunk": lambda: len(axonmpi.chunk(_V, 2)) == 2,
+    "axonmpi.clamp": lambda: _close(axonmpi.clamp(_V, 2, 3), [[2, 3], [3, 2]]),
+    "axonmpi.destroy_process_group": lambda: callable(axonmpi.destroy_process_group),   # run in test_torch_distributed.py
+    "axonmpi.device": lambda: str(axonmpi.device("cuda", 1)) == "cuda:1" and str(axonmpi.device("cpu")) == "cpu",
+    "axonmpi.double": lambda: axonmpi.double is np.float64,
+    "axonmpi.dtype": lambda: axonmpi.dtype("float32") == np.float32,
+    "axonmpi.equal": lambda: axonmpi.equal(_V, _V.numpy()) and not axonmpi.equal(_V, _V * 2),
+    "axonmpi.exp": lambda: _close(axonmpi.exp(_V * 0), np.ones((2, 2))),
+    "axonmpi.eye": lambda: _close(axonmpi.eye(2), np.eye(2)),
+    "axonmpi.flatten": lambda: axonmpi.flatten(_V).shape == (4,),
+    "axonmpi.float": lambda: axonmpi.float is np.float32,
+    "axonmpi.float16": lambda: axonmpi.float16 is np.float16,
+    "axonmpi.float32": lambda: axonmpi.float32 is np.float32,
+    "axonmpi.float64": lambda: axonmpi.float64 is np.float64,
+    "axonmpi.from_numpy": lambda: (lambda a: axonmpi.from_numpy(a).data is a)(np.ones(2)),
+    "axonmpi.get_default_dtype": lambda: axonmpi.get_default_dtype() is np.float32,
+    "axonmpi.get_rank": lambda: axonmpi.get_rank() == axonmpi.rank(),
+    "axonmpi.get_world_size": lambda: axonmpi.get_world_size() == axonmpi.world_size(),
+    "axonmpi.half": lambda: axonmpi.half is np.float16,
+    "axonmpi.inference_mode": lambda: (lambda: [None for _ in [0]])() is not None and axonmpi.inference_mode is axonmpi.no_grad,
+    "axonmpi.init_process_group": lambda: axonmpi.init_process_group() is None and axonmpi.is_initialized(),
+    "axonmpi.int": lambda: axonmpi.int is np.int32,
+    "axonmpi.int32": lambda: axonmpi.int32 is np.int32,
+    "axonmpi.int64": lambda: axonmpi.int64 is np.int64,
+    "axonmpi.int8": lambda: axonmpi.int8 is np.int8,
+    "axonmpi.uint8": lambda: axonmpi.uint8 is np.uint8,
+    "axonmpi.long": lambda: axonmpi.long is np.int64,
+    "axonmpi.is_floating_point": lambda: axonmpi.is_floating_point(_V) and not axonmpi.is_floating_point(Tensor([1])),
+    "axonmpi.is_tensor": lambda: axonmpi.is_tensor(_V) and not axonmpi.is_tensor(np.ones(1)),
+    "axonmpi.linspace": lambda: _close(axonmpi.linspace(0, 1, 3), [0, 0.5, 1]),
+    "axonmpi.load": _save_load,
+    "axonmpi.save": _save_load,
+    "axonmpi.log_softmax": lambda: _close(axonmpi.log_softmax(_V, dim=1).exp().sum(1), [1, 1]),
+    "axonmpi.softmax": lambda: _close(axonmpi.softmax(_V, dim=1).sum(1), [1, 1]),
+    "axonmpi.matmul": lambda: _close(axonmpi.matmul(_V, _V), _V.numpy() @ _V.numpy()),
+    "axonmpi.max": lambda: axonmpi.max(_V).item() == 4.0,
+    "axonmpi.min": lambda: axonmpi.min(_V).item() == 1.0,
+    "axonmpi.mean": lambda: axonmpi.mean(_V).item() == 2.5,
+    "axonmpi.sum": lambda: axonmpi.sum(_V).item() == 10.0,
+    "axonmpi.numel": lambda: axonmpi.numel(_V) == 4,
+    "axonmpi.permute": lambda: axonmpi.permute(_V, (1, 0)).tolist() == [[1, 3], [4, 2]],
+    "axonmpi.transpose": lambda: axonmpi.transpose(_V, 0, 1).tolist() == [[1, 3], [4, 2]],
+    "axonmpi.randint": lambda: axonmpi.randint(0, 3, (5,)).dtype == np.int64,
+    "axonmpi.randperm": lambda: sorted(axonmpi.randperm(4).tolist()) == [0, 1, 2, 3],
+    "axonmpi.relu": lambda: _close(axonmpi.relu(_V - 2), [[0, 2], [1, 0]]),
+    "axonmpi.sigmoid": lambda: _close(axonmpi.sigmoid(_V * 0), np.full((2, 2), 0.5)),
+    "axonmpi.tanh": lambda: _close(axonmpi.tanh(_V * 0), np.zeros((2, 2))),
+    "axonmpi.sqrt": lambda: _close(axonmpi.sqrt(_V * _V), _V.numpy()),
+    "axonmpi.reshape": lambda: axonmpi.reshape(_V, (4,)).shape == (4,),
+    "axonmpi.split": lambda: len(axonmpi.split(_V, 1)) == 2,
+    "axonmpi.squeeze": lambda: axonmpi.squeeze(_V[None]).shape == (2, 2),
+    "axonmpi.unsqueeze": lambda: axonmpi.unsqueeze(_V, 0).shape == (1, 2, 2),
+    "axonmpi.stack": lambda: axonmpi.stack([_V, _V]).shape == (2, 2, 2),
+    "axonmpi.where": lambda: _close(axonmpi.where(_V > 2, _V, 0.0), [[0, 4], [3, 0]]),
+    "axonmpi.nn.Conv2d": lambda: _backward_ok(nn.Conv2d(2, 3, 3, padding=1, dtype=np.float64)(_x(1, 2, 4, 4)).sum()),
+    "axonmpi.nn.MaxPool2d": lambda: nn.MaxPool2d(2)(_x(1, 1, 4, 4)).shape == (1, 1, 2, 2),
+    "axonmpi.nn.functional.conv2d": lambda: F.conv2d(Tensor(np.ones((1, 1, 3, 3))), Tensor(np.ones((1, 1, 2, 2)))).tolist()
+    == [[[[4.0, 4.0], [4.0, 4.0]]]],
+    "axonmpi.nn.functional.max_pool2d": lambda: F.max_pool2d(Tensor(np.arange(16.0).reshape(1, 1, 4, 4)), 2).tolist()
+    == [[[[5.0, 7.0], [13.0, 15.0]]]],
+    "axonmpi.optim.Adadelta": lambda: _train_step(optim.Adadelta, lr=1.0),
+    "axonmpi.nn.functional.one_hot": lambda: F.one_hot(Tensor([0, 2]), 3).tolist() == [[1, 0, 0], [0, 0, 1]],
+})
 EXAMPLES.update({f"Tensor.{k}": v for k, v in TENSOR_EXAMPLES.items()})
 
 

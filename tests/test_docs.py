@@ -1,7 +1,9 @@
 """Every ```python block in README.md and docs/*.md runs: one process, or N ranks when it starts with `# mpiexec -n N`.
 
-A block directly preceded by the line ``<!-- norun -->`` is skipped (GPU- or cluster-only
-snippets); other languages (bash, text) are never run. Files are discovered when the tests are
+Every fenced block either runs here or is marked not runnable with its reason: the line directly above it
+reads ``<!-- norun: why -->`` (GPU- or cluster-only snippets, output, diagrams, signatures).
+``test_every_block_runs_or_says_why`` holds every block, in any language, to that; a bare
+``<!-- norun -->`` (no reason) fails it. Files are discovered when the tests are
 collected, so new docs are covered without editing this file. Each block runs in its own
 temporary directory with the repository on ``PYTHONPATH``.
 """
@@ -19,7 +21,7 @@ import pytest
 from axonmpi.testing import mpiexec_env, run_mpiexec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NORUN = "<!-- norun -->"
+NORUN = re.compile(r"^<!-- norun: (\S.*\S) -->$")
 _MPIEXEC = re.compile(r"#\s*mpiexec\s+-n\s+(\d+)\b")
 _TIMEOUT = 120
 
@@ -51,7 +53,7 @@ def extract_blocks(text: str, path: str = "<doc>") -> List[Block]:
             j += 1
         body = [ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[start + 1:j]]
         prev = next((lines[k].strip() for k in range(start - 1, -1, -1) if lines[k].strip()), "")
-        if lang in ("python", "py") and prev != NORUN:
+        if lang in ("python", "py") and not NORUN.match(prev):
             first = next((ln for ln in body if ln.strip()), "")
             m = _MPIEXEC.match(first.strip())
             blocks.append(Block(path, start + 1, "\n".join(body) + "\n", int(m.group(1)) if m else 0))
@@ -75,7 +77,7 @@ BLOCKS = _all_blocks()
 
 
 def test_extractor_follows_the_convention():
-    text = ("x\n```python\nprint('a')\n```\n\n<!-- norun -->\n```python\nraise SystemExit(1)\n```\n"
+    text = ("x\n```python\nprint('a')\n```\n\n<!-- norun: a GPU -->\n```python\nraise SystemExit(1)\n```\n"
             "```bash\nexit 1\n```\n- item:\n\n  ```python\n  # mpiexec -n 3\n  print('b')\n  ```\n")
     got = extract_blocks(text)
     assert [(b.line, b.ranks, b.code) for b in got] == [(2, 0, "print('a')\n"), (15, 3, "# mpiexec -n 3\nprint('b')\n")]
@@ -83,6 +85,49 @@ def test_extractor_follows_the_convention():
 
 def test_blocks_found():
     assert any(b.path == "README.md" for b in BLOCKS), "README.md lost its runnable example"
+
+
+def _unmarked(text: str) -> List[str]:
+    """The fenced blocks of a Markdown text that neither run here (python) nor carry ``<!-- norun: why -->``."""
+    bad, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        fence = re.match(r"^(\s*)(```+|~~~+)\s*(\w*)", lines[i])
+        if not fence:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence.group(2)):
+            j += 1
+        prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        if not NORUN.match(prev) and (fence.group(3).lower() not in ("python", "py") or prev.startswith("<!-- norun")):
+            bad.append(f"line {i + 1} ({fence.group(3) or 'no language'})")
+        i = j + 1
+    return bad
+
+
+def test_every_block_runs_or_says_why():
+    assert _unmarked("```bash\nls\n```\n<!-- norun -->\n```python\nx\n```\n") == ["line 1 (bash)", "line 5 (python)"]
+    bad = {}
+    for f in _doc_files():
+        with open(f, encoding="utf-8") as fh:
+            got = _unmarked(fh.read())
+        if got:
+            bad[os.path.relpath(f, ROOT)] = got
+    assert not bad, ("blocks that neither run in this test nor say why not (put '<!-- norun: the reason -->' on the "
+                     f"line above each): {bad}")
+
+
+def test_grid_md_shows_inits_signature():
+    import inspect
+    import axonmpi
+    text = open(os.path.join(ROOT, "docs", "grid.md"), encoding="utf-8").read()
+    shown = re.search(r"```\n(axonmpi\.init\(.*?\))\n```", text, re.S).group(1)
+    params = []
+    for p in inspect.signature(axonmpi.init).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and "*" not in params:
+            params.append("*")
+        params.append(f"{p.name}={p.default!r}".replace("'", '"'))
+    assert " ".join(shown.split()) == "axonmpi.init(" + ", ".join(params) + ")"
 
 
 @pytest.mark.serial

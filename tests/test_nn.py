@@ -110,7 +110,7 @@ def test_seed_reproducibility_across_dtypes():
 
 def test_train_eval_controls_dropout():
     m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
-    x = Tensor(np.ones((64, 4)))
+    x = Tensor(np.ones((64, 4), np.float32))          # the layer's dtype (float64 input raises, as in torch)
     m.eval()
     assert not m[1].training
     np.testing.assert_array_equal(m(x).numpy(), m(x).numpy())
@@ -121,7 +121,7 @@ def test_train_eval_controls_dropout():
 
 def test_zero_grad_and_to_dtype():
     m = nn.Sequential(nn.Linear(3, 2))
-    m(Tensor(np.ones((1, 3)))).sum().backward()
+    m(Tensor(np.ones((1, 3), np.float32))).sum().backward()
     assert m[0].weight.grad is not None
     m.zero_grad(set_to_none=False)
     assert (m[0].weight.grad.numpy() == 0).all()

@@ -129,7 +129,7 @@ def test_plan_and_plot_commands(tmp_path):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert r.returncode == 1 and "needs matplotlib: pip install matplotlib" in r.stderr and "Traceback" not in r.stderr
+        assert r.returncode == 1 and "pip install 'axonmpi[plot]'" in r.stderr and "Traceback" not in r.stderr
     else:
         assert r.returncode == 0 and os.path.getsize(tmp_path / "m.png") > 0
     (tmp_path / "bad.json").write_text("not json\n")

@@ -167,6 +167,8 @@ def _template(slurm_env, tmp_path, name, args=(), **variables):
 @pytest.mark.parametrize("name", _TEMPLATES)
 def test_template_passes_a_user_script_only_its_arguments(slurm_env, tmp_path, name):
     """SCRIPT_ARGS (shell quoting honoured, nothing executed) then the sbatch arguments; no template flags."""
+    make = slurm_env
+    slurm_env = lambda **kw: make(**{"RUN_NAME": "t", **kw})  # noqa: E731  the folder named below (RUN_NAME; its default: test_job_templates.py)
     mine = tmp_path / "my_train.py"
     mine.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr')\n")
     r = _template(slurm_env, tmp_path, name, ["--steps", "3"], SCRIPT=str(mine),
@@ -185,6 +187,8 @@ def test_template_passes_a_user_script_only_its_arguments(slurm_env, tmp_path, n
 @pytest.mark.serial
 @pytest.mark.parametrize("name", _TEMPLATES)
 def test_template_flags_for_the_examples_and_on_request(slurm_env, tmp_path, name):
+    make = slurm_env
+    slurm_env = lambda **kw: make(**{"RUN_NAME": "t", **kw})  # noqa: E731  the folder named below (RUN_NAME; its default: test_job_templates.py)
     ckpt = os.path.join(str(tmp_path), "axonmpi", "t")
     r = _template(slurm_env, tmp_path, name)   # SCRIPT defaults to examples/train_gpt.py, which takes them
     assert r.returncode == 0, r.stderr

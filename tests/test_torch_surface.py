@@ -4,6 +4,7 @@ installed (``make test-interop``), and against torch numbers written here otherw
 import numpy as np
 import pytest
 
+import axonmpi
 from axonmpi import Tensor, nn
 from axonmpi.data import DataLoader
 import axonmpi.nn.functional as F
@@ -145,3 +146,120 @@ def test_dataloader_workers_give_the_same_batches(workers, persistent):
         DataLoader(_Squares(), num_workers=0, prefetch_factor=2)
     with pytest.raises(ValueError, match="num_workers"):
         DataLoader(_Squares(), num_workers=-1)
+
+
+# -- the names PyTorch's DDP and FSDP tutorials use (issue 32) -----------------------------------------
+@pytest.mark.serial
+def test_tutorial_names_device_randn_argmax_one_hot():
+    import axonmpi as torch
+    assert str(torch.device("cpu")) == "cpu" and str(torch.device("cuda", 1)) == "cuda:1" and str(torch.device(0)) == "cuda:0"
+    x = torch.randn(20, 10)
+    assert x.shape == (20, 10) and x.dtype == torch.float32
+    assert torch.argmax(Tensor([[1.0, 5.0], [7.0, 2.0]]), dim=1).tolist() == [1, 0]
+    oh = F.one_hot(Tensor(np.array([0, 3, 1])), num_classes=4)
+    assert oh.dtype == np.int64 and oh.tolist() == [[1, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0]]
+    assert F.one_hot(Tensor(np.array([2, 0]))).shape == (2, 3)
+    with pytest.raises(ValueError, match=r"class values must be in \[0, 2\), got min 0 and max 2"):
+        F.one_hot(Tensor(np.array([0, 2])), 2)
+    with pytest.raises(TypeError, match="integer"):
+        F.one_hot(Tensor([0.0]), 2)
+    assert not torch.cuda.is_available() or torch.cuda.device_count() > 0
+    torch.cuda.set_device(0)                      # nothing on a host without a GPU
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    ev1.record()
+    assert ev0.elapsed_time(ev1) >= 0.0
+
+
+@pytest.mark.serial
+def test_one_hot_matches_torch():
+    torch = pytest.importorskip("torch")
+    idx = np.array([[0, 2], [1, 1]])
+    assert F.one_hot(Tensor(idx), 3).tolist() == torch.nn.functional.one_hot(torch.tensor(idx), 3).tolist()
+
+
+@pytest.mark.serial
+def test_to_rank_and_ddp_device_ids(world):
+    import axonmpi as torch
+    from axonmpi.backend import index_device
+    want = index_device(world.rank)
+    assert want.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    t = Tensor(np.ones(2)).to(world.rank)
+    assert t.device == want
+    model = nn.Linear(3, 2).to(world.rank)
+    assert model.weight.device == want
+    ddp = axonmpi.DDP(model, device_ids=[world.rank])
+    assert ddp.module is model
+    assert axonmpi.DDP(nn.Linear(3, 2), [0]).module.weight.device == index_device(0)   # torch's positional order
+    with pytest.raises(ValueError, match="one device per process"):
+        axonmpi.DDP(nn.Linear(3, 2), device_ids=[0, 1])
+    axonmpi.DDP(nn.Linear(3, 2), process_group=world.default_group, bucket_cap_mb=1)
+
+
+@pytest.mark.serial
+def test_save_load_state_dicts(tmp_path):
+    import io
+    import axonmpi as torch
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = axonmpi.optim.Adam(model.parameters(), lr=0.1)
+    model(Tensor(np.ones((2, 3), np.float32))).sum().backward()
+    opt.step()
+    states = {"model": model.state_dict(), "opt": opt.state_dict(), "epoch": 3, "loss": float("nan"),
+              "t": Tensor([1.0, 2.0], requires_grad=True), "pair": (1, "a"), "bf": np.zeros(2, np.dtype(torch.bfloat16))}
+    path = tmp_path / "mnist_cnn.pt"
+    torch.save(states, str(path))
+    assert not (tmp_path / "mnist_cnn.pt.tmp").exists()
+    for where in (None, "cpu", {"cuda:0": "cuda:1"}, torch.device("cpu"), lambda a, loc: a):
+        got = torch.load(path, map_location=where, weights_only=True)
+        assert got["epoch"] == 3 and np.isnan(got["loss"]) and got["pair"] == (1, "a")
+        assert got["t"].requires_grad and got["t"].tolist() == [1.0, 2.0]
+        assert got["bf"].dtype.name == "bfloat16"
+        for k, v in model.state_dict().items():
+            assert np.array_equal(got["model"][k], v) and got["model"][k].dtype == v.dtype
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    fresh.load_state_dict(got["model"])
+    opt2 = axonmpi.optim.Adam(fresh.parameters(), lr=0.1)
+    opt2.load_state_dict(got["opt"])                              # int parameter ids kept as ints
+    assert list(got["opt"]["state"]) == list(opt.state_dict()["state"])
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    assert set(torch.load(buf)) == set(model.state_dict())
+    with pytest.raises(TypeError, match=r"\['m'\] is a Sequential; .*save the object's state_dict"):
+        torch.save({"m": model}, str(tmp_path / "bad.pt"))
+    with pytest.raises(FileNotFoundError, match="no file"):
+        torch.load(str(tmp_path / "missing.pt"))
+    (tmp_path / "pickle.pt").write_bytes(b"\x80\x04not hdf5")
+    with pytest.raises(ValueError, match="not an HDF5 file written by axonmpi.save"):
+        torch.load(str(tmp_path / "pickle.pt"))
+
+
+@pytest.mark.serial
+def test_in_place_tensor_methods_as_torch():
+    import axonmpi as torch
+    ddp_loss = torch.zeros(2)
+    ddp_loss[0] += 1.5                                    # the FSDP tutorial's bookkeeping
+    ddp_loss[1] += 4
+    assert ddp_loss.tolist() == [1.5, 4.0]
+    a = Tensor(np.arange(3.0))
+    b = a
+    a += 1                                                 # in place, as torch: b sees it
+    assert b.tolist() == [1.0, 2.0, 3.0] and a is b
+    a.mul_(2).sub_(1, alpha=2).div_(2)
+    assert a.tolist() == [0.0, 1.0, 2.0]
+    w = Tensor(np.ones(2), requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"add_ on a leaf Tensor that requires grad \(shape \(2,\).*axonmpi.no_grad"):
+        w.add_(1.0)
+    with pytest.raises(RuntimeError, match="item assignment"):
+        w[0] = 3.0
+    with axonmpi.no_grad():
+        w.copy_(np.array([3.0, 4.0]))
+        w[1] = 5.0
+    assert w.tolist() == [3.0, 5.0]
+    v = w * 2                                             # tracked: += builds a new tensor, as before
+    v += 1
+    assert v.tolist() == [7.0, 11.0] and v.grad_fn is not None
+    n = Tensor(np.array([1, 2]))
+    with pytest.raises(TypeError, match="can't be cast"):
+        n.add_(0.5)
+    assert Tensor([[1.0, 2.0]]).view_as(Tensor(np.zeros((2, 1)))).shape == (2, 1)

@@ -14,7 +14,7 @@ from .special import erf
 from .tensor import Tensor
 
 __all__ = [
-    "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax",
+    "DtypeMismatchError", "dtype_mismatch", "dtype_refused", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax",
     "masked_fill", "mse_loss", "relu", "sigmoid", "silu", "softmax",
 ]
 
@@ -51,13 +51,65 @@ class Linear(Function):
         return gx, gw, gb
 
 
+class DtypeMismatchError(TypeError, RuntimeError):
+    """A layer's input dtype differs from its weight's (PyTorch raises a RuntimeError there; this is both
+    a TypeError, as axonmpi's bad-input errors are, and a RuntimeError, as torch's).
+
+    The rule (:func:`dtype_refused`), as PyTorch's: a float32 or float64 layer takes input of its
+    weight's dtype only; given float64 (or float16) input a float32 layer raises, naming the layer
+    and both dtypes; cast the input (``x.float()``) or the layer (``model.double()``). Integer input
+    is refused by every layer. 16-bit layers (mixed precision: FSDP's ``param_dtype``, the recipe's
+    bf16) take floating input of any width and compute in the wider dtype, where PyTorch's autocast
+    would cast.
+    """
+
+
+def dtype_refused(xd, wd) -> bool:
+    """The dtype rule: True when a layer with ``wd`` weights must refuse input of dtype ``xd``.
+
+    Equal dtypes pass. Integer (and bool) input is always refused. Floating input of another width
+    is refused by float32 / float64 layers, as PyTorch refuses it; 16-bit layers (float16 /
+    bfloat16, what mixed precision makes) take floating input of any width and compute in the
+    wider dtype, as they always have here (autocast's role in PyTorch).
+    """
+    if xd == wd:
+        return False
+    x_float = xd.kind in "fc" or xd.name == "bfloat16"
+    w16 = wd.itemsize == 2 and (wd.kind == "f" or wd.name == "bfloat16")
+    return not (x_float and w16)
+
+
+def _rank_prefix() -> str:
+    from ..distributed import world as _w
+    return f"rank {_w._WORLD.rank}: " if _w._WORLD is not None and not _w._WORLD._destroyed else ""
+
+
+def dtype_mismatch(layer, x, w) -> str:
+    """The message of a :class:`DtypeMismatchError`: the layer (its repr, or ``what``), both dtypes, the fix."""
+    name = layer if isinstance(layer, str) else repr(layer).split("\n")[0]
+    if x.dtype.kind in "fc" or x.dtype.name == "bfloat16":
+        fix = (f"cast the input (x.to({w.dtype.name}), x.float()) or the layer (layer.to({x.dtype.name}), "
+               ".double())")
+    else:
+        fix = "integer input is never promoted: cast it (x.float()), or use nn.Embedding for indices"
+    return (f"{_rank_prefix()}{name} has {w.dtype} weights but got input of dtype {x.dtype} (shape "
+            f"{tuple(x.shape)}); the dtypes must match, as in PyTorch: {fix}")
+
+
 def linear(input, weight, bias=None) -> Tensor:  # noqa: A002
     """Affine map ``input @ weight.T + bias`` (one fused op; ``weight`` is (out_features, in_features)).
+
+    ``input`` must have ``weight``'s dtype (:class:`DtypeMismatchError` otherwise, as PyTorch's).
 
     Example:
         >>> linear(Tensor([[1.0, 2.0]]), Tensor([[1.0, 1.0], [0.0, 1.0]]), Tensor([0.5, 0.0])).tolist()
         [[3.5, 2.0]]
     """
+    wd = weight.dtype if isinstance(weight, Tensor) else getattr(weight, "dtype", None)
+    xd = input.dtype if isinstance(input, Tensor) else getattr(input, "dtype", None)
+    if wd is not None and xd is not None and dtype_refused(xd, wd):
+        raise DtypeMismatchError(dtype_mismatch("linear", input if isinstance(input, Tensor) else Tensor._wrap(input),
+                                                weight))
     return Linear.apply(input, weight, bias)
 
 

@@ -245,12 +245,15 @@ class Tensor:
         """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes.
 
         Takes PyTorch's forms: ``to("cuda")``, ``to(np.float64)``, ``to("cpu", np.float32)``,
-        ``to(other)`` (other's device and dtype), and the keywords.
+        ``to(other)`` (other's device and dtype), ``to(rank)`` (GPU ``rank`` where there are GPUs, the
+        CPU where there are none: :func:`axonmpi.backend.index_device`), and the keywords.
         """
         for a in args:
             is_dev = isinstance(a, str) and a.split(":")[0].lower() in ("cpu", "cuda", "gpu")
             if isinstance(a, Tensor):
                 device, dtype = a.device, a.dtype
+            elif isinstance(a, (int, np.integer)) and not isinstance(a, bool):
+                device = a                        # torch's .to(rank): see backend.index_device
             elif isinstance(a, Device) or is_dev:
                 device = a
             else:
@@ -332,6 +335,105 @@ class Tensor:
         """Fill ``.data`` with ``value`` in place (not recorded)."""
         self.data[...] = value
         return self
+
+    # -- in-place updates (PyTorch's names; not recorded, so refused where autograd would need them) ---
+    def _check_inplace(self, what: str) -> None:
+        from .grad_mode import is_grad_enabled
+        if (self._rg or self.grad_fn is not None) and is_grad_enabled():
+            kind = "a leaf Tensor that requires grad" if self.grad_fn is None else "a Tensor produced by a recorded op"
+            raise RuntimeError(f"{what} on {kind} (shape {self.shape}, dtype {self.dtype}) is not recorded by "
+                               "autograd; do it under `with axonmpi.no_grad():`, or on .detach() / .data")
+
+    def __setitem__(self, idx, value) -> None:
+        """``t[idx] = value`` in place (as torch; refused on tensors autograd tracks, outside no_grad)."""
+        self._check_inplace("item assignment")
+        self.data[_raw_index_value(idx)] = _raw(value)
+
+    def copy_(self, src, non_blocking: bool = False) -> "Tensor":
+        """Copy ``src`` (a Tensor, array or number; broadcast, cast to this dtype) into this tensor in place."""
+        self._check_inplace("copy_")
+        v = src.data if isinstance(src, Tensor) else src
+        xp = self.xp
+        self.data[...] = to_device(v, self.device) if xp is not np else to_host(v) if not np.isscalar(v) else v
+        return self
+
+    def _inplace(self, what, fn, other=None):
+        self._check_inplace(what)
+        o = _raw(other) if other is not None else None
+        res = fn(self.data, o)
+        if res.dtype != self.data.dtype and not np.can_cast(res.dtype, self.data.dtype, "same_kind"):
+            raise TypeError(f"{what}: the result's dtype {res.dtype} can't be cast to this tensor's {self.data.dtype}")
+        if not _is_array(self.data):          # a NumPy scalar (t[0] of a 1-d tensor): nothing to write into
+            self.data = np.asarray(res, dtype=self.data.dtype)
+            return self
+        self.data[...] = res
+        return self
+
+    def add_(self, other, *, alpha=1):
+        """``self += alpha * other`` in place."""
+        return self._inplace("add_", lambda a, o: a + (o if alpha == 1 else alpha * o), other)
+
+    def sub_(self, other, *, alpha=1):
+        """``self -= alpha * other`` in place."""
+        return self._inplace("sub_", lambda a, o: a - (o if alpha == 1 else alpha * o), other)
+
+    def mul_(self, other):
+        """``self *= other`` in place."""
+        return self._inplace("mul_", lambda a, o: a * o, other)
+
+    def div_(self, other):
+        """``self /= other`` in place."""
+        return self._inplace("div_", lambda a, o: a / o, other)
+
+    def clamp_(self, min=None, max=None):  # noqa: A002
+        """Clamp in place."""
+        return self._inplace("clamp_", lambda a, o: self.xp.clip(a, min, max))
+
+    def normal_(self, mean: float = 0.0, std: float = 1.0, *, generator=None):
+        """Fill with normal samples from axonmpi's generator (``axonmpi.manual_seed``)."""
+        from .. import random as _r
+        self._check_inplace("normal_")
+        self.data[...] = to_device(_r.default_generator().normal(mean, std, self.shape), self.device)
+        return self
+
+    def uniform_(self, a: float = 0.0, b: float = 1.0, *, generator=None):
+        """Fill with uniform samples in ``[a, b)`` from axonmpi's generator."""
+        from .. import random as _r
+        self._check_inplace("uniform_")
+        self.data[...] = to_device(_r.default_generator().uniform(a, b, self.shape), self.device)
+        return self
+
+    def __iadd__(self, o):
+        return self.add_(o) if not (self._rg or self.grad_fn is not None) else _ops().add(self, o)
+
+    def __isub__(self, o):
+        return self.sub_(o) if not (self._rg or self.grad_fn is not None) else _ops().sub(self, o)
+
+    def __imul__(self, o):
+        return self.mul_(o) if not (self._rg or self.grad_fn is not None) else _ops().mul(self, o)
+
+    def __itruediv__(self, o):
+        return self.div_(o) if not (self._rg or self.grad_fn is not None) else _ops().div(self, o)
+
+    def int(self) -> "Tensor":
+        """Cast to int32."""
+        return self.to(dtype=np.int32)
+
+    def bool(self) -> "Tensor":
+        """Cast to bool."""
+        return self.to(dtype=np.bool_)
+
+    def view_as(self, other: "Tensor") -> "Tensor":
+        """Reshape to ``other``'s shape."""
+        return _ops().reshape(self, *other.shape)
+
+    def type(self, dtype=None):
+        """With no argument, torch's type name (``"axonmpi.FloatTensor"``); else a cast to ``dtype``."""
+        if dtype is None:
+            names = {"float32": "FloatTensor", "float64": "DoubleTensor", "int64": "LongTensor",
+                     "int32": "IntTensor", "bool": "BoolTensor", "float16": "HalfTensor"}
+            return "axonmpi." + names.get(self.data.dtype.name, self.data.dtype.name)
+        return self.to(dtype=dtype)
 
     # -- autograd --------------------------------------------------------------------------
     def backward(self, gradient: Any = None, retain_graph: Optional[bool] = None,
@@ -608,6 +710,12 @@ def _size_arg(size) -> tuple:
 
 def _raw(x):
     return x.data if isinstance(x, Tensor) else x
+
+
+def _raw_index_value(idx):
+    if isinstance(idx, tuple):
+        return tuple(i.data if isinstance(i, Tensor) else i for i in idx)
+    return idx.data if isinstance(idx, Tensor) else idx
 
 
 _OPS = None

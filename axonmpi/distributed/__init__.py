@@ -11,6 +11,16 @@ from .grid import GridCoords, ProcessGrid
 from .group import GroupMembershipError, ProcessGroup
 from .placement import Placement, Shard, ShardKind, add_placement, placement_of, set_placement
 from .world import World, destroy, get_grid, get_world, init, is_initialized, resolve_group, role_group
+# torch.distributed's names; the collectives below take torch's in-place form on Tensors and keep
+# axonmpi's array form on arrays (they replace the array-only names imported above)
+from .torch_api import (
+    Backend, GroupMember, all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all,
+    all_to_all_single, barrier, broadcast, broadcast_object_list, destroy_process_group, gather, gather_object,
+    get_backend, get_global_rank, get_group_rank, get_process_group_ranks, get_rank, get_world_size,
+    init_process_group, irecv, is_available, is_gloo_available, is_mpi_available, is_nccl_available,
+    is_torchelastic_launched, isend, monitored_barrier, new_group, recv, reduce, reduce_scatter,
+    reduce_scatter_tensor, scatter, scatter_object_list, send,
+)
 
 __all__ = [
     "World", "ProcessGroup", "GroupMembershipError", "CollectiveMismatchError", "CollectiveTimeoutError",
@@ -24,6 +34,12 @@ __all__ = [
     "reduce_scatter_sum", "reduce_scatter_mean", "all_to_all", "barrier", "send", "recv", "isend",
     "irecv", "broadcast_object", "all_gather_object", "gather_object",
     "P2POp", "batch_isend_irecv",
+    # torch.distributed's names (torch_api.py)
+    "Backend", "GroupMember", "init_process_group", "destroy_process_group", "get_rank",
+    "get_world_size", "get_backend", "new_group", "get_process_group_ranks", "get_global_rank",
+    "get_group_rank", "monitored_barrier", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_to_all_single", "broadcast_object_list", "scatter_object_list", "is_available",
+    "is_mpi_available", "is_nccl_available", "is_gloo_available", "is_torchelastic_launched",
 ]
 
 

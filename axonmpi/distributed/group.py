@@ -15,6 +15,10 @@ __all__ = ["ProcessGroup", "GroupMembershipError"]
 DEBUG_TAGS = 2048
 
 
+#: torch.distributed's ``group.WORLD``: ``None`` means the default group (all ranks) everywhere here.
+WORLD = None
+
+
 def _user_tag_ub(comm) -> int:
     from mpi4py import MPI
 

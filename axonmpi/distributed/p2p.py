@@ -134,7 +134,10 @@ class P2POp:
     __slots__ = ("op", "tensor", "peer", "group", "tag")
 
     def __init__(self, op, tensor, peer: int, group: Optional[ProcessGroup] = None, tag: int = 0):
-        if op is not isend and op is not irecv:
+        if type(tensor).__name__ in ("Tensor", "Parameter") and type(tensor).__module__.startswith("axonmpi."):
+            tensor = tensor.data                   # torch's P2POp(dist.isend, tensor, peer): moves its array
+        kind = getattr(op, "_p2p_op", op)          # torch_api's isend/irecv (the Tensor forms) name these
+        if kind is not isend and kind is not irecv:
             name = getattr(op, "__name__", repr(op))
             raise ValueError(f"P2POp op must be axonmpi.isend or axonmpi.irecv, got {name}")
         self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
@@ -183,7 +186,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> List[Work]:
         what = f"batch_isend_irecv op {i} ({o.op.__name__}) peer"
         peer = _check_peer(g, o.peer, what, allow_self=True)
         tag = _check_tag(g, o.tag, f"batch_isend_irecv op {i} tag")
-        if o.op is isend:
+        if getattr(o.op, "_p2p_op", o.op) is isend:
             be, buf = _send_buf(g, o.tensor, f"op {i} tensor")
             plans.append((be, P2PBuffer(True, buf, peer, tag), None, buf))
         else:

@@ -307,6 +307,13 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
     if asked != dict(G_data=None, G_inter=1, G_intra_r=1, G_intra_c=1, G_intra_d=1, G_context=1):
         have = _WORLD.grid.sizes
         want = resolve_grid_sizes(_WORLD.world_size, rank=_WORLD.rank, **asked)
+        if want != have and getattr(_WORLD, "_regrid_ok", False):
+            # torch.distributed.init_process_group() then AxoNN's ax.init(G_...): lay the grid over
+            # the World the process group made (its trivial grid was never handed out for a grid role)
+            _WORLD._regrid_ok = False
+            _WORLD.grid.free()
+            _WORLD.grid = ProcessGrid(_WORLD, **want)
+            return _WORLD
         if want != have:
             fmt = lambda d: ", ".join(f"{k}={d[k]}" for k in have)  # noqa: E731
             raise ValueError(

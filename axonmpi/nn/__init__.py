@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import functional, init, utils
 from .checkpointing import Checkpointed, checkpoint, checkpoint_sequential
+from .conv import Conv2d, MaxPool2d
 from .layers import (GELU, Dropout, Embedding, Flatten, Identity, LayerNorm, Linear, ReLU, Sigmoid,
                      SiLU, Softmax, Tanh)
 from .loss import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss,
@@ -13,7 +14,7 @@ from .parameter import Parameter
 from .transformer import MLP, CausalSelfAttention, TransformerBlock
 
 __all__ = [
-    "CausalSelfAttention", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
+    "CausalSelfAttention", "Conv2d", "MaxPool2d", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
     "LayerNorm", "Linear", "MLP", "MoE", "moe_losses", "moe_stats", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
     "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "TransformerBlock", "functional", "init",
     "Checkpointed", "checkpoint", "checkpoint_sequential", "utils", "BCELoss", "BCEWithLogitsLoss", "CrossEntropyLoss",

@@ -91,7 +91,10 @@ class Linear(Module):
             init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops_nn.Linear.apply(x, self.weight, self.bias)
+        w = self.weight
+        if x.dtype != w.dtype and ops_nn.dtype_refused(x.dtype, w.dtype):
+            raise ops_nn.DtypeMismatchError(ops_nn.dtype_mismatch(self, x, w))
+        return ops_nn.Linear.apply(x, w, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -166,7 +169,10 @@ class LayerNorm(Module):
             init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops_nn.LayerNorm.apply(x, self.weight, self.bias, len(self.normalized_shape), self.eps)
+        w = self.weight
+        if w is not None and x.dtype != w.dtype and ops_nn.dtype_refused(x.dtype, w.dtype):
+            raise ops_nn.DtypeMismatchError(ops_nn.dtype_mismatch(self, x, w))
+        return ops_nn.LayerNorm.apply(x, w, self.bias, len(self.normalized_shape), self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -329,9 +329,12 @@ class Module:
         return self
 
     def to(self, device=None, dtype=None) -> "Module":
-        """Move parameters and buffers to ``device`` and/or cast floating ones to ``dtype`` (in place)."""
-        if device is not None and not isinstance(device, (str, Device)):
-            device, dtype = None, device
+        """Move parameters and buffers to ``device`` and/or cast floating ones to ``dtype`` (in place).
+
+        An int device is PyTorch's ``module.to(rank)``: GPU ``rank`` where there are GPUs, else the
+        CPU (:func:`axonmpi.backend.index_device`)."""
+        if device is not None and not isinstance(device, (str, Device, int, np.integer)):
+            device, dtype = None, device                      # module.to(np.float64)
         if device is not None:
             dev = as_device(device)
             self._apply_arrays(lambda a: to_device(a, dev))

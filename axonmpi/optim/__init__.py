@@ -1,4 +1,5 @@
-"""Optimizers (SGD, Adam, AdamW), learning-rate schedulers and gradient clipping."""
+"""Optimizers (SGD, Adam, AdamW, Adadelta), learning-rate schedulers and gradient clipping."""
+from .adadelta import Adadelta
 from .adam import Adam, AdamW
 from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
 from . import lr_scheduler
@@ -10,6 +11,7 @@ from .sgd import SGD
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
+    "Adadelta",
     "Adam",
     "AdamW",
     "ChainedScheduler",

@@ -465,6 +465,11 @@ class DistributedDataParallel(Module):
         record_events: keep an event log of hook/launch order in ``ddp.synchronizer.events``.
         ignored_parameters: parameters DDP neither broadcasts nor reduces (their owner reduces them:
             expert parameters of ``parallelize(expert_parallel=)`` go over the expert-data group).
+        device_ids, output_device, process_group, bucket_cap_mb, dim, check_reduction,
+            gradient_as_bucket_view, static_graph: PyTorch's names. ``device_ids=[rank]`` moves the
+            module to that device (GPU ``rank`` where there are GPUs, the CPU on a host without one);
+            ``process_group`` is ``group``, ``bucket_cap_mb`` is ``bucket_size_mb``; the others are
+            accepted (gradients always live in their own arrays; the graph is walked each step).
 
     Example:
         >>> world = axonmpi.init()
@@ -484,10 +489,31 @@ class DistributedDataParallel(Module):
     def __init__(self, module: Module, group=None, bucket_size_mb: float = 25.0, broadcast_buffers: bool = True,
                  grad_sync: GradSyncStrategy = GradSyncStrategy.OVERLAP, *, find_unused_parameters: bool = False,
                  comm_hook=None, reduce_op: ReduceOp = ReduceOp.MEAN, sync_params: bool = True,
-                 record_events: bool = False, ignored_parameters=()):
+                 record_events: bool = False, ignored_parameters=(), device_ids=None, output_device=None,
+                 dim: int = 0, process_group=None, bucket_cap_mb: Optional[float] = None,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False):
         super().__init__()
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
+        if isinstance(group, (list, tuple)):          # torch's positional order: DDP(module, device_ids)
+            group, device_ids = None, group
+        if process_group is not None:                 # torch's name for group=
+            if group is not None and group is not process_group:
+                raise ValueError("DDP: pass group= or torch's process_group=, not both")
+            group = process_group
+        if bucket_cap_mb is not None:                 # torch's name for bucket_size_mb=
+            bucket_size_mb = bucket_cap_mb
+        if dim != 0:
+            raise ValueError(f"DDP: dim={dim}: inputs are never scattered here (each rank feeds its own batch); "
+                             "leave dim at 0")
+        if device_ids is not None:                    # torch: the one device this replica runs on
+            ids = list(device_ids)
+            if len(ids) > 1:
+                raise ValueError(f"DDP: device_ids={ids}: one device per process (as torch's DDP); "
+                                 "pass [local_rank] or None")
+            if ids:
+                from ..backend import index_device
+                module.to(index_device(ids[0]) if isinstance(ids[0], (int, np.integer)) else ids[0])
         self.module = module
         self.group = role_group("data", group)
         ignored = {id(p) for p in ignored_parameters}     # reduced elsewhere (expert parameters)
