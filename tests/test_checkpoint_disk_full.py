@@ -29,7 +29,8 @@ LEFT_FREE = 192 << 10     # what the filler leaves: less than any of the saves b
 def _mount(size="4m"):
     """A fresh tmpfs of ``size``; None where this process may not mount one."""
     d = tempfile.mkdtemp(prefix="axonmpi-full-")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d], capture_output=True, text=True,
+                       env=mpiexec_env())
     if r.returncode != 0:
         os.rmdir(d)
         return None
@@ -37,8 +38,8 @@ def _mount(size="4m"):
 
 
 def _umount(d):
-    if subprocess.run(["umount", d], capture_output=True).returncode:   # still busy: ranks that aborted
-        subprocess.run(["umount", "-l", d], capture_output=True)
+    if subprocess.run(["umount", d], capture_output=True, env=mpiexec_env()).returncode:   # busy: ranks that aborted
+        subprocess.run(["umount", "-l", d], capture_output=True, env=mpiexec_env())
     shutil.rmtree(d, ignore_errors=True)
 
 
