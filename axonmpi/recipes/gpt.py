@@ -72,9 +72,6 @@ class HybridGPT(LayoutState):
         if self.sharding is None and (cpu_offload not in (None, False, "none") or mixed_precision is not None):
             raise ValueError(f"rank {g.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
-        why = self.sharding and fsdp_refusal(self.layout, tp_style, activation_checkpointing)
-        if why:
-            raise NotImplementedError(f"rank {g.world.rank}: fsdp={self.sharding.value} {why}")
         self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
         self.cp_algo, self.sequence_parallel, self._expert_parallel = cp_algo, bool(sequence_parallel), int(expert_parallel)
@@ -90,6 +87,9 @@ class HybridGPT(LayoutState):
         axonn = self.style is TPStyle.AXONN
         self.groups = TensorParallelGroups.from_grid(g) if axonn else None
         self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank if axonn else g.coords.data
+        self.pm = None
+        if _composed(self, config, activation_checkpointing):     # the layouts the composer lays out
+            return self._compose(activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size)
         self.model = self._build()
         experts = []
         if config.moe_experts:            # MoE blocks: experts over the expert group (axonmpi.parallel.moe)
@@ -126,6 +126,34 @@ class HybridGPT(LayoutState):
                              dtype=self.dtype)
         if self.fsdp is not None and self.style is TPStyle.AXONN:
             check_axonn_fsdp_shapes([(n, shapes[n]) for n in self.param_names], g)
+
+    def _compose(self, activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size) -> None:
+        """The GPT's plan handed to :func:`~axonmpi.parallel.parallelize` (the one composer): which layers are
+        column / row / vocab / attention, where the pipeline cuts (its schedule's stages), the batch split."""
+        from ..parallel.parallelize import PipelinePlan, parallelize
+        c, g = self.config, self.grid
+        tp = "axonn" if self.style is TPStyle.AXONN else gpt_plan(c) if self.style is TPStyle.MEGATRON else None
+        opts = {k: v for k, v in (("cpu_offload", cpu_offload), ("mixed_precision", mixed_precision),
+                                  ("hybrid_shard_size", hybrid_shard_size)) if v is not None}
+        pipe = PipelinePlan(self.num_microbatches, self.schedule, virtual_stages=self._v) if g.G_inter > 1 else None
+        self.pm = pm = parallelize(
+            GPT(c, dtype=self.dtype), grid=g, tensor_parallel=tp, data_parallel="fsdp" if self.sharding else "ddp",
+            sharding_strategy=self.sharding, context_parallel=self.cp_algo if g.G_context > 1 else None,
+            expert_parallel=self._expert_parallel if c.moe_experts else None, pipeline=pipe,
+            activation_checkpointing=True if activation_checkpointing else None, **opts)
+        self.model, self._params = pm.inner, list(pm.parameters())
+        # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
+        self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
+        self.fsdp = pm.module if self.sharding is not None and pipe is None else None
+        self.pipe = pm.pipeline if pipe is not None else None
+        mine = {id(p) for p in (pm.pipeline.parameters() if pipe is not None else self.model.parameters())}
+        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
+        if self.fsdp is not None:      # FSDP freed them: the TP-local shapes from its flat layouts
+            shapes = {n: s for f in self.fsdp.parameters() for n, s in zip(self.fsdp.param_names(f), f.layout.shapes)}
+        else:
+            shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
+                             tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype)
 
     def _build(self):
         """This rank's GPT: TP layers in place; with a pipeline only its stage's (others: stand-ins)."""
@@ -185,6 +213,8 @@ class HybridGPT(LayoutState):
         if cp is not None and cp.active:
             y = y[:, cp.positions(y.shape[1])]
         lsum = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+        if self.pm is not None:
+            return self.pm.token_mean(lsum, int((y != -100).sum()))
         return token_mean(lsum, int((y != -100).sum()), self._loss_groups())
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
@@ -193,7 +223,7 @@ class HybridGPT(LayoutState):
         Returns the mean loss over the global batch's counted targets (the serial model's, the same on
         every rank and every layout, ignored targets anywhere)."""
         if self.pipe is None:
-            loss = self._token_mean(self.ddp or self.fsdp, x, y)
+            loss = self._token_mean(self.pm or self.ddp or self.fsdp, x, y)
             aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
             total = loss if aux is None else loss + aux      # the returned value stays the LM loss
             (total if scaler is None else scaler.scale(total)).backward()
@@ -204,6 +234,8 @@ class HybridGPT(LayoutState):
         if scaler is not None:
             raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling is built for the DDP and FSDP "
                                       f"layouts, not {self.layout} with a pipeline or tensor parallelism")
+        if self.pm is not None:
+            return self.pm.step(x, y)      # the composer's pipeline: its stages reduced by its runtime
         value = self.pipe.step(x, y)       # the token mean over its micro-batches and token groups
         if self.style is TPStyle.AXONN:
             from ..parallel.intra_layer import sync_gradients
@@ -219,14 +251,27 @@ class HybridGPT(LayoutState):
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
         if self.pipe is not None:
-            return self.pipe.eval_step(x, y)
+            return (self.pm or self.pipe).eval_step(x, y)
         with no_grad():
-            return float(self._token_mean(self.fsdp or self.model, x, y).item())
+            return float(self._token_mean(self.pm or self.fsdp or self.model, x, y).item())
 
     def dropout_seed(self, seed: int) -> int:
         """The seed of this rank's random stream: ``seed * 1000 + shard_index``, so ranks holding the same
         rows (Megatron's tensor ranks) draw the same masks and data replicas distinct ones."""
         return int(seed) * 1000 + self.shard_index
+
+    def full_state_dict(self):
+        """The whole serial model's parameters on every rank (collective; see ``LayoutState``)."""
+        if self.pm is not None and self.pipe is not None and self.sharding is not None:
+            from ..parallel.parallelize import full_state_dict
+            return full_state_dict(self.pm)      # FSDP stages: their flat shards gathered
+        return LayoutState.full_state_dict(self)
+
+    def checkpoint_state(self, optimizer):
+        """``(model_state, optimizer_state)`` for ``checkpoint.training_state`` (see ``LayoutState``)."""
+        if self.pm is not None and self.pipe is not None and self.sharding is not None:
+            return _Refused(self), _Refused(self)
+        return LayoutState.checkpoint_state(self, optimizer)
 
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
@@ -241,35 +286,65 @@ class HybridGPT(LayoutState):
             rep = self.fsdp.replicate_group.size if self.fsdp.replicate_group is not None else 1
             how = f"FSDP {self.sharding.name} (shards over {self.fsdp.shard_group.size} ranks x {rep} replicas)"
         else:
-            how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}"
+            how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}" \
+                if self.pipe is not None else "parallelize"
+            how += f" + FSDP {self.sharding.name} stage shards" if self.sharding is not None else ""
         style = self.style.value if self.style else "none"
         return (f"{self.layout} | tp-style {style} | {how} | batch in {self.shards} "
                 f"row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
 
 
+def gpt_plan(config: GPTConfig) -> Dict[str, str]:
+    """The GPT's Megatron plan: heads split, MLP column then row, vocabulary-parallel ``wte`` and a gathered
+    ``lm_head`` (both replicated when tied: one Parameter keeps both uses)."""
+    plan = {"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"}
+    return plan if config.tie_word_embeddings else {**plan, "wte": "vocab", "lm_head": "column_gather"}
+
+
+def _composed(h: "HybridGPT", config: GPTConfig, activation_checkpointing: bool) -> bool:
+    """Whether ``parallelize`` builds this layout (those the recipe's own DDP / FSDP / Pipeline paths do not)."""
+    lay, ac, fsdp = h.layout, activation_checkpointing, h.sharding is not None
+    return bool((fsdp and (lay.G_inter > 1 or ac))
+                or (lay.G_context > 1 and (lay.G_inter > 1 or lay.tensor_size > 1 or fsdp or ac))
+                or (config.moe_experts and (lay.G_inter > 1 or lay.G_context > 1 or h.style is not None or fsdp or ac))
+                or (config.tie_word_embeddings and h.style is TPStyle.AXONN))
+
+
+class _Refused:
+    """The checkpoint state of FSDP x pipeline: its stages' flat shards have no serial-named block form yet."""
+
+    def __init__(self, h):
+        self.rank = h.grid.world.rank
+
+    def state_dict(self):
+        raise NotImplementedError(f"rank {self.rank}: checkpoints of --fsdp with a pipeline (G_inter > 1) are not "
+                                  "built: each stage's flat FSDP shard has no serial-named block form; use "
+                                  "hyb.full_state_dict() (every rank) or --fsdp none with the pipeline")
+
+    def load_state_dict(self, state_dict=None, strict=True):
+        self.state_dict()
+
+
 def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
-    """``NotImplementedError`` for the combinations the recipe does not build (context parallelism beyond
-    DDP, sequence parallelism beyond Megatron without a pipeline, a tied head under AxoNN or a pipeline,
-    MoE beyond DDP), naming the layout and what to use instead."""
+    """``NotImplementedError`` for what neither the recipe nor the composer builds, naming why and what to use."""
     lay, r = h.layout, h.grid.world.rank
-    if lay.G_context > 1 and (lay.G_inter > 1 or lay.tensor_size > 1 or h.sharding is not None
-                              or activation_checkpointing):
+    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or lay.G_inter > 1
+                                or _composed(h, config, activation_checkpointing)):
         raise NotImplementedError(
-            f"rank {r}: context parallelism (G_context={lay.G_context}) is built with data parallelism (DDP over "
-            f"data x context); not yet with {lay} with fsdp={fsdp!r}, activation_checkpointing={activation_checkpointing}")
-    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or lay.G_inter > 1):
-        raise NotImplementedError(f"rank {r}: sequence_parallel is built for tp_style='megatron' with G_intra_c > 1 "
-                                  f"and no pipeline; got {lay} with tp_style={h.style and h.style.value!r}")
-    if config.tie_word_embeddings and (lay.G_inter > 1 or h.style is TPStyle.AXONN):
-        where = "across pipeline stages (wte on the first, lm_head on the last)" if lay.G_inter > 1 \
-            else "with tp_style='axonn' (a 3-D lm_head cannot share wte's Parameter)"
+            f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1), and the GPT's sequence "
+            f"parallelism enters at its embedding dropout and leaves at lm_head, inside one forward: the composer's "
+            f"scatters a model's (a pipeline stage's) input along the sequence, and the GPT's input is token ids whose "
+            f"positions it numbers itself; so not with a pipeline, context parallelism, MoE or FSDP with activation "
+            f"checkpointing. Got {lay} tp_style={h.style and h.style.value!r}")
+    if config.tie_word_embeddings and lay.G_inter > 1:
         raise NotImplementedError(
-            f"rank {r}: tie_word_embeddings=True {where} is not built: the head would train apart from the "
-            f"embedding. Use the DDP/FSDP or Megatron layouts, parallelize(model, tensor_parallel='axonn') (it "
-            f"keeps a tied head whole), or an untied GPTConfig")
-    if (config.moe_experts or h._expert_parallel > 1) and (
-            not config.moe_experts or lay.G_inter > 1 or lay.G_context > 1 or h.style is not None
-            or h.sharding is not None or activation_checkpointing):
-        raise NotImplementedError(f"rank {r}: MoE GPTs run on data-parallel layouts (DDP; expert_parallel divides "
-                                  f"G_data) here, not {lay}{' with FSDP' if h.sharding else ''}; use axonmpi.parallel."
-                                  "parallelize(gpt, expert_parallel=N) for tensor-parallel experts")
+            f"rank {r}: tie_word_embeddings=True across pipeline stages (wte on the first, lm_head on the last) is "
+            f"not built: the two stages would train two copies of one weight apart (no tied-weight all-reduce "
+            f"between stages); use an untied GPTConfig or a layout without a pipeline")
+    if config.moe_experts and lay.G_inter > 1 and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff):
+        raise NotImplementedError(
+            f"rank {r}: a MoE GPT in a pipeline trains on the language-model loss alone: each stage's router "
+            f"losses (moe_aux_loss_coeff={config.moe_aux_loss_coeff}, moe_z_loss_coeff={config.moe_z_loss_coeff}) "
+            f"do not reach the last stage's loss; set both to 0 (--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0)")
+    if h._expert_parallel > 1 and not config.moe_experts:
+        raise ValueError(f"rank {r}: expert_parallel={h._expert_parallel} needs a MoE GPT (config.moe_experts > 0)")
