@@ -1,11 +1,13 @@
-"""The GPT recipe: data x pipeline x tensor parallel training of the GPT on the 5-D grid (``HybridGPT``).
+"""The GPT recipe: the GPT on any layout of the 5-D grid (``HybridGPT``), as a plan for the composer.
 
-[Note: the GPT recipe]  Generic pieces do the work; this file picks them for the GPT (the rules:
-``docs/hybrid.md``).  Model: the same seed on every rank; Megatron's 1-D layers over ``intra_group``
-or AxoNN's ``auto_parallelize``; with a pipeline only the stage's layers (``build_stage_layers``).
-Rows: :func:`batch_shards` equal slices of the global batch.  Gradients: DDP / FSDP over
-``data_group``, the ``Pipeline``'s ``data_group``, AxoNN's table (``parallel.grad_sync``).  Loss: the
-global batch's token mean on every rank (``parallel.token_mean``, the pipeline's counting).  Clipping: the placements.  State: ``parallel.state.LayoutState``.
+[Note: the GPT recipe]  The recipe holds the GPT's plan -- which layers are column / row / vocab / attention
+(:func:`gpt_plan`), where the pipeline cuts (the schedule's stages), the batch split (:func:`batch_shards`) --
+and hands it to :func:`~axonmpi.parallel.parallelize` (the one composer) for every layout but three it still
+builds itself (``docs/hybrid.md``): pipelines of DDP stages (each rank builds only its stage's layers, which
+the composer does not), Megatron sequence parallelism of the GPT (entered at its embedding dropout, inside one
+forward; ``parallelize_gpt``) and FSDP x AxoNN alone.  Loss: the global batch's token mean on every rank
+(``pm.token_mean`` / ``parallel.token_mean``).  Clipping: the placements.  State: ``parallel.state.LayoutState``,
+so a checkpoint of any layout loads under any other and into the plain GPT.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from ..models.gpt import GPT, GPTConfig, init_gpt_weights
 from ..nn import Checkpointed
 from ..nn import functional as F
 from ..optim.clip import clip_grad_norm_
-from ..parallel.grad_sync import check_axonn_fsdp_shapes, finish_axonn_fsdp
 from ..parallel.token_mean import token_mean
 from ..parallel.auto_parallelize import auto_parallelize
 from ..parallel.ddp import DistributedDataParallel
@@ -29,9 +30,9 @@ from ..parallel.pipeline import Pipeline, make_schedule, split_module
 from ..parallel.pipeline.staged import build_stage_layers
 from ..parallel.state import LayoutState
 from ..parallel.tensor import TensorParallelGroups, parallelize_gpt
-from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout, fsdp_refusal
+from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout
 
-__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "fsdp_refusal"]
+__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "gpt_plan"]
 
 
 class HybridGPT(LayoutState):
@@ -40,20 +41,24 @@ class HybridGPT(LayoutState):
     :class:`~axonmpi.parallel.state.LayoutState` of its layers.
 
     Args:
-        config: the model (a tied head, GPT-2's, is built for the DDP, FSDP and Megatron layouts; with
-            ``tp_style="axonn"`` or a pipeline it raises ``NotImplementedError``).
+        config: the model (a tied head, GPT-2's, under any layout without a pipeline: the composer keeps it
+            one Parameter, whole under AxoNN; with a pipeline ``NotImplementedError``).
         grid: the process grid (default: ``axonmpi.get_grid()``).
         tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
         schedule: pipeline schedule ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or
             ``"zbv"`` (zero bubble; ZBV: 2 chunks per rank in a V).
         num_microbatches: micro-batches per step.  activation_checkpointing: recompute each pipeline
-            chunk's activations in backward.  dtype: parameter dtype.  global_batch: sequences per step.
-        fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over ``data_group`` instead
-            of DDP (``NotImplementedError`` where :func:`fsdp_refusal` says why not).
+            chunk's (no pipeline: each block's) activations in backward.  dtype: parameter dtype.
+            global_batch: sequences per step.
+        fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead
+            of DDP; with a pipeline each stage's flat shard.
         cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options (with ``fsdp``).
-        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (DDP over data x context).
-        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, no pipeline).
-        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``; DDP).
+        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (with data, tensor, FSDP, MoE;
+            not with a pipeline: the composer's refusal).
+        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``; not with a pipeline,
+            context parallelism or MoE).
+        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``); with tensor,
+            context, FSDP with a pipeline; in a pipeline with the router losses' coefficients 0.
 
     Example:
         >>> hyb = HybridGPT(cfg, axonmpi.init(G_data=2, G_inter=2).grid, global_batch=8, num_microbatches=2)
@@ -90,12 +95,9 @@ class HybridGPT(LayoutState):
         self.pm = None
         if _composed(self, config, activation_checkpointing):     # the layouts the composer lays out
             return self._compose(activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size)
+        # the recipe's own builds: pipelines of DDP stages (each rank builds only its stage's layers), Megatron's
+        # GPT sequence parallelism (parallelize_gpt) and FSDP x AxoNN alone
         self.model = self._build()
-        experts = []
-        if config.moe_experts:            # MoE blocks: experts over the expert group (axonmpi.parallel.moe)
-            from ..parallel.moe import expert_parallel as _ep, expert_parameters
-            _ep(self.model, self._expert_parallel, grid=g)
-            experts = expert_parameters(self.model)
         self.ddp = self.pipe = self.fsdp = None
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}   # FSDP frees them
         if self.sharding is not None:
@@ -103,12 +105,6 @@ class HybridGPT(LayoutState):
                              cpu_offload=cpu_offload, mixed_precision=mixed_precision,
                              hybrid_shard_size=hybrid_shard_size)
             self._params = list(self.fsdp.parameters())
-        elif self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
-            self.ddp = DistributedDataParallel(self.model, group=g.data_context_group, ignored_parameters=experts)
-            self._params = list(self.model.parameters())
-            if experts:
-                from ..parallel.moe import hook_expert_gradients
-                self._expert_hooks = hook_expert_gradients(experts, g.data_group, g.G_data)
         else:
             chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group, stage_ranks=self._stage_ranks)
             if activation_checkpointing:
@@ -124,8 +120,6 @@ class HybridGPT(LayoutState):
         LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
                              tensor_parallel=self.style is not None or self._expert_parallel > 1, grid=g,
                              dtype=self.dtype)
-        if self.fsdp is not None and self.style is TPStyle.AXONN:
-            check_axonn_fsdp_shapes([(n, shapes[n]) for n in self.param_names], g)
 
     def _compose(self, activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size) -> None:
         """The GPT's plan handed to :func:`~axonmpi.parallel.parallelize` (the one composer): which layers are
@@ -140,7 +134,8 @@ class HybridGPT(LayoutState):
             GPT(c, dtype=self.dtype), grid=g, tensor_parallel=tp, data_parallel="fsdp" if self.sharding else "ddp",
             sharding_strategy=self.sharding, context_parallel=self.cp_algo if g.G_context > 1 else None,
             expert_parallel=self._expert_parallel if c.moe_experts else None, pipeline=pipe,
-            activation_checkpointing=True if activation_checkpointing else None, **opts)
+            activation_checkpointing=(True if pipe is not None else [f"blocks.{i}" for i in range(c.n_layer)])
+            if activation_checkpointing else None, **opts)
         self.model, self._params = pm.inner, list(pm.parameters())
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
         self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
@@ -177,11 +172,7 @@ class HybridGPT(LayoutState):
                                         stage_ranks=self._stage_ranks)
             return GPT.from_pipeline_layers(c, layers)
         with ctx():
-            model = tp_form(GPT(c, dtype=self.dtype))
-        if self.layout.G_context > 1:        # each rank its tokens; gradients over data x context
-            from ..parallel.context import context_parallel_gpt
-            context_parallel_gpt(model, g.context_group, self.cp_algo)
-        return model
+            return tp_form(GPT(c, dtype=self.dtype))
 
     # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -219,7 +210,7 @@ class HybridGPT(LayoutState):
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
-        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`, DDP and FSDP layouts) scales the loss.
+        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`; not with a pipeline) scales the loss.
         Returns the mean loss over the global batch's counted targets (the serial model's, the same on
         every rank and every layout, ignored targets anywhere)."""
         if self.pipe is None:
@@ -228,12 +219,11 @@ class HybridGPT(LayoutState):
             total = loss if aux is None else loss + aux      # the returned value stays the LM loss
             (total if scaler is None else scaler.scale(total)).backward()
             value = float(loss.item())
-            if self.fsdp is not None and self.style is TPStyle.AXONN:
-                finish_axonn_fsdp(self.fsdp, self.grid)
             return value
         if scaler is not None:
-            raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling is built for the DDP and FSDP "
-                                      f"layouts, not {self.layout} with a pipeline or tensor parallelism")
+            raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
+                                      f"pipeline's runtime runs one per micro-batch: not {self.layout} with a pipeline "
+                                      f"(or Megatron sequence parallelism, run here as a one-stage pipeline)")
         if self.pm is not None:
             return self.pm.step(x, y)      # the composer's pipeline: its stages reduced by its runtime
         value = self.pipe.step(x, y)       # the token mean over its micro-batches and token groups
@@ -304,7 +294,7 @@ def gpt_plan(config: GPTConfig) -> Dict[str, str]:
 def _composed(h: "HybridGPT", config: GPTConfig, activation_checkpointing: bool) -> bool:
     """Whether ``parallelize`` builds this layout (those the recipe's own DDP / FSDP / Pipeline paths do not)."""
     lay, ac, fsdp = h.layout, activation_checkpointing, h.sharding is not None
-    return bool((fsdp and (lay.G_inter > 1 or ac))
+    return bool((lay.G_inter == 1 and not h.sequence_parallel) or (fsdp and (lay.G_inter > 1 or ac))
                 or (lay.G_context > 1 and (lay.G_inter > 1 or lay.tensor_size > 1 or fsdp or ac))
                 or (config.moe_experts and (lay.G_inter > 1 or lay.G_context > 1 or h.style is not None or fsdp or ac))
                 or (config.tie_word_embeddings and h.style is TPStyle.AXONN))
