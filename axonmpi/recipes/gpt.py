@@ -95,8 +95,8 @@ class HybridGPT(LayoutState):
         self.pm = None
         if _composed(self, config, activation_checkpointing):     # the layouts the composer lays out
             return self._compose(activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size)
-        # the recipe's own builds: pipelines of DDP stages (each rank builds only its stage's layers), Megatron's
-        # GPT sequence parallelism (parallelize_gpt) and FSDP x AxoNN alone
+        # the recipe's own builds: pipelines of DDP stages (each rank builds only its stage's layers) and Megatron's
+        # GPT sequence parallelism (parallelize_gpt; one stage, or FSDP)
         self.model = self._build()
         self.ddp = self.pipe = self.fsdp = None
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}   # FSDP frees them
@@ -118,8 +118,7 @@ class HybridGPT(LayoutState):
         mine = {id(p) for p in self._params}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
         LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
-                             tensor_parallel=self.style is not None or self._expert_parallel > 1, grid=g,
-                             dtype=self.dtype)
+                             tensor_parallel=self.style is not None, grid=g, dtype=self.dtype)
 
     def _compose(self, activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size) -> None:
         """The GPT's plan handed to :func:`~axonmpi.parallel.parallelize` (the one composer): which layers are
@@ -188,14 +187,6 @@ class HybridGPT(LayoutState):
         b = n // self.shards
         return batch[self.shard_index * b:(self.shard_index + 1) * b]
 
-    def _loss_groups(self) -> list:
-        """The groups whose ranks read other targets (the token mean sums over them; the pipeline's own)."""
-        if self.pipe is not None:
-            return self.pipe.token_groups()
-        if self.fsdp is not None and self.style is TPStyle.AXONN:
-            return [self.grid.data_group, self.grid.intra_group]
-        return [self.grid.data_context_group]
-
     def _token_mean(self, model, x, y):
         """The one loss rule (:mod:`axonmpi.parallel.token_mean`): this rank's loss sum over its counted
         targets (its tokens of each sequence under context parallelism) -> the global batch's token mean."""
@@ -206,7 +197,7 @@ class HybridGPT(LayoutState):
         lsum = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
         if self.pm is not None:
             return self.pm.token_mean(lsum, int((y != -100).sum()))
-        return token_mean(lsum, int((y != -100).sum()), self._loss_groups())
+        return token_mean(lsum, int((y != -100).sum()), [self.grid.data_group])   # FSDP x Megatron SP
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
@@ -218,8 +209,7 @@ class HybridGPT(LayoutState):
             aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
             total = loss if aux is None else loss + aux      # the returned value stays the LM loss
             (total if scaler is None else scaler.scale(total)).backward()
-            value = float(loss.item())
-            return value
+            return float(loss.item())
         if scaler is not None:
             raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
                                       f"pipeline's runtime runs one per micro-batch: not {self.layout} with a pipeline "
