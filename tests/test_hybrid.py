@@ -167,9 +167,11 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
     (2, ["--G-inter", "2", "--tie-word-embeddings"], ["tie_word_embeddings=True across pipeline stages",
                                                       "no tied-weight all-reduce between stages"]),
-    (4, ["--G-inter", "2", "--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel"],
-     ["so not with a pipeline, context parallelism, MoE"]),
+    (2, ["--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel", "--tie-word-embeddings"],
+     ["sequence_parallel needs tp_style='megatron' (G_intra_c > 1) and an untied head"]),
     (2, ["--G-inter", "2", "--moe-experts", "2"], ["do not reach the last stage's loss; set both to 0"]),
+    (2, ["--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel", "--moe-experts", "2"],
+     ["the router losses' statistics are the shard's"]),
     (2, ["--cpu-offload"], ["--cpu-offload and --mixed-precision fp16 need --fsdp"]),
 ])
 def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):

@@ -49,6 +49,13 @@ LAYOUTS = {
     "moe_fsdp_pp2_ep2": (MOE_PP, {"G_inter": 2}, dict(fsdp="full_shard", expert_parallel=2, schedule="gpipe",
                                                       num_microbatches=2)),
     "moe_cp2_tp2_ep2": (MOE, {"G_context": 2, "G_intra_c": 2}, dict(tp_style="megatron", expert_parallel=2)),
+    "fsdp_pp2_tp2_sp_1f1b": (DENSE, {"G_inter": 2, "G_intra_c": 2},
+                             dict(tp_style="megatron", sequence_parallel=True, fsdp="full_shard", num_microbatches=2)),
+    "dp_pp2_tp2_sp_zbv": (DENSE, {"G_inter": 2, "G_intra_c": 2},
+                          dict(tp_style="megatron", sequence_parallel=True, schedule="zbv", num_microbatches=2)),
+    "fsdp_tp2_sp_cp2_ring": (DENSE, {"G_context": 2, "G_intra_c": 2},
+                             dict(tp_style="megatron", sequence_parallel=True, fsdp="full_shard")),
+    "moe_dp_tp2_sp_ep2": (MOE_PP, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True, expert_parallel=2)),
     "tied_dp_axonn2": (TIED, {"G_intra_c": 2}, dict(tp_style="axonn")),
 }
 

@@ -2,12 +2,11 @@
 
 [Note: the GPT recipe]  The recipe holds the GPT's plan -- which layers are column / row / vocab / attention
 (:func:`gpt_plan`), where the pipeline cuts (the schedule's stages), the batch split (:func:`batch_shards`) --
-and hands it to :func:`~axonmpi.parallel.parallelize` (the one composer) for every layout but three it still
-builds itself (``docs/hybrid.md``): pipelines of DDP stages (each rank builds only its stage's layers, which
-the composer does not), Megatron sequence parallelism of the GPT (entered at its embedding dropout, inside one
-forward; ``parallelize_gpt``) and FSDP x AxoNN alone.  Loss: the global batch's token mean on every rank
-(``pm.token_mean`` / ``parallel.token_mean``).  Clipping: the placements.  State: ``parallel.state.LayoutState``,
-so a checkpoint of any layout loads under any other and into the plain GPT.
+and hands it to :func:`~axonmpi.parallel.parallelize` (the one composer) for every layout but one it still
+builds itself (``docs/hybrid.md``): a pipeline of DDP stages, where each rank builds only its stage's layers
+(``build_stage_layers``), which the composer, taking a whole model, does not.  Loss: the global batch's token
+mean on every rank (``pm.token_mean``).  Clipping: the placements.  State: ``parallel.state.LayoutState``, so a
+checkpoint of any layout loads under any other and into the plain GPT.
 """
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ from ..models.gpt import GPT, GPTConfig, init_gpt_weights
 from ..nn import Checkpointed
 from ..nn import functional as F
 from ..optim.clip import clip_grad_norm_
-from ..parallel.token_mean import token_mean
 from ..parallel.auto_parallelize import auto_parallelize
 from ..parallel.ddp import DistributedDataParallel
-from ..parallel.fsdp import FSDP, ShardingStrategy
+from ..parallel.fsdp import ShardingStrategy
 from ..parallel.pipeline import Pipeline, make_schedule, split_module
 from ..parallel.pipeline.staged import build_stage_layers
 from ..parallel.state import LayoutState
@@ -55,8 +53,8 @@ class HybridGPT(LayoutState):
         cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options (with ``fsdp``).
         cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (with data, tensor, FSDP, MoE;
             not with a pipeline: the composer's refusal).
-        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``; not with a pipeline,
-            context parallelism or MoE).
+        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, an untied head): entered
+            after the embeddings, left at the gathered ``lm_head``; with pipelines, context, MoE and FSDP.
         expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``); with tensor,
             context, FSDP with a pipeline; in a pipeline with the router losses' coefficients 0.
 
@@ -95,29 +93,18 @@ class HybridGPT(LayoutState):
         self.pm = None
         if _composed(self, config, activation_checkpointing):     # the layouts the composer lays out
             return self._compose(activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size)
-        # the recipe's own builds: pipelines of DDP stages (each rank builds only its stage's layers) and Megatron's
-        # GPT sequence parallelism (parallelize_gpt; one stage, or FSDP)
-        self.model = self._build()
-        self.ddp = self.pipe = self.fsdp = None
-        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}   # FSDP frees them
-        if self.sharding is not None:
-            self.fsdp = FSDP(self.model, group=g.data_group, sharding_strategy=self.sharding,
-                             cpu_offload=cpu_offload, mixed_precision=mixed_precision,
-                             hybrid_shard_size=hybrid_shard_size)
-            self._params = list(self.fsdp.parameters())
-        else:
-            chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group, stage_ranks=self._stage_ranks)
-            if activation_checkpointing:
-                chunks = [Checkpointed(c) for c in chunks]
-            self.pipe = Pipeline(chunks, self.schedule, num_microbatches=self.num_microbatches,
-                                 loss_fn=F.cross_entropy, group=g.inter_group, virtual_stages=self._v,
-                                 data_group=None if self.style is TPStyle.AXONN else g.data_group,
-                                 token_groups=self.groups.replica if self.style is TPStyle.AXONN else (),
-                                 track_memory=False)
-            self._params = self.pipe.parameters()
+        # the recipe's own build: a pipeline of DDP stages, each rank building only its stage's layers
+        self.model, self.ddp, self.fsdp = self._build(), None, None
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group, stage_ranks=self._stage_ranks)
+        self.pipe = Pipeline([Checkpointed(c) for c in chunks] if activation_checkpointing else chunks, self.schedule,
+                             num_microbatches=self.num_microbatches, loss_fn=F.cross_entropy, group=g.inter_group,
+                             virtual_stages=self._v, data_group=None if axonn else g.data_group,
+                             token_groups=self.groups.replica if axonn else (), track_memory=False)
+        self._params = self.pipe.parameters()
         mine = {id(p) for p in self._params}
-        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
-        LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
+        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine]
+        LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=None,
                              tensor_parallel=self.style is not None, grid=g, dtype=self.dtype)
 
     def _compose(self, activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size) -> None:
@@ -131,7 +118,8 @@ class HybridGPT(LayoutState):
         pipe = PipelinePlan(self.num_microbatches, self.schedule, virtual_stages=self._v) if g.G_inter > 1 else None
         self.pm = pm = parallelize(
             GPT(c, dtype=self.dtype), grid=g, tensor_parallel=tp, data_parallel="fsdp" if self.sharding else "ddp",
-            sharding_strategy=self.sharding, context_parallel=self.cp_algo if g.G_context > 1 else None,
+            sharding_strategy=self.sharding, sequence_parallel=self.sequence_parallel,
+            context_parallel=self.cp_algo if g.G_context > 1 else None,
             expert_parallel=self._expert_parallel if c.moe_experts else None, pipeline=pipe,
             activation_checkpointing=(True if pipe is not None else [f"blocks.{i}" for i in range(c.n_layer)])
             if activation_checkpointing else None, **opts)
@@ -150,28 +138,20 @@ class HybridGPT(LayoutState):
                              tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype)
 
     def _build(self):
-        """This rank's GPT: TP layers in place; with a pipeline only its stage's (others: stand-ins)."""
+        """This rank's pipeline GPT: only its stage's layers, TP layers in place (the others: stand-ins)."""
         c, g = self.config, self.grid
         axonn, megatron = self.style is TPStyle.AXONN, self.style is TPStyle.MEGATRON
 
-        def ctx():
-            return auto_parallelize(groups=self.groups) if axonn else contextlib.nullcontext()
+        def construct(i):
+            with auto_parallelize(groups=self.groups) if axonn else contextlib.nullcontext():
+                return GPT.build_pipeline_layer(c, i, self.dtype)
 
         def tp_form(layer, i=None):
-            if megatron:
-                parallelize_gpt(layer, group=g.intra_group, sequence_parallel=self.sequence_parallel)
-            return layer
+            return parallelize_gpt(layer, group=g.intra_group) if megatron else layer
 
-        if self.layout.G_inter > 1:
-            def construct(i):
-                with ctx():
-                    return GPT.build_pipeline_layer(c, i, self.dtype)
-            layers = build_stage_layers(construct, lambda layer, i: init_gpt_weights(layer, c.n_layer), tp_form,
-                                        c.n_layer + 2, g.G_inter, self._v, g.inter_group.rank,
-                                        stage_ranks=self._stage_ranks)
-            return GPT.from_pipeline_layers(c, layers)
-        with ctx():
-            return tp_form(GPT(c, dtype=self.dtype))
+        layers = build_stage_layers(construct, lambda layer, i: init_gpt_weights(layer, c.n_layer), tp_form,
+                                    c.n_layer + 2, g.G_inter, self._v, g.inter_group.rank, stage_ranks=self._stage_ranks)
+        return GPT.from_pipeline_layers(c, layers)
 
     # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -187,17 +167,14 @@ class HybridGPT(LayoutState):
         b = n // self.shards
         return batch[self.shard_index * b:(self.shard_index + 1) * b]
 
-    def _token_mean(self, model, x, y):
-        """The one loss rule (:mod:`axonmpi.parallel.token_mean`): this rank's loss sum over its counted
-        targets (its tokens of each sequence under context parallelism) -> the global batch's token mean."""
-        logits, _ = model(x)
+    def _token_mean(self, x, y):
+        """The one loss rule (``pm.token_mean``): this rank's loss sum over its counted targets (its tokens of
+        each sequence under context parallelism) -> the global batch's token mean."""
+        logits, _ = self.pm(x)
         cp = getattr(self.model, "context_parallel", None)
         if cp is not None and cp.active:
             y = y[:, cp.positions(y.shape[1])]
-        lsum = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
-        if self.pm is not None:
-            return self.pm.token_mean(lsum, int((y != -100).sum()))
-        return token_mean(lsum, int((y != -100).sum()), [self.grid.data_group])   # FSDP x Megatron SP
+        return self.pm.token_mean(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"), int((y != -100).sum()))
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
@@ -205,15 +182,14 @@ class HybridGPT(LayoutState):
         Returns the mean loss over the global batch's counted targets (the serial model's, the same on
         every rank and every layout, ignored targets anywhere)."""
         if self.pipe is None:
-            loss = self._token_mean(self.pm or self.ddp or self.fsdp, x, y)
+            loss = self._token_mean(x, y)
             aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
             total = loss if aux is None else loss + aux      # the returned value stays the LM loss
             (total if scaler is None else scaler.scale(total)).backward()
             return float(loss.item())
         if scaler is not None:
             raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
-                                      f"pipeline's runtime runs one per micro-batch: not {self.layout} with a pipeline "
-                                      f"(or Megatron sequence parallelism, run here as a one-stage pipeline)")
+                                      f"pipeline's runtime runs one per micro-batch: not {self.layout}")
         if self.pm is not None:
             return self.pm.step(x, y)      # the composer's pipeline: its stages reduced by its runtime
         value = self.pipe.step(x, y)       # the token mean over its micro-batches and token groups
@@ -233,7 +209,7 @@ class HybridGPT(LayoutState):
         if self.pipe is not None:
             return (self.pm or self.pipe).eval_step(x, y)
         with no_grad():
-            return float(self._token_mean(self.pm or self.fsdp or self.model, x, y).item())
+            return float(self._token_mean(x, y).item())
 
     def dropout_seed(self, seed: int) -> int:
         """The seed of this rank's random stream: ``seed * 1000 + shard_index``, so ranks holding the same
@@ -282,12 +258,11 @@ def gpt_plan(config: GPTConfig) -> Dict[str, str]:
 
 
 def _composed(h: "HybridGPT", config: GPTConfig, activation_checkpointing: bool) -> bool:
-    """Whether ``parallelize`` builds this layout (those the recipe's own DDP / FSDP / Pipeline paths do not)."""
-    lay, ac, fsdp = h.layout, activation_checkpointing, h.sharding is not None
-    return bool((lay.G_inter == 1 and not h.sequence_parallel) or (fsdp and (lay.G_inter > 1 or ac))
-                or (lay.G_context > 1 and (lay.G_inter > 1 or lay.tensor_size > 1 or fsdp or ac))
-                or (config.moe_experts and (lay.G_inter > 1 or lay.G_context > 1 or h.style is not None or fsdp or ac))
-                or (config.tie_word_embeddings and h.style is TPStyle.AXONN))
+    """Whether ``parallelize`` builds this layout: all but pipelines of DDP stages (no MoE, context or sequence
+    parallelism), where each rank builds only its stage's layers."""
+    lay = h.layout
+    return bool(lay.G_inter == 1 or lay.G_context > 1 or h.sharding is not None or config.moe_experts
+                or h.sequence_parallel)
 
 
 class _Refused:
@@ -308,23 +283,23 @@ class _Refused:
 def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
     """``NotImplementedError`` for what neither the recipe nor the composer builds, naming why and what to use."""
     lay, r = h.layout, h.grid.world.rank
-    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or lay.G_inter > 1
-                                or _composed(h, config, activation_checkpointing)):
+    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or config.tie_word_embeddings):
         raise NotImplementedError(
-            f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1), and the GPT's sequence "
-            f"parallelism enters at its embedding dropout and leaves at lm_head, inside one forward: the composer's "
-            f"scatters a model's (a pipeline stage's) input along the sequence, and the GPT's input is token ids whose "
-            f"positions it numbers itself; so not with a pipeline, context parallelism, MoE or FSDP with activation "
-            f"checkpointing. Got {lay} tp_style={h.style and h.style.value!r}")
+            f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1) and an untied head (the GPT leaves "
+            f"the sequence-parallel region at a gathered, vocabulary-parallel lm_head); got {lay} "
+            f"tp_style={h.style and h.style.value!r}, tie_word_embeddings={config.tie_word_embeddings}")
     if config.tie_word_embeddings and lay.G_inter > 1:
         raise NotImplementedError(
             f"rank {r}: tie_word_embeddings=True across pipeline stages (wte on the first, lm_head on the last) is "
             f"not built: the two stages would train two copies of one weight apart (no tied-weight all-reduce "
             f"between stages); use an untied GPTConfig or a layout without a pipeline")
-    if config.moe_experts and lay.G_inter > 1 and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff):
+    if config.moe_experts and (lay.G_inter > 1 or h.sequence_parallel) and (config.moe_aux_loss_coeff
+                                                                            or config.moe_z_loss_coeff):
+        why = ("in a pipeline each stage's router losses do not reach the last stage's loss" if lay.G_inter > 1 else
+               "under sequence parallelism each tensor rank routes its sequence shard, so the router losses' "
+               "statistics are the shard's, not the global batch's")
         raise NotImplementedError(
-            f"rank {r}: a MoE GPT in a pipeline trains on the language-model loss alone: each stage's router "
-            f"losses (moe_aux_loss_coeff={config.moe_aux_loss_coeff}, moe_z_loss_coeff={config.moe_z_loss_coeff}) "
-            f"do not reach the last stage's loss; set both to 0 (--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0)")
+            f"rank {r}: a MoE GPT with router losses (moe_aux_loss_coeff={config.moe_aux_loss_coeff}, moe_z_loss_coeff="
+            f"{config.moe_z_loss_coeff}) on {lay}: {why}; set both to 0 (--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0)")
     if h._expert_parallel > 1 and not config.moe_experts:
         raise ValueError(f"rank {r}: expert_parallel={h._expert_parallel} needs a MoE GPT (config.moe_experts > 0)")
