@@ -67,7 +67,8 @@ def parse_args(argv=None):
     g.add_argument("--block-size", type=int, default=64, help="context length in characters")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--tie-word-embeddings", action="store_true",
-                   help="GPT-2's tied head: lm_head.weight is wte.weight (not with a pipeline: docs/hybrid.md)")
+                   help="GPT-2's tied head: lm_head.weight is wte.weight (not with a pipeline or --sequence-parallel: "
+                        "docs/hybrid.md)")
     g.add_argument("--moe-experts", type=int, default=0,
                    help="mixture of experts: E expert MLPs replace the MLP of every (--moe-every 2: every other) "
                         "block; 0: dense (docs/moe.md)")
@@ -96,8 +97,8 @@ def parse_args(argv=None):
     g.add_argument("--G-intra-d", type=int, default=1, help="tensor parallel: depth (AxoNN's weight sharding)")
     g.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="context parallelism: N ranks (G_context) hold different chunks of the same sequences "
-                        "(docs/context_parallel.md); with data, tensor (--tp-style megatron: not with --sequence-parallel), "
-                        "FSDP and MoE; not with a pipeline (the GPT numbers its tokens in its embedding stage)")
+                        "(docs/context_parallel.md); with data, tensor, sequence parallel, FSDP and MoE; not with a pipeline "
+                        "(the GPT numbers its tokens in its embedding stage)")
     g.add_argument("--cp-algo", choices=["ring", "ulysses"], default="ring",
                    help="with --context-parallel: ring attention (K/V passed around, causal load balancing) or "
                         "DeepSpeed-Ulysses all-to-all (--n-head must divide by N)")
@@ -108,8 +109,8 @@ def parse_args(argv=None):
                    help="megatron: heads/MLP/vocabulary over G-intra-c; axonn: every Linear over r x c x d")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
-                        "sequence shards over G-intra-c; --block-size must divide by it); not with a pipeline, context "
-                        "parallel or MoE (docs/hybrid.md says why)")
+                        "sequence shards over G-intra-c; --block-size must divide by it); with pipelines, context "
+                        "parallel, MoE (router losses 0) and FSDP; not with --tie-word-embeddings")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
                         "ZBV with 2 chunks per rank in a V)")
