@@ -40,6 +40,10 @@ LAYOUTS = [
                        "--cpu-offload"]),
     ((2, 1, 1, 2, 1), ["--tp-style", "axonn", "--fsdp", "full_shard"]),
     ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "shard_grad_op"]),
+    # through parallelize: FSDP x pipeline (x tensor + sequence parallel), zero bubble x tensor
+    ((2, 2, 1, 1, 1), ["--fsdp", "full_shard", "--microbatches", "2"]),
+    ((1, 2, 1, 2, 1), ["--tp-style", "megatron", "--sequence-parallel", "--fsdp", "full_shard", "--microbatches", "2"]),
+    ((1, 2, 1, 2, 1), ["--tp-style", "megatron", "--schedule", "zbv", "--microbatches", "2"]),
 ]
 
 
@@ -173,6 +177,7 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel", "--moe-experts", "2"],
      ["the router losses' statistics are the shard's"]),
     (2, ["--cpu-offload"], ["--cpu-offload and --mixed-precision fp16 need --fsdp"]),
+    (2, ["--G-inter", "2", "--fsdp", "full_shard", "--resume"], ["writes and reads no checkpoint yet"]),
 ])
 def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):
     from axonmpi.testing import run_mpiexec
