@@ -40,7 +40,7 @@ from axonmpi.models import GPTConfig  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
-from axonmpi.recipes import HybridGPT, Layout, check_layout, fsdp_refusal  # noqa: E402
+from axonmpi.recipes import HybridGPT, Layout, check_layout  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
 
 
@@ -50,7 +50,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
 ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype", "moe_experts", "moe_top_k",
-                "moe_every")
+                "moe_every", "tie_word_embeddings")
 # training options a --resume may change: applied from the resumed step on, one log line each (old -> new)
 APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "global_batch")
 # training options a --resume cannot change honestly: refused, naming them
@@ -68,6 +68,9 @@ def parse_args(argv=None):
     g.add_argument("--n-embd", type=int, default=128, help="width; must divide by --n-head")
     g.add_argument("--block-size", type=int, default=64, help="context length in characters")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    g.add_argument("--tie-word-embeddings", action="store_true",
+                   help="GPT-2's tied head: lm_head.weight is wte.weight (not with a pipeline or --sequence-parallel: "
+                        "docs/hybrid.md)")
     g.add_argument("--moe-experts", type=int, default=0,
                    help="mixture of experts: E expert MLPs replace the MLP of every (--moe-every 2: every other) "
                         "block; 0: dense (docs/moe.md)")
@@ -96,7 +99,8 @@ def parse_args(argv=None):
     g.add_argument("--G-intra-d", type=int, default=1, help="tensor parallel: depth (AxoNN's weight sharding)")
     g.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="context parallelism: N ranks (G_context) hold different chunks of the same sequences "
-                        "(docs/context_parallel.md); with data parallelism (--G-data)")
+                        "(docs/context_parallel.md); with data, tensor, sequence parallel, FSDP and MoE; not with a pipeline "
+                        "(the GPT numbers its tokens in its embedding stage)")
     g.add_argument("--cp-algo", choices=["ring", "ulysses"], default="ring",
                    help="with --context-parallel: ring attention (K/V passed around, causal load balancing) or "
                         "DeepSpeed-Ulysses all-to-all (--n-head must divide by N)")
@@ -107,16 +111,19 @@ def parse_args(argv=None):
                    help="megatron: heads/MLP/vocabulary over G-intra-c; axonn: every Linear over r x c x d")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
-                        "sequence shards over G-intra-c; --block-size must divide by it)")
+                        "sequence shards over G-intra-c; --block-size must divide by it); with pipelines, context "
+                        "parallel, MoE (router losses 0) and FSDP; not with --tie-word-embeddings")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
                         "ZBV with 2 chunks per rank in a V)")
     g.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches per step")
     g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each pipeline chunk's activations in backward")
+                   help="recompute each pipeline chunk's (without a pipeline: each top-level layer's) activations "
+                        "in backward")
     g.add_argument("--fsdp", choices=["none", "shard_grad_op", "full_shard", "hybrid_shard"], default="none",
                    help="shard parameters, gradients and optimizer state over the data ranks "
-                        "(FullyShardedDataParallel; pure data parallel or with tensor parallel, not with a pipeline)")
+                        "(FullyShardedDataParallel; with tensor parallel, a pipeline (each stage's flat shard), context and "
+                        "activation checkpointing)")
     g.add_argument("--hybrid-shard-size", type=int, default=None,
                    help="with --fsdp hybrid_shard: data ranks per shard group (default: the ranks of one node)")
     g.add_argument("--cpu-offload", action="store_true",
@@ -371,9 +378,10 @@ def main(argv=None):
         axonmpi.trace.start(args.trace, world.rank)     # written when the run ends (or fails)
         atexit.register(axonmpi.trace.stop)
     pure_dp = grid.G_data == world.world_size
-    why = fsdp_refusal(Layout.from_grid(grid), args.tp_style, args.activation_checkpointing)
-    if args.fsdp != "none" and why:
-        axonmpi.log.exit0(f"--fsdp {args.fsdp} {why} (use --fsdp none)")
+    if args.fsdp != "none" and grid.G_inter > 1 and not (args.no_save and not (args.resume or args.auto_resume)):
+        axonmpi.log.exit0(f"--fsdp {args.fsdp} with a pipeline (--G-inter {grid.G_inter}) writes and reads no "
+                          "checkpoint yet (a stage's flat FSDP shard has no serial-named block form): pass --no-save "
+                          "(and no --resume), or --fsdp none with the pipeline")
     if pure_dp and args.global_batch % world.world_size:
         n = world.world_size
         axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "
@@ -396,7 +404,7 @@ def main(argv=None):
                         n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts,
                         moe_top_k=args.moe_top_k, moe_every=args.moe_every,
                         moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-                        moe_z_loss_coeff=args.moe_z_loss_coeff)
+                        moe_z_loss_coeff=args.moe_z_loss_coeff, tie_word_embeddings=args.tie_word_embeddings)
     except ValueError as e:
         axonmpi.log.exit0(str(e))
     try:

@@ -234,8 +234,8 @@ def test_train_gpt_context_parallel_checkpoint_loads_under_other_layouts(serial_
 @pytest.mark.serial
 @pytest.mark.parametrize("n,flags,needle", [
     (2, ["--context-parallel", "2", "--block-size", "3"], "--block-size 3 cannot be cut into the 4 chunks"),
-    (3, ["--context-parallel", "3", "--cp-algo", "ulysses"], "the 2 heads over the 3 context-parallel ranks"),
-    (4, ["--context-parallel", "2", "--G-intra-c", "2"], "context parallelism (G_context=2) is built with data"),
+    (3, ["--context-parallel", "3", "--cp-algo", "ulysses"], "2 heads on this rank (of 2) over the 3 context ranks"),
+    (4, ["--context-parallel", "2", "--G-inter", "2"], "of a GPT inside a pipeline is not built"),
 ])
 def test_train_gpt_refuses_context_layouts_not_built(n, flags, needle, tmp_path):
     from axonmpi.testing import run_mpiexec

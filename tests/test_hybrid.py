@@ -40,6 +40,10 @@ LAYOUTS = [
                        "--cpu-offload"]),
     ((2, 1, 1, 2, 1), ["--tp-style", "axonn", "--fsdp", "full_shard"]),
     ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "shard_grad_op"]),
+    # through parallelize: FSDP x pipeline (x tensor + sequence parallel), zero bubble x tensor
+    ((2, 2, 1, 1, 1), ["--fsdp", "full_shard", "--microbatches", "2"]),
+    ((1, 2, 1, 2, 1), ["--tp-style", "megatron", "--sequence-parallel", "--fsdp", "full_shard", "--microbatches", "2"]),
+    ((1, 2, 1, 2, 1), ["--tp-style", "megatron", "--schedule", "zbv", "--microbatches", "2"]),
 ]
 
 
@@ -165,13 +169,15 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-intra-r", "2", "--tp-style", "megatron"], ["--tp-style megatron splits over one dimension"]),
     (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
     (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
-    (2, ["--G-inter", "2", "--fsdp", "full_shard"], ["--fsdp full_shard is built for pure data parallel and for data "
-                                                     "parallel x tensor parallel",
-                                                     "got G_data=1 G_inter=2 G_intra_r=1",
-                                                     "FSDP combined with pipeline parallelism is not built"]),
-    (2, ["--fsdp", "shard_grad_op", "--activation-checkpointing"],
-     ["with activation checkpointing: FSDP combined with activation checkpointing is not built"]),
+    (2, ["--G-inter", "2", "--tie-word-embeddings"], ["tie_word_embeddings=True across pipeline stages",
+                                                      "no tied-weight all-reduce between stages"]),
+    (2, ["--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel", "--tie-word-embeddings"],
+     ["sequence_parallel needs tp_style='megatron' (G_intra_c > 1) and an untied head"]),
+    (2, ["--G-inter", "2", "--moe-experts", "2"], ["do not reach the last stage's loss; set both to 0"]),
+    (2, ["--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel", "--moe-experts", "2"],
+     ["the router losses' statistics are the shard's"]),
     (2, ["--cpu-offload"], ["--cpu-offload and --mixed-precision fp16 need --fsdp"]),
+    (2, ["--G-inter", "2", "--fsdp", "full_shard", "--resume"], ["writes and reads no checkpoint yet"]),
 ])
 def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):
     from axonmpi.testing import run_mpiexec
@@ -399,10 +405,10 @@ def test_pipeline_data_replicas_draw_their_own_dropout_masks():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_hybrid_gpt_fsdp_refuses_pipeline_and_activation_checkpointing():
-    """HybridGPT(fsdp=...) is built for data parallel, alone or with tensor parallel; a pipeline or activation
-    checkpointing is refused at construction, naming the layout and the rank; offload / mixed precision
-    without a sharding strategy are refused too."""
+def test_hybrid_gpt_fsdp_with_pipeline_or_checkpointing_is_built_by_the_composer():
+    """HybridGPT(fsdp=...) with a pipeline or activation checkpointing is laid out by ``parallelize`` (its
+    stages' flat shards; parity in tests/test_recipe_layouts.py); offload / mixed precision without a sharding
+    strategy are refused, naming the values."""
     import axonmpi
     from axonmpi.models import GPTConfig
     from axonmpi.recipes import HybridGPT
@@ -415,10 +421,8 @@ def test_hybrid_gpt_fsdp_refuses_pipeline_and_activation_checkpointing():
                   ({"G_intra_c": 2, "G_data": half}, {"tp_style": "megatron", "activation_checkpointing": True})]
     for sizes, extra in cases:
         grid = axonmpi.ProcessGrid(world, **sizes)
-        with pytest.raises(NotImplementedError, match=rf"rank {world.rank}: fsdp=full_shard is built for pure "
-                                                      r"data parallel and .*FSDP combined with (pipeline parallelism|"
-                                                      r"activation checkpointing) is not built"):
-            HybridGPT(cfg, grid, fsdp="full_shard", global_batch=12, **extra)
+        hyb = HybridGPT(cfg, grid, fsdp="full_shard", global_batch=12, **extra)
+        assert hyb.pm is not None and "FSDP" in hyb.describe() or hyb.pipe is not None
         grid.free()
     with pytest.raises(ValueError, match="cpu_offload='full'.*need fsdp"):
         HybridGPT(cfg, fsdp="none", cpu_offload="full", global_batch=12)

@@ -425,7 +425,8 @@ def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp):
         axonmpi.manual_seed(7)
         pm = parallelize(GPT(cfg, dtype="float64"), grid=grid, data_parallel="fsdp" if fsdp else "ddp",
                          tensor_parallel={"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column",
-                                          "blocks.*.mlp.proj": "row"}, sequence_parallel=sp,
+                                          "blocks.*.mlp.proj": "row", **({"lm_head": "column_gather"} if sp else {})},
+                         sequence_parallel=sp,
                          pipeline=PipelinePlan(num_microbatches=2, schedule=schedule))
         opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         for s, (x, y) in enumerate(batches):

@@ -70,12 +70,15 @@ def _axonn(module: Module, grid: ProcessGrid) -> int:
     return n
 
 
-def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optional[int] = None) -> int:
+def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optional[int] = None,
+              in_forward: bool = False) -> int:
     """The modules ``plan`` names -> Megatron column / row / vocab-parallel layers over the grid's tensor group
     (``sp``: the sequence dimension under sequence parallelism, else ``None``); ``"column_gather"``: a column
     layer whose output is all-gathered (the serial width; under sequence parallelism cut back to this rank's
     sequence shard). A ``"column"`` layer whose output reaches the model's output unpaired raises at the first
-    forward ([Note: the output keeps the serial shape] in ``split_output.py``)."""
+    forward ([Note: the output keeps the serial shape] in ``split_output.py``).  ``in_forward`` (a GPT): the model
+    enters the sequence-parallel region itself (after its embedding) and a ``"column_gather"`` layer leaves it
+    (the whole sequence out), so a ``"vocab"`` embedding stays outside it."""
     from .split_output import refuse_split_outputs
     from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, \
         scatter_to_sequence_parallel_region
@@ -99,7 +102,7 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a 'vocab' pattern but is a "
                             f"{type(child).__name__}, not an nn.Embedding")
         seq = {} if sp is None else {"sequence_parallel": True, "sequence_dim": sp}
-        if style == "vocab" and sp is not None:
+        if style == "vocab" and sp is not None and not in_forward:
             raise NotImplementedError(f"rank {grid.rank}: a 'vocab' layer under sequence_parallel is not built yet")
         if style == "attention":
             from .tensor import TensorParallelAttention
@@ -112,7 +115,7 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
                                        dtype=child.weight.dtype, **seq)
             if style == "column":
                 columns[qname] = new
-            elif sp is not None:       # gathered over features: back to this rank's sequence shard
+            elif sp is not None and not in_forward:    # gathered over features: back to this rank's sequence shard
                 new.register_forward_hook(lambda m, a, y, d=sp: scatter_to_sequence_parallel_region(y, group, dim=d))
         elif style == "row":
             new = RowParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
@@ -129,11 +132,11 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
     return n
 
 
-def _sequence_parallel(module: Module, grid: ProcessGrid) -> List[Any]:
+def _sequence_parallel(module: Module, grid: ProcessGrid, outside=()) -> List[Any]:
     """Sequence parallelism outside the plan's layers: every ``nn.LayerNorm`` -> a
     :class:`~axonmpi.parallel.tensor.SequenceParallelLayerNorm`; every other replicated parameter (used on
     sequence shards too) is tagged ``sequence_parallel`` and returned, for a hook that sums its gradient
-    over the tensor group."""
+    over the tensor group. ``outside``: modules run on whole sequences before the region (a GPT's embeddings): left as they are."""
     from ..distributed.placement import add_placement, placement_of
     from .tensor import SequenceParallelLayerNorm
     from .tensor.layers import _tag_sequence_parallel
@@ -146,7 +149,10 @@ def _sequence_parallel(module: Module, grid: ProcessGrid) -> List[Any]:
             _copy_serial(new, child)
             _swap(parent, name, new)
     rest = []
+    skip = {id(q) for m in outside for q in m.parameters()}
     for p in module.parameters():      # replicated, or split over another group (experts over the expert group)
+        if id(p) in skip:
+            continue
         pl = placement_of(p)
         if not any(s.group is g or getattr(s.group, "ranks", None) == g.ranks for s in pl.shards) \
                 and not getattr(p, "sequence_parallel", False):
@@ -495,6 +501,7 @@ class _Stage(Module):
         self.sequence_dim, self.checkpointed = sequence_dim, bool(checkpointed)
         self.batch_groups = (grid.intra_group,) if axonn else ()
         self.depth_group = grid.depth_group
+        self.enters_itself = self.leaves_itself = False
         self.flat = None
         self.whole_first = False        # set by _pipeline: see [Note: the first layer runs on the whole sequence]
         if shard_group is None:
@@ -545,10 +552,10 @@ class _Stage(Module):
         g = self._grid[0].intra_group
         sp = self.sequence_dim is not None and g.size > 1
         run = self._run_whole_first if sp and self.whole_first else self._run
-        if sp and not self.whole_first:
+        if sp and not (self.enters_itself or self.whole_first):
             x = self._scatter(x)
         y = checkpoint(run, x) if self.checkpointed else run(x)
-        if sp:
+        if sp and not self.leaves_itself:
             from .tensor import gather_from_sequence_parallel_region
             y = gather_from_sequence_parallel_region(y, g, tensor_parallel_output_grad=False, dim=self.sequence_dim)
         return y
@@ -853,6 +860,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if expert_tensor_parallel and tensor_parallel != "axonn":
         raise ValueError(f"rank {r}: expert_tensor_parallel=True splits the batch over the tensor block as "
                          f"AxoNN's easy mode does; pass tensor_parallel='axonn' (got {tensor_parallel!r})")
+    from ..models.gpt import GPT
     from ..nn.moe import MoE
     from .grad_sync import data_reduction_group
     from .moe import expert_parallel as _ep, expert_parameters
@@ -864,7 +872,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             f"rank {r}: FSDP with expert_parallel={expert_parallel} and no pipeline is not built: the FSDP wrapper "
             "averages every flat chunk over the whole data group and takes no ignored parameters, and an expert "
             "is replicated only over its expert-data group; use DDP, or a pipeline (its FSDP leaves experts out)")
-    from ..models.gpt import GPT
     if pipeline is not None and cp_size > 1 and isinstance(module, GPT):
         raise NotImplementedError(
             f"rank {r}: context_parallel={context_parallel!r} of a GPT inside a pipeline is not built: the GPT keeps "
@@ -872,6 +879,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             "embedding would number this rank's tokens from 0); use a model whose inputs carry their positions, "
             "or a GPT without a pipeline")
     dgroup = data_reduction_group(grid)
+    # [Note: a GPT's sequence parallelism] is entered inside its forward (after the embeddings, which number the
+    # tokens) and left at a "column_gather" head: pm(x) takes and gives whole sequences
+    gpt_sp = bool(sequence_parallel) and isinstance(module, GPT) and grid.intra_group.size > 1
     shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
     axonn = tensor_parallel == "axonn"
     # 1 tensor parallel + sequence parallel
@@ -879,9 +889,16 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
         sp = int(sequence_dim) if sequence_parallel else None
-        if _megatron(module, grid, tensor_parallel, sp) == 0:
+        if _megatron(module, grid, tensor_parallel, sp, in_forward=gpt_sp) == 0:
             raise ValueError(f"rank {r}: no module of the model matches the plan {tensor_parallel}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
+        if gpt_sp:     # a GPT enters the region at its embedding dropout (its input is token ids)
+            from .tensor import ColumnParallelLinear, SequenceParallelDropout
+            if not (type(module.lm_head) is ColumnParallelLinear and module.lm_head.gather_output):
+                raise ValueError(f"rank {r}: a GPT under sequence_parallel leaves the sequence-parallel region at "
+                                 f"lm_head: make it 'column_gather' in the plan (untied; a tied head is one "
+                                 f"replicated Parameter and would give this rank's tokens only)")
+            module.drop = SequenceParallelDropout(module.drop.p, grid.intra_group)
     # 2 context parallel
     cp_layers = _swap_attention_for_context(module, grid, context_parallel) if cp_size > 1 else []
     # 3 expert parallel
@@ -889,7 +906,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel,
             stats_group=dgroup if cp_size > 1 and not expert_tensor_parallel else None)
     experts = expert_parameters(module)
-    sp_params = _sequence_parallel(module, grid) if sequence_parallel and grid.intra_group.size > 1 else []
+    sp_params = _sequence_parallel(module, grid, (module.wte, module.wpe) if gpt_sp else ()) \
+        if sequence_parallel and grid.intra_group.size > 1 else []
     if cp_size > 1:
         from ..distributed.placement import add_placement
         for p in module.parameters():
@@ -939,7 +957,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     pm._serial_shapes = shapes
     pm._hooks.extend(sp_hooks)
     pm._context(cp_size > 1, context_parallel)
-    if sequence_parallel:
+    if sequence_parallel and not gpt_sp:
         pm.sequence_dim = int(sequence_dim)
     if experts and data_parallel == "ddp" and not axonn:
         pm._hook_experts(experts)
@@ -973,9 +991,11 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     sched = make_schedule(plan.schedule, grid.G_inter, plan.num_microbatches, plan.virtual_stages)
     chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by,
                           boundaries=plan.boundaries, group=grid.inter_group, stage_ranks=sched.stage_ranks)
+    from ..models.gpt import GPT, GPTEmbedding, GPTHead
     axonn = tensor_parallel == "axonn"
     shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
-    whole = _whole_first_layer(chunks, grid, sp_dim)
+    gpt = isinstance(module, GPT) or any(isinstance(m, GPTEmbedding) for c in chunks for m in c.modules())
+    whole = None if gpt else _whole_first_layer(chunks, grid, sp_dim)
     if whole is not None:       # [Note: the first layer runs on the whole sequence]
         skip = {id(p) for p in whole.parameters()}
         for p in whole.parameters():
@@ -983,7 +1003,9 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         sp_params = [p for p in sp_params if id(p) not in skip]
     stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard)
               for c in chunks]
-    for st, c in zip(stages, chunks):
+    for st, c in zip(stages, chunks):     # [Note: a GPT's sequence parallelism]: its ends enter / leave themselves
+        st.enters_itself = any(isinstance(m, GPTEmbedding) for m in c.modules())
+        st.leaves_itself = any(isinstance(m, GPTHead) for m in c.modules())
         st.whole_first = whole is not None and len(c) > 0 and c[0] is whole
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)

@@ -25,6 +25,22 @@ from ..distributed import all_gather_object
 __all__ = ["LayoutState", "ModelState", "OptimizerState"]
 
 
+def _with_aliases(model, entries: "OrderedDict[str, Any]") -> "OrderedDict[str, Any]":
+    """``entries`` (by ``named_parameters``, a shared Parameter once) with every other name of a shared one (a
+    tied head's ``lm_head.weight`` beside ``wte.weight``) holding the same value, as ``state_dict`` has them."""
+    first: Dict[int, str] = {}
+    for prefix, m in model.named_modules():
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            if id(p) not in first:
+                first[id(p)] = key
+            elif first[id(p)] in entries and key not in entries:
+                entries[key] = entries[first[id(p)]]
+    return entries
+
+
 class LayoutState:
     """The state of one rank's part of a model laid out over ``grid``.
 
@@ -214,13 +230,13 @@ class LayoutState:
         if self._fsdp_tp:
             local = self._fsdp_local()
             full = self._gather({n: {"v": local[n]} for n in self.param_names})
-            return OrderedDict((n, full[n]["v"]) for n in named)
+            return _with_aliases(self.model, OrderedDict((n, full[n]["v"]) for n in named))
         if self.fsdp is not None:
             from ..backend import to_host
             sd = self.fsdp.state_dict()
-            return OrderedDict((n, np.array(to_host(sd[n]), copy=True)) for n in named)
+            return _with_aliases(self.model, OrderedDict((n, np.array(to_host(sd[n]), copy=True)) for n in named))
         full = self._gather({n: {"v": named[n].data} for n in self.param_names})
-        return OrderedDict((n, full[n]["v"]) for n in named)
+        return _with_aliases(self.model, OrderedDict((n, full[n]["v"]) for n in named))
 
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
         """Load a full (serial-named) state dict, or one read into :meth:`checkpoint_template`'s blocks:
@@ -333,7 +349,8 @@ class ModelState:
             return OrderedDict((n, self.owner._block(n, local[n])) for n, _ in self.owner.model.named_parameters())
         if self.owner.fsdp is not None:
             return self.owner.sharded_state_dict()
-        return OrderedDict((n, self.owner._block(n, p.data)) for n, p in self.owner.model.named_parameters())
+        return _with_aliases(self.owner.model, OrderedDict((n, self.owner._block(n, p.data))
+                                                           for n, p in self.owner.model.named_parameters()))
 
     def load_state_dict(self, state_dict, strict: bool = True):
         self.owner.load_full_state_dict(state_dict, strict=strict)

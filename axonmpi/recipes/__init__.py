@@ -1,4 +1,4 @@
 """Recipes: models laid out over the grid by the library's generic pieces (``HybridGPT``, the GPT's)."""
-from .gpt import HybridGPT, Layout, TPStyle, batch_shards, check_layout, fsdp_refusal
+from .gpt import HybridGPT, Layout, TPStyle, batch_shards, check_layout, gpt_plan
 
-__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "fsdp_refusal"]
+__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "gpt_plan"]

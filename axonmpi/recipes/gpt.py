@@ -1,11 +1,12 @@
-"""The GPT recipe: data x pipeline x tensor parallel training of the GPT on the 5-D grid (``HybridGPT``).
+"""The GPT recipe: the GPT on any layout of the 5-D grid (``HybridGPT``), as a plan for the composer.
 
-[Note: the GPT recipe]  Generic pieces do the work; this file picks them for the GPT (the rules:
-``docs/hybrid.md``).  Model: the same seed on every rank; Megatron's 1-D layers over ``intra_group``
-or AxoNN's ``auto_parallelize``; with a pipeline only the stage's layers (``build_stage_layers``).
-Rows: :func:`batch_shards` equal slices of the global batch.  Gradients: DDP / FSDP over
-``data_group``, the ``Pipeline``'s ``data_group``, AxoNN's table (``parallel.grad_sync``).  Loss: the
-global batch's token mean on every rank (``parallel.token_mean``, the pipeline's counting).  Clipping: the placements.  State: ``parallel.state.LayoutState``.
+[Note: the GPT recipe]  The recipe holds the GPT's plan -- which layers are column / row / vocab / attention
+(:func:`gpt_plan`), where the pipeline cuts (the schedule's stages), the batch split (:func:`batch_shards`) --
+and hands it to :func:`~axonmpi.parallel.parallelize` (the one composer) for every layout but one it still
+builds itself (``docs/hybrid.md``): a pipeline of DDP stages, where each rank builds only its stage's layers
+(``build_stage_layers``), which the composer, taking a whole model, does not.  Loss: the global batch's token
+mean on every rank (``pm.token_mean``).  Clipping: the placements.  State: ``parallel.state.LayoutState``, so a
+checkpoint of any layout loads under any other and into the plain GPT.
 """
 from __future__ import annotations
 
@@ -20,18 +21,16 @@ from ..models.gpt import GPT, GPTConfig, init_gpt_weights
 from ..nn import Checkpointed
 from ..nn import functional as F
 from ..optim.clip import clip_grad_norm_
-from ..parallel.grad_sync import check_axonn_fsdp_shapes, finish_axonn_fsdp
-from ..parallel.token_mean import token_mean
 from ..parallel.auto_parallelize import auto_parallelize
 from ..parallel.ddp import DistributedDataParallel
-from ..parallel.fsdp import FSDP, ShardingStrategy
+from ..parallel.fsdp import ShardingStrategy
 from ..parallel.pipeline import Pipeline, make_schedule, split_module
 from ..parallel.pipeline.staged import build_stage_layers
 from ..parallel.state import LayoutState
 from ..parallel.tensor import TensorParallelGroups, parallelize_gpt
-from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout, fsdp_refusal
+from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout
 
-__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "fsdp_refusal"]
+__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "gpt_plan"]
 
 
 class HybridGPT(LayoutState):
@@ -40,20 +39,24 @@ class HybridGPT(LayoutState):
     :class:`~axonmpi.parallel.state.LayoutState` of its layers.
 
     Args:
-        config: the model (a tied head, GPT-2's, is built for the DDP, FSDP and Megatron layouts; with
-            ``tp_style="axonn"`` or a pipeline it raises ``NotImplementedError``).
+        config: the model (a tied head, GPT-2's, under any layout without a pipeline: the composer keeps it
+            one Parameter, whole under AxoNN; with a pipeline ``NotImplementedError``).
         grid: the process grid (default: ``axonmpi.get_grid()``).
         tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
         schedule: pipeline schedule ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or
             ``"zbv"`` (zero bubble; ZBV: 2 chunks per rank in a V).
         num_microbatches: micro-batches per step.  activation_checkpointing: recompute each pipeline
-            chunk's activations in backward.  dtype: parameter dtype.  global_batch: sequences per step.
-        fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over ``data_group`` instead
-            of DDP (``NotImplementedError`` where :func:`fsdp_refusal` says why not).
+            chunk's (no pipeline: each block's) activations in backward.  dtype: parameter dtype.
+            global_batch: sequences per step.
+        fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead
+            of DDP; with a pipeline each stage's flat shard.
         cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options (with ``fsdp``).
-        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (DDP over data x context).
-        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, no pipeline).
-        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``; DDP).
+        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (with data, tensor, FSDP, MoE;
+            not with a pipeline: the composer's refusal).
+        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, an untied head): entered
+            after the embeddings, left at the gathered ``lm_head``; with pipelines, context, MoE and FSDP.
+        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``); with tensor,
+            context, FSDP with a pipeline; in a pipeline with the router losses' coefficients 0.
 
     Example:
         >>> hyb = HybridGPT(cfg, axonmpi.init(G_data=2, G_inter=2).grid, global_batch=8, num_microbatches=2)
@@ -72,9 +75,6 @@ class HybridGPT(LayoutState):
         if self.sharding is None and (cpu_offload not in (None, False, "none") or mixed_precision is not None):
             raise ValueError(f"rank {g.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
-        why = self.sharding and fsdp_refusal(self.layout, tp_style, activation_checkpointing)
-        if why:
-            raise NotImplementedError(f"rank {g.world.rank}: fsdp={self.sharding.value} {why}")
         self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
         self.cp_algo, self.sequence_parallel, self._expert_parallel = cp_algo, bool(sequence_parallel), int(expert_parallel)
@@ -90,70 +90,68 @@ class HybridGPT(LayoutState):
         axonn = self.style is TPStyle.AXONN
         self.groups = TensorParallelGroups.from_grid(g) if axonn else None
         self.shard_index = g.coords.data * g.intra_group.size + g.intra_group.rank if axonn else g.coords.data
-        self.model = self._build()
-        experts = []
-        if config.moe_experts:            # MoE blocks: experts over the expert group (axonmpi.parallel.moe)
-            from ..parallel.moe import expert_parallel as _ep, expert_parameters
-            _ep(self.model, self._expert_parallel, grid=g)
-            experts = expert_parameters(self.model)
-        self.ddp = self.pipe = self.fsdp = None
-        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}   # FSDP frees them
-        if self.sharding is not None:
-            self.fsdp = FSDP(self.model, group=g.data_group, sharding_strategy=self.sharding,
-                             cpu_offload=cpu_offload, mixed_precision=mixed_precision,
-                             hybrid_shard_size=hybrid_shard_size)
-            self._params = list(self.fsdp.parameters())
-        elif self.layout.G_inter == 1 and self.style is None and not activation_checkpointing:
-            self.ddp = DistributedDataParallel(self.model, group=g.data_context_group, ignored_parameters=experts)
-            self._params = list(self.model.parameters())
-            if experts:
-                from ..parallel.moe import hook_expert_gradients
-                self._expert_hooks = hook_expert_gradients(experts, g.data_group, g.G_data)
-        else:
-            chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group, stage_ranks=self._stage_ranks)
-            if activation_checkpointing:
-                chunks = [Checkpointed(c) for c in chunks]
-            self.pipe = Pipeline(chunks, self.schedule, num_microbatches=self.num_microbatches,
-                                 loss_fn=F.cross_entropy, group=g.inter_group, virtual_stages=self._v,
-                                 data_group=None if self.style is TPStyle.AXONN else g.data_group,
-                                 token_groups=self.groups.replica if self.style is TPStyle.AXONN else (),
-                                 track_memory=False)
-            self._params = self.pipe.parameters()
+        self.pm = None
+        if _composed(self, config, activation_checkpointing):     # the layouts the composer lays out
+            return self._compose(activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size)
+        # the recipe's own build: a pipeline of DDP stages, each rank building only its stage's layers
+        self.model, self.ddp, self.fsdp = self._build(), None, None
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        chunks = split_module(self.model, g.G_inter, self._v, group=g.inter_group, stage_ranks=self._stage_ranks)
+        self.pipe = Pipeline([Checkpointed(c) for c in chunks] if activation_checkpointing else chunks, self.schedule,
+                             num_microbatches=self.num_microbatches, loss_fn=F.cross_entropy, group=g.inter_group,
+                             virtual_stages=self._v, data_group=None if axonn else g.data_group,
+                             token_groups=self.groups.replica if axonn else (), track_memory=False)
+        self._params = self.pipe.parameters()
         mine = {id(p) for p in self._params}
+        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine]
+        LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=None,
+                             tensor_parallel=self.style is not None, grid=g, dtype=self.dtype)
+
+    def _compose(self, activation_checkpointing, cpu_offload, mixed_precision, hybrid_shard_size) -> None:
+        """The GPT's plan handed to :func:`~axonmpi.parallel.parallelize` (the one composer): which layers are
+        column / row / vocab / attention, where the pipeline cuts (its schedule's stages), the batch split."""
+        from ..parallel.parallelize import PipelinePlan, parallelize
+        c, g = self.config, self.grid
+        tp = "axonn" if self.style is TPStyle.AXONN else gpt_plan(c) if self.style is TPStyle.MEGATRON else None
+        opts = {k: v for k, v in (("cpu_offload", cpu_offload), ("mixed_precision", mixed_precision),
+                                  ("hybrid_shard_size", hybrid_shard_size)) if v is not None}
+        pipe = PipelinePlan(self.num_microbatches, self.schedule, virtual_stages=self._v) if g.G_inter > 1 else None
+        self.pm = pm = parallelize(
+            GPT(c, dtype=self.dtype), grid=g, tensor_parallel=tp, data_parallel="fsdp" if self.sharding else "ddp",
+            sharding_strategy=self.sharding, sequence_parallel=self.sequence_parallel,
+            context_parallel=self.cp_algo if g.G_context > 1 else None,
+            expert_parallel=self._expert_parallel if c.moe_experts else None, pipeline=pipe,
+            activation_checkpointing=(True if pipe is not None else [f"blocks.{i}" for i in range(c.n_layer)])
+            if activation_checkpointing else None, **opts)
+        self.model, self._params = pm.inner, list(pm.parameters())
+        # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
+        self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
+        self.fsdp = pm.module if self.sharding is not None and pipe is None else None
+        self.pipe = pm.pipeline if pipe is not None else None
+        mine = {id(p) for p in (pm.pipeline.parameters() if pipe is not None else self.model.parameters())}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
+        if self.fsdp is not None:      # FSDP freed them: the TP-local shapes from its flat layouts
+            shapes = {n: s for f in self.fsdp.parameters() for n, s in zip(self.fsdp.param_names(f), f.layout.shapes)}
+        else:
+            shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
-                             tensor_parallel=self.style is not None or self._expert_parallel > 1, grid=g,
-                             dtype=self.dtype)
-        if self.fsdp is not None and self.style is TPStyle.AXONN:
-            check_axonn_fsdp_shapes([(n, shapes[n]) for n in self.param_names], g)
+                             tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype)
 
     def _build(self):
-        """This rank's GPT: TP layers in place; with a pipeline only its stage's (others: stand-ins)."""
+        """This rank's pipeline GPT: only its stage's layers, TP layers in place (the others: stand-ins)."""
         c, g = self.config, self.grid
         axonn, megatron = self.style is TPStyle.AXONN, self.style is TPStyle.MEGATRON
 
-        def ctx():
-            return auto_parallelize(groups=self.groups) if axonn else contextlib.nullcontext()
+        def construct(i):
+            with auto_parallelize(groups=self.groups) if axonn else contextlib.nullcontext():
+                return GPT.build_pipeline_layer(c, i, self.dtype)
 
         def tp_form(layer, i=None):
-            if megatron:
-                parallelize_gpt(layer, group=g.intra_group, sequence_parallel=self.sequence_parallel)
-            return layer
+            return parallelize_gpt(layer, group=g.intra_group) if megatron else layer
 
-        if self.layout.G_inter > 1:
-            def construct(i):
-                with ctx():
-                    return GPT.build_pipeline_layer(c, i, self.dtype)
-            layers = build_stage_layers(construct, lambda layer, i: init_gpt_weights(layer, c.n_layer), tp_form,
-                                        c.n_layer + 2, g.G_inter, self._v, g.inter_group.rank,
-                                        stage_ranks=self._stage_ranks)
-            return GPT.from_pipeline_layers(c, layers)
-        with ctx():
-            model = tp_form(GPT(c, dtype=self.dtype))
-        if self.layout.G_context > 1:        # each rank its tokens; gradients over data x context
-            from ..parallel.context import context_parallel_gpt
-            context_parallel_gpt(model, g.context_group, self.cp_algo)
-        return model
+        layers = build_stage_layers(construct, lambda layer, i: init_gpt_weights(layer, c.n_layer), tp_form,
+                                    c.n_layer + 2, g.G_inter, self._v, g.inter_group.rank, stage_ranks=self._stage_ranks)
+        return GPT.from_pipeline_layers(c, layers)
 
     # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -169,41 +167,31 @@ class HybridGPT(LayoutState):
         b = n // self.shards
         return batch[self.shard_index * b:(self.shard_index + 1) * b]
 
-    def _loss_groups(self) -> list:
-        """The groups whose ranks read other targets (the token mean sums over them; the pipeline's own)."""
-        if self.pipe is not None:
-            return self.pipe.token_groups()
-        if self.fsdp is not None and self.style is TPStyle.AXONN:
-            return [self.grid.data_group, self.grid.intra_group]
-        return [self.grid.data_context_group]
-
-    def _token_mean(self, model, x, y):
-        """The one loss rule (:mod:`axonmpi.parallel.token_mean`): this rank's loss sum over its counted
-        targets (its tokens of each sequence under context parallelism) -> the global batch's token mean."""
-        logits, _ = model(x)
+    def _token_mean(self, x, y):
+        """The one loss rule (``pm.token_mean``): this rank's loss sum over its counted targets (its tokens of
+        each sequence under context parallelism) -> the global batch's token mean."""
+        logits, _ = self.pm(x)
         cp = getattr(self.model, "context_parallel", None)
         if cp is not None and cp.active:
             y = y[:, cp.positions(y.shape[1])]
-        lsum = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
-        return token_mean(lsum, int((y != -100).sum()), self._loss_groups())
+        return self.pm.token_mean(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"), int((y != -100).sum()))
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
-        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`, DDP and FSDP layouts) scales the loss.
+        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`; not with a pipeline) scales the loss.
         Returns the mean loss over the global batch's counted targets (the serial model's, the same on
         every rank and every layout, ignored targets anywhere)."""
         if self.pipe is None:
-            loss = self._token_mean(self.ddp or self.fsdp, x, y)
+            loss = self._token_mean(x, y)
             aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
             total = loss if aux is None else loss + aux      # the returned value stays the LM loss
             (total if scaler is None else scaler.scale(total)).backward()
-            value = float(loss.item())
-            if self.fsdp is not None and self.style is TPStyle.AXONN:
-                finish_axonn_fsdp(self.fsdp, self.grid)
-            return value
+            return float(loss.item())
         if scaler is not None:
-            raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling is built for the DDP and FSDP "
-                                      f"layouts, not {self.layout} with a pipeline or tensor parallelism")
+            raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
+                                      f"pipeline's runtime runs one per micro-batch: not {self.layout}")
+        if self.pm is not None:
+            return self.pm.step(x, y)      # the composer's pipeline: its stages reduced by its runtime
         value = self.pipe.step(x, y)       # the token mean over its micro-batches and token groups
         if self.style is TPStyle.AXONN:
             from ..parallel.intra_layer import sync_gradients
@@ -219,14 +207,27 @@ class HybridGPT(LayoutState):
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
         if self.pipe is not None:
-            return self.pipe.eval_step(x, y)
+            return (self.pm or self.pipe).eval_step(x, y)
         with no_grad():
-            return float(self._token_mean(self.fsdp or self.model, x, y).item())
+            return float(self._token_mean(x, y).item())
 
     def dropout_seed(self, seed: int) -> int:
         """The seed of this rank's random stream: ``seed * 1000 + shard_index``, so ranks holding the same
         rows (Megatron's tensor ranks) draw the same masks and data replicas distinct ones."""
         return int(seed) * 1000 + self.shard_index
+
+    def full_state_dict(self):
+        """The whole serial model's parameters on every rank (collective; see ``LayoutState``)."""
+        if self.pm is not None and self.pipe is not None and self.sharding is not None:
+            from ..parallel.parallelize import full_state_dict
+            return full_state_dict(self.pm)      # FSDP stages: their flat shards gathered
+        return LayoutState.full_state_dict(self)
+
+    def checkpoint_state(self, optimizer):
+        """``(model_state, optimizer_state)`` for ``checkpoint.training_state`` (see ``LayoutState``)."""
+        if self.pm is not None and self.pipe is not None and self.sharding is not None:
+            return _Refused(self), _Refused(self)
+        return LayoutState.checkpoint_state(self, optimizer)
 
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
@@ -241,35 +242,64 @@ class HybridGPT(LayoutState):
             rep = self.fsdp.replicate_group.size if self.fsdp.replicate_group is not None else 1
             how = f"FSDP {self.sharding.name} (shards over {self.fsdp.shard_group.size} ranks x {rep} replicas)"
         else:
-            how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}"
+            how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}" \
+                if self.pipe is not None else "parallelize"
+            how += f" + FSDP {self.sharding.name} stage shards" if self.sharding is not None else ""
         style = self.style.value if self.style else "none"
         return (f"{self.layout} | tp-style {style} | {how} | batch in {self.shards} "
                 f"row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
 
 
+def gpt_plan(config: GPTConfig) -> Dict[str, str]:
+    """The GPT's Megatron plan: heads split, MLP column then row, vocabulary-parallel ``wte`` and a gathered
+    ``lm_head`` (both replicated when tied: one Parameter keeps both uses)."""
+    plan = {"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"}
+    return plan if config.tie_word_embeddings else {**plan, "wte": "vocab", "lm_head": "column_gather"}
+
+
+def _composed(h: "HybridGPT", config: GPTConfig, activation_checkpointing: bool) -> bool:
+    """Whether ``parallelize`` builds this layout: all but pipelines of DDP stages (no MoE, context or sequence
+    parallelism), where each rank builds only its stage's layers."""
+    lay = h.layout
+    return bool(lay.G_inter == 1 or lay.G_context > 1 or h.sharding is not None or config.moe_experts
+                or h.sequence_parallel)
+
+
+class _Refused:
+    """The checkpoint state of FSDP x pipeline: its stages' flat shards have no serial-named block form yet."""
+
+    def __init__(self, h):
+        self.rank = h.grid.world.rank
+
+    def state_dict(self):
+        raise NotImplementedError(f"rank {self.rank}: checkpoints of --fsdp with a pipeline (G_inter > 1) are not "
+                                  "built: each stage's flat FSDP shard has no serial-named block form; use "
+                                  "hyb.full_state_dict() (every rank) or --fsdp none with the pipeline")
+
+    def load_state_dict(self, state_dict=None, strict=True):
+        self.state_dict()
+
+
 def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
-    """``NotImplementedError`` for the combinations the recipe does not build (context parallelism beyond
-    DDP, sequence parallelism beyond Megatron without a pipeline, a tied head under AxoNN or a pipeline,
-    MoE beyond DDP), naming the layout and what to use instead."""
+    """``NotImplementedError`` for what neither the recipe nor the composer builds, naming why and what to use."""
     lay, r = h.layout, h.grid.world.rank
-    if lay.G_context > 1 and (lay.G_inter > 1 or lay.tensor_size > 1 or h.sharding is not None
-                              or activation_checkpointing):
+    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or config.tie_word_embeddings):
         raise NotImplementedError(
-            f"rank {r}: context parallelism (G_context={lay.G_context}) is built with data parallelism (DDP over "
-            f"data x context); not yet with {lay} with fsdp={fsdp!r}, activation_checkpointing={activation_checkpointing}")
-    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or lay.G_inter > 1):
-        raise NotImplementedError(f"rank {r}: sequence_parallel is built for tp_style='megatron' with G_intra_c > 1 "
-                                  f"and no pipeline; got {lay} with tp_style={h.style and h.style.value!r}")
-    if config.tie_word_embeddings and (lay.G_inter > 1 or h.style is TPStyle.AXONN):
-        where = "across pipeline stages (wte on the first, lm_head on the last)" if lay.G_inter > 1 \
-            else "with tp_style='axonn' (a 3-D lm_head cannot share wte's Parameter)"
+            f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1) and an untied head (the GPT leaves "
+            f"the sequence-parallel region at a gathered, vocabulary-parallel lm_head); got {lay} "
+            f"tp_style={h.style and h.style.value!r}, tie_word_embeddings={config.tie_word_embeddings}")
+    if config.tie_word_embeddings and lay.G_inter > 1:
         raise NotImplementedError(
-            f"rank {r}: tie_word_embeddings=True {where} is not built: the head would train apart from the "
-            f"embedding. Use the DDP/FSDP or Megatron layouts, parallelize(model, tensor_parallel='axonn') (it "
-            f"keeps a tied head whole), or an untied GPTConfig")
-    if (config.moe_experts or h._expert_parallel > 1) and (
-            not config.moe_experts or lay.G_inter > 1 or lay.G_context > 1 or h.style is not None
-            or h.sharding is not None or activation_checkpointing):
-        raise NotImplementedError(f"rank {r}: MoE GPTs run on data-parallel layouts (DDP; expert_parallel divides "
-                                  f"G_data) here, not {lay}{' with FSDP' if h.sharding else ''}; use axonmpi.parallel."
-                                  "parallelize(gpt, expert_parallel=N) for tensor-parallel experts")
+            f"rank {r}: tie_word_embeddings=True across pipeline stages (wte on the first, lm_head on the last) is "
+            f"not built: the two stages would train two copies of one weight apart (no tied-weight all-reduce "
+            f"between stages); use an untied GPTConfig or a layout without a pipeline")
+    if config.moe_experts and (lay.G_inter > 1 or h.sequence_parallel) and (config.moe_aux_loss_coeff
+                                                                            or config.moe_z_loss_coeff):
+        why = ("in a pipeline each stage's router losses do not reach the last stage's loss" if lay.G_inter > 1 else
+               "under sequence parallelism each tensor rank routes its sequence shard, so the router losses' "
+               "statistics are the shard's, not the global batch's")
+        raise NotImplementedError(
+            f"rank {r}: a MoE GPT with router losses (moe_aux_loss_coeff={config.moe_aux_loss_coeff}, moe_z_loss_coeff="
+            f"{config.moe_z_loss_coeff}) on {lay}: {why}; set both to 0 (--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0)")
+    if h._expert_parallel > 1 and not config.moe_experts:
+        raise ValueError(f"rank {r}: expert_parallel={h._expert_parallel} needs a MoE GPT (config.moe_experts > 0)")

@@ -1,5 +1,5 @@
 """The GPT recipe's layout rules: which layouts the GPT can run on (:func:`check_layout`), into how
-many row slices the batch is cut (:func:`batch_shards`), where FSDP is built (:func:`fsdp_refusal`).
+many row slices the batch is cut (:func:`batch_shards`).
 Used by :class:`~axonmpi.recipes.gpt.HybridGPT` and ``examples/train_gpt.py``; see ``docs/hybrid.md``.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ..enums import coerce_enum
 from ..models.gpt import GPTConfig
 from ..parallel.pipeline import PipelineSchedule
 
-__all__ = ["Layout", "TPStyle", "batch_shards", "check_layout", "fsdp_refusal"]
+__all__ = ["Layout", "TPStyle", "batch_shards", "check_layout"]
 
 
 class TPStyle(enum.Enum):
@@ -87,21 +87,3 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
     if errs:
         raise ValueError(f"impossible layout {layout} (tp_style={style.value}, schedule={schedule}): "
                          + "; ".join(errs))
-
-
-def fsdp_refusal(layout: Layout, tp_style="axonn", activation_checkpointing: bool = False) -> Optional[str]:
-    """Why FSDP over the data dimension cannot run on ``layout`` (``None`` when it can): built for pure
-    data parallel and data parallel x tensor parallel (``G_inter = 1``, no activation checkpointing).
-
-    Example:
-        >>> fsdp_refusal(Layout(G_data=2, G_intra_c=2), "megatron") is None
-        True
-    """
-    if layout.G_inter == 1 and not activation_checkpointing:
-        return None
-    what = "pipeline parallelism" if layout.G_inter > 1 else "activation checkpointing"
-    tp = layout.tensor_size > 1
-    return (f"is built for pure data parallel and for data parallel x tensor parallel (G_inter = 1, no "
-            f"activation checkpointing); got {layout}" + (f" tp-style {_style(tp_style).value}" if tp else "")
-            + (" with activation checkpointing" if activation_checkpointing else "")
-            + f": FSDP combined with {what} is not built")
