@@ -1,10 +1,10 @@
 """The AxoNN porting table of docs/tensor_parallel.md: every axonmpi name in it imports, and every
 AxoNN public name (read from AxoNN's source at commit 660a224) has a row."""
-import importlib
 import os
-import re
 
 import pytest
+
+from axonmpi.testing.doc_tables import axonmpi_names, resolve, table_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADING = "### Every AxoNN public name"
@@ -38,46 +38,9 @@ AXONN_NAMES = [
 ]
 
 
-def _rows():
-    with open(os.path.join(ROOT, "docs", "tensor_parallel.md"), encoding="utf-8") as f:
-        text = f.read()
-    assert HEADING in text, f"docs/tensor_parallel.md lost its '{HEADING}' table"
-    lines = text[text.index(HEADING):].splitlines()[1:]
-    start = next(i for i, line in enumerate(lines) if line.startswith("| AxoNN |"))
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        assert len(cells) == 3, line
-        rows.append(cells)
-    return rows
-
-
-ROWS = _rows()
-
-
-def _axonmpi_names(cell):
-    """The backticked ``axonmpi...`` names of a cell, call arguments dropped."""
-    names = []
-    for span in re.findall(r"`([^`]+)`", cell):
-        span = span.split("(")[0].strip()
-        if span == "axonmpi" or span.startswith("axonmpi."):
-            names.append(span)
-    return names
-
-
-def _resolve(dotted):
-    parts = dotted.split(".")
-    for k in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:k]))
-        except ImportError:
-            continue
-        for attr in parts[k:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(dotted)
+ROWS = table_rows(os.path.join(ROOT, "docs", "tensor_parallel.md"), HEADING, "| AxoNN |")
+_axonmpi_names = axonmpi_names
+_resolve = resolve
 
 
 def test_the_table_has_rows_and_each_names_a_counterpart_or_says_none():

@@ -1,11 +1,12 @@
 """The torch.distributed porting table of docs/porting.md: every axonmpi name in it imports, and every
 torch.distributed name a training script calls (the list below, from torch 2.13; checked against torch where it
 is installed) has a row. The model is tests/test_docs_porting_table.py (AxoNN's table)."""
-import importlib
 import os
 import re
 
 import pytest
+
+from axonmpi.testing.doc_tables import axonmpi_names, resolve, table_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADING = "### Every `torch.distributed` name"
@@ -22,45 +23,9 @@ TORCH_NAMES = [
 ]
 
 
-def _rows():
-    with open(os.path.join(ROOT, "docs", "porting.md"), encoding="utf-8") as f:
-        text = f.read()
-    assert HEADING in text, f"docs/porting.md lost its '{HEADING}' table"
-    lines = text[text.index(HEADING):].splitlines()[1:]
-    start = next(i for i, line in enumerate(lines) if line.startswith("| torch.distributed |"))
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        assert len(cells) == 3, line
-        rows.append(cells)
-    return rows
-
-
-ROWS = _rows()
-
-
-def _axonmpi_names(cell):
-    names = []
-    for span in re.findall(r"`([^`]+)`", cell):
-        span = span.split("(")[0].strip()
-        if span == "axonmpi" or span.startswith("axonmpi."):
-            names.append(span)
-    return names
-
-
-def _resolve(dotted):
-    parts = dotted.split(".")
-    for k in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:k]))
-        except ImportError:
-            continue
-        for attr in parts[k:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(dotted)
+ROWS = table_rows(os.path.join(ROOT, "docs", "porting.md"), HEADING, "| torch.distributed |")
+_axonmpi_names = axonmpi_names
+_resolve = resolve
 
 
 def test_the_table_has_rows_and_each_names_a_counterpart_or_says_none():
