@@ -39,19 +39,19 @@ w = axonmpi.init()
 print(w.rank, axonmpi.all_reduce(np.ones(5 if w.rank == 0 else 4), async_op=True).wait(), flush=True)
 """
 UNRECEIVED = """
-import numpy as np, axonmpi
+import sys, numpy as np, axonmpi
 w = axonmpi.init()
 if w.rank == 0:
     axonmpi.send(np.ones(4), dst=1)          # 32 bytes nobody receives
-print(w.rank, "done", flush=True)
+sys.stdout.write(f"{{w.rank}} done\\n"); sys.stdout.flush()   # one write: ranks share the pipe
 {after}
 """
 UNSENT = """
-import numpy as np, axonmpi
+import sys, numpy as np, axonmpi
 w = axonmpi.init()
 if w.rank == 0:
     axonmpi.recv(np.empty(4), src=1)         # rank 1 never sends
-print(w.rank, "done", flush=True)
+sys.stdout.write(f"{w.rank} done\\n"); sys.stdout.flush()   # one write: ranks share the pipe
 """
 SUBGROUP_OP = """
 import numpy as np, axonmpi
