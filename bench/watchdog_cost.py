@@ -65,25 +65,19 @@ def per_call_worker(calls: int, rounds: int) -> None:
             "axonmpi all_reduce, + always-on check": [], "the check's own work (start + verify)": []}
     clock = time.perf_counter
     dt = np.dtype(np.float64)
+
+    def timed(label, call):
+        raw.Barrier()
+        out = rows[label]
+        for _ in range(calls):
+            t = clock()
+            call()
+            out.append(clock() - t)
+
     for _ in range(rounds):             # each call timed alone: medians shrug off the descheduled ones
-        raw.Barrier()
-        out = rows["raw mpi4py Allreduce"]
-        for _ in range(calls):
-            t = clock()
-            raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
-            out.append(clock() - t)
-        raw.Barrier()
-        out = rows["axonmpi all_reduce, watchdog + recorder"]
-        for _ in range(calls):
-            t = clock()
-            axonmpi.all_reduce(x, group=plain, out=x)
-            out.append(clock() - t)
-        raw.Barrier()
-        out = rows["axonmpi all_reduce, + always-on check"]
-        for _ in range(calls):
-            t = clock()
-            axonmpi.all_reduce(x, group=checked, out=x)
-            out.append(clock() - t)
+        timed("raw mpi4py Allreduce", lambda: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM))
+        timed("axonmpi all_reduce, watchdog + recorder", lambda: axonmpi.all_reduce(x, group=plain, out=x))
+        timed("axonmpi all_reduce, + always-on check", lambda: axonmpi.all_reduce(x, group=checked, out=x))
         raw.Barrier()
         out = rows["the check's own work (start + verify)"]
         for _ in range(calls):

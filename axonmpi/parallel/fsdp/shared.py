@@ -56,9 +56,9 @@ def _chains(cls: type) -> List[Tuple[Tuple[str, ...], str]]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in methods:
                 methods[node.name] = (node, klass.__name__, fname, first)
     out: List[Tuple[Tuple[str, ...], str]] = []
-    todo, done = ["forward"], set()
-    while todo:
-        name = todo.pop()
+    pending, done = ["forward"], set()
+    while pending:
+        name = pending.pop()
         if name in done or name not in methods:
             continue
         done.add(name)
@@ -76,7 +76,7 @@ def _chains(cls: type) -> List[Tuple[Tuple[str, ...], str]]:
                 continue
             if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) \
                     and isinstance(sub.func.value, ast.Name) and sub.func.value.id == "self":
-                todo.append(sub.func.attr)
+                pending.append(sub.func.attr)
             if not isinstance(sub, ast.Attribute):
                 continue
             names, cur = [], sub
