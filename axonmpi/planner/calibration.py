@@ -31,15 +31,16 @@ class Calibration:
             or transfer across nodes reaches.
     """
     gemm_max: float = 0.70
-    gemm_half_gflop: float = 0.25
+    gemm_half_gflop: float = 2.0
     memory: float = 0.75
-    link: float = 0.90
-    network: float = 0.90
+    link: float = 0.80
+    network: float = 0.70
 
     def with_(self, **kw) -> "Calibration":
         return replace(self, **kw)
 
 
-#: The fitted values: ``published.fit()`` over ``published.GRID`` on Table 1 (mean 2.6%, worst 5.2% there).
-#: ``link``, ``network`` and ``gemm_half_gflop`` ended at the edge of the grid (0.9, 0.9, 0.25).
+#: The fitted values: ``published.fit()`` over ``published.GRID`` on Table 1 (mean 2.4%, worst 4.1% there),
+#: refitted after the tensor-parallel collectives per block were corrected (4, 6 with full recomputation).
+#: ``gemm_half_gflop`` ended at the edge of the grid (2 GFLOP).
 FITTED = Calibration()

@@ -5,7 +5,8 @@ block reads its own rows), ``v`` chunks per pipeline rank of ``L / (p v)`` block
 
 * one chunk's forward ``F``, input-gradient backward ``B`` and weight-gradient backward ``W``
   (:mod:`.compute`; recomputation adds a forward, or its attention core, to ``B``) plus the tensor
-  group's collectives (Megatron: 2 all-reduces forward, 2 backward, 2 more in a full recomputation;
+  group's collectives (Megatron: 2 all-reduces forward, 2 backward, 2 more in a full recomputation:
+  4 per block, 6 with full recomputation;
   with sequence parallelism all-gathers + reduce-scatters of the same time; AxoNN 3-D: the easy-mode
   volumes of ``axonmpi.plan.linear_volumes`` per group), the context group's (ring: ``cp - 1``
   exchanges of K and V forward, ``2 cp - 1`` backward (K/V on, dK/dV along, and dK/dV's hop home),
@@ -155,16 +156,25 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
         full = (1 - moe_frac) * full + moe_frac * ops_time(moe, hw, pr, cal)
     rec = {"none": 0.0, "selective": core, "full": full}[train.recompute]
 
-    # -- collectives of one block, forward (x3 with backward; x4 with full recomputation) -----------------
-    passes = 3.0 if train.recompute != "full" else 4.0   # forward, backward = 2 forwards' worth, recompute
+    # -- collectives of one block: forward, backward, and the forward again with full recomputation ---------
+    # Megatron's f/g pair: each forward all-reduce has one backward all-reduce (of the input gradient),
+    # and a full recomputation repeats the forward's: 2 + 2 (+ 2) all-reduces per block.  With sequence
+    # parallelism: forward 2 all-gathers + 2 reduce-scatters; backward the all-gather of dY (g-bar's
+    # backward), the reduce-scatter of dX (g's) and the re-gather of the sharded input X for the weight
+    # gradient (Megatron keeps X sharded): 2 + 2 + 2.  ``tp_hideable``: what ``tp_overlap`` can run under
+    # GEMMs (the dX reduction under the weight-gradient GEMM; SP's re-gather under the input-gradient GEMM).
+    passes = 2.0 if train.recompute != "full" else 3.0   # forward, backward, recomputed forward
     act = n * h * pb
-    tp_fwd = 0.0
+    tp_fwd = tp_bwd = 0.0
+    tp_hideable = (0.0, 0.0)                  # (under the weight-gradient GEMMs, under the input-gradient GEMMs)
     if t > 1:
         if sp:
-            tp_fwd = (collective_time("allgather", act, t, 1, hw, cal, 2)
-                      + collective_time("reducescatter", act, t, 1, hw, cal, 2))
+            ag = collective_time("allgather", act, t, 1, hw, cal, 2)
+            rs = collective_time("reducescatter", act, t, 1, hw, cal, 2)
+            tp_fwd, tp_bwd, tp_hideable = ag + rs, 2 * ag + rs, (rs, ag)
         else:
-            tp_fwd = collective_time("allreduce", act, t, 1, hw, cal, 2)
+            tp_fwd = tp_bwd = collective_time("allreduce", act, t, 1, hw, cal, 2)
+            tp_hideable = (tp_fwd, 0.0)
     if lay.axonn > 1:
         from ..plan import linear_volumes
         sizes = {"col": (lay.col, 1), "row": (lay.row, lay.col), "depth": (lay.depth, lay.col * lay.row)}
@@ -173,8 +183,9 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
                 size, ip = sizes[g]
                 for kind, vol in kinds.items():
                     k = "allreduce" if kind == "allreduce" else "allgather"
-                    # the volumes are forward + backward: spread over the passes below
-                    tp_fwd += collective_time(k, vol * pb, size, ip, hw, cal) / 3.0
+                    # the volumes are forward + backward: half of them one pass
+                    tp_fwd += collective_time(k, vol * pb, size, ip, hw, cal) / 2.0
+        tp_bwd = tp_fwd
     cp_fwd = cp_bwd = 0.0
     if lay.cp > 1:
         ip = T * lay.pp
@@ -190,8 +201,8 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
     ep_fwd = 0.0
     if cfg.experts and lay.ep > 1:
         ep_fwd = moe_frac * collective_time("alltoall", n * cfg.top_k * h * pb, lay.ep, T * lay.pp * lay.cp, hw, cal, 2)
-    tp_chunk = lpc * tp_fwd * passes
-    cp_chunk = lpc * (cp_fwd * (passes - 2) + cp_bwd)
+    tp_chunk = lpc * (tp_fwd * (passes - 1) + tp_bwd)
+    cp_chunk = lpc * (cp_fwd * (passes - 1) + cp_bwd)
     ep_chunk = lpc * ep_fwd * passes
 
     # -- pipeline ---------------------------------------------------------------------------------------
@@ -202,11 +213,12 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
                 "allgather", act, t, 1, hw, cal))
         else:
             p2p = collective_time("p2p", act, 2, T, hw, cal)
-    F = lpc * Fd + (tp_chunk + cp_chunk + ep_chunk) / passes + p2p
-    comm_b = (tp_chunk + cp_chunk + ep_chunk) * (passes - 1) / passes
+    comm_f = lpc * (tp_fwd + cp_fwd + ep_fwd)
+    F = lpc * Fd + comm_f + p2p
+    comm_b = tp_chunk + cp_chunk + ep_chunk - comm_f
     tp_hidden = 0.0
-    if lay.tp_overlap:       # the backward's two all-reduces (input gradients) under the weight-gradient GEMMs
-        tp_hidden = min(lpc * 2 * tp_fwd / 2, lpc * Wd)
+    if lay.tp_overlap:       # the backward's dX reductions under the weight-gradient GEMMs (SP: re-gather under dX's)
+        tp_hidden = lpc * (min(tp_hideable[0], Wd) + min(tp_hideable[1], Bd))
         comm_b -= tp_hidden
     W = lpc * Wd
     Bi = lpc * (Bd + rec) + comm_b + p2p
