@@ -178,16 +178,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from axonmpi.planner.cpu import hardware_from_spec
         hw = hardware_from_spec("cpu", args.gpus_per_node if args.gpus_per_node_set else None)
     if args.measure:
-        bw = P.measure_bandwidth()
-        hw = P.Hardware(bw_intra=bw["intra"] or hw.bw_intra, bw_inter=bw["inter"] or hw.bw_inter, flops=bw["flops"],
-                        gpus_per_node=hw.gpus_per_node, latency=bw["latency"], cores=args.cores or bw["cores"])
+        bw = P.measure_bandwidth(width=args.width, seq=args.seq, heads=args.heads or max(1, args.width // 64),
+                                 dtype="float32" if args.dtype_bytes == 4 else "float64")
+        hw = P.Hardware.from_measured(bw, hw.gpus_per_node, args.cores)
         if args.save_hardware:
             from axonmpi.planner.cpu import save_measured
             import axonmpi
             if axonmpi.get_world().rank == 0:
                 save_measured(args.save_hardware, bw, hw.gpus_per_node)
     model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
-                    vocab=args.vocab, dtype_bytes=args.dtype_bytes)
+                    vocab=args.vocab, dtype_bytes=args.dtype_bytes, heads=args.heads)
     limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
     import axonmpi
     if axonmpi.is_initialized() and axonmpi.get_world().rank != 0:

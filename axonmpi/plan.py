@@ -42,9 +42,16 @@ the busiest pipeline stage.
   on a core): per Linear and micro-batch 5 calls on col and on row (four collectives and the
   row-count exchange), 2 on depth; one per gradient tensor and group; two per micro-batch and
   neighbour on the pipeline.
-* Compute: ``6 n sum(in out)`` over the stage's Linears plus attention ``12 n S H`` per block, at
-  ``flops`` per rank, stretched by the pipeline bubble ``(m + G_inter - 1) / m`` and, when more ranks
-  share a node than it has ``cores``, by ``ranks per node / cores`` (oversubscribed CPUs).
+* Compute: ``6 n sum(in out)`` over the stage's Linears at ``flops`` per rank, the attention core's
+  ``12 n S H`` per block at ``attn_flops``, and the other kernels of our autograd by their measured
+  cost per element (``Hardware``; 0 on GPUs): per block and token ``4 H`` GELU, ``2 H`` LayerNorm,
+  ``a S`` attention scores (scale, mask, softmax), ``2 H`` residual adds; all of it stretched by the
+  pipeline bubble ``(m + G_inter - 1) / m`` and, when more ranks share a node than it has ``cores``,
+  by ``ranks per node / cores`` (oversubscribed CPUs: MPI's waiting ranks spin, so every rank keeps
+  its share of the cores, computing or waiting).  Once a step: AdamW and the clipping norm over the
+  parameters the rank updates (``adam`` each; FSDP: its shard) and two copies of every gradient the
+  data (or replica) group all-reduces (into the flat buffer and back), stretched by ``ranks per node /
+  mem_cores`` (memory-bound work: the cores share the memory bandwidth), as are the residual adds.
 * Step time = compute + all communication (no overlap assumed), of the slowest stage.
 * Memory per rank: parameters, gradients and two AdamW moments (``4 b`` per local parameter) plus
   activations ``34 (n/m) H b`` per block and micro-batch held (``min(m, G_inter)``; Korthikanti et
@@ -82,6 +89,11 @@ class Model:
     vocab: int = 50304
     dtype_bytes: int = 4
     bias: bool = True
+    heads: int = 0                  # attention heads (0: width / 64); the softmax's scores per token
+
+    @property
+    def n_heads(self) -> int:
+        return self.heads or max(1, self.width // 64)
 
     def linears(self) -> List[Tuple[int, int]]:
         """``(in, out)`` of one block's four Linears."""
@@ -107,13 +119,43 @@ class Model:
 @dataclass(frozen=True)
 class Hardware:
     """Bandwidths in bytes/s, compute in flop/s per rank (a rank alone on its core), ranks per node,
-    seconds per collective call, and cores per node (0: one per rank, no sharing)."""
+    seconds per collective call, and cores per node (0: one per rank, no sharing).
+
+    The work that is not a Linear's GEMM (``measure_kernels`` times our autograd's own kernels, forward +
+    backward, on one rank alone; 0: not modelled, as on GPUs where the planner of ``axonmpi.planner``
+    covers it): ``attn_flops`` the attention core's batched matmuls (flop/s; 0: ``flops``), seconds per
+    element of ``gelu`` (the MLP's hidden), ``layernorm``, ``softmax`` (per attention score: scale,
+    causal mask, softmax), ``add`` (a residual add), seconds per parameter of ``adam`` (AdamW's step and
+    the gradient clipping's norm), ``copy`` (seconds per element copied: a gradient into the flat buffer
+    the data-parallel all-reduce reduces, and back), and ``mem_cores``: the cores in effect for that memory-bound work when
+    all of a node's ranks run it at once (0: ``cores``)."""
     bw_intra: float = 50e9
     bw_inter: float = 12.5e9
     flops: float = 50e12
     gpus_per_node: int = 8
     latency: float = 0.0
     cores: float = 0.0
+    attn_flops: float = 0.0
+    gelu: float = 0.0
+    layernorm: float = 0.0
+    softmax: float = 0.0
+    add: float = 0.0
+    adam: float = 0.0
+    copy: float = 0.0
+    mem_cores: float = 0.0
+
+    @classmethod
+    def from_measured(cls, bw: Dict[str, float], gpus_per_node: int, cores: float = 0.0) -> "Hardware":
+        """The hardware ``measure_bandwidth`` measured (its dict, or a hardware file's ``measured``);
+        ``cores`` overrides the measured cores when given."""
+        kern = {k: float(bw.get(k, 0.0)) for k in _KERNELS}
+        return cls(bw_intra=bw["intra"], bw_inter=bw.get("inter") or bw["intra"], flops=bw["flops"],
+                   gpus_per_node=gpus_per_node, latency=bw.get("latency", 0.0), cores=cores or bw.get("cores", 0.0),
+                   **kern)
+
+
+#: The kernels ``measure_kernels`` times (``Hardware``'s fields of the same names).
+_KERNELS = ("attn_flops", "gelu", "layernorm", "softmax", "add", "adam", "copy", "mem_cores")
 
 
 @dataclass
@@ -282,19 +324,23 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
         sizes["repl"] = T
     ranks_node = min(layout.world_size, hw.gpus_per_node)
     stretch = max(1.0, ranks_node / hw.cores) if hw.cores else 1.0
+    mem_cores = hw.mem_cores or hw.cores
+    mem_stretch = max(1.0, ranks_node / mem_cores) if mem_cores else 1.0
     worst = None
     vol_max = {g: 0.0 for g in GROUPS}
     for s in range(p):
         stage = layers[starts[s]:starts[s + 1]]
         vol = {g: {"allreduce": 0.0, "gather": 0.0, "p2p": 0.0} for g in GROUPS}
         calls = {g: 0.0 for g in GROUPS}
-        flops = 0.0
+        flops = attn = kernels = 0.0          # GEMM flops, attention-core flops, seconds of the other kernels
         repl = sum(lay.replicated for lay in stage)
         repl_t = sum(lay.replicated_tensors for lay in stage)
         local = sum(lay.local for lay in stage)
         for lay in stage:
             has_bias = model.bias and lay is not layers[-1]        # lm_head has no bias
-            flops += 12.0 * n * model.seq * H * lay.blocks
+            attn += 12.0 * n * model.seq * H * lay.blocks
+            kernels += n * lay.blocks * (4 * H * hw.gelu + 2 * H * hw.layernorm + model.n_heads * model.seq * hw.softmax)
+            kernels += n * H * hw.layernorm if lay is layers[-1] else 0.0       # the final LayerNorm
             for i, o, par in lay.linears:
                 flops += 6.0 * n * i * o
                 if not par:
@@ -337,8 +383,12 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
         totals = {g: sum(vol[g].values()) for g in GROUPS}
         times = {g: sum(_factor(kind, sizes[g]) * v for kind, v in vol[g].items()) * b / _bandwidth(layout, g, hw)
                  + (calls[g] * hw.latency if sizes[g] > 1 else 0.0) for g in GROUPS}
-        compute = flops / hw.flops * stretch * (m + p - 1) / m
         blocks = sum(lay.blocks for lay in stage)
+        adds = 2.0 * n * H * blocks * hw.add                   # the residual adds
+        copies = 2.0 * (vol["data"]["allreduce"] + vol["repl"]["allreduce"]) * hw.copy   # into the flat buffer and back
+        updated = local / G_data if fsdp is not None else local
+        compute = ((flops / hw.flops + attn / (hw.attn_flops or hw.flops) + kernels) * stretch
+                   + adds * mem_stretch) * (m + p - 1) / m + (updated * hw.adam + copies) * mem_stretch
         acts = 34.0 * (n / m) * H * blocks * min(m, p) * b
         biggest = max([i * o for lay in stage for i, o, par in lay.linears if par] or [0]) / (G_r * G_c)
         memory = 4.0 * local * b + acts + (biggest * b if G_d > 1 else 0.0)
@@ -409,7 +459,83 @@ def format_plan(estimates: List[Estimate], top: int = 20, dtype_bytes: int = 4) 
     return "\n".join(lines)
 
 
-def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) -> Dict[str, float]:
+def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int = 256, dtype: str = "float32",
+                    repeats: int = 5) -> Dict[str, float]:
+    """Time our autograd's kernels other than the Linears' GEMMs, forward + backward, on this rank
+    (no MPI): what a step spends besides the GEMMs, per unit of work (``Hardware``'s fields).
+
+    Returns seconds per element of ``gelu`` (``rows x 4 width``; tanh, as ``nn.MLP``), ``layernorm`` (``rows x width``, with
+    weight and bias), ``softmax`` (per attention score of ``rows / seq`` sequences: the scale, the causal
+    mask and the softmax), ``add`` (a residual add), seconds per parameter of ``adam`` (``AdamW.step``
+    and the gradient clipping's norm, over ``rows x width`` parameters), and ``attn_flops``: the flop
+    rate of the attention core's two batched matmuls ``q k^T`` and ``a v`` (forward + backward, 3x the
+    forward's flops), and ``copy``: seconds per element of a copy of ``2^22`` elements.  The median of
+    ``repeats``.
+
+    Example:
+        >>> k = measure_kernels(64, 16, 2, rows=32, repeats=1)
+        >>> k["gelu"] > 0 and k["attn_flops"] > 0
+        True
+    """
+    import statistics
+    import time
+
+    import numpy as np
+
+    from .autograd import Tensor, ops, ops_nn
+    from .optim import AdamW
+    from .optim.clip import clip_grad_norm_
+    rng = np.random.default_rng(0)
+    dt = np.dtype(dtype)
+    seqs = max(1, rows // seq)
+    hd = max(1, width // heads)
+
+    def leaf(*shape):
+        return Tensor(rng.standard_normal(shape).astype(dt), requires_grad=True)
+
+    def seconds(fn) -> float:
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def fwd_bwd(make):
+        def run():
+            y = make()
+            y.backward(np.ones(y.shape, dt))
+        return run
+
+    h4, x = leaf(rows, 4 * width), leaf(rows, width)
+    w, b, r = leaf(width), leaf(width), leaf(rows, width)
+    q, k, v = leaf(seqs, heads, seq, hd), leaf(seqs, heads, hd, seq), leaf(seqs, heads, seq, hd)
+    sc = leaf(seqs, heads, seq, seq)
+    future = np.triu(np.ones((seq, seq), dtype=bool), k=1)
+    out = {"gelu": seconds(fwd_bwd(lambda: ops_nn.gelu(h4, approximate="tanh"))) / h4.data.size,   # nn.MLP's
+           "layernorm": seconds(fwd_bwd(lambda: ops_nn.layer_norm(x, width, w, b))) / x.data.size,
+           "softmax": seconds(fwd_bwd(lambda: ops_nn.softmax(ops_nn.masked_fill(sc * 0.125, future, -np.inf), -1)))
+           / sc.data.size,
+           "add": seconds(fwd_bwd(lambda: x + r)) / x.data.size}
+    flops = 3.0 * 2 * (2.0 * seqs * heads * seq * seq * hd)
+    out["attn_flops"] = flops / seconds(fwd_bwd(lambda: ops.matmul(ops.matmul(q, k), v)))
+    p = leaf(rows, width)
+    p.grad = Tensor(rng.standard_normal(p.shape).astype(dt))
+    opt = AdamW([p], lr=1e-3, weight_decay=0.01)
+
+    def step():
+        clip_grad_norm_([p], 1.0)
+        opt.step()
+    out["adam"] = seconds(step) / p.data.size
+    big = np.ones(1 << 22, dt)                     # beyond the caches, as a model's gradients are
+    into = np.empty_like(big)
+    out["copy"] = seconds(lambda: np.copyto(into, big)) / big.size
+    return out
+
+
+def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, *, width: int = 512,
+                      seq: int = 128, heads: int = 8, dtype: str = "float32") -> Dict[str, float]:
     """Time all-reduces and a GEMM on this allocation (collective; call on every rank under mpiexec/srun).
 
     Returns ``{"intra", "inter", "latency", "flops", "cores"}``:
@@ -501,8 +627,39 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512) 
     shared = float(all_reduce(np.array([shared]), op="sum", group=node)[0])    # the node's ranks together
     avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cores = min(float(avail), shared / alone) if alone > 0 else float(avail)
+    # the other kernels, alone (the others sleep), and the memory-bound loop (AdamW) on all ranks at once
+    kern = {}
+    barrier()
+    if world.local_rank == 0:
+        kern = measure_kernels(width, seq, heads, dtype=dtype, repeats=repeats)
+    else:
+        time.sleep(0.5)
+    barrier()
+    kern = {k: float(all_reduce(np.array([kern.get(k, 0.0)]), op="max")[0]) for k in _KERNELS if k != "mem_cores"}
+    p = np.ones(1 << 20, np.float32)
+    m1, m2 = np.zeros_like(p), np.zeros_like(p)
+
+    def adam_like():                   # AdamW's streams: two moments, the update, the parameter
+        m1.__imul__(0.9).__iadd__(p)
+        m2.__imul__(0.95).__iadd__(p * p)
+        p.__isub__(1e-9 * m1 / (np.sqrt(m2) + 1.0))
+
+    def adam_rate(loops: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            adam_like()
+        return loops / (time.perf_counter() - t0)
+
+    adam_rate(1)
+    barrier()
+    solo = adam_rate(3 * repeats) if world.local_rank == 0 else (time.sleep(0.5) or 0.0)
+    barrier()
+    together = adam_rate(3 * repeats)
+    solo = float(all_reduce(np.array([solo]), op="max")[0])
+    together = float(all_reduce(np.array([together]), op="sum", group=node)[0])
+    kern["mem_cores"] = min(float(avail), together / solo) if solo > 0 else cores
     return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med, "flops": alone,
-            "cores": cores}
+            "cores": cores, **kern}
 
 
 # -- mixture of experts: expert parallelism vs tensor-parallel experts ----------------------------

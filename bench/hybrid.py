@@ -24,6 +24,7 @@ predicted and measured step times closes the table.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import glob
 import json
 import os
@@ -130,14 +131,15 @@ def main():
     from axonmpi.testing import run_mpiexec
     tmp = tempfile.mkdtemp()
     model = Model(layers=args.layers, width=args.width, seq=args.block, global_batch=args.global_batch,
-                  vocab=_vocab(), dtype_bytes=4 if args.dtype == "float32" else 8)
+                  vocab=_vocab(), dtype_bytes=4 if args.dtype == "float32" else 8, heads=args.heads)
     serial, one, err = _train(args, tmp, "serial", None)
     if serial is None:
         sys.exit(f"the 1-rank run failed: {err}")
     # flop/s of one rank alone on a core: the model's flops over the CPU seconds of a 1-rank step
     flops = estimate(model, Layout(), Hardware(flops=1.0)).compute_time / one["_cpu"]
     r = run_mpiexec(["-c", "import json, axonmpi\nfrom axonmpi.plan import measure_bandwidth\n"
-                     "bw = measure_bandwidth(1 << 22)\nif axonmpi.get_world().rank == 0: print(json.dumps(bw))"],
+                     f"bw = measure_bandwidth(1 << 22, width={args.width}, seq={args.block}, heads={args.heads}, "
+                     f"dtype={args.dtype!r})\nif axonmpi.get_world().rank == 0: print(json.dumps(bw))"],
                     n=args.ranks, timeout=600)
     if r.returncode != 0:
         sys.exit(f"measure_bandwidth failed: {r.stderr.strip()[-2000:]}")
@@ -145,13 +147,21 @@ def main():
     cores = bw["cores"]
     if args.flops_from == "measure":
         flops = bw["flops"]
-    hw = Hardware(bw_intra=bw["intra"], bw_inter=bw["inter"], flops=flops, gpus_per_node=args.ranks,
-                  latency=bw["latency"], cores=cores)
+    hw = replace(Hardware.from_measured(bw, args.ranks), flops=flops)
+    if args.flops_from == "serial":      # the 1-rank step's CPU seconds hold every kernel: GEMM flops only
+        hw = replace(hw, attn_flops=0.0, gelu=0.0, layernorm=0.0, softmax=0.0, add=0.0, adam=0.0)
     print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {model.vocab}, global batch "
           f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | 1 rank: {serial:,.0f} tokens/s "
           f"({flops / 1e9:.1f} GFLOP/s per CPU second) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} "
           f"GB/s (median), {bw['latency'] * 1e6:.0f} us a call between GEMMs, {cores:.2f} cores in effect for "
-          f"{args.ranks} ranks",
+          f"{args.ranks} ranks | per element, forward + backward, alone: GELU {hw.gelu * 1e9:.1f} ns, LayerNorm "
+          f"{hw.layernorm * 1e9:.1f} ns, attention score {hw.softmax * 1e9:.1f} ns, add {hw.add * 1e9:.2f} ns; "
+          f"AdamW + clipping {hw.adam * 1e9:.1f} ns a parameter; attention matmuls {hw.attn_flops / 1e9:.1f} GFLOP/s; "
+          f"{hw.mem_cores:.2f} cores in effect for memory-bound work",
+          flush=True)
+    alone = estimate(model, Layout(), replace(hw, cores=0.0, mem_cores=0.0)).step_time
+    print(f"1 rank: measured {args.global_batch * args.block / serial * 1e3:.0f} ms a step, predicted {alone * 1e3:.0f} ms "
+          f"(GEMMs {estimate(model, Layout(), replace(hw, attn_flops=0.0, gelu=0.0, layernorm=0.0, softmax=0.0, add=0.0, adam=0.0, cores=0.0, mem_cores=0.0)).step_time * 1e3:.0f} ms of it)",
           flush=True)
     todo = []
     for entry in LAYOUTS:

@@ -92,6 +92,24 @@ def test_placement_latency_and_shared_cores():
 
 
 @pytest.mark.serial
+def test_the_other_kernels_by_hand():
+    """The CPU costs besides the GEMMs: per token and block 4H GELU, 2H LayerNorm, a S scores, 2H adds; the
+    final LayerNorm; AdamW over the updated parameters and two copies of every all-reduced gradient."""
+    kern = dict(attn_flops=100.0, gelu=1.0, layernorm=2.0, softmax=3.0, add=5.0, adam=7.0, copy=11.0)
+    hw = Hardware(**{**HW.__dict__, **kern, "cores": 1.0, "mem_cores": 0.5})
+    e = estimate(M, Layout(G_data=2), hw)          # n = 4 tokens a rank, one head, 2 ranks on the node
+    gemm = 6 * 4 * (2 * 192 + 4 * 8) / 1e3          # the Linears (the head's included)
+    attn = 12 * 4 * 2 * 4 * 2 / 100.0               # 12 n S H a block
+    other = 4 * (2 * (16 * 1.0 + 8 * 2.0 + 2 * 3.0) + 4 * 2.0)
+    memory = 2 * 4 * 4 * 2 * 5.0 + 568 * 7.0 + 2 * 568 * 11.0
+    assert e.compute_time == pytest.approx((gemm + attn + other) * 2 + memory * 4)   # ranks / cores, / mem_cores
+    f = estimate(M, Layout(G_data=2), hw, fsdp="full_shard")       # AdamW on the shard; no flat all-reduce
+    assert f.compute_time == pytest.approx((gemm + attn + other) * 2 + (2 * 4 * 4 * 2 * 5.0 + 284 * 7.0) * 4)
+    assert Hardware.from_measured({"intra": 1.0, "flops": 2.0, "cores": 2.0, **kern}, 4) == Hardware(
+        bw_intra=1.0, bw_inter=1.0, flops=2.0, gpus_per_node=4, cores=2.0, **kern)
+
+
+@pytest.mark.serial
 def test_candidates_follow_the_rules_and_plan_is_sorted():
     got = list(candidate_layouts(M, 4))
     for lay in got:

@@ -1,9 +1,11 @@
 """The ``cpu`` machine: HybridGPT's model (``axonmpi.plan``) with this allocation's measured numbers.
 
 On CPUs the runs ``examples/train_gpt.py`` makes are the GPT under AxoNN's easy mode, DDP, FSDP or a
-plain pipeline, and what decides their step time is a measured GEMM rate, the cores the ranks really
-get and the wait of every blocking collective for the other ranks' turn on a core -- which
-``axonmpi.plan.estimate`` models with its call counts and ``measure_bandwidth`` measures.  So
+plain pipeline, and what decides their step time is a measured GEMM rate, the measured cost of our
+autograd's other kernels (GELU, LayerNorm, the attention core, AdamW, gradient copies), the cores the
+ranks really get (for compute and for memory-bound work) and the wait of every blocking collective for
+the other ranks' turn on a core -- which ``axonmpi.plan.estimate`` models with its call counts and
+``measure_bandwidth`` measures.  So
 ``--hardware cpu`` plans with that model; ``hardware/cpu.json`` holds one measurement of the development
 allocation (``axonmpi plan --hardware cpu --measure --save-hardware PATH`` writes a new one), and
 ``--measure`` replaces it with the current allocation's.
@@ -23,24 +25,19 @@ def hardware_from_spec(name: str = "cpu", gpus_per_node: Optional[int] = None):
     from ..plan import Hardware
     from .hardware import load_hardware
     spec = load_hardware(name)
+    ranks = gpus_per_node or spec.gpus_per_node
+    if spec.measured:              # everything --measure measured, the kernels included
+        return Hardware.from_measured(spec.measured, ranks)
     return Hardware(bw_intra=spec.intra_bw, bw_inter=spec.nic_bw, flops=spec.peak_flops("fp32"),
-                    gpus_per_node=gpus_per_node or spec.gpus_per_node, latency=spec.intra_latency, cores=spec.cores)
+                    gpus_per_node=ranks, latency=spec.intra_latency, cores=spec.cores)
 
 
 def save_measured(path: str, bw: Dict[str, float], ranks: int) -> None:
     """Write ``measure_bandwidth``'s numbers as a hardware file (``--save-hardware``)."""
-    import numpy as np
-    a = np.ones(1 << 23)
-    b = np.empty_like(a)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        ts.append(time.perf_counter() - t0)
-    copy = 2 * a.nbytes / sorted(ts)[len(ts) // 2]
+    copy = 2 * 4 / bw["copy"] if bw.get("copy") else 0.0        # bytes read + written per second (float32)
     d = {"name": "cpu", "description": f"this allocation, measured by `axonmpi plan --measure` on {ranks} ranks "
                                        f"at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-         "source": "axonmpi.plan.measure_bandwidth (medians under load; see docs/hybrid.md) and a NumPy copy",
+         "source": "axonmpi.plan.measure_bandwidth and measure_kernels (medians; see docs/plan.md)",
          "gpus_per_node": ranks, "matrix_tflops": {"fp32": bw["flops"] / 1e12, "fp64": bw["flops"] / 2e12},
          "vector_tflops": bw["flops"] / 8e12, "memory_gbs": copy / 1e9,
          "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / ranks,
