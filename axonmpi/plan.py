@@ -459,6 +459,19 @@ def format_plan(estimates: List[Estimate], top: int = 20, dtype_bytes: int = 4) 
     return "\n".join(lines)
 
 
+def _seconds(fn, repeats: int) -> float:
+    """The median wall seconds of ``repeats`` calls of ``fn`` after one to warm up."""
+    import statistics
+    import time
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int = 256, dtype: str = "float32",
                     repeats: int = 5) -> Dict[str, float]:
     """Time our autograd's kernels other than the Linears' GEMMs, forward + backward, on this rank
@@ -467,7 +480,7 @@ def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int 
     Returns seconds per element of ``gelu`` (``rows x 4 width``; tanh, as ``nn.MLP``), ``layernorm`` (``rows x width``, with
     weight and bias), ``softmax`` (per attention score of ``rows / seq`` sequences: the scale, the causal
     mask and the softmax), ``add`` (a residual add), seconds per parameter of ``adam`` (``AdamW.step``
-    and the gradient clipping's norm, over ``rows x width`` parameters), and ``attn_flops``: the flop
+    and the gradient clipping's norm, over ``2^22`` parameters), and ``attn_flops``: the flop
     rate of the attention core's two batched matmuls ``q k^T`` and ``a v`` (forward + backward, 3x the
     forward's flops), and ``copy``: seconds per element of a copy of ``2^22`` elements.  The median of
     ``repeats``.
@@ -477,9 +490,6 @@ def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int 
         >>> k["gelu"] > 0 and k["attn_flops"] > 0
         True
     """
-    import statistics
-    import time
-
     import numpy as np
 
     from .autograd import Tensor, ops, ops_nn
@@ -494,13 +504,7 @@ def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int 
         return Tensor(rng.standard_normal(shape).astype(dt), requires_grad=True)
 
     def seconds(fn) -> float:
-        fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return _seconds(fn, repeats)
 
     def fwd_bwd(make):
         def run():
@@ -520,7 +524,7 @@ def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int 
            "add": seconds(fwd_bwd(lambda: x + r)) / x.data.size}
     flops = 3.0 * 2 * (2.0 * seqs * heads * seq * seq * hd)
     out["attn_flops"] = flops / seconds(fwd_bwd(lambda: ops.matmul(ops.matmul(q, k), v)))
-    p = leaf(rows, width)
+    p = leaf(1 << 22)                      # beyond the caches, as a model's parameters are
     p.grad = Tensor(rng.standard_normal(p.shape).astype(dt))
     opt = AdamW([p], lr=1e-3, weight_decay=0.01)
 
@@ -549,7 +553,10 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
       cores, mostly the wait for the others' turn on a core; on dedicated cores, the latency);
     * ``flops``: a float32 ``gemm``-cube GEMM's rate on one rank while the node's other ranks sleep;
     * ``cores``: the cores the node's ranks get in effect: the sum over the node's ranks of their GEMM
-      rate over a loop they all run at once, / ``flops``, at most the cores the process may use.
+      rate over a loop they all run at once, / ``flops``, at most the cores the process may use;
+    * ``measure_kernels``' numbers (the other kernels, timed on one rank while the others sleep; at
+      the model's ``width``, ``seq``, ``heads`` and ``dtype``) and ``mem_cores``: the cores in effect,
+      as ``cores``, of a memory-bound loop (AdamW's streams over ``2^22`` elements).
 
     Example:
         >>> bw = measure_bandwidth(1 << 16)          # under mpiexec -n 4 on one node
@@ -557,7 +564,6 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         True
     """
     import os
-    import statistics
     import time
 
     import numpy as np
@@ -571,13 +577,8 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         x = np.ones(max(1, nbytes // 8))
         all_reduce(x, group=group)
         barrier()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            all_reduce(x, group=group)
-            ts.append(time.perf_counter() - t0)
         p = group.size
-        return 2.0 * (p - 1) / p * x.nbytes / statistics.median(ts)
+        return 2.0 * (p - 1) / p * x.nbytes / _seconds(lambda: all_reduce(x, group=group), repeats)
 
     node = world.split(world.node_index, name="plan-node")
     leaders = world.split(0 if world.local_rank == 0 else None, name="plan-leaders")
@@ -586,27 +587,26 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
     vals = all_reduce(np.array([intra, inter]), op="max")
     intra, inter = float(vals[0]), float(vals[1])
     a = np.ones((gemm, gemm), np.float32)
+    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    def rate() -> float:
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ a
-            ts.append(time.perf_counter() - t0)
-        return 2.0 * gemm ** 3 / statistics.median(ts)
+    def alone_and_cores(fn) -> Tuple[float, float]:
+        """Calls of ``fn`` a second on local rank 0 while the others sleep (a rank waiting in MPI would spin
+        on a core), and the cores the node's ranks get in effect: their rates running it all at once,
+        summed, over that."""
+        fn()
+        barrier()
+        alone = 1.0 / _seconds(fn, repeats) if world.local_rank == 0 else (time.sleep(0.5) or 0.0)
+        barrier()
+        t0 = time.perf_counter()               # all ranks at once: each rank's rate over the whole loop, so
+        for _ in range(3 * repeats):           # the scheduler's time slices average out (one call's timing
+            fn()                               # catches a rank that waited a whole slice, or none)
+        shared = 3 * repeats / (time.perf_counter() - t0)
+        alone = float(all_reduce(np.array([alone]), op="max")[0])
+        shared = float(all_reduce(np.array([shared]), op="sum", group=node)[0])    # the node's ranks together
+        return alone, (min(float(avail), shared / alone) if alone > 0 else float(avail))
 
-    rate()
-    barrier()
-    alone = 0.0
-    if world.local_rank == 0:                # the others sleep (a rank waiting in MPI would spin on a core)
-        alone = rate()
-    else:
-        time.sleep(0.5)
-    barrier()
-    t0 = time.perf_counter()               # all ranks at once: each rank's rate over the whole loop, so
-    for _ in range(3 * repeats):           # the scheduler's time slices average out (one GEMM's timing
-        a @ a                              # catches a rank that waited a whole slice, or none)
-    shared = 3 * repeats * 2.0 * gemm ** 3 / (time.perf_counter() - t0)
+    alone, cores = alone_and_cores(lambda: a @ a)
+    alone *= 2.0 * gemm ** 3
     small = np.zeros(1)
 
     def loop(sync: bool) -> float:
@@ -623,10 +623,6 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         plain = min(loop(False), loop(False))
         lat = max(0.0, min(loop(True), loop(True)) - plain) / (3 * repeats)     # the better of two, as plain
     med = float(all_reduce(np.array([lat]), op="max")[0])
-    alone = float(all_reduce(np.array([alone]), op="max")[0])
-    shared = float(all_reduce(np.array([shared]), op="sum", group=node)[0])    # the node's ranks together
-    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cores = min(float(avail), shared / alone) if alone > 0 else float(avail)
     # the other kernels, alone (the others sleep), and the memory-bound loop (AdamW) on all ranks at once
     kern = {}
     barrier()
@@ -636,7 +632,7 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         time.sleep(0.5)
     barrier()
     kern = {k: float(all_reduce(np.array([kern.get(k, 0.0)]), op="max")[0]) for k in _KERNELS if k != "mem_cores"}
-    p = np.ones(1 << 20, np.float32)
+    p = np.ones(1 << 22, np.float32)       # beyond the caches
     m1, m2 = np.zeros_like(p), np.zeros_like(p)
 
     def adam_like():                   # AdamW's streams: two moments, the update, the parameter
@@ -644,20 +640,7 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         m2.__imul__(0.95).__iadd__(p * p)
         p.__isub__(1e-9 * m1 / (np.sqrt(m2) + 1.0))
 
-    def adam_rate(loops: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(loops):
-            adam_like()
-        return loops / (time.perf_counter() - t0)
-
-    adam_rate(1)
-    barrier()
-    solo = adam_rate(3 * repeats) if world.local_rank == 0 else (time.sleep(0.5) or 0.0)
-    barrier()
-    together = adam_rate(3 * repeats)
-    solo = float(all_reduce(np.array([solo]), op="max")[0])
-    together = float(all_reduce(np.array([together]), op="sum", group=node)[0])
-    kern["mem_cores"] = min(float(avail), together / solo) if solo > 0 else cores
+    kern["mem_cores"] = alone_and_cores(adam_like)[1]
     return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med, "flops": alone,
             "cores": cores, **kern}
 
