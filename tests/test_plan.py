@@ -138,9 +138,15 @@ def test_plan_and_plot_commands(tmp_path):
     lines = r.stdout.splitlines()
     assert "step ms" in lines[1] and len(lines) == 5 and lines[2].split()[0] == "1"
     from axonmpi.testing import run_mpiexec
+    saved = tmp_path / "cpu.json"
     r = run_mpiexec(["-m", "axonmpi", "plan", "--world", "2", "--layers", "2", "--width", "64", "--seq", "8",
-                     "--global-batch", "4", "--measure"], n=2, timeout=60)
+                     "--global-batch", "4", "--heads", "2", "--hardware", "cpu", "--measure", "--save-hardware",
+                     str(saved)], n=2, timeout=60)
     assert r.returncode == 0 and r.stdout.count("(measured)") == 1, r.stderr
+    from axonmpi.planner.cpu import hardware_from_spec          # the kernels measured, saved and read back
+    hw = hardware_from_spec(str(saved))
+    assert all(getattr(hw, k) > 0 for k in ("gelu", "layernorm", "softmax", "add", "adam", "copy", "attn_flops"))
+    assert 0 < hw.mem_cores <= (os.cpu_count() or 1)
     m = tmp_path / "m.json"
     m.write_text('{"step": 1, "loss": 2.0, "tokens_per_s": 10}\n{"step": 2, "loss": 1.5, "tokens_per_s": 11}\n')
     r = _cli("plot", str(m), "-o", str(tmp_path / "m.png"))
