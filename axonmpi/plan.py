@@ -127,8 +127,8 @@ class Hardware:
     element of ``gelu`` (the MLP's hidden), ``layernorm``, ``softmax`` (per attention score: scale,
     causal mask, softmax), ``add`` (a residual add), seconds per parameter of ``adam`` (AdamW's step and
     the gradient clipping's norm), ``copy`` (seconds per element copied: a gradient into the flat buffer
-    the data-parallel all-reduce reduces, and back), and ``mem_cores``: the cores in effect for that memory-bound work when
-    all of a node's ranks run it at once (0: ``cores``)."""
+    the data-parallel all-reduce reduces, and back), and ``mem_cores``: the cores in effect for that
+    memory-bound work when all of a node's ranks run it at once (0: ``cores``)."""
     bw_intra: float = 50e9
     bw_inter: float = 12.5e9
     flops: float = 50e12
@@ -339,7 +339,8 @@ def estimate(model: Model, layout: Layout, hw: Hardware, microbatches: Optional[
         for lay in stage:
             has_bias = model.bias and lay is not layers[-1]        # lm_head has no bias
             attn += 12.0 * n * model.seq * H * lay.blocks
-            kernels += n * lay.blocks * (4 * H * hw.gelu + 2 * H * hw.layernorm + model.n_heads * model.seq * hw.softmax)
+            kernels += n * lay.blocks * (4 * H * hw.gelu + 2 * H * hw.layernorm
+                                         + model.n_heads * model.seq * hw.softmax)
             kernels += n * H * hw.layernorm if lay is layers[-1] else 0.0       # the final LayerNorm
             for i, o, par in lay.linears:
                 flops += 6.0 * n * i * o
@@ -477,13 +478,13 @@ def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int 
     """Time our autograd's kernels other than the Linears' GEMMs, forward + backward, on this rank
     (no MPI): what a step spends besides the GEMMs, per unit of work (``Hardware``'s fields).
 
-    Returns seconds per element of ``gelu`` (``rows x 4 width``; tanh, as ``nn.MLP``), ``layernorm`` (``rows x width``, with
-    weight and bias), ``softmax`` (per attention score of ``rows / seq`` sequences: the scale, the causal
-    mask and the softmax), ``add`` (a residual add), seconds per parameter of ``adam`` (``AdamW.step``
-    and the gradient clipping's norm, over ``2^22`` parameters), and ``attn_flops``: the flop
-    rate of the attention core's two batched matmuls ``q k^T`` and ``a v`` (forward + backward, 3x the
-    forward's flops), and ``copy``: seconds per element of a copy of ``2^22`` elements.  The median of
-    ``repeats``.
+    Returns seconds per element of ``gelu`` (``rows x 4 width``; tanh, as ``nn.MLP``), ``layernorm``
+    (``rows x width``, with weight and bias), ``softmax`` (per attention score of ``rows / seq``
+    sequences: the scale, the causal mask and the softmax), ``add`` (a residual add), ``copy`` (a copy
+    of ``2^22`` elements), seconds per parameter of ``adam`` (``AdamW.step`` and the gradient
+    clipping's norm, over ``2^22`` parameters), and ``attn_flops``: the flop rate of the attention
+    core's two batched matmuls ``q k^T`` and ``a v`` (forward + backward, 3x the forward's flops).
+    The median of ``repeats``.
 
     Example:
         >>> k = measure_kernels(64, 16, 2, rows=32, repeats=1)

@@ -9,11 +9,15 @@ the user-facing path, with the backend's byte counter of ``bench/_backend_count.
 Rows: one per layout ``(G_data, G_inter, G_r, G_c, G_d)`` (and ``+fsdp``: FSDP full_shard over data).
 Measured: the median tokens/s of the steps after the first (warm-up), from ``--metrics-json``; with
 ``--repeats R`` the best of R interleaved rounds (other jobs on the machine come and go).
-Predicted: ``axonmpi.plan.estimate`` with the flop rate calibrated on a 1-rank run of the same model,
-the bandwidth and the latency (median 8-byte all-reduce) measured by ``axonmpi.plan.measure_bandwidth``
-under ``mpiexec -n N``, and the cores the N ranks get in effect (from a GEMM timed alone and on all
-ranks at once: ranks sharing cores, with each other or with other jobs, stretch compute).  The flop
-rate is the model's flops of one step over the CPU seconds of a 1-rank step (robust to other jobs).
+Predicted: ``axonmpi.plan.estimate`` with what ``axonmpi.plan.measure_bandwidth`` measures under
+``mpiexec -n N`` (what ``axonmpi plan --hardware cpu --measure`` uses): the GEMM's flop rate, the
+bandwidth and the latency (an 8-byte all-reduce between GEMMs), the cores the N ranks get in effect
+(from a GEMM timed alone and on all ranks at once: ranks sharing cores, with each other or with other
+jobs, stretch compute), our autograd's other kernels (GELU, LayerNorm, the attention core, adds, AdamW,
+copies: ``plan.measure_kernels``) and the cores in effect for memory-bound work.  ``--flops-from
+serial`` instead takes one flop rate for everything, the model's flops of one step over the CPU seconds
+of a 1-rank step (the kernels folded in).  The header also prints the 1-rank step, measured and
+predicted (and the GEMMs' part of it).
 Column ``cores``: the ranks' CPU seconds over the wall seconds while each layout ran (information:
 how loaded the machine was; MPI's busy waiting counts as busy).
 Bytes: what every rank moved through the backend per group during the last complete step (from one
@@ -40,6 +44,8 @@ SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 COUNTER = os.path.join(ROOT, "bench", "_backend_count.py")
 LAYOUTS = [(2, 2, 1, 1, 1), (2, 1, 1, 2, 1), (1, 2, 1, 2, 1), (1, 2, 1, 1, 2), (1, 1, 2, 1, 2), (1, 1, 2, 2, 1),
            (4, 1, 1, 1, 1), ((4, 1, 1, 1, 1), "full_shard"), ((2, 1, 1, 2, 1), "full_shard")]
+#: Hardware without the kernels besides the GEMMs (the flop rate alone: the model before issue 33).
+GEMM_ONLY = dict(attn_flops=0.0, gelu=0.0, layernorm=0.0, softmax=0.0, add=0.0, adam=0.0, copy=0.0)
 GROUP_OF = {"col_group": "col", "row_group": "row", "depth_group": "depth", "inter_group": "inter",
             "data_group": "data", "world": "repl", "intra_group": "repl"}
 
@@ -149,7 +155,7 @@ def main():
         flops = bw["flops"]
     hw = replace(Hardware.from_measured(bw, args.ranks), flops=flops)
     if args.flops_from == "serial":      # the 1-rank step's CPU seconds hold every kernel: GEMM flops only
-        hw = replace(hw, attn_flops=0.0, gelu=0.0, layernorm=0.0, softmax=0.0, add=0.0, adam=0.0)
+        hw = replace(hw, **GEMM_ONLY)
     print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {model.vocab}, global batch "
           f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | 1 rank: {serial:,.0f} tokens/s "
           f"({flops / 1e9:.1f} GFLOP/s per CPU second) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} "
@@ -159,10 +165,11 @@ def main():
           f"AdamW + clipping {hw.adam * 1e9:.1f} ns a parameter; attention matmuls {hw.attn_flops / 1e9:.1f} GFLOP/s; "
           f"{hw.mem_cores:.2f} cores in effect for memory-bound work",
           flush=True)
-    alone = estimate(model, Layout(), replace(hw, cores=0.0, mem_cores=0.0)).step_time
-    print(f"1 rank: measured {args.global_batch * args.block / serial * 1e3:.0f} ms a step, predicted {alone * 1e3:.0f} ms "
-          f"(GEMMs {estimate(model, Layout(), replace(hw, attn_flops=0.0, gelu=0.0, layernorm=0.0, softmax=0.0, add=0.0, adam=0.0, cores=0.0, mem_cores=0.0)).step_time * 1e3:.0f} ms of it)",
-          flush=True)
+    one_rank = replace(hw, cores=0.0, mem_cores=0.0)
+    alone = estimate(model, Layout(), one_rank).step_time
+    gemms = estimate(model, Layout(), replace(one_rank, **GEMM_ONLY)).step_time
+    print(f"1 rank: measured {args.global_batch * args.block / serial * 1e3:.0f} ms a step, predicted "
+          f"{alone * 1e3:.0f} ms (GEMMs {gemms * 1e3:.0f} ms of it)", flush=True)
     todo = []
     for entry in LAYOUTS:
         sizes, fsdp = (entry if isinstance(entry[1], str) else (entry, None))
