@@ -590,13 +590,21 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
     a = np.ones((gemm, gemm), np.float32)
     avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
+    def on_first_rank(fn):
+        """``fn()`` on each node's first rank while the others sleep (a rank waiting in a blocking MPI call
+        would spin on a core): they poll a non-blocking all-reduce that the first rank joins when done."""
+        out = fn() if world.local_rank == 0 else None
+        done = all_reduce(np.zeros(1), async_op=True)
+        while not done.is_completed():
+            time.sleep(0.002)
+        return out
+
     def alone_and_cores(fn) -> Tuple[float, float]:
-        """Calls of ``fn`` a second on local rank 0 while the others sleep (a rank waiting in MPI would spin
-        on a core), and the cores the node's ranks get in effect: their rates running it all at once,
-        summed, over that."""
+        """Calls of ``fn`` a second on local rank 0 while the others sleep, and the cores the node's ranks
+        get in effect: their rates running it all at once, summed, over that."""
         fn()
         barrier()
-        alone = 1.0 / _seconds(fn, repeats) if world.local_rank == 0 else (time.sleep(0.5) or 0.0)
+        alone = on_first_rank(lambda: 1.0 / _seconds(fn, repeats)) or 0.0
         barrier()
         t0 = time.perf_counter()               # all ranks at once: each rank's rate over the whole loop, so
         for _ in range(3 * repeats):           # the scheduler's time slices average out (one call's timing
@@ -625,13 +633,8 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         lat = max(0.0, min(loop(True), loop(True)) - plain) / (3 * repeats)     # the better of two, as plain
     med = float(all_reduce(np.array([lat]), op="max")[0])
     # the other kernels, alone (the others sleep), and the memory-bound loop (AdamW) on all ranks at once
-    kern = {}
     barrier()
-    if world.local_rank == 0:
-        kern = measure_kernels(width, seq, heads, dtype=dtype, repeats=repeats)
-    else:
-        time.sleep(0.5)
-    barrier()
+    kern = on_first_rank(lambda: measure_kernels(width, seq, heads, dtype=dtype, repeats=repeats)) or {}
     kern = {k: float(all_reduce(np.array([kern.get(k, 0.0)]), op="max")[0]) for k in _KERNELS if k != "mem_cores"}
     p = np.ones(1 << 22, np.float32)       # beyond the caches
     m1, m2 = np.zeros_like(p), np.zeros_like(p)
