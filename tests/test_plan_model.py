@@ -150,3 +150,27 @@ def test_cpu_hardware_plans_hybridgpt_layouts_in_the_same_json(capsys):
     assert len(lays) == 15 and [x["step_time_s"] for x in lays] == sorted(x["step_time_s"] for x in lays)
     assert main(base + ["--layout", "tp=2,dp=2"]) == 1
     assert "use ['col', 'depth', 'dp', 'm', 'pp', 'row', 'schedule', 'zero']" in capsys.readouterr().err
+
+
+@pytest.mark.serial
+def test_megatron_tensor_collectives_per_block_4_and_6_with_full_recomputation():
+    """Forward 2 all-reduces, backward 2 (the f/g pair's mirror), +2 in a fully recomputed forward; with SP
+    the backward adds the re-gather of the sharded input X (2 all-gathers) and tp_overlap hides dX's
+    reduce-scatters under the weight-gradient GEMMs and the re-gathers under the input-gradient GEMMs."""
+    from axonmpi.planner.comm import collective_time
+    cfg = TransformerConfig(layers=4, width=1024, heads=16, seq=1024)
+    n, m = 2 * 1024, 4                                        # tokens of a micro-batch of 2; 8 / 2 micro-batches
+    act = n * 1024 * 2.0                                      # bf16 activations
+    ar = collective_time("allreduce", act, 2, 1, A100, FITTED)
+    ag = collective_time("allgather", act, 2, 1, A100, FITTED)
+    rs = collective_time("reducescatter", act, 2, 1, A100, FITTED)
+    head = collective_time("allreduce", 4.0 * n * 3, 2, 1, A100, FITTED, 3)      # the loss's max and sums
+    for rec, per_block in (("none", 4 * ar), ("selective", 4 * ar), ("full", 6 * ar)):
+        e = estimate_layout(cfg, TrainConfig(8, 2, "bf16", rec), ParallelLayout(tp=2), A100)
+        assert e.breakdown["tp_comm_s"] == pytest.approx(m * (4 * per_block + head), rel=1e-12), rec
+    sp = estimate_layout(cfg, TrainConfig(8, 2, "bf16", "full"), ParallelLayout(tp=2, sp=1), A100)
+    assert sp.breakdown["tp_comm_s"] == pytest.approx(m * (4 * (2 * (2 * ag + 2 * rs) + 4 * ag + 2 * rs) + head),
+                                                      rel=1e-12)
+    hid = estimate_layout(cfg, TrainConfig(8, 2, "bf16", "full"), ParallelLayout(tp=2, sp=1, tp_overlap=1), A100)
+    assert hid.breakdown["tp_hidden_s"] == pytest.approx(m * 4 * (2 * rs + 2 * ag), rel=1e-12)
+    assert hid.step_time < sp.step_time
