@@ -39,8 +39,13 @@ def _swap(parent: Module, name: str, new: Module) -> None:
 
 
 def _copy_serial(new: Module, old: Module) -> None:
-    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard)."""
+    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard); a
+    :class:`~axonmpi.parallel.pipeline.LayerBuilder`'s stand-in (another pipeline rank's layer) stays one."""
+    from .pipeline.staged import is_stand_in, stand_in
     from .tensor.state import load_full_state_dict
+    if any(is_stand_in(p) for p in old.parameters()):
+        stand_in(new)
+        return
     load_full_state_dict(new, {k: np.asarray(v) for k, v in old.state_dict().items()})
 
 
@@ -575,6 +580,7 @@ class PipelinedModule(ParallelModule):
         self.pipeline = pipe
         self._stages = list(stages)
         self._sp_params: List[Any] = []
+        self._tied: List[Tuple[Any, Any]] = []     # (parameter, embedding group): [Note: a weight tied across stages]
 
     def forward(self, *args, **kwargs):
         raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
@@ -587,6 +593,9 @@ class PipelinedModule(ParallelModule):
             f.unshard()
             f.bind_grads()
         loss = self.pipeline.step(inputs, targets)
+        for p, tg in self._tied:                # [Note: a weight tied across stages]
+            if p.grad is not None:
+                reduce_gradient(p.grad.data, [tg])
         g = self.grid.intra_group
         in_flat = {id(q) for f in flats for q in f.params}
         if flats:
@@ -759,7 +768,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
 
     Args:
         module: any ``nn.Module`` built from the library's layers (changed in place; build it the same
-            way on every rank). With ``pipeline`` an ``nn.Sequential`` (or a GPT) that ``split_module`` cuts.
+            way on every rank). With ``pipeline`` an ``nn.Sequential`` (or a GPT) that ``split_module`` cuts,
+            or a :class:`~axonmpi.parallel.pipeline.LayerBuilder`: each pipeline rank then builds only its
+            stages' layers (the serial model's values; the others hold no memory).
         grid: the :class:`ProcessGrid` (default: the current World's, ``axonmpi.init(...)``).
         tensor_parallel: ``None``; ``"axonn"``: every ``nn.Linear`` becomes a 3-D
             ``intra_layer.Linear`` over the grid's row x column x depth, in easy mode (each rank
@@ -810,10 +821,13 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         ...                  pipeline=PipelinePlan(num_microbatches=2, schedule="zb-h1"))
         >>> xb, yb = pm.local_batch(x, y); loss = pm.step(xb, yb)
     """
-    if not isinstance(module, Module):
-        raise TypeError(f"parallelize needs an axonmpi.nn.Module, got {type(module).__name__}")
+    from .pipeline.staged import LayerBuilder
     grid = get_grid() if grid is None else grid
     r = grid.rank
+    if isinstance(module, LayerBuilder):
+        module, pipeline = _build_stages(module, grid, pipeline)
+    if not isinstance(module, Module):
+        raise TypeError(f"parallelize needs an axonmpi.nn.Module or a LayerBuilder, got {type(module).__name__}")
     if data_parallel not in _DATA:
         raise ValueError(f"rank {r}: data_parallel={data_parallel!r}; expected 'ddp', 'fsdp' or None")
     if not (tensor_parallel is None or tensor_parallel == "axonn" or isinstance(tensor_parallel, dict)):
@@ -989,8 +1003,14 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     from .grad_sync import data_reduction_group
     from .pipeline import Pipeline, make_schedule, split_module
     sched = make_schedule(plan.schedule, grid.G_inter, plan.num_microbatches, plan.virtual_stages)
-    chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by,
-                          boundaries=plan.boundaries, group=grid.inter_group, stage_ranks=sched.stage_ranks)
+    chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by, boundaries=plan.boundaries,
+                          group=grid.inter_group, stage_ranks=sched.stage_ranks, tied=True)
+    tied = _tied_weights(module, grid, sched, plan)
+    if tied and data_parallel == "fsdp":
+        raise NotImplementedError(
+            f"rank {grid.rank}: a weight tied across pipeline stages (a GPT's tied head) with data_parallel='fsdp' "
+            "is not built: each stage's flat FSDP shard would hold a copy, counted twice by clipping; use "
+            "data_parallel='ddp' with the pipeline, or an untied model")
     from ..models.gpt import GPT, GPTEmbedding, GPTHead
     axonn = tensor_parallel == "axonn"
     shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
@@ -1011,10 +1031,55 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._serial_shapes = shapes
+    pm._tied = tied
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
     pm._sp_params = [p for p in sp_params if id(p) in mine]
     pm._context(cp, None)
     return pm
+
+
+def _build_stages(builder, grid: ProcessGrid, plan: Optional[PipelinePlan]):
+    """A :class:`~axonmpi.parallel.pipeline.LayerBuilder` -> the model as this rank holds it (its stages'
+    layers only) and the plan with the cut it was built for (step 6 cuts there); no pipeline: the whole model."""
+    from dataclasses import replace
+    from .pipeline import make_schedule
+    if grid.G_inter == 1 or not isinstance(plan, PipelinePlan):
+        return builder.build(), plan
+    sched = make_schedule(plan.schedule, grid.G_inter, plan.num_microbatches, plan.virtual_stages)
+    model, starts = builder.build_stage(grid.G_inter, sched.virtual_stages, grid.inter_group.rank,
+                                        stage_ranks=sched.stage_ranks, by=plan.split_by, boundaries=plan.boundaries)
+    return model, replace(plan, boundaries=tuple(starts[1:]))
+
+
+def _tied_weights(module: Module, grid: ProcessGrid, sched, plan: PipelinePlan) -> List[Tuple[Any, Any]]:
+    """[Note: a weight tied across stages]  A parameter used by chunks on two pipeline ranks (a GPT's head
+    tied to its embedding, GPT-2's) is held by both, as Megatron holds the word embeddings on the first and
+    last stage: after each step's backward its gradient is summed over the ranks holding it (their
+    "embedding group", made here over the pipeline group), so both copies see the serial gradient and stay
+    equal under the same optimizer.  The copies on the later stages are marked ``tied_copy``: clipping
+    counts the weight once, on the earliest stage; state dicts name it once (its serial name).
+    Returns ``[(parameter, group)]`` for this rank's tied parameters."""
+    from .pipeline import split_module
+    p = grid.G_inter
+    holders: Dict[int, Tuple[Any, Dict[int, int]]] = {}       # id -> (param, {pipeline rank: first stage})
+    for q in range(p):
+        for c in split_module(module, p, sched.virtual_stages, by=plan.split_by, boundaries=plan.boundaries,
+                              rank=q, stage_ranks=sched.stage_ranks, tied=True):
+            for prm in c.parameters():
+                ranks = holders.setdefault(id(prm), (prm, {}))[1]
+                ranks[q] = min(ranks.get(q, c.stage_index), c.stage_index)
+    out = []
+    me = grid.inter_group.rank
+    for prm, ranks in holders.values():
+        if len(ranks) < 2:
+            continue
+        order = sorted(ranks, key=ranks.get)           # the earliest stage's rank first
+        g = grid.world.new_group([grid.inter_group.ranks[q] for q in order], parent=grid.inter_group,
+                                 name="embedding")
+        if me in ranks:
+            prm.tied_copy = me != order[0]
+            out.append((prm, g))
+    return out
 
 
 def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
