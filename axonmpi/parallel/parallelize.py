@@ -896,7 +896,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     # [Note: a GPT's sequence parallelism] is entered inside its forward (after the embeddings, which number the
     # tokens) and left at a "column_gather" head: pm(x) takes and gives whole sequences
     gpt_sp = bool(sequence_parallel) and isinstance(module, GPT) and grid.intra_group.size > 1
-    shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
+    shapes = {k: tuple(t.shape) for k, t in module._state_items()}      # no copies (stand-ins hold no memory)
     axonn = tensor_parallel == "axonn"
     # 1 tensor parallel + sequence parallel
     if axonn:
@@ -1096,10 +1096,10 @@ def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
     from .tensor.state import full_state_dict as tp_full
     if isinstance(pm, PipelinedModule):
         from ..distributed import all_gather_object
-        mine = {n for n, _ in pm.named_parameters()}
-        for st in pm._stages:
-            if st.flat is not None:
-                mine |= {n for n, p in pm.inner.named_parameters() if any(p is q for q in st.flat.params)}
+        held = {id(p) for p in pm.pipeline.parameters()} | {id(q) for f in pm._flats() for q in f.params}
+        # every name of this rank's parameters (a tied weight's too: the serial state dict names both uses)
+        mine = {f"{m}.{n}" if m else n for m, mod in pm.inner.named_modules() for n, q in mod._parameters.items()
+                if q is not None and id(q) in held}
         with pm._gathered():
             local = OrderedDict((k, v) for k, v in tp_full(pm.inner).items() if k in mine)
         out = OrderedDict()
