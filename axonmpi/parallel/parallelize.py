@@ -644,7 +644,8 @@ class PipelinedModule(ParallelModule):
                 yield f"{prefix}stage{k}.flat", st.flat
 
     def parameters(self, recurse: bool = True):
-        return self.pipeline.parameters()
+        """This rank's stages' parameters, each once (a weight tied between two chunks of this rank: ZBV's V)."""
+        return list({id(p): p for p in self.pipeline.parameters()}.values())
 
     def state_dict(self):
         """The full serial state dict on every rank (collective over the grid: tensor, then pipeline)."""
