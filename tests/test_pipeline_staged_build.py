@@ -130,3 +130,18 @@ def test_split_module_still_refuses_a_tie_for_a_plain_pipeline():
     model = _tied().build()
     with pytest.raises(ValueError, match="of chunk 0 is also .* of chunk 1.*parallelize"):
         axonmpi.parallel.pipeline.split_module(model, 2, rank=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_tie_split_one_way_only_is_refused(world):
+    """A Megatron plan that splits the tied head but not its embedding would untie them silently: refused, naming
+    both; splitting both ('vocab' and 'column_gather') keeps one Parameter."""
+    grid = _grid(world, {"G_intra_c": 2})
+    try:
+        with pytest.raises(ValueError, match=r"\['0.weight', '4.weight'\] are one tied weight"):
+            parallelize(_tied().build(), grid=grid, tensor_parallel={"4": "column_gather"}, data_parallel=None)
+        pm = parallelize(_tied().build(), grid=grid, tensor_parallel={"0": "vocab", "4": "column_gather"},
+                         data_parallel=None)
+        assert pm.inner[4].weight is pm.inner[0].weight and pm.inner[0].weight.shape == (V // 2, E)
+    finally:
+        grid.free()

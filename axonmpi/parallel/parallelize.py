@@ -137,6 +137,38 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
     return n
 
 
+def _tied_slots(module: Module) -> List[List[Tuple[str, str]]]:
+    """The parameters held by more than one module of ``module`` (a head tied to its embedding), each as
+    its ``[(module name, attribute), ...]``."""
+    slots: Dict[int, List[Tuple[str, str]]] = {}
+    for q, m in module.named_modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((q, name))
+    return [v for v in slots.values() if len(v) > 1]
+
+
+def _retie(module: Module, tied, r: int) -> None:
+    """After step 1: a weight the plan's layers hold twice (``"vocab"`` ``wte`` and ``"column_gather"`` ``lm_head``,
+    both this rank's vocabulary rows) is one Parameter again (Megatron's tied embedding); a tie between a split and
+    a replicated use raises, naming both."""
+    mods = dict(module.named_modules())
+    for slots in tied:
+        params = [getattr(mods[q], name) for q, name in slots]
+        first = params[0]
+        if all(p is first for p in params):
+            continue
+        from ..distributed.placement import placement_of
+        shards = [tuple((s.kind, getattr(s, "dim", None)) for s in placement_of(p).shards) for p in params]
+        if any(tuple(p.shape) != tuple(first.shape) or sh != shards[0] for p, sh in zip(params, shards)):
+            names = [f"{q}.{name}" if q else name for q, name in slots]
+            raise ValueError(f"rank {r}: {names} are one tied weight but the tensor-parallel plan lays them out "
+                             f"differently (local shapes {[tuple(p.shape) for p in params]}): split both the same "
+                             "way (an embedding 'vocab' and its head 'column_gather') or neither")
+        for (q, name), p in zip(slots[1:], params[1:]):
+            setattr(mods[q], name, first)
+
+
 def _sequence_parallel(module: Module, grid: ProcessGrid, outside=()) -> List[Any]:
     """Sequence parallelism outside the plan's layers: every ``nn.LayerNorm`` -> a
     :class:`~axonmpi.parallel.tensor.SequenceParallelLayerNorm`; every other replicated parameter (used on
@@ -904,14 +936,16 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
         sp = int(sequence_dim) if sequence_parallel else None
+        tied = _tied_slots(module)
         if _megatron(module, grid, tensor_parallel, sp, in_forward=gpt_sp) == 0:
             raise ValueError(f"rank {r}: no module of the model matches the plan {tensor_parallel}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
+        _retie(module, tied, r)
         if gpt_sp:     # a GPT enters the region at its embedding dropout (its input is token ids)
             from .tensor import ColumnParallelLinear, SequenceParallelDropout
             if not (type(module.lm_head) is ColumnParallelLinear and module.lm_head.gather_output):
                 raise ValueError(f"rank {r}: a GPT under sequence_parallel leaves the sequence-parallel region at "
-                                 f"lm_head: make it 'column_gather' in the plan (untied; a tied head is one "
+                                 f"lm_head: make it 'column_gather' in the plan (a tied head with wte 'vocab': one "
                                  f"replicated Parameter and would give this rank's tokens only)")
             module.drop = SequenceParallelDropout(module.drop.p, grid.intra_group)
     # 2 context parallel

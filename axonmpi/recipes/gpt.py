@@ -74,7 +74,8 @@ class HybridGPT(LayoutState):
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
                      schedule=schedule, tp_style=tp_style, world_size=g.world.world_size)
         c, piped = config, g.G_inter > 1
-        tp = "axonn" if self.style is TPStyle.AXONN else gpt_plan(c) if self.style is TPStyle.MEGATRON else None
+        tp = "axonn" if self.style is TPStyle.AXONN else \
+            gpt_plan(c, self.sequence_parallel) if self.style is TPStyle.MEGATRON else None
         vs = 2 if self.schedule.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
         opts = {k: v for k, v in (("cpu_offload", cpu_offload), ("mixed_precision", mixed_precision),
                                   ("hybrid_shard_size", hybrid_shard_size)) if v is not None}
@@ -185,11 +186,14 @@ class HybridGPT(LayoutState):
                 f"{self.shards} row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
 
 
-def gpt_plan(config: GPTConfig) -> Dict[str, str]:
+def gpt_plan(config: GPTConfig, sequence_parallel: bool = False) -> Dict[str, str]:
     """The GPT's Megatron plan: heads split, MLP column then row, vocabulary-parallel ``wte`` and a gathered
-    ``lm_head`` (both replicated when tied: one Parameter keeps both uses)."""
+    ``lm_head`` (a tied head: both replicated, one Parameter; under sequence parallelism both split, one
+    Parameter of this rank's vocabulary rows, Megatron's tied embedding)."""
     plan = {"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"}
-    return plan if config.tie_word_embeddings else {**plan, "wte": "vocab", "lm_head": "column_gather"}
+    if config.tie_word_embeddings and not sequence_parallel:
+        return plan
+    return {**plan, "wte": "vocab", "lm_head": "column_gather"}
 
 
 def gpt_layers(config: GPTConfig, dtype=None) -> LayerBuilder:
@@ -221,11 +225,11 @@ class _Refused:
 def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
     """``NotImplementedError`` for what neither the recipe nor the composer builds, naming why and what to use."""
     lay, r = h.layout, h.grid.world.rank
-    if h.sequence_parallel and (h.style is not TPStyle.MEGATRON or config.tie_word_embeddings):
+    if h.sequence_parallel and h.style is not TPStyle.MEGATRON:
         raise NotImplementedError(
-            f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1) and an untied head (the GPT leaves "
-            f"the sequence-parallel region at a gathered, vocabulary-parallel lm_head); got {lay} "
-            f"tp_style={h.style and h.style.value!r}, tie_word_embeddings={config.tie_word_embeddings}")
+            f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1): the GPT leaves the "
+            f"sequence-parallel region at a gathered, vocabulary-parallel lm_head; got {lay} "
+            f"tp_style={h.style and h.style.value!r}")
     if config.tie_word_embeddings and lay.G_inter > 1 and h.sharding is not None:
         raise NotImplementedError(
             f"rank {r}: tie_word_embeddings=True across pipeline stages with fsdp={fsdp!r} is not built: each "
