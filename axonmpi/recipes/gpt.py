@@ -34,8 +34,9 @@ class HybridGPT(LayoutState):
     ...) is the :class:`~axonmpi.parallel.state.LayoutState` of its layers.
 
     Args:
-        config: the model (a tied head, GPT-2's, under any layout but FSDP x pipeline and sequence parallel: one
-            Parameter, whole under AxoNN; across pipeline stages a copy on the first and last stage).
+        config: the model (a tied head, GPT-2's, under any layout but FSDP x pipeline: one Parameter, whole
+            under AxoNN, split over the vocabulary under sequence parallelism; across pipeline stages a copy on
+            the first and last stage, its gradient summed between them).
         grid: the process grid (default: ``axonmpi.get_grid()``).
         tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or ``"zbv"``.
@@ -46,7 +47,7 @@ class HybridGPT(LayoutState):
             of DDP; with a pipeline each stage's flat shard.  cpu_offload, mixed_precision, hybrid_shard_size:
             FSDP's options.
         cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (not with a pipeline).
-        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, an untied head).
+        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``).
         expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``).
 
     Example:
