@@ -70,8 +70,8 @@ def parse_args(argv=None):
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--tie-word-embeddings", action="store_true",
                    help="GPT-2's tied head: lm_head.weight is wte.weight (with a pipeline: a copy on the first and "
-                        "last stage, their gradients summed; with --sequence-parallel: split over the vocabulary; "
-                        "not with --fsdp and a pipeline: docs/hybrid.md)")
+                        "last stage, their gradients summed; with --sequence-parallel: split over the vocabulary: "
+                        "docs/hybrid.md)")
     g.add_argument("--moe-experts", type=int, default=0,
                    help="mixture of experts: E expert MLPs replace the MLP of every (--moe-every 2: every other) "
                         "block; 0: dense (docs/moe.md)")

@@ -184,8 +184,6 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-intra-r", "2", "--tp-style", "megatron"], ["--tp-style megatron splits over one dimension"]),
     (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
     (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
-    (2, ["--G-inter", "2", "--fsdp", "full_shard", "--tie-word-embeddings"],
-     ["tie_word_embeddings=True across pipeline stages with fsdp='full_shard' is not built"]),
     (2, ["--G-intra-c", "2", "--tp-style", "axonn", "--sequence-parallel", "--tie-word-embeddings"],
      ["sequence_parallel needs tp_style='megatron' (G_intra_c > 1)"]),
     (2, ["--G-inter", "2", "--moe-experts", "2"], ["do not reach the last stage's loss; set both to 0"]),

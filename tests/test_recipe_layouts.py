@@ -62,6 +62,9 @@ LAYOUTS = {
     "tied_dp_tp2_sp": (TIED, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True)),
     "tied_pp2_tp2_sp_1f1b": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True,
                                                                         num_microbatches=2)),
+    "tied_fsdp_pp2_tp2_1f1b": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="megatron", fsdp="full_shard",
+                                                                          num_microbatches=2)),
+    "tied_fsdp_pp2_zbv": (TIED, {"G_inter": 2}, dict(fsdp="full_shard", schedule="zbv", num_microbatches=2)),
     "tied_dp_pp2_axonn2_zbv": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="axonn", schedule="zbv",
                                                                           num_microbatches=2)),
 }

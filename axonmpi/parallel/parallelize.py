@@ -532,7 +532,7 @@ class _Stage(Module):
     Pipeline reads to reduce it (AxoNN's batch groups and depth group)."""
 
     def __init__(self, chunk: Module, grid: ProcessGrid, *, axonn: bool, sequence_dim: Optional[int],
-                 checkpointed: bool, shard_group=None):
+                 checkpointed: bool, shard_group=None, shared=frozenset()):
         super().__init__()
         self._grid = [grid]
         self.sequence_dim, self.checkpointed = sequence_dim, bool(checkpointed)
@@ -545,10 +545,12 @@ class _Stage(Module):
             self.chunk = chunk
             return
         self._chunk = [chunk]        # FSDP: the Pipeline sees the flat shard (and the experts), not the chunk
-        self._fsdp(chunk, shard_group)
+        self._fsdp(chunk, shard_group, shared)
 
-    def _fsdp(self, chunk: Module, group) -> None:
-        """[Note: FSDP in a pipeline]  The chunk's parameters (experts aside: their own groups reduce them)
+    def _fsdp(self, chunk: Module, group, shared) -> None:
+        """[Note: FSDP in a pipeline]  The chunk's parameters (experts aside: their own groups reduce them; a
+        weight ``shared`` with another chunk aside: whole, averaged over data by the Pipeline, summed between the
+        stages by [Note: a weight tied across stages])
         become one :class:`~axonmpi.parallel.FlatParameter` sharded over ``group`` (data x context): the
         optimizer holds this rank's chunk of them.  A step all-gathers them once before the first
         micro-batch and reduce-scatters the accumulated gradient once after the last (FSDP2's behaviour
@@ -557,12 +559,14 @@ class _Stage(Module):
         from ._flat import FlatParameter
         from .grad_sync import sharded_within
         named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
-        flat = [(n, p) for n, p in named if not sharded_within(p, group)]
+        flat = [(n, p) for n, p in named if not sharded_within(p, group) and id(p) not in shared]
         if flat:
             self.flat = FlatParameter([p for _, p in flat], [n for n, _ in flat]).shard(group)
             set_placement(self.flat, Placement(shards=(Shard(group, ShardKind.FLAT),)))
         for i, (_, p) in enumerate(x for x in named if sharded_within(x[1], group)):
             self.register_parameter(f"expert_{i}", p)
+        for i, (_, p) in enumerate(x for x in named if id(x[1]) in shared):
+            self.register_parameter(f"tied_{i}", p)
 
     def _run(self, x):
         return (self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)(x)
@@ -1040,12 +1044,7 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     sched = make_schedule(plan.schedule, grid.G_inter, plan.num_microbatches, plan.virtual_stages)
     chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by, boundaries=plan.boundaries,
                           group=grid.inter_group, stage_ranks=sched.stage_ranks, tied=True)
-    tied = _tied_weights(module, grid, sched, plan)
-    if tied and data_parallel == "fsdp":
-        raise NotImplementedError(
-            f"rank {grid.rank}: a weight tied across pipeline stages (a GPT's tied head) with data_parallel='fsdp' "
-            "is not built: each stage's flat FSDP shard would hold a copy, counted twice by clipping; use "
-            "data_parallel='ddp' with the pipeline, or an untied model")
+    tied, shared = _tied_weights(module, grid, sched, plan)
     from ..models.gpt import GPT, GPTEmbedding, GPTHead
     axonn = tensor_parallel == "axonn"
     shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
@@ -1056,8 +1055,8 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         for p in whole.parameters():
             p.sequence_parallel = False
         sp_params = [p for p in sp_params if id(p) not in skip]
-    stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard)
-              for c in chunks]
+    stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard,
+                     shared=shared) for c in chunks]
     for st, c in zip(stages, chunks):     # [Note: a GPT's sequence parallelism]: its ends enter / leave themselves
         st.enters_itself = any(isinstance(m, GPTEmbedding) for m in c.modules())
         st.leaves_itself = any(isinstance(m, GPTHead) for m in c.modules())
@@ -1092,17 +1091,20 @@ def _tied_weights(module: Module, grid: ProcessGrid, sched, plan: PipelinePlan) 
     last stage: after each step's backward its gradient is summed over the ranks holding it (their
     "embedding group", made here over the pipeline group), so both copies see the serial gradient and stay
     equal under the same optimizer.  The copies on the later stages are marked ``tied_copy``: clipping
-    counts the weight once, on the earliest stage; state dicts name it once (its serial name).
-    Returns ``[(parameter, group)]`` for this rank's tied parameters."""
+    counts the weight once, on the earliest stage; state dicts name it under its serial names.  Under FSDP
+    such a weight stays whole, out of the stages' flat shards.
+    Returns ``[(parameter, group)]`` for this rank's tied parameters and the ids of those used by two chunks."""
     from .pipeline import split_module
     p = grid.G_inter
     holders: Dict[int, Tuple[Any, Dict[int, int]]] = {}       # id -> (param, {pipeline rank: first stage})
+    uses: Dict[int, int] = {}
     for q in range(p):
         for c in split_module(module, p, sched.virtual_stages, by=plan.split_by, boundaries=plan.boundaries,
                               rank=q, stage_ranks=sched.stage_ranks, tied=True):
             for prm in c.parameters():
                 ranks = holders.setdefault(id(prm), (prm, {}))[1]
                 ranks[q] = min(ranks.get(q, c.stage_index), c.stage_index)
+                uses[id(prm)] = uses.get(id(prm), 0) + 1
     out = []
     me = grid.inter_group.rank
     for prm, ranks in holders.values():
@@ -1114,7 +1116,7 @@ def _tied_weights(module: Module, grid: ProcessGrid, sched, plan: PipelinePlan) 
         if me in ranks:
             prm.tied_copy = me != order[0]
             out.append((prm, g))
-    return out
+    return out, frozenset(k for k, n in uses.items() if n > 1)
 
 
 def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":

@@ -34,9 +34,9 @@ class HybridGPT(LayoutState):
     ...) is the :class:`~axonmpi.parallel.state.LayoutState` of its layers.
 
     Args:
-        config: the model (a tied head, GPT-2's, under any layout but FSDP x pipeline: one Parameter, whole
-            under AxoNN, split over the vocabulary under sequence parallelism; across pipeline stages a copy on
-            the first and last stage, its gradient summed between them).
+        config: the model (a tied head, GPT-2's, under any layout: one Parameter, whole under AxoNN, split over
+            the vocabulary under sequence parallelism; across pipeline stages a copy on the first and last stage,
+            its gradient summed between them).
         grid: the process grid (default: ``axonmpi.get_grid()``).
         tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or ``"zbv"``.
@@ -231,11 +231,6 @@ def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: b
             f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1): the GPT leaves the "
             f"sequence-parallel region at a gathered, vocabulary-parallel lm_head; got {lay} "
             f"tp_style={h.style and h.style.value!r}")
-    if config.tie_word_embeddings and lay.G_inter > 1 and h.sharding is not None:
-        raise NotImplementedError(
-            f"rank {r}: tie_word_embeddings=True across pipeline stages with fsdp={fsdp!r} is not built: each "
-            f"stage's flat FSDP shard would hold a copy of the tied weight; use --fsdp none (DDP stages) with the "
-            f"pipeline, or an untied GPTConfig")
     if config.moe_experts and (lay.G_inter > 1 or h.sequence_parallel) and (config.moe_aux_loss_coeff
                                                                             or config.moe_z_loss_coeff):
         why = ("in a pipeline each stage's router losses do not reach the last stage's loss" if lay.G_inter > 1 else
