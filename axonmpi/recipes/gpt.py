@@ -1,11 +1,8 @@
 """The GPT recipe: the GPT on any layout of the 5-D grid (``HybridGPT``), as a plan for the composer.
 
 [Note: the GPT recipe]  The recipe holds the GPT's plan -- which layers are column / row / vocab / attention
-(:func:`gpt_plan`), where the pipeline cuts (the schedule's stages; with a pipeline the GPT is given layer by
-layer, :func:`gpt_layers`, so each rank builds only its stage's layers), the batch split (:func:`batch_shards`)
--- and hands it to :func:`~axonmpi.parallel.parallelize` (the one composer) for every layout.  Loss: the global
-batch's token mean on every rank (``pm.token_mean``).  Clipping: the placements.  State: ``LayoutState``, so a
-checkpoint of any layout loads under any other and into the plain GPT.
+(:func:`gpt_plan`), where the pipeline cuts (the GPT layer by layer, :func:`gpt_layers`: each rank builds only its
+stage's layers), the batch split -- and hands it to :func:`~axonmpi.parallel.parallelize` for every layout.
 """
 from __future__ import annotations
 
@@ -29,26 +26,20 @@ __all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "gp
 
 
 class HybridGPT(LayoutState):
-    """The GPT on this rank under any layout of the grid (``parallelize`` of :func:`gpt_plan`), with one
-    ``forward_backward`` / ``clip_grad_norm_`` for all; its state (``full_state_dict``, ``checkpoint_state``,
-    ...) is the :class:`~axonmpi.parallel.state.LayoutState` of its layers.
+    """The GPT on this rank under any layout of the grid: ``self.pm``, :func:`parallelize` of the GPT's plan,
+    with one ``forward_backward`` / ``clip_grad_norm_``; checkpoints through ``LayoutState`` (serial names).
 
     Args:
-        config: the model (a tied head, GPT-2's, under any layout: one Parameter, whole under AxoNN, split over
-            the vocabulary under sequence parallelism; across pipeline stages a copy on the first and last stage,
-            its gradient summed between them).
-        grid: the process grid (default: ``axonmpi.get_grid()``).
-        tp_style: ``"megatron"`` or ``"axonn"`` (ignored when the tensor dimensions are all 1).
+        config: the GPT (a tied head under any layout: whole under AxoNN, split over the vocabulary under sequence
+            parallelism, across pipeline stages a copy on the first and last stage, their gradients summed).
+        grid: the process grid (default: ``axonmpi.get_grid()``).  tp_style: ``"megatron"`` or ``"axonn"``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or ``"zbv"``.
-        num_microbatches: micro-batches per step.  activation_checkpointing: recompute each pipeline
-            chunk's (no pipeline: each block's) activations in backward.  dtype: parameter dtype.
-            global_batch: sequences per step.
-        fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead
-            of DDP; with a pipeline each stage's flat shard.  cpu_offload, mixed_precision, hybrid_shard_size:
-            FSDP's options.
-        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (not with a pipeline).
-        sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``).
-        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``).
+        num_microbatches, global_batch: per step.  activation_checkpointing: each pipeline chunk (no pipeline:
+            each block) recomputed in backward.  dtype: parameter dtype.
+        fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead of
+            DDP.  cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options.
+        cp_algo: ``"ring"`` or ``"ulysses"`` when ``G_context > 1``.  sequence_parallel: Megatron's.
+        expert_parallel: EP of a MoE GPT's experts (divides ``G_data``).
 
     Example:
         >>> hyb = HybridGPT(cfg, axonmpi.init(G_data=2, G_inter=2).grid, global_batch=8, num_microbatches=2)
@@ -62,9 +53,11 @@ class HybridGPT(LayoutState):
                  hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False,
                  expert_parallel: int = 1):
         g = self.grid = get_grid() if grid is None else grid
-        self.layout = Layout.from_grid(g)
+        self.layout, c, piped = Layout.from_grid(g), config, g.G_inter > 1
         self.sharding = None if fsdp is None or fsdp == "none" else ShardingStrategy.coerce(fsdp)
-        if self.sharding is None and (cpu_offload not in (None, False, "none") or mixed_precision is not None):
+        opts = {k: v for k, v in (("cpu_offload", cpu_offload), ("mixed_precision", mixed_precision),
+                                  ("hybrid_shard_size", hybrid_shard_size)) if v not in (None, False, "none")}
+        if self.sharding is None and set(opts) - {"hybrid_shard_size"}:
             raise ValueError(f"rank {g.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
         self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
@@ -74,12 +67,8 @@ class HybridGPT(LayoutState):
         self.num_microbatches, self.global_batch = int(num_microbatches), int(global_batch)
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
                      schedule=schedule, tp_style=tp_style, world_size=g.world.world_size)
-        c, piped = config, g.G_inter > 1
-        tp = "axonn" if self.style is TPStyle.AXONN else \
-            gpt_plan(c, self.sequence_parallel) if self.style is TPStyle.MEGATRON else None
+        tp = {TPStyle.AXONN: "axonn", TPStyle.MEGATRON: gpt_plan(c, self.sequence_parallel)}.get(self.style)
         vs = 2 if self.schedule.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
-        opts = {k: v for k, v in (("cpu_offload", cpu_offload), ("mixed_precision", mixed_precision),
-                                  ("hybrid_shard_size", hybrid_shard_size)) if v is not None}
         self.pm = pm = parallelize(
             # a MoE GPT's constructor draws its experts after every block: built whole on every rank
             gpt_layers(c, self.dtype) if piped and not c.moe_experts else GPT(c, dtype=self.dtype), grid=g,
@@ -90,11 +79,11 @@ class HybridGPT(LayoutState):
             activation_checkpointing=(True if piped else [f"blocks.{i}" for i in range(c.n_layer)])
             if activation_checkpointing else None, **opts)
         self.shards, self.shard_index = pm.batch_shards
-        self.model, self._params = pm.inner, list(pm.parameters())
-        self.pipe = pm.pipeline if piped else None
+        self.model, self._params, self.pipe = pm.inner, list(pm.parameters()), pm.pipeline if piped else None
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
         self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
         self.fsdp = pm.module if self.sharding is not None and not piped else None
+        # [one place for LayoutState]: this rank's parameter names and their TP-local shapes
         mine = {id(p) for p in (pm.pipeline.parameters() if piped else self.model.parameters())}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
@@ -103,7 +92,6 @@ class HybridGPT(LayoutState):
         LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
                              tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype)
 
-    # -- training -----------------------------------------------------------------------------------
     def parameters(self) -> List[Any]:
         """The parameters this rank trains (its stage's; its shards of tensor-parallel ones)."""
         return list(self._params)
@@ -113,33 +101,28 @@ class HybridGPT(LayoutState):
         return self.pm.local_batch(batch)
 
     def _token_mean(self, x, y):
-        """The one loss rule (``pm.token_mean``): this rank's loss sum over its counted targets (its tokens of
-        each sequence under context parallelism) -> the global batch's token mean."""
+        """The one loss rule (``pm.token_mean``) on this rank's rows (its tokens under context parallelism)."""
         logits, _ = self.pm(x)
         cp = getattr(self.model, "context_parallel", None)
-        if cp is not None and cp.active:
-            y = y[:, cp.positions(y.shape[1])]
+        y = y[:, cp.positions(y.shape[1])] if cp is not None and cp.active else y
         return self.pm.token_mean(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"), int((y != -100).sum()))
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
-        """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
-        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`; not with a pipeline) scales the loss.
-        Returns the mean loss over the global batch's counted targets (the serial model's, the same on
-        every rank and every layout, ignored targets anywhere)."""
-        if self.pipe is None:
-            loss = self._token_mean(x, y)
-            aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
-            total = loss if aux is None else loss + aux      # the returned value stays the LM loss
-            (total if scaler is None else scaler.scale(total)).backward()
-            return float(loss.item())
-        if scaler is not None:
-            raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
-                                      f"pipeline's runtime runs one per micro-batch: not {self.layout}")
-        return self.pm.step(x, y)      # the token mean over its micro-batches and token groups
+        """Forward and backward on this rank's rows (``scaler``: a ``GradScaler``, not with a pipeline); returns
+        the serial model's mean loss over the global batch's counted targets, on every rank and layout."""
+        if self.pipe is not None:
+            if scaler is not None:
+                raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
+                                          f"pipeline's runtime runs one per micro-batch: not {self.layout}")
+            return self.pm.step(x, y)      # the token mean over its micro-batches and token groups
+        loss = self._token_mean(x, y)
+        aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
+        total = loss if aux is None else loss + aux      # the returned value stays the LM loss
+        (total if scaler is None else scaler.scale(total)).backward()
+        return float(loss.item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip the global model's gradients to ``max_norm`` (their placements count each element once);
-        return the global norm before clipping."""
+        """Clip the global model's gradients to ``max_norm`` (placements count each element once); the norm before."""
         return float(clip_grad_norm_(self._params, max_norm))
 
     def eval_loss(self, x, y) -> float:
@@ -151,38 +134,34 @@ class HybridGPT(LayoutState):
             return float(self._token_mean(x, y).item())
 
     def dropout_seed(self, seed: int) -> int:
-        """The seed of this rank's random stream: ``seed * 1000 + shard_index``, so ranks holding the same
-        rows (Megatron's tensor ranks) draw the same masks and data replicas distinct ones."""
+        """``seed * 1000 + shard_index``: ranks holding the same rows draw the same masks, data replicas distinct ones."""
         return int(seed) * 1000 + self.shard_index
 
     def full_state_dict(self):
-        """The whole serial model's parameters on every rank (collective; see ``LayoutState``)."""
-        if self.pipe is not None and self.sharding is not None:
-            return full_state_dict(self.pm)      # FSDP stages: their flat shards gathered
-        return LayoutState.full_state_dict(self)
+        """The whole serial model's parameters on every rank (collective): ``parallelize.full_state_dict``."""
+        return full_state_dict(self.pm)
 
     def checkpoint_state(self, optimizer):
         """``(model_state, optimizer_state)`` for ``checkpoint.training_state`` (see ``LayoutState``)."""
         if self.pipe is not None and self.sharding is not None:
-            return _Refused(self), _Refused(self)
+            return _Refused(self.grid.world.rank), _Refused(self.grid.world.rank)
         return LayoutState.checkpoint_state(self, optimizer)
 
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
-        return {**self.layout.as_dict(), "tp_style": self.style.value if self.style else "none",
-                "schedule": ("fsdp" if self.fsdp is not None else "ddp" if self.ddp is not None
-                             else self.schedule.name.lower()), "fsdp": self.sharding.value if self.sharding else "none",
-                "microbatches": self.num_microbatches}
+        sched = "fsdp" if self.fsdp is not None else "ddp" if self.ddp is not None else self.schedule.name.lower()
+        return {**self.layout.as_dict(), "tp_style": self.style.value if self.style else "none", "schedule": sched,
+                "fsdp": self.sharding.value if self.sharding else "none", "microbatches": self.num_microbatches}
 
     def describe(self) -> str:
         """One line: the layout, the TP style, the schedule and what this rank holds."""
-        if self.fsdp is not None:
-            rep = self.fsdp.replicate_group.size if self.fsdp.replicate_group is not None else 1
-            how = f"FSDP {self.sharding.name} (shards over {self.fsdp.shard_group.size} ranks x {rep} replicas)"
-        else:
-            how = "DDP" if self.ddp is not None else f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}" \
-                if self.pipe is not None else "parallelize"
-            how += f" + FSDP {self.sharding.name} stage shards" if self.sharding is not None else ""
+        f, how = self.fsdp, "DDP" if self.ddp is not None else "parallelize"
+        if f is not None:
+            rep = f.replicate_group.size if f.replicate_group is not None else 1
+            how = f"FSDP {self.sharding.name} (shards over {f.shard_group.size} ranks x {rep} replicas)"
+        elif self.pipe is not None:
+            how = f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}" + \
+                (f" + FSDP {self.sharding.name} stage shards" if self.sharding is not None else "")
         return (f"{self.layout} | tp-style {self.style.value if self.style else 'none'} | {how} | batch in "
                 f"{self.shards} row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
 
@@ -211,16 +190,15 @@ def gpt_layers(config: GPTConfig, dtype=None) -> LayerBuilder:
 class _Refused:
     """The checkpoint state of FSDP x pipeline: its stages' flat shards have no serial-named block form yet."""
 
-    def __init__(self, h):
-        self.rank = h.grid.world.rank
+    def __init__(self, rank):
+        self.rank = rank
 
-    def state_dict(self):
+    def state_dict(self, *args, **kwargs):
         raise NotImplementedError(f"rank {self.rank}: checkpoints of --fsdp with a pipeline (G_inter > 1) are not "
                                   "built: each stage's flat FSDP shard has no serial-named block form; use "
                                   "hyb.full_state_dict() (every rank) or --fsdp none with the pipeline")
 
-    def load_state_dict(self, state_dict=None, strict=True):
-        self.state_dict()
+    load_state_dict = state_dict
 
 
 def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
