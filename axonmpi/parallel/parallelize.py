@@ -498,7 +498,8 @@ class PipelinePlan:
     """The pipeline axis of :func:`parallelize`: how the model is cut and run.
 
     ``parallelize(model, ..., pipeline=PipelinePlan(num_microbatches=4, schedule="zbv"))`` cuts the model
-    (an ``nn.Sequential`` or a GPT, by :func:`~axonmpi.parallel.pipeline.split_module`) into the schedule's
+    (an ``nn.Sequential`` or a GPT, by :func:`~axonmpi.parallel.pipeline.split_module`; given as a
+    :class:`~axonmpi.parallel.pipeline.LayerBuilder`, each rank builds only its stages' layers) into the schedule's
     stages, placing each chunk on the pipeline rank the schedule runs it on (ZBV's V included), after the
     model went through tensor, sequence, context and expert parallelism and activation checkpointing;
     the :class:`~axonmpi.parallel.Pipeline` then reduces every stage over its replica group.
