@@ -65,6 +65,9 @@ LAYOUTS = {
     "tied_fsdp_pp2_tp2_1f1b": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="megatron", fsdp="full_shard",
                                                                           num_microbatches=2)),
     "tied_fsdp_pp2_zbv": (TIED, {"G_inter": 2}, dict(fsdp="full_shard", schedule="zbv", num_microbatches=2)),
+    "tied_pp2_axonn2_gpipe_ac": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="axonn", schedule="gpipe",
+                                                                            num_microbatches=2,
+                                                                            activation_checkpointing=True)),
     "tied_dp_pp2_axonn2_zbv": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="axonn", schedule="zbv",
                                                                           num_microbatches=2)),
 }

@@ -631,8 +631,9 @@ class PipelinedModule(ParallelModule):
             f.bind_grads()
         loss = self.pipeline.step(inputs, targets)
         for p, tg in self._tied:                # [Note: a weight tied across stages]
-            if p.grad is not None:
-                reduce_gradient(p.grad.data, [tg])
+            if p.grad is None:                  # every rank of the group takes part
+                p.grad = Tensor(p.data * 0)
+            reduce_gradient(p.grad.data, [tg])
         g = self.grid.intra_group
         in_flat = {id(q) for f in flats for q in f.params}
         if flats:
@@ -1086,7 +1087,7 @@ def _build_stages(builder, grid: ProcessGrid, plan: Optional[PipelinePlan]):
     return model, replace(plan, boundaries=tuple(starts[1:]))
 
 
-def _tied_weights(module: Module, grid: ProcessGrid, sched, plan: PipelinePlan) -> List[Tuple[Any, Any]]:
+def _tied_weights(module: Module, grid: ProcessGrid, sched, plan: PipelinePlan):
     """[Note: a weight tied across stages]  A parameter used by chunks on two pipeline ranks (a GPT's head
     tied to its embedding, GPT-2's) is held by both, as Megatron holds the word embeddings on the first and
     last stage: after each step's backward its gradient is summed over the ranks holding it (their
