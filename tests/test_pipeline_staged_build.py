@@ -125,7 +125,6 @@ def test_tied_weight_dp2_pp2_tp2_matches_serial(world):
     _tied_parity(world, {"G_inter": 2, "G_intra_c": 2}, {"1": "column", "3": "row"})
 
 
-@pytest.mark.mpi(min_size=2)
 def test_split_module_still_refuses_a_tie_for_a_plain_pipeline():
     model = _tied().build()
     with pytest.raises(ValueError, match="of chunk 0 is also .* of chunk 1.*parallelize"):

@@ -29,7 +29,7 @@ def stand_in_param(p) -> None:
 def is_stand_in(p) -> bool:
     """Whether parameter ``p`` is a :func:`stand_in`'s (a read-only zero-stride view: no storage of its own)."""
     d = getattr(p, "data", p)
-    return d.ndim > 0 and d.size > 0 and not any(d.strides) and not d.flags.writeable
+    return d.ndim > 0 and d.size > 0 and not any(d.strides) and not getattr(d.flags, "writeable", False)
 
 
 def _seq(layers: List[Module]) -> Module:
