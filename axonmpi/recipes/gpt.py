@@ -83,7 +83,7 @@ class HybridGPT(LayoutState):
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
         self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
         self.fsdp = pm.module if self.sharding is not None and not piped else None
-        # [one place for LayoutState]: this rank's parameter names and their TP-local shapes
+        # LayoutState (its one construction): this rank's parameter names and their TP-local shapes
         mine = {id(p) for p in (pm.pipeline.parameters() if piped else self.model.parameters())}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
