@@ -69,7 +69,8 @@ def parse_args(argv=None):
     g.add_argument("--block-size", type=int, default=64, help="context length in characters")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--tie-word-embeddings", action="store_true",
-                   help="GPT-2's tied head: lm_head.weight is wte.weight (not with a pipeline or --sequence-parallel: "
+                   help="GPT-2's tied head: lm_head.weight is wte.weight (with a pipeline: a copy on the first and "
+                        "last stage, their gradients summed; with --sequence-parallel: split over the vocabulary: "
                         "docs/hybrid.md)")
     g.add_argument("--moe-experts", type=int, default=0,
                    help="mixture of experts: E expert MLPs replace the MLP of every (--moe-every 2: every other) "
@@ -112,7 +113,7 @@ def parse_args(argv=None):
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
                         "sequence shards over G-intra-c; --block-size must divide by it); with pipelines, context "
-                        "parallel, MoE (router losses 0) and FSDP; not with --tie-word-embeddings")
+                        "parallel, MoE (router losses 0), FSDP and --tie-word-embeddings")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
                         "ZBV with 2 chunks per rank in a V)")

@@ -75,6 +75,22 @@ def serial(tmp_path_factory):
 def test_layout_matches_one_process(sizes, extra, serial, tmp_path):
     ref_rows, ref_params, _ = serial
     rows, params, r = _run(tmp_path, "layout", sizes, extra)
+    _assert_same_run(rows, params, ref_rows, ref_params)
+    assert r.stdout.count("ProcessGrid(") == 1          # rank 0 prints the grid table once
+
+
+@pytest.mark.serial
+def test_tied_head_across_pipeline_stages_matches_one_process(tmp_path):
+    """--tie-word-embeddings with a pipeline x Megatron tensor layout: the first and last stages each hold the
+    tied weight, its gradient summed between them; losses, clip norms and parameters equal one process."""
+    ref_rows, ref_params, _ = _run(tmp_path, "serial_tied", None, ["--tie-word-embeddings"])
+    rows, params, _ = _run(tmp_path, "tied", (1, 2, 1, 2, 1), ["--tie-word-embeddings", "--tp-style", "megatron",
+                                                               "--microbatches", "2"])
+    _assert_same_run(rows, params, ref_rows, ref_params)
+
+
+def _assert_same_run(rows, params, ref_rows, ref_params):
+    """train_gpt's metrics and dumped parameters equal the reference run's (1e-9)."""
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
     ref_loss, loss = np.array([x["loss"] for x in ref_rows]), np.array([x["loss"] for x in rows])
     assert np.abs(loss - ref_loss).max() <= 1e-9 * np.abs(ref_loss).max(), (loss, ref_loss)
@@ -85,7 +101,6 @@ def test_layout_matches_one_process(sizes, extra, serial, tmp_path):
     for k, v in ref_params.items():
         scale = max(np.abs(v).max(), 1e-300)
         assert params[k].shape == v.shape and np.abs(params[k] - v).max() <= 1e-9 * scale, k
-    assert r.stdout.count("ProcessGrid(") == 1          # rank 0 prints the grid table once
 
 
 def _flags(sizes):
@@ -169,10 +184,8 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-intra-r", "2", "--tp-style", "megatron"], ["--tp-style megatron splits over one dimension"]),
     (2, ["--G-intra-d", "2", "--global-batch", "3"], ["global batch 3 does not divide into 2 equal row slices"]),
     (4, ["--G-inter", "3"], ["G_inter=3", "so G_data cannot be derived"]),
-    (2, ["--G-inter", "2", "--tie-word-embeddings"], ["tie_word_embeddings=True across pipeline stages",
-                                                      "no tied-weight all-reduce between stages"]),
-    (2, ["--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel", "--tie-word-embeddings"],
-     ["sequence_parallel needs tp_style='megatron' (G_intra_c > 1) and an untied head"]),
+    (2, ["--G-intra-c", "2", "--tp-style", "axonn", "--sequence-parallel", "--tie-word-embeddings"],
+     ["sequence_parallel needs tp_style='megatron' (G_intra_c > 1)"]),
     (2, ["--G-inter", "2", "--moe-experts", "2"], ["do not reach the last stage's loss; set both to 0"]),
     (2, ["--G-intra-c", "2", "--tp-style", "megatron", "--sequence-parallel", "--moe-experts", "2"],
      ["the router losses' statistics are the shard's"]),

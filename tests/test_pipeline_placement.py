@@ -130,9 +130,9 @@ def test_split_module_schedule_argument():
 
 
 def test_staged_build_follows_the_schedule_placement():
-    """``build_stage_layers(..., stage_ranks=)``: a pipeline rank builds the layers of the chunks its schedule
-    places there (ZBV: chunks 0 and 3 on rank 0 of 2), with the serial values; the others are stand-ins."""
-    from axonmpi.parallel.pipeline.staged import build_stage_layers
+    """``LayerBuilder.build_stage(..., stage_ranks=)``: a pipeline rank builds the layers of the chunks its
+    schedule places there (ZBV: chunks 0 and 3 on rank 0 of 2), with the serial values; the others are stand-ins."""
+    from axonmpi.parallel.pipeline import LayerBuilder
 
     def construct(i):
         return nn.Linear(6, 6, dtype=np.float64)
@@ -142,7 +142,8 @@ def test_staged_build_follows_the_schedule_placement():
     serial = [construct(i) for i in range(4)]
     for r, mine in ((0, {0, 3}), (1, {1, 2})):
         axonmpi.manual_seed(3)
-        layers = build_stage_layers(construct, lambda m, i: None, lambda m, i: m, 4, 2, 2, r, stage_ranks=V)
+        layers, starts = LayerBuilder(4, construct).build_stage(2, 2, r, stage_ranks=V)
+        assert starts == [0, 1, 2, 3]
         for i, layer in enumerate(layers):
             built = layer.weight.data.strides != (0, 0)
             assert built == (i in mine), (r, i)

@@ -1,6 +1,6 @@
 """The GPT recipe's N-D layouts through the composer: ``HybridGPT`` (what ``examples/train_gpt.py`` builds) on
 layouts its own paths used to refuse -- FSDP x pipeline x tensor, context x tensor x FSDP, MoE expert parallel x
-pipeline x tensor, zero-bubble x data x tensor, a tied head under AxoNN -- equals the serial GPT step by step
+pipeline x tensor, zero-bubble x data x tensor, a tied head under AxoNN and across pipeline stages -- equals the serial GPT step by step
 (loss, clip norm with clipping active, every parameter after AdamW; float64), and its checkpoint loads into the
 plain GPT.  Run in the 8/16-rank pass (``-m nd``; the 16-rank pass runs them at 8 ranks' layouts doubled in data).
 """
@@ -57,6 +57,19 @@ LAYOUTS = {
                              dict(tp_style="megatron", sequence_parallel=True, fsdp="full_shard")),
     "moe_dp_tp2_sp_ep2": (MOE_PP, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True, expert_parallel=2)),
     "tied_dp_axonn2": (TIED, {"G_intra_c": 2}, dict(tp_style="axonn")),
+    "tied_dp_pp2_tp2_1f1b": (TIED, {"G_inter": 2, "G_intra_c": 2},
+                             dict(tp_style="megatron", schedule="1f1b", num_microbatches=2)),
+    "tied_dp_tp2_sp": (TIED, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True)),
+    "tied_pp2_tp2_sp_1f1b": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True,
+                                                                        num_microbatches=2)),
+    "tied_fsdp_pp2_tp2_1f1b": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="megatron", fsdp="full_shard",
+                                                                          num_microbatches=2)),
+    "tied_fsdp_pp2_zbv": (TIED, {"G_inter": 2}, dict(fsdp="full_shard", schedule="zbv", num_microbatches=2)),
+    "tied_pp2_axonn2_gpipe_ac": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="axonn", schedule="gpipe",
+                                                                            num_microbatches=2,
+                                                                            activation_checkpointing=True)),
+    "tied_dp_pp2_axonn2_zbv": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="axonn", schedule="zbv",
+                                                                          num_microbatches=2)),
 }
 
 

@@ -39,8 +39,13 @@ def _swap(parent: Module, name: str, new: Module) -> None:
 
 
 def _copy_serial(new: Module, old: Module) -> None:
-    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard)."""
+    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard); a
+    :class:`~axonmpi.parallel.pipeline.LayerBuilder`'s stand-in (another pipeline rank's layer) stays one."""
+    from .pipeline.staged import is_stand_in, stand_in
     from .tensor.state import load_full_state_dict
+    if any(is_stand_in(p) for p in old.parameters()):
+        stand_in(new)
+        return
     load_full_state_dict(new, {k: np.asarray(v) for k, v in old.state_dict().items()})
 
 
@@ -130,6 +135,38 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
         n += 1
     refuse_split_outputs(module, columns, rows, group)
     return n
+
+
+def _tied_slots(module: Module) -> List[List[Tuple[str, str]]]:
+    """The parameters held by more than one module of ``module`` (a head tied to its embedding), each as
+    its ``[(module name, attribute), ...]``."""
+    slots: Dict[int, List[Tuple[str, str]]] = {}
+    for q, m in module.named_modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((q, name))
+    return [v for v in slots.values() if len(v) > 1]
+
+
+def _retie(module: Module, tied, r: int) -> None:
+    """After step 1: a weight the plan's layers hold twice (``"vocab"`` ``wte`` and ``"column_gather"`` ``lm_head``,
+    both this rank's vocabulary rows) is one Parameter again (Megatron's tied embedding); a tie between a split and
+    a replicated use raises, naming both."""
+    mods = dict(module.named_modules())
+    for slots in tied:
+        params = [getattr(mods[q], name) for q, name in slots]
+        first = params[0]
+        if all(p is first for p in params):
+            continue
+        from ..distributed.placement import placement_of
+        shards = [tuple((s.kind, getattr(s, "dim", None)) for s in placement_of(p).shards) for p in params]
+        if any(tuple(p.shape) != tuple(first.shape) or sh != shards[0] for p, sh in zip(params, shards)):
+            names = [f"{q}.{name}" if q else name for q, name in slots]
+            raise ValueError(f"rank {r}: {names} are one tied weight but the tensor-parallel plan lays them out "
+                             f"differently (local shapes {[tuple(p.shape) for p in params]}): split both the same "
+                             "way (an embedding 'vocab' and its head 'column_gather') or neither")
+        for (q, name), p in zip(slots[1:], params[1:]):
+            setattr(mods[q], name, first)
 
 
 def _sequence_parallel(module: Module, grid: ProcessGrid, outside=()) -> List[Any]:
@@ -461,7 +498,8 @@ class PipelinePlan:
     """The pipeline axis of :func:`parallelize`: how the model is cut and run.
 
     ``parallelize(model, ..., pipeline=PipelinePlan(num_microbatches=4, schedule="zbv"))`` cuts the model
-    (an ``nn.Sequential`` or a GPT, by :func:`~axonmpi.parallel.pipeline.split_module`) into the schedule's
+    (an ``nn.Sequential`` or a GPT, by :func:`~axonmpi.parallel.pipeline.split_module`; given as a
+    :class:`~axonmpi.parallel.pipeline.LayerBuilder`, each rank builds only its stages' layers) into the schedule's
     stages, placing each chunk on the pipeline rank the schedule runs it on (ZBV's V included), after the
     model went through tensor, sequence, context and expert parallelism and activation checkpointing;
     the :class:`~axonmpi.parallel.Pipeline` then reduces every stage over its replica group.
@@ -495,7 +533,7 @@ class _Stage(Module):
     Pipeline reads to reduce it (AxoNN's batch groups and depth group)."""
 
     def __init__(self, chunk: Module, grid: ProcessGrid, *, axonn: bool, sequence_dim: Optional[int],
-                 checkpointed: bool, shard_group=None):
+                 checkpointed: bool, shard_group=None, shared=frozenset()):
         super().__init__()
         self._grid = [grid]
         self.sequence_dim, self.checkpointed = sequence_dim, bool(checkpointed)
@@ -508,10 +546,12 @@ class _Stage(Module):
             self.chunk = chunk
             return
         self._chunk = [chunk]        # FSDP: the Pipeline sees the flat shard (and the experts), not the chunk
-        self._fsdp(chunk, shard_group)
+        self._fsdp(chunk, shard_group, shared)
 
-    def _fsdp(self, chunk: Module, group) -> None:
-        """[Note: FSDP in a pipeline]  The chunk's parameters (experts aside: their own groups reduce them)
+    def _fsdp(self, chunk: Module, group, shared) -> None:
+        """[Note: FSDP in a pipeline]  The chunk's parameters (experts aside: their own groups reduce them; a
+        weight ``shared`` with another chunk aside: whole, averaged over data by the Pipeline, summed between the
+        stages by [Note: a weight tied across stages])
         become one :class:`~axonmpi.parallel.FlatParameter` sharded over ``group`` (data x context): the
         optimizer holds this rank's chunk of them.  A step all-gathers them once before the first
         micro-batch and reduce-scatters the accumulated gradient once after the last (FSDP2's behaviour
@@ -520,12 +560,14 @@ class _Stage(Module):
         from ._flat import FlatParameter
         from .grad_sync import sharded_within
         named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
-        flat = [(n, p) for n, p in named if not sharded_within(p, group)]
+        flat = [(n, p) for n, p in named if not sharded_within(p, group) and id(p) not in shared]
         if flat:
             self.flat = FlatParameter([p for _, p in flat], [n for n, _ in flat]).shard(group)
             set_placement(self.flat, Placement(shards=(Shard(group, ShardKind.FLAT),)))
         for i, (_, p) in enumerate(x for x in named if sharded_within(x[1], group)):
             self.register_parameter(f"expert_{i}", p)
+        for i, (_, p) in enumerate(x for x in named if id(x[1]) in shared):
+            self.register_parameter(f"tied_{i}", p)
 
     def _run(self, x):
         return (self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)(x)
@@ -575,6 +617,7 @@ class PipelinedModule(ParallelModule):
         self.pipeline = pipe
         self._stages = list(stages)
         self._sp_params: List[Any] = []
+        self._tied: List[Tuple[Any, Any]] = []     # (parameter, embedding group): [Note: a weight tied across stages]
 
     def forward(self, *args, **kwargs):
         raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
@@ -587,6 +630,10 @@ class PipelinedModule(ParallelModule):
             f.unshard()
             f.bind_grads()
         loss = self.pipeline.step(inputs, targets)
+        for p, tg in self._tied:                # [Note: a weight tied across stages]
+            if p.grad is None:                  # every rank of the group takes part
+                p.grad = Tensor(p.data * 0)
+            reduce_gradient(p.grad.data, [tg])
         g = self.grid.intra_group
         in_flat = {id(q) for f in flats for q in f.params}
         if flats:
@@ -635,7 +682,8 @@ class PipelinedModule(ParallelModule):
                 yield f"{prefix}stage{k}.flat", st.flat
 
     def parameters(self, recurse: bool = True):
-        return self.pipeline.parameters()
+        """This rank's stages' parameters, each once (a weight tied between two chunks of this rank: ZBV's V)."""
+        return list({id(p): p for p in self.pipeline.parameters()}.values())
 
     def state_dict(self):
         """The full serial state dict on every rank (collective over the grid: tensor, then pipeline)."""
@@ -759,7 +807,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
 
     Args:
         module: any ``nn.Module`` built from the library's layers (changed in place; build it the same
-            way on every rank). With ``pipeline`` an ``nn.Sequential`` (or a GPT) that ``split_module`` cuts.
+            way on every rank). With ``pipeline`` an ``nn.Sequential`` (or a GPT) that ``split_module`` cuts,
+            or a :class:`~axonmpi.parallel.pipeline.LayerBuilder`: each pipeline rank then builds only its
+            stages' layers (the serial model's values; the others hold no memory).
         grid: the :class:`ProcessGrid` (default: the current World's, ``axonmpi.init(...)``).
         tensor_parallel: ``None``; ``"axonn"``: every ``nn.Linear`` becomes a 3-D
             ``intra_layer.Linear`` over the grid's row x column x depth, in easy mode (each rank
@@ -810,10 +860,13 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         ...                  pipeline=PipelinePlan(num_microbatches=2, schedule="zb-h1"))
         >>> xb, yb = pm.local_batch(x, y); loss = pm.step(xb, yb)
     """
-    if not isinstance(module, Module):
-        raise TypeError(f"parallelize needs an axonmpi.nn.Module, got {type(module).__name__}")
+    from .pipeline.staged import LayerBuilder
     grid = get_grid() if grid is None else grid
     r = grid.rank
+    if isinstance(module, LayerBuilder):
+        module, pipeline = _build_stages(module, grid, pipeline)
+    if not isinstance(module, Module):
+        raise TypeError(f"parallelize needs an axonmpi.nn.Module or a LayerBuilder, got {type(module).__name__}")
     if data_parallel not in _DATA:
         raise ValueError(f"rank {r}: data_parallel={data_parallel!r}; expected 'ddp', 'fsdp' or None")
     if not (tensor_parallel is None or tensor_parallel == "axonn" or isinstance(tensor_parallel, dict)):
@@ -882,21 +935,23 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     # [Note: a GPT's sequence parallelism] is entered inside its forward (after the embeddings, which number the
     # tokens) and left at a "column_gather" head: pm(x) takes and gives whole sequences
     gpt_sp = bool(sequence_parallel) and isinstance(module, GPT) and grid.intra_group.size > 1
-    shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
+    shapes = {k: tuple(t.shape) for k, t in module._state_items()}      # no copies (stand-ins hold no memory)
     axonn = tensor_parallel == "axonn"
     # 1 tensor parallel + sequence parallel
     if axonn:
         _axonn(module, grid)
     elif isinstance(tensor_parallel, dict):
         sp = int(sequence_dim) if sequence_parallel else None
+        tied = _tied_slots(module)
         if _megatron(module, grid, tensor_parallel, sp, in_forward=gpt_sp) == 0:
             raise ValueError(f"rank {r}: no module of the model matches the plan {tensor_parallel}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
+        _retie(module, tied, r)
         if gpt_sp:     # a GPT enters the region at its embedding dropout (its input is token ids)
             from .tensor import ColumnParallelLinear, SequenceParallelDropout
             if not (type(module.lm_head) is ColumnParallelLinear and module.lm_head.gather_output):
                 raise ValueError(f"rank {r}: a GPT under sequence_parallel leaves the sequence-parallel region at "
-                                 f"lm_head: make it 'column_gather' in the plan (untied; a tied head is one "
+                                 f"lm_head: make it 'column_gather' in the plan (a tied head with wte 'vocab': one "
                                  f"replicated Parameter and would give this rank's tokens only)")
             module.drop = SequenceParallelDropout(module.drop.p, grid.intra_group)
     # 2 context parallel
@@ -989,8 +1044,9 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     from .grad_sync import data_reduction_group
     from .pipeline import Pipeline, make_schedule, split_module
     sched = make_schedule(plan.schedule, grid.G_inter, plan.num_microbatches, plan.virtual_stages)
-    chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by,
-                          boundaries=plan.boundaries, group=grid.inter_group, stage_ranks=sched.stage_ranks)
+    chunks = split_module(module, grid.G_inter, sched.virtual_stages, by=plan.split_by, boundaries=plan.boundaries,
+                          group=grid.inter_group, stage_ranks=sched.stage_ranks, tied=True)
+    tied, shared = _tied_weights(module, grid, sched, plan)
     from ..models.gpt import GPT, GPTEmbedding, GPTHead
     axonn = tensor_parallel == "axonn"
     shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
@@ -1001,8 +1057,8 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         for p in whole.parameters():
             p.sequence_parallel = False
         sp_params = [p for p in sp_params if id(p) not in skip]
-    stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard)
-              for c in chunks]
+    stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard,
+                     shared=shared) for c in chunks]
     for st, c in zip(stages, chunks):     # [Note: a GPT's sequence parallelism]: its ends enter / leave themselves
         st.enters_itself = any(isinstance(m, GPTEmbedding) for m in c.modules())
         st.leaves_itself = any(isinstance(m, GPTHead) for m in c.modules())
@@ -1011,10 +1067,58 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._serial_shapes = shapes
+    pm._tied = tied
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
     pm._sp_params = [p for p in sp_params if id(p) in mine]
     pm._context(cp, None)
     return pm
+
+
+def _build_stages(builder, grid: ProcessGrid, plan: Optional[PipelinePlan]):
+    """A :class:`~axonmpi.parallel.pipeline.LayerBuilder` -> the model as this rank holds it (its stages'
+    layers only) and the plan with the cut it was built for (step 6 cuts there); no pipeline: the whole model."""
+    from dataclasses import replace
+    from .pipeline import make_schedule
+    if grid.G_inter == 1 or not isinstance(plan, PipelinePlan):
+        return builder.build(), plan
+    sched = make_schedule(plan.schedule, grid.G_inter, plan.num_microbatches, plan.virtual_stages)
+    model, starts = builder.build_stage(grid.G_inter, sched.virtual_stages, grid.inter_group.rank,
+                                        stage_ranks=sched.stage_ranks, by=plan.split_by, boundaries=plan.boundaries)
+    return model, replace(plan, boundaries=tuple(starts[1:]))
+
+
+def _tied_weights(module: Module, grid: ProcessGrid, sched, plan: PipelinePlan):
+    """[Note: a weight tied across stages]  A parameter used by chunks on two pipeline ranks (a GPT's head
+    tied to its embedding, GPT-2's) is held by both, as Megatron holds the word embeddings on the first and
+    last stage: after each step's backward its gradient is summed over the ranks holding it (their
+    "embedding group", made here over the pipeline group), so both copies see the serial gradient and stay
+    equal under the same optimizer.  The copies on the later stages are marked ``tied_copy``: clipping
+    counts the weight once, on the earliest stage; state dicts name it under its serial names.  Under FSDP
+    such a weight stays whole, out of the stages' flat shards.
+    Returns ``[(parameter, group)]`` for this rank's tied parameters and the ids of those used by two chunks."""
+    from .pipeline import split_module
+    p = grid.G_inter
+    holders: Dict[int, Tuple[Any, Dict[int, int]]] = {}       # id -> (param, {pipeline rank: first stage})
+    uses: Dict[int, int] = {}
+    for q in range(p):
+        for c in split_module(module, p, sched.virtual_stages, by=plan.split_by, boundaries=plan.boundaries,
+                              rank=q, stage_ranks=sched.stage_ranks, tied=True):
+            for prm in c.parameters():
+                ranks = holders.setdefault(id(prm), (prm, {}))[1]
+                ranks[q] = min(ranks.get(q, c.stage_index), c.stage_index)
+                uses[id(prm)] = uses.get(id(prm), 0) + 1
+    out = []
+    me = grid.inter_group.rank
+    for prm, ranks in holders.values():
+        if len(ranks) < 2:
+            continue
+        order = sorted(ranks, key=ranks.get)           # the earliest stage's rank first
+        g = grid.world.new_group([grid.inter_group.ranks[q] for q in order], parent=grid.inter_group,
+                                 name="embedding")
+        if me in ranks:
+            prm.tied_copy = me != order[0]
+            out.append((prm, g))
+    return out, frozenset(k for k, n in uses.items() if n > 1)
 
 
 def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
@@ -1031,10 +1135,10 @@ def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
     from .tensor.state import full_state_dict as tp_full
     if isinstance(pm, PipelinedModule):
         from ..distributed import all_gather_object
-        mine = {n for n, _ in pm.named_parameters()}
-        for st in pm._stages:
-            if st.flat is not None:
-                mine |= {n for n, p in pm.inner.named_parameters() if any(p is q for q in st.flat.params)}
+        held = {id(p) for p in pm.pipeline.parameters()} | {id(q) for f in pm._flats() for q in f.params}
+        # every name of this rank's parameters (a tied weight's too: the serial state dict names both uses)
+        mine = {f"{m}.{n}" if m else n for m, mod in pm.inner.named_modules() for n, q in mod._parameters.items()
+                if q is not None and id(q) in held}
         with pm._gathered():
             local = OrderedDict((k, v) for k, v in tp_full(pm.inner).items() if k in mine)
         out = OrderedDict()

@@ -4,9 +4,10 @@ from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, Schedule
                         format_schedule, make_schedule, simulate)
 from .split import SplitBy, split_module, split_points
 from .stage import PipelineStage
+from .staged import LayerBuilder
 
 __all__ = [
-    "Action", "ActionKind", "Pipeline", "PipelineMemoryStats", "PipelineSchedule", "PipelineStage", "PipelineTiming", "Schedule",
+    "Action", "ActionKind", "LayerBuilder", "Pipeline", "PipelineMemoryStats", "PipelineSchedule", "PipelineStage", "PipelineTiming", "Schedule",
     "ScheduleDeadlockError", "SimulationResult", "SplitBy", "format_schedule", "make_schedule", "simulate",
     "split_module", "split_points",
 ]

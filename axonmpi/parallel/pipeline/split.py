@@ -100,7 +100,8 @@ def _check_untied(chunks: List[Sequential]) -> None:
             if first[0] != c:
                 raise ValueError(
                     f"split_module: parameter {first[1]!r} of chunk {first[0]} is also {name!r} of chunk {c}; "
-                    "tied weights across pipeline stages are not supported — untie them (separate parameters) "
+                    "a plain Pipeline would train the two stages' copies apart — use parallelize(..., "
+                    "pipeline=PipelinePlan(...)) (it all-reduces the tied gradient between the stages), untie them, "
                     "or choose boundaries that keep both uses in one chunk")
 
 
@@ -125,7 +126,7 @@ def _placement(schedule, num_stages: int, virtual_stages: int):
 def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Union[SplitBy, str] = "params",
                  boundaries: Optional[Sequence[int]] = None, *, group: Optional[ProcessGroup] = None,
                  rank: Optional[int] = None, stage_ranks: Optional[Sequence[int]] = None,
-                 schedule=None) -> List[Sequential]:
+                 schedule=None, tied: bool = False) -> List[Sequential]:
     """Cut ``model`` into ``num_stages * virtual_stages`` chunks; return this rank's.
 
     Chunk ``s`` lives on pipeline rank ``s % num_stages`` (or where ``schedule`` / ``stage_ranks``
@@ -136,7 +137,8 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
     least one of the model's own modules (parameters are shared, never copied, so
     ``model.state_dict()`` on a rank shows its stages' trained values); chunks without
     parameters are allowed. A parameter used by two chunks (tied weights) is refused with a
-    ``ValueError``.
+    ``ValueError`` unless ``tied=True`` (then the caller keeps the copies equal, as
+    :func:`~axonmpi.parallel.parallelize` does: their gradients summed over the ranks holding them).
 
     Args:
         model: an ``axonmpi.nn.Sequential``, or an ``axonmpi.models.GPT`` (cut as
@@ -153,6 +155,7 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
         schedule: cut for this schedule's placement: a :class:`PipelineSchedule` (or its name,
             e.g. ``"zbv"``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``; its
             ``virtual_stages`` is then 2 unless given) or a ready :class:`Schedule`.
+        tied: allow a parameter used by two chunks (see above).
 
     Returns:
         This rank's chunks, a list of ``v`` ``Sequential`` modules.
@@ -172,7 +175,8 @@ def split_module(model: Module, num_stages: int, virtual_stages: int = 1, by: Un
     layers = _layers(model)
     ends = starts[1:] + [len(layers)]
     chunks = [Sequential(*layers[a:b]) for a, b in zip(starts, ends)]
-    _check_untied(chunks)
+    if not tied:
+        _check_untied(chunks)
     for s, chunk in enumerate(chunks):
         chunk.stage_index, chunk.num_chunks = s, len(chunks)
     if rank is None:
