@@ -367,9 +367,9 @@ def main(argv=None):
     sizes = dict(G_data=args.G_data, G_inter=args.G_inter, G_intra_r=args.G_intra_r, G_intra_c=args.G_intra_c,
                  G_intra_d=args.G_intra_d, G_context=args.context_parallel)
     world = axonmpi.get_world() if axonmpi.is_initialized() else None
-    if world is None or any(v not in (None, 1) for v in sizes.values()):
+    if world is None or any(v not in (None, 1) for v in sizes.values()) or args.expert_parallel > 1:
         try:
-            world = axonmpi.init(**sizes)
+            world = axonmpi.init(**sizes, expert_parallel=args.expert_parallel)
         except ValueError as e:
             axonmpi.log.exit0(f"impossible layout: {e}")
     grid = axonmpi.get_grid()

@@ -246,15 +246,15 @@ def _build(world, layout, seed=7):
     others = int(np.prod(list(sizes.values())))
     if world.world_size % others:
         pytest.skip(f"{layout} needs a multiple of {others} ranks")
-    grid = axonmpi.ProcessGrid(world, **sizes)
+    ep = opts.get("expert_parallel", 1)
+    if ep > 1 and (world.world_size // others) % ep:
+        pytest.skip(f"{layout}: expert_parallel={ep} does not divide G_data={world.world_size // others}")
+    grid = axonmpi.ProcessGrid(world, **sizes, expert_parallel=ep)      # the expert groups are built at init
     opts = dict(opts)
     if opts.get("pipeline") is not None:
         schedule, v = opts["pipeline"]
         opts["pipeline"] = PipelinePlan(num_microbatches=2, schedule=schedule, virtual_stages=v)
         opts.setdefault("data_parallel", "ddp")
-    if opts.get("expert_parallel", 1) > 1 and grid.G_data % opts["expert_parallel"]:
-        grid.free()
-        pytest.skip(f"{layout}: expert_parallel={opts['expert_parallel']} does not divide G_data={grid.G_data}")
     zero1 = opts.pop("zero1", False)
     axonmpi.manual_seed(seed)
     pm = parallelize(MODELS[name](), grid=grid, **opts)

@@ -2,8 +2,9 @@
 tokens dispatched with a variable-count all-to-all; or tensor-parallel experts with tokens gathered.
 
 [Note: expert parallelism on the grid]
-``expert_parallel = EP`` divides ``G_data`` (Megatron's and DeepSpeed's rule). The grid's
-:meth:`~axonmpi.distributed.ProcessGrid.expert_groups` carves two groups from the data dimension:
+``expert_parallel = EP`` divides ``G_data`` (Megatron's and DeepSpeed's rule) and is the grid's, fixed
+at init (``axonmpi.init(..., expert_parallel=EP)``): the grid builds two groups carved from the data
+dimension (``group_for("expert")``, ``group_for("expert_data")``):
 the *expert group* (EP consecutive data ranks; each holds ``E / EP`` experts) and the
 *expert-data group* (``G_data / EP`` ranks holding the same experts). Non-expert parameters stay
 replicated over ``G_data`` (DDP over the data group); expert parameters are placed as a ``DIM``
@@ -187,16 +188,17 @@ def expert_parameters(module: Module):
     return out
 
 
-def expert_parallel(module: Module, expert_parallel: int = 1, *, grid=None,
+def expert_parallel(module: Module, expert_parallel: Optional[int] = None, *, grid=None,
                     expert_tensor_parallel: bool = False, stats_group=None) -> int:
     """Lay out every :class:`~axonmpi.nn.MoE` of ``module`` over the grid (in place); returns how many.
 
     Args:
         module: a model holding ``nn.MoE`` layers (built the same way on every rank).
-        expert_parallel: EP, dividing the grid's ``G_data``; the experts of each MoE (E divisible
-            by EP) are split over the expert group, tokens go by all-to-all. 1: experts replicated.
-        grid: the :class:`~axonmpi.distributed.ProcessGrid` (default: the current one). Collective:
-            makes the grid's expert groups (:meth:`~axonmpi.distributed.ProcessGrid.expert_groups`).
+        expert_parallel: EP, the grid's (``None``: the grid's; another value raises, naming the fix
+            ``axonmpi.init(..., expert_parallel=EP)``); the experts of each MoE (E divisible by EP) are
+            split over the grid's expert group, tokens go by all-to-all. 1: experts replicated.
+        grid: the :class:`~axonmpi.distributed.ProcessGrid` (default: the current one); its expert
+            groups were built at init (no communication here).
         expert_tensor_parallel: split every expert's hidden width over the grid's tensor group
             instead (AxoNN style; the batch is split over data x tensor, tokens are all-gathered
             over the tensor group). Needs ``expert_parallel=1``.
@@ -204,11 +206,13 @@ def expert_parallel(module: Module, expert_parallel: int = 1, *, grid=None,
             the data group; with ``expert_tensor_parallel`` each tensor group routes its gathered tokens).
 
     Example:
-        >>> axonmpi.init()                                   # 4 ranks, G_data = 4
-        >>> expert_parallel(model, 2)                       # 2 experts groups of 2 ranks x 2 replicas
+        >>> axonmpi.init(expert_parallel=2)                  # 4 ranks, G_data = 4
+        >>> expert_parallel(model)                           # 2 expert groups of 2 ranks x 2 replicas
     """
     grid = get_grid() if grid is None else grid
     moes = [m for m in module.modules() if isinstance(m, MoE)]
+    if expert_parallel is None:
+        expert_parallel = grid.expert_parallel
     ep_group, edp_group = grid.expert_groups(expert_parallel)
     data = grid.group_for("data")
     if expert_tensor_parallel:
@@ -247,22 +251,18 @@ def expert_parallel(module: Module, expert_parallel: int = 1, *, grid=None,
     return len(moes)
 
 
-def hook_expert_gradients(params, data_group, batch_shards: int) -> list:
+def hook_expert_gradients(params, data_group, batch_shards: int, batch=()) -> list:
     """Reduce expert gradients as each completes: summed over the groups of the grad-sync table (the
-    expert-data group), divided by ``batch_shards`` (the data-parallel mean). Returns the hook handles.
+    expert-data group, and the ``batch`` groups that split the rows inside a tensor block), divided by
+    ``batch_shards`` (the data-parallel mean). Returns the hook handles.
 
     DDP over ``data_group`` takes the other parameters (``DistributedDataParallel(...,
     ignored_parameters=params)``).
     """
-    from ..distributed import all_reduce
-    from .grad_sync import reduction_groups
+    from .grad_sync import reduce_gradient, reduction_groups
     scale = 1.0 / batch_shards
 
     def reduce(p):
-        grad = p.grad.data
-        for grp in reduction_groups(p, data_group):
-            all_reduce(grad, group=grp, out=grad)
-        if scale != 1.0:
-            grad *= scale
+        reduce_gradient(p.grad.data, reduction_groups(p, data_group, batch), scale)
 
     return [p.register_post_accumulate_grad_hook(reduce) for p in params]

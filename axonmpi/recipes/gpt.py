@@ -55,7 +55,8 @@ class HybridGPT(LayoutState):
             not with a pipeline: the composer's refusal).
         sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, an untied head): entered
             after the embeddings, left at the gathered ``lm_head``; with pipelines, context, MoE and FSDP.
-        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``); with tensor,
+        expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``): the grid's (``None``; its groups
+            are built at init, ``axonmpi.init(..., expert_parallel=EP)``); with tensor,
             context, FSDP with a pipeline; in a pipeline with the router losses' coefficients 0.
 
     Example:
@@ -68,7 +69,7 @@ class HybridGPT(LayoutState):
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
                  dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
                  hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False,
-                 expert_parallel: int = 1):
+                 expert_parallel: Optional[int] = None):
         g = self.grid = get_grid() if grid is None else grid
         self.layout = Layout.from_grid(g)
         self.sharding = None if fsdp is None or fsdp == "none" else ShardingStrategy.coerce(fsdp)
@@ -77,7 +78,8 @@ class HybridGPT(LayoutState):
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
         self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
-        self.cp_algo, self.sequence_parallel, self._expert_parallel = cp_algo, bool(sequence_parallel), int(expert_parallel)
+        self.cp_algo, self.sequence_parallel, self._expert_parallel = (
+            cp_algo, bool(sequence_parallel), int((g.expert_parallel if config.moe_experts else 1) if expert_parallel is None else expert_parallel))
         _refuse(self, config, fsdp, activation_checkpointing)
         self.num_microbatches, self.global_batch = int(num_microbatches), int(global_batch)
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
