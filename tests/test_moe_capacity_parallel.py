@@ -24,7 +24,7 @@ def _counts(model):
 
 
 def _check(grid, k, **kw):
-    worst, pm, serial = _train(grid, 4, k, capacity_factor=CAP, **kw)
+    worst, pm, serial, _ = _train(grid, 4, k, capacity_factor=CAP, **kw)
     # the last step's routing statistics: the serial model's on the global batch
     x, _ = _data(2)
     with axonmpi.no_grad():

@@ -75,7 +75,11 @@ def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, dp="ddp", 
     pm = parallelize(_make(E, k, **kw), grid=grid, tensor_parallel=tp, expert_parallel=ep,
                      expert_tensor_parallel=etp, data_parallel=dp, **popts)
     opt_s = axonmpi.optim.AdamW(serial.parameters(), lr=0.05, weight_decay=0.1)
-    opt_p = axonmpi.optim.AdamW(pm.parameters(), lr=0.05, weight_decay=0.1)
+    if zero1:       # ZeRO-1: each parameter's AdamW state split over the ranks holding its elements
+        opt_p = axonmpi.optim.ZeroRedundancyOptimizer(pm.parameters(), axonmpi.optim.AdamW, lr=0.05,
+                                                      weight_decay=0.1, group=grid.group_for("data_context"))
+    else:
+        opt_p = axonmpi.optim.AdamW(pm.parameters(), lr=0.05, weight_decay=0.1)
     batch = grid.group_for("world") if etp else grid.data_group
     worst = 0.0
     for step in range(steps):
@@ -102,8 +106,9 @@ def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, dp="ddp", 
     for name, v in serial.state_dict().items():
         worst = max(worst, _close(sd[name], v, 1e-9, what=name))
     tpname = "megatron" if isinstance(tp, dict) else tp
-    print(f"\n[parity] ep={ep} tp={tpname} etp={etp} dp={dp} k={k} ranks={grid.world_size}: worst rel err {worst:.2e}")
-    return worst, pm, serial
+    print(f"\n[parity] ep={ep} tp={tpname} etp={etp} dp={dp} zero1={zero1} k={k} ranks={grid.world_size}: "
+          f"worst rel err {worst:.2e}")
+    return worst, pm, serial, opt_p
 
 
 def _grid(**sizes):
@@ -118,7 +123,7 @@ def test_expert_parallel_equals_serial(k):
     for ep in sorted({d for d in (n, 2, 1) if n % d == 0}):
         grid = _grid(expert_parallel=ep)
         E = 2 * ep if ep > 1 else 4
-        worst, pm, _ = _train(grid, E, k, ep=ep)
+        worst, pm, _, _ = _train(grid, E, k, ep=ep)
         if ep > 1:
             p = pm.inner.moe1.experts.fc.weight
             assert p.shape[0] == E // ep
@@ -149,16 +154,34 @@ def test_fsdp_times_expert_parallel_equals_serial(strategy):
     assert pm.inner.moe1.experts.fc.weight.shape[0] == 2             # 4 experts over 2 expert ranks
     grid.free()
     grid = _grid(expert_parallel=2)
-    worst, pm, _ = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
+    worst, pm, _, _ = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
                           **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
     grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero1_times_expert_parallel_equals_serial():
+    """ZeRO-1 x EP: the dense parameters' AdamW state split over data, each expert's over its expert-data
+    group (EP = 2: half of an expert-data group's experts' state per rank; EP = all ranks: none split)."""
+    w = axonmpi.init()
+    n = w.world_size
+    for ep in sorted({d for d in (2, n) if n % d == 0 and d > 1}):
+        grid = _grid(expert_parallel=ep)
+        worst, pm, _, opt = _train(grid, 2 * ep, 2, ep=ep, zero1=True)
+        experts = {id(p) for p in axonmpi.parallel.moe.expert_parameters(pm.inner)}
+        eb = [b for b in opt.buckets if any(id(p) in experts for p in b.params)]
+        assert eb and all(all(id(p) in experts for p in b.params) for b in eb)       # buckets of their own
+        edg = grid.group_for("expert_data")
+        assert all((b.group is edg if edg.size > 1 else b.group is None) for b in eb)
+        assert sum(b.hi - b.lo for b in eb) * edg.size >= sum(p.numel() for b in eb for p in b.params)
+        grid.free()
 
 
 @pytest.mark.mpi(min_size=4)
 def test_expert_parallel_times_megatron_tensor_parallel_equals_serial():
     grid = _grid(G_intra_c=2, expert_parallel=2)  # 2 data x 2 tensor; EP = 2 over the data ranks
     plan = {"fc": "column", "proj": "row"}
-    worst, pm, _ = _train(grid, 4, 2, ep=2, tp=plan)
+    worst, pm, _, _ = _train(grid, 4, 2, ep=2, tp=plan)
     grid.free()
 
 
@@ -168,7 +191,7 @@ def test_tensor_parallel_experts_equal_serial():
     grid = _grid(G_intra_c=2, G_data=w.world_size // 2) if w.world_size % 2 == 0 else None
     if grid is None:
         pytest.skip("needs an even number of ranks")
-    worst, pm, _ = _train(grid, 4, 2, tp="axonn", etp=True)
+    worst, pm, _, _ = _train(grid, 4, 2, tp="axonn", etp=True)
     assert pm.inner.moe1.experts.fc.weight.shape == (4, 6, 8)      # hidden 12 over 2 tensor ranks
     grid.free()
 
