@@ -188,6 +188,16 @@ LAYOUTS = {
                                  sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
     "moe_pp2_cp2_ep2_zbh1": ("moe", {"G_inter": 2, "G_context": 2},
                              dict(context_parallel="ring", expert_parallel=2, pipeline=("zb-h1", None))),
+    "moe_fsdp_sgo_tp2_sp_ep2": ("moe", {"G_intra_c": 2},
+                                dict(tensor_parallel=PLAN, sequence_parallel=True, expert_parallel=2,
+                                     data_parallel="fsdp", sharding_strategy="shard_grad_op")),
+    "moe_fsdp_hybrid2_cp2_ep2": ("moe", {"G_context": 2},
+                                 dict(context_parallel="ring", expert_parallel=2, data_parallel="fsdp",
+                                      sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
+    "moe_zero1_axonn2_ep2": ("moe", {"G_intra_r": 2}, dict(tensor_parallel="axonn", expert_parallel=2, zero1=True)),
+    "moe_zero1_cp2u_ep2_ac": ("moe", {"G_context": 2},
+                              dict(context_parallel="ulysses", expert_parallel=2, zero1=True,
+                                   activation_checkpointing=["2"])),
 }
 
 
