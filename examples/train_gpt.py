@@ -367,9 +367,9 @@ def main(argv=None):
     sizes = dict(G_data=args.G_data, G_inter=args.G_inter, G_intra_r=args.G_intra_r, G_intra_c=args.G_intra_c,
                  G_intra_d=args.G_intra_d, G_context=args.context_parallel)
     world = axonmpi.get_world() if axonmpi.is_initialized() else None
-    if world is None or any(v not in (None, 1) for v in sizes.values()) or args.expert_parallel > 1:
+    if world is None or any(v not in (None, 1) for v in sizes.values()):
         try:
-            world = axonmpi.init(**sizes, expert_parallel=args.expert_parallel)
+            world = axonmpi.init(**sizes)
         except ValueError as e:
             axonmpi.log.exit0(f"impossible layout: {e}")
     grid = axonmpi.get_grid()
@@ -399,6 +399,8 @@ def main(argv=None):
                                      or args.moe_experts % args.expert_parallel):
         axonmpi.log.exit0(f"--expert-parallel {args.expert_parallel} needs --moe-experts and must divide both "
                           f"--G-data ({grid.G_data}) and --moe-experts ({args.moe_experts})")
+    if grid.expert_parallel != args.expert_parallel:      # the expert groups are built with a grid, at its init
+        grid = axonmpi.ProcessGrid(world, **grid.sizes, expert_parallel=args.expert_parallel)
     try:
         cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts,

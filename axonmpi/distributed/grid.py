@@ -193,6 +193,7 @@ class ProcessGrid:
         self.rank = world.rank
         self.world_size = world.world_size
         self.coords = self.coords_of(self.rank)
+        self.expert_parallel = self._check_expert_parallel(expert_parallel)     # before any Split
         self._groups: Dict[str, ProcessGroup] = {}
         self._freed = False
         for name, varying in GROUP_DIMS.items():
@@ -200,7 +201,6 @@ class ProcessGrid:
                 self._groups[name] = self._groups["data_group"]     # the same ranks: no second communicator
                 continue
             self._groups[name] = self._make_group(name, varying)
-        self.expert_parallel = self._check_expert_parallel(expert_parallel)
         expert, expert_data = self.expert_group_ranks(self.expert_parallel)
         for name, ranks in (("expert_group", expert), ("expert_data_group", expert_data)):
             if self.expert_parallel == 1 and name == "expert_data_group":
