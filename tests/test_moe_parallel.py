@@ -196,6 +196,24 @@ def test_tensor_parallel_experts_equal_serial():
     grid.free()
 
 
+@pytest.mark.mpi(min_size=4)
+def test_tensor_parallel_experts_times_expert_parallel_equal_serial():
+    """EP x tensor-parallel experts: each rank holds E/EP experts, each its hidden slice over the tensor group;
+    tokens gathered over the tensor group, dispatched by all-to-all over the expert group."""
+    w = axonmpi.init()
+    if w.world_size % 4:
+        pytest.skip("EP 2 x tensor 2 needs a multiple of 4 ranks")
+    grid = _grid(G_intra_c=2, expert_parallel=2)
+    worst, pm, _, _ = _train(grid, 4, 2, ep=2, tp="axonn", etp=True)
+    fc = pm.inner.moe1.experts.fc
+    assert fc.weight.shape == (2, 6, 8) and fc.bias.shape == (2, 6)   # 4 experts over 2, hidden 12 over 2
+    pl = axonmpi.distributed.placement_of(fc.weight)
+    assert pl.shard_groups == (grid.group_for("expert"), grid.col_group) and pl.full_shape == (4, 12, 8)
+    from axonmpi.parallel.moe import GatheredAllToAllDispatcher
+    assert isinstance(pm.inner.moe1.dispatcher, GatheredAllToAllDispatcher)
+    grid.free()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_dropless_conserves_tokens_and_bytes_match_formula():
     w = axonmpi.init()
