@@ -198,6 +198,14 @@ LAYOUTS = {
     "moe_zero1_cp2u_ep2_ac": ("moe", {"G_context": 2},
                               dict(context_parallel="ulysses", expert_parallel=2, zero1=True,
                                    activation_checkpointing=["2"])),
+    "moe_axonn2_texperts_ep2": ("moe", {"G_intra_c": 2},
+                                dict(tensor_parallel="axonn", expert_tensor_parallel=True, expert_parallel=2)),
+    "moe_fsdp_axonn2_texperts_ep2_pp2": ("moe", {"G_inter": 2, "G_intra_c": 2},
+                                         dict(tensor_parallel="axonn", expert_tensor_parallel=True, expert_parallel=2,
+                                              data_parallel="fsdp", pipeline=("1f1b", None))),
+    "moe_fsdp_axonn2_texperts_ep2": ("moe", {"G_intra_c": 2},
+                                     dict(tensor_parallel="axonn", expert_tensor_parallel=True, expert_parallel=2,
+                                          data_parallel="fsdp")),
 }
 
 
