@@ -396,6 +396,37 @@ def test_planner_bytes_equal_the_backend_counts_for_both_options():
 
 
 @pytest.mark.mpi(min_size=4)
+def test_planner_bytes_equal_the_backend_counts_for_ep_x_tensor_parallel_experts():
+    """EP 2 x tensor-parallel experts T 2: the gather / reduce-scatter over the tensor group and the all-to-all of
+    the gathered rows over the expert group, summed over the ranks, equal moe_estimate with the measured f."""
+    from axonmpi.plan import moe_estimate
+    w = axonmpi.init()
+    if w.world_size % 4:
+        pytest.skip("EP 2 x tensor 2 needs a multiple of 4 ranks")
+    n, C, H, E, k = w.world_size, 8, 12, 4, 2
+    grid = _grid(G_intra_c=2, expert_parallel=2)
+    pm = parallelize(nn.Sequential(nn.MoE(C, E, top_k=k, hidden=H, dtype=np.float64)), grid=grid,
+                     tensor_parallel="axonn", expert_tensor_parallel=True)
+    xb = pm.local_batch(np.random.default_rng(3).standard_normal((6 * n, C)))
+    wts = np.random.default_rng(4).standard_normal(xb.shape)
+    with count_traffic() as c:
+        out = pm(Tensor(xb, requires_grad=True))
+        fwd = c.bytes(group="col_group", dtype="float64") + c.bytes(group="expert_group", dtype="float64")
+        c.reset()
+        (out * Tensor(wts)).sum().backward()
+        bwd = c.bytes(group="col_group", dtype="float64") + c.bytes(group="expert_group", dtype="float64")
+    moe = pm.inner[0]
+    f = moe.dispatcher.last_rows_sent_off_rank / (2 * xb.shape[0] * k)       # of the gathered rows
+    est = moe_estimate(xb.shape[0], C, H, E, k, expert_parallel=2, tensor_parallel=2, itemsize=8,
+                       off_rank_fraction=f)
+    tot = all_reduce(np.array([fwd, bwd, est.bytes_forward, est.bytes_backward]), group=w.default_group)
+    assert tot[0] == tot[2] and tot[1] == tot[3] and tot[0] > 0
+    assert est.option == "expert_parallel_x_tensor_parallel_experts"
+    assert est.expert_params == sum(p.numel() for p in moe.experts.parameters())
+    grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
 def test_expert_groups_on_a_tensor_grid_match_the_closed_form():
     w = axonmpi.init()
     if w.world_size != 4:
