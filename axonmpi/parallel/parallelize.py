@@ -1041,8 +1041,11 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         st.enters_itself = any(isinstance(m, GPTEmbedding) for m in c.modules())
         st.leaves_itself = any(isinstance(m, GPTHead) for m in c.modules())
         st.whole_first = whole is not None and len(c) > 0 and c[0] is whole
+    # a Megatron tensor group holds the same boundary activations: each rank sends 1/t ([Note: scatter / gather
+    # between stages]); AxoNN's tensor block reads other rows, so its ranks send their own whole
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
-                    data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
+                    data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
+                    scatter_group=None if axonn else grid.intra_group)
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._serial_shapes = shapes
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
