@@ -7,8 +7,8 @@ Per parameter group and dtype, the parameters are packed back to back into one f
 the first ``n`` elements. Rank ``i`` owns elements ``chunk_bounds(n, k, i)`` (the project's one
 uneven rule) as a private parameter of its own, on which the wrapped optimizer is built, so
 its state covers only that chunk (``k`` the ranks holding the same elements: the group, or for a
-parameter split over a subgroup of it, an expert over its expert group, the expert's replica group
-inside it, the expert-data group; see :func:`_state_group`). ``step()`` copies the (already averaged, e.g. by DDP)
+parameter split over a subgroup of it, an expert over its expert group -- tagged ``expert_parallel`` --,
+the expert's replica group inside it, the expert-data group; see :func:`_state_group`). ``step()`` copies the (already averaged, e.g. by DDP)
 gradients of the chunk into the chunk's gradient, steps the wrapped optimizer, then
 all-gathers every rank's updated chunk straight into the padded buffer (chunk ``i`` in slot
 ``i``) and compacts it in place: one collective per buffer, no per-parameter broadcast.
@@ -142,13 +142,14 @@ class _Bucket:
 
 def _state_group(param: Any, group: Any) -> Any:
     """The ranks of ``group`` holding the same elements of ``param``, over which its state is split: ``group``;
-    or, for a parameter split (``DIM``) over a subgroup of ``group`` (an expert over its expert group), its
-    largest replica group inside ``group`` (the expert-data group), ``None`` when no other rank of ``group``
-    holds its elements (this rank steps them alone)."""
+    or, for an expert (tagged ``expert_parallel``, split over an expert group inside ``group``), its largest
+    replica group inside ``group`` (the expert-data group), ``None`` when no other rank of ``group`` holds its
+    elements (this rank steps them alone).  Any other parameter split inside ``group`` is refused later."""
     from ..distributed.placement import ShardKind, placement_of
     mine = set(group.ranks)
     pl = placement_of(param)
-    if not any(s.kind is ShardKind.DIM and set(s.group.ranks) <= mine for s in pl.shards if s.group.size > 1):
+    if not getattr(param, "expert_parallel", False) or not any(
+            s.kind is ShardKind.DIM and set(s.group.ranks) <= mine for s in pl.shards if s.group.size > 1):
         return group
     inside = [g for g in pl.replica_groups if set(g.ranks) <= mine]
     return max(inside, key=lambda g: g.size) if inside else None

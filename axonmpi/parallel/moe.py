@@ -297,6 +297,9 @@ def expert_parallel(module: Module, expert_parallel: Optional[int] = None, *, gr
                 lin = ShardedExpertLinear(serial, ep, ep_axes, (edp_group,) if edp_group.size > 1 else (),
                                           then=(tp, tp_axes))
             lin.expert_parallel = ep is not None
+            for q in (lin.weight, lin.bias):       # ZeRO-1 splits a tagged expert's state over its expert-data group
+                if q is not None:
+                    q.expert_parallel = ep is not None
             setattr(m.experts, name, lin)
         if ep is None:
             m.dispatcher = GatherDispatcher(tp) if tp.size > 1 else None
