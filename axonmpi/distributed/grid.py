@@ -484,7 +484,8 @@ class ProcessGrid:
                2     1      0      0    0    0
                3     1      0      0    0    1
         """
-        head = f"ProcessGrid({_describe_sizes(self.sizes)}) on {self.world_size} ranks"
+        ep = f", expert_parallel={self.expert_parallel}" if self.expert_parallel != 1 else ""
+        head = f"ProcessGrid({_describe_sizes(self.sizes)}{ep}) on {self.world_size} ranks"
         dims = _DIMS if self.G_context > 1 else _DIMS[:5]
         cols = ("rank",) + dims
         widths = [max(len(c), len(str(self.world_size - 1))) for c in cols]
