@@ -154,8 +154,16 @@ def test_fsdp_times_expert_parallel_equals_serial(strategy):
     assert pm.inner.moe1.experts.fc.weight.shape[0] == 2             # 4 experts over 2 expert ranks
     grid.free()
     grid = _grid(expert_parallel=2)
-    worst, pm, _, _ = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
-                          **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
+    worst, pm, serial, _ = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
+                                  **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
+    with pytest.raises(NotImplementedError, match="FSDP x expert parallelism"):
+        pm.optim_state_dict(None)
+    fresh = parallelize(_make(4, 2), grid=grid, data_parallel="fsdp", sharding_strategy=strategy,
+                        **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
+    fresh.load_state_dict(serial.state_dict())             # the trained serial state into the layout, and back
+    got = full_state_dict(fresh)
+    for name, v in serial.state_dict().items():
+        _close(got[name], v, 1e-15, what=f"loaded {name}")
     grid.free()
 
 

@@ -475,6 +475,11 @@ class _FSDPExpertModule(_FSDPTensorParallelModule):
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
+    def optim_state_dict(self, optimizer):
+        raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x expert parallelism cannot "
+                                  "be checkpointed yet (FSDP's named optimizer state covers its flat shards, not the "
+                                  "experts outside them); checkpoint the model with pm.state_dict()")
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
