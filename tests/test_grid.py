@@ -126,6 +126,10 @@ def test_expert_groups_are_built_at_init_with_one_split_per_kind(world):
     with pytest.raises(ValueError, match=rf"rank {me}: expert_parallel={n + 1} must be a positive int that divides"):
         ProcessGrid(world, expert_parallel=n + 1)
     assert len(world._groups) == before              # refused before any Split
+    if world.grid.expert_parallel == 1:
+        with pytest.raises(ValueError, match=rf"rank {me}: axonmpi.init asked for expert_parallel=2 but the World's "
+                                             r"grid has expert_parallel=1 .*destroy\(\) first"):
+            axonmpi.init(expert_parallel=2)
 
 
 @pytest.mark.mpi(min_size=4)

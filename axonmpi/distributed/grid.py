@@ -374,12 +374,12 @@ class ProcessGrid:
             self.check_expert_parallel(expert_parallel)
         return self._groups["expert_group"], self._groups["expert_data_group"]
 
-    def check_expert_parallel(self, expert_parallel: int, what: str = "expert_parallel") -> int:
+    def check_expert_parallel(self, expert_parallel: int) -> int:
         """``expert_parallel`` when it is the grid's EP; else ValueError naming both and the fix."""
         ep = self._check_expert_parallel(expert_parallel)
         if ep != self.expert_parallel:
             raise ValueError(
-                f"rank {self.rank}: {what}={ep} but the grid's expert groups are built for expert_parallel="
+                f"rank {self.rank}: expert_parallel={ep} but the grid's expert groups are built for expert_parallel="
                 f"{self.expert_parallel} (fixed at init, one Split per kind); build the grid with "
                 f"axonmpi.init(..., expert_parallel={ep}) or ProcessGrid(world, ..., expert_parallel={ep})")
         return ep

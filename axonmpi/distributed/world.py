@@ -323,8 +323,11 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
                 f"rank {_WORLD.rank}: axonmpi.init asked for the grid ({fmt(want)}) but the World "
                 f"already has the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to "
                 "change it")
-    if expert_parallel != 1:
-        _WORLD.grid.check_expert_parallel(expert_parallel, "axonmpi.init asked for expert_parallel")
+    if expert_parallel != 1 and expert_parallel != _WORLD.grid.expert_parallel:
+        raise ValueError(f"rank {_WORLD.rank}: axonmpi.init asked for expert_parallel={expert_parallel!r} but the "
+                         f"World's grid has expert_parallel={_WORLD.grid.expert_parallel} (its expert groups are built "
+                         "at init); call axonmpi.distributed.destroy() first to change it, or make a second grid: "
+                         f"axonmpi.ProcessGrid(world, **world.grid.sizes, expert_parallel={expert_parallel!r})")
     return _WORLD
 
 
