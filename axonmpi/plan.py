@@ -655,10 +655,11 @@ class MoEEstimate:
     """Per rank, one MoE layer, one training step (forward + backward); bytes as the backend counts them.
 
     Attributes:
-        option: ``"expert_parallel"`` (all-to-all dispatcher over the expert group) or
+        option: ``"expert_parallel"`` (all-to-all dispatcher over the expert group),
             ``"tensor_parallel_experts"`` (tokens all-gathered and outputs reduce-scattered over the
-            tensor group).
-        group_size: EP or T.
+            tensor group) or ``"expert_parallel_x_tensor_parallel_experts"`` (both: the gathered
+            tokens go by all-to-all).
+        group_size: EP, T, or EP * T.
         bytes_forward / bytes_backward: the token traffic of the dispatcher (each direction).
         count_bytes: the per-expert counts exchanged before each all-to-all (EP only).
         expert_params: expert parameters held by the rank.
@@ -694,29 +695,32 @@ def moe_estimate(tokens: int, width: int, hidden: int, num_experts: int, top_k: 
     reduce-scattered (the send buffer, as much): ``2 T tokens width itemsize`` each direction,
     independent of routing and of ``top_k``; each rank holds ``1/T`` of every expert.
 
+    Both (``EP > 1`` and ``T > 1``): the gather's bytes, plus the all-to-all's on the gathered
+    ``T tokens top_k`` rows (``2 f T r width itemsize`` each direction); each rank holds ``1/T`` of
+    ``E / EP`` experts.
+
     Example:
         >>> ep = moe_estimate(4096, 1024, 4096, 8, 2, expert_parallel=8)
         >>> tp = moe_estimate(4096, 1024, 4096, 8, 2, tensor_parallel=8)
         >>> ep.bytes_forward < tp.bytes_forward
         True
     """
-    if expert_parallel > 1 and tensor_parallel > 1:
-        raise NotImplementedError("expert_parallel x tensor-parallel experts is not built yet; pick one")
     per_expert = 2 * width * hidden + ((hidden + width) if bias else 0)
     rows = tokens * top_k
     flops = 6.0 * rows * 2 * width * hidden          # every row through fc and proj, forward + backward
-    if tensor_parallel > 1:
-        t = tensor_parallel
-        v = 2.0 * t * tokens * width * itemsize
-        params = num_experts * (2 * width * hidden + (hidden if bias else 0)) // t + (num_experts * width if bias else 0)
-        return MoEEstimate("tensor_parallel_experts", t, v, v, 0.0, int(params), flops)
-    ep = max(1, int(expert_parallel))
+    ep, t = max(1, int(expert_parallel)), max(1, int(tensor_parallel))
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} does not divide by expert_parallel={ep}")
     f = (ep - 1) / ep if off_rank_fraction is None else float(off_rank_fraction)
-    v = 2.0 * f * rows * width * itemsize if ep > 1 else 0.0
+    v = 2.0 * t * tokens * width * itemsize if t > 1 else 0.0          # the gather and the reduce-scatter
+    v += 2.0 * f * t * rows * width * itemsize if ep > 1 else 0.0     # the all-to-all of the (gathered) rows
     counts = 8.0 * num_experts if ep > 1 else 0.0
-    return MoEEstimate("expert_parallel", ep, v, v, counts, per_expert * num_experts // ep, flops)
+    local = num_experts // ep
+    params = local * per_expert if t == 1 else \
+        local * (2 * width * hidden + (hidden if bias else 0)) // t + (local * width if bias else 0)
+    option = "expert_parallel" if t == 1 else "tensor_parallel_experts" if ep == 1 else \
+        "expert_parallel_x_tensor_parallel_experts"
+    return MoEEstimate(option, ep * t if ep > 1 and t > 1 else max(ep, t), v, v, counts, int(params), flops)
 
 
 def moe_options(tokens: int, width: int, hidden: int, num_experts: int, top_k: int, group_size: int,

@@ -65,7 +65,7 @@ def _run(kind, args, world):
             return None
         grid = axonmpi.ProcessGrid(world, G_intra_c=n, G_data=1)
     else:
-        grid = axonmpi.ProcessGrid(world)
+        grid = axonmpi.ProcessGrid(world, expert_parallel=n if kind == "moe-ep" else 1)
     axonmpi.manual_seed(0)
     model = _model("dense" if kind == "dense" else "moe", args)
     if kind == "dense":

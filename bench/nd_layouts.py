@@ -94,7 +94,7 @@ def per_group(counter):
 
 def run_layout(world, args, name, x, y):
     sizes, opts, _ = LAYOUTS[name]
-    grid = axonmpi.ProcessGrid(world, **sizes)
+    grid = axonmpi.ProcessGrid(world, **sizes, expert_parallel=opts.get("expert_parallel", 1))
     old, world.grid = world.grid, grid
     try:
         opts = dict(opts)

@@ -383,6 +383,10 @@ def main(argv=None):
         axonmpi.log.exit0(f"--fsdp {args.fsdp} with a pipeline (--G-inter {grid.G_inter}) writes and reads no "
                           "checkpoint yet (a stage's flat FSDP shard has no serial-named block form): pass --no-save "
                           "(and no --resume), or --fsdp none with the pipeline")
+    if args.fsdp != "none" and args.expert_parallel > 1 and not (args.no_save and not (args.resume or args.auto_resume)):
+        axonmpi.log.exit0(f"--fsdp {args.fsdp} with --expert-parallel {args.expert_parallel} writes and reads no "
+                          "checkpoint yet (the recipe's sharded state reads FSDP's flat shards, and the experts stay "
+                          "outside them): pass --no-save (and no --resume), or --fsdp none with expert parallelism")
     if pure_dp and args.global_batch % world.world_size:
         n = world.world_size
         axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "
@@ -400,6 +404,8 @@ def main(argv=None):
                                      or args.moe_experts % args.expert_parallel):
         axonmpi.log.exit0(f"--expert-parallel {args.expert_parallel} needs --moe-experts and must divide both "
                           f"--G-data ({grid.G_data}) and --moe-experts ({args.moe_experts})")
+    if grid.expert_parallel != args.expert_parallel:      # the expert groups are built with a grid, at its init
+        grid = axonmpi.ProcessGrid(world, **grid.sizes, expert_parallel=args.expert_parallel)
     try:
         cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts,

@@ -90,6 +90,48 @@ def test_every_factorisation_matches_axonn(world):
             axonmpi.all_reduce(np.ones(1), group=grid.data_group)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_expert_groups_are_built_at_init_with_one_split_per_kind(world):
+    """``expert_parallel=EP``: the expert and expert-data groups are made with the grid, one Split per kind of
+    more than one rank (EP 1: none, the expert-data group is the data group); the closed form; group_for."""
+    n, me = world.world_size, world.rank
+    for ep in [d for d in range(1, n + 1) if n % d == 0]:
+        before = len(world._groups)
+        base = len(world._groups)
+        plain = ProcessGrid(world)
+        plain_splits = len(world._groups) - base
+        plain.free()
+        grid = ProcessGrid(world, expert_parallel=ep)
+        try:
+            expert, expert_data = grid.expert_group_ranks(ep)
+            assert expert == tuple(range(me // ep * ep, me // ep * ep + ep))
+            assert expert_data == tuple(range(me % ep, n, ep))
+            assert grid.group_for("expert").ranks == expert and grid.group_for("expert_data").ranks == expert_data
+            assert grid.expert_groups() == (grid.group_for("expert"), grid.group_for("expert_data"))
+            extra = 0 if ep == 1 else (ep > 1) + (n // ep > 1)
+            assert len(world._groups) - before == plain_splits + extra, (ep, len(world._groups) - before)
+            if ep == 1:
+                assert grid.group_for("expert_data") is grid.data_group and grid.group_for("expert").size == 1
+            assert axonmpi.all_reduce(np.array([me]), group=grid.group_for("expert"))[0] == sum(expert)
+            assert axonmpi.all_reduce(np.array([me]), group=grid.group_for("expert_data"))[0] == sum(expert_data)
+            other = next((d for d in range(1, n + 1) if n % d == 0 and d != ep), None)
+            if other is not None:
+                with pytest.raises(ValueError, match=rf"rank {me}: expert_parallel={other} but the grid's expert "
+                                                     rf"groups are built for expert_parallel={ep}"):
+                    grid.expert_groups(other)
+        finally:
+            grid.free()
+        assert len(world._groups) == before
+    before = len(world._groups)
+    with pytest.raises(ValueError, match=rf"rank {me}: expert_parallel={n + 1} must be a positive int that divides"):
+        ProcessGrid(world, expert_parallel=n + 1)
+    assert len(world._groups) == before              # refused before any Split
+    if world.grid.expert_parallel == 1:
+        with pytest.raises(ValueError, match=rf"rank {me}: axonmpi.init asked for expert_parallel=2 but the World's "
+                                             r"grid has expert_parallel=1 .*destroy\(\) first"):
+            axonmpi.init(expert_parallel=2)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_two_by_two_layout_by_hand(world):
     """G_data=2, G_intra_c=2 on 4 ranks, every group written out (the example in docs/grid.md)."""

@@ -24,7 +24,7 @@ def _counts(model):
 
 
 def _check(grid, k, **kw):
-    worst, pm, serial = _train(grid, 4, k, capacity_factor=CAP, **kw)
+    worst, pm, serial, _ = _train(grid, 4, k, capacity_factor=CAP, **kw)
     # the last step's routing statistics: the serial model's on the global batch
     x, _ = _data(2)
     with axonmpi.no_grad():
@@ -50,7 +50,6 @@ def test_capacity_parallel_equals_serial(k, layout):
         grid = _grid(G_intra_c=2, G_data=n // 2)
         kw = dict(tp="axonn", etp=True)
     else:
-        grid = _grid()
         kw = {"ddp": {}, "fsdp": dict(dp="fsdp")}.get(layout)
         if kw is None:
             if n % 2 and n != 3:
@@ -58,6 +57,7 @@ def test_capacity_parallel_equals_serial(k, layout):
             kw = dict(ep=n if 4 % n == 0 else 1)
             if kw["ep"] == 1:
                 pytest.skip(f"4 experts do not split over {n} ranks")
+        grid = _grid(expert_parallel=kw.get("ep", 1))
     try:
         _check(grid, k, **kw)
     finally:

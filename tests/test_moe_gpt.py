@@ -48,7 +48,7 @@ def test_hybrid_gpt_expert_parallel_equals_serial():
     world = axonmpi.init()
     n = world.world_size
     for ep in sorted({d for d in (n, 2) if n % d == 0}):
-        grid = axonmpi.ProcessGrid(world)
+        grid = axonmpi.ProcessGrid(world, expert_parallel=ep)
         cfg = _cfg(moe_experts=2 * ep)
         axonmpi.manual_seed(0)
         ref = GPT(cfg, dtype=np.float64)

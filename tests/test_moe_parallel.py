@@ -67,13 +67,19 @@ def _close(a, b, rtol=RTOL, what=""):
     return err
 
 
-def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, dp="ddp", **kw):
-    """Losses of the parallel run and of the serial run, step by step, and the final states."""
+def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, dp="ddp", zero1=False, **kw):
+    """Losses of the parallel run and of the serial run, step by step, and the final states; ``kw``: the
+    model's options, and ``sharding_strategy`` / ``hybrid_shard_size`` for ``parallelize``."""
+    popts = {k2: kw.pop(k2) for k2 in ("sharding_strategy", "hybrid_shard_size") if k2 in kw}
     serial = _make(E, k, **kw)
     pm = parallelize(_make(E, k, **kw), grid=grid, tensor_parallel=tp, expert_parallel=ep,
-                     expert_tensor_parallel=etp, data_parallel=dp)
+                     expert_tensor_parallel=etp, data_parallel=dp, **popts)
     opt_s = axonmpi.optim.AdamW(serial.parameters(), lr=0.05, weight_decay=0.1)
-    opt_p = axonmpi.optim.AdamW(pm.parameters(), lr=0.05, weight_decay=0.1)
+    if zero1:       # ZeRO-1: each parameter's AdamW state split over the ranks holding its elements
+        opt_p = axonmpi.optim.ZeroRedundancyOptimizer(pm.parameters(), axonmpi.optim.AdamW, lr=0.05,
+                                                      weight_decay=0.1, group=grid.group_for("data_context"))
+    else:
+        opt_p = axonmpi.optim.AdamW(pm.parameters(), lr=0.05, weight_decay=0.1)
     batch = grid.group_for("world") if etp else grid.data_group
     worst = 0.0
     for step in range(steps):
@@ -100,8 +106,9 @@ def _train(grid, E, k, *, ep=1, tp=None, etp=False, steps=3, rows=24, dp="ddp", 
     for name, v in serial.state_dict().items():
         worst = max(worst, _close(sd[name], v, 1e-9, what=name))
     tpname = "megatron" if isinstance(tp, dict) else tp
-    print(f"\n[parity] ep={ep} tp={tpname} etp={etp} dp={dp} k={k} ranks={grid.world_size}: worst rel err {worst:.2e}")
-    return worst, pm, serial
+    print(f"\n[parity] ep={ep} tp={tpname} etp={etp} dp={dp} zero1={zero1} k={k} ranks={grid.world_size}: "
+          f"worst rel err {worst:.2e}")
+    return worst, pm, serial, opt_p
 
 
 def _grid(**sizes):
@@ -114,9 +121,9 @@ def test_expert_parallel_equals_serial(k):
     w = axonmpi.init()
     n = w.world_size
     for ep in sorted({d for d in (n, 2, 1) if n % d == 0}):
-        grid = _grid()
+        grid = _grid(expert_parallel=ep)
         E = 2 * ep if ep > 1 else 4
-        worst, pm, _ = _train(grid, E, k, ep=ep)
+        worst, pm, _, _ = _train(grid, E, k, ep=ep)
         if ep > 1:
             p = pm.inner.moe1.experts.fc.weight
             assert p.shape[0] == E // ep
@@ -127,17 +134,62 @@ def test_expert_parallel_equals_serial(k):
 def test_moe_under_fsdp_equals_serial():
     grid = _grid()                             # experts replicated, flattened into FSDP's shards
     _train(grid, 4, 2, dp="fsdp")
-    with pytest.raises(NotImplementedError, match="FSDP with expert_parallel"):
-        parallelize(_make(4, 2), grid=grid, expert_parallel=2 if grid.G_data % 2 == 0 else grid.G_data,
-                    data_parallel="fsdp")
     grid.free()
 
 
 @pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "hybrid_shard"])
+def test_fsdp_times_expert_parallel_equals_serial(strategy):
+    """FSDP x EP without a pipeline: FSDP shards the dense parameters over data, the experts stay split over
+    the expert group (outside FSDP's flat shards) and are averaged over their expert-data group."""
+    w = axonmpi.init()
+    if w.world_size % 4:
+        pytest.skip("EP = 2 with an expert-data group of 2 needs a multiple of 4 ranks")
+    grid = _grid(expert_parallel=2)
+    pm = parallelize(_make(4, 2), grid=grid, data_parallel="fsdp", sharding_strategy=strategy,
+                     **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
+    ids = {id(p) for p in pm.parameters()}
+    experts = axonmpi.parallel.moe.expert_parameters(pm.inner)
+    assert experts and all(id(p) in ids for p in experts)           # the optimizer steps the experts too
+    assert pm.inner.moe1.experts.fc.weight.shape[0] == 2             # 4 experts over 2 expert ranks
+    grid.free()
+    grid = _grid(expert_parallel=2)
+    worst, pm, serial, _ = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
+                                  **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
+    with pytest.raises(NotImplementedError, match="FSDP x expert parallelism"):
+        pm.optim_state_dict(None)
+    fresh = parallelize(_make(4, 2), grid=grid, data_parallel="fsdp", sharding_strategy=strategy,
+                        **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
+    fresh.load_state_dict(serial.state_dict())             # the trained serial state into the layout, and back
+    got = full_state_dict(fresh)
+    for name, v in serial.state_dict().items():
+        _close(got[name], v, 1e-15, what=f"loaded {name}")
+    grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero1_times_expert_parallel_equals_serial():
+    """ZeRO-1 x EP: the dense parameters' AdamW state split over data, each expert's over its expert-data
+    group (EP = 2: half of an expert-data group's experts' state per rank; EP = all ranks: none split)."""
+    w = axonmpi.init()
+    n = w.world_size
+    for ep in sorted({d for d in (2, n) if n % d == 0 and d > 1}):
+        grid = _grid(expert_parallel=ep)
+        worst, pm, _, opt = _train(grid, 2 * ep, 2, ep=ep, zero1=True)
+        experts = {id(p) for p in axonmpi.parallel.moe.expert_parameters(pm.inner)}
+        eb = [b for b in opt.buckets if any(id(p) in experts for p in b.params)]
+        assert eb and all(all(id(p) in experts for p in b.params) for b in eb)       # buckets of their own
+        edg = grid.group_for("expert_data")
+        assert all((b.group is edg if edg.size > 1 else b.group is None) for b in eb)
+        assert sum(b.hi - b.lo for b in eb) * edg.size >= sum(p.numel() for b in eb for p in b.params)
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
 def test_expert_parallel_times_megatron_tensor_parallel_equals_serial():
-    grid = _grid(G_intra_c=2)                     # 2 data x 2 tensor; EP = 2 over the data ranks
+    grid = _grid(G_intra_c=2, expert_parallel=2)  # 2 data x 2 tensor; EP = 2 over the data ranks
     plan = {"fc": "column", "proj": "row"}
-    worst, pm, _ = _train(grid, 4, 2, ep=2, tp=plan)
+    worst, pm, _, _ = _train(grid, 4, 2, ep=2, tp=plan)
     grid.free()
 
 
@@ -147,8 +199,26 @@ def test_tensor_parallel_experts_equal_serial():
     grid = _grid(G_intra_c=2, G_data=w.world_size // 2) if w.world_size % 2 == 0 else None
     if grid is None:
         pytest.skip("needs an even number of ranks")
-    worst, pm, _ = _train(grid, 4, 2, tp="axonn", etp=True)
+    worst, pm, _, _ = _train(grid, 4, 2, tp="axonn", etp=True)
     assert pm.inner.moe1.experts.fc.weight.shape == (4, 6, 8)      # hidden 12 over 2 tensor ranks
+    grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_tensor_parallel_experts_times_expert_parallel_equal_serial():
+    """EP x tensor-parallel experts: each rank holds E/EP experts, each its hidden slice over the tensor group;
+    tokens gathered over the tensor group, dispatched by all-to-all over the expert group."""
+    w = axonmpi.init()
+    if w.world_size % 4:
+        pytest.skip("EP 2 x tensor 2 needs a multiple of 4 ranks")
+    grid = _grid(G_intra_c=2, expert_parallel=2)
+    worst, pm, _, _ = _train(grid, 4, 2, ep=2, tp="axonn", etp=True)
+    fc = pm.inner.moe1.experts.fc
+    assert fc.weight.shape == (2, 6, 8) and fc.bias.shape == (2, 6)   # 4 experts over 2, hidden 12 over 2
+    pl = axonmpi.distributed.placement_of(fc.weight)
+    assert pl.shard_groups == (grid.group_for("expert"), grid.col_group) and pl.full_shape == (4, 12, 8)
+    from axonmpi.parallel.moe import GatheredAllToAllDispatcher
+    assert isinstance(pm.inner.moe1.dispatcher, GatheredAllToAllDispatcher)
     grid.free()
 
 
@@ -156,7 +226,7 @@ def test_tensor_parallel_experts_equal_serial():
 def test_dropless_conserves_tokens_and_bytes_match_formula():
     w = axonmpi.init()
     ep = w.world_size
-    grid = _grid()
+    grid = _grid(expert_parallel=ep)
     E, k, rows = 2 * ep, 2, 8 * ep
     pm = parallelize(_make(E, k), grid=grid, expert_parallel=ep)
     x, y = _data(0, rows)
@@ -167,11 +237,11 @@ def test_dropless_conserves_tokens_and_bytes_match_formula():
         c.reset()
         F.cross_entropy(out, yb).backward()
         bwd = c.bytes(group="expert_group", method="alltoallv", dtype="float64")
-    g = grid.expert_groups(ep)[0]
+    g = grid.group_for("expert")
     for moe in (pm.inner.moe1, pm.inner.moe2):
         assert int(moe.tokens_per_expert.sum()) == rows * k and moe.dropped_tokens == 0
         # conserved through the dispatcher: the experts of the group ran on every assignment once
-        assert int(all_reduce(np.array([moe.dispatcher.last_rows_computed]), group=grid.expert_groups(ep)[0])[0]) \
+        assert int(all_reduce(np.array([moe.dispatcher.last_rows_computed]), group=g)[0]) \
             == rows * k
     sent = sum(m.dispatcher.last_rows_sent_off_rank for m in (pm.inner.moe1, pm.inner.moe2))
     recv = sum(m.dispatcher.last_rows_received_off_rank for m in (pm.inner.moe1, pm.inner.moe2))
@@ -203,22 +273,32 @@ def test_all_to_all_v_closed_form():
 def test_expert_groups_layout_and_placements():
     w = axonmpi.init()
     n = w.world_size
-    grid = _grid()
     ep = 2 if n % 2 == 0 else n
-    eg, edg = grid.expert_groups(ep)
+    grid = _grid(expert_parallel=ep)                  # the expert groups are built here, at init
+    eg, edg = grid.group_for("expert"), grid.group_for("expert_data")
+    assert (eg, edg) == grid.expert_groups() == grid.expert_groups(ep) == (grid.expert_group, grid.expert_data_group)
     assert eg.ranks == tuple(range(w.rank // ep * ep, w.rank // ep * ep + ep))
     assert edg.ranks == tuple(range(w.rank % ep, n, ep))
-    assert grid.group_for("expert") is eg and grid.group_for("expert_data") is edg
     with pytest.raises(ValueError, match="divides G_data"):
         grid.expert_groups(n + 1)
+    other = 1 if ep > 1 else n
+    for call in (lambda: grid.expert_groups(other),
+                 lambda: parallelize(_make(2 * ep, 1), grid=grid, expert_parallel=other)):
+        with pytest.raises(ValueError, match=rf"expert_parallel={other} but the grid's expert groups are built for "
+                                             rf"expert_parallel={ep}.*axonmpi.init\(\.\.\., expert_parallel={other}\)"):
+            call()
     with pytest.raises(ValueError, match="does not divide"):
         parallelize(_make(ep + 1, 1), grid=grid, expert_parallel=ep)
-    pm = parallelize(_make(2 * ep, 1), grid=grid, expert_parallel=ep)
+    pm = parallelize(_make(2 * ep, 1), grid=grid)     # expert_parallel=None: the grid's
     pl = axonmpi.distributed.placement_of(pm.inner.moe1.experts.fc.weight)
     assert pl.shard_groups == (eg,) and pl.full_shape == (2 * ep, 12, 8)
     from axonmpi.parallel.grad_sync import reduction_groups
     assert reduction_groups(pm.inner.moe1.experts.fc.weight, grid.data_group) == \
         ([edg] if edg.size > 1 else [])
+    grid.free()
+    grid = _grid()                                    # the default EP of 1: no expert split at all
+    assert grid.expert_parallel == 1 and grid.group_for("expert").size == 1
+    assert grid.group_for("expert_data") is grid.data_group
     grid.free()
 
 
@@ -249,7 +329,7 @@ def test_checkpoint_saved_at_ep_resumes_at_other_ep_and_loads_serially():
     _steps(ref, ropt, range(2))
     at2 = ref.state_dict()
     _steps(ref, ropt, range(2, 4))
-    grid = _grid()
+    grid = _grid(expert_parallel=n)
     pm = parallelize(_make(E, 2), grid=grid, expert_parallel=n)
     opt = axonmpi.optim.AdamW(pm.parameters(), lr=0.05, weight_decay=0.1)
     _steps(pm, opt, range(2), pm.local_batch)
@@ -258,7 +338,7 @@ def test_checkpoint_saved_at_ep_resumes_at_other_ep_and_loads_serially():
     CheckpointManager(path).save(2, state)
     grid.free()
     for ep in [d for d in (n, 2, 1) if n % d == 0]:
-        grid = _grid()
+        grid = _grid(expert_parallel=ep)
         axonmpi.manual_seed(7)
         pm = parallelize(Net(E, 2), grid=grid, expert_parallel=ep)
         opt = axonmpi.optim.AdamW(pm.parameters(), lr=1.0)
@@ -282,7 +362,7 @@ def test_planner_bytes_equal_the_backend_counts_for_both_options():
     n = w.world_size
     rows_per_rank, C, H, E, k = 6, 8, 12, 2 * n, 2
     # expert parallelism over every rank: the planner with this rank's measured off-rank fraction
-    grid = _grid()
+    grid = _grid(expert_parallel=n)
     pm = parallelize(nn.Sequential(nn.MoE(C, E, top_k=k, hidden=H, dtype=np.float64)), grid=grid,
                      expert_parallel=n)
     x = np.random.default_rng(3).standard_normal((rows_per_rank * n, C))
@@ -324,11 +404,42 @@ def test_planner_bytes_equal_the_backend_counts_for_both_options():
 
 
 @pytest.mark.mpi(min_size=4)
+def test_planner_bytes_equal_the_backend_counts_for_ep_x_tensor_parallel_experts():
+    """EP 2 x tensor-parallel experts T 2: the gather / reduce-scatter over the tensor group and the all-to-all of
+    the gathered rows over the expert group, summed over the ranks, equal moe_estimate with the measured f."""
+    from axonmpi.plan import moe_estimate
+    w = axonmpi.init()
+    if w.world_size % 4:
+        pytest.skip("EP 2 x tensor 2 needs a multiple of 4 ranks")
+    n, C, H, E, k = w.world_size, 8, 12, 4, 2
+    grid = _grid(G_intra_c=2, expert_parallel=2)
+    pm = parallelize(nn.Sequential(nn.MoE(C, E, top_k=k, hidden=H, dtype=np.float64)), grid=grid,
+                     tensor_parallel="axonn", expert_tensor_parallel=True)
+    xb = pm.local_batch(np.random.default_rng(3).standard_normal((6 * n, C)))
+    wts = np.random.default_rng(4).standard_normal(xb.shape)
+    with count_traffic() as c:
+        out = pm(Tensor(xb, requires_grad=True))
+        fwd = c.bytes(group="col_group", dtype="float64") + c.bytes(group="expert_group", dtype="float64")
+        c.reset()
+        (out * Tensor(wts)).sum().backward()
+        bwd = c.bytes(group="col_group", dtype="float64") + c.bytes(group="expert_group", dtype="float64")
+    moe = pm.inner[0]
+    f = moe.dispatcher.last_rows_sent_off_rank / (2 * xb.shape[0] * k)       # of the gathered rows
+    est = moe_estimate(xb.shape[0], C, H, E, k, expert_parallel=2, tensor_parallel=2, itemsize=8,
+                       off_rank_fraction=f)
+    tot = all_reduce(np.array([fwd, bwd, est.bytes_forward, est.bytes_backward]), group=w.default_group)
+    assert tot[0] == tot[2] and tot[1] == tot[3] and tot[0] > 0
+    assert est.option == "expert_parallel_x_tensor_parallel_experts"
+    assert est.expert_params == sum(p.numel() for p in moe.experts.parameters())
+    grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
 def test_expert_groups_on_a_tensor_grid_match_the_closed_form():
     w = axonmpi.init()
     if w.world_size != 4:
         pytest.skip("the layout is for 4 ranks")
-    grid = _grid(G_intra_c=2)                  # data ranks (0, 2) and (1, 3)
+    grid = _grid(G_intra_c=2, expert_parallel=2)     # data ranks (0, 2) and (1, 3)
     eg, edg = grid.expert_groups(2)
     assert eg.ranks == grid.expert_group_ranks(2)[0] == ((0, 2) if w.rank % 2 == 0 else (1, 3))
     assert edg.size == 1

@@ -188,6 +188,24 @@ LAYOUTS = {
                                  sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
     "moe_pp2_cp2_ep2_zbh1": ("moe", {"G_inter": 2, "G_context": 2},
                              dict(context_parallel="ring", expert_parallel=2, pipeline=("zb-h1", None))),
+    "moe_fsdp_sgo_tp2_sp_ep2": ("moe", {"G_intra_c": 2},
+                                dict(tensor_parallel=PLAN, sequence_parallel=True, expert_parallel=2,
+                                     data_parallel="fsdp", sharding_strategy="shard_grad_op")),
+    "moe_fsdp_hybrid2_cp2_ep2": ("moe", {"G_context": 2},
+                                 dict(context_parallel="ring", expert_parallel=2, data_parallel="fsdp",
+                                      sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
+    "moe_zero1_axonn2_ep2": ("moe", {"G_intra_r": 2}, dict(tensor_parallel="axonn", expert_parallel=2, zero1=True)),
+    "moe_zero1_cp2u_ep2_ac": ("moe", {"G_context": 2},
+                              dict(context_parallel="ulysses", expert_parallel=2, zero1=True,
+                                   activation_checkpointing=["2"])),
+    "moe_axonn2_texperts_ep2": ("moe", {"G_intra_c": 2},
+                                dict(tensor_parallel="axonn", expert_tensor_parallel=True, expert_parallel=2)),
+    "moe_fsdp_axonn2_texperts_ep2_pp2": ("moe", {"G_inter": 2, "G_intra_c": 2},
+                                         dict(tensor_parallel="axonn", expert_tensor_parallel=True, expert_parallel=2,
+                                              data_parallel="fsdp", pipeline=("1f1b", None))),
+    "moe_fsdp_axonn2_texperts_ep2": ("moe", {"G_intra_c": 2},
+                                     dict(tensor_parallel="axonn", expert_tensor_parallel=True, expert_parallel=2,
+                                          data_parallel="fsdp")),
 }
 
 
@@ -246,15 +264,15 @@ def _build(world, layout, seed=7):
     others = int(np.prod(list(sizes.values())))
     if world.world_size % others:
         pytest.skip(f"{layout} needs a multiple of {others} ranks")
-    grid = axonmpi.ProcessGrid(world, **sizes)
+    ep = opts.get("expert_parallel", 1)
+    if ep > 1 and (world.world_size // others) % ep:
+        pytest.skip(f"{layout}: expert_parallel={ep} does not divide G_data={world.world_size // others}")
+    grid = axonmpi.ProcessGrid(world, **sizes, expert_parallel=ep)      # the expert groups are built at init
     opts = dict(opts)
     if opts.get("pipeline") is not None:
         schedule, v = opts["pipeline"]
         opts["pipeline"] = PipelinePlan(num_microbatches=2, schedule=schedule, virtual_stages=v)
         opts.setdefault("data_parallel", "ddp")
-    if opts.get("expert_parallel", 1) > 1 and grid.G_data % opts["expert_parallel"]:
-        grid.free()
-        pytest.skip(f"{layout}: expert_parallel={opts['expert_parallel']} does not divide G_data={grid.G_data}")
     zero1 = opts.pop("zero1", False)
     axonmpi.manual_seed(seed)
     pm = parallelize(MODELS[name](), grid=grid, **opts)

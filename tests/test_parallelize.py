@@ -13,6 +13,7 @@ import axonmpi
 import axonmpi.nn as nn
 import axonmpi.nn.functional as F
 from axonmpi import Tensor
+from axonmpi.distributed.backends.counting import count_traffic
 from axonmpi.optim import AdamW
 from axonmpi.optim.clip import clip_grad_norm_
 from axonmpi.parallel import Pipeline, PipelineSchedule, full_state_dict, parallelize
@@ -181,13 +182,21 @@ def test_pipeline_over_parallelized_stages_matches_serial(world, sizes, plan):
         stage = nn.Sequential(full.embed, full.blocks[0]) if stage_id == 0 else nn.Sequential(full.blocks[1], full.head)
         tp = {"*.fc1": "column", "*.fc2": "row"} if plan == "megatron" else plan
         pm = parallelize(stage, grid=grid, tensor_parallel=tp, data_parallel=None)
-        pipe = Pipeline(pm, PipelineSchedule.ONE_F_ONE_B, num_microbatches=2, loss_fn=F.cross_entropy)
+        # a Megatron tensor group holds the same boundary activations: each rank sends half of them
+        scatter = grid.intra_group if plan == "megatron" else None
+        pipe = Pipeline(pm, PipelineSchedule.ONE_F_ONE_B, num_microbatches=2, loss_fn=F.cross_entropy,
+                        scatter_group=scatter)
         assert pipe.data_group is grid.data_group
         opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         for s in range(STEPS):
             xb, yb = pm.local_batch(data(s), _targets(s, 4))
             opt.zero_grad()
-            loss = pipe.step(xb, yb)
+            with count_traffic() as c:
+                loss = pipe.step(xb, yb)
+            # per micro-batch an (rows/2, 8) activation one way and its gradient back, float64
+            whole = 2 * 2 * (len(xb) // 2) * 8 * 8
+            p2p = c.total("send", group="inter_group") + c.total("recv", group="inter_group")
+            assert p2p == (whole // 2 if scatter is not None else whole) + (15 * 8 if s == 0 else 0)   # + the header once
             norm = clip_grad_norm_(pm.parameters(), MAX_NORM)
             opt.step()
             _close(loss, want_losses[s], f"step {s} loss")

@@ -323,7 +323,7 @@ def test_token_mean_expert_parallel(world):
     rank, reduced over the expert-data group) follow the same rule."""
     n = world.world_size
     ep = 2 if n % 2 == 0 else n
-    grid = axonmpi.ProcessGrid(world)
+    grid = axonmpi.ProcessGrid(world, expert_parallel=ep)
 
     def make():
         axonmpi.manual_seed(5)

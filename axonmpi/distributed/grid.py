@@ -66,6 +66,7 @@ ROLES: Dict[str, str] = {
     "data": "data_group", "pipeline": "inter_group", "inter": "inter_group", "tensor": "intra_group",
     "intra": "intra_group", "depth": "depth_group", "row": "row_group", "col": "col_group",
     "model": "model_group", "context": "context_group", "data_context": "data_context_group",
+    "expert": "expert_group", "expert_data": "expert_data_group",
 }
 
 
@@ -146,16 +147,25 @@ class ProcessGrid:
                                                 the same samples (ring / Ulysses attention)
     data_context_  data, context                gradients reduce here under context
     group                                       parallelism (Megatron's dp_cp group)
+    expert_group   EP consecutive data coords   expert parallelism: each holds E/EP experts
+    expert_data_   every EP-th data coord       the ranks holding the same experts: expert
+    group                                       gradients reduce here
     ============== ============================ =========================================
 
     Making a grid is collective over the World: one ``Comm.Split`` per group kind whose groups
-    have more than one rank; groups of size 1 use ``MPI.COMM_SELF`` (no split, nothing to free).
+    have more than one rank; groups of size 1 use ``MPI.COMM_SELF`` (no split, nothing to free),
+    and a kind with the ranks of another (``data_context_group`` without context, the
+    expert-data group at ``expert_parallel=1``) is that group (no second communicator).
+    ``expert_parallel`` is fixed at init: the two expert kinds cost at most two splits, for that
+    one EP, and none at the default EP of 1 (see :meth:`expert_group_ranks`).
 
     Args:
         world: the World to lay out.
         G_inter, G_data, G_intra_r, G_intra_c, G_intra_d: the five sizes (see
             :func:`resolve_grid_sizes`; ``G_data=None`` takes what is left).
         G_context: context-parallel ranks per sample (default 1).
+        expert_parallel: EP of the expert groups (divides ``G_data``; default 1: every rank holds
+            every expert, the expert-data group is the data group).
 
     Example (4 ranks, ``G_data=2, G_intra_c=2``)::
 
@@ -167,7 +177,7 @@ class ProcessGrid:
     """
 
     def __init__(self, world: "World", *, G_inter=1, G_data=None, G_intra_r=1, G_intra_c=1, G_intra_d=1,
-                 G_context=1):
+                 G_context=1, expert_parallel: int = 1):
         sizes = resolve_grid_sizes(world.world_size, G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
                                    G_intra_c=G_intra_c, G_intra_d=G_intra_d, G_context=G_context, rank=world.rank)
         self.world = world
@@ -183,6 +193,7 @@ class ProcessGrid:
         self.rank = world.rank
         self.world_size = world.world_size
         self.coords = self.coords_of(self.rank)
+        self.expert_parallel = self._check_expert_parallel(expert_parallel)     # before any Split
         self._groups: Dict[str, ProcessGroup] = {}
         self._freed = False
         for name, varying in GROUP_DIMS.items():
@@ -190,8 +201,12 @@ class ProcessGrid:
                 self._groups[name] = self._groups["data_group"]     # the same ranks: no second communicator
                 continue
             self._groups[name] = self._make_group(name, varying)
-        self.expert_parallel = 1      # the EP whose groups group_for("expert" / "expert_data") gives
-        self._expert: Dict[int, Tuple[ProcessGroup, ProcessGroup]] = {}     # expert_groups(ep), by EP
+        expert, expert_data = self.expert_group_ranks(self.expert_parallel)
+        for name, ranks in (("expert_group", expert), ("expert_data_group", expert_data)):
+            if self.expert_parallel == 1 and name == "expert_data_group":
+                self._groups[name] = self._groups["data_group"]     # EP 1: the same ranks, no second communicator
+            else:
+                self._groups[name] = self._split(name, ranks, min(ranks))
 
     # -- sizes and coordinates -----------------------------------------------------------
     @property
@@ -285,6 +300,16 @@ class ProcessGrid:
         return self._groups["data_context_group"]
 
     @property
+    def expert_group(self) -> ProcessGroup:
+        """The ``expert_parallel`` consecutive data ranks splitting the experts (see :meth:`expert_group_ranks`)."""
+        return self._groups["expert_group"]
+
+    @property
+    def expert_data_group(self) -> ProcessGroup:
+        """The ranks holding the same experts (``G_data / expert_parallel``): expert gradients reduce here."""
+        return self._groups["expert_data_group"]
+
+    @property
     def is_trivial(self) -> bool:
         """True when the grid has no pipeline, tensor or context dimension (only data: every rank one replica)."""
         return self.G_inter == 1 and self.G_intra == 1 and self.G_context == 1
@@ -297,7 +322,7 @@ class ProcessGrid:
         ``"depth"``, ``"row"``, ``"col"``, ``"model"``, ``"context"`` (Megatron's CP group: the
         sequence chunks of one sample), ``"data_context"`` (data x context: where gradients are
         reduced under context parallelism), ``"world"``; ``"expert"`` and ``"expert_data"`` (the
-        groups of the grid's last :meth:`expert_groups`; EP=1 when none was made).
+        expert and expert-data groups of the grid's ``expert_parallel``, built at init).
 
         Example:
             >>> axonmpi.init(G_intra_c=2).grid.group_for("data").ranks     # on rank 3 of 4
@@ -305,12 +330,10 @@ class ProcessGrid:
         """
         if role == "world" or (role == "data" and self.is_trivial):
             return self.world.default_group
-        if role in ("expert", "expert_data"):
-            return self.expert_groups(self.expert_parallel)[role == "expert_data"]
         name = ROLES.get(role)
         if name is None:
             raise ValueError(f"rank {self.rank}: unknown group role {role!r}; expected one of "
-                             f"{sorted(set(ROLES) | {'world', 'expert', 'expert_data'})}")
+                             f"{sorted(set(ROLES) | {'world'})}")
         return self._groups[name]
 
     # -- expert parallelism: two groups carved from the data dimension -----------------------
@@ -339,32 +362,27 @@ class ProcessGrid:
                              f"divides G_data={self.G_data} (the expert group is carved from the data dimension)")
         return int(expert_parallel)
 
-    def expert_groups(self, expert_parallel: int) -> Tuple[ProcessGroup, ProcessGroup]:
-        """``(expert_group, expert_data_group)`` for ``expert_parallel`` EP (see :meth:`expert_group_ranks`).
+    def expert_groups(self, expert_parallel: Optional[int] = None) -> Tuple[ProcessGroup, ProcessGroup]:
+        """``(expert_group, expert_data_group)``, built at init for the grid's ``expert_parallel``.
 
-        Collective over the World the first time a value is asked for (two ``Comm.Split``; call it on
-        every rank, as building a model does); cached afterwards. The last value asked for is the
-        grid's ``expert_parallel``, which ``group_for("expert")`` / ``group_for("expert_data")`` read.
+        No communication. ``expert_parallel`` (optional) must be the grid's: another EP raises,
+        naming the fix (build the grid with it: ``axonmpi.init(..., expert_parallel=EP)``).
 
-        Example (4 ranks, ``init()``, EP=2): rank 3 -> expert ranks ``(2, 3)``, expert-data ranks ``(1, 3)``.
+        Example (4 ranks, ``init(expert_parallel=2)``): rank 3 -> expert ranks ``(2, 3)``, expert-data ranks ``(1, 3)``.
         """
+        if expert_parallel is not None:
+            self.check_expert_parallel(expert_parallel)
+        return self._groups["expert_group"], self._groups["expert_data_group"]
+
+    def check_expert_parallel(self, expert_parallel: int) -> int:
+        """``expert_parallel`` when it is the grid's EP; else ValueError naming both and the fix."""
         ep = self._check_expert_parallel(expert_parallel)
-        cache = self._expert
-        if ep not in cache:
-            from mpi4py import MPI
-            made = []
-            for name, ranks in zip(("expert_group", "expert_data_group"), self.expert_group_ranks(ep)):
-                if len(ranks) == 1:
-                    made.append(ProcessGroup(self.world, MPI.COMM_SELF, ranks, name=name))
-                    continue
-                comm = self.world._comm.Split(min(ranks), ranks.index(self.rank))
-                g = ProcessGroup(self.world, comm, ranks, name=name)
-                self.world._groups.append(g)
-                self._groups[f"{name}_{ep}"] = g        # freed with the grid
-                made.append(g)
-            cache[ep] = tuple(made)
-        self.expert_parallel = ep
-        return cache[ep]
+        if ep != self.expert_parallel:
+            raise ValueError(
+                f"rank {self.rank}: expert_parallel={ep} but the grid's expert groups are built for expert_parallel="
+                f"{self.expert_parallel} (fixed at init, one Split per kind); build the grid with "
+                f"axonmpi.init(..., expert_parallel={ep}) or ProcessGrid(world, ..., expert_parallel={ep})")
+        return ep
 
     def group_ranks(self, name: str, world_rank: Optional[int] = None) -> Tuple[int, ...]:
         """World ranks of the ``name`` group (a key of ``GROUP_DIMS``) that holds ``world_rank``.
@@ -392,15 +410,19 @@ class ProcessGrid:
         return n
 
     def _make_group(self, name: str, varying: Sequence[str]) -> ProcessGroup:
-        from mpi4py import MPI
-
-        ranks = self.group_ranks(name)
-        if len(ranks) == 1:
-            return ProcessGroup(self.world, MPI.COMM_SELF, ranks, name=name)
         color = 0
         for d in _ORDER:
             if d not in varying:
                 color = color * getattr(self._shape, d) + getattr(self.coords, d)
+        return self._split(name, self.group_ranks(name), color)
+
+    def _split(self, name: str, ranks: Tuple[int, ...], color: int) -> ProcessGroup:
+        """The group of ``ranks`` (this rank's; ``color`` tells the groups of one kind apart): one
+        ``Comm.Split`` on every rank of the World, or ``MPI.COMM_SELF`` for a group of one."""
+        from mpi4py import MPI
+
+        if len(ranks) == 1:
+            return ProcessGroup(self.world, MPI.COMM_SELF, ranks, name=name)
         key = ranks.index(self.rank)
         comm = self.world._comm.Split(color, key)
         if comm.Get_size() != len(ranks) or comm.Get_rank() != key:  # pragma: no cover - MPI contract
@@ -462,7 +484,8 @@ class ProcessGrid:
                2     1      0      0    0    0
                3     1      0      0    0    1
         """
-        head = f"ProcessGrid({_describe_sizes(self.sizes)}) on {self.world_size} ranks"
+        ep = f", expert_parallel={self.expert_parallel}" if self.expert_parallel != 1 else ""
+        head = f"ProcessGrid({_describe_sizes(self.sizes)}{ep}) on {self.world_size} ranks"
         dims = _DIMS if self.G_context > 1 else _DIMS[:5]
         cols = ("rank",) + dims
         widths = [max(len(c), len(str(self.world_size - 1))) for c in cols]

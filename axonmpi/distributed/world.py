@@ -41,7 +41,8 @@ class World:
     def __init__(self, comm: Optional["MPI.Intracomm"] = None, *, debug: Optional[bool] = None,
                  abort_on_exception: bool = True, G_inter: int = 1, G_data: Optional[int] = None,
                  G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1, device: str = "auto",
-                 backend: str = "auto", timeout: Optional[float] = None, G_context: int = 1):
+                 backend: str = "auto", timeout: Optional[float] = None, G_context: int = 1,
+                 expert_parallel: int = 1):
         from .backends.nccl import BackendKind, nccl_available
         if abort_on_exception:   # first: an error in the arguments below prints once, not once per rank
             install_abort_on_exception(comm if comm is not None else MPI.COMM_WORLD)
@@ -117,7 +118,7 @@ class World:
         from .launch import apply_launch_defaults
         apply_launch_defaults(self)  # one BLAS thread per rank on shared nodes; launcher/MPI mismatch
 
-        self.grid = ProcessGrid(self, **sizes)
+        self.grid = ProcessGrid(self, **sizes, expert_parallel=expert_parallel)
         from ..trace import start_from_env
         start_from_env(self.rank)
 
@@ -233,7 +234,7 @@ class World:
 def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = None, G_intra_r: int = 1,
          G_intra_c: int = 1, G_intra_d: int = 1, *, G_inter: Optional[int] = None, debug: Optional[bool] = None,
          abort_on_exception: bool = True, device: str = "auto", backend: str = "auto",
-         timeout: Optional[float] = None, G_context: int = 1) -> World:
+         timeout: Optional[float] = None, G_context: int = 1, expert_parallel: int = 1) -> World:
     """Create (once) and return the current :class:`World` and its :class:`ProcessGrid`.
 
     Idempotent: a later call with no grid sizes, or with the same grid, returns the same World;
@@ -253,6 +254,8 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
         G_context: context-parallel ranks (Megatron's CP size): ranks holding different sequence
             chunks of the same samples; world = G_data x G_context x G_inter x G_intra_r x
             G_intra_c x G_intra_d.
+        expert_parallel: EP of the grid's expert groups (``group_for("expert")``, ``"expert_data"``),
+            built at init: EP consecutive data ranks split a MoE's experts (divides ``G_data``).
         debug: check collective arguments across ranks (default: ``AXONMPI_DEBUG`` env var).
         abort_on_exception: end the whole job (``MPI_Abort``) when any rank dies of an
             uncaught exception, after printing its traceback, instead of leaving others hanging.
@@ -289,7 +292,7 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
                  G_intra_d=G_intra_d, G_context=G_context)
     if _WORLD is None or _WORLD._destroyed:
         _WORLD = World(comm, debug=debug, abort_on_exception=abort_on_exception, device=device,
-                       backend=backend, timeout=timeout, **asked)
+                       backend=backend, timeout=timeout, expert_parallel=expert_parallel, **asked)
         return _WORLD
     if debug is not None:
         _WORLD.debug = bool(debug)
@@ -312,7 +315,7 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
             # the World the process group made (its trivial grid was never handed out for a grid role)
             _WORLD._regrid_ok = False
             _WORLD.grid.free()
-            _WORLD.grid = ProcessGrid(_WORLD, **want)
+            _WORLD.grid = ProcessGrid(_WORLD, **want, expert_parallel=expert_parallel)
             return _WORLD
         if want != have:
             fmt = lambda d: ", ".join(f"{k}={d[k]}" for k in have)  # noqa: E731
@@ -320,6 +323,11 @@ def init(comm: "Optional[MPI.Intracomm] | int" = None, G_data: Optional[int] = N
                 f"rank {_WORLD.rank}: axonmpi.init asked for the grid ({fmt(want)}) but the World "
                 f"already has the grid ({fmt(have)}); call axonmpi.distributed.destroy() first to "
                 "change it")
+    if expert_parallel != 1 and expert_parallel != _WORLD.grid.expert_parallel:
+        raise ValueError(f"rank {_WORLD.rank}: axonmpi.init asked for expert_parallel={expert_parallel!r} but the "
+                         f"World's grid has expert_parallel={_WORLD.grid.expert_parallel} (its expert groups are built "
+                         "at init); call axonmpi.distributed.destroy() first to change it, or make a second grid: "
+                         f"axonmpi.ProcessGrid(world, **world.grid.sizes, expert_parallel={expert_parallel!r})")
     return _WORLD
 
 

@@ -6,7 +6,9 @@ Per parameter group and dtype, the parameters are packed back to back into one f
 ``k * S`` (``S = ceil(n / k)``), and every parameter's ``.data`` becomes a view of its slice of
 the first ``n`` elements. Rank ``i`` owns elements ``chunk_bounds(n, k, i)`` (the project's one
 uneven rule) as a private parameter of its own, on which the wrapped optimizer is built, so
-its state covers only that chunk. ``step()`` copies the (already averaged, e.g. by DDP)
+its state covers only that chunk (``k`` the ranks holding the same elements: the group, or for a
+parameter split over a subgroup of it, an expert over its expert group -- tagged ``expert_parallel`` --,
+the expert's replica group inside it, the expert-data group; see :func:`_state_group`). ``step()`` copies the (already averaged, e.g. by DDP)
 gradients of the chunk into the chunk's gradient, steps the wrapped optimizer, then
 all-gathers every rank's updated chunk straight into the padded buffer (chunk ``i`` in slot
 ``i``) and compacts it in place: one collective per buffer, no per-parameter broadcast.
@@ -44,6 +46,7 @@ class _Bucket:
     """One flat buffer: the parameters of one group and dtype, and this rank's chunk of them."""
 
     def __init__(self, group_index: int, params: List[Any], indices: List[int], grp, names: List[str]):
+        self.group = grp                  # the ranks sharing this chunk's elements (None: this rank alone)
         self.group_index = group_index
         self.params = params
         self.indices = indices            # the parameters' global indices (state dict numbering)
@@ -51,7 +54,7 @@ class _Bucket:
         first = params[0].data
         xp = get_array_module(first)
         self.layout = FlatLayout([p.data.shape for p in params])
-        n, k, r = self.layout.numel, grp.size, grp.rank
+        n, k, r = self.layout.numel, (1 if grp is None else grp.size), (0 if grp is None else grp.rank)
         self.n, self.k = n, k
         self.size = max(1, -(-n // k))
         self.lo, self.hi = chunk_bounds(n, k, r)
@@ -122,11 +125,34 @@ class _Bucket:
         if "step" in st:
             st["step"] = max(self.counts[s.index] for s in self.segments)
 
-    def all_gather_params(self, grp) -> None:
+    def all_gather_params(self) -> None:
         if self.shard.data is not self.send[:self.hi - self.lo] and self.shard.data.base is not self.send:
             self.send[:self.hi - self.lo] = self.shard.data
-        all_gather(self.send, group=grp, out=self.buffer)
-        compact_slots(self.buffer, self.n, self.k, self.size)
+        self.gather(self.send, self.buffer)
+
+    def gather(self, send, out) -> Any:
+        """Every rank's ``send`` (``self.size`` elements) into ``out``, compacted to the ``n`` elements."""
+        if self.group is None:
+            out[:self.n] = send[:self.n]
+            return out
+        all_gather(send, group=self.group, out=out)
+        compact_slots(out, self.n, self.k, self.size)
+        return out
+
+
+def _state_group(param: Any, group: Any) -> Any:
+    """The ranks of ``group`` holding the same elements of ``param``, over which its state is split: ``group``;
+    or, for an expert (tagged ``expert_parallel``, split over an expert group inside ``group``), its largest
+    replica group inside ``group`` (the expert-data group), ``None`` when no other rank of ``group`` holds its
+    elements (this rank steps them alone).  Any other parameter split inside ``group`` is refused later."""
+    from ..distributed.placement import ShardKind, placement_of
+    mine = set(group.ranks)
+    pl = placement_of(param)
+    if not getattr(param, "expert_parallel", False) or not any(
+            s.kind is ShardKind.DIM and set(s.group.ranks) <= mine for s in pl.shards if s.group.size > 1):
+        return group
+    inside = [g for g in pl.replica_groups if set(g.ranks) <= mine]
+    return max(inside, key=lambda g: g.size) if inside else None
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -160,8 +186,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         from ..distributed.placement import check_group
         flat = [q for g in groups for q in ((g["params"] if not isinstance(g["params"], Tensor) else [g["params"]])
                                             if isinstance(g, dict) else [g])]
-        check_group([(f"#{i} (shape {tuple(q.shape)})", q) for i, q in enumerate(flat)],
-                    self.process_group, "ZeroRedundancyOptimizer")
+        owners = {id(q): _state_group(q, self.process_group) for q in flat}
+        check_group([(f"#{i} (shape {tuple(q.shape)})", q) for i, q in enumerate(flat)
+                     if owners[id(q)] is self.process_group], self.process_group, "ZeroRedundancyOptimizer")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         self.buckets: List[_Bucket] = []
@@ -171,11 +198,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             ps = g["params"]
             ps = [ps] if isinstance(ps, Tensor) else list(ps)
             by_dtype: Dict[Any, List[Tuple[int, Any]]] = {}
-            for p in ps:
-                by_dtype.setdefault((str(p.data.dtype), str(p.device)), []).append((index, p))
+            for p in ps:        # one bucket per dtype, device and partitioning group (the same order on every rank)
+                grp = owners[id(p)]
+                key = (str(p.data.dtype), str(p.device), None if grp is None else tuple(grp.ranks))
+                by_dtype.setdefault(key, []).append((index, p))
                 index += 1
             for items in by_dtype.values():
-                b = _Bucket(gi, [p for _, p in items], [i for i, _ in items], self.process_group,
+                b = _Bucket(gi, [p for _, p in items], [i for i, _ in items], owners[id(items[0][1])],
                             [str(i) for i, _ in items])
                 self.buckets.append(b)
                 inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [b.shard]})
@@ -215,7 +244,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             b.shard.grad = None
         with no_grad():
             for b in self.buckets:
-                b.all_gather_params(self.process_group)
+                b.all_gather_params()
         return loss
 
     # -- state dicts ---------------------------------------------------------------------------
@@ -234,8 +263,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                     xp = get_array_module(v)
                     send = xp.zeros(b.size, v.dtype)
                     send[:v.shape[0]] = v
-                    full = all_gather(send, group=self.process_group)
-                    compact_slots(full, b.n, b.k, b.size)
+                    full = b.gather(send, xp.zeros(b.k * b.size, v.dtype))
                     for i, piece in zip(b.indices, b.layout.views(full)):
                         out.setdefault(i, {})[key] = to_host(piece).copy()
                 else:

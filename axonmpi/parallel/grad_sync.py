@@ -17,7 +17,8 @@ Megatron 1-D ``DIM`` shard                 ``data`` (the tensor group computed i
 AxoNN 3-D ``BLOCK`` weight                 ``data`` (the layer reduce-scattered over depth)
 AxoNN 3-D bias (replicated over depth)     ``data`` and the layer's depth group
 expert ``DIM`` shard over a subgroup of    its replica groups inside ``data`` (the expert-data
-``data`` (expert parallelism)              group), never the expert group
+``data`` (expert parallelism)              group) and the ``batch`` groups that do not split it,
+                                           never the expert group
 FSDP ``FLAT`` chunk                        reduce-scattered by FSDP over its shard group
 pipeline ``STAGE`` shard                   as above, over the stage's own groups
 sequence-parallel (``sequence_parallel``)  also the tensor group, inside backward
@@ -73,7 +74,9 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
     if getattr(param, "needs_depth_parallel_gradient_sync", False):
         out = [data, depth]
     elif sharded_within(param, data):       # an expert: its expert-data replicas, and the batch groups (its
-        out = [r for r in pl.replica_groups if _inside(r, data)] + list(batch)   # gradient is of this rank's rows)
+        split = {getattr(s.group, "ranks", None) for s in pl.shards}          # gradient is of this rank's rows;
+        out = [r for r in pl.replica_groups if _inside(r, data)] + \
+            [b for b in batch if getattr(b, "ranks", 0) not in split]         # not one that splits it)
     elif any(s.kind is not ShardKind.STAGE for s in pl.shards) or getattr(param, "is_tensor_parallel", False):
         out = [data]
     else:

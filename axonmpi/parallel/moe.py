@@ -2,8 +2,9 @@
 tokens dispatched with a variable-count all-to-all; or tensor-parallel experts with tokens gathered.
 
 [Note: expert parallelism on the grid]
-``expert_parallel = EP`` divides ``G_data`` (Megatron's and DeepSpeed's rule). The grid's
-:meth:`~axonmpi.distributed.ProcessGrid.expert_groups` carves two groups from the data dimension:
+``expert_parallel = EP`` divides ``G_data`` (Megatron's and DeepSpeed's rule) and is the grid's, fixed
+at init (``axonmpi.init(..., expert_parallel=EP)``): the grid builds two groups carved from the data
+dimension (``group_for("expert")``, ``group_for("expert_data")``):
 the *expert group* (EP consecutive data ranks; each holds ``E / EP`` experts) and the
 *expert-data group* (``G_data / EP`` ranks holding the same experts). Non-expert parameters stay
 replicated over ``G_data`` (DDP over the data group); expert parameters are placed as a ``DIM``
@@ -42,6 +43,18 @@ itemsize`` bytes per rank (an all-gather and a reduce-scatter, counted by the ba
 ``T * (rows per rank) * n_embd * itemsize`` each). The tokens are gathered before routing, so a
 token chosen by two experts travels once; every rank of the tensor group routes the same tokens,
 and the routing statistics are summed over the data group.
+
+[Note: both at once]
+``expert_tensor_parallel=True`` with ``expert_parallel = EP > 1`` (Megatron's expert tensor parallelism
+inside expert parallelism): expert ``e``'s weights live on the ranks of expert-group place
+``e // (E / EP)``, each tensor rank holding its hidden slice (a ``DIM`` shard on axis 0 over the expert
+group, then on the hidden axis over the tensor group; replicated over the expert-data group). The
+expert group varies only the data coordinate, so its ranks share a tensor coordinate and hold the
+same slices. A forward gathers the tensor group's tokens (every tensor rank then routes the same
+rows), sends each routed row by all-to-all to its expert's rank of the expert group, runs the local
+slices, returns the partial outputs by all-to-all, and reduce-scatters them over the tensor group.
+An expert's gradient is summed over its expert-data group only (never over the tensor group, whose
+ranks hold different slices; the grad-sync table leaves out a batch group that splits a parameter).
 """
 from __future__ import annotations
 
@@ -52,18 +65,19 @@ import numpy as np
 from ..autograd import ops
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module
-from ..distributed import get_grid
+from ..distributed import all_gather, get_grid
 from ..distributed.alltoallv import exchange_counts
 from ..distributed.placement import Placement, Shard, ShardKind, set_placement
 from ..nn import Module
 from ..nn.moe import ExpertLinear, MoE
 from ..nn.parameter import Parameter
 from .tensor.layers import _AxisSharded
+from .tensor.state import _sharded_array, axis_shard
 from .tensor.mappings import (
     all_to_all_along, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 )
 
-__all__ = ["AllToAllDispatcher", "GatherDispatcher", "ShardedExpertLinear", "expert_parallel",
+__all__ = ["AllToAllDispatcher", "GatherDispatcher", "GatheredAllToAllDispatcher", "ShardedExpertLinear", "expert_parallel",
            "expert_parameters", "hook_expert_gradients"]
 
 
@@ -130,52 +144,90 @@ class GatherDispatcher:
         return experts(rows, counts)
 
 
+class GatheredAllToAllDispatcher(AllToAllDispatcher):
+    """Tensor-parallel experts that are split over an expert group too (``[Note: both at once]``): the tensor
+    group's tokens are all-gathered before routing, the routed rows go by all-to-all over the expert group
+    (each tensor rank to the ranks of its own tensor coordinate, which hold the same hidden slice of their
+    experts), and the partial outputs are reduce-scattered back over the tensor group."""
+
+    def __init__(self, group, num_experts: int, tensor_group):
+        super().__init__(group, num_experts)
+        gather = GatherDispatcher(tensor_group)
+        self.before, self.after = gather.before, gather.after
+
+
 # -- sharded expert weights ------------------------------------------------------------------------
 class ShardedExpertLinear(_AxisSharded):
     """This rank's slice of an :class:`~axonmpi.nn.moe.ExpertLinear`: ``axis`` 0 (experts, expert
-    parallelism) or 1 / 2 (an expert's hidden width, tensor-parallel experts) over ``group``.
+    parallelism) or 1 / 2 (an expert's hidden width, tensor-parallel experts) over ``group``; with
+    ``then=(group2, axes2)`` the slice is cut again over ``group2`` (both: experts over the expert group,
+    then each expert's hidden width over the tensor group).
 
     Serial names and shapes in state dicts (the ``_tp_*`` protocol); placement: a ``DIM`` shard
-    over ``group``, replicated over ``replicas``.
+    over each group that splits the parameter, replicated over ``replicas`` and the others.
     """
 
-    def __init__(self, serial: ExpertLinear, group, axes: dict, replicas=()):
+    def __init__(self, serial: ExpertLinear, group, axes: dict, replicas=(), then=None):
         super().__init__()
         self.group = group
+        self._levels = [(group, axes)] + ([tuple(then)] if then is not None else [])
         self.num_experts, self.in_features, self.out_features = (serial.num_experts, serial.in_features,
                                                                  serial.out_features)
-        self._tp_axes = {}
+        self._tp_axes = {}              # name -> (axis of the first split, full shape)
+        self._cuts = {}                 # name -> [(axis, group), ...] in the order they are cut
         for name in ("weight", "bias"):
             p = getattr(serial, name)
             if p is None:
                 self.bias = None
                 continue
             full = np.asarray(p.data)
-            axis = axes.get(name)
-            if axis is None:
-                local = full.copy()
-            else:
-                self._tp_axes[name] = (axis, full.shape)
+            cuts = [(lv[name], g) for g, lv in self._levels if lv.get(name) is not None]
+            if cuts:
+                self._tp_axes[name] = (cuts[0][0], full.shape)
+                self._cuts[name] = cuts
                 local = self._tp_shard(name, full)
-            q = Parameter(local)
-            if axis is None:
-                set_placement(q, Placement(replicas=tuple(replicas) + (group,)))
             else:
-                set_placement(q, Placement(shards=(Shard(group, ShardKind.DIM, axis),), replicas=tuple(replicas),
-                                           full_shape=tuple(full.shape)))
+                local = full.copy()
+            q = Parameter(local)
+            whole = tuple(g for g, lv in self._levels if lv.get(name) is None)
+            set_placement(q, Placement(shards=tuple(Shard(g, ShardKind.DIM, a) for a, g in cuts),
+                                       replicas=tuple(replicas) + whole,
+                                       full_shape=tuple(full.shape) if cuts else None))
             setattr(self, name, q)
 
+    def _tp_shard(self, name, full):
+        for axis, g in self._cuts[name]:
+            full = axis_shard(full, axis, g)
+        return full
+
+    def _tp_gather(self, name, local):
+        for axis, g in reversed(self._cuts[name]):
+            local = local if g.size == 1 else all_gather(local, axis=axis, group=g)
+        return local
+
+    def _tp_block(self, name, local):
+        shape = self._tp_axes[name][1]
+        offsets = [0] * len(shape)
+        for axis, g in self._cuts[name]:
+            offsets[axis] = g.rank * local.shape[axis]
+        return _sharded_array(local, shape, offsets)
+
+    def _tp_init_groups(self):
+        return [g for g, _ in self._levels]
+
     def pieces(self):
-        """Per local expert ``(weight, bias)``; a bias replicated over ``group`` is added on its rank 0
-        only (times zero elsewhere, so every rank still gets a gradient and its reduction runs)."""
+        """Per local expert ``(weight, bias)``; a bias whole over a group that splits the hidden width (its
+        partial outputs are summed) is added on that group's rank 0 only (times zero elsewhere, so every rank
+        still gets a gradient and its reduction runs)."""
         out = ExpertLinear.pieces(self)
-        if self.bias is not None and "bias" not in self._tp_axes and self.group.rank != 0:
+        if self.bias is not None and any(g.rank != 0 for g, lv in self._levels if lv.get("bias") is None):
             out = [(w, b * 0.0) for w, b in out]
         return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features="
-                f"{self.out_features}, local={tuple(self.weight.shape)}, group={list(self.group.ranks)}")
+                f"{self.out_features}, local={tuple(self.weight.shape)}, "
+                f"groups={[list(g.ranks) for g, _ in self._levels]}")
 
 
 def expert_parameters(module: Module):
@@ -187,82 +239,89 @@ def expert_parameters(module: Module):
     return out
 
 
-def expert_parallel(module: Module, expert_parallel: int = 1, *, grid=None,
+def expert_parallel(module: Module, expert_parallel: Optional[int] = None, *, grid=None,
                     expert_tensor_parallel: bool = False, stats_group=None) -> int:
     """Lay out every :class:`~axonmpi.nn.MoE` of ``module`` over the grid (in place); returns how many.
 
     Args:
         module: a model holding ``nn.MoE`` layers (built the same way on every rank).
-        expert_parallel: EP, dividing the grid's ``G_data``; the experts of each MoE (E divisible
-            by EP) are split over the expert group, tokens go by all-to-all. 1: experts replicated.
-        grid: the :class:`~axonmpi.distributed.ProcessGrid` (default: the current one). Collective:
-            makes the grid's expert groups (:meth:`~axonmpi.distributed.ProcessGrid.expert_groups`).
+        expert_parallel: EP, the grid's (``None``: the grid's; another value raises, naming the fix
+            ``axonmpi.init(..., expert_parallel=EP)``); the experts of each MoE (E divisible by EP) are
+            split over the grid's expert group, tokens go by all-to-all. 1: experts replicated.
+        grid: the :class:`~axonmpi.distributed.ProcessGrid` (default: the current one); its expert
+            groups were built at init (no communication here).
         expert_tensor_parallel: split every expert's hidden width over the grid's tensor group
-            instead (AxoNN style; the batch is split over data x tensor, tokens are all-gathered
-            over the tensor group). Needs ``expert_parallel=1``.
+            (AxoNN style; the batch is split over data x tensor, tokens are all-gathered over the
+            tensor group); with ``expert_parallel > 1`` too (``[Note: both at once]``).
         stats_group: the ranks whose routing counts make the global batch's statistics (default:
             the data group; with ``expert_tensor_parallel`` each tensor group routes its gathered tokens).
 
     Example:
-        >>> axonmpi.init()                                   # 4 ranks, G_data = 4
-        >>> expert_parallel(model, 2)                       # 2 experts groups of 2 ranks x 2 replicas
+        >>> axonmpi.init(expert_parallel=2)                  # 4 ranks, G_data = 4
+        >>> expert_parallel(model)                           # 2 expert groups of 2 ranks x 2 replicas
     """
     grid = get_grid() if grid is None else grid
     moes = [m for m in module.modules() if isinstance(m, MoE)]
+    if expert_parallel is None:
+        expert_parallel = grid.expert_parallel
     ep_group, edp_group = grid.expert_groups(expert_parallel)
     data = grid.group_for("data")
+    tp = None
     if expert_tensor_parallel:
-        if expert_parallel != 1:
-            raise NotImplementedError(f"rank {grid.rank}: expert_tensor_parallel with expert_parallel="
-                                      f"{expert_parallel} is not built yet; use one of them")
         if grid.G_intra_r > 1 or grid.G_intra_d > 1:
             raise ValueError(f"rank {grid.rank}: tensor-parallel experts split over the grid's column group "
                              f"(G_intra_c); the grid has G_intra_r={grid.G_intra_r}, G_intra_d={grid.G_intra_d}")
         tp = grid.col_group
-        stats = stats_group if stats_group is not None else data
-        for m in moes:
-            if m.hidden % tp.size:
-                raise ValueError(f"rank {grid.rank}: MoE hidden={m.hidden} does not divide over the tensor "
-                                 f"group of {tp.size} ranks")
-            m.experts.fc = ShardedExpertLinear(m.experts.fc, tp, {"weight": 1, "bias": 1}, (data,))
-            m.experts.proj = ShardedExpertLinear(m.experts.proj, tp, {"weight": 2}, (data,))
-            m.dispatcher = GatherDispatcher(tp) if tp.size > 1 else None
-            m.stats_group = stats
-        return len(moes)
-    tensor = grid.group_for("tensor")
+    ep = ep_group if ep_group.size > 1 else None
+    # experts over the expert group (axis 0), then each expert's hidden width over the tensor group
+    cuts = {"fc": ({"weight": 0, "bias": 0}, {"weight": 1, "bias": 1}), "proj": ({"weight": 0, "bias": 0}, {"weight": 2})}
     for m in moes:
         m.stats_group = stats_group if stats_group is not None else data
-        if ep_group.size == 1:
+        if tp is not None and m.hidden % tp.size:
+            raise ValueError(f"rank {grid.rank}: MoE hidden={m.hidden} does not divide over the tensor "
+                             f"group of {tp.size} ranks")
+        if ep is not None and m.num_experts % ep.size:
+            raise ValueError(f"rank {grid.rank}: num_experts={m.num_experts} of {type(m).__name__} does not "
+                             f"divide by expert_parallel={ep.size}")
+        if ep is None and tp is None:
             m.dispatcher = None
             continue
-        if m.num_experts % ep_group.size:
-            raise ValueError(f"rank {grid.rank}: num_experts={m.num_experts} of {type(m).__name__} does not "
-                             f"divide by expert_parallel={ep_group.size}")
-        reps = tuple(g for g in (edp_group, tensor) if g.size > 1)
-        for name in ("fc", "proj"):
-            lin = ShardedExpertLinear(getattr(m.experts, name), ep_group, {"weight": 0, "bias": 0}, reps)
-            lin.expert_parallel = True
+        for name, (ep_axes, tp_axes) in cuts.items():
+            serial = getattr(m.experts, name)
+            if ep is None:
+                lin = ShardedExpertLinear(serial, tp, tp_axes, (data,))
+            elif tp is None:
+                lin = ShardedExpertLinear(serial, ep, ep_axes, tuple(g for g in (edp_group, grid.group_for("tensor"))
+                                                                     if g.size > 1))
+            else:
+                lin = ShardedExpertLinear(serial, ep, ep_axes, (edp_group,) if edp_group.size > 1 else (),
+                                          then=(tp, tp_axes))
+            lin.expert_parallel = ep is not None
+            for q in (lin.weight, lin.bias):       # ZeRO-1 splits a tagged expert's state over its expert-data group
+                if q is not None:
+                    q.expert_parallel = ep is not None
             setattr(m.experts, name, lin)
-        m.dispatcher = AllToAllDispatcher(ep_group, m.num_experts)
+        if ep is None:
+            m.dispatcher = GatherDispatcher(tp) if tp.size > 1 else None
+        elif tp is None or tp.size == 1:
+            m.dispatcher = AllToAllDispatcher(ep, m.num_experts)
+        else:
+            m.dispatcher = GatheredAllToAllDispatcher(ep, m.num_experts, tp)
     return len(moes)
 
 
-def hook_expert_gradients(params, data_group, batch_shards: int) -> list:
+def hook_expert_gradients(params, data_group, batch_shards: int, batch=()) -> list:
     """Reduce expert gradients as each completes: summed over the groups of the grad-sync table (the
-    expert-data group), divided by ``batch_shards`` (the data-parallel mean). Returns the hook handles.
+    expert-data group, and the ``batch`` groups that split the rows inside a tensor block), divided by
+    ``batch_shards`` (the data-parallel mean). Returns the hook handles.
 
     DDP over ``data_group`` takes the other parameters (``DistributedDataParallel(...,
     ignored_parameters=params)``).
     """
-    from ..distributed import all_reduce
-    from .grad_sync import reduction_groups
+    from .grad_sync import reduce_gradient, reduction_groups
     scale = 1.0 / batch_shards
 
     def reduce(p):
-        grad = p.grad.data
-        for grp in reduction_groups(p, data_group):
-            all_reduce(grad, group=grp, out=grad)
-        if scale != 1.0:
-            grad *= scale
+        reduce_gradient(p.grad.data, reduction_groups(p, data_group, batch), scale)
 
     return [p.register_post_accumulate_grad_hook(reduce) for p in params]

@@ -268,7 +268,8 @@ class ParallelModule(Module):
         from .grad_sync import data_reduction_group
         from .moe import hook_expert_gradients
         self._hooks.extend(hook_expert_gradients(params, data_reduction_group(self.grid),
-                                                 self.batch_shards[0] * getattr(self.grid, "G_context", 1)))
+                                                 self.batch_shards[0] * getattr(self.grid, "G_context", 1),
+                                                 self.batch_groups))
 
     def forward(self, *args, **kwargs):
         if self.sequence_dim is None or not args:
@@ -491,6 +492,30 @@ class _FSDPTensorParallelModule(ParallelModule):
         raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x tensor parallel "
                                   "cannot be checkpointed yet (FSDP's chunks of tensor-parallel shards have no "
                                   "serial-named block form); checkpoint the model with pm.state_dict()")
+
+
+class _FSDPExpertModule(_FSDPTensorParallelModule):
+    """[Note: FSDP with expert parallelism]  FSDP shards every parameter but the experts over data x context;
+    the experts (split over the expert group) stay outside its flat shards, as under a pipeline's FSDP, and
+    are reduced over their expert-data group (x context) as each gradient completes (``_hook_experts``).
+    ``parameters()`` are FSDP's flat shards and this rank's experts; state dicts gather both to serial."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True):
+        yield from self.module.named_parameters(prefix, recurse)
+        from .moe import expert_parameters
+        ids = {id(p) for p in expert_parameters(self.inner)}
+        for n, p in self.inner.named_parameters(prefix):
+            if id(p) in ids:
+                yield n, p
+
+    def parameters(self, recurse: bool = True):
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def optim_state_dict(self, optimizer):
+        raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x expert parallelism cannot "
+                                  "be checkpointed yet (FSDP's named optimizer state covers its flat shards, not the "
+                                  "experts outside them); checkpoint the model with pm.state_dict()")
 
 
 @dataclass(frozen=True)
@@ -835,8 +860,9 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             becomes a :class:`~axonmpi.parallel.context.ContextParallelAttention`; ``local_batch`` gives
             this rank's tokens of each sequence (a GPT takes whole sequences and keeps its tokens itself),
             and gradients are reduced over data x context (``grid.data_context_group``).
-        expert_parallel: EP for the model's ``nn.MoE`` layers (divides ``G_data``; see
-            :func:`axonmpi.parallel.moe.expert_parallel`). ``None``: 1 when the model has MoE layers.
+        expert_parallel: EP for the model's ``nn.MoE`` layers: the grid's, fixed at init
+            (``axonmpi.init(..., expert_parallel=EP)``; see :func:`axonmpi.parallel.moe.expert_parallel`).
+            ``None``: the grid's. Another value raises ``ValueError`` naming the fix.
         expert_tensor_parallel: split the experts' hidden width over the tensor group instead
             (AxoNN style; needs ``tensor_parallel="axonn"``, whose batch split it shares).
         activation_checkpointing: ``None``; ``True`` (every child of the model, or every pipeline chunk);
@@ -920,11 +946,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     has_moe = any(isinstance(m, MoE) for m in module.modules())
     if (expert_parallel or 1) > 1 and not has_moe:
         raise ValueError(f"rank {r}: expert_parallel={expert_parallel} but the model has no nn.MoE layer")
-    if data_parallel == "fsdp" and (expert_parallel or 1) > 1 and pipeline is None:
-        raise NotImplementedError(
-            f"rank {r}: FSDP with expert_parallel={expert_parallel} and no pipeline is not built: the FSDP wrapper "
-            "averages every flat chunk over the whole data group and takes no ignored parameters, and an expert "
-            "is replicated only over its expert-data group; use DDP, or a pipeline (its FSDP leaves experts out)")
+    expert_parallel = grid.check_expert_parallel(grid.expert_parallel if expert_parallel is None
+                                                 else expert_parallel) if has_moe else 1
     if pipeline is not None and cp_size > 1 and isinstance(module, GPT):
         raise NotImplementedError(
             f"rank {r}: context_parallel={context_parallel!r} of a GPT inside a pipeline is not built: the GPT keeps "
@@ -958,7 +981,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     cp_layers = _swap_attention_for_context(module, grid, context_parallel) if cp_size > 1 else []
     # 3 expert parallel
     if has_moe:
-        _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel,
+        _ep(module, expert_parallel, grid=grid, expert_tensor_parallel=expert_tensor_parallel,
             stats_group=dgroup if cp_size > 1 and not expert_tensor_parallel else None)
     experts = expert_parameters(module)
     sp_params = _sequence_parallel(module, grid, (module.wte, module.wpe) if gpt_sp else ()) \
@@ -983,11 +1006,12 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                          cp_size > 1)
     # 5 data parallel over each parameter's replica group
     sp_hooks = []
-    if sp_params and data_parallel != "fsdp":
-        # registered before DDP's hooks: each gradient is summed over the tensor group before DDP reads it
+    hooked = [p for p in sp_params if data_parallel != "fsdp" or any(p is q for q in experts)]   # FSDP: outside its flats
+    if hooked:
+        # registered before DDP's (and the experts') hooks: each gradient is summed over the tensor group first
         def reduce_tp(p, g=grid.intra_group):
             reduce_gradient(p.grad.data, [g])
-        sp_hooks = [p.register_post_accumulate_grad_hook(reduce_tp) for p in sp_params]
+        sp_hooks = [p.register_post_accumulate_grad_hook(reduce_tp) for p in hooked]
     wrapped = module
     cls = ParallelModule
     if data_parallel == "ddp" and not axonn:
@@ -1003,20 +1027,35 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         opts = dict(strategy_options)
         if sharding_strategy is not None:
             opts["sharding_strategy"] = sharding_strategy
-        wrapped = FSDP(module, group=dgroup, **opts)
-        cls = _FSDPParallelModule
+        with _hidden(module, experts):     # [Note: FSDP with expert parallelism]
+            wrapped = FSDP(module, group=dgroup, **opts)
+        cls = _FSDPExpertModule if experts else _FSDPParallelModule
         if tensor_parallel is not None:
             wrapped.register_post_backward_hook(lambda: _finish_fsdp_segments(wrapped, grid, axonn, sp_params))
-            cls = _FSDPTensorParallelModule
+            cls = _FSDPExpertModule if experts else _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
     pm._serial_shapes = shapes
     pm._hooks.extend(sp_hooks)
     pm._context(cp_size > 1, context_parallel)
     if sequence_parallel and not gpt_sp:
         pm.sequence_dim = int(sequence_dim)
-    if experts and data_parallel == "ddp" and not axonn:
+    if experts and (data_parallel == "fsdp" or (data_parallel == "ddp" and not axonn)):
         pm._hook_experts(experts)
     return pm
+
+
+@contextlib.contextmanager
+def _hidden(module: Module, params):
+    """``params`` left out of ``module``'s parameters while inside (their slots hold ``None``), put back after."""
+    ids = {id(p) for p in params}
+    slots = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None and id(p) in ids]
+    for m, n, _ in slots:
+        m._parameters[n] = None
+    try:
+        yield
+    finally:
+        for m, n, p in slots:
+            m._parameters[n] = p
 
 
 def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Optional[Module]:
@@ -1063,8 +1102,11 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         st.enters_itself = any(isinstance(m, GPTEmbedding) for m in c.modules())
         st.leaves_itself = any(isinstance(m, GPTHead) for m in c.modules())
         st.whole_first = whole is not None and len(c) > 0 and c[0] is whole
+    # a Megatron tensor group holds the same boundary activations: each rank sends 1/t ([Note: scatter / gather
+    # between stages]); AxoNN's tensor block reads other rows, so its ranks send their own whole
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
-                    data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
+                    data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
+                    scatter_group=None if axonn else grid.intra_group)
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._serial_shapes = shapes
     pm._tied = tied

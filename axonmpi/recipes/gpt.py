@@ -39,7 +39,8 @@ class HybridGPT(LayoutState):
         fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead of
             DDP.  cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options.
         cp_algo: ``"ring"`` or ``"ulysses"`` when ``G_context > 1``.  sequence_parallel: Megatron's.
-        expert_parallel: EP of a MoE GPT's experts (divides ``G_data``).
+        expert_parallel: EP of a MoE GPT's experts (divides ``G_data``): the grid's by default (``None``; its
+            groups are built at init, ``axonmpi.init(..., expert_parallel=EP)``).
 
     Example:
         >>> hyb = HybridGPT(cfg, axonmpi.init(G_data=2, G_inter=2).grid, global_batch=8, num_microbatches=2)
@@ -51,7 +52,7 @@ class HybridGPT(LayoutState):
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
                  dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
                  hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False,
-                 expert_parallel: int = 1):
+                 expert_parallel: Optional[int] = None):
         g = self.grid = get_grid() if grid is None else grid
         self.layout, c, piped = Layout.from_grid(g), config, g.G_inter > 1
         self.sharding = None if fsdp is None or fsdp == "none" else ShardingStrategy.coerce(fsdp)
@@ -62,7 +63,9 @@ class HybridGPT(LayoutState):
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
         self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
-        self.sequence_parallel, self._expert_parallel = bool(sequence_parallel), int(expert_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
+        self._expert_parallel = int((g.expert_parallel if config.moe_experts else 1) if expert_parallel is None
+                                    else expert_parallel)
         _refuse(self, config, fsdp, activation_checkpointing)
         self.num_microbatches, self.global_batch = int(num_microbatches), int(global_batch)
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,

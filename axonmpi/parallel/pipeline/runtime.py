@@ -20,7 +20,7 @@ from ...distributed.world import get_grid, resolve_group, role_group
 from ...distributed.reduce_op import ReduceOp
 from ...nn.module import Module
 from ...random import fork_rng, initial_seed
-from ._comm import HEADER_SIZE, _communicate, decode_header, encode_header
+from ._comm import HEADER_SIZE, _communicate, decode_header, encode_header, gather_pieces, piece_size, scatter_piece
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, _recv_order, make_schedule,
                         simulate)
 from .stage import PipelineStage
@@ -185,6 +185,9 @@ class Pipeline:
         token_groups: more groups whose ranks read other rows of the batch, reduced outside the
             pipeline by a mean over them (AxoNN's ``sync_gradients(mean=True)`` in the GPT recipe):
             counted targets are summed over them too, and the loss averaged (:meth:`token_groups`).
+        scatter_group: a group whose ranks hold the same activation and gradient at every stage boundary
+            (a Megatron tensor group; never AxoNN's, whose ranks read other rows): each sends ``1/t`` of them
+            and the receiver all-gathers over its own (Megatron's ``scatter_gather_tensors_in_pipeline``).
 
     Example:
         >>> chunks = split_module(model, num_stages=world.world_size)
@@ -196,8 +199,11 @@ class Pipeline:
                  num_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
                  group: Optional[ProcessGroup] = None, virtual_stages: Optional[int] = None, *,
                  data_group: Optional[ProcessGroup] = None, track_memory: bool = True,
-                 ignore_index: Optional[int] = -100, token_groups: Sequence[ProcessGroup] = ()):
+                 ignore_index: Optional[int] = -100, token_groups: Sequence[ProcessGroup] = (),
+                 scatter_group: Optional[ProcessGroup] = None):
         self.group = role_group("pipeline", group)
+        # [Note: scatter / gather between stages] in _comm.py: each rank sends 1/t of a boundary's array
+        self.scatter_group = scatter_group if scatter_group is not None and scatter_group.size > 1 else None
         p, r = self.group.size, self.group.rank
         if isinstance(schedule, Schedule):
             sched = schedule
@@ -515,7 +521,7 @@ class _Executor:
         self.y: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage output (or scaled loss)
         self.grad_in: Dict[Tuple[int, int], Any] = {}    # (stage, mb) -> gradient of the stage's output
         self.weight_grads: Dict[Tuple[int, int], Any] = {}   # (stage, mb) -> its deferred W (zero-bubble)
-        self.recvs: Dict[Action, Tuple[Any, Any]] = {}   # posted receive -> (work, buffer)
+        self.recvs: Dict[Action, Tuple[Any, Any, Tuple[int, ...]]] = {}   # posted receive -> (work, buffer, shape)
         self.headers: Dict[int, Tuple[Any, Any]] = {}    # stage -> (work, header buffer)
         # receives are posted in each peer's send order ([Note: p2p order] in schedules.py)
         self.order = _recv_order(pipe.schedule, r, train)
@@ -588,7 +594,7 @@ class _Executor:
                 work.wait()
                 p._meta[a.stage] = decode_header(h)
             trailing, dtype = p._meta[a.stage]
-            buf = self._xp().empty((self.sizes[a.microbatch],) + trailing, dtype)
+            xp, shape = self._xp(), (self.sizes[a.microbatch],) + trailing
         else:
             out = self.y.get((a.stage, a.microbatch))
             if out is None:
@@ -596,8 +602,10 @@ class _Executor:
                     raise RuntimeError(f"rank {self.rank}: {a} must be received before stage {a.stage}'s "
                                        f"forward of micro-batch {a.microbatch} ran; the schedule is inconsistent")
                 return False
-            buf = get_array_module(out.data).empty(out.shape, out.dtype)
-        self.recvs[a] = (_communicate([], [(buf, peer, _tag(a.kind, a.stage))], self.group)[0], buf)
+            xp, shape, dtype = get_array_module(out.data), tuple(out.shape), out.dtype
+        buf = xp.empty(shape, dtype) if p.scatter_group is None else \
+            xp.empty(piece_size(int(np.prod(shape)), p.scatter_group), dtype)
+        self.recvs[a] = (_communicate([], [(buf, peer, _tag(a.kind, a.stage))], self.group)[0], buf, shape)
         self.posted.append((peer, str(a)))
         return True
 
@@ -609,9 +617,9 @@ class _Executor:
 
     def _receive(self, a: Action):
         self._post(a, block=True)
-        work, buf = self.recvs.pop(a)
+        work, buf, shape = self.recvs.pop(a)
         work.wait()
-        return buf
+        return gather_pieces(buf, shape, self.pipe.scatter_group)
 
     def _send(self, a: Action) -> None:
         p = self.pipe
@@ -636,6 +644,8 @@ class _Executor:
             arr = x.grad.data if x.grad is not None else get_array_module(x.data).zeros_like(x.data)
             peer, into = p.schedule.rank_of(a.stage - 1), a.stage - 1
             sends = [(arr, peer, _tag(a.kind, into))]
+        if p.scatter_group is not None:
+            sends[-1] = (scatter_piece(sends[-1][0], p.scatter_group),) + sends[-1][1:]
         kind = ActionKind.RECV_ACT if a.kind is ActionKind.SEND_ACT else ActionKind.RECV_GRAD
         recv = Action(kind, a.microbatch, into)
         self.sent.extend([(peer, f"{into}H")] * (len(sends) - 1) + [(peer, str(recv))])
