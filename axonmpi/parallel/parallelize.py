@@ -474,6 +474,9 @@ class PipelinePlan:
         boundaries: explicit start indices of chunks 1 .. p v - 1 (else balanced ``split_by``).
         split_by: ``"params"`` or ``"layers"``.
         ignore_index: targets not counted (the loss is the mean over the counted targets of the global batch).
+        aux_loss: ``aux_loss(chunk) -> Tensor | None``, a chunk's auxiliary loss of its last forward, added to
+            its backward per micro-batch (weight ``1 / num_microbatches``; :class:`~axonmpi.parallel.Pipeline`).
+            Default for a MoE GPT: its router losses (``moe_aux_loss_coeff * aux + moe_z_loss_coeff * z``).
 
     Example:
         >>> pm = parallelize(model, tensor_parallel=plan, pipeline=PipelinePlan(4, "1f1b"))
@@ -487,6 +490,7 @@ class PipelinePlan:
     boundaries: Optional[Tuple[int, ...]] = None
     split_by: str = "params"
     ignore_index: Optional[int] = -100
+    aux_loss: Optional[Callable] = None
 
 
 class _Stage(Module):
@@ -527,8 +531,13 @@ class _Stage(Module):
         for i, (_, p) in enumerate(x for x in named if sharded_within(x[1], group)):
             self.register_parameter(f"expert_{i}", p)
 
+    @property
+    def body(self) -> Module:
+        """The chunk this stage runs (FSDP: held aside, its parameters in the flat shard)."""
+        return self._chunk[0] if "_chunk" in self.__dict__ else self.chunk
+
     def _run(self, x):
-        return (self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)(x)
+        return self.body(x)
 
     def _scatter(self, x):
         from .tensor import scatter_to_sequence_parallel_region
@@ -541,7 +550,7 @@ class _Stage(Module):
         (a GPT's embedding numbers positions from its input's columns: scattered token ids would give every
         rank's tokens positions from 0).  That layer's gradients are then whole on every tensor rank and are
         not summed over the group (``parallelize`` leaves them out of the sequence-parallel parameters)."""
-        layers = list(self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)
+        layers = list(self.body)
         y = self._scatter(layers[0](x))
         for layer in layers[1:]:
             y = layer(y)
@@ -580,13 +589,15 @@ class PipelinedModule(ParallelModule):
         raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
                         "(training) or pm.eval_step(xb, yb), not pm(x)")
 
-    def step(self, inputs, targets) -> float:
-        """Forward and backward of this rank's rows (:meth:`local_batch`); returns the global batch's mean loss."""
+    def step(self, inputs, targets, *, scaler=None) -> float:
+        """Forward and backward of this rank's rows (:meth:`local_batch`); returns the global batch's mean loss.
+        ``scaler`` (an :class:`axonmpi.amp.GradScaler`): each micro-batch's loss is scaled (:meth:`Pipeline.step`);
+        then ``scaler.unscale_(opt)``, clip, ``scaler.step(opt)``, ``scaler.update()``."""
         flats = self._flats()
         for f in flats:                          # [Note: FSDP in a pipeline]
             f.unshard()
             f.bind_grads()
-        loss = self.pipeline.step(inputs, targets)
+        loss = self.pipeline.step(inputs, targets, scaler=scaler)
         g = self.grid.intra_group
         in_flat = {id(q) for f in flats for q in f.params}
         if flats:
@@ -905,6 +916,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if has_moe:
         _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel,
             stats_group=dgroup if cp_size > 1 and not expert_tensor_parallel else None)
+    if has_moe and sequence_parallel and grid.intra_group.size > 1:
+        _moe_sequence_group(module, grid)
     experts = expert_parameters(module)
     sp_params = _sequence_parallel(module, grid, (module.wte, module.wpe) if gpt_sp else ()) \
         if sequence_parallel and grid.intra_group.size > 1 else []
@@ -964,6 +977,20 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     return pm
 
 
+def _moe_sequence_group(module: Module, grid: ProcessGrid) -> None:
+    """Under sequence parallelism each tensor rank routes its tokens of the sequences: every MoE's routing
+    statistics (router losses) are summed over the tensor group too, so they are the global batch's."""
+    from ..nn.moe import MoE
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            if m.capacity_factor is not None:
+                raise NotImplementedError(
+                    f"rank {grid.rank}: {name!r} has capacity_factor={m.capacity_factor} under sequence_parallel: "
+                    "its global queue orders the tokens by batch rows, not by sequence shards; use a dropless MoE "
+                    "(capacity_factor=None) or no sequence parallelism")
+            m.sequence_group = grid.intra_group
+
+
 def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Optional[Module]:
     """The first layer of the pipeline's first stage when it is on this rank, the model runs sequence parallel,
     and the layer holds nothing split over the tensor group: it then runs on the whole sequence."""
@@ -1007,8 +1034,20 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         st.enters_itself = any(isinstance(m, GPTEmbedding) for m in c.modules())
         st.leaves_itself = any(isinstance(m, GPTHead) for m in c.modules())
         st.whole_first = whole is not None and len(c) > 0 and c[0] is whole
+    aux = plan.aux_loss
+    if aux is None and isinstance(module, GPT) and module.config.moe_experts and (
+            module.config.moe_aux_loss_coeff or module.config.moe_z_loss_coeff):
+        from ..nn.moe import moe_loss
+        c = module.config
+        aux = lambda chunk: moe_loss(chunk, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)  # noqa: E731
+    if aux is not None and checkpoint_chunks:
+        raise NotImplementedError(
+            f"rank {grid.rank}: auxiliary (router) losses with activation_checkpointing=True in a pipeline are not "
+            "built: a recomputed chunk's forward keeps no graph, so its router losses could not join the backward; "
+            "checkpoint the blocks without MoE layers (patterns), or set the router losses' coefficients to 0")
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
-                    data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
+                    data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
+                    aux_loss=None if aux is None else lambda st: aux(st.body))
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._serial_shapes = shapes
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}

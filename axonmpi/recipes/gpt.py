@@ -56,7 +56,8 @@ class HybridGPT(LayoutState):
         sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, an untied head): entered
             after the embeddings, left at the gathered ``lm_head``; with pipelines, context, MoE and FSDP.
         expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``); with tensor,
-            context, FSDP with a pipeline; in a pipeline with the router losses' coefficients 0.
+            context, FSDP with a pipeline; in a pipeline each stage adds its router losses of each micro-batch
+            (weight 1 / num_microbatches, Megatron's rule), under sequence parallelism over the global tokens.
 
     Example:
         >>> hyb = HybridGPT(cfg, axonmpi.init(G_data=2, G_inter=2).grid, global_batch=8, num_microbatches=2)
@@ -178,7 +179,7 @@ class HybridGPT(LayoutState):
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows (:meth:`local_batch`); gradients reduced as the layout
-        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`; not with a pipeline) scales the loss.
+        needs; ``scaler`` (an :class:`axonmpi.amp.GradScaler`) scales the loss (a pipeline's: each micro-batch's).
         Returns the mean loss over the global batch's counted targets (the serial model's, the same on
         every rank and every layout, ignored targets anywhere)."""
         if self.pipe is None:
@@ -187,12 +188,9 @@ class HybridGPT(LayoutState):
             total = loss if aux is None else loss + aux      # the returned value stays the LM loss
             (total if scaler is None else scaler.scale(total)).backward()
             return float(loss.item())
-        if scaler is not None:
-            raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
-                                      f"pipeline's runtime runs one per micro-batch: not {self.layout}")
-        if self.pm is not None:
-            return self.pm.step(x, y)      # the composer's pipeline: its stages reduced by its runtime
-        value = self.pipe.step(x, y)       # the token mean over its micro-batches and token groups
+        if self.pm is not None:            # the composer's pipeline: its stages reduced by its runtime
+            return self.pm.step(x, y, scaler=scaler)
+        value = self.pipe.step(x, y, scaler=scaler)   # the token mean over its micro-batches and token groups
         if self.style is TPStyle.AXONN:
             from ..parallel.intra_layer import sync_gradients
             sync_gradients(self._params, mean=True, groups=self.groups)
@@ -293,13 +291,5 @@ def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: b
             f"rank {r}: tie_word_embeddings=True across pipeline stages (wte on the first, lm_head on the last) is "
             f"not built: the two stages would train two copies of one weight apart (no tied-weight all-reduce "
             f"between stages); use an untied GPTConfig or a layout without a pipeline")
-    if config.moe_experts and (lay.G_inter > 1 or h.sequence_parallel) and (config.moe_aux_loss_coeff
-                                                                            or config.moe_z_loss_coeff):
-        why = ("in a pipeline each stage's router losses do not reach the last stage's loss" if lay.G_inter > 1 else
-               "under sequence parallelism each tensor rank routes its sequence shard, so the router losses' "
-               "statistics are the shard's, not the global batch's")
-        raise NotImplementedError(
-            f"rank {r}: a MoE GPT with router losses (moe_aux_loss_coeff={config.moe_aux_loss_coeff}, moe_z_loss_coeff="
-            f"{config.moe_z_loss_coeff}) on {lay}: {why}; set both to 0 (--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0)")
     if h._expert_parallel > 1 and not config.moe_experts:
         raise ValueError(f"rank {r}: expert_parallel={h._expert_parallel} needs a MoE GPT (config.moe_experts > 0)")
