@@ -112,7 +112,7 @@ def parse_args(argv=None):
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
                         "sequence shards over G-intra-c; --block-size must divide by it); with pipelines, context "
-                        "parallel, MoE (router losses 0) and FSDP; not with --tie-word-embeddings")
+                        "parallel, MoE (router losses over the global tokens) and FSDP; not with --tie-word-embeddings")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
                         "ZBV with 2 chunks per rank in a V)")

@@ -57,6 +57,14 @@ LAYOUTS = {
                              dict(tp_style="megatron", sequence_parallel=True, fsdp="full_shard")),
     "moe_dp_tp2_sp_ep2": (MOE_PP, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True, expert_parallel=2)),
     "tied_dp_axonn2": (TIED, {"G_intra_c": 2}, dict(tp_style="axonn")),
+    # router losses in a pipeline (one micro-batch: exactly the serial loss + moe_auxiliary_loss()) and under SP
+    "moe_aux_pp2_tp2_ep2": (MOE, {"G_inter": 2, "G_intra_c": 2},
+                            dict(tp_style="megatron", expert_parallel=2, schedule="1f1b", num_microbatches=1)),
+    "moe_aux_fsdp_pp2_tp2_sp_gpipe": (MOE, {"G_inter": 2, "G_intra_c": 2},
+                                    dict(tp_style="megatron", sequence_parallel=True, fsdp="full_shard",
+                                         schedule="gpipe", num_microbatches=1)),
+    "moe_aux_dp_tp2_sp_ep2": (MOE, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True,
+                                                          expert_parallel=2)),
 }
 
 
