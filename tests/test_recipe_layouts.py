@@ -65,6 +65,14 @@ LAYOUTS = {
                                          schedule="gpipe", num_microbatches=1)),
     "moe_aux_dp_tp2_sp_ep2": (MOE, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True,
                                                           expert_parallel=2)),
+    # context parallelism of the GPT inside a pipeline: the embedding stage numbers this rank's tokens
+    "pp2_tp2_sp_cp2_ring_1f1b": (DENSE, {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
+                                 dict(tp_style="megatron", sequence_parallel=True, cp_algo="ring", schedule="1f1b",
+                                      num_microbatches=2)),
+    "fsdp_pp2_cp2_ulysses_zbv": (DENSE, {"G_inter": 2, "G_context": 2},
+                                 dict(fsdp="full_shard", cp_algo="ulysses", schedule="zbv", num_microbatches=2)),
+    "moe_aux_pp2_axonn2_cp2_gpipe": (MOE, {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
+                                     dict(tp_style="axonn", cp_algo="ring", schedule="gpipe", num_microbatches=1)),
 }
 
 

@@ -130,11 +130,13 @@ class GPTEmbedding(Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, idx):
+    def forward(self, idx, positions=None):
+        """``positions``: each column's position (default ``0 .. T-1``), as :meth:`GPT.forward`'s."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         xp = get_array_module(self.wte.weight.data)
         idx = xp.asarray(idx)
-        return self.drop(self.wte(idx) + self.wpe(xp.arange(idx.shape[1])))
+        pos = xp.arange(idx.shape[1]) if positions is None else xp.asarray(positions)
+        return self.drop(self.wte(idx) + self.wpe(pos))
 
 
 class GPTHead(Module):

@@ -64,12 +64,18 @@ class MoELosses(NamedTuple):
     z_loss: Tensor
 
 
+def _groups(group) -> tuple:
+    """``stats_group`` as a tuple: none, one group, or several (AxoNN's data group and tensor block)."""
+    return () if group is None else tuple(group) if isinstance(group, (tuple, list)) else (group,)
+
+
 def _global_sum(x: Tensor, group, sequence_group=None) -> Tensor:
-    """``x`` summed over the ranks splitting the batch (``group``: the gradient times its size) and over
-    those splitting the sequences (``sequence_group``: the gradient as is, Megatron's reduce-from region;
-    the replicated router's gradient is summed over that group afterwards)."""
+    """``x`` summed over the ranks splitting the batch (each group of ``group``: the gradient times its
+    size) and over those splitting the sequences (``sequence_group``: the gradient as is, Megatron's
+    reduce-from region; the replicated router's gradient is summed over that group afterwards)."""
     from ..parallel.tensor.mappings import global_sum, reduce_from_tensor_parallel_region
-    x = global_sum(x, group)            # nn is imported by parallel: resolved at call time
+    for g in _groups(group) or (None,):   # nn is imported by parallel: resolved at call time
+        x = global_sum(x, g)
     if sequence_group is None or sequence_group.size == 1:
         return x
     return reduce_from_tensor_parallel_region(x, sequence_group)
@@ -77,8 +83,8 @@ def _global_sum(x: Tensor, group, sequence_group=None) -> Tensor:
 
 def _sum_counts(counts: np.ndarray, *groups) -> np.ndarray:
     from ..distributed import all_reduce
-    for group in groups:
-        if group is not None and group.size > 1:
+    for group in (g for gs in groups for g in _groups(gs)):
+        if group.size > 1:
             counts = all_reduce(counts, group=group)
     return counts
 
@@ -237,7 +243,7 @@ class MoE(Module):
         _to_device(self.router, device)
         self.experts = Experts(num_experts, n_embd, hidden, bias, approximate, dtype=dtype, device=device)
         self.dispatcher = None        # None: the local experts; set by axonmpi.parallel.moe
-        self.stats_group = None       # the ranks splitting the batch (routing statistics summed over it)
+        self.stats_group = None       # the ranks splitting the batch (statistics summed over it; or a tuple of groups)
         self.sequence_group = None    # the ranks splitting the sequences (sequence parallelism): summed too
         self.losses: Optional[MoELosses] = None
         self.tokens_per_expert: Optional[np.ndarray] = None

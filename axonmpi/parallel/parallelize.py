@@ -258,7 +258,16 @@ class ParallelModule(Module):
                                  f"{' x tensor block' if self.tensor_parallel == 'axonn' else ''}); "
                                  f"use a multiple of {n}")
             b = rows // n
-            piece = _raw(a)[k * b:(k + 1) * b]
+            out.append(self.local_tokens(Tensor(_raw(a)[k * b:(k + 1) * b]) if isinstance(a, Tensor)
+                                         else _raw(a)[k * b:(k + 1) * b]))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def local_tokens(self, *arrays):
+        """This rank's tokens of each sequence of ``arrays`` (this rank's rows) under context parallelism
+        (ring: its zig-zag chunks); the arrays themselves otherwise."""
+        out = []
+        for a in arrays:
+            piece = _raw(a)
             d = 1 if self.sequence_dim is None else self.sequence_dim
             if self.context is not None and np.ndim(piece) > d:
                 from .context.layout import ContextLayout
@@ -883,12 +892,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             f"rank {r}: FSDP with expert_parallel={expert_parallel} and no pipeline is not built: the FSDP wrapper "
             "averages every flat chunk over the whole data group and takes no ignored parameters, and an expert "
             "is replicated only over its expert-data group; use DDP, or a pipeline (its FSDP leaves experts out)")
-    if pipeline is not None and cp_size > 1 and isinstance(module, GPT):
-        raise NotImplementedError(
-            f"rank {r}: context_parallel={context_parallel!r} of a GPT inside a pipeline is not built: the GPT keeps "
-            "its context tokens in its own forward, which a pipeline's embedding stage does not run (its position "
-            "embedding would number this rank's tokens from 0); use a model whose inputs carry their positions, "
-            "or a GPT without a pipeline")
     dgroup = data_reduction_group(grid)
     # [Note: a GPT's sequence parallelism] is entered inside its forward (after the embeddings, which number the
     # tokens) and left at a "column_gather" head: pm(x) takes and gives whole sequences
@@ -916,8 +919,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if has_moe:
         _ep(module, expert_parallel or 1, grid=grid, expert_tensor_parallel=expert_tensor_parallel,
             stats_group=dgroup if cp_size > 1 and not expert_tensor_parallel else None)
-    if has_moe and sequence_parallel and grid.intra_group.size > 1:
-        _moe_sequence_group(module, grid)
+    if has_moe and grid.intra_group.size > 1 and (sequence_parallel or (axonn and not expert_tensor_parallel)):
+        _moe_statistics_groups(module, grid, dgroup if cp_size > 1 else grid.group_for("data"), axonn)
     experts = expert_parameters(module)
     sp_params = _sequence_parallel(module, grid, (module.wte, module.wpe) if gpt_sp else ()) \
         if sequence_parallel and grid.intra_group.size > 1 else []
@@ -925,7 +928,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         from ..distributed.placement import add_placement
         for p in module.parameters():
             add_placement(p, replica=grid.context_group)
-        if isinstance(module, GPT):         # a GPT takes whole sequences and keeps its tokens itself
+        if isinstance(module, GPT) and pipeline is None:   # a GPT takes whole sequences and keeps its tokens itself
             from .context.gpt import ContextParallelism, _context_parallel_class
             from .context.layout import CPAlgo
             module.context_parallel = ContextParallelism(grid.context_group, CPAlgo.coerce(context_parallel),
@@ -977,18 +980,23 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     return pm
 
 
-def _moe_sequence_group(module: Module, grid: ProcessGrid) -> None:
-    """Under sequence parallelism each tensor rank routes its tokens of the sequences: every MoE's routing
-    statistics (router losses) are summed over the tensor group too, so they are the global batch's."""
+def _moe_statistics_groups(module: Module, grid: ProcessGrid, data, axonn: bool) -> None:
+    """Every MoE's routing statistics (router losses) over the global tokens when the tensor group holds
+    other tokens: summed over it too -- under sequence parallelism (its tokens of the sequences: the
+    gradient passed back as is) and in AxoNN's easy mode (its rows of the batch: one more batch group)."""
     from ..nn.moe import MoE
+    how = "AxoNN's easy mode (rows over data x tensor)" if axonn else "sequence_parallel"
     for name, m in module.named_modules():
         if isinstance(m, MoE):
             if m.capacity_factor is not None:
                 raise NotImplementedError(
-                    f"rank {grid.rank}: {name!r} has capacity_factor={m.capacity_factor} under sequence_parallel: "
-                    "its global queue orders the tokens by batch rows, not by sequence shards; use a dropless MoE "
-                    "(capacity_factor=None) or no sequence parallelism")
-            m.sequence_group = grid.intra_group
+                    f"rank {grid.rank}: {name!r} has capacity_factor={m.capacity_factor} under {how}: its global "
+                    "queue orders the tokens over one group of consecutive batch slices; use a dropless MoE "
+                    "(capacity_factor=None), or a Megatron plan without sequence parallelism")
+            if axonn:
+                m.stats_group = (data, grid.intra_group)
+            else:
+                m.sequence_group = grid.intra_group
 
 
 def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Optional[Module]:
@@ -1028,6 +1036,10 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         for p in whole.parameters():
             p.sequence_parallel = False
         sp_params = [p for p in sp_params if id(p) not in skip]
+    if cp and gpt:      # its embedding stage numbers this rank's tokens (pm.local_batch) at their positions
+        from .context.gpt import context_parallel_embedding
+        for m in (m for c in chunks for m in c.modules() if isinstance(m, GPTEmbedding)):
+            context_parallel_embedding(m, module)
     stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard)
               for c in chunks]
     for st, c in zip(stages, chunks):     # [Note: a GPT's sequence parallelism]: its ends enter / leave themselves

@@ -51,8 +51,8 @@ class HybridGPT(LayoutState):
         fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead
             of DDP; with a pipeline each stage's flat shard.
         cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options (with ``fsdp``).
-        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (with data, tensor, FSDP, MoE;
-            not with a pipeline: the composer's refusal).
+        cp_algo: ``"ring"`` or ``"ulysses"`` on a grid with ``G_context > 1`` (with data, tensor, FSDP, MoE
+            and pipelines: the embedding stage numbers this rank's tokens at their positions).
         sequence_parallel: Megatron's sequence parallelism (``tp_style="megatron"``, an untied head): entered
             after the embeddings, left at the gathered ``lm_head``; with pipelines, context, MoE and FSDP.
         expert_parallel: EP of a MoE GPT's experts (``config.moe_experts``; divides ``G_data``); with tensor,
@@ -189,7 +189,7 @@ class HybridGPT(LayoutState):
             (total if scaler is None else scaler.scale(total)).backward()
             return float(loss.item())
         if self.pm is not None:            # the composer's pipeline: its stages reduced by its runtime
-            return self.pm.step(x, y, scaler=scaler)
+            return self.pm.step(*self.pm.local_tokens(x, y), scaler=scaler)
         value = self.pipe.step(x, y, scaler=scaler)   # the token mean over its micro-batches and token groups
         if self.style is TPStyle.AXONN:
             from ..parallel.intra_layer import sync_gradients
@@ -205,7 +205,7 @@ class HybridGPT(LayoutState):
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
         if self.pipe is not None:
-            return (self.pm or self.pipe).eval_step(x, y)
+            return self.pm.eval_step(*self.pm.local_tokens(x, y)) if self.pm is not None else self.pipe.eval_step(x, y)
         with no_grad():
             return float(self._token_mean(x, y).item())
 
