@@ -404,17 +404,21 @@ def test_nd_loss_scaling_matches_serial(world, layout):
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("schedule,fsdp,sp", [("zbv", False, False), ("1f1b", True, False), ("1f1b", False, True)],
-                         ids=["dp_pp2_tp2_zbv", "fsdp_pp2_tp2_1f1b", "dp_pp2_tp2_sp_1f1b"])
-def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp):
+@pytest.mark.parametrize("schedule,fsdp,sp,cp", [("zbv", False, False, None), ("1f1b", True, False, None),
+                                                 ("1f1b", False, True, None), ("zb-h1", False, True, "ring"),
+                                                 ("gpipe", True, False, "ring")],
+                         ids=["dp_pp2_tp2_zbv", "fsdp_pp2_tp2_1f1b", "dp_pp2_tp2_sp_1f1b", "pp2_tp2_sp_cp2_zbh1",
+                              "fsdp_pp2_tp2_cp2_gpipe"])
+def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp, cp):
     """The library's GPT (tokens, learned positions, its own loss head) through ``parallelize(pipeline=...)``:
-    data (DDP or FSDP) x pipeline x Megatron tensor parallel; losses, clip norms and parameters equal serial."""
+    data (DDP or FSDP) x pipeline x Megatron tensor parallel (x context parallel: the embedding stage numbers
+    this rank's tokens of ``pm.local_batch`` at their positions); losses, clip norms and parameters equal serial."""
     from axonmpi.models import GPT, GPTConfig
     if world.world_size >= 16:
         pytest.skip("runs at 8 ranks")
-    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    cfg = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=2, n_embd=8)
     rng = np.random.default_rng(3)
-    batches = [(rng.integers(0, 12, (8, 6)), rng.integers(0, 12, (8, 6))) for _ in range(STEPS)]
+    batches = [(rng.integers(0, 12, (8, 8)), rng.integers(0, 12, (8, 8))) for _ in range(STEPS)]
     axonmpi.manual_seed(7)
     ref = GPT(cfg, dtype="float64")
     opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -425,14 +429,14 @@ def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp):
         loss.backward()
         want.append((float(loss.item()), float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
         opt.step()
-    grid = axonmpi.ProcessGrid(world, G_inter=2, G_intra_c=2)
+    grid = axonmpi.ProcessGrid(world, G_inter=2, G_intra_c=2, **({"G_context": 2} if cp else {}))
     old, world.grid = world.grid, grid
     try:
         axonmpi.manual_seed(7)
         pm = parallelize(GPT(cfg, dtype="float64"), grid=grid, data_parallel="fsdp" if fsdp else "ddp",
                          tensor_parallel={"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column",
                                           "blocks.*.mlp.proj": "row", **({"lm_head": "column_gather"} if sp else {})},
-                         sequence_parallel=sp,
+                         sequence_parallel=sp, context_parallel=cp,
                          pipeline=PipelinePlan(num_microbatches=2, schedule=schedule))
         opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         for s, (x, y) in enumerate(batches):
