@@ -188,6 +188,22 @@ LAYOUTS = {
                                  sharding_strategy="hybrid_shard", hybrid_shard_size=2)),
     "moe_pp2_cp2_ep2_zbh1": ("moe", {"G_inter": 2, "G_context": 2},
                              dict(context_parallel="ring", expert_parallel=2, pipeline=("zb-h1", None))),
+    "fsdp_hybrid2_pp2_zbh1_ac": ("transformer", {"G_inter": 2},
+                                 dict(data_parallel="fsdp", sharding_strategy="hybrid_shard", hybrid_shard_size=2,
+                                      activation_checkpointing=True, pipeline=("zb-h1", None))),
+    "fsdp_hybrid2_pp2_cp2_gpipe": ("transformer", {"G_inter": 2, "G_context": 2},
+                                   dict(context_parallel="ring", data_parallel="fsdp", sharding_strategy="hybrid_shard",
+                                        hybrid_shard_size=2, pipeline=("gpipe", None))),
+    "fsdp_hybrid2_pp2_tp2_sp_interleaved": ("transformer", {"G_inter": 2, "G_intra_c": 2},
+                                            dict(tensor_parallel=PLAN, sequence_parallel=True, data_parallel="fsdp",
+                                                 sharding_strategy="hybrid_shard", hybrid_shard_size=1,
+                                                 pipeline=("interleaved", 2))),
+    "fsdp_hybrid2_pp2_axonn2_zbv": ("transformer", {"G_inter": 2, "G_intra_r": 2},
+                                    dict(tensor_parallel="axonn", data_parallel="fsdp", sharding_strategy="hybrid_shard",
+                                         hybrid_shard_size=1, pipeline=("zbv", None))),
+    "fsdp_hybrid2_pp2_tp2_1f1b": ("transformer", {"G_inter": 2, "G_intra_c": 2},
+                                  dict(tensor_parallel=PLAN, data_parallel="fsdp", sharding_strategy="hybrid_shard",
+                                       hybrid_shard_size=1, pipeline=("1f1b", None))),
 }
 
 

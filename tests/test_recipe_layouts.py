@@ -71,6 +71,8 @@ LAYOUTS = {
                                       num_microbatches=2)),
     "fsdp_pp2_cp2_ulysses_zbv": (DENSE, {"G_inter": 2, "G_context": 2},
                                  dict(fsdp="full_shard", cp_algo="ulysses", schedule="zbv", num_microbatches=2)),
+    "fsdp_hybrid2_pp2_1f1b": (DENSE, {"G_inter": 2}, dict(fsdp="hybrid_shard", hybrid_shard_size=2, schedule="1f1b",
+                                                          num_microbatches=2)),
     "moe_aux_pp2_axonn2_cp2_gpipe": (MOE, {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
                                      dict(tp_style="axonn", cp_algo="ring", schedule="gpipe", num_microbatches=1)),
 }

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ..autograd.tensor import Tensor
-from ..distributed import get_grid
+from ..distributed import ReduceOp, all_reduce, get_grid
 from ..distributed.grid import ProcessGrid
 from ..nn import layers as nn_layers
 from ..nn.module import Module
@@ -593,6 +593,7 @@ class PipelinedModule(ParallelModule):
         self.pipeline = pipe
         self._stages = list(stages)
         self._sp_params: List[Any] = []
+        self._replicate = None          # hybrid shard: the group the stages' flat shards are averaged over
 
     def forward(self, *args, **kwargs):
         raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
@@ -611,7 +612,9 @@ class PipelinedModule(ParallelModule):
         in_flat = {id(q) for f in flats for q in f.params}
         if flats:
             for f in flats:
-                f.reduce_grad()                  # reduce-scatter: the mean over data x context
+                f.reduce_grad()                  # reduce-scatter: the mean over data x context (its shard group)
+                if self._replicate is not None and self._replicate.size > 1:    # hybrid shard: and the replicas
+                    all_reduce(f.grad.data, ReduceOp.MEAN, self._replicate, out=f.grad.data)
             _finish_fsdp_segments(_Flats(flats), self.grid, self.tensor_parallel == "axonn", self._sp_params)
             for f in flats:
                 f.reshard()
@@ -852,17 +855,16 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             raise TypeError(f"rank {r}: pipeline={pipeline!r}; expected a PipelinePlan(num_microbatches, schedule)")
         if grid.G_inter == 1:
             raise ValueError(f"rank {r}: pipeline={pipeline} needs a grid with G_inter > 1 (axonmpi.init(G_inter=p))")
+        hybrid = False
         if data_parallel == "fsdp" and sharding_strategy is not None:
             from .fsdp import ShardingStrategy
-            if ShardingStrategy.coerce(sharding_strategy) not in (ShardingStrategy.FULL_SHARD,
-                                                                   ShardingStrategy.SHARD_GRAD_OP):
-                raise NotImplementedError(
-                    f"rank {r}: sharding_strategy={sharding_strategy!r} with pipeline=: a pipeline's FSDP gathers "
-                    "each stage once per step and reduce-scatters once (full_shard and shard_grad_op are then "
-                    "the same); hybrid shard's two-level reduction is not built there, and no_shard is DDP")
-        if strategy_options:
+            hybrid = ShardingStrategy.coerce(sharding_strategy) is ShardingStrategy.HYBRID_SHARD
+            if ShardingStrategy.coerce(sharding_strategy) is ShardingStrategy.NO_SHARD:
+                raise ValueError(f"rank {r}: sharding_strategy={sharding_strategy!r} with pipeline=: no_shard is "
+                                 "DDP (data_parallel='ddp')")
+        if set(strategy_options) - ({"hybrid_shard_size"} if hybrid else set()):
             raise ValueError(f"rank {r}: options {sorted(strategy_options)} are DDP's / FSDP's; with pipeline= the "
-                             "Pipeline reduces each stage (no options)")
+                             "Pipeline reduces each stage (no options but hybrid_shard's hybrid_shard_size)")
     elif grid.G_inter > 1 and data_parallel is not None:
         raise ValueError(f"rank {r}: on a pipeline grid (G_inter={grid.G_inter}) pass pipeline=PipelinePlan(...), "
                          "or parallelize each stage with data_parallel=None for a Pipeline you build")
@@ -939,9 +941,19 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         _checkpoint_modules(module, activation_checkpointing, r)
     # 6 the pipeline, over the stages of steps 1-4 (its runtime is step 5's reducer)
     if pipeline is not None:
+        fsdp_groups = None
+        if hybrid:        # [Note: FSDP in a pipeline]: shard over the shard group, all-reduce over the replicas
+            from .fsdp import ShardingStrategy
+            from .fsdp.runtime import _resolve_groups
+            if experts:
+                raise NotImplementedError(
+                    f"rank {r}: hybrid shard with expert_parallel={expert_parallel} in a pipeline is not built: an "
+                    "expert's replicas (its expert-data group) are not those of the hybrid shard groups; use "
+                    "full_shard or shard_grad_op")
+            fsdp_groups = _resolve_groups(dgroup, ShardingStrategy.HYBRID_SHARD, strategy_options.get("hybrid_shard_size"))
         return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, shapes, sp_params,
                          int(sequence_dim) if sequence_parallel else None, activation_checkpointing is True,
-                         cp_size > 1)
+                         cp_size > 1, fsdp_groups=fsdp_groups)
     # 5 data parallel over each parameter's replica group
     sp_hooks = []
     if sp_params and data_parallel != "fsdp":
@@ -1016,7 +1028,7 @@ def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Opti
 
 
 def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
-              checkpoint_chunks: bool, cp: bool) -> "PipelinedModule":
+              checkpoint_chunks: bool, cp: bool, *, fsdp_groups=None) -> "PipelinedModule":
     """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
     schedule runs it on (``schedule.stage_ranks``: ZBV's V, never a permuted model), and run them in a
     :class:`Pipeline` that reduces each stage over data x context (the grad-sync table)."""
@@ -1028,7 +1040,7 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
                           boundaries=plan.boundaries, group=grid.inter_group, stage_ranks=sched.stage_ranks)
     from ..models.gpt import GPT, GPTEmbedding, GPTHead
     axonn = tensor_parallel == "axonn"
-    shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
+    shard, replicate = fsdp_groups or (data_reduction_group(grid) if data_parallel == "fsdp" else None, None)
     gpt = isinstance(module, GPT) or any(isinstance(m, GPTEmbedding) for c in chunks for m in c.modules())
     whole = None if gpt else _whole_first_layer(chunks, grid, sp_dim)
     if whole is not None:       # [Note: the first layer runs on the whole sequence]
@@ -1061,6 +1073,7 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
                     aux_loss=None if aux is None else lambda st: aux(st.body))
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
+    pm._replicate = replicate
     pm._serial_shapes = shapes
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
     pm._sp_params = [p for p in sp_params if id(p) in mine]
