@@ -102,8 +102,6 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a 'vocab' pattern but is a "
                             f"{type(child).__name__}, not an nn.Embedding")
         seq = {} if sp is None else {"sequence_parallel": True, "sequence_dim": sp}
-        if style == "vocab" and sp is not None and not in_forward:
-            raise NotImplementedError(f"rank {grid.rank}: a 'vocab' layer under sequence_parallel is not built yet")
         if style == "attention":
             from .tensor import TensorParallelAttention
             new = TensorParallelAttention(child.n_embd, child.n_head, group=group, causal=True,
@@ -122,7 +120,7 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
                                     input_is_parallel=True, group=group, dtype=child.weight.dtype, **seq)
         else:
             new = VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
-                                         dtype=child.weight.dtype)
+                                         dtype=child.weight.dtype, **({} if in_forward else seq))
         if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group
             rows.append(new)
         _copy_serial(new, child)
