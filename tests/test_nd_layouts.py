@@ -286,9 +286,18 @@ def _optimizer(pm, grid):
     return AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train_step(pm, grid, opt, step):
-    """One step on this rank's rows: the global mean loss and the clip norm."""
-    x, y = _batch(step)
+def _check_params(pm, want, what):
+    """Every parameter of ``pm`` (its full serial state) equals ``want``'s, the same keys."""
+    got = full_state_dict(pm)
+    assert sorted(got) == sorted(want), f"{what}: keys {sorted(set(got) ^ set(want))} differ"
+    for k, v in want.items():
+        _close(got[k], v, f"{what}: {k}")
+
+
+def _train_step(pm, grid, opt, step, batch=None):
+    """One step on this rank's rows (of ``batch(step)``, default :func:`_batch`): the global mean loss and the
+    clip norm."""
+    x, y = (batch or _batch)(step)
     xb, yb = pm.local_batch(x, y)
     opt.zero_grad()
     if hasattr(pm, "step"):
@@ -319,10 +328,7 @@ def test_nd_layout_matches_serial(world, layout):
             loss, norm = _train_step(pm, grid, opt, s)
             _close(loss, want_losses[s], f"{layout} step {s} loss")
             _close(norm, want_norms[s], f"{layout} step {s} clip norm")
-        got = full_state_dict(pm)
-        assert sorted(got) == sorted(want), f"{layout}: keys {sorted(set(got) ^ set(want))} differ"
-        for k, v in want.items():
-            _close(got[k], v, f"{layout} after {STEPS} steps: {k}")
+        _check_params(pm, want, f"{layout} after {STEPS} steps")
     finally:
         world.grid = old
         grid.free()
@@ -411,9 +417,7 @@ def test_nd_loss_scaling_matches_serial(world, layout):
             scaler.update()
             _close(loss, want_losses[s], f"{layout} step {s} loss")
             _close(norm, want_norms[s], f"{layout} step {s} clip norm")
-        got = full_state_dict(pm)
-        for k, v in want.items():
-            _close(got[k], v, f"{layout} with loss scaling after {STEPS} steps: {k}")
+        _check_params(pm, want, f"{layout} with loss scaling after {STEPS} steps")
     finally:
         world.grid = old
         grid.free()
@@ -463,9 +467,7 @@ def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp, cp
             opt.step()
             _close(loss, want[s][0], f"GPT step {s} loss")
             _close(norm, want[s][1], f"GPT step {s} clip norm")
-        got = full_state_dict(pm)
-        for k, v in ref.state_dict().items():
-            _close(got[k], v, f"GPT {k}")
+        _check_params(pm, ref.state_dict(), "GPT")
     finally:
         world.grid = old
         grid.free()

@@ -13,18 +13,12 @@ import numpy as np
 import pytest
 
 import axonmpi
-import axonmpi.nn.functional as F
-from axonmpi import Tensor
 from axonmpi.amp import GradScaler
 from axonmpi.models import GPT, GPTConfig
-from axonmpi.optim import AdamW
-from axonmpi.optim.clip import clip_grad_norm_
 from axonmpi.recipes import HybridGPT
+from test_recipe_layouts import GB, T, V, serial_run, train_checked   # one harness
 
-TOL = 1e-10
 STEPS = 3
-MAX_NORM = 0.05
-GB, T, V = 8, 8, 16
 DENSE = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=8)
 # router losses weighted 100x Megatron's defaults, so a missing or mis-scaled share fails the 1e-10 check
 MOE = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=8, moe_experts=4, moe_top_k=2,
@@ -40,25 +34,7 @@ def _batches():
 
 
 def _serial(cfg, microbatches):
-    """The serial GPT on the global batch; ``microbatches``: the row sets of the global micro-batches, each
-    adding ``moe_auxiliary_loss() / m`` of its own forward (LM loss: the global token mean)."""
-    axonmpi.manual_seed(7)
-    ref = GPT(cfg, dtype="float64")
-    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    out = []
-    for x, y in _batches():
-        opt.zero_grad()
-        count, loss = int((y != -100).sum()), 0.0
-        for rows in microbatches:
-            logits, _ = ref(x[rows])
-            lm = F.cross_entropy(logits, y[rows], ignore_index=-100, reduction="sum") * (1.0 / count)
-            aux = ref.moe_auxiliary_loss()
-            (lm if aux is None else lm + aux * (1.0 / len(microbatches))).backward()
-            loss += float(lm.item())
-        out.append((loss, float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
-        opt.step()
-    assert min(n for _, n in out) > MAX_NORM
-    return out, ref.state_dict()
+    return serial_run(cfg, _batches(), microbatches)
 
 
 def _global_microbatches(shards: int, m: int):
@@ -68,38 +44,14 @@ def _global_microbatches(shards: int, m: int):
             for i in range(m)]
 
 
-def _close(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
-    assert err <= TOL, f"{what}: relative error {err:.3g}"
-
-
 def _run(world, cfg, sizes, opts, want, want_sd, scaler=None):
     grid = axonmpi.ProcessGrid(world, **sizes)
     old, world.grid = world.grid, grid
     try:
         axonmpi.manual_seed(7)
         hyb = HybridGPT(cfg, grid, dtype="float64", global_batch=GB, **opts)
-        opt = AdamW(hyb.parameters(), lr=1e-2, weight_decay=0.1)
-        for s, (x, y) in enumerate(_batches()):
-            opt.zero_grad()
-            loss = hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y), scaler=scaler)
-            if scaler is not None:
-                scaler.unscale_(opt)
-            norm = hyb.clip_grad_norm_(MAX_NORM)
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            _close(loss, want[s][0], f"step {s} loss")
-            _close(norm, want[s][1], f"step {s} clip norm")
-        got = hyb.full_state_dict()
-        for k, v in want_sd.items():
-            _close(got[k], v, f"after {STEPS} steps: {k}")
-        return hyb, opt, grid
+        return hyb, train_checked(hyb, want, want_sd, "", scaler, _batches()), grid
     except BaseException:
-        world.grid = old
         grid.free()
         raise
     finally:

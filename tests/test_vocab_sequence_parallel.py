@@ -16,13 +16,10 @@ import axonmpi.nn as nn
 import axonmpi.nn.functional as F
 from axonmpi import Tensor
 from axonmpi.optim import AdamW, clip_grad_norm_
-from axonmpi.parallel import PipelinePlan, full_state_dict, parallelize
-from axonmpi.parallel.grad_sync import data_reduction_group, mean_over
+from axonmpi.parallel import PipelinePlan, parallelize
+from test_nd_layouts import MAX_NORM, STEPS, _check_params, _close, _train_step   # one harness
 
-TOL = 1e-10
 GB, T, V, C, HEADS = 8, 8, 12, 8, 2
-STEPS = 3
-MAX_NORM = 0.05
 PLAN = {"0": "vocab", "*.attn": "attention", "*.mlp.fc": "column", "*.mlp.proj": "row"}
 
 
@@ -36,12 +33,6 @@ def _model():
 def _batch(step):
     rng = np.random.default_rng(40 + step)
     return rng.integers(0, V, (GB, T)), rng.integers(0, V, (GB, T))
-
-
-def _close(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300)
-    assert err <= TOL, f"{what}: relative error {err:.3g}"
 
 
 def _serial():
@@ -75,21 +66,10 @@ def test_vocab_layer_under_sequence_parallel_matches_serial(world, pipeline):
                          pipeline=PipelinePlan(2, pipeline) if pipeline else None)
         opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         for s in range(STEPS):
-            xb, yb = pm.local_batch(*_batch(s))
-            opt.zero_grad()
-            if pipeline:
-                loss = pm.step(xb, yb)
-            else:
-                lb = F.cross_entropy(pm(xb), yb)
-                lb.backward()
-                loss = mean_over(float(lb.item()), [data_reduction_group(grid)])
-            norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
-            opt.step()
+            loss, norm = _train_step(pm, grid, opt, s, batch=_batch)
             _close(loss, want[s][0], f"step {s} loss")
             _close(norm, want[s][1], f"step {s} clip norm")
-        got = full_state_dict(pm)
-        for k, v in want_sd.items():
-            _close(got[k], v, f"after {STEPS} steps: {k}")
+        _check_params(pm, want_sd, f"after {STEPS} steps")
     finally:
         world.grid = old
         grid.free()
