@@ -592,6 +592,7 @@ class PipelinedModule(ParallelModule):
         self._stages = list(stages)
         self._sp_params: List[Any] = []
         self._replicate = None          # hybrid shard: the group the stages' flat shards are averaged over
+        self._mixed_precision = None    # FSDP's MixedPrecision: stages gathered in param_dtype, reduced in reduce_dtype
 
     def forward(self, *args, **kwargs):
         raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
@@ -602,15 +603,17 @@ class PipelinedModule(ParallelModule):
         ``scaler`` (an :class:`axonmpi.amp.GradScaler`): each micro-batch's loss is scaled (:meth:`Pipeline.step`);
         then ``scaler.unscale_(opt)``, clip, ``scaler.step(opt)``, ``scaler.update()``."""
         flats = self._flats()
+        mp = self._mixed_precision
         for f in flats:                          # [Note: FSDP in a pipeline]
-            f.unshard()
+            f.unshard(dtype=None if mp is None else mp.param_dtype)
             f.bind_grads()
         loss = self.pipeline.step(inputs, targets, scaler=scaler)
         g = self.grid.intra_group
         in_flat = {id(q) for f in flats for q in f.params}
         if flats:
             for f in flats:
-                f.reduce_grad()                  # reduce-scatter: the mean over data x context (its shard group)
+                f.reduce_grad(reduce_dtype=None if mp is None else (mp.reduce_dtype or mp.param_dtype))
+                # ^ reduce-scatter: the mean over data x context (its shard group), in the shard's dtype
                 if self._replicate is not None and self._replicate.size > 1:    # hybrid shard: and the replicas
                     all_reduce(f.grad.data, ReduceOp.MEAN, self._replicate, out=f.grad.data)
             _finish_fsdp_segments(_Flats(flats), self.grid, self.tensor_parallel == "axonn", self._sp_params)
@@ -626,23 +629,26 @@ class PipelinedModule(ParallelModule):
         return [st.flat for st in self._stages if st.flat is not None]
 
     @contextlib.contextmanager
-    def _gathered(self):
+    def _gathered(self, dtype=None):
         """Every FSDP stage's full parameters bound while inside (state dicts read and write them); on the
-        way out this rank's chunk is taken from them again (a load may have changed them)."""
+        way out this rank's chunk is taken from them again (a load may have changed them).  ``dtype``: a
+        compute copy in that dtype (mixed precision), read only: nothing is taken back."""
         flats = self._flats()
         for f in flats:
-            f.unshard()
+            f.unshard(dtype=dtype)
         try:
             yield
         finally:
             for f in flats:
-                full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
-                f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
+                if dtype is None:
+                    full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
+                    f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
                 f.reshard()
 
     def eval_step(self, inputs, targets) -> float:
-        """The global batch's mean loss without gradients."""
-        with self._gathered():
+        """The global batch's mean loss without gradients (mixed precision: computed in its ``param_dtype``)."""
+        mp = self._mixed_precision
+        with self._gathered(None if mp is None else mp.param_dtype):
             return self.pipeline.eval_step(inputs, targets)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True):
@@ -860,9 +866,11 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             if ShardingStrategy.coerce(sharding_strategy) is ShardingStrategy.NO_SHARD:
                 raise ValueError(f"rank {r}: sharding_strategy={sharding_strategy!r} with pipeline=: no_shard is "
                                  "DDP (data_parallel='ddp')")
-        if set(strategy_options) - ({"hybrid_shard_size"} if hybrid else set()):
+        allowed = ({"hybrid_shard_size"} if hybrid else set()) | ({"mixed_precision"} if data_parallel == "fsdp" else set())
+        if set(strategy_options) - allowed:
             raise ValueError(f"rank {r}: options {sorted(strategy_options)} are DDP's / FSDP's; with pipeline= the "
-                             "Pipeline reduces each stage (no options but hybrid_shard's hybrid_shard_size)")
+                             "Pipeline reduces each stage (no options but FSDP's mixed_precision and hybrid_shard's "
+                             "hybrid_shard_size)")
     elif grid.G_inter > 1 and data_parallel is not None:
         raise ValueError(f"rank {r}: on a pipeline grid (G_inter={grid.G_inter}) pass pipeline=PipelinePlan(...), "
                          "or parallelize each stage with data_parallel=None for a Pipeline you build")
@@ -951,7 +959,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             fsdp_groups = _resolve_groups(dgroup, ShardingStrategy.HYBRID_SHARD, strategy_options.get("hybrid_shard_size"))
         return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, shapes, sp_params,
                          int(sequence_dim) if sequence_parallel else None, activation_checkpointing is True,
-                         cp_size > 1, fsdp_groups=fsdp_groups)
+                         cp_size > 1, fsdp_groups=fsdp_groups, mixed_precision=strategy_options.get("mixed_precision"))
     # 5 data parallel over each parameter's replica group
     sp_hooks = []
     if sp_params and data_parallel != "fsdp":
@@ -1026,7 +1034,7 @@ def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Opti
 
 
 def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
-              checkpoint_chunks: bool, cp: bool, *, fsdp_groups=None) -> "PipelinedModule":
+              checkpoint_chunks: bool, cp: bool, *, fsdp_groups=None, mixed_precision=None) -> "PipelinedModule":
     """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
     schedule runs it on (``schedule.stage_ranks``: ZBV's V, never a permuted model), and run them in a
     :class:`Pipeline` that reduces each stage over data x context (the grad-sync table)."""
@@ -1071,7 +1079,7 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
                     aux_loss=None if aux is None else lambda st: aux(st.body))
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
-    pm._replicate = replicate
+    pm._replicate, pm._mixed_precision = replicate, mixed_precision
     pm._serial_shapes = shapes
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
     pm._sp_params = [p for p in sp_params if id(p) in mine]
