@@ -97,7 +97,10 @@ def test_pipeline_loss_scaling_matches_serial_and_skips_together(world, sizes, o
     ({"G_inter": 2}, dict(expert_parallel=2, schedule="1f1b", num_microbatches=2), 2),
     ({"G_inter": 2, "G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True, schedule="gpipe",
                                           num_microbatches=2), 1),
-], ids=["dp2_pp2_ep2_1f1b", "pp2_tp2_sp_gpipe"])
+    ({"G_inter": 2}, dict(fsdp="full_shard", schedule="zb-h1", num_microbatches=2), 2),
+    ({"G_inter": 2}, dict(schedule="zbv", num_microbatches=2), 2),
+    ({"G_inter": 2, "G_intra_c": 2}, dict(tp_style="axonn", schedule="interleaved", num_microbatches=2), 2),
+], ids=["dp2_pp2_ep2_1f1b", "pp2_tp2_sp_gpipe", "fsdp2_pp2_zbh1", "dp2_pp2_zbv", "pp2_axonn2_interleaved"])
 def test_pipeline_moe_router_losses_match_serial(world, sizes, opts, shards):
     """A MoE GPT with router losses (aux and z) in a pipeline: each stage's router losses of each micro-batch
     join its backward; loss (the LM loss), clip norm and parameters equal the serial GPT accumulating the same
