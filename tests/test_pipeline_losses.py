@@ -141,3 +141,24 @@ def test_router_losses_with_checkpointed_pipeline_chunks_are_refused(world):
     finally:
         world.grid = old
         grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_refuses_a_scaler_whose_inf_check_leaves_out_stages(world):
+    """A GradScaler agreeing over a group without every pipeline rank would let stages step apart: refused,
+    naming the group and the fix."""
+    from axonmpi.parallel import PipelinePlan, parallelize
+    if world.world_size % 2:
+        pytest.skip("needs an even number of ranks")
+    grid = axonmpi.ProcessGrid(world, G_inter=2)
+    old, world.grid = world.grid, grid
+    try:
+        axonmpi.manual_seed(7)
+        pm = parallelize(GPT(DENSE, dtype="float64"), grid=grid, pipeline=PipelinePlan(2))
+        x, y = _batches()[0]
+        with pytest.raises(ValueError, match=f"rank {grid.inter_group.rank}: the GradScaler's inf check .* leaves out "
+                                             "pipeline ranks"):
+            pm.step(*pm.local_batch(x, y), scaler=GradScaler(group=grid.data_group))
+    finally:
+        world.grid = old
+        grid.free()

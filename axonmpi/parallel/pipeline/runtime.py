@@ -347,6 +347,10 @@ class Pipeline:
             raise ValueError(f"rank {self.rank}: Pipeline.step needs loss_fn")
         if not self._device_comm:
             self._reach_device_backend()
+        if scaler is not None and not set(self.group.ranks) <= set(scaler.group.ranks):
+            raise ValueError(f"rank {self.rank}: the GradScaler's inf check is agreed over {scaler.group.name} "
+                             f"{list(scaler.group.ranks)}, which leaves out pipeline ranks of {list(self.group.ranks)}: "
+                             "stages would step apart; use GradScaler(group=None) (every rank)")
         sizes = self._agree_sizes(inputs, targets)
         scale = 1.0 if scaler is None else float(scaler.get_scale())
         loss = self._run(self.schedule_actions(), sizes, inputs, targets, train=True, scale=scale)
