@@ -99,8 +99,8 @@ def parse_args(argv=None):
     g.add_argument("--G-intra-d", type=int, default=1, help="tensor parallel: depth (AxoNN's weight sharding)")
     g.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="context parallelism: N ranks (G_context) hold different chunks of the same sequences "
-                        "(docs/context_parallel.md); with data, tensor, sequence parallel, FSDP and MoE; not with a pipeline "
-                        "(the GPT numbers its tokens in its embedding stage)")
+                        "(docs/context_parallel.md); with data, tensor, sequence parallel, FSDP, MoE and pipelines (the "
+                        "embedding stage numbers each rank's tokens at their positions)")
     g.add_argument("--cp-algo", choices=["ring", "ulysses"], default="ring",
                    help="with --context-parallel: ring attention (K/V passed around, causal load balancing) or "
                         "DeepSpeed-Ulysses all-to-all (--n-head must divide by N)")
