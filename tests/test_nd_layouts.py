@@ -382,7 +382,7 @@ def test_nd_checkpoint_loads_under_another_layout_and_the_plain_model(world, sav
 SCALED = ["fsdp_tp2_sp_cp2_ring", "dp_tp2_cp2_ulysses", "fsdp_axonn2_cp2_ac", "fsdp_hybrid2_tp2_cp2_ac",
           "fsdp_sgo_tp2_cp2_ulysses", "moe_dp_tp2_cp2_ep2_ac", "moe_fsdp_hybrid2_axonn2_texperts", "moe_dp_axonn2_ep2",
           "fsdp_hybrid2_tp2_sp", "dp_pp2_axonn2_gpipe", "dp_pp2_tp2_sp_1f1b", "dp_pp2_tp2_interleaved_ac",
-          "fsdp_pp2_tp2_sp_cp2_zbh1", "dp_pp2_tp2_zbv"]
+          "fsdp_pp2_tp2_sp_cp2_zbh1", "dp_pp2_tp2_zbv", "zero1_pp2_tp2_cp2_interleaved"]
 
 
 @pytest.mark.mpi(min_size=8)
