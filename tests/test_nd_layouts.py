@@ -313,6 +313,17 @@ def _train_step(pm, grid, opt, step, batch=None):
     return loss, norm
 
 
+def _train_checked(pm, grid, want, want_sd, what, batch=None):
+    """:func:`_train_step` for each of ``len(want)`` steps: each step's loss and clip norm equal ``want[s]``
+    (a (loss, norm) pair), then every parameter equals ``want_sd``'s."""
+    opt = _optimizer(pm, grid)
+    for s, (loss_s, norm_s) in enumerate(want):
+        loss, norm = _train_step(pm, grid, opt, s, batch)
+        _close(loss, loss_s, f"{what} step {s} loss")
+        _close(norm, norm_s, f"{what} step {s} clip norm")
+    _check_params(pm, want_sd, f"{what} after {len(want)} steps")
+
+
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_nd_layout_matches_serial(world, layout):
@@ -323,12 +334,7 @@ def test_nd_layout_matches_serial(world, layout):
     grid, pm = _build(world, layout)
     old, world.grid = world.grid, grid       # the Pipeline and clipping read the current grid
     try:
-        opt = _optimizer(pm, grid)
-        for s in range(STEPS):
-            loss, norm = _train_step(pm, grid, opt, s)
-            _close(loss, want_losses[s], f"{layout} step {s} loss")
-            _close(norm, want_norms[s], f"{layout} step {s} clip norm")
-        _check_params(pm, want, f"{layout} after {STEPS} steps")
+        _train_checked(pm, grid, list(zip(want_losses, want_norms)), want, layout)
     finally:
         world.grid = old
         grid.free()
@@ -458,16 +464,7 @@ def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp, cp
                                           "blocks.*.mlp.proj": "row", **({"lm_head": "column_gather"} if sp else {})},
                          sequence_parallel=sp, context_parallel=cp,
                          pipeline=PipelinePlan(num_microbatches=2, schedule=schedule))
-        opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
-        for s, (x, y) in enumerate(batches):
-            xb, yb = pm.local_batch(x, y)
-            opt.zero_grad()
-            loss = pm.step(xb, yb)
-            norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
-            opt.step()
-            _close(loss, want[s][0], f"GPT step {s} loss")
-            _close(norm, want[s][1], f"GPT step {s} clip norm")
-        _check_params(pm, ref.state_dict(), "GPT")
+        _train_checked(pm, grid, want, ref.state_dict(), "GPT", batch=lambda s: batches[s])
     finally:
         world.grid = old
         grid.free()

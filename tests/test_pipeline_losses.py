@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import axonmpi
+import axonmpi.nn.functional as F
+from axonmpi import Tensor
 from axonmpi.amp import GradScaler
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.recipes import HybridGPT
@@ -37,11 +39,15 @@ def _serial(cfg, microbatches):
     return serial_run(cfg, _batches(), microbatches)
 
 
-def _global_microbatches(shards: int, m: int):
+def _global_microbatches_of(rows: int, shards: int, m: int):
     """Rows of the global micro-batches: micro-batch i takes the i-th of m slices of every batch shard."""
-    b = GB // shards
+    b = rows // shards
     return [np.concatenate([np.arange(k * b + i * b // m, k * b + (i + 1) * b // m) for k in range(shards)])
             for i in range(m)]
+
+
+def _global_microbatches(shards: int, m: int):
+    return _global_microbatches_of(GB, shards, m)
 
 
 def _run(world, cfg, sizes, opts, want, want_sd, scaler=None):
@@ -159,6 +165,43 @@ def test_pipeline_refuses_a_scaler_whose_inf_check_leaves_out_stages(world):
         with pytest.raises(ValueError, match=f"rank {grid.inter_group.rank}: the GradScaler's inf check .* leaves out "
                                              "pipeline ranks"):
             pm.step(*pm.local_batch(x, y), scaler=GradScaler(group=grid.data_group))
+    finally:
+        world.grid = old
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_pipeline_plan_aux_loss_of_a_model_not_a_gpt_matches_serial(world):
+    """``PipelinePlan(aux_loss=)`` on a model of ``nn.MoE`` blocks (not the GPT): each chunk's router losses of
+    each micro-batch join its backward; loss, clip norm and parameters equal the serial model accumulating the
+    same global micro-batches with ``moe_loss / m`` each."""
+    from axonmpi.nn.moe import moe_loss
+    from axonmpi.optim import AdamW, clip_grad_norm_
+    from axonmpi.parallel import PipelinePlan, parallelize
+    from test_nd_layouts import MAX_NORM, STEPS as ND_STEPS, _batch, _make, _train_checked
+    if world.world_size != 4:
+        pytest.skip("runs at 4 ranks (the global micro-batches follow the data shards)")
+    weigh = lambda m: moe_loss(m, 1.0, 0.1)  # noqa: E731
+    ref = _make("moe")
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    want = []
+    for s in range(ND_STEPS):
+        x, y = _batch(s)
+        opt.zero_grad()
+        parts = _global_microbatches_of(len(x), 2, 2)
+        loss = 0.0
+        for rows in parts:
+            lm = F.cross_entropy(ref(Tensor(x[rows])), y[rows], reduction="sum") * (1.0 / y.size)
+            (lm + weigh(ref) * (1.0 / len(parts))).backward()
+            loss += float(lm.item())
+        want.append((loss, float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
+        opt.step()
+    grid = axonmpi.ProcessGrid(world, G_inter=2)
+    old, world.grid = world.grid, grid
+    try:
+        pm = parallelize(_make("moe"), grid=grid, expert_parallel=2,
+                         pipeline=PipelinePlan(2, "1f1b", aux_loss=weigh))
+        _train_checked(pm, grid, want, ref.state_dict(), "PipelinePlan(aux_loss=)")
     finally:
         world.grid = old
         grid.free()

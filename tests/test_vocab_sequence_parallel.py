@@ -17,7 +17,7 @@ import axonmpi.nn.functional as F
 from axonmpi import Tensor
 from axonmpi.optim import AdamW, clip_grad_norm_
 from axonmpi.parallel import PipelinePlan, parallelize
-from test_nd_layouts import MAX_NORM, STEPS, _check_params, _close, _train_step   # one harness
+from test_nd_layouts import MAX_NORM, STEPS, _close, _train_checked   # one harness
 
 GB, T, V, C, HEADS = 8, 8, 12, 8, 2
 PLAN = {"0": "vocab", "*.attn": "attention", "*.mlp.fc": "column", "*.mlp.proj": "row"}
@@ -64,12 +64,7 @@ def test_vocab_layer_under_sequence_parallel_matches_serial(world, pipeline):
     try:
         pm = parallelize(_model(), grid=grid, tensor_parallel=PLAN, sequence_parallel=True, data_parallel="ddp",
                          pipeline=PipelinePlan(2, pipeline) if pipeline else None)
-        opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
-        for s in range(STEPS):
-            loss, norm = _train_step(pm, grid, opt, s, batch=_batch)
-            _close(loss, want[s][0], f"step {s} loss")
-            _close(norm, want[s][1], f"step {s} clip norm")
-        _check_params(pm, want_sd, f"after {STEPS} steps")
+        _train_checked(pm, grid, want, want_sd, "vocab under SP", batch=_batch)
     finally:
         world.grid = old
         grid.free()
