@@ -63,6 +63,11 @@ class GradScaler:
         """Whether scaling is on."""
         return self.enabled
 
+    @property
+    def group(self):
+        """The ranks that agree on the inf check (default: all ranks)."""
+        return resolve_group(self._group)
+
     def scale(self, outputs):
         """``outputs * scale`` (a Tensor, or a list/tuple of them)."""
         if not self.enabled:

@@ -100,8 +100,8 @@ def parse_args(argv=None):
     g.add_argument("--G-intra-d", type=int, default=1, help="tensor parallel: depth (AxoNN's weight sharding)")
     g.add_argument("--context-parallel", type=int, default=1, metavar="N",
                    help="context parallelism: N ranks (G_context) hold different chunks of the same sequences "
-                        "(docs/context_parallel.md); with data, tensor, sequence parallel, FSDP and MoE; not with a pipeline "
-                        "(the GPT numbers its tokens in its embedding stage)")
+                        "(docs/context_parallel.md); with data, tensor, sequence parallel, FSDP, MoE and pipelines (the "
+                        "embedding stage numbers each rank's tokens at their positions)")
     g.add_argument("--cp-algo", choices=["ring", "ulysses"], default="ring",
                    help="with --context-parallel: ring attention (K/V passed around, causal load balancing) or "
                         "DeepSpeed-Ulysses all-to-all (--n-head must divide by N)")
@@ -113,7 +113,7 @@ def parse_args(argv=None):
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp-style megatron: Megatron's sequence parallelism (LayerNorm, dropout and residuals on "
                         "sequence shards over G-intra-c; --block-size must divide by it); with pipelines, context "
-                        "parallel, MoE (router losses 0), FSDP and --tie-word-embeddings")
+                        "parallel, MoE (router losses over the global tokens), FSDP and --tie-word-embeddings")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
                         "ZBV with 2 chunks per rank in a V)")

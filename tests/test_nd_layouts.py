@@ -206,6 +206,22 @@ LAYOUTS = {
     "moe_fsdp_axonn2_texperts_ep2": ("moe", {"G_intra_c": 2},
                                      dict(tensor_parallel="axonn", expert_tensor_parallel=True, expert_parallel=2,
                                           data_parallel="fsdp")),
+    "fsdp_hybrid2_pp2_zbh1_ac": ("transformer", {"G_inter": 2},
+                                 dict(data_parallel="fsdp", sharding_strategy="hybrid_shard", hybrid_shard_size=2,
+                                      activation_checkpointing=True, pipeline=("zb-h1", None))),
+    "fsdp_hybrid2_pp2_cp2_gpipe": ("transformer", {"G_inter": 2, "G_context": 2},
+                                   dict(context_parallel="ring", data_parallel="fsdp", sharding_strategy="hybrid_shard",
+                                        hybrid_shard_size=2, pipeline=("gpipe", None))),
+    "fsdp_hybrid2_pp2_tp2_sp_interleaved": ("transformer", {"G_inter": 2, "G_intra_c": 2},
+                                            dict(tensor_parallel=PLAN, sequence_parallel=True, data_parallel="fsdp",
+                                                 sharding_strategy="hybrid_shard", hybrid_shard_size=1,
+                                                 pipeline=("interleaved", 2))),
+    "fsdp_hybrid2_pp2_axonn2_zbv": ("transformer", {"G_inter": 2, "G_intra_r": 2},
+                                    dict(tensor_parallel="axonn", data_parallel="fsdp", sharding_strategy="hybrid_shard",
+                                         hybrid_shard_size=1, pipeline=("zbv", None))),
+    "fsdp_hybrid2_pp2_tp2_1f1b": ("transformer", {"G_inter": 2, "G_intra_c": 2},
+                                  dict(tensor_parallel=PLAN, data_parallel="fsdp", sharding_strategy="hybrid_shard",
+                                       hybrid_shard_size=1, pipeline=("1f1b", None))),
 }
 
 
@@ -288,9 +304,18 @@ def _optimizer(pm, grid):
     return AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train_step(pm, grid, opt, step):
-    """One step on this rank's rows: the global mean loss and the clip norm."""
-    x, y = _batch(step)
+def _check_params(pm, want, what):
+    """Every parameter of ``pm`` (its full serial state) equals ``want``'s, the same keys."""
+    got = full_state_dict(pm)
+    assert sorted(got) == sorted(want), f"{what}: keys {sorted(set(got) ^ set(want))} differ"
+    for k, v in want.items():
+        _close(got[k], v, f"{what}: {k}")
+
+
+def _train_step(pm, grid, opt, step, batch=None):
+    """One step on this rank's rows (of ``batch(step)``, default :func:`_batch`): the global mean loss and the
+    clip norm."""
+    x, y = (batch or _batch)(step)
     xb, yb = pm.local_batch(x, y)
     opt.zero_grad()
     if hasattr(pm, "step"):
@@ -306,6 +331,17 @@ def _train_step(pm, grid, opt, step):
     return loss, norm
 
 
+def _train_checked(pm, grid, want, want_sd, what, batch=None):
+    """:func:`_train_step` for each of ``len(want)`` steps: each step's loss and clip norm equal ``want[s]``
+    (a (loss, norm) pair), then every parameter equals ``want_sd``'s."""
+    opt = _optimizer(pm, grid)
+    for s, (loss_s, norm_s) in enumerate(want):
+        loss, norm = _train_step(pm, grid, opt, s, batch)
+        _close(loss, loss_s, f"{what} step {s} loss")
+        _close(norm, norm_s, f"{what} step {s} clip norm")
+    _check_params(pm, want_sd, f"{what} after {len(want)} steps")
+
+
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_nd_layout_matches_serial(world, layout):
@@ -316,15 +352,7 @@ def test_nd_layout_matches_serial(world, layout):
     grid, pm = _build(world, layout)
     old, world.grid = world.grid, grid       # the Pipeline and clipping read the current grid
     try:
-        opt = _optimizer(pm, grid)
-        for s in range(STEPS):
-            loss, norm = _train_step(pm, grid, opt, s)
-            _close(loss, want_losses[s], f"{layout} step {s} loss")
-            _close(norm, want_norms[s], f"{layout} step {s} clip norm")
-        got = full_state_dict(pm)
-        assert sorted(got) == sorted(want), f"{layout}: keys {sorted(set(got) ^ set(want))} differ"
-        for k, v in want.items():
-            _close(got[k], v, f"{layout} after {STEPS} steps: {k}")
+        _train_checked(pm, grid, list(zip(want_losses, want_norms)), want, layout)
     finally:
         world.grid = old
         grid.free()
@@ -377,14 +405,16 @@ def test_nd_checkpoint_loads_under_another_layout_and_the_plain_model(world, sav
 
 SCALED = ["fsdp_tp2_sp_cp2_ring", "dp_tp2_cp2_ulysses", "fsdp_axonn2_cp2_ac", "fsdp_hybrid2_tp2_cp2_ac",
           "fsdp_sgo_tp2_cp2_ulysses", "moe_dp_tp2_cp2_ep2_ac", "moe_fsdp_hybrid2_axonn2_texperts", "moe_dp_axonn2_ep2",
-          "fsdp_hybrid2_tp2_sp"]
+          "fsdp_hybrid2_tp2_sp", "dp_pp2_axonn2_gpipe", "dp_pp2_tp2_sp_1f1b", "dp_pp2_tp2_interleaved_ac",
+          "fsdp_pp2_tp2_sp_cp2_zbh1", "dp_pp2_tp2_zbv", "zero1_pp2_tp2_cp2_interleaved"]
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", SCALED)
 def test_nd_loss_scaling_matches_serial(world, layout):
-    """A :class:`~axonmpi.amp.GradScaler` (loss x 2**12, gradients unscaled before clipping) in a layout
-    without a pipeline: in float64 the scale is exact, so every step still equals the serial one."""
+    """A :class:`~axonmpi.amp.GradScaler` (loss x 2**12, gradients unscaled before clipping): in float64 the
+    scale is exact, so every step still equals the serial one.  With a pipeline ``pm.step(xb, yb, scaler=)``
+    scales each micro-batch's loss."""
     from axonmpi.amp import GradScaler
     _at_16(world, layout)
     name = LAYOUTS[layout][0]
@@ -398,35 +428,41 @@ def test_nd_loss_scaling_matches_serial(world, layout):
             x, y = _batch(s)
             xb, yb = pm.local_batch(x, y)
             opt.zero_grad()
-            lb = F.cross_entropy(pm(Tensor(xb)), yb)
-            scaler.scale(lb).backward()
+            if hasattr(pm, "step"):
+                loss = pm.step(xb, yb, scaler=scaler)
+            else:
+                lb = F.cross_entropy(pm(Tensor(xb)), yb)
+                scaler.scale(lb).backward()
+                groups = [data_reduction_group(grid)] + ([grid.intra_group] if pm.tensor_parallel == "axonn" else [])
+                loss = mean_over(float(lb.item()), groups)
             scaler.unscale_(opt)
             norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
             scaler.step(opt)
             scaler.update()
-            groups = [data_reduction_group(grid)] + ([grid.intra_group] if pm.tensor_parallel == "axonn" else [])
-            _close(mean_over(float(lb.item()), groups), want_losses[s], f"{layout} step {s} loss")
+            _close(loss, want_losses[s], f"{layout} step {s} loss")
             _close(norm, want_norms[s], f"{layout} step {s} clip norm")
-        got = full_state_dict(pm)
-        for k, v in want.items():
-            _close(got[k], v, f"{layout} with loss scaling after {STEPS} steps: {k}")
+        _check_params(pm, want, f"{layout} with loss scaling after {STEPS} steps")
     finally:
         world.grid = old
         grid.free()
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("schedule,fsdp,sp", [("zbv", False, False), ("1f1b", True, False), ("1f1b", False, True)],
-                         ids=["dp_pp2_tp2_zbv", "fsdp_pp2_tp2_1f1b", "dp_pp2_tp2_sp_1f1b"])
-def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp):
+@pytest.mark.parametrize("schedule,fsdp,sp,cp", [("zbv", False, False, None), ("1f1b", True, False, None),
+                                                 ("1f1b", False, True, None), ("zb-h1", False, True, "ring"),
+                                                 ("gpipe", True, False, "ring")],
+                         ids=["dp_pp2_tp2_zbv", "fsdp_pp2_tp2_1f1b", "dp_pp2_tp2_sp_1f1b", "pp2_tp2_sp_cp2_zbh1",
+                              "fsdp_pp2_tp2_cp2_gpipe"])
+def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp, cp):
     """The library's GPT (tokens, learned positions, its own loss head) through ``parallelize(pipeline=...)``:
-    data (DDP or FSDP) x pipeline x Megatron tensor parallel; losses, clip norms and parameters equal serial."""
+    data (DDP or FSDP) x pipeline x Megatron tensor parallel (x context parallel: the embedding stage numbers
+    this rank's tokens of ``pm.local_batch`` at their positions); losses, clip norms and parameters equal serial."""
     from axonmpi.models import GPT, GPTConfig
     if world.world_size >= 16:
         pytest.skip("runs at 8 ranks")
-    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    cfg = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=2, n_embd=8)
     rng = np.random.default_rng(3)
-    batches = [(rng.integers(0, 12, (8, 6)), rng.integers(0, 12, (8, 6))) for _ in range(STEPS)]
+    batches = [(rng.integers(0, 12, (8, 8)), rng.integers(0, 12, (8, 8))) for _ in range(STEPS)]
     axonmpi.manual_seed(7)
     ref = GPT(cfg, dtype="float64")
     opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -437,27 +473,16 @@ def test_nd_gpt_through_parallelize_matches_serial(world, schedule, fsdp, sp):
         loss.backward()
         want.append((float(loss.item()), float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
         opt.step()
-    grid = axonmpi.ProcessGrid(world, G_inter=2, G_intra_c=2)
+    grid = axonmpi.ProcessGrid(world, G_inter=2, G_intra_c=2, **({"G_context": 2} if cp else {}))
     old, world.grid = world.grid, grid
     try:
         axonmpi.manual_seed(7)
         pm = parallelize(GPT(cfg, dtype="float64"), grid=grid, data_parallel="fsdp" if fsdp else "ddp",
                          tensor_parallel={"blocks.*.attn": "attention", "blocks.*.mlp.fc": "column",
                                           "blocks.*.mlp.proj": "row", **({"lm_head": "column_gather"} if sp else {})},
-                         sequence_parallel=sp,
+                         sequence_parallel=sp, context_parallel=cp,
                          pipeline=PipelinePlan(num_microbatches=2, schedule=schedule))
-        opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
-        for s, (x, y) in enumerate(batches):
-            xb, yb = pm.local_batch(x, y)
-            opt.zero_grad()
-            loss = pm.step(xb, yb)
-            norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
-            opt.step()
-            _close(loss, want[s][0], f"GPT step {s} loss")
-            _close(norm, want[s][1], f"GPT step {s} clip norm")
-        got = full_state_dict(pm)
-        for k, v in ref.state_dict().items():
-            _close(got[k], v, f"GPT {k}")
+        _train_checked(pm, grid, want, ref.state_dict(), "GPT", batch=lambda s: batches[s])
     finally:
         world.grid = old
         grid.free()

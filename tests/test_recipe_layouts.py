@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import axonmpi
+import axonmpi.nn.functional as F
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.optim import AdamW
 from axonmpi.optim.clip import clip_grad_norm_
@@ -70,6 +71,24 @@ LAYOUTS = {
                                                                             activation_checkpointing=True)),
     "tied_dp_pp2_axonn2_zbv": (TIED, {"G_inter": 2, "G_intra_c": 2}, dict(tp_style="axonn", schedule="zbv",
                                                                           num_microbatches=2)),
+    # router losses in a pipeline (one micro-batch: exactly the serial loss + moe_auxiliary_loss()) and under SP
+    "moe_aux_pp2_tp2_ep2": (MOE, {"G_inter": 2, "G_intra_c": 2},
+                            dict(tp_style="megatron", expert_parallel=2, schedule="1f1b", num_microbatches=1)),
+    "moe_aux_fsdp_pp2_tp2_sp_gpipe": (MOE, {"G_inter": 2, "G_intra_c": 2},
+                                    dict(tp_style="megatron", sequence_parallel=True, fsdp="full_shard",
+                                         schedule="gpipe", num_microbatches=1)),
+    "moe_aux_dp_tp2_sp_ep2": (MOE, {"G_intra_c": 2}, dict(tp_style="megatron", sequence_parallel=True,
+                                                          expert_parallel=2)),
+    # context parallelism of the GPT inside a pipeline: the embedding stage numbers this rank's tokens
+    "pp2_tp2_sp_cp2_ring_1f1b": (DENSE, {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
+                                 dict(tp_style="megatron", sequence_parallel=True, cp_algo="ring", schedule="1f1b",
+                                      num_microbatches=2)),
+    "fsdp_pp2_cp2_ulysses_zbv": (DENSE, {"G_inter": 2, "G_context": 2},
+                                 dict(fsdp="full_shard", cp_algo="ulysses", schedule="zbv", num_microbatches=2)),
+    "fsdp_hybrid2_pp2_1f1b": (DENSE, {"G_inter": 2}, dict(fsdp="hybrid_shard", hybrid_shard_size=2, schedule="1f1b",
+                                                          num_microbatches=2)),
+    "moe_aux_pp2_axonn2_cp2_gpipe": (MOE, {"G_inter": 2, "G_intra_c": 2, "G_context": 2},
+                                     dict(tp_style="axonn", cp_algo="ring", schedule="gpipe", num_microbatches=1)),
 }
 
 
@@ -82,24 +101,36 @@ def _batches():
     return out
 
 
+def serial_run(cfg, batches=None, microbatches=None):
+    """The serial GPT's AdamW steps over ``batches`` (default :func:`_batches`): each step's loss (the global
+    token mean) and clip norm, and the final state dict.  ``microbatches``: the row sets of the global
+    micro-batches, each adding its own forward's ``moe_auxiliary_loss() / m`` (a pipeline's rule; default one)."""
+    axonmpi.manual_seed(7)
+    ref = GPT(cfg, dtype="float64")
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    out = []
+    for x, y in batches or _batches():
+        opt.zero_grad()
+        count, loss = int((y != -100).sum()), 0.0
+        groups = microbatches or [np.arange(len(x))]
+        for rows in groups:
+            logits, _ = ref(x[rows])
+            lm = F.cross_entropy(logits, y[rows], ignore_index=-100, reduction="sum") * (1.0 / count)
+            aux = ref.moe_auxiliary_loss()
+            (lm if aux is None else lm + aux * (1.0 / len(groups))).backward()
+            loss += float(lm.item())
+        out.append((loss, float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
+        opt.step()
+    assert min(n for _, n in out) > MAX_NORM
+    return out, ref.state_dict()
+
+
 _SERIAL = {}
 
 
 def _serial(cfg):
     if cfg not in _SERIAL:
-        axonmpi.manual_seed(7)
-        ref = GPT(cfg, dtype="float64")
-        opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-        out = []
-        for x, y in _batches():
-            opt.zero_grad()
-            _, loss = ref(x, y)
-            aux = ref.moe_auxiliary_loss()
-            (loss if aux is None else loss + aux).backward()
-            out.append((float(loss.item()), float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
-            opt.step()
-        assert min(n for _, n in out) > MAX_NORM
-        _SERIAL[cfg] = (out, ref.state_dict())
+        _SERIAL[cfg] = serial_run(cfg)
     return _SERIAL[cfg]
 
 
@@ -119,6 +150,31 @@ def _grid(world, sizes, opts):
     return axonmpi.ProcessGrid(world, **sizes, expert_parallel=ep)      # the expert groups are built at init
 
 
+def train_checked(hyb, want, want_sd, what, scaler=None, batches=None):
+    """AdamW steps of ``hyb`` over ``batches`` (default :func:`_batches`; with ``scaler`` a GradScaler's
+    scale / unscale / step / update): each step's loss and clip norm, then every parameter, equal
+    ``want`` / ``want_sd``; returns the optimizer."""
+    opt = AdamW(hyb.parameters(), lr=1e-2, weight_decay=0.1)
+    for s, (x, y) in enumerate(batches or _batches()):
+        opt.zero_grad()
+        loss = hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y), scaler=scaler)
+        if scaler is not None:
+            scaler.unscale_(opt)
+        norm = hyb.clip_grad_norm_(MAX_NORM)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        _close(loss, want[s][0], f"{what} step {s} loss")
+        _close(norm, want[s][1], f"{what} step {s} clip norm")
+    got = hyb.full_state_dict()
+    assert set(got) == set(want_sd)          # a tied head's two names too
+    for k, v in got.items():
+        _close(v, want_sd[k], f"{what} {k}")
+    return opt
+
+
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_recipe_layout_matches_serial(world, layout, tmp_path_factory):
@@ -133,18 +189,7 @@ def test_recipe_layout_matches_serial(world, layout, tmp_path_factory):
     try:
         axonmpi.manual_seed(7)
         hyb = HybridGPT(cfg, grid, dtype="float64", global_batch=GB, **opts)
-        opt = AdamW(hyb.parameters(), lr=1e-2, weight_decay=0.1)
-        for s, (x, y) in enumerate(_batches()):
-            opt.zero_grad()
-            loss = hyb.forward_backward(hyb.local_batch(x), hyb.local_batch(y))
-            norm = hyb.clip_grad_norm_(MAX_NORM)
-            opt.step()
-            _close(loss, want[s][0], f"{layout} step {s} loss")
-            _close(norm, want[s][1], f"{layout} step {s} clip norm")
-        got = hyb.full_state_dict()
-        assert set(got) == set(want_sd)          # a tied head's two names too
-        for k, v in got.items():
-            _close(v, want_sd[k], f"{layout} {k}")
+        opt = train_checked(hyb, want, want_sd, layout)
         if hyb.pipe is not None and hyb.sharding is not None:
             with pytest.raises(NotImplementedError, match=f"rank {world.rank}: checkpoints of --fsdp with a pipeline"):
                 hyb.checkpoint_state(opt)[0].state_dict()

@@ -16,7 +16,7 @@ from ..backend import get_array_module, to_device, to_host
 from ..nn import init
 from ..nn.layers import Dropout, Embedding, LayerNorm, Linear
 from ..nn.module import Module, ModuleList
-from ..nn.moe import ExpertLinear, MoE, moe_losses
+from ..nn.moe import ExpertLinear, MoE, moe_loss
 from ..nn.transformer import TransformerBlock
 from ..random import default_generator
 
@@ -130,11 +130,13 @@ class GPTEmbedding(Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, idx):
+    def forward(self, idx, positions=None):
+        """``positions``: each column's position (default ``0 .. T-1``), as :meth:`GPT.forward`'s."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         xp = get_array_module(self.wte.weight.data)
         idx = xp.asarray(idx)
-        return self.drop(self.wte(idx) + self.wpe(xp.arange(idx.shape[1])))
+        pos = xp.arange(idx.shape[1]) if positions is None else xp.asarray(positions)
+        return self.drop(self.wte(idx) + self.wpe(pos))
 
 
 class GPTHead(Module):
@@ -249,11 +251,7 @@ class GPT(Module):
             >>> logits, loss = gpt(idx, targets)
             >>> (loss + gpt.moe_auxiliary_loss()).backward()
         """
-        got = moe_losses(self)
-        if got is None:
-            return None
-        aux, z = got
-        return aux * self.config.moe_aux_loss_coeff + z * self.config.moe_z_loss_coeff
+        return moe_loss(self, self.config.moe_aux_loss_coeff, self.config.moe_z_loss_coeff)
 
     def pipeline_layers(self) -> list:
         """The model as pipeline layers sharing its parameters: ``[embedding, block 0, ..., head]``

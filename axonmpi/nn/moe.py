@@ -34,7 +34,10 @@ token first). The z-loss is ``mean_t logsumexp(logits_t)^2`` (ST-MoE). Both are 
 the *global* batch: with ``stats_group`` set (the ranks that split the batch), the counts and the
 probability sums are all-reduced over it, so every rank holds the serial value, and the backward
 of the all-reduce scales by the group size (every rank adds the same loss, and the data-parallel
-average then gives the serial gradient). They are returned, not added: weight them yourself
+average then gives the serial gradient).  Under sequence parallelism each tensor rank routes its shard
+of the sequences: with ``sequence_group`` set they are summed over it too (Megatron's aux loss with
+``sequence_parallel``), the gradient passed back as is (the router is replicated over that group and its
+gradient is summed there afterwards). They are returned, not added: weight them yourself
 (Megatron's ``moe_aux_loss_coeff`` ~ 1e-2, ``moe_z_loss_coeff`` ~ 1e-3).
 """
 from __future__ import annotations
@@ -51,7 +54,7 @@ from . import init
 from .layers import _param, _to_device
 from .module import Module
 
-__all__ = ["MoE", "MoELosses", "Experts", "ExpertLinear", "moe_losses", "moe_stats"]
+__all__ = ["MoE", "MoELosses", "Experts", "ExpertLinear", "moe_loss", "moe_losses", "moe_stats"]
 
 
 class MoELosses(NamedTuple):
@@ -61,16 +64,29 @@ class MoELosses(NamedTuple):
     z_loss: Tensor
 
 
-def _global_sum(x: Tensor, group) -> Tensor:
-    from ..parallel.tensor.mappings import global_sum   # nn is imported by parallel: resolved at call time
-    return global_sum(x, group)
+def _groups(group) -> tuple:
+    """``stats_group`` as a tuple: none, one group, or several (AxoNN's data group and tensor block)."""
+    return () if group is None else tuple(group) if isinstance(group, (tuple, list)) else (group,)
 
 
-def _sum_counts(counts: np.ndarray, group) -> np.ndarray:
-    if group is None or group.size == 1:
-        return counts
+def _global_sum(x: Tensor, group, sequence_group=None) -> Tensor:
+    """``x`` summed over the ranks splitting the batch (each group of ``group``: the gradient times its
+    size) and over those splitting the sequences (``sequence_group``: the gradient as is, Megatron's
+    reduce-from region; the replicated router's gradient is summed over that group afterwards)."""
+    from ..parallel.tensor.mappings import global_sum, reduce_from_tensor_parallel_region
+    for g in _groups(group) or (None,):   # nn is imported by parallel: resolved at call time
+        x = global_sum(x, g)
+    if sequence_group is None or sequence_group.size == 1:
+        return x
+    return reduce_from_tensor_parallel_region(x, sequence_group)
+
+
+def _sum_counts(counts: np.ndarray, *groups) -> np.ndarray:
     from ..distributed import all_reduce
-    return all_reduce(counts, group=group)
+    for group in (g for gs in groups for g in _groups(gs)):
+        if group.size > 1:
+            counts = all_reduce(counts, group=group)
+    return counts
 
 
 class ExpertLinear(Module):
@@ -227,7 +243,8 @@ class MoE(Module):
         _to_device(self.router, device)
         self.experts = Experts(num_experts, n_embd, hidden, bias, approximate, dtype=dtype, device=device)
         self.dispatcher = None        # None: the local experts; set by axonmpi.parallel.moe
-        self.stats_group = None       # the ranks splitting the batch (routing statistics summed over it)
+        self.stats_group = None       # the ranks splitting the batch (statistics summed over it; or a tuple of groups)
+        self.sequence_group = None    # the ranks splitting the sequences (sequence parallelism): summed too
         self.losses: Optional[MoELosses] = None
         self.tokens_per_expert: Optional[np.ndarray] = None
         self.dropped_tokens = 0
@@ -288,7 +305,8 @@ class MoE(Module):
         # global-batch statistics and losses
         if self.capacity_factor is None:
             routed = np.bincount(flat_e, minlength=E).astype(np.int64)
-            tot = _sum_counts(np.concatenate([routed, counts, [N]]).astype(np.int64), self.stats_group)
+            tot = _sum_counts(np.concatenate([routed, counts, [N]]).astype(np.int64), self.stats_group,
+                              self.sequence_group)
             routed_g, kept_g, n_g = tot[:E], tot[E:2 * E], int(tot[-1])
         else:       # the global queue's counts: expert e keeps its first `cap` assignments
             routed_g, n_g = routed_glob.astype(np.int64), n_glob
@@ -296,12 +314,12 @@ class MoE(Module):
         self.tokens_per_expert = kept_g
         self.dropped_tokens = int(routed_g.sum() - kept_g.sum())
         probs = scores if self.gating == "softmax" else scores / ops_reduce.sum(scores, dim=-1, keepdim=True)
-        P = _global_sum(ops_reduce.sum(probs, dim=0), self.stats_group) * (1.0 / n_g)
+        P = _global_sum(ops_reduce.sum(probs, dim=0), self.stats_group, self.sequence_group) * (1.0 / n_g)
         f = xp.asarray(routed_g.astype(np.dtype(P.dtype)) / (n_g * k))
         aux = ops_reduce.sum(P * Tensor(f)) * float(E)
         m = Tensor(xp.max(logits.data, axis=-1, keepdims=True))
         lse = ops.reshape(ops_math.log(ops_reduce.sum(ops_math.exp(logits - m), dim=-1, keepdim=True)) + m, N)
-        z = _global_sum(ops_reduce.sum(lse * lse), self.stats_group) * (1.0 / n_g)
+        z = _global_sum(ops_reduce.sum(lse * lse), self.stats_group, self.sequence_group) * (1.0 / n_g)
         self.losses = MoELosses(aux, z)
         if gather is not None:
             out = self.dispatcher.after(out)
@@ -333,6 +351,20 @@ def moe_losses(model: Module):
             aux = m.losses.aux_loss if aux is None else aux + m.losses.aux_loss
             z = m.losses.z_loss if z is None else z + m.losses.z_loss
     return None if aux is None else (aux, z)
+
+
+def moe_loss(model: Module, aux_coeff: float, z_coeff: float) -> Optional[Tensor]:
+    """``aux_coeff * aux + z_coeff * z`` of ``model``'s MoE layers' last forward (:func:`moe_losses`;
+    ``None`` if it has none): what a training step adds to its language-model loss.
+
+    Example:
+        >>> (lm + moe_loss(model, 1e-2, 1e-3)).backward()
+    """
+    got = moe_losses(model)
+    if got is None:
+        return None
+    aux, z = got
+    return aux * aux_coeff + z * z_coeff
 
 
 def moe_stats(model: Module) -> dict:

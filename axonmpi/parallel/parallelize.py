@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from ..autograd.tensor import Tensor
-from ..distributed import get_grid
+from ..distributed import ReduceOp, all_reduce, get_grid
 from ..distributed.grid import ProcessGrid
 from ..nn import layers as nn_layers
 from ..nn.module import Module
@@ -107,8 +107,6 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
             raise TypeError(f"rank {grid.rank}: {qname!r} matches a 'vocab' pattern but is a "
                             f"{type(child).__name__}, not an nn.Embedding")
         seq = {} if sp is None else {"sequence_parallel": True, "sequence_dim": sp}
-        if style == "vocab" and sp is not None and not in_forward:
-            raise NotImplementedError(f"rank {grid.rank}: a 'vocab' layer under sequence_parallel is not built yet")
         if style == "attention":
             from .tensor import TensorParallelAttention
             new = TensorParallelAttention(child.n_embd, child.n_head, group=group, causal=True,
@@ -127,7 +125,7 @@ def _megatron(module: Module, grid: ProcessGrid, plan: Dict[str, str], sp: Optio
                                     input_is_parallel=True, group=group, dtype=child.weight.dtype, **seq)
         else:
             new = VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
-                                         dtype=child.weight.dtype)
+                                         dtype=child.weight.dtype, **({} if in_forward else seq))
         if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group
             rows.append(new)
         _copy_serial(new, child)
@@ -296,7 +294,16 @@ class ParallelModule(Module):
                                  f"{' x tensor block' if self.tensor_parallel == 'axonn' else ''}); "
                                  f"use a multiple of {n}")
             b = rows // n
-            piece = _raw(a)[k * b:(k + 1) * b]
+            out.append(self.local_tokens(Tensor(_raw(a)[k * b:(k + 1) * b]) if isinstance(a, Tensor)
+                                         else _raw(a)[k * b:(k + 1) * b]))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def local_tokens(self, *arrays):
+        """This rank's tokens of each sequence of ``arrays`` (this rank's rows) under context parallelism
+        (ring: its zig-zag chunks); the arrays themselves otherwise."""
+        out = []
+        for a in arrays:
+            piece = _raw(a)
             d = 1 if self.sequence_dim is None else self.sequence_dim
             if self.context is not None and np.ndim(piece) > d:
                 from .context.layout import ContextLayout
@@ -537,6 +544,9 @@ class PipelinePlan:
         boundaries: explicit start indices of chunks 1 .. p v - 1 (else balanced ``split_by``).
         split_by: ``"params"`` or ``"layers"``.
         ignore_index: targets not counted (the loss is the mean over the counted targets of the global batch).
+        aux_loss: ``aux_loss(chunk) -> Tensor | None``, a chunk's auxiliary loss of its last forward, added to
+            its backward per micro-batch (weight ``1 / num_microbatches``; :class:`~axonmpi.parallel.Pipeline`).
+            Default for a MoE GPT: its router losses (``moe_aux_loss_coeff * aux + moe_z_loss_coeff * z``).
 
     Example:
         >>> pm = parallelize(model, tensor_parallel=plan, pipeline=PipelinePlan(4, "1f1b"))
@@ -550,6 +560,7 @@ class PipelinePlan:
     boundaries: Optional[Tuple[int, ...]] = None
     split_by: str = "params"
     ignore_index: Optional[int] = -100
+    aux_loss: Optional[Callable] = None
 
 
 class _Stage(Module):
@@ -594,8 +605,13 @@ class _Stage(Module):
         for i, (_, p) in enumerate(x for x in named if id(x[1]) in shared):
             self.register_parameter(f"tied_{i}", p)
 
+    @property
+    def body(self) -> Module:
+        """The chunk this stage runs (FSDP: held aside, its parameters in the flat shard)."""
+        return self._chunk[0] if "_chunk" in self.__dict__ else self.chunk
+
     def _run(self, x):
-        return (self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)(x)
+        return self.body(x)
 
     def _scatter(self, x):
         from .tensor import scatter_to_sequence_parallel_region
@@ -608,7 +624,7 @@ class _Stage(Module):
         (a GPT's embedding numbers positions from its input's columns: scattered token ids would give every
         rank's tokens positions from 0).  That layer's gradients are then whole on every tensor rank and are
         not summed over the group (``parallelize`` leaves them out of the sequence-parallel parameters)."""
-        layers = list(self._chunk[0] if "_chunk" in self.__dict__ else self.chunk)
+        layers = list(self.body)
         y = self._scatter(layers[0](x))
         for layer in layers[1:]:
             y = layer(y)
@@ -643,18 +659,23 @@ class PipelinedModule(ParallelModule):
         self._stages = list(stages)
         self._sp_params: List[Any] = []
         self._tied: List[Tuple[Any, Any]] = []     # (parameter, embedding group): [Note: a weight tied across stages]
+        self._replicate = None          # hybrid shard: the group the stages' flat shards are averaged over
+        self._mixed_precision = None    # FSDP's MixedPrecision: stages gathered in param_dtype, reduced in reduce_dtype
 
     def forward(self, *args, **kwargs):
         raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
                         "(training) or pm.eval_step(xb, yb), not pm(x)")
 
-    def step(self, inputs, targets) -> float:
-        """Forward and backward of this rank's rows (:meth:`local_batch`); returns the global batch's mean loss."""
+    def step(self, inputs, targets, *, scaler=None) -> float:
+        """Forward and backward of this rank's rows (:meth:`local_batch`); returns the global batch's mean loss.
+        ``scaler`` (an :class:`axonmpi.amp.GradScaler`): each micro-batch's loss is scaled (:meth:`Pipeline.step`);
+        then ``scaler.unscale_(opt)``, clip, ``scaler.step(opt)``, ``scaler.update()``."""
         flats = self._flats()
+        mp = self._mixed_precision
         for f in flats:                          # [Note: FSDP in a pipeline]
-            f.unshard()
+            f.unshard(dtype=None if mp is None else mp.param_dtype)
             f.bind_grads()
-        loss = self.pipeline.step(inputs, targets)
+        loss = self.pipeline.step(inputs, targets, scaler=scaler)
         for p, tg in self._tied:                # [Note: a weight tied across stages]
             if p.grad is None:                  # every rank of the group takes part
                 p.grad = Tensor(p.data * 0)
@@ -663,7 +684,10 @@ class PipelinedModule(ParallelModule):
         in_flat = {id(q) for f in flats for q in f.params}
         if flats:
             for f in flats:
-                f.reduce_grad()                  # reduce-scatter: the mean over data x context
+                f.reduce_grad(reduce_dtype=None if mp is None else (mp.reduce_dtype or mp.param_dtype))
+                # ^ reduce-scatter: the mean over data x context (its shard group), in the shard's dtype
+                if self._replicate is not None and self._replicate.size > 1:    # hybrid shard: and the replicas
+                    all_reduce(f.grad.data, ReduceOp.MEAN, self._replicate, out=f.grad.data)
             _finish_fsdp_segments(_Flats(flats), self.grid, self.tensor_parallel == "axonn", self._sp_params)
             for f in flats:
                 f.reshard()
@@ -677,23 +701,26 @@ class PipelinedModule(ParallelModule):
         return [st.flat for st in self._stages if st.flat is not None]
 
     @contextlib.contextmanager
-    def _gathered(self):
+    def _gathered(self, dtype=None):
         """Every FSDP stage's full parameters bound while inside (state dicts read and write them); on the
-        way out this rank's chunk is taken from them again (a load may have changed them)."""
+        way out this rank's chunk is taken from them again (a load may have changed them).  ``dtype``: a
+        compute copy in that dtype (mixed precision), read only: nothing is taken back."""
         flats = self._flats()
         for f in flats:
-            f.unshard()
+            f.unshard(dtype=dtype)
         try:
             yield
         finally:
             for f in flats:
-                full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
-                f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
+                if dtype is None:
+                    full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
+                    f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
                 f.reshard()
 
     def eval_step(self, inputs, targets) -> float:
-        """The global batch's mean loss without gradients."""
-        with self._gathered():
+        """The global batch's mean loss without gradients (mixed precision: computed in its ``param_dtype``)."""
+        mp = self._mixed_precision
+        with self._gathered(None if mp is None else mp.param_dtype):
             return self.pipeline.eval_step(inputs, targets)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True):
@@ -911,17 +938,18 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             raise TypeError(f"rank {r}: pipeline={pipeline!r}; expected a PipelinePlan(num_microbatches, schedule)")
         if grid.G_inter == 1:
             raise ValueError(f"rank {r}: pipeline={pipeline} needs a grid with G_inter > 1 (axonmpi.init(G_inter=p))")
+        hybrid = False
         if data_parallel == "fsdp" and sharding_strategy is not None:
             from .fsdp import ShardingStrategy
-            if ShardingStrategy.coerce(sharding_strategy) not in (ShardingStrategy.FULL_SHARD,
-                                                                   ShardingStrategy.SHARD_GRAD_OP):
-                raise NotImplementedError(
-                    f"rank {r}: sharding_strategy={sharding_strategy!r} with pipeline=: a pipeline's FSDP gathers "
-                    "each stage once per step and reduce-scatters once (full_shard and shard_grad_op are then "
-                    "the same); hybrid shard's two-level reduction is not built there, and no_shard is DDP")
-        if strategy_options:
+            hybrid = ShardingStrategy.coerce(sharding_strategy) is ShardingStrategy.HYBRID_SHARD
+            if ShardingStrategy.coerce(sharding_strategy) is ShardingStrategy.NO_SHARD:
+                raise ValueError(f"rank {r}: sharding_strategy={sharding_strategy!r} with pipeline=: no_shard is "
+                                 "DDP (data_parallel='ddp')")
+        allowed = ({"hybrid_shard_size"} if hybrid else set()) | ({"mixed_precision"} if data_parallel == "fsdp" else set())
+        if set(strategy_options) - allowed:
             raise ValueError(f"rank {r}: options {sorted(strategy_options)} are DDP's / FSDP's; with pipeline= the "
-                             "Pipeline reduces each stage (no options)")
+                             "Pipeline reduces each stage (no options but FSDP's mixed_precision and hybrid_shard's "
+                             "hybrid_shard_size)")
     elif grid.G_inter > 1 and data_parallel is not None:
         raise ValueError(f"rank {r}: on a pipeline grid (G_inter={grid.G_inter}) pass pipeline=PipelinePlan(...), "
                          "or parallelize each stage with data_parallel=None for a Pipeline you build")
@@ -948,12 +976,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         raise ValueError(f"rank {r}: expert_parallel={expert_parallel} but the model has no nn.MoE layer")
     expert_parallel = grid.check_expert_parallel(grid.expert_parallel if expert_parallel is None
                                                  else expert_parallel) if has_moe else 1
-    if pipeline is not None and cp_size > 1 and isinstance(module, GPT):
-        raise NotImplementedError(
-            f"rank {r}: context_parallel={context_parallel!r} of a GPT inside a pipeline is not built: the GPT keeps "
-            "its context tokens in its own forward, which a pipeline's embedding stage does not run (its position "
-            "embedding would number this rank's tokens from 0); use a model whose inputs carry their positions, "
-            "or a GPT without a pipeline")
     dgroup = data_reduction_group(grid)
     # [Note: a GPT's sequence parallelism] is entered inside its forward (after the embeddings, which number the
     # tokens) and left at a "column_gather" head: pm(x) takes and gives whole sequences
@@ -983,6 +1005,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if has_moe:
         _ep(module, expert_parallel, grid=grid, expert_tensor_parallel=expert_tensor_parallel,
             stats_group=dgroup if cp_size > 1 and not expert_tensor_parallel else None)
+    if has_moe and grid.intra_group.size > 1 and (sequence_parallel or (axonn and not expert_tensor_parallel)):
+        _moe_statistics_groups(module, grid, dgroup if cp_size > 1 else grid.group_for("data"), axonn)
     experts = expert_parameters(module)
     sp_params = _sequence_parallel(module, grid, (module.wte, module.wpe) if gpt_sp else ()) \
         if sequence_parallel and grid.intra_group.size > 1 else []
@@ -990,7 +1014,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         from ..distributed.placement import add_placement
         for p in module.parameters():
             add_placement(p, replica=grid.context_group)
-        if isinstance(module, GPT):         # a GPT takes whole sequences and keeps its tokens itself
+        if isinstance(module, GPT) and pipeline is None:   # a GPT takes whole sequences and keeps its tokens itself
             from .context.gpt import ContextParallelism, _context_parallel_class
             from .context.layout import CPAlgo
             module.context_parallel = ContextParallelism(grid.context_group, CPAlgo.coerce(context_parallel),
@@ -1001,9 +1025,19 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         _checkpoint_modules(module, activation_checkpointing, r)
     # 6 the pipeline, over the stages of steps 1-4 (its runtime is step 5's reducer)
     if pipeline is not None:
+        fsdp_groups = None
+        if hybrid:        # [Note: FSDP in a pipeline]: shard over the shard group, all-reduce over the replicas
+            from .fsdp import ShardingStrategy
+            from .fsdp.runtime import _resolve_groups
+            if experts:
+                raise NotImplementedError(
+                    f"rank {r}: hybrid shard with expert_parallel={expert_parallel} in a pipeline is not built: an "
+                    "expert's replicas (its expert-data group) are not those of the hybrid shard groups; use "
+                    "full_shard or shard_grad_op")
+            fsdp_groups = _resolve_groups(dgroup, ShardingStrategy.HYBRID_SHARD, strategy_options.get("hybrid_shard_size"))
         return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, shapes, sp_params,
                          int(sequence_dim) if sequence_parallel else None, activation_checkpointing is True,
-                         cp_size > 1)
+                         cp_size > 1, fsdp_groups=fsdp_groups, mixed_precision=strategy_options.get("mixed_precision"))
     # 5 data parallel over each parameter's replica group
     sp_hooks = []
     hooked = [p for p in sp_params if data_parallel != "fsdp" or any(p is q for q in experts)]   # FSDP: outside its flats
@@ -1056,6 +1090,23 @@ def _hidden(module: Module, params):
     finally:
         for m, n, p in slots:
             m._parameters[n] = p
+def _moe_statistics_groups(module: Module, grid: ProcessGrid, data, axonn: bool) -> None:
+    """Every MoE's routing statistics (router losses) over the global tokens when the tensor group holds
+    other tokens: summed over it too -- under sequence parallelism (its tokens of the sequences: the
+    gradient passed back as is) and in AxoNN's easy mode (its rows of the batch: one more batch group)."""
+    from ..nn.moe import MoE
+    how = "AxoNN's easy mode (rows over data x tensor)" if axonn else "sequence_parallel"
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            if m.capacity_factor is not None:
+                raise NotImplementedError(
+                    f"rank {grid.rank}: {name!r} has capacity_factor={m.capacity_factor} under {how}: its global "
+                    "queue orders the tokens over one group of consecutive batch slices; use a dropless MoE "
+                    "(capacity_factor=None), or a Megatron plan without sequence parallelism")
+            if axonn:
+                m.stats_group = (data, grid.intra_group)
+            else:
+                m.sequence_group = grid.intra_group
 
 
 def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Optional[Module]:
@@ -1075,7 +1126,7 @@ def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Opti
 
 
 def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
-              checkpoint_chunks: bool, cp: bool) -> "PipelinedModule":
+              checkpoint_chunks: bool, cp: bool, *, fsdp_groups=None, mixed_precision=None) -> "PipelinedModule":
     """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
     schedule runs it on (``schedule.stage_ranks``: ZBV's V, never a permuted model), and run them in a
     :class:`Pipeline` that reduces each stage over data x context (the grad-sync table)."""
@@ -1088,7 +1139,7 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     tied, shared = _tied_weights(module, grid, sched, plan)
     from ..models.gpt import GPT, GPTEmbedding, GPTHead
     axonn = tensor_parallel == "axonn"
-    shard = data_reduction_group(grid) if data_parallel == "fsdp" else None
+    shard, replicate = fsdp_groups or (data_reduction_group(grid) if data_parallel == "fsdp" else None, None)
     gpt = isinstance(module, GPT) or any(isinstance(m, GPTEmbedding) for c in chunks for m in c.modules())
     whole = None if gpt else _whole_first_layer(chunks, grid, sp_dim)
     if whole is not None:       # [Note: the first layer runs on the whole sequence]
@@ -1096,18 +1147,36 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
         for p in whole.parameters():
             p.sequence_parallel = False
         sp_params = [p for p in sp_params if id(p) not in skip]
+    if cp and gpt:      # its embedding stage numbers this rank's tokens (pm.local_batch) at their positions
+        from .context.gpt import context_parallel_embedding
+        for m in (m for c in chunks for m in c.modules() if isinstance(m, GPTEmbedding)):
+            context_parallel_embedding(m, module)
     stages = [_Stage(c, grid, axonn=axonn, sequence_dim=sp_dim, checkpointed=checkpoint_chunks, shard_group=shard,
-                     shared=shared) for c in chunks]
+                     shared=shared)
+              for c in chunks]
     for st, c in zip(stages, chunks):     # [Note: a GPT's sequence parallelism]: its ends enter / leave themselves
         st.enters_itself = any(isinstance(m, GPTEmbedding) for m in c.modules())
         st.leaves_itself = any(isinstance(m, GPTHead) for m in c.modules())
         st.whole_first = whole is not None and len(c) > 0 and c[0] is whole
+    aux = plan.aux_loss
+    if aux is None and isinstance(module, GPT) and module.config.moe_experts and (
+            module.config.moe_aux_loss_coeff or module.config.moe_z_loss_coeff):
+        from ..nn.moe import moe_loss
+        c = module.config
+        aux = lambda chunk: moe_loss(chunk, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)  # noqa: E731
+    if aux is not None and checkpoint_chunks:
+        raise NotImplementedError(
+            f"rank {grid.rank}: auxiliary (router) losses with activation_checkpointing=True in a pipeline are not "
+            "built: a recomputed chunk's forward keeps no graph, so its router losses could not join the backward; "
+            "checkpoint the blocks without MoE layers (patterns), or set the router losses' coefficients to 0")
     # a Megatron tensor group holds the same boundary activations: each rank sends 1/t ([Note: scatter / gather
     # between stages]); AxoNN's tensor block reads other rows, so its ranks send their own whole
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
-                    scatter_group=None if axonn else grid.intra_group)
+                    scatter_group=None if axonn else grid.intra_group,
+                    aux_loss=None if aux is None else lambda st: aux(st.body))
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
+    pm._replicate, pm._mixed_precision = replicate, mixed_precision
     pm._serial_shapes = shapes
     pm._tied = tied
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}

@@ -38,9 +38,12 @@ class HybridGPT(LayoutState):
             each block) recomputed in backward.  dtype: parameter dtype.
         fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead of
             DDP.  cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options.
-        cp_algo: ``"ring"`` or ``"ulysses"`` when ``G_context > 1``.  sequence_parallel: Megatron's.
+        cp_algo: ``"ring"`` or ``"ulysses"`` when ``G_context > 1`` (in a pipeline too: the embedding stage
+            numbers this rank's tokens at their positions).  sequence_parallel: Megatron's.
         expert_parallel: EP of a MoE GPT's experts (divides ``G_data``): the grid's by default (``None``; its
             groups are built at init, ``axonmpi.init(..., expert_parallel=EP)``).
+            In a pipeline each stage adds its router losses of each micro-batch (weight
+            1 / num_microbatches, Megatron's rule); under sequence parallelism over the global tokens.
 
     Example:
         >>> hyb = HybridGPT(cfg, axonmpi.init(G_data=2, G_inter=2).grid, global_batch=8, num_microbatches=2)
@@ -111,13 +114,11 @@ class HybridGPT(LayoutState):
         return self.pm.token_mean(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"), int((y != -100).sum()))
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
-        """Forward and backward on this rank's rows (``scaler``: a ``GradScaler``, not with a pipeline); returns
-        the serial model's mean loss over the global batch's counted targets, on every rank and layout."""
-        if self.pipe is not None:
-            if scaler is not None:
-                raise NotImplementedError(f"rank {self.grid.world.rank}: loss scaling scales one loss per step; a "
-                                          f"pipeline's runtime runs one per micro-batch: not {self.layout}")
-            return self.pm.step(x, y)      # the token mean over its micro-batches and token groups
+        """Forward and backward on this rank's rows (``scaler``: a ``GradScaler``; a pipeline's scales each
+        micro-batch's loss); returns the serial model's mean loss over the global batch's counted targets, on
+        every rank and layout."""
+        if self.pipe is not None:      # the token mean over its micro-batches and token groups
+            return self.pm.step(*self.pm.local_tokens(x, y), scaler=scaler)
         loss = self._token_mean(x, y)
         aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
         total = loss if aux is None else loss + aux      # the returned value stays the LM loss
@@ -132,7 +133,7 @@ class HybridGPT(LayoutState):
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
         if self.pipe is not None:
-            return self.pm.eval_step(x, y)
+            return self.pm.eval_step(*self.pm.local_tokens(x, y))
         with no_grad():
             return float(self._token_mean(x, y).item())
 
@@ -212,13 +213,5 @@ def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: b
             f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1): the GPT leaves the "
             f"sequence-parallel region at a gathered, vocabulary-parallel lm_head; got {lay} "
             f"tp_style={h.style and h.style.value!r}")
-    if config.moe_experts and (lay.G_inter > 1 or h.sequence_parallel) and (config.moe_aux_loss_coeff
-                                                                            or config.moe_z_loss_coeff):
-        why = ("in a pipeline each stage's router losses do not reach the last stage's loss" if lay.G_inter > 1 else
-               "under sequence parallelism each tensor rank routes its sequence shard, so the router losses' "
-               "statistics are the shard's, not the global batch's")
-        raise NotImplementedError(
-            f"rank {r}: a MoE GPT with router losses (moe_aux_loss_coeff={config.moe_aux_loss_coeff}, moe_z_loss_coeff="
-            f"{config.moe_z_loss_coeff}) on {lay}: {why}; set both to 0 (--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0)")
     if h._expert_parallel > 1 and not config.moe_experts:
         raise ValueError(f"rank {r}: expert_parallel={h._expert_parallel} needs a MoE GPT (config.moe_experts > 0)")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+
+import numpy as np
 from typing import Dict, List, Optional
 
 from ...autograd import ops_nn
@@ -15,7 +17,8 @@ from ..swap import swap_modules
 from .attention import ContextParallelAttention
 from .layout import CPAlgo, ContextLayout
 
-__all__ = ["ContextParallelism", "ContextParallelModel", "context_parallel_gpt"]
+__all__ = ["ContextParallelEmbedding", "ContextParallelism", "ContextParallelModel", "context_parallel_embedding",
+           "context_parallel_gpt"]
 
 
 class ContextParallelism:
@@ -93,15 +96,47 @@ class ContextParallelModel:
             return super().generate(*args, **kwargs)
 
 
-_CLASSES: Dict[type, type] = {}
+class ContextParallelEmbedding:
+    """The class a GPT's embedding layer (``GPTEmbedding``) takes in a pipeline under context parallelism
+    (:func:`context_parallel_embedding`): it is given this rank's tokens of each sequence (``pm.local_batch``:
+    ring's zig-zag chunks ``r`` and ``2P-1-r``, Ulysses' ``r``-th) and numbers them with their positions in the
+    whole sequence, as :class:`ContextParallelModel` does for the whole GPT."""
+
+    context_parallel: ContextParallelism
+
+    def forward(self, idx, positions=None):
+        if positions is None:
+            cp = self.context_parallel
+            positions = cp.positions(int(np.shape(idx.data if isinstance(idx, Tensor) else idx)[1]) * cp.size)
+        return super().forward(idx, positions=positions)
 
 
-def _context_parallel_class(cls: type) -> type:
-    if issubclass(cls, ContextParallelModel):
+_CLASSES: Dict[tuple, type] = {}
+
+
+def _context_parallel_class(cls: type, mixin: type = ContextParallelModel) -> type:
+    if issubclass(cls, mixin):
         return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ContextParallel{cls.__name__}", (ContextParallelModel, cls), {})
-    return _CLASSES[cls]
+    if (cls, mixin) not in _CLASSES:
+        _CLASSES[(cls, mixin)] = type(f"ContextParallel{cls.__name__}", (mixin, cls), {})
+    return _CLASSES[(cls, mixin)]
+
+
+def context_parallel_embedding(layer: Module, model: Module) -> Module:
+    """Make ``layer`` (a GPT's pipeline embedding, whose ``forward`` takes ``positions=``) number this rank's
+    tokens at their global positions, over the context group and algorithm of ``model``'s
+    :class:`ContextParallelAttention` layers (in place; returns ``layer``).
+
+    Example:
+        >>> emb = context_parallel_embedding(chunks[0][0], model)   # after the attention swap
+    """
+    attention = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+    if not attention:
+        raise ValueError(f"context_parallel_embedding: {type(model).__name__} holds no ContextParallelAttention "
+                         "(swap the attention layers first)")
+    layer.context_parallel = ContextParallelism(attention[0].group, attention[0].algo, attention)
+    layer.__class__ = _context_parallel_class(type(layer), ContextParallelEmbedding)
+    return layer
 
 
 def context_parallel_gpt(model: Module, group: Optional[ProcessGroup] = None, algo="ring") -> Module:

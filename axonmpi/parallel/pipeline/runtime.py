@@ -9,6 +9,7 @@ import numpy as np
 
 from ... import trace as _trace
 from ...autograd.grad_mode import enable_grad, no_grad
+from ...autograd.function import backward as run_backward
 from ...autograd.split_backward import backward_input
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module, get_cupy, is_cupy_array
@@ -135,6 +136,17 @@ def _data_group(group: ProcessGroup, data_group: Optional[ProcessGroup]) -> Opti
     return grid.group_for("data") if group is grid.group_for("pipeline") else None
 
 
+# [Note: auxiliary losses in a pipeline]
+# A stage's auxiliary loss (a MoE's router losses) never reaches the last stage's loss, so the stage adds it
+# to its own backward: micro-batch i's backward of stage s runs from two roots, the stage output (with the
+# gradient received from stage s + 1) and ``aux_i / m`` (times the loss scale), in one pass.  The value is
+# that of the global micro-batch i (a MoE sums its routing statistics over the ranks that split the batch,
+# and its gradient is multiplied by that group's size, which the data-parallel mean divides out), so the
+# gradients equal the serial model's for ``LM(batch) + (1/m) sum_i aux(micro-batch i)`` -- Megatron's rule
+# (the auxiliary loss of each micro-batch, scaled by 1 / num_microbatches).  With one micro-batch that is
+# the serial ``loss + model.moe_auxiliary_loss()``.  The reported loss stays the LM loss.
+
+
 class Pipeline:
     """Pipeline-parallel training of model chunks over a process group, by a schedule.
 
@@ -188,6 +200,12 @@ class Pipeline:
         scatter_group: a group whose ranks hold the same activation and gradient at every stage boundary
             (a Megatron tensor group; never AxoNN's, whose ranks read other rows): each sends ``1/t`` of them
             and the receiver all-gathers over its own (Megatron's ``scatter_gather_tensors_in_pipeline``).
+        aux_loss: ``aux_loss(stage_module) -> Tensor | None``, read after each stage's forward of a
+            micro-batch: the stage's auxiliary loss of that micro-batch (a MoE's router losses,
+            ``moe_auxiliary_loss``). It joins the stage's backward with weight ``1 / num_microbatches``
+            (times a scaler's scale), so the gradients are those of the LM loss plus the mean over the
+            micro-batches of their auxiliary losses (Megatron's rule); the returned loss stays the LM loss.
+            See [Note: auxiliary losses in a pipeline].
 
     Example:
         >>> chunks = split_module(model, num_stages=world.world_size)
@@ -200,7 +218,8 @@ class Pipeline:
                  group: Optional[ProcessGroup] = None, virtual_stages: Optional[int] = None, *,
                  data_group: Optional[ProcessGroup] = None, track_memory: bool = True,
                  ignore_index: Optional[int] = -100, token_groups: Sequence[ProcessGroup] = (),
-                 scatter_group: Optional[ProcessGroup] = None):
+                 scatter_group: Optional[ProcessGroup] = None,
+                 aux_loss: Optional[Callable[[Module], Optional[Tensor]]] = None):
         self.group = role_group("pipeline", group)
         # [Note: scatter / gather between stages] in _comm.py: each rank sends 1/t of a boundary's array
         self.scatter_group = scatter_group if scatter_group is not None and scatter_group.size > 1 else None
@@ -244,6 +263,7 @@ class Pipeline:
                 raise ValueError(f"rank {r}: stage {sid} was made for another pipeline group")
             self.stages[sid] = st
         self.loss_fn = loss_fn
+        self.aux_loss = aux_loss
         self.ignore_index = ignore_index
         self.data_group = _data_group(self.group, data_group)
         self._extra_token_groups = tuple(resolve_group(x) for x in token_groups)
@@ -312,13 +332,18 @@ class Pipeline:
             raise RuntimeError(f"rank {self.rank}: memory_stats() is available after the first step()")
         return self._stats
 
-    def step(self, inputs, targets):
+    def step(self, inputs, targets, *, scaler=None):
         """Forward and backward over ``num_microbatches`` micro-batches by the schedule; return the loss.
 
         Args:
             inputs: the batch (array or Tensor, batch on axis 0); needed on the rank of stage 0
                 (others may pass it or ``None``).
             targets: the targets; needed on the rank of the last stage.
+            scaler: an :class:`axonmpi.amp.GradScaler`: every micro-batch's loss (and auxiliary loss) is
+                multiplied by its scale before its backward, so the gradients are scaled; then
+                ``scaler.unscale_(opt)`` / ``scaler.step(opt)`` as without a pipeline (the inf check is
+                all-reduced over the scaler's group, every rank by default: pipeline, data and tensor
+                ranks skip or step together). The returned loss is not scaled.
 
         Returns:
             The mean loss over the batch as a float, the same on every rank of the pipeline
@@ -328,8 +353,13 @@ class Pipeline:
             raise ValueError(f"rank {self.rank}: Pipeline.step needs loss_fn")
         if not self._device_comm:
             self._reach_device_backend()
+        if scaler is not None and not set(self.group.ranks) <= set(scaler.group.ranks):
+            raise ValueError(f"rank {self.rank}: the GradScaler's inf check is agreed over {scaler.group.name} "
+                             f"{list(scaler.group.ranks)}, which leaves out pipeline ranks of {list(self.group.ranks)}: "
+                             "stages would step apart; use GradScaler(group=None) (every rank)")
         sizes = self._agree_sizes(inputs, targets)
-        loss = self._run(self.schedule_actions(), sizes, inputs, targets, train=True)
+        scale = 1.0 if scaler is None else float(scaler.get_scale())
+        loss = self._run(self.schedule_actions(), sizes, inputs, targets, train=True, scale=scale)
         self._reduce_data_parallel()
         self._step += 1
         return loss
@@ -425,8 +455,8 @@ class Pipeline:
                     x[...] = flat[at:at + x.size].reshape(x.shape)
                     at += x.size
 
-    def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool):
-        ex = _Executor(self, acts, sizes, inputs, targets, train)
+    def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool, scale: float = 1.0):
+        ex = _Executor(self, acts, sizes, inputs, targets, train, scale)
         value = ex.run()
         if train or targets is not None:
             if self.group.size > 1:
@@ -508,8 +538,9 @@ def _header_tag(stage: int) -> int:
 class _Executor:
     """One step: walks the rank's action list, pre-posting each compute's receives one compute ahead."""
 
-    def __init__(self, pipe: Pipeline, acts: List[Action], sizes: List[int], inputs, targets, train: bool):
-        self.pipe, self.acts, self.sizes, self.train = pipe, acts, sizes, train
+    def __init__(self, pipe: Pipeline, acts: List[Action], sizes: List[int], inputs, targets, train: bool,
+                 scale: float = 1.0):
+        self.pipe, self.acts, self.sizes, self.train, self.scale = pipe, acts, sizes, train, scale
         self.group = pipe.group
         r = pipe.rank
         self.inputs = inputs
@@ -519,6 +550,7 @@ class _Executor:
         self.weights = self._loss_weights() if pipe.last_stage in pipe.stages else [0.0] * len(sizes)
         self.x: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage input
         self.y: Dict[Tuple[int, int], Tensor] = {}       # (stage, mb) -> stage output (or scaled loss)
+        self.aux: Dict[Tuple[int, int], Tensor] = {}     # (stage, mb) -> its weighted auxiliary loss
         self.grad_in: Dict[Tuple[int, int], Any] = {}    # (stage, mb) -> gradient of the stage's output
         self.weight_grads: Dict[Tuple[int, int], Any] = {}   # (stage, mb) -> its deferred W (zero-bubble)
         self.recvs: Dict[Action, Tuple[Any, Any, Tuple[int, ...]]] = {}   # posted receive -> (work, buffer, shape)
@@ -669,13 +701,21 @@ class _Executor:
         seed = _microbatch_seed(initial_seed(), p._step, s, i, p.data_group.rank if p.data_group is not None else 0)
         with fork_rng(seed):
             y = p.stages[s](x)
+        if self.train and p.aux_loss is not None:       # [Note: auxiliary losses in a pipeline]
+            aux = p.aux_loss(p.stages[s].module)
+            if aux is not None and not aux.requires_grad:
+                raise RuntimeError(f"rank {self.rank}: the auxiliary loss of stage {s} (micro-batch {i}) keeps no "
+                                   "graph (computed under no_grad or activation checkpointing), so it cannot join "
+                                   "the backward; do not checkpoint the layers that make it")
+            if aux is not None:
+                self.aux[(s, i)] = aux * (self.scale / len(self.sizes))
         if s == p.last_stage:
             if self.targets is not None and p.loss_fn is not None:
                 w = self.weights[i]
                 loss = p.loss_fn(y, Tensor.wrap(self._slice(self.targets, i))) * w
                 if w:  # a micro-batch of ignored targets only: NaN * 0, zero gradients, not counted
                     self.loss += float(loss.item())
-                y = loss
+                y = loss * self.scale if self.train and self.scale != 1.0 else loss
             if not self.train:
                 if self.targets is None:
                     self.outputs.append(y.data)
@@ -696,13 +736,17 @@ class _Executor:
             g = self._received.pop((s, i))
         else:
             g = None
+        roots, grads = ([y], [g]) if y.requires_grad else ([], [])
+        aux = self.aux.pop((s, i), None)
+        if aux is not None:     # the stage's auxiliary loss joins its backward ([Note: auxiliary losses in a pipeline])
+            roots, grads = roots + [aux], grads + [None]
         if a.kind is ActionKind.BACKWARD_INPUT:
             # the input gradient now, the weight gradients at this micro-batch's W ([Note: B/W split])
             x = self.x.get((s, i))
             inputs = [x] if x is not None and x.requires_grad and x.grad_fn is None else []
-            self.weight_grads[(s, i)] = backward_input(y, g, inputs=inputs) if y.requires_grad else None
-        elif y.requires_grad:
-            y.backward(g)
+            self.weight_grads[(s, i)] = backward_input(roots, grads, inputs=inputs) if roots else None
+        elif roots:
+            run_backward(roots, grads)
         if s > 0 and p.schedule.rank_of(s - 1) == self.rank:
             x = self.x.pop((s, i))
             self.grad_in_local[(s - 1, i)] = (x.grad.data if x.grad is not None

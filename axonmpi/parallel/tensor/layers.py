@@ -267,15 +267,25 @@ class VocabParallelEmbedding(_AxisSharded):
     :class:`~axonmpi.nn.Embedding`: its row starts at zero and receives no gradient on the rank
     that owns it.
 
+    ``sequence_parallel=True``: the ids are this rank's sequence shard (dimension ``sequence_dim`` of the
+    output; the ids' own when it is not negative); they are all-gathered over the group, every rank looks up
+    its vocabulary rows for the whole sequences, and the partial rows are reduce-scattered back to this
+    rank's shard (Megatron's ``VocabParallelEmbedding`` with ``sequence_parallel``; backward: all-gather).
+
     Example:
         >>> emb = VocabParallelEmbedding(1000, 64, group=tp)
         >>> h = emb(ids)                                   # (..., 64), identical on every rank
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Optional[ProcessGroup] = None,
-                 init_method: Optional[Callable] = None, dtype=None, padding_idx: Optional[int] = None):
+                 init_method: Optional[Callable] = None, dtype=None, padding_idx: Optional[int] = None, *,
+                 sequence_parallel: bool = False, sequence_dim: int = -2):
         super().__init__()
         self.group = one_d_group(group)
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
+        if self.sequence_parallel and self.sequence_dim == -1:
+            raise ValueError(f"rank {self.group.world.rank}: VocabParallelEmbedding sequence_dim=-1 is the embedding "
+                             "dimension of the output; pass the sequence dimension (-2 for (b, s, h))")
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         if padding_idx is not None:
             if not -self.num_embeddings <= int(padding_idx) < self.num_embeddings:
@@ -300,15 +310,21 @@ class VocabParallelEmbedding(_AxisSharded):
             raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
         if self.group.size == 1:
             return ops_nn.embedding(idx, self.weight, self.padding_idx)
+        d = self.sequence_dim
+        if self.sequence_parallel:        # the ids of the whole sequences (integers: no gradient)
+            idx = gather_from_sequence_parallel_region(Tensor(idx), self.group, dim=d if d >= 0 else d + 1).data
         xp = get_array_module(idx)
         keep = (idx >= self.vocab_start) & (idx < self.vocab_end)
         local = xp.where(keep, idx - self.vocab_start, 0)
         h = _MaskRows.apply(ops_nn.embedding(local, self.weight, self._local_padding), keep)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(h, self.group, dim=d)
         return reduce_from_tensor_parallel_region(h, self.group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, vocab [{self.vocab_start}, {self.vocab_end}) "
-                f"on this rank, group size={self.group.size}")
+                f"on this rank, group size={self.group.size}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 class _VocabParallelCrossEntropy(Function):
