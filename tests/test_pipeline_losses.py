@@ -18,7 +18,7 @@ from axonmpi import Tensor
 from axonmpi.amp import GradScaler
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.recipes import HybridGPT
-from test_recipe_layouts import GB, T, V, serial_run, train_checked   # one harness
+from test_recipe_layouts import GB, T, V, _grid, serial_run, train_checked   # one harness
 
 STEPS = 3
 DENSE = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=8)
@@ -51,7 +51,7 @@ def _global_microbatches(shards: int, m: int):
 
 
 def _run(world, cfg, sizes, opts, want, want_sd, scaler=None):
-    grid = axonmpi.ProcessGrid(world, **sizes)
+    grid = _grid(world, sizes, opts)
     old, world.grid = world.grid, grid
     try:
         axonmpi.manual_seed(7)
@@ -196,7 +196,7 @@ def test_pipeline_plan_aux_loss_of_a_model_not_a_gpt_matches_serial(world):
             loss += float(lm.item())
         want.append((loss, float(clip_grad_norm_(ref.parameters(), MAX_NORM))))
         opt.step()
-    grid = axonmpi.ProcessGrid(world, G_inter=2)
+    grid = axonmpi.ProcessGrid(world, G_inter=2, expert_parallel=2)
     old, world.grid = world.grid, grid
     try:
         pm = parallelize(_make("moe"), grid=grid, expert_parallel=2,
