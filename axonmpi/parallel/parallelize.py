@@ -1125,6 +1125,31 @@ def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Opti
     return None
 
 
+def _boundaries_whole(chunks, grid: ProcessGrid) -> bool:
+    """Whether every stage boundary carries an activation each Megatron tensor rank holds whole, so that each
+    may send ``1/t`` of it ([Note: scatter / gather between stages]): no cut between a column-parallel layer
+    (its output split over the tensor group) and the row-parallel layer that reads it.  Each rank tells its
+    chunks' effect (opens / closes such a region, or neither); every rank decides on the same list."""
+    from ..distributed.object_collectives import all_gather_object
+    from .tensor.layers import ColumnParallelLinear, RowParallelLinear
+    mine = []
+    for c in chunks:
+        last = None
+        for m in c.modules():
+            if isinstance(m, ColumnParallelLinear):
+                last = "closes" if m.gather_output else "opens"
+            elif isinstance(m, RowParallelLinear):
+                last = "closes"
+        mine.append((c.stage_index, last))
+    effects = dict(e for got in all_gather_object(mine, group=grid.inter_group) for e in got)
+    split = False
+    for s in sorted(effects)[:-1]:
+        split = {"opens": True, "closes": False}.get(effects[s], split)
+        if split:
+            return False
+    return True
+
+
 def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
               checkpoint_chunks: bool, cp: bool, *, fsdp_groups=None, mixed_precision=None) -> "PipelinedModule":
     """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
@@ -1173,7 +1198,7 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     # between stages]); AxoNN's tensor block reads other rows, so its ranks send their own whole
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
-                    scatter_group=None if axonn else grid.intra_group,
+                    scatter_group=None if axonn or not _boundaries_whole(chunks, grid) else grid.intra_group,
                     aux_loss=None if aux is None else lambda st: aux(st.body))
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._replicate, pm._mixed_precision = replicate, mixed_precision

@@ -118,7 +118,7 @@ class HybridGPT(LayoutState):
         micro-batch's loss); returns the serial model's mean loss over the global batch's counted targets, on
         every rank and layout."""
         if self.pipe is not None:      # the token mean over its micro-batches and token groups
-            return self.pm.step(*self.pm.local_tokens(x, y), scaler=scaler)
+            return self.pm.step(x, y, scaler=scaler)   # x, y: local_batch, this rank's tokens
         loss = self._token_mean(x, y)
         aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
         total = loss if aux is None else loss + aux      # the returned value stays the LM loss
@@ -133,7 +133,7 @@ class HybridGPT(LayoutState):
         """Mean loss over the global batch without gradients (``x``, ``y``: this rank's rows)."""
         from ..autograd import no_grad
         if self.pipe is not None:
-            return self.pm.eval_step(*self.pm.local_tokens(x, y))
+            return self.pm.eval_step(x, y)
         with no_grad():
             return float(self._token_mean(x, y).item())
 
