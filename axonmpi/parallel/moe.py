@@ -64,7 +64,7 @@ from .tensor.mappings import (
 )
 
 __all__ = ["AllToAllDispatcher", "GatherDispatcher", "ShardedExpertLinear", "expert_parallel",
-           "expert_parameters", "hook_expert_gradients"]
+           "expert_parameters"]
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -245,24 +245,3 @@ def expert_parallel(module: Module, expert_parallel: int = 1, *, grid=None,
             setattr(m.experts, name, lin)
         m.dispatcher = AllToAllDispatcher(ep_group, m.num_experts)
     return len(moes)
-
-
-def hook_expert_gradients(params, data_group, batch_shards: int) -> list:
-    """Reduce expert gradients as each completes: summed over the groups of the grad-sync table (the
-    expert-data group), divided by ``batch_shards`` (the data-parallel mean). Returns the hook handles.
-
-    DDP over ``data_group`` takes the other parameters (``DistributedDataParallel(...,
-    ignored_parameters=params)``).
-    """
-    from ..distributed import all_reduce
-    from .grad_sync import reduction_groups
-    scale = 1.0 / batch_shards
-
-    def reduce(p):
-        grad = p.grad.data
-        for grp in reduction_groups(p, data_group):
-            all_reduce(grad, group=grp, out=grad)
-        if scale != 1.0:
-            grad *= scale
-
-    return [p.register_post_accumulate_grad_hook(reduce) for p in params]

@@ -17,7 +17,6 @@ order because the order follows the model's (deterministic) execution.
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import mmap
 from collections import OrderedDict
@@ -33,6 +32,7 @@ from ...distributed.sharding import ShardedArray
 from ...nn import IncompatibleKeys, Module, Parameter
 from .._flat import FlatParameter
 from .._flat import broadcast_flat
+from ..grad_sync import GradReducer, no_sync
 from .api import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
 from .memory import estimate_memory, measure
 from .unit import FSDPUnit
@@ -268,6 +268,7 @@ class FullyShardedDataParallel(Module):
         self._seq: List[FSDPUnit] = []                      # forward order of this step
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
         self._sync = True
+        self.grad_reducer = GradReducer("fsdp", parts=[self])     # the no_sync switch (grad_sync)
         self._phase = _Phase.OUTSIDE
         self._post_backward_hooks: List[Callable[[], None]] = []
         self._n_complete = 0
@@ -569,19 +570,23 @@ class FullyShardedDataParallel(Module):
         from ...optim.clip import clip_grad_norm_
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backwards inside accumulate full gradients locally, without any reduce-scatter.
 
         The first backward outside reduces the accumulated sum once. The unsharded gradients of
-        every unit stay alive meanwhile (as in PyTorch).
+        every unit stay alive meanwhile (as in PyTorch). :func:`axonmpi.parallel.no_sync` of this model.
         """
         self._check_root("no_sync")
-        prev, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = prev
+        return no_sync(self)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether backwards reduce-scatter (False inside :meth:`no_sync`); the switch of ``grad_reducer``."""
+        return self._sync
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._sync = bool(on)
 
     # -- state dicts --------------------------------------------------------------------------------
     def _gather_full(self) -> None:
