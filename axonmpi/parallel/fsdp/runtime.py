@@ -267,7 +267,7 @@ class FullyShardedDataParallel(Module):
         self._order: List[FSDPUnit] = list(self.units)     # forward order of the last step
         self._seq: List[FSDPUnit] = []                      # forward order of this step
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
-        self._sync = True
+        self.enabled = True        # backwards reduce-scatter (False inside no_sync): the switch of grad_reducer
         self.grad_reducer = GradReducer("fsdp", parts=[self])     # the no_sync switch (grad_sync)
         self._phase = _Phase.OUTSIDE
         self._post_backward_hooks: List[Callable[[], None]] = []
@@ -450,7 +450,7 @@ class FullyShardedDataParallel(Module):
         unit.complete = True
         if self._phase is _Phase.ARMED:
             self._phase = _Phase.RUNNING
-        if self._sync:
+        if self.enabled:
             unit.launch_reduce()
             self._launched.append(unit)
             for u in self._launched:        # drive MPI progress of every reduction in flight
@@ -468,7 +468,7 @@ class FullyShardedDataParallel(Module):
             u.free()
         self._event("backward_end", "")
         self._phase = _Phase.OUTSIDE
-        if self._sync:
+        if self.enabled:
             for fn in self._post_backward_hooks:
                 fn()
 
@@ -578,15 +578,6 @@ class FullyShardedDataParallel(Module):
         """
         self._check_root("no_sync")
         return no_sync(self)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether backwards reduce-scatter (False inside :meth:`no_sync`); the switch of ``grad_reducer``."""
-        return self._sync
-
-    @enabled.setter
-    def enabled(self, on: bool) -> None:
-        self._sync = bool(on)
 
     # -- state dicts --------------------------------------------------------------------------------
     def _gather_full(self) -> None:
