@@ -2,7 +2,7 @@
 ``axonmpi.parallel.no_sync(pm)`` (``pm.no_sync()``), then one reduction, equals the serial model's K
 accumulated backwards, for every kind of layout at 4 ranks (float64): DDP, FSDP, Megatron TP + sequence
 parallel (under DDP and FSDP), AxoNN 3-D (under DDP and FSDP), expert parallel, and pipelines (plain,
-FSDP, Megatron TP + SP).  Each optimizer step compares the clip norm (clipping active) and the loss of
+FSDP, AxoNN, Megatron TP + SP).  Each optimizer step compares the clip norm (clipping active) and the loss of
 every micro-step; the parameters after the steps are compared at the end (1e-10).  A switch that some path
 ignored shows: a sum-type reduction (sequence-parallel, AxoNN, expert, pipeline segments) run inside and
 again on the accumulated sum counts the first micro-steps twice; and inside ``no_sync`` the data replicas'
@@ -73,6 +73,8 @@ LAYOUTS = {      # name: (model, grid sizes, parallelize options)
     "expert": (MoENet, {}, {"expert_parallel": 2}),
     "pipeline": (_mlp, {"G_inter": 2}, {"pipeline": PipelinePlan(2, "1f1b")}),
     "pipeline_fsdp": (_mlp, {"G_inter": 2}, {"pipeline": PipelinePlan(2, "1f1b"), "data_parallel": "fsdp"}),
+    "pipeline_axonn": (_mlp, {"G_inter": 2, "G_intra_r": 2}, {"pipeline": PipelinePlan(2, "1f1b"),
+                                                              "tensor_parallel": "axonn"}),
     "pipeline_megatron_sp": (_mlp, {"G_inter": 2, "G_intra_c": 2},
                              {"pipeline": PipelinePlan(2, "gpipe"), "tensor_parallel": PLAN,
                               "sequence_parallel": True, "sequence_dim": 0}),
