@@ -154,3 +154,42 @@ def test_accumulation_under_no_sync_equals_serial(world, layout):
 def test_no_sync_refuses_a_module_without_a_reducer():
     with pytest.raises(TypeError, match="has no grad_reducer"):
         no_sync(nn.Linear(2, 2))
+
+
+# -- the reducer itself: closed forms over all ranks --------------------------------------------------------
+class _Part:
+    enabled = True
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reducer_entries_closed_form_and_switch(world):
+    """Rank r's gradient is (r + 1) x ones: the hooked entry gives the sum n (n + 1) / 2 x scale as backward
+    returns, the after-backward entries (two parameters, one flat bucket) the mean (n + 1) / 2 at ``run``;
+    inside ``no_sync`` neither runs and the part is off, and the switch is restored after an exception."""
+    from axonmpi.distributed import resolve_group
+    from axonmpi.parallel.grad_sync import GradReducer
+    group, n, r = resolve_group(None), world.world_size, world.rank
+    hooked = nn.Parameter(np.zeros(3))
+    late = [nn.Parameter(np.zeros(2)), nn.Parameter(np.zeros((2, 2)))]
+    part = _Part()
+    red = GradReducer("test", parts=[part])
+    red.hook([hooked], lambda p: (group,), 0.5)
+    red.after_backward(late, lambda p: (group,), 1.0 / n)
+    for inside in (True, False):
+        for p in [hooked, *late]:
+            p.grad = None
+        with (red.no_sync() if inside else contextlib.nullcontext()):
+            assert part.enabled is not inside
+            ((hooked * (r + 1.0)).sum() + sum((p * (r + 1.0)).sum() for p in late)).backward()
+            red.run()
+        want_hooked = (r + 1.0) if inside else 0.5 * n * (n + 1) / 2
+        want_late = (r + 1.0) if inside else (n + 1) / 2
+        assert np.allclose(hooked.grad.data, want_hooked, rtol=0, atol=1e-12), (inside, hooked.grad.data)
+        for p in late:
+            assert np.allclose(p.grad.data, want_late, rtol=0, atol=1e-12), (inside, p.grad.data)
+    with pytest.raises(RuntimeError, match="boom"):
+        with red.no_sync():
+            raise RuntimeError("boom")
+    assert red.enabled and part.enabled
+    with pytest.raises(TypeError, match="needs an 'enabled' switch"):
+        red.add_part(object())
