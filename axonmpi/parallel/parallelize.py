@@ -942,8 +942,8 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         wrapped = FSDP(module, group=dgroup, **opts)
         cls = _FSDPParallelModule
         if tensor_parallel is not None:
-            _reduce_fsdp_segments(reducer, list(wrapped.parameters()), grid, axonn, sp_params)
-            wrapped.register_post_backward_hook(reducer.run)
+            # run by FSDP's reducer (a part of the model's) after its reduce-scatter
+            _reduce_fsdp_segments(wrapped.grad_reducer, list(wrapped.parameters()), grid, axonn, sp_params)
             cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module, reducer)
     pm._serial_shapes = shapes

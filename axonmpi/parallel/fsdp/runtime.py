@@ -268,7 +268,8 @@ class FullyShardedDataParallel(Module):
         self._seq: List[FSDPUnit] = []                      # forward order of this step
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
         self.enabled = True        # backwards reduce-scatter (False inside no_sync): the switch of grad_reducer
-        self.grad_reducer = GradReducer("fsdp", parts=[self])     # the no_sync switch (grad_sync)
+        # the no_sync switch, and what runs after the reduce-scatter (grad_sync, [Note: the reducer])
+        self.grad_reducer = GradReducer("fsdp", parts=[self])
         self._phase = _Phase.OUTSIDE
         self._post_backward_hooks: List[Callable[[], None]] = []
         self._n_complete = 0
@@ -469,13 +470,14 @@ class FullyShardedDataParallel(Module):
         self._event("backward_end", "")
         self._phase = _Phase.OUTSIDE
         if self.enabled:
+            self.grad_reducer.run()          # its after-backward entries: parallelize's tensor-parallel segments
             for fn in self._post_backward_hooks:
                 fn()
 
     def register_post_backward_hook(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` at the end of every backward whose gradients were reduced (not under
-        :meth:`no_sync`), after the sharded gradients are in place; ``parallelize`` finishes the
-        reduction of tensor-parallel segments here.
+        :meth:`no_sync`), after the sharded gradients are in place and ``grad_reducer`` ran its
+        after-backward entries (``parallelize``'s reduction of tensor-parallel segments).
 
         Example:
             >>> fsdp.register_post_backward_hook(lambda: print("gradients ready"))
