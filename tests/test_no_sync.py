@@ -2,7 +2,8 @@
 ``axonmpi.parallel.no_sync(pm)`` (``pm.no_sync()``), then one reduction, equals the serial model's K
 accumulated backwards, for every kind of layout at 4 ranks (float64): DDP, FSDP, Megatron TP + sequence
 parallel (under DDP and FSDP), AxoNN 3-D (under DDP and FSDP), expert parallel, and pipelines (plain,
-FSDP, AxoNN, Megatron TP + SP).  Each optimizer step compares the clip norm (clipping active) and the loss of
+FSDP, AxoNN, Megatron TP + SP); and at 8 ranks (marked ``nd``) three-axis layouts where the reducer's parts
+nest: FSDP x pipeline x Megatron TP + SP, DDP x pipeline x AxoNN, FSDP x AxoNN 2 x 2.  Each optimizer step compares the clip norm (clipping active) and the loss of
 every micro-step; the parameters after the steps are compared at the end (1e-10).  A switch that some path
 ignored shows: a sum-type reduction (sequence-parallel, AxoNN, expert, pipeline segments) run inside and
 again on the accumulated sum counts the first micro-steps twice; and inside ``no_sync`` the data replicas'
@@ -97,12 +98,34 @@ def _local_checksum(pm):
                      for p in pm.inner.parameters() if p.grad is not None and p.grad.data.size))
 
 
+LAYOUTS8 = {     # three axes at 8 ranks: the reducer's parts nested (pipeline, FSDP flats, segments, hooks)
+    "fsdp_pp2_tp2_sp": (_mlp, {"G_inter": 2, "G_intra_c": 2},
+                        {"pipeline": PipelinePlan(2, "1f1b"), "data_parallel": "fsdp", "tensor_parallel": PLAN,
+                         "sequence_parallel": True, "sequence_dim": 0}),
+    "dp_pp2_axonn2": (_mlp, {"G_inter": 2, "G_intra_r": 2},
+                      {"pipeline": PipelinePlan(2, "gpipe"), "tensor_parallel": "axonn"}),
+    "fsdp_axonn2x2": (_mlp, {"G_intra_r": 2, "G_intra_c": 2}, {"tensor_parallel": "axonn", "data_parallel": "fsdp"}),
+}
+
+
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_accumulation_under_no_sync_equals_serial(world, layout):
     if world.world_size != 4:
         pytest.skip("the layouts are for 4 ranks")
-    make, sizes, opts = LAYOUTS[layout]
+    _accumulate(world, layout, *LAYOUTS[layout])
+
+
+@pytest.mark.nd
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS8))
+def test_nd_accumulation_under_no_sync_equals_serial(world, layout):
+    if world.world_size != 8:
+        pytest.skip("runs at 8 ranks")
+    _accumulate(world, layout, *LAYOUTS8[layout])
+
+
+def _accumulate(world, layout, make, sizes, opts):
     grid = axonmpi.ProcessGrid(world, **sizes)
     try:
         axonmpi.manual_seed(5)
