@@ -2,9 +2,10 @@
 ``axonmpi.parallel.no_sync(pm)`` (``pm.no_sync()``), then one reduction, equals the serial model's K
 accumulated backwards, for every kind of layout at 4 ranks (float64): DDP, FSDP, Megatron TP + sequence
 parallel (under DDP and FSDP), AxoNN 3-D (under DDP and FSDP), expert parallel, and pipelines (plain,
-FSDP, AxoNN, Megatron TP + SP); and at 8 ranks (marked ``nd``) three-axis layouts where the reducer's parts
-nest: FSDP x pipeline x Megatron TP + SP, DDP x pipeline x AxoNN, FSDP x AxoNN 2 x 2.  Each optimizer step compares the clip norm (clipping active) and the loss of
-every micro-step; the parameters after the steps are compared at the end (1e-10).  A switch that some path
+FSDP, AxoNN, Megatron TP + SP); and at 8 ranks (marked ``nd``) three-axis layouts where the reducer's
+parts nest: FSDP x pipeline x Megatron TP + SP, DDP x pipeline x AxoNN, FSDP x AxoNN 2 x 2.  Each
+optimizer step compares the clip norm (clipping active) and the loss of every micro-step; the parameters
+after the steps are compared at the end (1e-10).  A switch that some path
 ignored shows: a sum-type reduction (sequence-parallel, AxoNN, expert, pipeline segments) run inside and
 again on the accumulated sum counts the first micro-steps twice; and inside ``no_sync`` the data replicas'
 gradients must still differ (nothing reduced), which catches an ignored mean-type reduction (DDP, FSDP, the
