@@ -109,21 +109,16 @@ LAYOUTS8 = {     # three axes at 8 ranks: the reducer's parts nested (pipeline, 
 }
 
 
+CASES = [pytest.param(4, name, id=name) for name in sorted(LAYOUTS)] + \
+        [pytest.param(8, name, id=name, marks=pytest.mark.nd) for name in sorted(LAYOUTS8)]
+
+
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_accumulation_under_no_sync_equals_serial(world, layout):
-    if world.world_size != 4:
-        pytest.skip("the layouts are for 4 ranks")
-    _accumulate(world, layout, *LAYOUTS[layout])
-
-
-@pytest.mark.nd
-@pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS8))
-def test_nd_accumulation_under_no_sync_equals_serial(world, layout):
-    if world.world_size != 8:
-        pytest.skip("runs at 8 ranks")
-    _accumulate(world, layout, *LAYOUTS8[layout])
+@pytest.mark.parametrize("ranks,layout", CASES)
+def test_accumulation_under_no_sync_equals_serial(world, ranks, layout):
+    if world.world_size != ranks:
+        pytest.skip(f"{layout} runs at {ranks} ranks")
+    _accumulate(world, layout, *(LAYOUTS if ranks == 4 else LAYOUTS8)[layout])
 
 
 def _accumulate(world, layout, make, sizes, opts):
