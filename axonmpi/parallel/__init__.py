@@ -1,6 +1,7 @@
 """Parallel strategies: data parallel (DDP), the flat parameter the sharded strategies build on, tensor
 parallel (Megatron 1-D in ``tensor``, AxoNN 3-D in ``intra_layer``, ``auto_parallelize``), pipeline parallel (``pipeline``),
-expert parallelism for ``nn.MoE`` (``moe``)."""
+expert parallelism for ``nn.MoE`` (``moe``); every layout's gradients go through one reducer
+(``grad_sync.GradReducer``) with one switch, ``no_sync(model)``."""
 from ._flat import FlatLayout, FlatParameter, FlatSegment
 from .ddp import (
     DDP, DistributedDataParallel, GradientBucket, GradientSynchronizer, GradSyncStrategy, allreduce_hook,
@@ -14,6 +15,7 @@ from .fsdp import (
 from .auto_parallelize import auto_parallelize
 from .parallelize import ParallelModule, PipelinePlan, PipelinedModule, full_state_dict, parallelize
 from . import grad_sync
+from .grad_sync import GradReducer, no_sync
 from . import moe
 from .moe import expert_parallel
 from .tensor.groups import TensorParallelGroups
@@ -26,6 +28,6 @@ __all__ = [
     "FSDP", "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats",
     "ModuleWrapPolicy", "SizeWrapPolicy", "fsdp",
     "ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict", "grad_sync", "moe", "expert_parallel",
-    "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
+    "GradReducer", "no_sync", "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
 __all__ += pipeline.__all__

@@ -42,7 +42,6 @@ parameters that got no gradient. Dropping a pending MPI request would free it
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -52,7 +51,7 @@ from ..autograd import Tensor, no_grad
 from ..autograd.graph import reachable_leaves, tensors_in
 from ..backend import get_array_module
 from ..distributed import ReduceOp, Work, add_placement, all_reduce, resolve_group, role_group
-from .grad_sync import check_group
+from .grad_sync import GradReducer, check_group, no_sync
 from ..nn import Module
 from ._flat import FlatLayout, broadcast_flat
 from ..enums import coerce_enum
@@ -527,6 +526,7 @@ class DistributedDataParallel(Module):
             named, self.group, bucket_size_mb=bucket_size_mb, strategy=grad_sync,
             comm_hook=comm_hook, reduce_op=reduce_op, find_unused_parameters=find_unused_parameters,
             record_events=record_events)
+        self.grad_reducer = GradReducer("ddp", parts=[self.synchronizer])   # the no_sync switch (grad_sync)
         if sync_params:
             self.sync_parameters()
 
@@ -576,16 +576,10 @@ class DistributedDataParallel(Module):
         """Finish gradient reduction now (idempotent; backward already does it when every grad arrived)."""
         self.synchronizer.finish()
 
-    @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient reduction for backwards run inside (gradients accumulate locally)."""
-        sync = self.synchronizer
-        prev = sync.enabled
-        sync.enabled = False
-        try:
-            yield
-        finally:
-            sync.enabled = prev
+        """Skip gradient reduction for backwards run inside (gradients accumulate locally):
+        :func:`axonmpi.parallel.no_sync` of this model."""
+        return no_sync(self)
 
     def extra_repr(self) -> str:
         s = self.synchronizer

@@ -31,18 +31,33 @@ parallelism: a parameter used on sequence shards (LayerNorm, a row-parallel bias
 ``sequence_parallel``) has its gradient summed over the tensor group in backward (the layer takes it
 through ``copy_to_tensor_parallel_region``, or ``parallelize`` hooks it), so the rest of the table
 sees the full gradient.
+
+[Note: the reducer]  :class:`GradReducer` is the one executor of this table for every layout (Megatron's
+``finalize_model_grads`` is the model): ``parallelize``, DDP, FSDP and the ``Pipeline`` each own one, and the
+reductions they run are its entries or its parts.  An *entry* is a gradient array, the groups the table gives
+for its parameter, and a scale (``1 / batch shards``); it runs either from a post-accumulate-grad hook as
+soon as the parameter's gradient of a backward is complete (AxoNN's easy mode, expert parameters,
+sequence-parallel parameters summed over the tensor group: ``loss.backward()`` returns reduced gradients),
+or after backward, bucketed into one flat array per (groups, scale, dtype) (a pipeline stage's gradients
+after its last micro-batch; FSDP chunk segments after the reduce-scatter).  A *part* is an executor that keeps
+its own collective: DDP's bucketed all-reduce overlapped with backward (``GradientSynchronizer``), FSDP's
+reduce-scatter of flat shards, a pipeline's reducer under ``parallelize``'s.  :func:`no_sync` is the one
+switch: it turns a model's reducer off, parts included, so every path accumulates local gradients, and the
+first backward outside reduces the accumulated sum once (every reduction here is linear).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
+from ..backend import get_array_module
 from ..distributed import ReduceOp, all_gather_object, all_reduce
 from ..distributed.placement import ShardKind, check_group, placement_of
 
-__all__ = ["check_axonn_fsdp_shapes", "check_group", "data_reduction_group", "finish_axonn_fsdp", "mean_over",
-           "reduce_gradient", "reduction_groups", "sharded_within"]
+__all__ = ["GradReducer", "check_axonn_fsdp_shapes", "check_group", "data_reduction_group", "mean_over",
+           "no_sync", "reduce_gradient", "reduction_groups", "sharded_within"]
 
 
 def data_reduction_group(grid: Any) -> Any:
@@ -123,26 +138,157 @@ def reduce_gradient(grad: Any, groups: Iterable[Any], scale: float = 1.0) -> Non
         grad *= scale
 
 
-def finish_axonn_fsdp(fsdp: Any, grid: Any) -> None:
-    """FSDP x AxoNN 3-D layers, after FSDP averaged every flat chunk over the data group: the rest of
-    the table on each segment (3-D biases over depth, replicated parameters over the tensor block) and
-    the division by the tensor block's size (each of its ranks read its own rows).  The ranks of one
-    tensor block hold chunks over the same elements (same data rank, same local shapes), so they
-    reduce together."""
-    scale = 1.0 / grid.G_intra
-    for f in fsdp.parameters():
-        if f.grad is None:
-            continue
-        grad = f.grad.data
-        for seg in f.segments():
-            reduce_gradient(seg.in_chunk(grad), reduction_groups(f.params[seg.index], None, (grid.intra_group,),
-                                                                 grid.depth_group), scale)
+class GradReducer:
+    """Every gradient reduction of one parallelized model, read from the placements (see [Note: the reducer]).
+
+    Args:
+        name: what the messages call it (``"ddp"``, ``"fsdp"``, ``"pipeline"``, ``"parallelize"``).
+        parts: executors with their own collective and an ``enabled`` attribute (DDP's synchronizer,
+            an FSDP root, another ``GradReducer``): the reducer's switch is theirs.
+
+    Example:
+        >>> red = GradReducer("axonn")
+        >>> red.hook(model.parameters(), lambda p: reduction_groups(p, data, (grid.intra_group,)), 1 / shards)
+        >>> with red.no_sync():
+        ...     loss.backward()                    # gradients accumulate, nothing is reduced
+    """
+
+    def __init__(self, name: str = "", parts: Sequence[Any] = ()):
+        self.name = name
+        self.parts: List[Any] = []
+        self._after: List[Tuple[Callable[[], Any], Callable[[], Tuple[Any, ...]], float]] = []
+        self._handles: List[Any] = []
+        self._enabled = True
+        for part in parts:
+            self.add_part(part)
+
+    @property
+    def enabled(self) -> bool:
+        """False inside :func:`no_sync`: no entry runs, and every part is switched off too."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._enabled = bool(on)
+        for part in self.parts:
+            part.enabled = self._enabled
+
+    def add_part(self, part: Any) -> Any:
+        """Own ``part`` (an object with an ``enabled`` attribute): :func:`no_sync` switches it with this reducer."""
+        if not hasattr(part, "enabled"):
+            raise TypeError(f"GradReducer {self.name!r}: a part needs an 'enabled' switch, got {type(part).__name__}")
+        part.enabled = self._enabled
+        self.parts.append(part)
+        return part
+
+    def hook(self, params: Iterable[Any], groups_of: Callable[[Any], Sequence[Any]], scale: float = 1.0) -> None:
+        """Reduce each of ``params`` over ``groups_of(p)`` (then times ``scale``) as soon as its gradient of a
+        backward is complete (a post-accumulate-grad hook, so ``backward()`` returns reduced gradients)."""
+        for p in params:
+            if not p.requires_grad:
+                continue
+            groups = _live(groups_of(p))
+            if groups or scale != 1.0:
+                def reduce(q, groups=groups):
+                    if self._enabled:
+                        reduce_gradient(q.grad.data, groups, scale)
+                self._handles.append(p.register_post_accumulate_grad_hook(reduce))
+
+    def after_backward(self, params: Iterable[Any], groups_of: Callable[[Any], Sequence[Any]],
+                       scale: float = 1.0) -> None:
+        """Reduce each of ``params``' gradients (those that have one) when :meth:`run` is called, bucketed."""
+        for p in params:       # the groups are read at run time: placements may still be added after this
+            if p.requires_grad:
+                self._after.append((lambda p=p: None if p.grad is None else p.grad.data,
+                                    lambda p=p: _live(groups_of(p)), scale))
+
+    def after_backward_segments(self, flats: Iterable[Any], groups_of: Callable[[Any], Sequence[Any]],
+                                scale: float = 1.0) -> None:
+        """FSDP chunks of tensor-parallel parameters: each segment of each flat shard's gradient (its elements
+        of one parameter ``q``) reduced over ``groups_of(q)`` when :meth:`run` is called.  The ranks of those
+        groups hold chunks over the same elements (same data rank, same local shapes)."""
+        for f in flats:
+            for seg in f.segments():
+                groups = _live(groups_of(f.params[seg.index]))
+                if groups or scale != 1.0:
+                    self._after.append((lambda f=f, seg=seg: None if f.grad is None else seg.in_chunk(f.grad.data),
+                                        lambda groups=groups: groups, scale))
+
+    def run(self) -> None:
+        """Run the after-backward entries (nothing inside :func:`no_sync`): one flat array per (groups, scale,
+        dtype), summed over each group, times the scale (one MEAN where that is all it is).  Collective over
+        the groups, in the same order on every rank (the entries' order)."""
+        if not self._enabled or not self._after:
+            return
+        buckets: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], float, List[Any]]] = {}
+        for grad_of, groups_of, scale in self._after:
+            g = grad_of()
+            groups = groups_of() if g is not None else ()
+            if g is not None and (groups or scale != 1.0):
+                key = (tuple(id(x) for x in groups), scale, str(g.dtype))
+                buckets.setdefault(key, (groups, scale, []))[2].append(g)
+        for groups, scale, grads in buckets.values():
+            flat = get_array_module(grads[0]).concatenate([x.reshape(-1) for x in grads])
+            if len(groups) == 1 and scale == 1.0 / groups[0].size:
+                all_reduce(flat, ReduceOp.MEAN, groups[0], out=flat)       # plain data parallel: one mean
+            else:
+                reduce_gradient(flat, groups, scale)
+            at = 0
+            for x in grads:
+                x[...] = flat[at:at + x.size].reshape(x.shape)
+                at += x.size
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backwards accumulate local gradients; the first reduction outside carries their sum once."""
+        prev, self.enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = prev
+
+    def remove_hooks(self) -> None:
+        """Unregister the gradient hooks of :meth:`hook`."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __repr__(self) -> str:
+        return (f"GradReducer({self.name!r}, hooked={len(self._handles)}, after_backward={len(self._after)}, "
+                f"parts={[getattr(p, 'name', type(p).__name__) for p in self.parts]}, enabled={self._enabled})")
+
+
+def _live(groups: Sequence[Any]) -> Tuple[Any, ...]:
+    return tuple(g for g in groups if g is not None and g.size > 1)
+
+
+def no_sync(module: Any):
+    """The one no-sync switch: inside ``with no_sync(model):`` no gradient of ``model`` is reduced by any
+    path (DDP's buckets, FSDP's reduce-scatter, the pipeline's data-parallel reduction, ``parallelize``'s
+    tensor / depth / expert / sequence-parallel reductions); gradients accumulate locally, and the first
+    backward (or pipeline step) outside reduces the accumulated sum once: ``k`` micro-steps then equal the
+    serial run's ``k`` accumulated backwards.
+
+    Args:
+        module: a model from ``parallelize``, a DDP / FSDP model or a ``Pipeline`` (its ``grad_reducer``).
+
+    Example:
+        >>> for k, (xb, yb) in enumerate(micro_batches):
+        ...     with no_sync(pm) if k < len(micro_batches) - 1 else contextlib.nullcontext():
+        ...         F.cross_entropy(pm(xb), yb).backward()
+    """
+    red = getattr(module, "grad_reducer", None)
+    if not isinstance(red, GradReducer):
+        raise TypeError(f"no_sync: {type(module).__name__} reduces no gradients (it has no grad_reducer); pass "
+                        "the model parallelize, DistributedDataParallel, FullyShardedDataParallel or Pipeline "
+                        "returned, not the module inside it")
+    return red.no_sync()
 
 
 def check_axonn_fsdp_shapes(named_shapes: Sequence[Tuple[str, Tuple[int, ...]]], grid: Any) -> None:
     """Refuse FSDP x AxoNN when the ranks of a tensor block pack different TP-local shapes: the
     replicated parameters' gradients are summed over ``intra_group`` segment by segment of the flat
-    shards (:func:`finish_axonn_fsdp`), so every rank of the block must hold the same shape of each
+    shards (``parallelize``'s :meth:`GradReducer.after_backward_segments`), so every rank of the block must hold the same shape of each
     parameter.  Collective over the grid's ``intra_group``.
 
     Raises:

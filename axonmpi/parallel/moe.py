@@ -78,7 +78,7 @@ from .tensor.mappings import (
 )
 
 __all__ = ["AllToAllDispatcher", "GatherDispatcher", "GatheredAllToAllDispatcher", "ShardedExpertLinear", "expert_parallel",
-           "expert_parameters", "hook_expert_gradients"]
+           "expert_parameters"]
 
 
 # -- dispatchers ----------------------------------------------------------------------------------
@@ -308,20 +308,3 @@ def expert_parallel(module: Module, expert_parallel: Optional[int] = None, *, gr
         else:
             m.dispatcher = GatheredAllToAllDispatcher(ep, m.num_experts, tp)
     return len(moes)
-
-
-def hook_expert_gradients(params, data_group, batch_shards: int, batch=()) -> list:
-    """Reduce expert gradients as each completes: summed over the groups of the grad-sync table (the
-    expert-data group, and the ``batch`` groups that split the rows inside a tensor block), divided by
-    ``batch_shards`` (the data-parallel mean). Returns the hook handles.
-
-    DDP over ``data_group`` takes the other parameters (``DistributedDataParallel(...,
-    ignored_parameters=params)``).
-    """
-    from .grad_sync import reduce_gradient, reduction_groups
-    scale = 1.0 / batch_shards
-
-    def reduce(p):
-        reduce_gradient(p.grad.data, reduction_groups(p, data_group, batch), scale)
-
-    return [p.register_post_accumulate_grad_hook(reduce) for p in params]

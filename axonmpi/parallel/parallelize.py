@@ -21,7 +21,7 @@ from ..distributed.grid import ProcessGrid
 from ..nn import layers as nn_layers
 from ..nn.module import Module
 from ..nn.transformer import CausalSelfAttention
-from .grad_sync import finish_axonn_fsdp, reduce_gradient, reduction_groups
+from .grad_sync import GradReducer, no_sync as _no_sync, reduction_groups
 from .swap import module_slots as _children
 
 __all__ = ["ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict"]
@@ -211,8 +211,12 @@ class ParallelModule(Module):
     """
 
     def __init__(self, module: Module, grid: ProcessGrid, tensor_parallel, data_parallel, wrapped: Module,
-                 inner: Module):
+                 inner: Module, reducer: Optional[GradReducer] = None):
         super().__init__()
+        # [Note: the reducer] (grad_sync): every reduction of this model, DDP's / FSDP's own as parts
+        self.grad_reducer = GradReducer("parallelize") if reducer is None else reducer
+        if wrapped is not inner and isinstance(getattr(wrapped, "grad_reducer", None), GradReducer):
+            self.grad_reducer.add_part(wrapped.grad_reducer)
         self.module = wrapped
         self._inner = [inner]            # the unwrapped model (not a submodule: no duplicate names)
         self.grid = grid
@@ -223,7 +227,6 @@ class ParallelModule(Module):
         k = grid.coords.data * (grid.G_intra if axonn else 1) + (grid.intra_group.rank if axonn else 0)
         self.batch_shards = (n, k)
         self._serial_shapes: Dict[str, Tuple[int, ...]] = {}
-        self._hooks = []
         # what a Pipeline over this stage reads to reduce it (the grad_sync table's batch groups)
         self.batch_groups = (grid.intra_group,) if axonn else ()
         self.depth_group = grid.depth_group
@@ -252,22 +255,29 @@ class ParallelModule(Module):
         from .grad_sync import data_reduction_group
         g = self.grid
         data = data_reduction_group(g) if over_data else None
-        scale = 1.0 / (self.batch_shards[0] * getattr(g, "G_context", 1))
-
-        def reduce(p):
-            reduce_gradient(p.grad.data, reduction_groups(p, data, (g.intra_group,), g.depth_group), scale)
-
-        for p in self.inner.parameters():
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(reduce))
+        self.grad_reducer.hook(self.inner.parameters(),
+                               lambda p: reduction_groups(p, data, (g.intra_group,), g.depth_group),
+                               1.0 / (self.batch_shards[0] * getattr(g, "G_context", 1)))
 
     def _hook_experts(self, params) -> None:
-        """Expert parameters: reduced over their expert-data group (the grad-sync table), divided by ``G_data``."""
+        """Expert parameters (DDP leaves them out): reduced over their expert-data group (the grad-sync table),
+        divided by the batch shards (x context)."""
         from .grad_sync import data_reduction_group
-        from .moe import hook_expert_gradients
-        self._hooks.extend(hook_expert_gradients(params, data_reduction_group(self.grid),
-                                                 self.batch_shards[0] * getattr(self.grid, "G_context", 1),
-                                                 self.batch_groups))
+        data = data_reduction_group(self.grid)
+        self.grad_reducer.hook(params, lambda p: reduction_groups(p, data, self.batch_groups),
+                               1.0 / (self.batch_shards[0] * getattr(self.grid, "G_context", 1)))
+
+    def no_sync(self):
+        """Inside, no path reduces a gradient of this model (DDP, FSDP, the tensor / depth / expert /
+        sequence-parallel reductions, the pipeline); the first backward (``step``) outside reduces the
+        accumulated sum once: :func:`axonmpi.parallel.no_sync` of this model.
+
+        Example:
+            >>> with pm.no_sync():
+            ...     F.cross_entropy(pm(x0), y0).backward()       # accumulated locally
+            >>> F.cross_entropy(pm(x1), y1).backward()           # reduced once: the serial sum of both
+        """
+        return _no_sync(self)
 
     def forward(self, *args, **kwargs):
         if self.sequence_dim is None or not args:
@@ -657,10 +667,10 @@ class PipelinedModule(ParallelModule):
         super().__init__(module, grid, tensor_parallel, data_parallel, module, module)
         self.pipeline = pipe
         self._stages = list(stages)
-        self._sp_params: List[Any] = []
         self._tied: List[Tuple[Any, Any]] = []     # (parameter, embedding group): [Note: a weight tied across stages]
         self._replicate = None          # hybrid shard: the group the stages' flat shards are averaged over
         self._mixed_precision = None    # FSDP's MixedPrecision: stages gathered in param_dtype, reduced in reduce_dtype
+        self.grad_reducer.add_part(pipe.grad_reducer)     # each stage over data x context, after the last backward
 
     def forward(self, *args, **kwargs):
         raise TypeError(f"rank {self.grid.rank}: a pipelined model runs by micro-batches: call pm.step(xb, yb) "
@@ -675,26 +685,20 @@ class PipelinedModule(ParallelModule):
         for f in flats:                          # [Note: FSDP in a pipeline]
             f.unshard(dtype=None if mp is None else mp.param_dtype)
             f.bind_grads()
-        loss = self.pipeline.step(inputs, targets, scaler=scaler)
-        for p, tg in self._tied:                # [Note: a weight tied across stages]
-            if p.grad is None:                  # every rank of the group takes part
-                p.grad = Tensor(p.data * 0)
-            reduce_gradient(p.grad.data, [tg])
-        g = self.grid.intra_group
-        in_flat = {id(q) for f in flats for q in f.params}
-        if flats:
+        loss = self.pipeline.step(inputs, targets, scaler=scaler)     # its reducer: each stage over data x context
+        if self.grad_reducer.enabled:            # under no_sync the full gradients stay bound and accumulate
+            for p, tg in self._tied:             # [Note: a weight tied across stages]
+                if p.grad is None:               # every rank of the group takes part
+                    p.grad = Tensor(p.data * 0)
+                reduce_gradient(p.grad.data, [tg])
             for f in flats:
                 f.reduce_grad(reduce_dtype=None if mp is None else (mp.reduce_dtype or mp.param_dtype))
                 # ^ reduce-scatter: the mean over data x context (its shard group), in the shard's dtype
                 if self._replicate is not None and self._replicate.size > 1:    # hybrid shard: and the replicas
                     all_reduce(f.grad.data, ReduceOp.MEAN, self._replicate, out=f.grad.data)
-            _finish_fsdp_segments(_Flats(flats), self.grid, self.tensor_parallel == "axonn", self._sp_params)
-            for f in flats:
-                f.reshard()
-        if g.size > 1:                          # used on sequence shards: the whole step's gradient summed once
-            for p in self._sp_params:
-                if p.grad is not None and id(p) not in in_flat:
-                    reduce_gradient(p.grad.data, [g])
+        self.grad_reducer.run()                  # FSDP segments (AxoNN table), sequence-parallel sums
+        for f in flats:
+            f.reshard()
         return loss
 
     def _flats(self) -> List[Any]:
@@ -760,16 +764,6 @@ class PipelinedModule(ParallelModule):
         self.optim_state_dict(optimizer)
 
 
-class _Flats:
-    """The flat shards of FSDP stages, as the segment finishers read an FSDP module (``.parameters()``)."""
-
-    def __init__(self, flats):
-        self._flats = list(flats)
-
-    def parameters(self):
-        return list(self._flats)
-
-
 def _swap_attention_for_context(module: Module, grid: ProcessGrid, algo) -> List[Any]:
     """Step 2: every attention (``nn.CausalSelfAttention``, or the head-split ``TensorParallelAttention`` of
     step 1) -> a :class:`~axonmpi.parallel.context.ContextParallelAttention` over the grid's context group
@@ -820,22 +814,20 @@ def _checkpoint_modules(module: Module, spec, r: int) -> int:
     return len(targets)
 
 
-def _finish_fsdp_segments(fsdp, grid: ProcessGrid, axonn: bool, sp_params=()) -> None:
+def _reduce_fsdp_segments(reducer: GradReducer, flats, grid: ProcessGrid, axonn: bool, sp_params=()) -> None:
     """FSDP over a tensor-parallel model, after FSDP averaged each flat chunk over its data group: AxoNN's
-    table on each segment (:func:`finish_axonn_fsdp`); a Megatron plan's parameters used on sequence
-    shards summed over the tensor group (``sp_params``: those whose layer does not sum them itself; the ranks
-    of a tensor group hold chunks over the same elements)."""
+    table on each segment (3-D biases over depth, replicated parameters over the tensor block, all divided
+    by the block's size: each of its ranks read its own rows); a Megatron plan's parameters used on sequence
+    shards summed over the tensor group (``sp_params``: those whose layer does not sum them itself).  The
+    ranks of a tensor block hold chunks over the same elements (same data rank, same local shapes)."""
+    g = grid.intra_group
     if axonn:
-        return finish_axonn_fsdp(fsdp, grid)
-    g, ids = grid.intra_group, {id(p) for p in sp_params}
-    if not ids:
+        reducer.after_backward_segments(flats, lambda q: reduction_groups(q, None, (g,), grid.depth_group),
+                                        1.0 / grid.G_intra)
         return
-    for f in fsdp.parameters():
-        if f.grad is None:
-            continue
-        for seg in f.segments():
-            if id(f.params[seg.index]) in ids:
-                reduce_gradient(seg.in_chunk(f.grad.data), [g])
+    ids = {id(p) for p in sp_params}
+    if ids:
+        reducer.after_backward_segments(flats, lambda q: (g,) if id(q) in ids else ())
 
 
 def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
@@ -1039,13 +1031,11 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                          int(sequence_dim) if sequence_parallel else None, activation_checkpointing is True,
                          cp_size > 1, fsdp_groups=fsdp_groups, mixed_precision=strategy_options.get("mixed_precision"))
     # 5 data parallel over each parameter's replica group
-    sp_hooks = []
+    reducer = GradReducer("parallelize")
     hooked = [p for p in sp_params if data_parallel != "fsdp" or any(p is q for q in experts)]   # FSDP: outside its flats
     if hooked:
-        # registered before DDP's (and the experts') hooks: each gradient is summed over the tensor group first
-        def reduce_tp(p, g=grid.intra_group):
-            reduce_gradient(p.grad.data, [g])
-        sp_hooks = [p.register_post_accumulate_grad_hook(reduce_tp) for p in hooked]
+        # hooked before DDP's (and the experts') hooks: each gradient is summed over the tensor group first
+        reducer.hook(hooked, lambda p: (grid.intra_group,))
     wrapped = module
     cls = ParallelModule
     if data_parallel == "ddp" and not axonn:
@@ -1065,11 +1055,11 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             wrapped = FSDP(module, group=dgroup, **opts)
         cls = _FSDPExpertModule if experts else _FSDPParallelModule
         if tensor_parallel is not None:
-            wrapped.register_post_backward_hook(lambda: _finish_fsdp_segments(wrapped, grid, axonn, sp_params))
+            # run by FSDP's reducer (a part of the model's) after its reduce-scatter
+            _reduce_fsdp_segments(wrapped.grad_reducer, list(wrapped.parameters()), grid, axonn, sp_params)
             cls = _FSDPExpertModule if experts else _FSDPTensorParallelModule
-    pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
+    pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module, reducer)
     pm._serial_shapes = shapes
-    pm._hooks.extend(sp_hooks)
     pm._context(cp_size > 1, context_parallel)
     if sequence_parallel and not gpt_sp:
         pm.sequence_dim = int(sequence_dim)
@@ -1204,8 +1194,13 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     pm._replicate, pm._mixed_precision = replicate, mixed_precision
     pm._serial_shapes = shapes
     pm._tied = tied
-    mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
-    pm._sp_params = [p for p in sp_params if id(p) in mine]
+    flats = pm._flats()
+    in_flat = {id(q) for f in flats for q in f.params}
+    _reduce_fsdp_segments(pm.grad_reducer, flats, grid, axonn, [p for p in sp_params if id(p) in in_flat])
+    if grid.intra_group.size > 1:        # used on sequence shards: the whole step's gradient summed once
+        mine = {id(p) for p in pipe.parameters()}
+        pm.grad_reducer.after_backward([p for p in sp_params if id(p) in mine and id(p) not in in_flat],
+                                       lambda p: (grid.intra_group,))
     pm._context(cp, None)
     return pm
 

@@ -17,7 +17,6 @@ order because the order follows the model's (deterministic) execution.
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import mmap
 from collections import OrderedDict
@@ -33,6 +32,7 @@ from ...distributed.sharding import ShardedArray
 from ...nn import IncompatibleKeys, Module, Parameter
 from .._flat import FlatParameter
 from .._flat import broadcast_flat
+from ..grad_sync import GradReducer, no_sync
 from .api import CPUOffload, FSDPMemoryStats, MixedPrecision, ShardingStrategy
 from .memory import estimate_memory, measure
 from .unit import FSDPUnit
@@ -267,7 +267,9 @@ class FullyShardedDataParallel(Module):
         self._order: List[FSDPUnit] = list(self.units)     # forward order of the last step
         self._seq: List[FSDPUnit] = []                      # forward order of this step
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
-        self._sync = True
+        self.enabled = True        # backwards reduce-scatter (False inside no_sync): the switch of grad_reducer
+        # the no_sync switch, and what runs after the reduce-scatter (grad_sync, [Note: the reducer])
+        self.grad_reducer = GradReducer("fsdp", parts=[self])
         self._phase = _Phase.OUTSIDE
         self._post_backward_hooks: List[Callable[[], None]] = []
         self._n_complete = 0
@@ -449,7 +451,7 @@ class FullyShardedDataParallel(Module):
         unit.complete = True
         if self._phase is _Phase.ARMED:
             self._phase = _Phase.RUNNING
-        if self._sync:
+        if self.enabled:
             unit.launch_reduce()
             self._launched.append(unit)
             for u in self._launched:        # drive MPI progress of every reduction in flight
@@ -467,14 +469,15 @@ class FullyShardedDataParallel(Module):
             u.free()
         self._event("backward_end", "")
         self._phase = _Phase.OUTSIDE
-        if self._sync:
+        if self.enabled:
+            self.grad_reducer.run()          # its after-backward entries: parallelize's tensor-parallel segments
             for fn in self._post_backward_hooks:
                 fn()
 
     def register_post_backward_hook(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` at the end of every backward whose gradients were reduced (not under
-        :meth:`no_sync`), after the sharded gradients are in place; ``parallelize`` finishes the
-        reduction of tensor-parallel segments here.
+        :meth:`no_sync`), after the sharded gradients are in place and ``grad_reducer`` ran its
+        after-backward entries (``parallelize``'s reduction of tensor-parallel segments).
 
         Example:
             >>> fsdp.register_post_backward_hook(lambda: print("gradients ready"))
@@ -569,19 +572,14 @@ class FullyShardedDataParallel(Module):
         from ...optim.clip import clip_grad_norm_
         return clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backwards inside accumulate full gradients locally, without any reduce-scatter.
 
         The first backward outside reduces the accumulated sum once. The unsharded gradients of
-        every unit stay alive meanwhile (as in PyTorch).
+        every unit stay alive meanwhile (as in PyTorch). :func:`axonmpi.parallel.no_sync` of this model.
         """
         self._check_root("no_sync")
-        prev, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = prev
+        return no_sync(self)
 
     # -- state dicts --------------------------------------------------------------------------------
     def _gather_full(self) -> None:

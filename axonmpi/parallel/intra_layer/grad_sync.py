@@ -13,7 +13,7 @@ from typing import Iterable, Optional, Union
 from ...autograd import no_grad
 from ...autograd.tensor import Tensor
 from ...optim.clip import clip_grad_norm_ as _clip_grad_norm
-from ..grad_sync import reduce_gradient, reduction_groups
+from ..grad_sync import GradReducer, reduction_groups
 from ..tensor.groups import TensorParallelGroups, default_groups
 
 __all__ = ["clip_grad_norm_", "no_grad_sync", "sync_gradients"]
@@ -56,13 +56,12 @@ def sync_gradients(model, mean: bool = False, *, groups: Optional[TensorParallel
     if _NO_SYNC.get():
         return
     g = default_groups() if groups is None else groups
-    scale = 1.0 / g.replica_size if mean else 1.0
     params = model.parameters() if hasattr(model, "parameters") else model
+    red = GradReducer("axonn.sync_gradients")       # the one reducer, bucketed over each parameter's groups
+    red.after_backward(params, lambda p: reduction_groups(p, g.data, (g.intra,), g.depth),
+                       1.0 / g.replica_size if mean else 1.0)
     with no_grad():
-        for p in params:
-            if not p.requires_grad or p.grad is None:
-                continue
-            reduce_gradient(p.grad.data, reduction_groups(p, g.data, (g.intra,), g.depth), scale)
+        red.run()
 
 
 def clip_grad_norm_(parameters: Union[Tensor, Iterable[Tensor]], max_norm: float, norm_type: float = 2.0,

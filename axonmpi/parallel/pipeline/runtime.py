@@ -16,7 +16,7 @@ from ...backend import get_array_module, get_cupy, is_cupy_array
 from ...distributed.collectives import all_reduce, broadcast
 from ...distributed.object_collectives import all_gather_object
 from ...distributed.group import ProcessGroup
-from ...distributed.placement import Shard, ShardKind, add_placement
+from ...distributed.placement import Shard, ShardKind, add_placement, placement_of
 from ...distributed.world import get_grid, resolve_group, role_group
 from ...distributed.reduce_op import ReduceOp
 from ...nn.module import Module
@@ -25,7 +25,7 @@ from ._comm import HEADER_SIZE, _communicate, decode_header, encode_header, gath
 from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_fifo, _recv_order, make_schedule,
                         simulate)
 from .stage import PipelineStage
-from ..grad_sync import check_group, mean_over, reduction_groups, sharded_within
+from ..grad_sync import GradReducer, check_group, mean_over, no_sync, reduction_groups, sharded_within
 from ..token_mean import global_count, token_groups_size
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
@@ -288,6 +288,7 @@ class Pipeline:
         self._predicted_rank = sim.peak_activations[r]
         self._stats: Optional[PipelineMemoryStats] = None
         self._timing: Optional[PipelineTiming] = None
+        self.grad_reducer = self._make_reducer()
 
     # -- public ----------------------------------------------------------------------------------
     @property
@@ -424,36 +425,32 @@ class Pipeline:
                                  f"on stage 0 hold {sum(sizes)}")
         return sizes
 
-    def _reduce_data_parallel(self) -> None:
+    def _make_reducer(self) -> GradReducer:
         """Each stage's gradients summed over the groups of the gradient-sync table (its data group, and
         the batch groups of a stage that declares ``batch_groups``, e.g. ``parallelize``'s AxoNN easy
-        mode), divided by the number of batch shards: the gradient of the mean loss over the batch."""
+        mode), divided by the number of batch shards: the gradient of the mean loss over the batch.  Run
+        after the step's last backward; FSDP's flat shards (``ShardKind.FLAT``) are their owner's."""
         g = self.data_group
+        red = GradReducer("pipeline")
         for sid in sorted(self.stages):
             mod = self.stages[sid].module
             batch = tuple(getattr(mod, "batch_groups", ()))
             n = (g.size if g is not None else 1) * int(np.prod([b.size for b in batch]))
-            if n == 1:
-                continue
-            by: Dict[Tuple[int, ...], Tuple[List[ProcessGroup], List[Any]]] = {}
-            for q in self.stages[sid].parameters():
-                if q.grad is None:
-                    continue
-                groups = reduction_groups(q, g, batch, getattr(mod, "depth_group", None))
-                by.setdefault(tuple(id(x) for x in groups), (groups, []))[1].append(q.grad.data)
-            for groups, grads in by.values():
-                xp = get_array_module(grads[0])
-                flat = xp.concatenate([x.reshape(-1) for x in grads])
-                if len(groups) == 1 and groups[0] is g and n == g.size:
-                    all_reduce(flat, ReduceOp.MEAN, g, out=flat)        # plain data parallel: one mean
-                else:
-                    for grp in groups:
-                        all_reduce(flat, ReduceOp.SUM, grp, out=flat)
-                    flat /= n
-                at = 0
-                for x in grads:
-                    x[...] = flat[at:at + x.size].reshape(x.shape)
-                    at += x.size
+            if n > 1:
+                params = [q for q in self.stages[sid].parameters()
+                          if not any(s.kind is ShardKind.FLAT for s in placement_of(q).shards)]
+                red.after_backward(params, lambda q, batch=batch, depth=getattr(mod, "depth_group", None):
+                                   reduction_groups(q, g, batch, depth), 1.0 / n)
+        return red
+
+    def no_sync(self):
+        """Steps inside leave each stage's gradients unreduced (accumulated locally); the first step outside
+        reduces their sum once: :func:`axonmpi.parallel.no_sync` of this pipeline."""
+        return no_sync(self)
+
+    def _reduce_data_parallel(self) -> None:
+        """The reduction after the step's last backward (nothing inside :meth:`no_sync`)."""
+        self.grad_reducer.run()
 
     def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool, scale: float = 1.0):
         ex = _Executor(self, acts, sizes, inputs, targets, train, scale)
