@@ -122,7 +122,7 @@ def test_accumulation_under_no_sync_equals_serial(world, ranks, layout):
 
 
 def _accumulate(world, layout, make, sizes, opts):
-    grid = axonmpi.ProcessGrid(world, **sizes)
+    grid = axonmpi.ProcessGrid(world, **sizes, expert_parallel=opts.get("expert_parallel") or 1)   # EP groups at init
     try:
         axonmpi.manual_seed(5)
         serial = make()
