@@ -21,7 +21,7 @@ from ..distributed.grid import ProcessGrid
 from ..nn import layers as nn_layers
 from ..nn.module import Module
 from ..nn.transformer import CausalSelfAttention
-from .grad_sync import GradReducer, no_sync as _no_sync, reduction_groups
+from .grad_sync import GradReducer, no_sync as _no_sync, reduce_gradient, reduction_groups
 from .swap import module_slots as _children
 
 __all__ = ["ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict"]
