@@ -54,10 +54,11 @@ from ..autograd.tensor import Tensor
 from ..backend import get_array_module
 from ..distributed import get_grid
 from ..distributed.alltoallv import exchange_counts
-from ..distributed.placement import Placement, Shard, ShardKind, set_placement
+from ..distributed.placement import Placement, Shard, ShardKind, placement_of, set_placement
 from ..nn import Module
 from ..nn.moe import ExpertLinear, MoE
 from ..nn.parameter import Parameter
+from . import placed
 from .tensor.layers import _AxisSharded
 from .tensor.mappings import (
     all_to_all_along, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
@@ -144,7 +145,6 @@ class ShardedExpertLinear(_AxisSharded):
         self.group = group
         self.num_experts, self.in_features, self.out_features = (serial.num_experts, serial.in_features,
                                                                  serial.out_features)
-        self._tp_axes = {}
         for name in ("weight", "bias"):
             p = getattr(serial, name)
             if p is None:
@@ -153,23 +153,19 @@ class ShardedExpertLinear(_AxisSharded):
             full = np.asarray(p.data)
             axis = axes.get(name)
             if axis is None:
-                local = full.copy()
+                q = set_placement(Parameter(full.copy()), Placement(replicas=tuple(replicas) + (group,),
+                                                                     full_shape=tuple(full.shape)))
             else:
-                self._tp_axes[name] = (axis, full.shape)
-                local = self._tp_shard(name, full)
-            q = Parameter(local)
-            if axis is None:
-                set_placement(q, Placement(replicas=tuple(replicas) + (group,)))
-            else:
-                set_placement(q, Placement(shards=(Shard(group, ShardKind.DIM, axis),), replicas=tuple(replicas),
-                                           full_shape=tuple(full.shape)))
+                pl = Placement(shards=(Shard(group, ShardKind.DIM, axis),), replicas=tuple(replicas),
+                               full_shape=tuple(full.shape))
+                q = set_placement(Parameter(placed.cut(full, pl)), pl)
             setattr(self, name, q)
 
     def pieces(self):
         """Per local expert ``(weight, bias)``; a bias replicated over ``group`` is added on its rank 0
         only (times zero elsewhere, so every rank still gets a gradient and its reduction runs)."""
         out = ExpertLinear.pieces(self)
-        if self.bias is not None and "bias" not in self._tp_axes and self.group.rank != 0:
+        if self.bias is not None and not placement_of(self.bias).layout and self.group.rank != 0:
             out = [(w, b * 0.0) for w, b in out]
         return out
 

@@ -5,7 +5,8 @@ name, how to go between the full array and the shard (the ``_tp_*`` protocol bel
 functions here walk any model, so a model built from TP layers loads a serial checkpoint and
 saves one, and gives ``ShardedArray`` blocks for sharded checkpoints.
 
-Protocol of a TP module (``_TensorParallelModule``):
+Protocol of a TP module (``_TensorParallelModule``), read from each parameter's placement
+(:mod:`axonmpi.parallel.placed`: its cuts and full shape):
     ``_tp_full_shape(name)``: the full shape of parameter ``name`` (``None``: not sharded).
     ``_tp_shard(name, full)``: this rank's shard of a full host array.
     ``_tp_gather(name, local)``: the full array from every rank's shard (collective).
@@ -21,9 +22,10 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import numpy as np
 
 from ...backend import get_array_module, to_host
-from ...distributed import ProcessGroup, broadcast, get_world
-from ...distributed.sharding import ShardedArray
+from ...distributed import broadcast, get_world
+from ...distributed.placement import placement_of
 from ...nn import Module
+from .. import placed
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict", "tp_entries"]
 
@@ -128,10 +130,6 @@ def _world_rank() -> int:
     return get_world().rank
 
 
-def _sharded_array(local, global_shape, offsets):
-    return ShardedArray(local, global_shape, offsets)
-
-
 def init_full(shape, dtype, init_fn, groups) -> np.ndarray:
     """A full host array filled by ``init_fn`` and made identical over ``groups`` (rank 0 of each wins)."""
     from ...nn.parameter import Parameter
@@ -146,12 +144,32 @@ def init_full(shape, dtype, init_fn, groups) -> np.ndarray:
 
 class _TensorParallelModule(Module):
     """Base of TP layers: ``state_dict(full=...)``, ``load_state_dict`` of full or sharded entries,
-    ``sharded_state_dict()``; subclasses implement the ``_tp_*`` protocol."""
+    ``sharded_state_dict()``.  The ``_tp_*`` protocol is read from each parameter's placement (its cuts
+    and full shape, :mod:`axonmpi.parallel.placed`): a layer only records placements."""
+
+    def _tp_placement(self, name: str):
+        """The placement of parameter ``name`` when it is cut (has cuts and a full shape), else ``None``."""
+        p = self._parameters.get(name)
+        pl = None if p is None else placement_of(p)
+        return pl if pl is not None and pl.full_shape is not None and pl.layout else None
 
     def _tp_full_shape(self, name: str) -> Optional[tuple]:
-        return None
+        pl = self._tp_placement(name)
+        return None if pl is None else tuple(pl.full_shape)
 
-    # the public face of the ``_tp_*`` protocol (subclasses override the private hooks)
+    def _tp_shard(self, name, full):
+        return placed.cut(full, self._tp_placement(name))
+
+    def _tp_gather(self, name, local):
+        return placed.gather(local, self._tp_placement(name))
+
+    def _tp_block(self, name, local):
+        return placed.block(local, self._tp_placement(name))
+
+    def _tp_unblock(self, name, block):
+        return placed.unblock(block, self._tp_placement(name))
+
+    # the public face of the ``_tp_*`` protocol
     def tp_full_shape(self, name: str) -> Optional[tuple]:
         """The serial shape of parameter ``name`` (``None``: not sharded)."""
         return self._tp_full_shape(name)
@@ -184,9 +202,6 @@ class _TensorParallelModule(Module):
         """``ShardedArray`` blocks of the full arrays for the sharded parameters."""
         return sharded_state_dict(self)
 
-    def _tp_unblock(self, name, block):
-        return block
-
     def _tp_init_groups(self) -> list:
         """The groups over which a full array drawn at init is made identical (rank 0 of each wins)."""
         return []
@@ -217,20 +232,6 @@ class _TensorParallelModule(Module):
         full = init_full(shape, np.dtype(p.dtype), init_fn, self._tp_init_groups())
         xp = get_array_module(p.data)
         p.data[...] = xp.asarray(self._tp_shard(name, full)).reshape(p.shape)
-
-
-def axis_shard(full, axis: int, group: ProcessGroup):
-    """This rank's even block of ``full`` along ``axis``."""
-    k = full.shape[axis] // group.size
-    idx = [slice(None)] * full.ndim
-    idx[axis] = slice(group.rank * k, (group.rank + 1) * k)
-    return np.ascontiguousarray(full[tuple(idx)])
-
-
-def axis_block(local, full_shape, axis: int, group: ProcessGroup):
-    offsets = [0] * len(full_shape)
-    offsets[axis] = group.rank * local.shape[axis]
-    return _sharded_array(local, full_shape, offsets)
 
 
 _tp_entries = tp_entries   # the old name, for code written against it
