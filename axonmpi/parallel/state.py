@@ -21,8 +21,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..distributed import all_gather_object
+from . import placed
 
-__all__ = ["LayoutState", "ModelState", "OptimizerState"]
+__all__ = ["ShardedState", "LayoutState", "ModelState", "OptimizerState"]
 
 
 def _with_aliases(model, entries: "OrderedDict[str, Any]") -> "OrderedDict[str, Any]":
@@ -39,6 +40,269 @@ def _with_aliases(model, entries: "OrderedDict[str, Any]") -> "OrderedDict[str, 
             elif first[id(p)] in entries and key not in entries:
                 entries[key] = entries[first[id(p)]]
     return entries
+
+
+def _is_array(v) -> bool:
+    return hasattr(v, "global_shape") or (hasattr(v, "shape") and getattr(v, "ndim", 0) > 0)
+
+
+def _host(v) -> np.ndarray:
+    from ..backend import to_host
+    return np.array(to_host(v), copy=True)
+
+
+class ShardedState:
+    """Serial-named model and optimizer state of one rank's part of a laid-out model, from placements alone.
+
+    Every parameter's :class:`~axonmpi.distributed.Placement` (its full shape and cuts) says how its
+    local array sits in the serial one (:mod:`axonmpi.parallel.placed`); this class adds the two things
+    placements do not hold: which parameters this rank owns (a pipeline stage's; the others are
+    stand-ins with the serial names) and where FSDP keeps them (a flat parameter's chunk).
+
+    Two forms, for the model and for the optimizer:
+
+    * full: serial names, full serial shapes, on every rank (collective: the cuts' groups, then
+      one all-gather over ``stage_group`` joining the stages);
+    * sharded: every serial name on every rank (the checkpoint's rule), this rank's piece as a
+      ``ShardedArray`` block of the full array (another stage's as an empty block); what
+      ``axonmpi.checkpoint`` writes and reshards on load.
+
+    Loading takes either form, a full array flattened (FSDP's save), or a block read into this
+    layout's sharded form; each rank keeps its piece.
+
+    Args:
+        model: the rank's model under serial names (tensor-parallel layers in place).
+        params: the parameters this rank owns (``None``: all of them).
+        flats: FSDP's flat parameters holding some of ``model``'s (their chunks are this rank's).
+        stage_group: the group joining the pipeline stages (``None``: one stage).
+        rank: this rank in the world (for errors).
+
+    Example:
+        >>> st = ShardedState(model, params=pipe.parameters(), stage_group=grid.inter_group)
+        >>> axonmpi.checkpoint.save(path, {"model": st.sharded_state_dict(), "optimizer": st.optim_state_dict(opt)})
+    """
+
+    def __init__(self, model, *, params=None, flats=(), stage_group=None, rank: int = 0):
+        self.model, self.stage_group, self.rank = model, stage_group, int(rank)
+        self.named: "OrderedDict[str, Any]" = OrderedDict(model.named_parameters())
+        self._name = {id(q): n for n, q in self.named.items()}
+        self.flats = [f for f in flats if f is not None]
+        in_flat = {id(q) for f in self.flats for q in f.params}
+        own = None if params is None else {id(q) for q in params}
+        self.owned = [n for n, q in self.named.items() if own is None or id(q) in own or id(q) in in_flat]
+        self._plain = [n for n in self.owned if id(self.named[n]) not in in_flat]
+
+    # -- one parameter -------------------------------------------------------------------------
+    def placement(self, name: str):
+        """The placement of ``name`` with its full shape (a replicated one: the local shape)."""
+        from dataclasses import replace
+        from ..distributed.placement import placement_of
+        pl = placement_of(self.named[name])
+        return pl if pl.full_shape is not None else replace(pl, full_shape=tuple(self.named[name].shape))
+
+    def full_shape(self, name: str) -> tuple:
+        return tuple(self.placement(name).full_shape)
+
+    def piece(self, name: str, value) -> np.ndarray:
+        """This rank's local array of ``name`` from a loaded ``value``: a full array (any shape with the serial
+        number of elements: FSDP's flattened save), a ``ShardedArray`` holding the whole array, or the block
+        :meth:`sharded_state_dict` gave (filled by ``checkpoint.load``)."""
+        pl, shape = self.placement(name), self.full_shape(name)
+        if hasattr(value, "global_shape") and tuple(value.local_shape) != tuple(value.global_shape):
+            if tuple(value.global_shape) != shape:
+                raise ValueError(f"rank {self.rank}: {name!r} was read as a block of shape {tuple(value.global_shape)}, "
+                                 f"the serial parameter is {shape}: load it with this layout's template "
+                                 f"(its sharded_state_dict()) or with no template (full arrays)")
+            return placed.unblock(value.local, pl)
+        full = _host(value.local if hasattr(value, "global_shape") else value)
+        if full.shape != shape:
+            if full.size != int(np.prod(shape)):
+                raise ValueError(f"rank {self.rank}: {name!r} has shape {full.shape}; expected the serial shape "
+                                 f"{shape} (or its {int(np.prod(shape))} elements flattened)")
+            full = full.reshape(shape)
+        return placed.cut(full, pl)
+
+    def _empty(self, name: str, dtype):
+        from ..distributed.sharding import ShardedArray
+        shape = self.full_shape(name)
+        return ShardedArray(np.empty((0,) + shape[1:], dtype), shape, (0,) * len(shape))
+
+    # -- this rank's local arrays ----------------------------------------------------------------
+    def _flat_names(self, f) -> List[str]:
+        return [self._name[id(q)] for q in f.params]
+
+    def _is_flat(self, q) -> bool:
+        return any(q is f for f in self.flats)
+
+    def _names_of(self, q) -> List[str]:
+        """The serial names an optimizer parameter holds (a flat one's, or its own)."""
+        if self._is_flat(q):
+            return self._flat_names(q)
+        if id(q) not in self._name:
+            raise ValueError(f"rank {self.rank}: the optimizer holds a parameter of shape {tuple(q.shape)} that is "
+                             "not one of this model's; build it on pm.parameters()")
+        return [self._name[id(q)]]
+
+    def _local(self, optimizer=None) -> Dict[str, Any]:
+        """``{name: local array}`` of the owned parameters (FSDP's gathered over its group: collective), or
+        with ``optimizer`` ``{name: {key: local array or scalar}}`` of its state."""
+        out: Dict[str, Any] = {}
+        for n in self._plain:
+            p = self.named[n]
+            if optimizer is None:
+                out[n] = _host(p.data)
+            elif optimizer.state.get(p):
+                out[n] = {k: (_host(v) if _is_array(v) else v) for k, v in optimizer.state[p].items()}
+        for f in self.flats:
+            names = self._flat_names(f)
+            if optimizer is None:
+                out.update(zip(names, f.gather_host(f.data)))
+                continue
+            st = optimizer.state.get(f) or {}
+            if not st:
+                continue
+            per = {n: {} for n in names}
+            for k in sorted(st):
+                vals = f.gather_host(st[k]) if _is_array(st[k]) else [st[k]] * len(names)
+                for n, v in zip(names, vals):
+                    per[n][k] = v
+            out.update(per)
+        return out
+
+    def _join(self, own: Dict[str, Any]) -> Dict[str, Any]:
+        g = self.stage_group
+        if g is None or g.size == 1:
+            return dict(own)
+        merged: Dict[str, Any] = {}
+        for part in all_gather_object(own, group=g):
+            merged.update(part)
+        return merged
+
+    # -- model -----------------------------------------------------------------------------------
+    def _entries(self, values: Dict[str, Any]) -> "OrderedDict[str, Any]":
+        """``values`` (by parameter name) in the model's state-dict order, a tied parameter under each of its
+        names, the persistent buffers as host copies (replicated)."""
+        out = OrderedDict()
+        for k, t in self.model._state_items():
+            n = self._name.get(id(t))
+            if n is None:
+                out[k] = _host(t.data)
+            elif n in values:
+                out[k] = values[n]
+        return out
+
+    def full_state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """The serial model's state dict (full shapes, serial names, a tied parameter under each name), every rank.
+
+        Collective over the cuts' groups, FSDP's groups and ``stage_group``."""
+        local = self._local()
+        return self._entries(self._join({n: np.asarray(placed.gather(local[n], self.placement(n)))
+                                         for n in self.owned}))
+
+    def sharded_state_dict(self) -> "OrderedDict[str, Any]":
+        """Every serial name: this rank's piece as a ``ShardedArray`` block (another stage's: an empty one).
+
+        Collective where a piece is not a rectangle of the full array (see ``placed.block``) and over FSDP's
+        groups (its chunks are gathered to the tensor-parallel piece)."""
+        local = self._local()
+        return self._entries({n: (placed.block(local[n], self.placement(n)) if n in local else self._empty(n, p.dtype))
+                              for n, p in self.named.items()})
+
+    def load_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load either form (or any layout's save, as full arrays or this layout's blocks); each rank keeps
+        its pieces of its own parameters; buffers are copied as they are."""
+        from ..backend import get_array_module
+        missing = [n for n in self.owned if n not in state_dict]
+        if strict and missing:
+            raise KeyError(f"rank {self.rank}: the state dict lacks {missing} (it has {sorted(state_dict)[:8]}...); "
+                           "pass strict=False to load a part")
+
+        def put(t, v):
+            t.data[...] = get_array_module(t.data).asarray(np.asarray(v).reshape(t.data.shape), dtype=t.data.dtype)
+        for n in self._plain:
+            if n in state_dict:
+                put(self.named[n], self.piece(n, state_dict[n]))
+        for f in self.flats:
+            names = self._flat_names(f)
+            if all(n in state_dict for n in names):
+                self._into_flat(f, [self.piece(n, state_dict[n]) for n in names], f.data)
+        for k, t in self.model._state_items():
+            if id(t) not in self._name and k in state_dict:
+                v = state_dict[k]
+                put(t, _host(v.local if hasattr(v, "global_shape") else v))
+
+    @staticmethod
+    def _into_flat(f, pieces, out) -> None:
+        """Write this rank's chunk of the flat buffer packed from the parameters' ``pieces`` into ``out``."""
+        from ..backend import get_array_module
+        full = f.layout.pack(pieces, np.empty(f.total_numel, np.asarray(pieces[0]).dtype))
+        a, b = f.shard_range
+        out[...] = get_array_module(out).asarray(full[a:b], dtype=out.dtype).reshape(out.shape)
+
+    # -- optimizer -------------------------------------------------------------------------------
+    def _optim(self, optimizer, convert) -> Dict[str, Any]:
+        local = self._local(optimizer)
+        # the per-parameter keys and scalars (AdamW's step) are the same for every parameter: every rank
+        # lists every name with them (the checkpoint's rule), another stage's arrays as empty blocks
+        sample = next(iter(local.values()), None)
+        sample = None if sample is None else {k: (None if _is_array(v) else v) for k, v in sample.items()}
+        keys = sample
+        if self.stage_group is not None and self.stage_group.size > 1:
+            keys = next((x for x in all_gather_object(sample, group=self.stage_group) if x), None)
+        state = OrderedDict()
+        if keys is not None:
+            for n, p in self.named.items():
+                if n in local:
+                    state[n] = {k: (convert(n, local[n][k]) if v is None else local[n].get(k, v))
+                                for k, v in keys.items()}
+                elif n not in self.owned:
+                    state[n] = {k: (self._empty(n, p.dtype) if v is None else v) for k, v in keys.items()}
+        groups = []
+        for g in optimizer.param_groups:
+            names = [n for q in g["params"] for n in self._names_of(q)]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return {"state": state, "param_groups": groups}
+
+    def optim_state_dict(self, optimizer) -> Dict[str, Any]:
+        """The optimizer's state under serial names, each moment as its parameter's block (sharded form):
+        ``{"state": {name: {"step": 3, "exp_avg": ShardedArray, ...}}, "param_groups": [{..., "params": [names]}]}``."""
+        return self._optim(optimizer, lambda n, v: placed.block(v, self.placement(n)))
+
+    def full_optim_state_dict(self, optimizer) -> Dict[str, Any]:
+        """The optimizer's state under serial names with full serial arrays, on every rank (collective)."""
+        st = self._optim(optimizer, lambda n, v: np.asarray(placed.gather(v, self.placement(n))))
+        st["state"] = OrderedDict((n, {k: v for k, v in d.items()}) for n, d in
+                                  self._join({n: d for n, d in st["state"].items() if n in self.owned}).items())
+        return st
+
+    def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
+        """Load either optimizer form saved under any layout into ``optimizer`` (built on this rank's
+        parameters or FSDP's flat ones): each moment cut to its parameter's piece (packed into FSDP's chunk)."""
+        saved, index, groups, i = state_dict["state"], {}, [], 0
+        if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"rank {self.rank}: the saved optimizer has {len(state_dict['param_groups'])} parameter "
+                             f"groups, this one {len(optimizer.param_groups)}: build it with the same groups")
+        for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
+            ids = []
+            for q in g["params"]:
+                names = self._names_of(q)
+                sts = [saved.get(n) or {} for n in names]
+                if all(sts):
+                    st = {}
+                    for k, v in sts[0].items():
+                        if not _is_array(v):
+                            st[k] = v
+                        elif self._is_flat(q):
+                            out = np.empty(q.data.shape, np.asarray(_host(getattr(v, "local", v))).dtype)
+                            self._into_flat(q, [self.piece(n, s[k]) for n, s in zip(names, sts)], out)
+                            st[k] = out
+                        else:
+                            st[k] = self.piece(names[0], v).reshape(q.data.shape)
+                    index[i] = st
+                ids.append(i)
+                i += 1
+            groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
+        optimizer.load_state_dict({"state": index, "param_groups": groups})
 
 
 class LayoutState:
