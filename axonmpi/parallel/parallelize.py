@@ -448,15 +448,14 @@ class _Stage(Module):
         optimizer holds this rank's chunk of them.  A step all-gathers them once before the first
         micro-batch and reduce-scatters the accumulated gradient once after the last (FSDP2's behaviour
         under a pipeline schedule, ``reshard_after_forward=False``), then frees the full copy."""
-        from ..distributed.placement import Cut, Placement, Shard, ShardKind, set_placement
+        from ..distributed.placement import set_placement
         from ._flat import FlatParameter
         from .grad_sync import sharded_within
         named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
         flat = [(n, p) for n, p in named if not sharded_within(p, group)]
         if flat:
             self.flat = FlatParameter([p for _, p in flat], [n for n, _ in flat]).shard(group)
-            set_placement(self.flat, Placement(shards=(Shard(group, ShardKind.FLAT),), full_shape=(self.flat.total_numel,),
-                                               cuts=(Cut(group, None),)))
+            set_placement(self.flat, self.flat.placement)     # its own (a flat chunk over ``group``), with the tags
         for i, (_, p) in enumerate(x for x in named if sharded_within(x[1], group)):
             self.register_parameter(f"expert_{i}", p)
 

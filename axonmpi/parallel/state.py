@@ -247,7 +247,8 @@ class ShardedState:
         sample = next(iter(local.values()), None)
         sample = None if sample is None else {k: (None if _is_array(v) else v) for k, v in sample.items()}
         keys = sample
-        if self.stage_group is not None and self.stage_group.size > 1:
+        staged = self.stage_group is not None and self.stage_group.size > 1
+        if staged:
             keys = next((x for x in all_gather_object(sample, group=self.stage_group) if x), None)
         state = OrderedDict()
         if keys is not None:
@@ -259,8 +260,9 @@ class ShardedState:
                     state[n] = {k: (self._empty(n, p.dtype) if v is None else v) for k, v in keys.items()}
         groups = []
         for g in optimizer.param_groups:
-            names = [n for q in g["params"] for n in self._names_of(q)]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+            opts = {k: v for k, v in g.items() if k != "params"}
+            # one stage's names differ from another's: a pipeline's groups keep only the options
+            groups.append(opts if staged else {**opts, "params": [n for q in g["params"] for n in self._names_of(q)]})
         return {"state": state, "param_groups": groups}
 
     def optim_state_dict(self, optimizer) -> Dict[str, Any]:
