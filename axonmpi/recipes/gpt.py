@@ -135,7 +135,8 @@ class HybridGPT(LayoutState):
         else:
             shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
-                             tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype)
+                             tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype,
+                             flats=pm._flats() if self.pipe is not None else ())
 
     def _build(self):
         """This rank's pipeline GPT: only its stage's layers, TP layers in place (the others: stand-ins)."""
@@ -216,19 +217,6 @@ class HybridGPT(LayoutState):
         rows (Megatron's tensor ranks) draw the same masks and data replicas distinct ones."""
         return int(seed) * 1000 + self.shard_index
 
-    def full_state_dict(self):
-        """The whole serial model's parameters on every rank (collective; see ``LayoutState``)."""
-        if self.pm is not None and self.pipe is not None and self.sharding is not None:
-            from ..parallel.parallelize import full_state_dict
-            return full_state_dict(self.pm)      # FSDP stages: their flat shards gathered
-        return LayoutState.full_state_dict(self)
-
-    def checkpoint_state(self, optimizer):
-        """``(model_state, optimizer_state)`` for ``checkpoint.training_state`` (see ``LayoutState``)."""
-        if self.pm is not None and self.pipe is not None and self.sharding is not None:
-            return _Refused(self), _Refused(self)
-        return LayoutState.checkpoint_state(self, optimizer)
-
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
         return {**self.layout.as_dict(), "tp_style": self.style.value if self.style else "none",
@@ -263,21 +251,6 @@ def _composed(h: "HybridGPT", config: GPTConfig, activation_checkpointing: bool)
     lay = h.layout
     return bool(lay.G_inter == 1 or lay.G_context > 1 or h.sharding is not None or config.moe_experts
                 or h.sequence_parallel)
-
-
-class _Refused:
-    """The checkpoint state of FSDP x pipeline: its stages' flat shards have no serial-named block form yet."""
-
-    def __init__(self, h):
-        self.rank = h.grid.world.rank
-
-    def state_dict(self):
-        raise NotImplementedError(f"rank {self.rank}: checkpoints of --fsdp with a pipeline (G_inter > 1) are not "
-                                  "built: each stage's flat FSDP shard has no serial-named block form; use "
-                                  "hyb.full_state_dict() (every rank) or --fsdp none with the pipeline")
-
-    def load_state_dict(self, state_dict=None, strict=True):
-        self.state_dict()
 
 
 def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
