@@ -26,6 +26,7 @@ from ...distributed import broadcast, get_world
 from ...distributed.placement import placement_of
 from ...nn import Module
 from .. import placed
+from ..state import ShardedState
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict", "tp_entries"]
 
@@ -44,7 +45,7 @@ def tp_entries(model: Module):
 
 
 def full_state_dict(model: Module, *, grads: bool = False) -> "OrderedDict[str, np.ndarray]":
-    """The model's state dict with every sharded parameter gathered to its full serial shape.
+    """The model's state dict with every sharded parameter gathered to its full serial shape (by placement).
 
     Collective over the tensor-parallel groups of the model's layers: call it on every rank.
 
@@ -56,20 +57,17 @@ def full_state_dict(model: Module, *, grads: bool = False) -> "OrderedDict[str, 
         >>> sd = full_state_dict(model)       # same keys and shapes as the serial model
         >>> g = full_state_dict(model, grads=True)["blocks.0.mlp.fc.weight"]
     """
-    if grads:
-        sd = OrderedDict((k, np.array(to_host(p.grad.data), copy=True))
-                         for k, p in model.named_parameters() if p.grad is not None)
-    else:
-        sd = Module.state_dict(model)
-    for key, m, name, p in tp_entries(model):
-        if key in sd:
-            sd[key] = np.array(to_host(m._tp_gather(name, (p.grad if grads else p).data)), copy=True)
-    return sd
+    if not grads:
+        return ShardedState(model, rank=_world_rank()).full_state_dict()
+    return OrderedDict((k, np.array(placed.gather(p.grad.data, placement_of(p)) if placement_of(p).layout
+                                    else to_host(p.grad.data), copy=True))
+                       for k, p in model.named_parameters() if p.grad is not None)
 
 
 def load_full_state_dict(model: Module, state_dict: Mapping[str, Any], strict: bool = True):
-    """Load a full (serial) state dict; each TP layer keeps its shard.  Entries already in the
-    shard's shape are taken as shards.  Returns ``IncompatibleKeys`` like ``Module.load_state_dict``.
+    """Load a full (serial) state dict, or a :func:`sharded_state_dict` filled by ``checkpoint.load``; each
+    TP layer keeps its shard.  Entries already in the shard's shape are taken as shards.  Returns
+    ``IncompatibleKeys`` like ``Module.load_state_dict``.
 
     Example:
         >>> load_full_state_dict(tp_model, serial_model.state_dict())
@@ -78,52 +76,41 @@ def load_full_state_dict(model: Module, state_dict: Mapping[str, Any], strict: b
     for key, m, name, p in tp_entries(model):
         if key not in sd:
             continue
-        v = sd[key]
-        v = to_host(getattr(v, "data", v))
-        if tuple(np.shape(v)) == tuple(m._tp_full_shape(name)):
-            sd[key] = m._tp_shard(name, np.asarray(v))
+        v, pl = sd[key], placement_of(p)
+        if hasattr(v, "global_shape") and tuple(v.local_shape) != tuple(v.global_shape):
+            sd[key] = placed.unblock(v.local, pl)          # this layout's block, read by checkpoint.load
+            continue
+        v = to_host(getattr(v, "local", getattr(v, "data", v)))
+        if tuple(np.shape(v)) == tuple(pl.full_shape):
+            sd[key] = placed.cut(v, pl)
         elif tuple(np.shape(v)) != tuple(p.shape):
             raise RuntimeError(
                 f"rank {_world_rank()}: {key!r} has shape {tuple(np.shape(v))}; expected the full shape "
-                f"{tuple(m._tp_full_shape(name))} or this rank's shard shape {tuple(p.shape)}")
+                f"{tuple(pl.full_shape)} or this rank's shard shape {tuple(p.shape)}")
     return Module.load_state_dict(model, sd, strict=strict)
 
 
 def sharded_state_dict(model: Module) -> "OrderedDict[str, Any]":
-    """State dict whose sharded entries are ``ShardedArray`` blocks of the full arrays (no gather).
-
-    Other entries are host arrays (replicated).  ``ShardedArray`` comes from
+    """State dict whose parameters are ``ShardedArray`` blocks of the full arrays (by placement; no gather
+    where a piece is a rectangle); buffers are host arrays (replicated).  ``ShardedArray`` comes from
     ``axonmpi.distributed.sharding`` (also ``axonmpi.checkpoint.ShardedArray``).
 
     Example:
         >>> axonmpi.checkpoint.save("ckpt.h5", sharded_state_dict(model))
     """
-    sd = Module.state_dict(model)
-    for key, m, name, p in tp_entries(model):
-        sd[key] = m._tp_block(name, p.data)
-    return sd
+    return ShardedState(model, rank=_world_rank()).sharded_state_dict()
 
 
 def load_sharded_state_dict(model: Module, state_dict: Mapping[str, Any], strict: bool = True):
-    """Load a state dict made by :func:`sharded_state_dict` and filled by ``checkpoint.load``.
-
-    Blocks that are views of the parameters are already in place; gathered blocks are cut back
-    to this rank's shard.  Returns ``IncompatibleKeys``.
+    """Load a state dict made by :func:`sharded_state_dict` and filled by ``checkpoint.load`` (the blocks
+    cut back to this rank's shard; :func:`load_full_state_dict` takes both forms).  Returns ``IncompatibleKeys``.
 
     Example:
         >>> template = sharded_state_dict(model)
         >>> axonmpi.checkpoint.load("ckpt", {"model": template})
         >>> load_sharded_state_dict(model, template)
     """
-    sd: Dict[str, Any] = {}
-    tp = {key: (m, name) for key, m, name, _ in tp_entries(model)}
-    for key, v in state_dict.items():
-        if key in tp and hasattr(v, "global_shape"):
-            m, name = tp[key]
-            sd[key] = m._tp_unblock(name, v.local)
-        else:
-            sd[key] = v
-    return Module.load_state_dict(model, sd, strict=strict)
+    return load_full_state_dict(model, state_dict, strict)
 
 
 def _world_rank() -> int:
