@@ -340,7 +340,6 @@ class LayoutState:
         from ._flat import FlatParameter
         self.model, self.fsdp, self.grid, self.dtype = model, fsdp, grid, np.dtype(dtype)
         self.param_names = list(param_names)
-        self._owned = set(self.param_names)
         self._shapes = dict(shapes)
         self.tensor_parallel = bool(tensor_parallel)
         self._fsdp_alone = fsdp is not None and not self.tensor_parallel
@@ -349,6 +348,7 @@ class LayoutState:
                                else [])
         self.sharded = ShardedState(model, params=[named[n] for n in self.param_names if n in named], flats=flats,
                                     stage_group=grid.inter_group, rank=grid.world.rank)
+        self._owned = set(self.sharded.owned)      # with the parameters inside a stage's FSDP flat shard
 
     def _full_shape(self, name: str) -> tuple:
         """The serial model's shape of parameter ``name`` (its placement's)."""
