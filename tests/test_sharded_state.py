@@ -2,8 +2,8 @@
 
 * Each parameter gathered by its :class:`~axonmpi.distributed.Placement` alone (``parallel.placed``:
   its cuts and full shape; an FSDP flat chunk by its own placement first) is the serial parameter,
-  under a representative set of ``tests/test_nd_layouts.py``'s 8-rank layouts (Megatron with q/k/v,
-  AxoNN blocks with depth chunks, experts, FSDP flat chunks, pipeline stages).
+  under every layout of ``tests/test_nd_layouts.py`` (Megatron with q/k/v, AxoNN blocks with depth
+  chunks, experts, tensor-parallel experts, FSDP flat chunks, pipeline stages, context parallel).
 * ``training_state(pm, opt)`` of a pipelined or FSDP x tensor-parallel layout (model and AdamW moments
   as serial-named blocks) loads under another layout and into the plain model with a plain AdamW; one
   more AdamW step (clipping on) then equals the serial run's third step: loss, clip norm, parameters.
@@ -29,16 +29,12 @@ from test_nd_layouts import LAYOUTS, MAX_NORM, STEPS, _at_16, _batch, _build, _c
 
 pytestmark = pytest.mark.nd
 
-GATHERED = ["dp_pp2_tp2_sp_1f1b", "dp_pp2_axonn2_gpipe", "fsdp_axonn2_cp2_ac", "fsdp_pp2_tp2_zbv",
-            "moe_dp_pp2_tp2_ep2", "moe_axonn2_texperts_pp2_ac", "dp_tp2_cp2_ulysses"]
-
-
 def _flats(pm):
     return [p for p in pm.parameters() if isinstance(p, FlatParameter)]
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", GATHERED)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_each_parameter_gathered_by_its_placement_alone_is_the_serial_one(world, layout):
     """Before any step every parameter (whole model on every rank; FSDP's from its flat chunk) gathered
     by its placement's cuts equals the serial model's: no layer is asked."""
