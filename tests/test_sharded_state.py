@@ -81,8 +81,8 @@ def _check_step(loss, norm, got, layout, what):
 def test_optimizer_state_resumes_under_another_layout_and_in_the_plain_model(world, saved, loaded,
                                                                               tmp_path_factory):
     """Two steps under ``saved``, ``training_state`` saved (sharded: blocks); restored under ``loaded``
-    (its own training_state the template) and into the plain model with a plain AdamW; the third step
-    equals the serial run's in both."""
+    (its own training_state the template) and into the plain model with a plain AdamW (whose moments equal
+    the saved layout's ``full_optim_state_dict``); the third step equals the serial run's in both."""
     _at_16(world, saved, loaded)
     assert STEPS == 3
     name = LAYOUTS[saved][0]
@@ -99,6 +99,7 @@ def test_optimizer_state_resumes_under_another_layout_and_in_the_plain_model(wor
                if isinstance(v, axonmpi.checkpoint.ShardedArray) and v.local_shape != v.global_shape]
         assert cut, f"{saved}: the moments must be saved as this rank's blocks"
         axonmpi.checkpoint.save(path, state)
+        moments = pm.sharded_state().full_optim_state_dict(opt)["state"]     # full arrays, every rank
     finally:
         world.grid = old
         grid.free()
@@ -119,6 +120,10 @@ def test_optimizer_state_resumes_under_another_layout_and_in_the_plain_model(wor
     plain.load_state_dict(full["model"])
     popt = AdamW(plain.parameters(), lr=1.0)
     ShardedState(plain).load_optim_state_dict(popt, full["optimizer"])
+    for n, p in plain.named_parameters():
+        assert popt.state[p]["step"] == STEPS - 1
+        for k in ("exp_avg", "exp_avg_sq"):
+            _close(popt.state[p][k], moments[n][k], f"saved {saved}: {n} {k} (full_optim_state_dict)")
     x, y = _batch(STEPS - 1)
     popt.zero_grad()
     lp = F.cross_entropy(plain(Tensor(x)), y)

@@ -276,8 +276,8 @@ class ShardedState:
     def full_optim_state_dict(self, optimizer) -> Dict[str, Any]:
         """The optimizer's state under serial names with full serial arrays, on every rank (collective)."""
         st = self._optim(optimizer, lambda n, v: np.asarray(placed.gather(v, self.placement(n))))
-        st["state"] = OrderedDict((n, {k: v for k, v in d.items()}) for n, d in
-                                  self._join({n: d for n, d in st["state"].items() if n in self.owned}).items())
+        joined = self._join({n: d for n, d in st["state"].items() if n in self.owned})
+        st["state"] = OrderedDict((n, joined[n]) for n in self.named if n in joined)
         return st
 
     def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
