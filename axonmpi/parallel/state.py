@@ -213,9 +213,10 @@ class ShardedState:
         its pieces of its own parameters; buffers are copied as they are."""
         from ..backend import get_array_module
         missing = [n for n in self.owned if n not in state_dict]
-        if strict and missing:
-            raise KeyError(f"rank {self.rank}: the state dict lacks {missing} (it has {sorted(state_dict)[:8]}...); "
-                           "pass strict=False to load a part")
+        unexpected = sorted(set(state_dict) - {k for k, _ in self.model._state_items()})
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"rank {self.rank}: the state dict lacks {missing} and has {unexpected} the model has "
+                               "not (serial names expected); pass strict=False to load a part")
 
         def put(t, v):
             t.data[...] = get_array_module(t.data).asarray(np.asarray(v).reshape(t.data.shape), dtype=t.data.dtype)
