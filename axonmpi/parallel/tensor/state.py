@@ -1,18 +1,15 @@
 """Unsharded (serial, PyTorch-named) state dicts for models holding tensor-parallel layers.
 
-A tensor-parallel module keeps only its shard of some parameters and describes, per parameter
-name, how to go between the full array and the shard (the ``_tp_*`` protocol below).  The
-functions here walk any model, so a model built from TP layers loads a serial checkpoint and
-saves one, and gives ``ShardedArray`` blocks for sharded checkpoints.
+A tensor-parallel module keeps only its shard of some parameters; each parameter's placement (its
+cuts and full shape, :mod:`axonmpi.parallel.placed`) says how to go between the full array and the
+shard, so the functions here walk any model: a model built from TP layers loads a serial checkpoint
+and saves one, and gives ``ShardedArray`` blocks for sharded checkpoints (through
+:class:`~axonmpi.parallel.state.ShardedState`).
 
-Protocol of a TP module (``_TensorParallelModule``), read from each parameter's placement
-(:mod:`axonmpi.parallel.placed`: its cuts and full shape):
-    ``_tp_full_shape(name)``: the full shape of parameter ``name`` (``None``: not sharded).
-    ``_tp_shard(name, full)``: this rank's shard of a full host array.
-    ``_tp_gather(name, local)``: the full array from every rank's shard (collective).
-    ``_tp_block(name, local)``: a ``ShardedArray`` for this rank's shard (a view of it where the
-        shard is one rectangular block, else a gathered copy).
-    ``_tp_unblock(name, block)``: the shard from the block ``_tp_block`` described (after a load).
+A TP module (``_TensorParallelModule``) answers, per parameter name, from the placement:
+    ``tp_full_shape(name)``: the full shape (``None``: not cut);
+    ``tp_shard(name, full)`` / ``tp_gather(name, local)``: cut a full host array / gather the pieces;
+    ``tp_block(name, local)`` / ``tp_unblock(name, block)``: a piece as a checkpoint block and back.
 """
 from __future__ import annotations
 
@@ -72,15 +69,16 @@ def load_full_state_dict(model: Module, state_dict: Mapping[str, Any], strict: b
     Example:
         >>> load_full_state_dict(tp_model, serial_model.state_dict())
     """
-    sd: Dict[str, Any] = dict(state_dict)
+    sd: Dict[str, Any] = {k: (v.local if hasattr(v, "global_shape") and tuple(v.local_shape) == tuple(v.global_shape)
+                              else v) for k, v in state_dict.items()}      # a whole array's block: the array
     for key, m, name, p in tp_entries(model):
         if key not in sd:
             continue
         v, pl = sd[key], placement_of(p)
-        if hasattr(v, "global_shape") and tuple(v.local_shape) != tuple(v.global_shape):
+        if hasattr(v, "global_shape"):
             sd[key] = placed.unblock(v.local, pl)          # this layout's block, read by checkpoint.load
             continue
-        v = to_host(getattr(v, "local", getattr(v, "data", v)))
+        v = to_host(getattr(v, "data", v))
         if tuple(np.shape(v)) == tuple(pl.full_shape):
             sd[key] = placed.cut(v, pl)
         elif tuple(np.shape(v)) != tuple(p.shape):
@@ -131,7 +129,7 @@ def init_full(shape, dtype, init_fn, groups) -> np.ndarray:
 
 class _TensorParallelModule(Module):
     """Base of TP layers: ``state_dict(full=...)``, ``load_state_dict`` of full or sharded entries,
-    ``sharded_state_dict()``.  The ``_tp_*`` protocol is read from each parameter's placement (its cuts
+    ``sharded_state_dict()``.  The ``tp_*`` methods read each parameter's placement (its cuts
     and full shape, :mod:`axonmpi.parallel.placed`): a layer only records placements."""
 
     def _tp_placement(self, name: str):
@@ -144,38 +142,25 @@ class _TensorParallelModule(Module):
         pl = self._tp_placement(name)
         return None if pl is None else tuple(pl.full_shape)
 
-    def _tp_shard(self, name, full):
-        return placed.cut(full, self._tp_placement(name))
-
-    def _tp_gather(self, name, local):
-        return placed.gather(local, self._tp_placement(name))
-
-    def _tp_block(self, name, local):
-        return placed.block(local, self._tp_placement(name))
-
-    def _tp_unblock(self, name, block):
-        return placed.unblock(block, self._tp_placement(name))
-
-    # the public face of the ``_tp_*`` protocol
     def tp_full_shape(self, name: str) -> Optional[tuple]:
         """The serial shape of parameter ``name`` (``None``: not sharded)."""
         return self._tp_full_shape(name)
 
     def tp_shard(self, name: str, full):
         """This rank's shard of parameter ``name`` cut from its full serial array."""
-        return self._tp_shard(name, full)
+        return placed.cut(full, self._tp_placement(name))
 
     def tp_gather(self, name: str, local):
         """The full serial array of parameter ``name`` from every rank's ``local`` shard (collective)."""
-        return self._tp_gather(name, local)
+        return placed.gather(local, self._tp_placement(name))
 
     def tp_block(self, name: str, local):
         """``local`` (this rank's shard of ``name``, or an array shaped like it) as a ``ShardedArray`` block."""
-        return self._tp_block(name, local)
+        return placed.block(local, self._tp_placement(name))
 
     def tp_unblock(self, name: str, block):
         """The shard of ``name`` from a block read by ``checkpoint.load`` into :meth:`tp_block`'s form."""
-        return self._tp_unblock(name, block)
+        return placed.unblock(block, self._tp_placement(name))
 
     def state_dict(self, full: bool = False) -> "OrderedDict[str, np.ndarray]":
         """This layer's state: shards (default) or, with ``full=True``, full serial arrays (collective)."""
@@ -218,7 +203,7 @@ class _TensorParallelModule(Module):
             return
         full = init_full(shape, np.dtype(p.dtype), init_fn, self._tp_init_groups())
         xp = get_array_module(p.data)
-        p.data[...] = xp.asarray(self._tp_shard(name, full)).reshape(p.shape)
+        p.data[...] = xp.asarray(self.tp_shard(name, full)).reshape(p.shape)
 
 
 _tp_entries = tp_entries   # the old name, for code written against it
