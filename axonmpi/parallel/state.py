@@ -75,14 +75,17 @@ class ShardedState:
         params: the parameters this rank owns (``None``: all of them).
         flats: FSDP's flat parameters holding some of ``model``'s (their chunks are this rank's).
         stage_group: the group joining the pipeline stages (``None``: one stage).
-        rank: this rank in the world (for errors).
+        rank: this rank in the world, for errors (default: the current World's, else 0).
 
     Example:
         >>> st = ShardedState(model, params=pipe.parameters(), stage_group=grid.inter_group)
         >>> axonmpi.checkpoint.save(path, {"model": st.sharded_state_dict(), "optimizer": st.optim_state_dict(opt)})
     """
 
-    def __init__(self, model, *, params=None, flats=(), stage_group=None, rank: int = 0):
+    def __init__(self, model, *, params=None, flats=(), stage_group=None, rank: Optional[int] = None):
+        if rank is None:
+            from ..distributed.world import get_world, is_initialized
+            rank = get_world().rank if is_initialized() else 0     # a plain model in one process: rank 0
         self.model, self.stage_group, self.rank = model, stage_group, int(rank)
         self.named: "OrderedDict[str, Any]" = OrderedDict(model.named_parameters())
         self._name = {id(q): n for n, q in self.named.items()}
