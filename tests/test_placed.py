@@ -2,7 +2,7 @@
 the full array once, and a piece's checkpoint rectangle gives the piece back -- for every kind of cut
 (Megatron dims, fused q/k/v parts, AxoNN blocks with depth chunks, FSDP's uneven flat chunks).
 
-No processes: cutting reads only each group's size and this rank's index in it (gathering is checked
+One process: cutting reads only each group's size and this rank's index in it (gathering is checked
 by ``tests/test_sharded_state.py`` under the N-D layouts).
 """
 from __future__ import annotations
@@ -75,3 +75,38 @@ def test_which_pieces_are_rectangles():
 def test_a_placement_without_a_full_shape_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="has no full_shape.*full_shape="):
         placed.local_shape(Placement(cuts=(Cut(_G("tp", 2, 0), 0),)))
+
+
+def test_sharded_state_of_a_plain_model_and_its_optimizer_round_trips_and_refuses_zero():
+    """``ShardedState`` of a plain model (one process): both forms of the model and of AdamW's state load
+    into a fresh model and optimizer exactly; a ZeRO optimizer (state by buckets) is refused, naming the fix."""
+    import axonmpi
+    import axonmpi.nn as nn
+    import axonmpi.nn.functional as F
+    from axonmpi import Tensor
+    from axonmpi.optim import AdamW, ZeroRedundancyOptimizer
+    from axonmpi.parallel.state import ShardedState
+
+    def make():
+        axonmpi.manual_seed(3)
+        return nn.Sequential(nn.Linear(3, 4, dtype=np.float64), nn.LayerNorm(4, dtype=np.float64))
+    m, x = make(), np.random.default_rng(0).standard_normal((5, 3))
+    opt = AdamW(m.parameters(), lr=0.1)
+    F.mse_loss(m(Tensor(x)), Tensor(np.ones((5, 4)))).backward()
+    opt.step()
+    st = ShardedState(m)
+    for model_sd, optim_sd in ((st.full_state_dict(), st.full_optim_state_dict(opt)),
+                               (st.sharded_state_dict(), st.optim_state_dict(opt))):
+        m2 = make()
+        opt2 = AdamW(m2.parameters(), lr=0.1)
+        ShardedState(m2).load_state_dict(model_sd)
+        ShardedState(m2).load_optim_state_dict(opt2, optim_sd)
+        for (n, p), q in zip(m.named_parameters(), m2.parameters()):
+            np.testing.assert_array_equal(q.data, p.data, err_msg=n)
+            for k in ("exp_avg", "exp_avg_sq"):
+                np.testing.assert_array_equal(opt2.state[q][k], opt.state[p][k], err_msg=f"{n} {k}")
+            assert opt2.state[q]["step"] == 1
+    zero = ZeroRedundancyOptimizer(m.parameters(), AdamW, lr=0.1)
+    with pytest.raises(NotImplementedError, match=r"rank 0: ZeroRedundancyOptimizer keeps its state in buckets.*"
+                                                  r"optimizer.sharded_state_dict\(\)"):
+        st.optim_state_dict(zero)

@@ -247,7 +247,16 @@ class ShardedState:
         out[...] = get_array_module(out).asarray(full[a:b], dtype=out.dtype).reshape(out.shape)
 
     # -- optimizer -------------------------------------------------------------------------------
+    def _check_optimizer(self, optimizer) -> None:
+        if callable(getattr(optimizer, "sharded_state_dict", None)):
+            raise NotImplementedError(
+                f"rank {self.rank}: {type(optimizer).__name__} keeps its state in buckets of flattened chunks, not "
+                "per parameter, so it has no serial-named form here: checkpoint it with its own "
+                "optimizer.sharded_state_dict() / load_state_dict (same layout, any data size) beside "
+                "pm.sharded_state_dict(), or use AdamW on pm.parameters()")
+
     def _optim(self, optimizer, convert) -> Dict[str, Any]:
+        self._check_optimizer(optimizer)
         local = self._local(optimizer)
         # the per-parameter keys and scalars (AdamW's step) are the same for every parameter: every rank
         # lists every name with them (the checkpoint's rule), another stage's arrays as empty blocks
@@ -287,6 +296,7 @@ class ShardedState:
     def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
         """Load either optimizer form saved under any layout into ``optimizer`` (built on this rank's
         parameters or FSDP's flat ones): each moment cut to its parameter's piece (packed into FSDP's chunk)."""
+        self._check_optimizer(optimizer)
         saved, index, groups, i = state_dict["state"], {}, [], 0
         if len(state_dict["param_groups"]) != len(optimizer.param_groups):
             raise ValueError(f"rank {self.rank}: the saved optimizer has {len(state_dict['param_groups'])} parameter "
