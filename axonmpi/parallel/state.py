@@ -336,7 +336,8 @@ class LayoutState:
         model: the rank's model (tensor-parallel layers in place; other stages' parameters may be
             zero-stride stand-ins with the serial names, local shapes and placements).
         param_names: the parameters this rank owns (its stage's; every one under FSDP).
-        shapes: every parameter's local shape (taken before FSDP flattened them).
+        shapes: accepted for callers written before placements carried shapes; the local and full shapes
+            are read from the placements.
         fsdp: the :class:`~axonmpi.parallel.FSDP` wrapping ``model`` over data, or ``None``.
         tensor_parallel: whether ``model`` holds cut parameters (tensor or expert parallel).
         grid: the process grid (its ``inter_group`` joins the pipeline stages' parts).
@@ -349,12 +350,11 @@ class LayoutState:
         >>> mgr.save(step, training_state(*state.checkpoint_state(opt)))
     """
 
-    def __init__(self, model, *, param_names: List[str], shapes: Dict[str, tuple], fsdp=None,
+    def __init__(self, model, *, param_names: List[str], shapes: Optional[Dict[str, tuple]] = None, fsdp=None,
                  tensor_parallel: bool = False, grid, dtype, flats=()):
         from ._flat import FlatParameter
         self.model, self.fsdp, self.grid, self.dtype = model, fsdp, grid, np.dtype(dtype)
         self.param_names = list(param_names)
-        self._shapes = dict(shapes)
         self.tensor_parallel = bool(tensor_parallel)
         self._fsdp_alone = fsdp is not None and not self.tensor_parallel
         named = dict(model.named_parameters())
