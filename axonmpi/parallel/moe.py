@@ -136,7 +136,7 @@ class ShardedExpertLinear(_AxisSharded):
     """This rank's slice of an :class:`~axonmpi.nn.moe.ExpertLinear`: ``axis`` 0 (experts, expert
     parallelism) or 1 / 2 (an expert's hidden width, tensor-parallel experts) over ``group``.
 
-    Serial names and shapes in state dicts (the ``_tp_*`` protocol); placement: a ``DIM`` shard
+    Serial names and shapes in state dicts (from the placements); placement: a ``DIM`` shard
     over ``group``, replicated over ``replicas``.
     """
 

@@ -499,7 +499,9 @@ class PipelinedModule(ParallelModule):
     ``pm.step(xb, yb)`` runs one training step's forward and backward over the micro-batches (``xb, yb``
     from :meth:`local_batch`; every rank passes them) and returns the serial mean loss of the global batch
     on every rank; ``pm.parameters()`` are this rank's stage parameters; ``pm.state_dict()`` is the whole
-    serial state dict (collective over the grid).
+    serial state dict (collective over the grid); ``pm.sharded_state_dict()`` / ``pm.optim_state_dict(opt)``
+    give this rank's stages' blocks (:meth:`sharded_state`) and ``load_state_dict`` /
+    ``load_optim_state_dict`` take either form saved under any layout.
     """
 
     def __init__(self, module: Module, grid: ProcessGrid, tensor_parallel, data_parallel, pipe, stages):
@@ -538,8 +540,7 @@ class PipelinedModule(ParallelModule):
 
     @contextlib.contextmanager
     def _gathered(self):
-        """Every FSDP stage's full parameters bound while inside (state dicts read and write them); on the
-        way out this rank's chunk is taken from them again (a load may have changed them)."""
+        """Every FSDP stage's full parameters bound while inside (evaluation); freed on the way out."""
         flats = self._flats()
         for f in flats:
             f.unshard()
@@ -547,8 +548,6 @@ class PipelinedModule(ParallelModule):
             yield
         finally:
             for f in flats:
-                full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
-                f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
                 f.reshard()
 
     def eval_step(self, inputs, targets) -> float:
@@ -574,15 +573,6 @@ class PipelinedModule(ParallelModule):
         the pipeline group."""
         return ShardedState(self.inner, params=self.pipeline.parameters(), flats=self._flats(),
                             stage_group=self.grid.inter_group, rank=self.grid.rank)
-
-    def state_dict(self):
-        """The full serial state dict on every rank (collective over the grid: tensor, then pipeline)."""
-        return full_state_dict(self)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a full serial state dict (any layout's) or a :meth:`sharded_state_dict` filled by
-        ``checkpoint.load``; each rank keeps its stages' pieces."""
-        return self.sharded_state().load_state_dict(state_dict, strict)
 
 
 class _Flats:
