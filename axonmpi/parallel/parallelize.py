@@ -188,7 +188,6 @@ class ParallelModule(Module):
         n = grid.G_data * (grid.G_intra if axonn else 1)
         k = grid.coords.data * (grid.G_intra if axonn else 1) + (grid.intra_group.rank if axonn else 0)
         self.batch_shards = (n, k)
-        self._serial_shapes: Dict[str, Tuple[int, ...]] = {}
         self._hooks = []
         # what a Pipeline over this stage reads to reduce it (the grad_sync table's batch groups)
         self.batch_groups = (grid.intra_group,) if axonn else ()
@@ -370,7 +369,9 @@ class _FSDPParallelModule(ParallelModule):
         """Load FSDP's blocks, or any layout's full arrays (reshaped to the serial shapes FSDP flattens)."""
         from ..distributed.sharding import ShardedArray
         if not any(isinstance(v, ShardedArray) for v in state_dict.values()):
-            state_dict = OrderedDict((k, _serial(v, self._serial_shapes.get(k))) for k, v in state_dict.items())
+            from ..distributed.placement import placement_of
+            shapes = {n: placement_of(p).full_shape for n, p in self.inner.named_parameters()}
+            state_dict = OrderedDict((k, _serial(v, shapes.get(k))) for k, v in state_dict.items())
         return self.module.load_state_dict(state_dict, strict)
 
     def optim_state_dict(self, optimizer) -> Dict[str, Any]:
@@ -808,7 +809,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     # [Note: a GPT's sequence parallelism] is entered inside its forward (after the embeddings, which number the
     # tokens) and left at a "column_gather" head: pm(x) takes and gives whole sequences
     gpt_sp = bool(sequence_parallel) and isinstance(module, GPT) and grid.intra_group.size > 1
-    shapes = {k: tuple(np.shape(v)) for k, v in module.state_dict().items()}
     axonn = tensor_parallel == "axonn"
     # 1 tensor parallel + sequence parallel
     if axonn:
@@ -850,7 +850,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
         _checkpoint_modules(module, activation_checkpointing, r)
     # 6 the pipeline, over the stages of steps 1-4 (its runtime is step 5's reducer)
     if pipeline is not None:
-        return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, shapes, sp_params,
+        return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, sp_params,
                          int(sequence_dim) if sequence_parallel else None, activation_checkpointing is True,
                          cp_size > 1)
     # 5 data parallel over each parameter's replica group
@@ -881,7 +881,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             wrapped.register_post_backward_hook(lambda: _finish_fsdp_segments(wrapped, grid, axonn, sp_params))
             cls = _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module)
-    pm._serial_shapes = shapes
     pm._hooks.extend(sp_hooks)
     pm._context(cp_size > 1, context_parallel)
     if sequence_parallel and not gpt_sp:
@@ -907,7 +906,7 @@ def _whole_first_layer(chunks, grid: ProcessGrid, sp_dim: Optional[int]) -> Opti
     return None
 
 
-def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
+def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, sp_params, sp_dim,
               checkpoint_chunks: bool, cp: bool) -> "PipelinedModule":
     """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
     schedule runs it on (``schedule.stage_ranks``: ZBV's V, never a permuted model), and run them in a
@@ -937,7 +936,6 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
     pipe = Pipeline(stages, sched, loss_fn=plan.loss_fn or F.cross_entropy, group=grid.inter_group,
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index)
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
-    pm._serial_shapes = shapes
     mine = {id(p) for p in pipe.parameters()} | {id(q) for f in pm._flats() for q in f.params}
     pm._sp_params = [p for p in sp_params if id(p) in mine]
     pm._context(cp, None)
