@@ -379,10 +379,6 @@ def main(argv=None):
         axonmpi.trace.start(args.trace, world.rank)     # written when the run ends (or fails)
         atexit.register(axonmpi.trace.stop)
     pure_dp = grid.G_data == world.world_size
-    if args.fsdp != "none" and grid.G_inter > 1 and not (args.no_save and not (args.resume or args.auto_resume)):
-        axonmpi.log.exit0(f"--fsdp {args.fsdp} with a pipeline (--G-inter {grid.G_inter}) writes and reads no "
-                          "checkpoint yet (a stage's flat FSDP shard has no serial-named block form): pass --no-save "
-                          "(and no --resume), or --fsdp none with the pipeline")
     if args.fsdp != "none" and args.expert_parallel > 1 and not (args.no_save and not (args.resume or args.auto_resume)):
         axonmpi.log.exit0(f"--fsdp {args.fsdp} with --expert-parallel {args.expert_parallel} writes and reads no "
                           "checkpoint yet (the recipe's sharded state reads FSDP's flat shards, and the experts stay "

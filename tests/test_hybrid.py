@@ -189,7 +189,6 @@ def test_checkpoint_reshards_across_four_layouts(tmp_path):
     (2, ["--G-inter", "2", "--moe-experts", "2", "--activation-checkpointing"],
      ["auxiliary (router) losses with activation_checkpointing=True in a pipeline are not built"]),
     (2, ["--cpu-offload"], ["--cpu-offload and --mixed-precision fp16 need --fsdp"]),
-    (2, ["--G-inter", "2", "--fsdp", "full_shard", "--resume"], ["writes and reads no checkpoint yet"]),
 ])
 def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_path):
     from axonmpi.testing import run_mpiexec
@@ -204,12 +203,12 @@ def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_
 @pytest.mark.serial
 def test_checkpoint_chain_fsdp_tp_serial_fsdp(tmp_path):
     """FSDP full_shard at 4 ranks -> FSDP x Megatron TP 2 (2,1,1,2,1) -> FSDP x AxoNN depth 2 (2,1,1,1,2) ->
-    serial -> FSDP shard_grad_op at 3: each run resumes the last one's checkpoint (pure FSDP saves flattened
-    shards under serial names, FSDP x TP and serial full-shape blocks); every step's loss and the final
-    parameters and AdamW moments equal an uninterrupted serial run."""
+    FSDP x pipeline (2,2,1,1,1) -> serial -> FSDP shard_grad_op at 3: each run resumes the last one's checkpoint
+    (pure FSDP saves flattened shards under serial names, FSDP x TP, FSDP x pipeline and serial full-shape
+    blocks); every step's loss and the final parameters and AdamW moments equal an uninterrupted serial run."""
     from axonmpi import checkpoint as ckpt
     from axonmpi.testing import mpiexec_env, run_mpiexec
-    total = 10
+    total = 12
     base = [SCRIPT, *[a for a in TINY if a != "--no-save"]]
     base[base.index("--steps") + 1] = str(total)
     base += ["--save-every", "2", "--keep-last", "10"]
@@ -221,7 +220,8 @@ def test_checkpoint_chain_fsdp_tp_serial_fsdp(tmp_path):
     ref = {x["step"]: x["loss"] for x in map(json.loads, open(tmp_path / "ref.jsonl"))}
     chain = [((4, 1, 1, 1, 1), ["--fsdp", "full_shard"]),
              ((2, 1, 1, 2, 1), ["--tp-style", "megatron", "--fsdp", "full_shard"]),
-             ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "full_shard"]), (None, []),
+             ((2, 1, 1, 1, 2), ["--tp-style", "axonn", "--fsdp", "full_shard"]),
+             ((2, 2, 1, 1, 1), ["--fsdp", "full_shard"]), (None, []),
              ((3, 1, 1, 1, 1), ["--fsdp", "shard_grad_op"])]
     mgr = ckpt.CheckpointManager(run_dir, keep_last=None)
     for k, (sizes, extra) in enumerate(chain):

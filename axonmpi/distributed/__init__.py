@@ -9,7 +9,7 @@ from .collectives import P2POp, batch_isend_irecv
 from .debug import CollectiveMismatchError, CollectiveTimeoutError
 from .grid import GridCoords, ProcessGrid
 from .group import GroupMembershipError, ProcessGroup
-from .placement import Placement, Shard, ShardKind, add_placement, placement_of, set_placement
+from .placement import Cut, Placement, Shard, ShardKind, add_placement, placement_of, set_placement
 from .world import World, destroy, get_grid, get_world, init, is_initialized, resolve_group, role_group
 # torch.distributed's names; the collectives below take torch's in-place form on Tensors and keep
 # axonmpi's array form on arrays (they replace the array-only names imported above)
@@ -26,7 +26,7 @@ __all__ = [
     "World", "ProcessGroup", "GroupMembershipError", "CollectiveMismatchError", "CollectiveTimeoutError",
     "ProcessGrid", "GridCoords", "get_grid",
     "init", "get_world", "is_initialized", "destroy", "resolve_group", "role_group",
-    "Placement", "Shard", "ShardKind", "placement_of", "set_placement", "add_placement",
+    "Cut", "Placement", "Shard", "ShardKind", "placement_of", "set_placement", "add_placement",
     "rank", "world_size", "is_main_process",
     "ReduceOp", "Work", "chunk_sizes", "chunk_bounds",
     "all_reduce", "all_reduce_sum", "all_reduce_mean", "all_reduce_min", "all_reduce_max",

@@ -15,6 +15,19 @@ Kinds of sharding (:class:`ShardKind`):
 * ``STAGE``: the group's ranks hold different parameters altogether (pipeline stages): each
   rank's elements are its own, none shared.
 
+Where a rank's elements sit in the full serial array is the placement's :attr:`Placement.cuts`:
+the steps (:class:`Cut`) that take the full array (``full_shape``) to this rank's local array,
+each one group splitting one dim (or the flattened array) into its ranks' chunks.  The sharded
+state (``axonmpi.parallel.state``) gathers, cuts and checkpoints every parameter from these alone:
+
+* Megatron column / row / vocab: ``(Cut(tp, 0),)``, ``(Cut(tp, 1),)``, ``(Cut(tp, 0),)``;
+* Megatron's fused q/k/v weight: ``(Cut(tp, 0, parts=3),)`` (each of q, k, v split by heads);
+* AxoNN 3-D weight: ``(Cut(outer, 0), Cut(inner, 1), Cut(depth, None))`` (the block, flattened,
+  cut in depth chunks); its bias ``(Cut(outer, 0),)``;
+* an expert-parallel stack of experts: ``(Cut(expert, 0),)`` (or the tensor-parallel dim);
+* an FSDP flat parameter: ``(Cut(shard_group, None),)`` of the flat buffer (chunks by the uneven
+  rule of ``distributed.sharding``); a replicated parameter: no cut.
+
 A placement ``replicates`` over a group when every rank of that group holds identical values.
 Code ported from AxoNN keeps working: :func:`set_placement` also writes AxoNN's tags
 (``is_tensor_parallel``, ``process_group_for_norm_reduction``), and :func:`placement_of` reads a
@@ -23,10 +36,10 @@ parameter that carries only those tags (or a ``shard_group`` attribute) as a pla
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Tuple
 
-__all__ = ["ShardKind", "Shard", "Placement", "placement_of", "set_placement", "add_placement", "check_group"]
+__all__ = ["ShardKind", "Shard", "Cut", "Placement", "placement_of", "set_placement", "add_placement", "check_group"]
 
 
 class ShardKind(enum.Enum):
@@ -52,6 +65,29 @@ class Shard:
         return f"Shard({name}{list(getattr(self.group, 'ranks', ()))}, {self.kind.value}{where})"
 
 
+@dataclass(frozen=True)
+class Cut:
+    """One step from the full serial array to this rank's piece: ``group`` splits ``dim`` into its ranks'
+    chunks (the uneven rule of ``distributed.sharding``: the first ``n % k`` one larger) and each rank
+    keeps its own.  ``dim=None`` flattens the array first (an FSDP flat chunk, AxoNN's depth chunk);
+    ``parts > 1`` views ``dim`` as ``parts`` equal pieces, each split so (a fused q/k/v weight).
+
+    Example (AxoNN's weight: the row x column block, flattened, cut in depth chunks)::
+
+        >>> (Cut(outer, 0), Cut(inner, 1), Cut(depth, None))
+    """
+
+    group: Any
+    dim: Optional[int] = 0
+    parts: int = 1
+
+    def __repr__(self) -> str:
+        name = getattr(self.group, "name", None) or "group"
+        where = "flat" if self.dim is None else f"dim {self.dim}"
+        return f"Cut({name}[{getattr(self.group, 'size', '?')}], {where}" + \
+            (f", parts={self.parts})" if self.parts != 1 else ")")
+
+
 def _nontrivial(groups):
     return tuple(g for g in groups if g is not None and getattr(g, "size", 2) > 1)
 
@@ -68,6 +104,8 @@ class Placement:
         shards: the groups whose ranks hold different elements, each with its :class:`ShardKind`.
         replicas: the groups whose ranks hold identical values.
         full_shape: the serial (unsharded) shape, or ``None`` when the parameter is whole here.
+        cuts: the :class:`Cut` steps from the full array to this rank's local one, in order; left
+            out, one per ``DIM`` shard that names its dim (see :attr:`layout`).
 
     Example (a Megatron column-parallel weight over a 2-rank tensor group, replicated over data)::
 
@@ -78,6 +116,14 @@ class Placement:
     shards: Tuple[Shard, ...] = ()
     replicas: Tuple[Any, ...] = ()
     full_shape: Optional[Tuple[int, ...]] = field(default=None)
+    cuts: Tuple[Cut, ...] = ()
+
+    @property
+    def layout(self) -> Tuple[Cut, ...]:
+        """The cuts from the full array to this rank's (its own, or one per dim-naming ``DIM`` shard)."""
+        if self.cuts:
+            return self.cuts
+        return tuple(Cut(s.group, s.dim) for s in self.shards if s.kind is ShardKind.DIM and s.dim is not None)
 
     @property
     def shard_groups(self) -> Tuple[Any, ...]:
@@ -98,15 +144,15 @@ class Placement:
         """This placement with one more sharding group (no change when it is already there)."""
         if any(_same(s.group, shard.group) for s in self.shards):
             return self
-        return Placement(self.shards + (shard,), tuple(r for r in self.replicas if not _same(r, shard.group)),
-                         self.full_shape)
+        return replace(self, shards=self.shards + (shard,),
+                       replicas=tuple(r for r in self.replicas if not _same(r, shard.group)))
 
     def with_replica(self, group: Any) -> "Placement":
         """This placement with one more replicating group (no change when it is already there)."""
         if group is None or any(_same(r, group) for r in self.replicas) \
                 or any(_same(s.group, group) for s in self.shards):
             return self
-        return Placement(self.shards, self.replicas + (group,), self.full_shape)
+        return replace(self, replicas=self.replicas + (group,))
 
     def describe(self) -> str:
         """A one-line description for error messages: ``shard over [...], replicate over [...]``."""
@@ -116,7 +162,8 @@ class Placement:
                  for s in self.shards]
         parts += [f"replicated over {name(g)}" for g in self.replicas]
         shape = f", full shape {self.full_shape}" if self.full_shape is not None else ""
-        return (", ".join(parts) or "replicated (no group)") + shape
+        cuts = f", cuts {list(self.cuts)}" if self.cuts else ""
+        return (", ".join(parts) or "replicated (no group)") + shape + cuts
 
 
 _REPLICATED = Placement()

@@ -23,6 +23,7 @@ from .. import trace as _trace
 from ..autograd import Tensor
 from ..backend import as_device, device_of, get_array_module, to_device, to_host
 from ..distributed import ReduceOp, Work, all_gather, broadcast, chunk_bounds, reduce_scatter, resolve_group
+from ..distributed.placement import Cut, Placement, Shard, ShardKind
 from ..distributed.sharding import FlatLayout, FlatSegment, compact_slots as _compact, expand_slots as _expand
 from ..nn.parameter import Parameter
 
@@ -187,6 +188,8 @@ class FlatParameter(Parameter):
         self.shard_range, self.padded_size = (lo, hi), size
         self._shard = shard
         self.data = shard[:hi - lo]
+        # its placement: the flat buffer's chunk over ``g`` (the uneven rule), so it is gathered by placement alone
+        self.placement = Placement(shards=(Shard(g, ShardKind.FLAT),), full_shape=(n,), cuts=(Cut(g, None),))
         fg = self._full_grad
         self._drop_full_grad()
         if fg is not None:

@@ -65,14 +65,14 @@ import numpy as np
 from ..autograd import ops
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module
-from ..distributed import all_gather, get_grid
+from ..distributed import get_grid
 from ..distributed.alltoallv import exchange_counts
-from ..distributed.placement import Placement, Shard, ShardKind, set_placement
+from ..distributed.placement import Placement, Shard, ShardKind, placement_of, set_placement
 from ..nn import Module
 from ..nn.moe import ExpertLinear, MoE
 from ..nn.parameter import Parameter
+from . import placed
 from .tensor.layers import _AxisSharded
-from .tensor.state import _sharded_array, axis_shard
 from .tensor.mappings import (
     all_to_all_along, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 )
@@ -163,7 +163,7 @@ class ShardedExpertLinear(_AxisSharded):
     ``then=(group2, axes2)`` the slice is cut again over ``group2`` (both: experts over the expert group,
     then each expert's hidden width over the tensor group).
 
-    Serial names and shapes in state dicts (the ``_tp_*`` protocol); placement: a ``DIM`` shard
+    Serial names and shapes in state dicts (from the placements); placement: a ``DIM`` shard
     over each group that splits the parameter, replicated over ``replicas`` and the others.
     """
 
@@ -173,8 +173,6 @@ class ShardedExpertLinear(_AxisSharded):
         self._levels = [(group, axes)] + ([tuple(then)] if then is not None else [])
         self.num_experts, self.in_features, self.out_features = (serial.num_experts, serial.in_features,
                                                                  serial.out_features)
-        self._tp_axes = {}              # name -> (axis of the first split, full shape)
-        self._cuts = {}                 # name -> [(axis, group), ...] in the order they are cut
         for name in ("weight", "bias"):
             p = getattr(serial, name)
             if p is None:
@@ -182,35 +180,11 @@ class ShardedExpertLinear(_AxisSharded):
                 continue
             full = np.asarray(p.data)
             cuts = [(lv[name], g) for g, lv in self._levels if lv.get(name) is not None]
-            if cuts:
-                self._tp_axes[name] = (cuts[0][0], full.shape)
-                self._cuts[name] = cuts
-                local = self._tp_shard(name, full)
-            else:
-                local = full.copy()
-            q = Parameter(local)
             whole = tuple(g for g, lv in self._levels if lv.get(name) is None)
-            set_placement(q, Placement(shards=tuple(Shard(g, ShardKind.DIM, a) for a, g in cuts),
-                                       replicas=tuple(replicas) + whole,
-                                       full_shape=tuple(full.shape) if cuts else None))
+            pl = Placement(shards=tuple(Shard(g, ShardKind.DIM, a) for a, g in cuts),
+                           replicas=tuple(replicas) + whole, full_shape=tuple(full.shape))
+            q = set_placement(Parameter(placed.cut(full, pl) if cuts else full.copy()), pl)
             setattr(self, name, q)
-
-    def _tp_shard(self, name, full):
-        for axis, g in self._cuts[name]:
-            full = axis_shard(full, axis, g)
-        return full
-
-    def _tp_gather(self, name, local):
-        for axis, g in reversed(self._cuts[name]):
-            local = local if g.size == 1 else all_gather(local, axis=axis, group=g)
-        return local
-
-    def _tp_block(self, name, local):
-        shape = self._tp_axes[name][1]
-        offsets = [0] * len(shape)
-        for axis, g in self._cuts[name]:
-            offsets[axis] = g.rank * local.shape[axis]
-        return _sharded_array(local, shape, offsets)
 
     def _tp_init_groups(self):
         return [g for g, _ in self._levels]

@@ -22,6 +22,7 @@ from ..nn import layers as nn_layers
 from ..nn.module import Module
 from ..nn.transformer import CausalSelfAttention
 from .grad_sync import GradReducer, no_sync as _no_sync, reduce_gradient, reduction_groups
+from .state import ShardedState
 from .swap import module_slots as _children
 
 __all__ = ["ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict"]
@@ -226,7 +227,6 @@ class ParallelModule(Module):
         n = grid.G_data * (grid.G_intra if axonn else 1)
         k = grid.coords.data * (grid.G_intra if axonn else 1) + (grid.intra_group.rank if axonn else 0)
         self.batch_shards = (n, k)
-        self._serial_shapes: Dict[str, Tuple[int, ...]] = {}
         # what a Pipeline over this stage reads to reduce it (the grad_sync table's batch groups)
         self.batch_groups = (grid.intra_group,) if axonn else ()
         self.depth_group = grid.depth_group
@@ -361,91 +361,43 @@ class ParallelModule(Module):
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)
 
+    def sharded_state(self) -> ShardedState:
+        """This rank's model and optimizer state by placements (:class:`~axonmpi.parallel.state.ShardedState`);
+        under FSDP each piece is read from (and written to) FSDP's flat chunks."""
+        if self.data_parallel != "fsdp":
+            return ShardedState(self.inner, rank=self.grid.rank)
+        from ._flat import FlatParameter
+        ps = list(self.module.parameters())
+        return ShardedState(self.inner, params=[p for p in ps if not isinstance(p, FlatParameter)],
+                            flats=[p for p in ps if isinstance(p, FlatParameter)], rank=self.grid.rank)
+
     def state_dict(self):
         """The full serial state dict (collective): serial names, full shapes, on every rank."""
         return full_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a full serial state dict or a :meth:`sharded_state_dict` filled by ``checkpoint.load``.
-
-        Full arrays saved under any other layout load here: entries with the serial number of
-        elements but another shape (FSDP's flattened arrays) are reshaped to the serial shape.
-        """
-        from ..distributed.sharding import ShardedArray
-        if not any(isinstance(v, ShardedArray) for v in state_dict.values()):
-            state_dict = OrderedDict((k, _serial(v, self._serial_shapes.get(k))) for k, v in state_dict.items())
-        if self.data_parallel == "fsdp":
-            return self.module.load_state_dict(state_dict, strict)
-        from .tensor.state import load_full_state_dict, load_sharded_state_dict
-        if any(isinstance(v, ShardedArray) for v in state_dict.values()):
-            return load_sharded_state_dict(self.inner, state_dict, strict)
-        return load_full_state_dict(self.inner, state_dict, strict)
+        """Load a full serial state dict (any layout's: FSDP's flattened arrays are reshaped to the serial
+        shape) or a :meth:`sharded_state_dict` filled by ``checkpoint.load``; each rank keeps its pieces."""
+        return self.sharded_state().load_state_dict(state_dict, strict)
 
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
-        """Serial names; sharded parameters as ``ShardedArray`` blocks of the full arrays (nothing gathered)."""
-        if self.data_parallel == "fsdp":
-            return self.module.sharded_state_dict()
-        from .tensor.state import sharded_state_dict
-        return sharded_state_dict(self.inner)
+        """Serial names; sharded parameters as ``ShardedArray`` blocks of the full arrays (by placement)."""
+        return self.sharded_state().sharded_state_dict()
 
     def optim_state_dict(self, optimizer) -> Dict[str, Any]:
-        """The optimizer's state under serial parameter names; a tensor-parallel parameter's arrays as
-        ``ShardedArray`` blocks of the full arrays (its placement), the others as host arrays.
+        """The optimizer's state under serial parameter names, each moment as its parameter's
+        ``ShardedArray`` block of the full array (by its placement).
 
         ``{"state": {name: {"step": int, "exp_avg": ..., ...}}, "param_groups": [{options..., "params":
-        [names]}]}``: saved by ``training_state(pm, opt)`` and loadable under any layout.
+        [names]}]}``: saved by ``training_state(pm, opt)`` and loadable under any layout, or (read as full
+        arrays) into the plain model's optimizer with ``ShardedState(model).load_optim_state_dict``.
         """
-        from ..backend import to_host
-        from .tensor.state import tp_entries
-        names = {id(p): n for n, p in self.inner.named_parameters()}
-        tp = {key: (m, name) for key, m, name, _ in tp_entries(self.inner)}
-        state: Dict[str, Dict[str, Any]] = {}
-        groups = []
-        for g in optimizer.param_groups:
-            gnames = []
-            for p in g["params"]:
-                n = names.get(id(p))
-                if n is None:
-                    raise ValueError(f"rank {self.grid.rank}: the optimizer holds a parameter of shape "
-                                     f"{tuple(p.shape)} that is not one of this model's; build it on pm.parameters()")
-                gnames.append(n)
-                for k, v in optimizer.state.get(p, {}).items():
-                    if hasattr(v, "shape") and tuple(v.shape) == tuple(p.shape) and getattr(v, "ndim", 0) > 0:
-                        v = tp[n][0].tp_block(tp[n][1], v) if n in tp else np.array(to_host(v), copy=True)
-                    state.setdefault(n, {})[k] = v
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": gnames})
-        return {"state": state, "param_groups": groups}
+        return self.sharded_state().optim_state_dict(optimizer)
 
     def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
         """Load an :meth:`optim_state_dict` saved under any layout (blocks, full arrays or FSDP's
         flattened arrays) into ``optimizer`` (built on ``pm.parameters()``)."""
-        from ..distributed.sharding import ShardedArray
-        from .tensor.state import tp_entries
-        names = {id(p): n for n, p in self.inner.named_parameters()}
-        tp = {key: (m, name) for key, m, name, _ in tp_entries(self.inner)}
-        saved = state_dict["state"]
-        index_state, groups, i = {}, [], 0
-        for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
-            ids = []
-            for p in g["params"]:
-                n = names[id(p)]
-                ids.append(i)
-                st = {}
-                for k, v in saved.get(n, {}).items():
-                    if isinstance(v, ShardedArray) and v.local_shape != v.shape:
-                        v = tp[n][0].tp_unblock(tp[n][1], np.asarray(v.local)) if n in tp else v.local
-                    elif isinstance(v, ShardedArray):
-                        v = v.local
-                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0 and tuple(v.shape) != tuple(p.shape):
-                        v = _serial(v, self._serial_shapes.get(n))
-                        if n in tp and tuple(v.shape) != tuple(p.shape):
-                            v = tp[n][0].tp_shard(tp[n][1], v)
-                    st[k] = v
-                if st:
-                    index_state[i] = st
-                i += 1
-            groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
-        optimizer.load_state_dict({"state": index_state, "param_groups": groups})
+        self.sharded_state().load_optim_state_dict(optimizer, state_dict)
 
     def extra_repr(self) -> str:
         return (f"tensor_parallel={self.tensor_parallel!r}, data_parallel={self.data_parallel!r}, "
@@ -461,7 +413,21 @@ def _serial(v, shape):
 
 
 class _FSDPParallelModule(ParallelModule):
-    """FSDP layouts: the optimizer state is sharded too (``training_state`` reads these)."""
+    """FSDP over a model with nothing cut: FSDP's own sharded form (each rank's 1-D blocks of the flattened
+    serial arrays, nothing gathered) for the model and the optimizer (``training_state`` reads these)."""
+
+    def sharded_state_dict(self):
+        """FSDP's blocks of the flattened serial arrays (see ``FSDP.sharded_state_dict``)."""
+        return self.module.sharded_state_dict()
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load FSDP's blocks, or any layout's full arrays (reshaped to the serial shapes FSDP flattens)."""
+        from ..distributed.sharding import ShardedArray
+        if not any(isinstance(v, ShardedArray) for v in state_dict.values()):
+            from ..distributed.placement import placement_of
+            shapes = {n: placement_of(p).full_shape for n, p in self.inner.named_parameters()}
+            state_dict = OrderedDict((k, _serial(v, shapes.get(k))) for k, v in state_dict.items())
+        return self.module.load_state_dict(state_dict, strict)
 
     def optim_state_dict(self, optimizer) -> Dict[str, Any]:
         """FSDP's named, sharded optimizer state (see ``FSDP.optim_state_dict``)."""
@@ -473,42 +439,9 @@ class _FSDPParallelModule(ParallelModule):
 
 
 class _FSDPTensorParallelModule(ParallelModule):
-    """FSDP over the data group of a model with AxoNN 3-D layers: FSDP shards the tensor-parallel shards."""
-
-    def _local_full(self) -> "OrderedDict[str, Any]":
-        from .tensor.state import tp_entries
-        sd = self.module.state_dict()            # the tensor-parallel local arrays, gathered over data
-        for key, m, name, _ in tp_entries(self.inner):
-            sd[key] = np.asarray(m.tp_gather(name, sd[key]))
-        return sd
-
-    def state_dict(self):
-        """The full serial state dict (collective over data and the tensor block)."""
-        return self._local_full()
-
-    def sharded_state_dict(self):
-        """FSDP x tensor parallel gives the full serial arrays (replicated on every rank): a sharded
-        form of FSDP's chunks of tensor-parallel shards is not built yet."""
-        return self._local_full()
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a full serial state dict (any layout's, FSDP's flattened arrays included)."""
-        from ..distributed.sharding import ShardedArray
-        from .tensor.state import tp_entries
-        sd = OrderedDict((k, _serial(v.local if isinstance(v, ShardedArray) and v.local_shape == v.shape else v,
-                                     self._serial_shapes.get(k))) for k, v in state_dict.items())
-        for key, m, name, _ in tp_entries(self.inner):
-            if key in sd:
-                sd[key] = m.tp_shard(name, sd[key])
-        return self.module.load_state_dict(sd, strict)
-
-    def load_optim_state_dict(self, optimizer, state_dict) -> None:
-        self.optim_state_dict(optimizer)
-
-    def optim_state_dict(self, optimizer):
-        raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x tensor parallel "
-                                  "cannot be checkpointed yet (FSDP's chunks of tensor-parallel shards have no "
-                                  "serial-named block form); checkpoint the model with pm.state_dict()")
+    """FSDP over the data group of a tensor-parallel model (Megatron or AxoNN): FSDP shards the tensor-parallel
+    pieces.  Its state is the tensor-parallel form (each piece gathered over FSDP's group, saved as its block):
+    :class:`ParallelModule`'s methods, by placements."""
 
 
 class _FSDPExpertModule(_FSDPTensorParallelModule):
@@ -602,14 +535,14 @@ class _Stage(Module):
         optimizer holds this rank's chunk of them.  A step all-gathers them once before the first
         micro-batch and reduce-scatters the accumulated gradient once after the last (FSDP2's behaviour
         under a pipeline schedule, ``reshard_after_forward=False``), then frees the full copy."""
-        from ..distributed.placement import Placement, Shard, ShardKind, set_placement
+        from ..distributed.placement import set_placement
         from ._flat import FlatParameter
         from .grad_sync import sharded_within
         named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
         flat = [(n, p) for n, p in named if not sharded_within(p, group) and id(p) not in shared]
         if flat:
             self.flat = FlatParameter([p for _, p in flat], [n for n, _ in flat]).shard(group)
-            set_placement(self.flat, Placement(shards=(Shard(group, ShardKind.FLAT),)))
+            set_placement(self.flat, self.flat.placement)     # its own (a flat chunk over ``group``), with the tags
         for i, (_, p) in enumerate(x for x in named if sharded_within(x[1], group)):
             self.register_parameter(f"expert_{i}", p)
         for i, (_, p) in enumerate(x for x in named if id(x[1]) in shared):
@@ -660,7 +593,9 @@ class PipelinedModule(ParallelModule):
     ``pm.step(xb, yb)`` runs one training step's forward and backward over the micro-batches (``xb, yb``
     from :meth:`local_batch`; every rank passes them) and returns the serial mean loss of the global batch
     on every rank; ``pm.parameters()`` are this rank's stage parameters; ``pm.state_dict()`` is the whole
-    serial state dict (collective over the grid).
+    serial state dict (collective over the grid); ``pm.sharded_state_dict()`` / ``pm.optim_state_dict(opt)``
+    give this rank's stages' blocks (:meth:`sharded_state`) and ``load_state_dict`` /
+    ``load_optim_state_dict`` take either form saved under any layout.
     """
 
     def __init__(self, module: Module, grid: ProcessGrid, tensor_parallel, data_parallel, pipe, stages):
@@ -706,9 +641,8 @@ class PipelinedModule(ParallelModule):
 
     @contextlib.contextmanager
     def _gathered(self, dtype=None):
-        """Every FSDP stage's full parameters bound while inside (state dicts read and write them); on the
-        way out this rank's chunk is taken from them again (a load may have changed them).  ``dtype``: a
-        compute copy in that dtype (mixed precision), read only: nothing is taken back."""
+        """Every FSDP stage's full parameters bound while inside (evaluation; ``dtype``: a compute copy in that
+        dtype, mixed precision); freed on the way out."""
         flats = self._flats()
         for f in flats:
             f.unshard(dtype=dtype)
@@ -716,9 +650,6 @@ class PipelinedModule(ParallelModule):
             yield
         finally:
             for f in flats:
-                if dtype is None:
-                    full = f.layout.pack([p.data for p in f.params], np.empty(f.total_numel, f.data.dtype))
-                    f.data[...] = full[f.shard_range[0]:f.shard_range[1]]
                 f.reshard()
 
     def eval_step(self, inputs, targets) -> float:
@@ -741,27 +672,11 @@ class PipelinedModule(ParallelModule):
         """This rank's stages' parameters, each once (a weight tied between two chunks of this rank: ZBV's V)."""
         return list({id(p): p for p in self.pipeline.parameters()}.values())
 
-    def state_dict(self):
-        """The full serial state dict on every rank (collective over the grid: tensor, then pipeline)."""
-        return full_state_dict(self)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a full serial state dict (any layout's); each rank keeps its stages' shards."""
-        from .tensor.state import load_full_state_dict
-        sd = OrderedDict((k, _serial(v, self._serial_shapes.get(k))) for k, v in state_dict.items())
-        with self._gathered():
-            return load_full_state_dict(self.inner, sd, strict)
-
-    def sharded_state_dict(self):
-        raise NotImplementedError(f"rank {self.grid.rank}: a pipelined ParallelModule checkpoints its full "
-                                  "serial state (pm.state_dict()); its sharded form is not built")
-
-    def optim_state_dict(self, optimizer):
-        raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of a pipelined ParallelModule "
-                                  "is not checkpointed by parallelize yet; checkpoint the model with pm.state_dict()")
-
-    def load_optim_state_dict(self, optimizer, state_dict) -> None:
-        self.optim_state_dict(optimizer)
+    def sharded_state(self) -> ShardedState:
+        """This rank's stages' state (their FSDP flat chunks included), joined with the other stages' over
+        the pipeline group."""
+        return ShardedState(self.inner, params=self.pipeline.parameters(), flats=self._flats(),
+                            stage_group=self.grid.inter_group, rank=self.grid.rank)
 
 
 def _swap_attention_for_context(module: Module, grid: ProcessGrid, algo) -> List[Any]:
@@ -795,6 +710,17 @@ def _swap_attention_for_context(module: Module, grid: ProcessGrid, algo) -> List
     if not layers:
         raise ValueError(f"rank {r}: context_parallel={algo.value!r} found no nn.CausalSelfAttention in the model")
     return layers
+
+
+def _record_full_shapes(module: Module) -> None:
+    """Every parameter's placement carries its serial shape: a parameter no transform cut is whole here (the
+    sharded state, the checkpoints and the planner read the placement, never the layer)."""
+    from dataclasses import replace
+    from ..distributed.placement import placement_of
+    for p in module.parameters():
+        pl = placement_of(p)
+        if pl.full_shape is None:
+            p.placement = replace(pl, full_shape=tuple(p.shape))
 
 
 def _checkpoint_modules(module: Module, spec, r: int) -> int:
@@ -972,7 +898,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     # [Note: a GPT's sequence parallelism] is entered inside its forward (after the embeddings, which number the
     # tokens) and left at a "column_gather" head: pm(x) takes and gives whole sequences
     gpt_sp = bool(sequence_parallel) and isinstance(module, GPT) and grid.intra_group.size > 1
-    shapes = {k: tuple(t.shape) for k, t in module._state_items()}      # no copies (stand-ins hold no memory)
     axonn = tensor_parallel == "axonn"
     # 1 tensor parallel + sequence parallel
     if axonn:
@@ -1000,6 +925,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
     if has_moe and grid.intra_group.size > 1 and (sequence_parallel or (axonn and not expert_tensor_parallel)):
         _moe_statistics_groups(module, grid, dgroup if cp_size > 1 else grid.group_for("data"), axonn)
     experts = expert_parameters(module)
+    _record_full_shapes(module)
     sp_params = _sequence_parallel(module, grid, (module.wte, module.wpe) if gpt_sp else ()) \
         if sequence_parallel and grid.intra_group.size > 1 else []
     if cp_size > 1:
@@ -1027,7 +953,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                     "expert's replicas (its expert-data group) are not those of the hybrid shard groups; use "
                     "full_shard or shard_grad_op")
             fsdp_groups = _resolve_groups(dgroup, ShardingStrategy.HYBRID_SHARD, strategy_options.get("hybrid_shard_size"))
-        return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, shapes, sp_params,
+        return _pipeline(module, grid, pipeline, tensor_parallel, data_parallel, sp_params,
                          int(sequence_dim) if sequence_parallel else None, activation_checkpointing is True,
                          cp_size > 1, fsdp_groups=fsdp_groups, mixed_precision=strategy_options.get("mixed_precision"))
     # 5 data parallel over each parameter's replica group
@@ -1059,7 +985,6 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             _reduce_fsdp_segments(wrapped.grad_reducer, list(wrapped.parameters()), grid, axonn, sp_params)
             cls = _FSDPExpertModule if experts else _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module, reducer)
-    pm._serial_shapes = shapes
     pm._context(cp_size > 1, context_parallel)
     if sequence_parallel and not gpt_sp:
         pm.sequence_dim = int(sequence_dim)
@@ -1140,7 +1065,7 @@ def _boundaries_whole(chunks, grid: ProcessGrid) -> bool:
     return True
 
 
-def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, shapes, sp_params, sp_dim,
+def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, sp_params, sp_dim,
               checkpoint_chunks: bool, cp: bool, *, fsdp_groups=None, mixed_precision=None) -> "PipelinedModule":
     """Step 6: cut the (already laid-out) model into the schedule's stages, each chunk on the rank the
     schedule runs it on (``schedule.stage_ranks``: ZBV's V, never a permuted model), and run them in a
@@ -1192,7 +1117,6 @@ def _pipeline(module, grid, plan: PipelinePlan, tensor_parallel, data_parallel, 
                     aux_loss=None if aux is None else lambda st: aux(st.body))
     pm = PipelinedModule(module, grid, tensor_parallel, data_parallel, pipe, stages)
     pm._replicate, pm._mixed_precision = replicate, mixed_precision
-    pm._serial_shapes = shapes
     pm._tied = tied
     flats = pm._flats()
     in_flat = {id(q) for f in flats for q in f.params}
@@ -1263,25 +1187,8 @@ def full_state_dict(pm: Module) -> "OrderedDict[str, np.ndarray]":
         >>> serial.load_state_dict(sd)
     """
     from .fsdp import FSDP
-    from .tensor.state import full_state_dict as tp_full
-    if isinstance(pm, PipelinedModule):
-        from ..distributed import all_gather_object
-        held = {id(p) for p in pm.pipeline.parameters()} | {id(q) for f in pm._flats() for q in f.params}
-        # every name of this rank's parameters (a tied weight's too: the serial state dict names both uses)
-        mine = {f"{m}.{n}" if m else n for m, mod in pm.inner.named_modules() for n, q in mod._parameters.items()
-                if q is not None and id(q) in held}
-        with pm._gathered():
-            local = OrderedDict((k, v) for k, v in tp_full(pm.inner).items() if k in mine)
-        out = OrderedDict()
-        for part in all_gather_object(local, group=pm.grid.inter_group):
-            out.update(part)
-        return OrderedDict((k, out[k]) for k in pm._serial_shapes if k in out)
     if isinstance(pm, ParallelModule):
-        if isinstance(pm, _FSDPTensorParallelModule):
-            return pm.state_dict()
-        if pm.data_parallel == "fsdp":
-            return pm.module.state_dict()
-        return tp_full(pm.inner)
+        return pm.module.state_dict() if type(pm) is _FSDPParallelModule else pm.sharded_state().full_state_dict()
     if isinstance(pm, FSDP):
         return pm.state_dict()
-    return tp_full(pm)
+    return ShardedState(pm).full_state_dict()

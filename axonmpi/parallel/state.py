@@ -1,17 +1,17 @@
 """Serial-named, sharded model and optimizer state of a model laid out over a grid (any placed model).
 
-A :class:`LayoutState` describes one rank's model: its (tensor-parallel) layers, the parameters
-this rank owns (its pipeline stage's; the rest are shape-only stand-ins), and an FSDP wrapper
-over data when there is one.  From that it gives serial-named state dicts and ``checkpoint.load``
-templates, so a checkpoint saved under one layout loads under any other and into the plain model:
+:class:`ShardedState` reads every parameter's placement (its cuts and full shape; see
+:mod:`axonmpi.parallel.placed`) and gives the full and the sharded form of the model and optimizer
+state, and loads either; ``ParallelModule`` / ``PipelinedModule`` (``pm.sharded_state()``) and
+:class:`LayoutState` (a recipe's view, e.g. ``HybridGPT``) use it, so a checkpoint saved under one
+layout loads under any other and into the plain model:
 
-* TP shards are ``ShardedArray`` blocks of the full arrays (the layers' ``_tp_*`` protocol);
+* cut parameters are ``ShardedArray`` blocks of the full arrays (``placed.block``);
 * each pipeline stage contributes only its own parameters (an empty block for the others');
-* FSDP alone: each parameter flattened under its serial name (1-D blocks); templates reshape
-  between the two forms (the other layouts read a flattened entry whole, FSDP reads the whole
-  rows of a full-shape entry covering its elements);
-* FSDP x TP: the TP form (each TP-local array gathered over data, written as its TP block), and
-  loading keeps the elements of this rank's FSDP chunk of its TP shard.
+* FSDP x tensor parallel, FSDP in a pipeline: each piece gathered over FSDP's group from its flat
+  chunk and written as its block; loading packs the pieces back into this rank's chunk;
+* FSDP alone (:class:`LayoutState`, ``FSDP`` itself): FSDP's own form, each parameter flattened under its
+  serial name (1-D blocks, nothing gathered); templates reshape between the forms.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..distributed import all_gather_object
+from . import placed
 
-__all__ = ["LayoutState", "ModelState", "OptimizerState"]
+__all__ = ["ShardedState", "LayoutState", "ModelState", "OptimizerState"]
 
 
 def _with_aliases(model, entries: "OrderedDict[str, Any]") -> "OrderedDict[str, Any]":
@@ -41,18 +42,307 @@ def _with_aliases(model, entries: "OrderedDict[str, Any]") -> "OrderedDict[str, 
     return entries
 
 
+def _is_array(v) -> bool:
+    return hasattr(v, "global_shape") or (hasattr(v, "shape") and getattr(v, "ndim", 0) > 0)
+
+
+def _host(v) -> np.ndarray:
+    from ..backend import to_host
+    return np.array(to_host(v), copy=True)
+
+
+class ShardedState:
+    """Serial-named model and optimizer state of one rank's part of a laid-out model, from placements alone.
+
+    Every parameter's :class:`~axonmpi.distributed.Placement` (its full shape and cuts) says how its
+    local array sits in the serial one (:mod:`axonmpi.parallel.placed`); this class adds the two things
+    placements do not hold: which parameters this rank owns (a pipeline stage's; the others are
+    stand-ins with the serial names) and where FSDP keeps them (a flat parameter's chunk).
+
+    Two forms, for the model and for the optimizer:
+
+    * full: serial names, full serial shapes, on every rank (collective: the cuts' groups, then
+      one all-gather over ``stage_group`` joining the stages);
+    * sharded: every serial name on every rank (the checkpoint's rule), this rank's piece as a
+      ``ShardedArray`` block of the full array (another stage's as an empty block); what
+      ``axonmpi.checkpoint`` writes and reshards on load.
+
+    Loading takes either form, a full array flattened (FSDP's save), or a block read into this
+    layout's sharded form; each rank keeps its piece.
+
+    Args:
+        model: the rank's model under serial names (tensor-parallel layers in place).
+        params: the parameters this rank owns (``None``: all of them).
+        flats: FSDP's flat parameters holding some of ``model``'s (their chunks are this rank's).
+        stage_group: the group joining the pipeline stages (``None``: one stage).
+        rank: this rank in the world, for errors (default: the current World's, else 0).
+
+    Example:
+        >>> st = ShardedState(model, params=pipe.parameters(), stage_group=grid.inter_group)
+        >>> axonmpi.checkpoint.save(path, {"model": st.sharded_state_dict(), "optimizer": st.optim_state_dict(opt)})
+    """
+
+    def __init__(self, model, *, params=None, flats=(), stage_group=None, rank: Optional[int] = None):
+        if rank is None:
+            from ..distributed.world import get_world, is_initialized
+            rank = get_world().rank if is_initialized() else 0     # a plain model in one process: rank 0
+        self.model, self.stage_group, self.rank = model, stage_group, int(rank)
+        self.named: "OrderedDict[str, Any]" = OrderedDict(model.named_parameters())
+        self._name = {id(q): n for n, q in self.named.items()}
+        self.flats = [f for f in flats if f is not None]
+        in_flat = {id(q) for f in self.flats for q in f.params}
+        own = None if params is None else {id(q) for q in params}
+        self.owned = [n for n, q in self.named.items() if own is None or id(q) in own or id(q) in in_flat]
+        self._plain = [n for n in self.owned if id(self.named[n]) not in in_flat]
+
+    # -- one parameter -------------------------------------------------------------------------
+    def placement(self, name: str):
+        """The placement of ``name`` with its full shape (a replicated one: the local shape)."""
+        from dataclasses import replace
+        from ..distributed.placement import placement_of
+        pl = placement_of(self.named[name])
+        return pl if pl.full_shape is not None else replace(pl, full_shape=tuple(self.named[name].shape))
+
+    def full_shape(self, name: str) -> tuple:
+        return tuple(self.placement(name).full_shape)
+
+    def piece(self, name: str, value) -> np.ndarray:
+        """This rank's local array of ``name`` from a loaded ``value``: a full array (any shape with the serial
+        number of elements: FSDP's flattened save), a ``ShardedArray`` holding the whole array, or the block
+        :meth:`sharded_state_dict` gave (filled by ``checkpoint.load``)."""
+        pl, shape = self.placement(name), self.full_shape(name)
+        if hasattr(value, "global_shape") and tuple(value.local_shape) != tuple(value.global_shape):
+            if tuple(value.global_shape) != shape:
+                raise ValueError(f"rank {self.rank}: {name!r} was read as a block of shape {tuple(value.global_shape)}, "
+                                 f"the serial parameter is {shape}: load it with this layout's template "
+                                 f"(its sharded_state_dict()) or with no template (full arrays)")
+            return placed.unblock(value.local, pl)
+        full = _host(value.local if hasattr(value, "global_shape") else value)
+        if full.shape != shape:
+            if full.size != int(np.prod(shape)):
+                raise ValueError(f"rank {self.rank}: {name!r} has shape {full.shape}; expected the serial shape "
+                                 f"{shape} (or its {int(np.prod(shape))} elements flattened)")
+            full = full.reshape(shape)
+        return placed.cut(full, pl)
+
+    def _empty(self, name: str, dtype):
+        from ..distributed.sharding import ShardedArray
+        shape = self.full_shape(name)
+        return ShardedArray(np.empty((0,) + shape[1:], dtype), shape, (0,) * len(shape))
+
+    # -- this rank's local arrays ----------------------------------------------------------------
+    def _flat_names(self, f) -> List[str]:
+        return [self._name[id(q)] for q in f.params]
+
+    def _is_flat(self, q) -> bool:
+        return any(q is f for f in self.flats)
+
+    def _names_of(self, q) -> List[str]:
+        """The serial names an optimizer parameter holds (a flat one's, or its own)."""
+        if self._is_flat(q):
+            return self._flat_names(q)
+        if id(q) not in self._name:
+            raise ValueError(f"rank {self.rank}: the optimizer holds a parameter of shape {tuple(q.shape)} that is "
+                             "not one of this model's; build it on pm.parameters()")
+        return [self._name[id(q)]]
+
+    def _local(self, optimizer=None) -> Dict[str, Any]:
+        """``{name: local array}`` of the owned parameters (FSDP's gathered over its group: collective), or
+        with ``optimizer`` ``{name: {key: local array or scalar}}`` of its state."""
+        out: Dict[str, Any] = {}
+        for n in self._plain:
+            p = self.named[n]
+            if optimizer is None:
+                out[n] = _host(p.data)
+            elif optimizer.state.get(p):
+                out[n] = {k: (_host(v) if _is_array(v) else v) for k, v in optimizer.state[p].items()}
+        for f in self.flats:
+            names = self._flat_names(f)
+            if optimizer is None:
+                out.update(zip(names, f.gather_host(f.data)))
+                continue
+            st = optimizer.state.get(f) or {}
+            if not st:
+                continue
+            per = {n: {} for n in names}
+            for k in sorted(st):
+                vals = f.gather_host(st[k]) if _is_array(st[k]) else [st[k]] * len(names)
+                for n, v in zip(names, vals):
+                    per[n][k] = v
+            out.update(per)
+        return out
+
+    def _join(self, own: Dict[str, Any]) -> Dict[str, Any]:
+        g = self.stage_group
+        if g is None or g.size == 1:
+            return dict(own)
+        merged: Dict[str, Any] = {}
+        for part in all_gather_object(own, group=g):
+            merged.update(part)
+        return merged
+
+    # -- model -----------------------------------------------------------------------------------
+    def _entries(self, values: Dict[str, Any]) -> "OrderedDict[str, Any]":
+        """``values`` (by parameter name) in the model's state-dict order, a tied parameter under each of its
+        names, the persistent buffers as host copies (replicated)."""
+        out = OrderedDict()
+        for k, t in self.model._state_items():
+            n = self._name.get(id(t))
+            if n is None:
+                out[k] = _host(t.data)
+            elif n in values:
+                out[k] = values[n]
+        return out
+
+    def full_state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """The serial model's state dict (full shapes, serial names, a tied parameter under each name), every rank.
+
+        Collective over the cuts' groups, FSDP's groups and ``stage_group``."""
+        local = self._local()
+        return self._entries(self._join({n: np.asarray(placed.gather(local[n], self.placement(n)))
+                                         for n in self.owned}))
+
+    def sharded_state_dict(self) -> "OrderedDict[str, Any]":
+        """Every serial name: this rank's piece as a ``ShardedArray`` block (another stage's: an empty one).
+
+        Collective where a piece is not a rectangle of the full array (see ``placed.block``) and over FSDP's
+        groups (its chunks are gathered to the tensor-parallel piece)."""
+        local = self._local()
+        return self._entries({n: (placed.block(local[n], self.placement(n)) if n in local else self._empty(n, p.dtype))
+                              for n, p in self.named.items()})
+
+    def load_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load either form (or any layout's save, as full arrays or this layout's blocks); each rank keeps
+        its pieces of its own parameters; buffers are copied as they are."""
+        from ..backend import get_array_module
+        missing = [n for n in self.owned if n not in state_dict]
+        unexpected = sorted(set(state_dict) - {k for k, _ in self.model._state_items()})
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"rank {self.rank}: the state dict lacks {missing} and has {unexpected} the model has "
+                               "not (serial names expected); pass strict=False to load a part")
+
+        def put(t, v):
+            t.data[...] = get_array_module(t.data).asarray(np.asarray(v).reshape(t.data.shape), dtype=t.data.dtype)
+        for n in self._plain:
+            if n in state_dict:
+                put(self.named[n], self.piece(n, state_dict[n]))
+        for f in self.flats:
+            names = self._flat_names(f)
+            if all(n in state_dict for n in names):
+                pieces = [self.piece(n, state_dict[n]) for n in names]
+                self._into_flat(f, pieces, f.data)
+                if getattr(f, "_full", None) is not None:      # gathered now: its bound full buffer too
+                    f.layout.pack(pieces, f._full)
+        for k, t in self.model._state_items():
+            if id(t) not in self._name and k in state_dict:
+                v = state_dict[k]
+                put(t, _host(v.local if hasattr(v, "global_shape") else v))
+
+    @staticmethod
+    def _into_flat(f, pieces, out) -> None:
+        """Write this rank's chunk of the flat buffer packed from the parameters' ``pieces`` into ``out``."""
+        from ..backend import get_array_module
+        full = f.layout.pack(pieces, np.empty(f.total_numel, np.asarray(pieces[0]).dtype))
+        a, b = f.shard_range
+        out[...] = get_array_module(out).asarray(full[a:b], dtype=out.dtype).reshape(out.shape)
+
+    # -- optimizer -------------------------------------------------------------------------------
+    def _check_optimizer(self, optimizer) -> None:
+        if callable(getattr(optimizer, "sharded_state_dict", None)):
+            raise NotImplementedError(
+                f"rank {self.rank}: {type(optimizer).__name__} keeps its state in buckets of flattened chunks, not "
+                "per parameter, so it has no serial-named form here: checkpoint it with its own "
+                "optimizer.sharded_state_dict() / load_state_dict (same layout, any data size) beside "
+                "pm.sharded_state_dict(), or use AdamW on pm.parameters()")
+
+    def _optim(self, optimizer, convert) -> Dict[str, Any]:
+        self._check_optimizer(optimizer)
+        local = self._local(optimizer)
+        # the per-parameter keys and scalars (AdamW's step) are the same for every parameter: every rank
+        # lists every name with them (the checkpoint's rule), another stage's arrays as empty blocks
+        sample = next(iter(local.values()), None)
+        sample = None if sample is None else {k: (None if _is_array(v) else v) for k, v in sample.items()}
+        keys = sample
+        staged = self.stage_group is not None and self.stage_group.size > 1
+        if staged:
+            keys = next((x for x in all_gather_object(sample, group=self.stage_group) if x), None)
+        state = OrderedDict()
+        if keys is not None:
+            for n, p in self.named.items():
+                if n in local:
+                    state[n] = {k: (convert(n, local[n][k]) if v is None else local[n].get(k, v))
+                                for k, v in keys.items()}
+                elif n not in self.owned:
+                    state[n] = {k: (self._empty(n, p.dtype) if v is None else v) for k, v in keys.items()}
+        groups = []
+        for g in optimizer.param_groups:
+            opts = {k: v for k, v in g.items() if k != "params"}
+            # one stage's names differ from another's: a pipeline's groups keep only the options
+            groups.append(opts if staged else {**opts, "params": [n for q in g["params"] for n in self._names_of(q)]})
+        return {"state": state, "param_groups": groups}
+
+    def optim_state_dict(self, optimizer) -> Dict[str, Any]:
+        """The optimizer's state under serial names, each moment as its parameter's block (sharded form):
+        ``{"state": {name: {"step": 3, "exp_avg": ShardedArray, ...}}, "param_groups": [{..., "params": [names]}]}``."""
+        return self._optim(optimizer, lambda n, v: placed.block(v, self.placement(n)))
+
+    def full_optim_state_dict(self, optimizer) -> Dict[str, Any]:
+        """The optimizer's state under serial names with full serial arrays, on every rank (collective)."""
+        st = self._optim(optimizer, lambda n, v: np.asarray(placed.gather(v, self.placement(n))))
+        joined = self._join({n: d for n, d in st["state"].items() if n in self.owned})
+        st["state"] = OrderedDict((n, joined[n]) for n in self.named if n in joined)
+        return st
+
+    def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
+        """Load either optimizer form saved under any layout into ``optimizer`` (built on this rank's
+        parameters or FSDP's flat ones): each moment cut to its parameter's piece (packed into FSDP's chunk)."""
+        self._check_optimizer(optimizer)
+        saved, index, groups, i = state_dict["state"], {}, [], 0
+        if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"rank {self.rank}: the saved optimizer has {len(state_dict['param_groups'])} parameter "
+                             f"groups, this one {len(optimizer.param_groups)}: build it with the same groups")
+        for g, sg in zip(optimizer.param_groups, state_dict["param_groups"]):
+            ids = []
+            for q in g["params"]:
+                names = self._names_of(q)
+                sts = [saved.get(n) or {} for n in names]
+                if all(sts):
+                    st = {}
+                    for k, v in sts[0].items():
+                        if not _is_array(v):
+                            st[k] = v
+                        elif self._is_flat(q):
+                            out = np.empty(q.data.shape, np.asarray(_host(getattr(v, "local", v))).dtype)
+                            self._into_flat(q, [self.piece(n, s[k]) for n, s in zip(names, sts)], out)
+                            st[k] = out
+                        else:
+                            st[k] = self.piece(names[0], v).reshape(q.data.shape)
+                    index[i] = st
+                ids.append(i)
+                i += 1
+            groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
+        optimizer.load_state_dict({"state": index, "param_groups": groups})
+
+
 class LayoutState:
-    """The state of one rank's part of a model laid out over ``grid``.
+    """The state of one rank's part of a model laid out over ``grid`` (a recipe's view of :class:`ShardedState`).
+
+    Every layout's pieces come from the placements (:class:`ShardedState`); what this adds is the recipe's
+    record of the layout and FSDP's own form: FSDP alone (nothing cut) keeps FSDP's 1-D blocks of the
+    flattened serial arrays (nothing gathered), and :meth:`checkpoint_template` reads either form into
+    either.
 
     Args:
         model: the rank's model (tensor-parallel layers in place; other stages' parameters may be
-            zero-stride stand-ins with the serial names and local shapes).
+            zero-stride stand-ins with the serial names, local shapes and placements).
         param_names: the parameters this rank owns (its stage's; every one under FSDP).
-        shapes: every parameter's TP-local shape (taken before FSDP flattened them).
+        shapes: accepted for callers written before placements carried shapes; the local and full shapes
+            are read from the placements.
         fsdp: the :class:`~axonmpi.parallel.FSDP` wrapping ``model`` over data, or ``None``.
-        tensor_parallel: whether ``model`` holds tensor-parallel layers.
+        tensor_parallel: whether ``model`` holds cut parameters (tensor or expert parallel).
         grid: the process grid (its ``inter_group`` joins the pipeline stages' parts).
         dtype: the parameter dtype (of load templates).
+        flats: FSDP flat parameters of pipeline stages holding some of the owned parameters.
 
     Example:
         >>> state = LayoutState(model, param_names=names, shapes=shapes, fsdp=None, tensor_parallel=True,
@@ -60,69 +350,23 @@ class LayoutState:
         >>> mgr.save(step, training_state(*state.checkpoint_state(opt)))
     """
 
-    def __init__(self, model, *, param_names: List[str], shapes: Dict[str, tuple], fsdp=None,
-                 tensor_parallel: bool = False, grid, dtype):
+    def __init__(self, model, *, param_names: List[str], shapes: Optional[Dict[str, tuple]] = None, fsdp=None,
+                 tensor_parallel: bool = False, grid, dtype, flats=()):
+        from ._flat import FlatParameter
         self.model, self.fsdp, self.grid, self.dtype = model, fsdp, grid, np.dtype(dtype)
         self.param_names = list(param_names)
-        self._owned = set(self.param_names)
-        self._shapes = dict(shapes)
         self.tensor_parallel = bool(tensor_parallel)
-        self._fsdp_tp = fsdp is not None and self.tensor_parallel
-
-    def _tp_map(self) -> Dict[str, Any]:
-        if not self.tensor_parallel:
-            return {}
-        from .tensor.state import tp_entries
-        return {key: (m, name) for key, m, name, _ in tp_entries(self.model)}
-
-    def _gather(self, local: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-        """``{name: {key: local shard}}`` of this rank's parameters -> full arrays of every stage's
-        (collective: TP gathers in ``param_names`` order, then one all-gather over ``inter_group``)."""
-        from ..backend import to_host
-        tp = self._tp_map()
-        own: Dict[str, Dict[str, Any]] = {}
-        for n in self.param_names:
-            ent = {}
-            for k, v in local.get(n, {}).items():
-                if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
-                    if n in tp:
-                        m, name = tp[n]
-                        v = m.tp_gather(name, v)
-                    v = np.array(to_host(v), copy=True)
-                ent[k] = v
-            own[n] = ent
-        inter = self.grid.inter_group
-        merged: Dict[str, Dict[str, Any]] = {}
-        for part in (all_gather_object(own, group=inter) if inter.size > 1 else [own]):
-            merged.update(part)
-        return merged
-
-    def _shard(self, name: str, full) -> np.ndarray:
-        """This rank's shard of parameter ``name`` from its full array, or from a loaded block of
-        :meth:`_block` (a ``ShardedArray``: its TP block, or the whole array)."""
-        tp = self._tp_map()
-        shape = self._full_shape(name)
-        if hasattr(full, "global_shape") and tuple(full.global_shape) != shape:   # FSDP's flattened save
-            full = np.asarray(full.local).reshape(shape)
-        elif not hasattr(full, "global_shape") and tuple(np.shape(full)) != shape \
-                and int(np.prod(np.shape(full))) == int(np.prod(shape)):
-            full = np.asarray(full).reshape(shape)
-        if hasattr(full, "global_shape"):
-            if name in tp:
-                m, local = tp[name]
-                return np.asarray(m.tp_unblock(local, full.local))
-            return np.asarray(full.local)
-        if name in tp:
-            m, local = tp[name]
-            return m.tp_shard(local, np.asarray(full))
-        return np.asarray(full)
+        self._fsdp_alone = fsdp is not None and not self.tensor_parallel
+        named = dict(model.named_parameters())
+        flats = list(flats) + ([f for f in fsdp.parameters() if isinstance(f, FlatParameter)] if fsdp is not None
+                               else [])
+        self.sharded = ShardedState(model, params=[named[n] for n in self.param_names if n in named], flats=flats,
+                                    stage_group=grid.inter_group, rank=grid.world.rank)
+        self._owned = set(self.sharded.owned)      # with the parameters inside a stage's FSDP flat shard
 
     def _full_shape(self, name: str) -> tuple:
-        """The serial GPT's shape of parameter ``name``."""
-        tp = self._tp_map()
-        if name in tp:
-            return tuple(tp[name][0].tp_full_shape(tp[name][1]))
-        return self._shapes[name]
+        """The serial model's shape of parameter ``name`` (its placement's)."""
+        return self.sharded.full_shape(name)
 
     def _fsdp_ranges(self) -> Dict[str, tuple]:
         """``{name: (start, stop)}``: the elements of each flattened parameter this rank's FSDP shard holds."""
@@ -131,14 +375,14 @@ class LayoutState:
 
     def _template_block(self, name: str, saved_shape, dtype, ranges=None):
         """A ``checkpoint.load`` template block of parameter ``name`` (or a moment shaped like it) for an
-        entry saved with ``saved_shape``: the full shape (replicated / TP layouts) or ``(numel,)`` (FSDP's
-        flattened save).  FSDP reads the whole rows covering its elements of a full-shape entry; the
+        entry saved with ``saved_shape``: the full shape (the placements' form) or ``(numel,)`` (FSDP's
+        flattened save).  FSDP alone reads the whole rows covering its elements of a full-shape entry; the
         other layouts read the whole of a flattened entry they own."""
         from ..distributed.sharding import ShardedArray
         shape = self._full_shape(name)
         numel = int(np.prod(shape))
         saved_shape = tuple(saved_shape)
-        if self.fsdp is not None and not self._fsdp_tp:
+        if self._fsdp_alone:
             a, b = ranges[name]
             if saved_shape == (numel,):
                 return ShardedArray(np.zeros(b - a, dtype), (numel,), (a,))
@@ -146,55 +390,16 @@ class LayoutState:
             r0, r1 = (a // row, -(-b // row)) if b > a else (0, 0)
             return ShardedArray(np.zeros((r1 - r0,) + shape[1:], dtype), shape, (r0,) + (0,) * (len(shape) - 1))
         if saved_shape == shape or saved_shape != (numel,):
-            return self._block(name, np.zeros(self._local_shape(name), dtype))
+            if name not in self._owned:
+                return self.sharded._empty(name, dtype)
+            pl = self.sharded.placement(name)
+            return placed.block(np.zeros(placed.local_shape(pl), dtype), pl)
         n = numel if name in self._owned else 0
         return ShardedArray(np.zeros(n, dtype), (numel,), (0,))
 
-    def _local_shape(self, name: str) -> tuple:
-        return self._shapes[name]      # this rank's (TP-local) shape, kept from before FSDP flattened them
-
-    def _tp_flat(self, name: str, v):
-        """FSDP x TP: this rank's TP shard of a loaded value of ``name`` (any layout's save), flattened, as
-        the 1-D ``ShardedArray`` FSDP's loaders take (they keep the elements of this rank's chunk)."""
-        from ..distributed.sharding import ShardedArray
-        local = np.ascontiguousarray(self._shard(name, v)).reshape(-1)
-        if local.size != int(np.prod(self._shapes[name])):
-            raise ValueError(f"rank {self.grid.world.rank}: {name!r} shard has {local.size} elements, the "
-                             f"parameter {self._shapes[name]}")
-        return ShardedArray(local, (local.size,), (0,))
-
-    def _fsdp_local(self, optimizer=None) -> Dict[str, Any]:
-        """FSDP x TP: this rank's whole TP-local arrays, gathered over FSDP's shard group (collective):
-        ``{name: array}`` of the parameters, or with ``optimizer`` ``{name: {key: array or scalar}}`` of
-        its state (moments gathered like the parameters, scalars such as ``step`` as they are)."""
-        out: Dict[str, Any] = {}
-        for f in self.fsdp.parameters():
-            names = self.fsdp.param_names(f)
-            if optimizer is None:
-                for nm, v in zip(names, f.gather_host(f.data)):
-                    out[nm] = v
-                continue
-            st = optimizer.state.get(f) or {}
-            for nm in names:
-                out[nm] = {}
-            for key in sorted(st):
-                v = st[key]
-                if _is_array(v):
-                    for nm, a in zip(names, f.gather_host(v)):
-                        out[nm][key] = a
-                else:
-                    for nm in names:
-                        out[nm][key] = v
-        return out
-
-    def _fsdp_flat(self, name: str, v):
-        """A loaded value of ``name`` as the 1-D ``ShardedArray`` FSDP's loaders take (they keep the elements
-        of this rank's chunk): FSDP x TP, this rank's TP shard flattened; FSDP alone, the serial array's."""
-        return self._tp_flat(name, v) if self._fsdp_tp else self._flat_block(name, v)
-
     def _flat_block(self, name: str, v):
-        """A loaded value of parameter ``name`` (full array, a block of whole rows, or FSDP's flattened
-        block) as the 1-D ``ShardedArray`` FSDP's loaders take."""
+        """FSDP alone: a loaded value of parameter ``name`` (full array, a block of whole rows, or FSDP's
+        flattened block) as the 1-D ``ShardedArray`` FSDP's loaders take."""
         from ..backend import to_host
         from ..distributed.sharding import ShardedArray
         shape = self._full_shape(name)
@@ -206,63 +411,32 @@ class LayoutState:
             return ShardedArray(np.asarray(v.local).reshape(-1), (numel,), (v.offsets[0] * row,))
         return ShardedArray(np.asarray(to_host(v)).reshape(-1), (numel,), (0,))
 
-    def _block(self, name: str, local):
-        """A ``ShardedArray`` of parameter ``name``'s full array holding ``local`` (this rank's shard of it,
-        or of an array shaped like it); an empty block where another pipeline stage owns ``name``."""
-        from ..backend import to_host
-        from ..distributed.sharding import ShardedArray
-        tp = self._tp_map()
-        full = self._full_shape(name)
-        if name not in self._owned:
-            dt = dict(self.model.named_parameters())[name].dtype
-            return ShardedArray(np.empty((0,) + full[1:], dtype=dt), full, (0,) * len(full))
-        if name in tp:
-            m, local_name = tp[name]
-            return m.tp_block(local_name, local)
-        return ShardedArray(np.asarray(to_host(local)), full, (0,) * len(full))
-
     def full_state_dict(self) -> "OrderedDict[str, np.ndarray]":
-        """The whole serial model's parameters (gathered over tensor and pipeline groups), on every rank.
-
-        Collective over the grid.  Keys and shapes are the serial GPT's (PyTorch names).
-        """
-        named = dict(self.model.named_parameters())
-        if self._fsdp_tp:
-            local = self._fsdp_local()
-            full = self._gather({n: {"v": local[n]} for n in self.param_names})
-            return _with_aliases(self.model, OrderedDict((n, full[n]["v"]) for n in named))
-        if self.fsdp is not None:
+        """The whole serial model's state on every rank (collective over the grid); keys and shapes the
+        serial model's (PyTorch names)."""
+        if self._fsdp_alone:
             from ..backend import to_host
+            named = dict(self.model.named_parameters())
             sd = self.fsdp.state_dict()
             return _with_aliases(self.model, OrderedDict((n, np.array(to_host(sd[n]), copy=True)) for n in named))
-        full = self._gather({n: {"v": named[n].data} for n in self.param_names})
-        return _with_aliases(self.model, OrderedDict((n, full[n]["v"]) for n in named))
+        return self.sharded.full_state_dict()
 
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
         """Load a full (serial-named) state dict, or one read into :meth:`checkpoint_template`'s blocks:
-        each rank copies in its shard of its stage's parameters."""
-        named = dict(self.model.named_parameters())
-        if strict:
+        each rank copies in its pieces of its stage's parameters."""
+        if self._fsdp_alone:
+            named = dict(self.model.named_parameters())
             missing = sorted(set(named) - set(state_dict))
-            if missing:
+            if strict and missing:
                 raise KeyError(f"rank {self.grid.world.rank}: the state dict lacks {missing}")
-        if self.fsdp is not None:
-            self.fsdp.load_state_dict({n: self._fsdp_flat(n, v) for n, v in state_dict.items() if n in named},
+            self.fsdp.load_state_dict({n: self._flat_block(n, v) for n, v in state_dict.items() if n in named},
                                       strict=strict)
             return
-        for n in self.param_names:
-            if n in state_dict:
-                p = named[n]
-                shard = self._shard(n, state_dict[n])
-                if tuple(shard.shape) != tuple(p.shape):
-                    raise ValueError(f"rank {self.grid.world.rank}: {n!r} shard has shape {tuple(shard.shape)}, "
-                                     f"the parameter {tuple(p.shape)}")
-                from ..backend import get_array_module
-                p.data[...] = get_array_module(p.data).asarray(shard, dtype=p.data.dtype)
+        self.sharded.load_state_dict(state_dict, strict=strict)
 
     def checkpoint_template(self, path: Optional[str] = None) -> Dict[str, Any]:
         """A ``checkpoint.load`` template for a :func:`~axonmpi.checkpoint.training_state` saved by any
-        layout: the model entries as this layout's blocks (each rank reads only its shard); with
+        layout: the model entries as this layout's blocks (each rank reads only its pieces); with
         ``path`` (the checkpoint, to learn the optimizer's per-parameter keys) the optimizer's
         moments too; the rest (scheduler, sampler, RNG, meta, extra) as saved.  Collective.
 
@@ -288,7 +462,7 @@ class LayoutState:
                         shapes[name] = tuple(e.shape) if e.kind == "array" else None
             keys, shapes = broadcast_object((keys, shapes), group=self.grid.world.default_group)
             named = dict(self.model.named_parameters())
-            ranges = self._fsdp_ranges() if self.fsdp is not None and not self._fsdp_tp else None
+            ranges = self._fsdp_ranges() if self._fsdp_alone else None
             model = OrderedDict((n, self._template_block(n, shapes.get(f"model/{n}") or self._full_shape(n),
                                                          self.dtype, ranges)) for n in named)
             if keys and set(keys) == set(named):
@@ -302,21 +476,14 @@ class LayoutState:
                 "rng": None, "meta": {}, "extra": {}}
 
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
-        """This rank's entries under serial names: TP shards as ``ShardedArray`` blocks, only its stage's."""
-        from .tensor import sharded_state_dict
-        if self._fsdp_tp:             # FSDP x TP: the TP blocks (gathered over data; replicas write once)
-            return ModelState(self).state_dict()
-        if self.fsdp is not None:     # FSDP: 1-D blocks of the flattened parameters
-            sd = self.fsdp.sharded_state_dict()
-            return OrderedDict((n, sd[n]) for n in self.param_names)
-        sd = sharded_state_dict(self.model) if self.tensor_parallel else self.model.state_dict()
-        return OrderedDict((n, sd[n]) for n in self.param_names)
+        """Every serial name as this rank's block (FSDP alone: FSDP's 1-D blocks of the flattened arrays)."""
+        return self.fsdp.sharded_state_dict() if self._fsdp_alone else self.sharded.sharded_state_dict()
 
     def checkpoint_state(self, optimizer) -> "tuple":
         """``(model_state, optimizer_state)``: objects with ``state_dict``/``load_state_dict`` for
         :func:`axonmpi.checkpoint.training_state`.  They save serial-named ``ShardedArray`` blocks
-        (no gather: TP shards as blocks, each pipeline stage its own parameters) and load full
-        arrays, so a checkpoint saved under one layout loads under any other and into the serial GPT."""
+        (each rank its pieces of its stage's parameters) and load either form, so a checkpoint saved under
+        one layout loads under any other and into the serial model."""
         return ModelState(self), OptimizerState(self, optimizer)
 
 
@@ -324,33 +491,18 @@ class LayoutState:
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum")
 
 
-def _is_array(v) -> bool:
-    return hasattr(v, "global_shape") or (hasattr(v, "shape") and getattr(v, "ndim", 0) > 0)
-
-
-def _dtype(v):
-    return v.local.dtype if hasattr(v, "global_shape") else np.asarray(v).dtype
-
-
 class ModelState:
     """A laid-out model's parameters under serial names as ``ShardedArray`` blocks of the full arrays.
 
     Every rank lists every parameter (the checkpoint's rule: the same keys everywhere): its own
-    stage's as its TP block (or the whole array, written once over replicas), other stages' as
-    an empty block.  Loading takes full arrays (any layout's checkpoint) and keeps the shard.
+    stage's as its block, other stages' as an empty block.  Loading takes either form and keeps the pieces.
     """
 
     def __init__(self, owner: LayoutState):
         self.owner = owner   # the LayoutState (e.g. a HybridGPT) whose state this is
 
     def state_dict(self):
-        if self.owner._fsdp_tp:
-            local = self.owner._fsdp_local()
-            return OrderedDict((n, self.owner._block(n, local[n])) for n, _ in self.owner.model.named_parameters())
-        if self.owner.fsdp is not None:
-            return self.owner.sharded_state_dict()
-        return _with_aliases(self.owner.model, OrderedDict((n, self.owner._block(n, p.data))
-                                                           for n, p in self.owner.model.named_parameters()))
+        return self.owner.sharded_state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         self.owner.load_full_state_dict(state_dict, strict=strict)
@@ -364,50 +516,20 @@ class OptimizerState:
 
     def state_dict(self):
         lay = self.owner
-        named = dict(lay.model.named_parameters())
-        if lay._fsdp_tp:             # FSDP x TP: the moments gathered over data, saved as TP blocks
-            local = lay._fsdp_local(self.opt)
-            state = OrderedDict((n, {k: (lay._block(n, v) if _is_array(v) else v) for k, v in local[n].items()})
-                                for n in named if local.get(n))
-            return {"state": state,
-                    "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]}
-        if lay.fsdp is not None:     # FSDP: keyed by serial names, moments as 1-D blocks of the flattened arrays
+        if lay._fsdp_alone:     # FSDP: keyed by serial names, moments as 1-D blocks of the flattened arrays
+            named = dict(lay.model.named_parameters())
             osd = lay.fsdp.optim_state_dict(self.opt)
             return {"state": OrderedDict((n, osd["state"][n]) for n in named if n in osd["state"]),
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]}
-        own = [n for n in lay.param_names if self.opt.state.get(named[n])]
-        # the per-parameter keys (and scalar values such as AdamW's step) are the same for every parameter
-        sample = {k: (None if _is_array(v) else v) for k, v in self.opt.state[named[own[0]]].items()} if own else None
-        inter = lay.grid.inter_group
-        samples = [x for x in (all_gather_object(sample, group=inter) if inter.size > 1 else [sample]) if x]
-        state = OrderedDict()
-        if samples:
-            keys = samples[0]
-            for n, p in named.items():
-                st = self.opt.state.get(p, {}) if n in lay.param_names else {}
-                state[n] = {k: (lay._block(n, st.get(k)) if v is None else v) for k, v in keys.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
-        return {"state": state, "param_groups": groups}
+        st = lay.sharded.optim_state_dict(self.opt)
+        return {"state": st["state"], "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                       for g in st["param_groups"]]}
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        from ..backend import get_array_module
-        named = dict(self.owner.model.named_parameters())
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.opt.param_groups):
-            raise ValueError(f"rank {self.owner.grid.world.rank}: the checkpoint has {len(saved_groups)} parameter "
-                             f"groups, the optimizer {len(self.opt.param_groups)}")
-        for g, saved in zip(self.opt.param_groups, saved_groups):
-            g.update({k: v for k, v in saved.items() if k != "params"})
-        if self.owner.fsdp is not None:
-            state = {n: {k: (self.owner._fsdp_flat(n, v) if _is_array(v) else v) for k, v in st.items()}
+        lay = self.owner
+        if lay._fsdp_alone:
+            state = {n: {k: (lay._flat_block(n, v) if _is_array(v) else v) for k, v in st.items()}
                      for n, st in state_dict["state"].items() if st}
-            self.owner.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": saved_groups})
+            lay.fsdp.load_optim_state_dict(self.opt, {"state": state, "param_groups": state_dict["param_groups"]})
             return
-        for n in self.owner.param_names:
-            saved = state_dict["state"].get(n)
-            if not saved:
-                continue
-            p = named[n]
-            xp = get_array_module(p.data)
-            self.opt.state[p] = {k: (xp.asarray(self.owner._shard(n, v), dtype=_dtype(v)) if _is_array(v) else v)
-                                 for k, v in saved.items()}
+        lay.sharded.load_optim_state_dict(self.opt, state_dict)

@@ -17,7 +17,7 @@ from ..nn import functional as F
 from ..optim.clip import clip_grad_norm_
 from ..parallel.ddp import DistributedDataParallel
 from ..parallel.fsdp import ShardingStrategy
-from ..parallel.parallelize import PipelinePlan, full_state_dict, parallelize
+from ..parallel.parallelize import PipelinePlan, parallelize
 from ..parallel.pipeline import LayerBuilder
 from ..parallel.state import LayoutState
 from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout
@@ -89,14 +89,12 @@ class HybridGPT(LayoutState):
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
         self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
         self.fsdp = pm.module if self.sharding is not None and not piped else None
-        # LayoutState (its one construction): this rank's parameter names and their TP-local shapes
+        # LayoutState (its one construction): this rank's parameter names (their shapes: the placements)
         mine = {id(p) for p in (pm.pipeline.parameters() if piped else self.model.parameters())}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
-        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
-        if self.fsdp is not None:      # FSDP freed them: the TP-local shapes from its flat layouts
-            shapes = {n: s for f in self.fsdp.parameters() for n, s in zip(self.fsdp.param_names(f), f.layout.shapes)}
-        LayoutState.__init__(self, self.model, param_names=self.param_names, shapes=shapes, fsdp=self.fsdp,
-                             tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype)
+        LayoutState.__init__(self, self.model, param_names=self.param_names, fsdp=self.fsdp,
+                             tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype,
+                             flats=pm._flats() if self.pipe is not None else ())
 
     def parameters(self) -> List[Any]:
         """The parameters this rank trains (its stage's; its shards of tensor-parallel ones)."""
@@ -141,16 +139,6 @@ class HybridGPT(LayoutState):
         """``seed * 1000 + shard_index``: ranks holding the same rows draw the same masks, data replicas distinct ones."""
         return int(seed) * 1000 + self.shard_index
 
-    def full_state_dict(self):
-        """The whole serial model's parameters on every rank (collective): ``parallelize.full_state_dict``."""
-        return full_state_dict(self.pm)
-
-    def checkpoint_state(self, optimizer):
-        """``(model_state, optimizer_state)`` for ``checkpoint.training_state`` (see ``LayoutState``)."""
-        if self.pipe is not None and self.sharding is not None:
-            return _Refused(self.grid.world.rank), _Refused(self.grid.world.rank)
-        return LayoutState.checkpoint_state(self, optimizer)
-
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
         sched = "fsdp" if self.fsdp is not None else "ddp" if self.ddp is not None else self.schedule.name.lower()
@@ -189,20 +177,6 @@ def gpt_layers(config: GPTConfig, dtype=None) -> LayerBuilder:
                         lambda layer, i: init_gpt_weights(layer, config.n_layer),
                         lambda layers: GPT.from_pipeline_layers(config, layers),
                         tie if config.tie_word_embeddings else None)
-
-
-class _Refused:
-    """The checkpoint state of FSDP x pipeline: its stages' flat shards have no serial-named block form yet."""
-
-    def __init__(self, rank):
-        self.rank = rank
-
-    def state_dict(self, *args, **kwargs):
-        raise NotImplementedError(f"rank {self.rank}: checkpoints of --fsdp with a pipeline (G_inter > 1) are not "
-                                  "built: each stage's flat FSDP shard has no serial-named block form; use "
-                                  "hyb.full_state_dict() (every rank) or --fsdp none with the pipeline")
-
-    load_state_dict = state_dict
 
 
 def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:

@@ -1,7 +1,7 @@
 """AxoNN's intra-layer ``Embedding``: the table's columns (embedding_dim) split over the row group
 (column group when ``transpose``), each rank's block flattened and cut into G_d depth chunks."""
 from __future__ import annotations
-from ...distributed.placement import Placement, Shard, ShardKind, set_placement
+from ...distributed.placement import Cut, Placement, Shard, ShardKind, set_placement
 
 from typing import Callable, Optional
 
@@ -14,7 +14,8 @@ from ...nn import init
 from ...nn.parameter import Parameter
 from ..tensor.groups import TensorParallelGroups, default_groups
 from ..tensor.mappings import all_to_all_along, gather_from_sequence_parallel_region, gatherv, row_sizes
-from ..tensor.state import _TensorParallelModule, _sharded_array, init_full
+from .. import placed
+from ..tensor.state import _TensorParallelModule, init_full
 
 __all__ = ["Embedding"]
 
@@ -63,9 +64,9 @@ class Embedding(_TensorParallelModule):
                              f"by G_intra_d={self.depth.size}")
         full = init_full((self.num_embeddings, self.embedding_dim), dtype, init_method or init.normal_,
                          [self.depth, self.split])
-        self.weight = Parameter(self._tp_shard("weight", full))
-        set_placement(self.weight, Placement(shards=(Shard(g.intra, ShardKind.BLOCK),),
-                                             full_shape=(self.num_embeddings, self.embedding_dim)))
+        wpl = Placement(shards=(Shard(g.intra, ShardKind.BLOCK),), full_shape=(self.num_embeddings, self.embedding_dim),
+                        cuts=(Cut(self.split, 1), Cut(self.depth, None)))
+        self.weight = set_placement(Parameter(placed.cut(full, wpl)), wpl)
         self.weight.needs_depth_parallel_gradient_sync = False
 
     def forward(self, idx) -> Tensor:
@@ -85,36 +86,6 @@ class Embedding(_TensorParallelModule):
 
     def _tp_init_groups(self):
         return [self.depth, self.split]
-
-    def _tp_full_shape(self, name):
-        return (self.num_embeddings, self.embedding_dim) if name == "weight" else None
-
-    def _tp_shard(self, name, full):
-        r, k = self.split.rank, self.local_dim
-        flat = full[:, r * k:(r + 1) * k].reshape(-1)
-        n = flat.size // self.depth.size
-        return np.ascontiguousarray(flat[self.depth.rank * n:(self.depth.rank + 1) * n])
-
-    def _tp_gather(self, name, local):
-        w = local if self.depth.size == 1 else all_gather(local, axis=0, group=self.depth)
-        w = w.reshape(self.num_embeddings, self.local_dim)
-        return w if self.split.size == 1 else all_gather(w, axis=1, group=self.split)
-
-    def _tp_block(self, name, local):
-        V, k = self.num_embeddings, self.local_dim
-        if V % self.depth.size == 0:
-            rows = V // self.depth.size
-            return _sharded_array(local.reshape(rows, k), (V, self.embedding_dim),
-                                  (self.depth.rank * rows, self.split.rank * k))
-        w = local if self.depth.size == 1 else all_gather(local, axis=0, group=self.depth)
-        return _sharded_array(w.reshape(V, k), (V, self.embedding_dim), (0, self.split.rank * k))
-
-    def _tp_unblock(self, name, block):
-        flat = block.reshape(-1)
-        if self.num_embeddings % self.depth.size == 0:
-            return flat
-        k = flat.size // self.depth.size
-        return np.ascontiguousarray(flat[self.depth.rank * k:(self.depth.rank + 1) * k])
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, transpose={self.transpose}, "

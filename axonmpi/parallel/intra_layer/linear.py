@@ -23,7 +23,7 @@ import numpy as np
 from ...autograd import ops, ops_nn
 from ...autograd.tensor import Tensor
 from ...distributed import all_gather
-from ...distributed.placement import Placement, Shard, ShardKind, set_placement
+from ...distributed.placement import Cut, Placement, Shard, ShardKind, set_placement
 from ...nn import init
 from ...nn.parameter import Parameter
 from ..tensor.groups import TensorParallelGroups, default_groups
@@ -31,7 +31,8 @@ from ..tensor.mappings import (
     all_to_all_along, copy_to_tensor_parallel_region, dropv, gather_bias, gather_from_sequence_parallel_region,
     gatherv, reduce_from_tensor_parallel_region, row_sizes,
 )
-from ..tensor.state import _TensorParallelModule, _sharded_array, init_full
+from .. import placed
+from ..tensor.state import _TensorParallelModule, init_full
 from .overlap import overlapped_matmul
 
 __all__ = ["Linear"]
@@ -91,9 +92,9 @@ class Linear(_TensorParallelModule):
                              f"= {block} elements is not divisible by G_intra_d={self.depth.size}")
         full = init_full((self.out_features, self.in_features), dtype, init_method or _default_init,
                          [self.depth, self.outer, self.inner])
-        self.weight = Parameter(self._tp_shard("weight", full))
-        set_placement(self.weight, Placement(shards=(Shard(g.intra, ShardKind.BLOCK),),
-                                             full_shape=(self.out_features, self.in_features)))
+        wpl = Placement(shards=(Shard(g.intra, ShardKind.BLOCK),), full_shape=(self.out_features, self.in_features),
+                        cuts=(Cut(self.outer, 0), Cut(self.inner, 1), Cut(self.depth, None)))
+        self.weight = set_placement(Parameter(placed.cut(full, wpl)), wpl)
         self.weight.needs_depth_parallel_gradient_sync = False
         if bias:
             self.bias = Parameter(np.zeros(self.local_out_features, self.weight.data.dtype))
@@ -140,46 +141,6 @@ class Linear(_TensorParallelModule):
     # -- full <-> shard ----------------------------------------------------------------------
     def _tp_init_groups(self):
         return [self.depth, self.outer, self.inner]
-
-    def _tp_full_shape(self, name):
-        return {"weight": (self.out_features, self.in_features), "bias": (self.out_features,)}.get(name)
-
-    def _tp_shard(self, name, full):
-        lo, li = self.local_out_features, self.local_in_features
-        r, c = self.outer.rank, self.inner.rank
-        if name == "bias":
-            return np.ascontiguousarray(full[r * lo:(r + 1) * lo])
-        flat = full[r * lo:(r + 1) * lo, c * li:(c + 1) * li].reshape(-1)
-        k = flat.size // self.depth.size
-        return np.ascontiguousarray(flat[self.depth.rank * k:(self.depth.rank + 1) * k])
-
-    def _tp_gather(self, name, local):
-        if name == "bias":
-            return local if self.outer.size == 1 else all_gather(local, axis=0, group=self.outer)
-        w = local if self.depth.size == 1 else all_gather(local, axis=0, group=self.depth)
-        w = w.reshape(self.local_out_features, self.local_in_features)
-        if self.inner.size > 1:
-            w = all_gather(w, axis=1, group=self.inner)
-        return w if self.outer.size == 1 else all_gather(w, axis=0, group=self.outer)
-
-    def _tp_block(self, name, local):
-        lo, li = self.local_out_features, self.local_in_features
-        if name == "bias":
-            return _sharded_array(local, (self.out_features,), (self.outer.rank * lo,))
-        if lo % self.depth.size == 0:     # the depth chunk is a band of whole rows of the block
-            rows = lo // self.depth.size
-            return _sharded_array(local.reshape(rows, li), (self.out_features, self.in_features),
-                                  (self.outer.rank * lo + self.depth.rank * rows, self.inner.rank * li))
-        w = local if self.depth.size == 1 else all_gather(local, axis=0, group=self.depth)
-        return _sharded_array(w.reshape(lo, li), (self.out_features, self.in_features),
-                              (self.outer.rank * lo, self.inner.rank * li))
-
-    def _tp_unblock(self, name, block):
-        if name == "bias" or self.local_out_features % self.depth.size == 0:
-            return block.reshape(-1) if name == "weight" else block
-        flat = block.reshape(-1)
-        k = flat.size // self.depth.size
-        return np.ascontiguousarray(flat[self.depth.rank * k:(self.depth.rank + 1) * k])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -19,7 +19,7 @@ so their ``.grad`` is the full gradient before any data-parallel reduction sees 
 tagged ``sequence_parallel = True`` (Megatron's attribute) with a placement replicated over the group.
 """
 from __future__ import annotations
-from ...distributed.placement import Placement, Shard, ShardKind, set_placement
+from ...distributed.placement import Cut, Placement, Shard, ShardKind, set_placement
 
 import math
 from typing import Callable, Optional
@@ -39,7 +39,8 @@ from .mappings import (
     copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
 )
-from .state import _TensorParallelModule, axis_block, axis_shard, init_full
+from .. import placed
+from .state import _TensorParallelModule, init_full
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "SequenceParallelLayerNorm", "TensorParallelAttention", "TensorParallelMLP",
@@ -56,17 +57,22 @@ def _bias_init(in_features):
     return lambda b: init.uniform_(b, -bound, bound)
 
 
-def _tag(p: Parameter, group: Optional[ProcessGroup], *, replicated_over: Optional[ProcessGroup] = None) -> None:
-    """Record the placement: ``p`` split over ``group`` (Megatron 1-D), or replicated over ``replicated_over``."""
-    if group is not None:
-        set_placement(p, Placement(shards=(Shard(group, ShardKind.DIM),)))
-    else:
-        set_placement(p, Placement(replicas=(replicated_over,) if replicated_over is not None else ()))
+def _replicate(p: Parameter, group: ProcessGroup) -> None:
+    """Record the placement of a whole parameter held identically by every rank of ``group``."""
+    set_placement(p, Placement(replicas=(group,), full_shape=tuple(p.shape)))
+
+
+def _split(full, group: ProcessGroup, dim: int, parts: int = 1) -> Parameter:
+    """A parameter holding this rank's piece of ``full`` (cut along ``dim`` over ``group``; with ``parts``, each
+    of ``parts`` equal pieces of the dim cut so), its placement recorded: the dim, the cut, the serial shape."""
+    pl = Placement(shards=(Shard(group, ShardKind.DIM, dim),), full_shape=tuple(full.shape),
+                   cuts=(Cut(group, dim, parts),))
+    return set_placement(Parameter(placed.cut(full, pl)), pl)
 
 
 def _tag_sequence_parallel(p: Parameter, group: ProcessGroup) -> None:
     """``p`` is used on sequence shards: replicated over ``group``, gradient summed over it in backward."""
-    _tag(p, None, replicated_over=group)
+    _replicate(p, group)
     p.sequence_parallel = True
 
 
@@ -101,22 +107,7 @@ class SequenceParallelLayerNorm(LayerNorm):
 
 
 class _AxisSharded(_TensorParallelModule):
-    """Parameters cut along one axis each over ``self.group`` (``self._tp_axes``: name -> (axis, full shape))."""
-
-    def _tp_full_shape(self, name):
-        entry = self._tp_axes.get(name)
-        return None if entry is None else entry[1]
-
-    def _tp_shard(self, name, full):
-        return axis_shard(full, self._tp_axes[name][0], self.group)
-
-    def _tp_gather(self, name, local):
-        axis = self._tp_axes[name][0]
-        return local if self.group.size == 1 else all_gather(local, axis=axis, group=self.group)
-
-    def _tp_block(self, name, local):
-        axis, shape = self._tp_axes[name]
-        return axis_block(local, shape, axis, self.group)
+    """Parameters cut along one dim each over ``self.group`` (their placements say which; see ``_split``)."""
 
     def _tp_init_groups(self):
         return [self.group]
@@ -152,14 +143,10 @@ class ColumnParallelLinear(_AxisSharded):
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
         local_out = divide(self.out_features, self.group, "out_features")
         full = init_full((self.out_features, self.in_features), dtype, init_method or _kaiming, [self.group])
-        self.weight = Parameter(axis_shard(full, 0, self.group))
-        _tag(self.weight, self.group)
-        self._tp_axes = {"weight": (0, (self.out_features, self.in_features))}
+        self.weight = _split(full, self.group, 0)
         if bias:
             fb = init_full((self.out_features,), dtype, _bias_init(self.in_features), [self.group])
-            self.bias = Parameter(axis_shard(fb, 0, self.group))
-            _tag(self.bias, self.group)
-            self._tp_axes["bias"] = (0, (self.out_features,))
+            self.bias = _split(fb, self.group, 0)
         else:
             self.register_parameter("bias", None)
         self.local_out_features = local_out
@@ -216,16 +203,14 @@ class RowParallelLinear(_AxisSharded):
                              "input_is_parallel=True (the input of a column-parallel layer)")
         self.local_in_features = divide(self.in_features, self.group, "in_features")
         full = init_full((self.out_features, self.in_features), dtype, init_method or _kaiming, [self.group])
-        self.weight = Parameter(axis_shard(full, 1, self.group))
-        _tag(self.weight, self.group)
-        self._tp_axes = {"weight": (1, (self.out_features, self.in_features))}
+        self.weight = _split(full, self.group, 1)
         if bias:
             self.bias = Parameter(init_full((self.out_features,), dtype, _bias_init(self.in_features),
                                             [self.group]))
             if self.sequence_parallel:
                 _tag_sequence_parallel(self.bias, self.group)
             else:
-                _tag(self.bias, None, replicated_over=self.group)
+                _replicate(self.bias, self.group)
         else:
             self.register_parameter("bias", None)
 
@@ -300,9 +285,7 @@ class VocabParallelEmbedding(_AxisSharded):
         full = init_full((self.num_embeddings, self.embedding_dim), dtype, init_method or init.normal_, [self.group])
         if padding_idx is not None:
             full[padding_idx] = 0
-        self.weight = Parameter(axis_shard(full, 0, self.group))
-        _tag(self.weight, self.group)
-        self._tp_axes = {"weight": (0, (self.num_embeddings, self.embedding_dim))}
+        self.weight = _split(full, self.group, 0)
 
     def forward(self, idx) -> Tensor:
         idx = idx.data if isinstance(idx, Tensor) else idx
@@ -481,35 +464,11 @@ class _QKVParallelLinear(_AxisSharded):
         c = self.embed_dim = int(embed_dim)
         self.local = divide(c, group, "embed_dim")
         full = init_full((3 * c, c), dtype, _kaiming, [group])
-        self.weight = Parameter(self._tp_shard("weight", full))
-        _tag(self.weight, group)
+        self.weight = _split(full, group, 0, parts=3)      # each of q, k, v split by heads
         if bias:
-            self.bias = Parameter(self._tp_shard("bias", init_full((3 * c,), dtype, _bias_init(c), [group])))
-            _tag(self.bias, group)
+            self.bias = _split(init_full((3 * c,), dtype, _bias_init(c), [group]), group, 0, parts=3)
         else:
             self.register_parameter("bias", None)
-
-    def _tp_full_shape(self, name):
-        c = self.embed_dim
-        return {"weight": (3 * c, c), "bias": (3 * c,)}.get(name)
-
-    def _tp_shard(self, name, full):
-        three = full.reshape((3, self.embed_dim) + full.shape[1:])
-        return np.ascontiguousarray(axis_shard(three, 1, self.group).reshape((3 * self.local,) + full.shape[1:]))
-
-    def _tp_gather(self, name, local):
-        three = local.reshape((3, self.local) + local.shape[1:])
-        if self.group.size > 1:
-            three = all_gather(three, axis=1, group=self.group)
-        return three.reshape((3 * self.embed_dim,) + local.shape[1:])
-
-    def _tp_block(self, name, local):
-        full = np.asarray(self._tp_gather(name, local))
-        from .state import _sharded_array
-        return _sharded_array(full, full.shape, (0,) * full.ndim)
-
-    def _tp_unblock(self, name, block):
-        return self._tp_shard(name, np.asarray(block))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:

@@ -1,17 +1,15 @@
 """Unsharded (serial, PyTorch-named) state dicts for models holding tensor-parallel layers.
 
-A tensor-parallel module keeps only its shard of some parameters and describes, per parameter
-name, how to go between the full array and the shard (the ``_tp_*`` protocol below).  The
-functions here walk any model, so a model built from TP layers loads a serial checkpoint and
-saves one, and gives ``ShardedArray`` blocks for sharded checkpoints.
+A tensor-parallel module keeps only its shard of some parameters; each parameter's placement (its
+cuts and full shape, :mod:`axonmpi.parallel.placed`) says how to go between the full array and the
+shard, so the functions here walk any model: a model built from TP layers loads a serial checkpoint
+and saves one, and gives ``ShardedArray`` blocks for sharded checkpoints (through
+:class:`~axonmpi.parallel.state.ShardedState`).
 
-Protocol of a TP module (``_TensorParallelModule``):
-    ``_tp_full_shape(name)``: the full shape of parameter ``name`` (``None``: not sharded).
-    ``_tp_shard(name, full)``: this rank's shard of a full host array.
-    ``_tp_gather(name, local)``: the full array from every rank's shard (collective).
-    ``_tp_block(name, local)``: a ``ShardedArray`` for this rank's shard (a view of it where the
-        shard is one rectangular block, else a gathered copy).
-    ``_tp_unblock(name, block)``: the shard from the block ``_tp_block`` described (after a load).
+A TP module (``_TensorParallelModule``) answers, per parameter name, from the placement:
+    ``tp_full_shape(name)``: the full shape (``None``: not cut);
+    ``tp_shard(name, full)`` / ``tp_gather(name, local)``: cut a full host array / gather the pieces;
+    ``tp_block(name, local)`` / ``tp_unblock(name, block)``: a piece as a checkpoint block and back.
 """
 from __future__ import annotations
 
@@ -21,9 +19,11 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import numpy as np
 
 from ...backend import get_array_module, to_host
-from ...distributed import ProcessGroup, broadcast, get_world
-from ...distributed.sharding import ShardedArray
+from ...distributed import broadcast, get_world
+from ...distributed.placement import placement_of
 from ...nn import Module
+from .. import placed
+from ..state import ShardedState
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict", "tp_entries"]
 
@@ -42,7 +42,7 @@ def tp_entries(model: Module):
 
 
 def full_state_dict(model: Module, *, grads: bool = False) -> "OrderedDict[str, np.ndarray]":
-    """The model's state dict with every sharded parameter gathered to its full serial shape.
+    """The model's state dict with every sharded parameter gathered to its full serial shape (by placement).
 
     Collective over the tensor-parallel groups of the model's layers: call it on every rank.
 
@@ -54,82 +54,65 @@ def full_state_dict(model: Module, *, grads: bool = False) -> "OrderedDict[str, 
         >>> sd = full_state_dict(model)       # same keys and shapes as the serial model
         >>> g = full_state_dict(model, grads=True)["blocks.0.mlp.fc.weight"]
     """
-    if grads:
-        sd = OrderedDict((k, np.array(to_host(p.grad.data), copy=True))
-                         for k, p in model.named_parameters() if p.grad is not None)
-    else:
-        sd = Module.state_dict(model)
-    for key, m, name, p in tp_entries(model):
-        if key in sd:
-            sd[key] = np.array(to_host(m._tp_gather(name, (p.grad if grads else p).data)), copy=True)
-    return sd
+    if not grads:
+        return ShardedState(model, rank=_world_rank()).full_state_dict()
+    return OrderedDict((k, np.array(placed.gather(p.grad.data, placement_of(p)) if placement_of(p).layout
+                                    else to_host(p.grad.data), copy=True))
+                       for k, p in model.named_parameters() if p.grad is not None)
 
 
 def load_full_state_dict(model: Module, state_dict: Mapping[str, Any], strict: bool = True):
-    """Load a full (serial) state dict; each TP layer keeps its shard.  Entries already in the
-    shard's shape are taken as shards.  Returns ``IncompatibleKeys`` like ``Module.load_state_dict``.
+    """Load a full (serial) state dict, or a :func:`sharded_state_dict` filled by ``checkpoint.load``; each
+    TP layer keeps its shard.  Entries already in the shard's shape are taken as shards.  Returns
+    ``IncompatibleKeys`` like ``Module.load_state_dict``.
 
     Example:
         >>> load_full_state_dict(tp_model, serial_model.state_dict())
     """
-    sd: Dict[str, Any] = dict(state_dict)
+    sd: Dict[str, Any] = {k: (v.local if hasattr(v, "global_shape") and tuple(v.local_shape) == tuple(v.global_shape)
+                              else v) for k, v in state_dict.items()}      # a whole array's block: the array
     for key, m, name, p in tp_entries(model):
         if key not in sd:
             continue
-        v = sd[key]
+        v, pl = sd[key], placement_of(p)
+        if hasattr(v, "global_shape"):
+            sd[key] = placed.unblock(v.local, pl)          # this layout's block, read by checkpoint.load
+            continue
         v = to_host(getattr(v, "data", v))
-        if tuple(np.shape(v)) == tuple(m._tp_full_shape(name)):
-            sd[key] = m._tp_shard(name, np.asarray(v))
+        if tuple(np.shape(v)) == tuple(pl.full_shape):
+            sd[key] = placed.cut(v, pl)
         elif tuple(np.shape(v)) != tuple(p.shape):
             raise RuntimeError(
                 f"rank {_world_rank()}: {key!r} has shape {tuple(np.shape(v))}; expected the full shape "
-                f"{tuple(m._tp_full_shape(name))} or this rank's shard shape {tuple(p.shape)}")
+                f"{tuple(pl.full_shape)} or this rank's shard shape {tuple(p.shape)}")
     return Module.load_state_dict(model, sd, strict=strict)
 
 
 def sharded_state_dict(model: Module) -> "OrderedDict[str, Any]":
-    """State dict whose sharded entries are ``ShardedArray`` blocks of the full arrays (no gather).
-
-    Other entries are host arrays (replicated).  ``ShardedArray`` comes from
+    """State dict whose parameters are ``ShardedArray`` blocks of the full arrays (by placement; no gather
+    where a piece is a rectangle); buffers are host arrays (replicated).  ``ShardedArray`` comes from
     ``axonmpi.distributed.sharding`` (also ``axonmpi.checkpoint.ShardedArray``).
 
     Example:
         >>> axonmpi.checkpoint.save("ckpt.h5", sharded_state_dict(model))
     """
-    sd = Module.state_dict(model)
-    for key, m, name, p in tp_entries(model):
-        sd[key] = m._tp_block(name, p.data)
-    return sd
+    return ShardedState(model, rank=_world_rank()).sharded_state_dict()
 
 
 def load_sharded_state_dict(model: Module, state_dict: Mapping[str, Any], strict: bool = True):
-    """Load a state dict made by :func:`sharded_state_dict` and filled by ``checkpoint.load``.
-
-    Blocks that are views of the parameters are already in place; gathered blocks are cut back
-    to this rank's shard.  Returns ``IncompatibleKeys``.
+    """Load a state dict made by :func:`sharded_state_dict` and filled by ``checkpoint.load`` (the blocks
+    cut back to this rank's shard; :func:`load_full_state_dict` takes both forms).  Returns ``IncompatibleKeys``.
 
     Example:
         >>> template = sharded_state_dict(model)
         >>> axonmpi.checkpoint.load("ckpt", {"model": template})
         >>> load_sharded_state_dict(model, template)
     """
-    sd: Dict[str, Any] = {}
-    tp = {key: (m, name) for key, m, name, _ in tp_entries(model)}
-    for key, v in state_dict.items():
-        if key in tp and hasattr(v, "global_shape"):
-            m, name = tp[key]
-            sd[key] = m._tp_unblock(name, v.local)
-        else:
-            sd[key] = v
-    return Module.load_state_dict(model, sd, strict=strict)
+    return load_full_state_dict(model, state_dict, strict)
 
 
 def _world_rank() -> int:
     return get_world().rank
-
-
-def _sharded_array(local, global_shape, offsets):
-    return ShardedArray(local, global_shape, offsets)
 
 
 def init_full(shape, dtype, init_fn, groups) -> np.ndarray:
@@ -146,31 +129,38 @@ def init_full(shape, dtype, init_fn, groups) -> np.ndarray:
 
 class _TensorParallelModule(Module):
     """Base of TP layers: ``state_dict(full=...)``, ``load_state_dict`` of full or sharded entries,
-    ``sharded_state_dict()``; subclasses implement the ``_tp_*`` protocol."""
+    ``sharded_state_dict()``.  The ``tp_*`` methods read each parameter's placement (its cuts
+    and full shape, :mod:`axonmpi.parallel.placed`): a layer only records placements."""
+
+    def _tp_placement(self, name: str):
+        """The placement of parameter ``name`` when it is cut (has cuts and a full shape), else ``None``."""
+        p = self._parameters.get(name)
+        pl = None if p is None else placement_of(p)
+        return pl if pl is not None and pl.full_shape is not None and pl.layout else None
 
     def _tp_full_shape(self, name: str) -> Optional[tuple]:
-        return None
+        pl = self._tp_placement(name)
+        return None if pl is None else tuple(pl.full_shape)
 
-    # the public face of the ``_tp_*`` protocol (subclasses override the private hooks)
     def tp_full_shape(self, name: str) -> Optional[tuple]:
         """The serial shape of parameter ``name`` (``None``: not sharded)."""
         return self._tp_full_shape(name)
 
     def tp_shard(self, name: str, full):
         """This rank's shard of parameter ``name`` cut from its full serial array."""
-        return self._tp_shard(name, full)
+        return placed.cut(full, self._tp_placement(name))
 
     def tp_gather(self, name: str, local):
         """The full serial array of parameter ``name`` from every rank's ``local`` shard (collective)."""
-        return self._tp_gather(name, local)
+        return placed.gather(local, self._tp_placement(name))
 
     def tp_block(self, name: str, local):
         """``local`` (this rank's shard of ``name``, or an array shaped like it) as a ``ShardedArray`` block."""
-        return self._tp_block(name, local)
+        return placed.block(local, self._tp_placement(name))
 
     def tp_unblock(self, name: str, block):
         """The shard of ``name`` from a block read by ``checkpoint.load`` into :meth:`tp_block`'s form."""
-        return self._tp_unblock(name, block)
+        return placed.unblock(block, self._tp_placement(name))
 
     def state_dict(self, full: bool = False) -> "OrderedDict[str, np.ndarray]":
         """This layer's state: shards (default) or, with ``full=True``, full serial arrays (collective)."""
@@ -183,9 +173,6 @@ class _TensorParallelModule(Module):
     def sharded_state_dict(self) -> "OrderedDict[str, Any]":
         """``ShardedArray`` blocks of the full arrays for the sharded parameters."""
         return sharded_state_dict(self)
-
-    def _tp_unblock(self, name, block):
-        return block
 
     def _tp_init_groups(self) -> list:
         """The groups over which a full array drawn at init is made identical (rank 0 of each wins)."""
@@ -216,21 +203,7 @@ class _TensorParallelModule(Module):
             return
         full = init_full(shape, np.dtype(p.dtype), init_fn, self._tp_init_groups())
         xp = get_array_module(p.data)
-        p.data[...] = xp.asarray(self._tp_shard(name, full)).reshape(p.shape)
-
-
-def axis_shard(full, axis: int, group: ProcessGroup):
-    """This rank's even block of ``full`` along ``axis``."""
-    k = full.shape[axis] // group.size
-    idx = [slice(None)] * full.ndim
-    idx[axis] = slice(group.rank * k, (group.rank + 1) * k)
-    return np.ascontiguousarray(full[tuple(idx)])
-
-
-def axis_block(local, full_shape, axis: int, group: ProcessGroup):
-    offsets = [0] * len(full_shape)
-    offsets[axis] = group.rank * local.shape[axis]
-    return _sharded_array(local, full_shape, offsets)
+        p.data[...] = xp.asarray(self.tp_shard(name, full)).reshape(p.shape)
 
 
 _tp_entries = tp_entries   # the old name, for code written against it
