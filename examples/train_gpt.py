@@ -379,10 +379,6 @@ def main(argv=None):
         axonmpi.trace.start(args.trace, world.rank)     # written when the run ends (or fails)
         atexit.register(axonmpi.trace.stop)
     pure_dp = grid.G_data == world.world_size
-    if args.fsdp != "none" and args.expert_parallel > 1 and not (args.no_save and not (args.resume or args.auto_resume)):
-        axonmpi.log.exit0(f"--fsdp {args.fsdp} with --expert-parallel {args.expert_parallel} writes and reads no "
-                          "checkpoint yet (the recipe's sharded state reads FSDP's flat shards, and the experts stay "
-                          "outside them): pass --no-save (and no --resume), or --fsdp none with expert parallelism")
     if pure_dp and args.global_batch % world.world_size:
         n = world.world_size
         axonmpi.log.exit0(f"--global-batch {args.global_batch} must divide by the {n} ranks "

@@ -154,16 +154,23 @@ def test_fsdp_times_expert_parallel_equals_serial(strategy):
     assert pm.inner.moe1.experts.fc.weight.shape[0] == 2             # 4 experts over 2 expert ranks
     grid.free()
     grid = _grid(expert_parallel=2)
-    worst, pm, serial, _ = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
-                                  **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
-    with pytest.raises(NotImplementedError, match="FSDP x expert parallelism"):
-        pm.optim_state_dict(None)
+    worst, pm, serial, opt_p = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
+                                      **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
     fresh = parallelize(_make(4, 2), grid=grid, data_parallel="fsdp", sharding_strategy=strategy,
                         **({"hybrid_shard_size": 2} if strategy == "hybrid_shard" else {}))
     fresh.load_state_dict(serial.state_dict())             # the trained serial state into the layout, and back
     got = full_state_dict(fresh)
     for name, v in serial.state_dict().items():
         _close(got[name], v, 1e-15, what=f"loaded {name}")
+    # the optimizer state (the flat shards' and the experts' moments) saved and loaded under the layout
+    saved = pm.sharded_state().full_optim_state_dict(opt_p)
+    assert {n for n, _ in serial.named_parameters()} == set(saved["state"])      # the experts' names too
+    opt_f = axonmpi.optim.AdamW(fresh.parameters(), lr=0.05, weight_decay=0.1)
+    fresh.load_optim_state_dict(opt_f, saved)
+    back = fresh.sharded_state().full_optim_state_dict(opt_f)
+    for name, st in saved["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            _close(back["state"][name][key], st[key], 0.0, what=f"optimizer {name} {key}")
     grid.free()
 
 

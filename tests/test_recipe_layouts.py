@@ -45,6 +45,7 @@ LAYOUTS = {
     "fsdp_tp2_ac": (DENSE, {"G_intra_c": 2}, dict(tp_style="megatron", fsdp="full_shard",
                                                   activation_checkpointing=True)),
     "moe_dp_tp2_ep2": (MOE, {"G_intra_c": 2}, dict(tp_style="megatron", expert_parallel=2)),
+    "moe_fsdp_ep2": (MOE, {}, dict(fsdp="full_shard", expert_parallel=2)),      # FSDP x EP, no pipeline
     "moe_pp2_tp2_ep2": (MOE_PP, {"G_inter": 2, "G_intra_c": 2},
                         dict(tp_style="megatron", expert_parallel=2, schedule="1f1b", num_microbatches=2)),
     "moe_fsdp_pp2_ep2": (MOE_PP, {"G_inter": 2}, dict(fsdp="full_shard", expert_parallel=2, schedule="gpipe",

@@ -367,7 +367,7 @@ class ParallelModule(Module):
         if self.data_parallel != "fsdp":
             return ShardedState(self.inner, rank=self.grid.rank)
         from ._flat import FlatParameter
-        ps = list(self.module.parameters())
+        ps = list(self.parameters())          # FSDP's flat chunks, and what it leaves out (FSDP x EP's experts)
         return ShardedState(self.inner, params=[p for p in ps if not isinstance(p, FlatParameter)],
                             flats=[p for p in ps if isinstance(p, FlatParameter)], rank=self.grid.rank)
 
@@ -461,11 +461,6 @@ class _FSDPExpertModule(_FSDPTensorParallelModule):
     def parameters(self, recurse: bool = True):
         for _, p in self.named_parameters(recurse=recurse):
             yield p
-
-    def optim_state_dict(self, optimizer):
-        raise NotImplementedError(f"rank {self.grid.rank}: the optimizer state of FSDP x expert parallelism cannot "
-                                  "be checkpointed yet (FSDP's named optimizer state covers its flat shards, not the "
-                                  "experts outside them); checkpoint the model with pm.state_dict()")
 
 
 @dataclass(frozen=True)
