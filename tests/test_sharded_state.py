@@ -58,7 +58,9 @@ def test_each_parameter_gathered_by_its_placement_alone_is_the_serial_one(world,
             seen += 1
         assert seen >= len(want) // 2, f"{layout}: only {seen} of {len(want)} parameters checked"
         cut = [n for n, p in pm.inner.named_parameters() if placement_of(p).layout]
-        assert cut, f"{layout}: no parameter is cut"
+        opts = LAYOUTS[layout][2]
+        if opts.get("tensor_parallel") or opts.get("expert_parallel"):     # else only FSDP's flat chunks are cut
+            assert cut, f"{layout}: no parameter is cut"
     finally:
         grid.free()
 
