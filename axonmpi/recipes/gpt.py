@@ -69,7 +69,9 @@ class HybridGPT(LayoutState):
         self.sequence_parallel = bool(sequence_parallel)
         self._expert_parallel = int((g.expert_parallel if config.moe_experts else 1) if expert_parallel is None
                                     else expert_parallel)
-        _refuse(self, config, fsdp, activation_checkpointing)
+        if self.sequence_parallel and self.style is not TPStyle.MEGATRON:     # the composer's, named by the flag
+            raise NotImplementedError(f"rank {g.world.rank}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1): "
+                                      f"the GPT leaves it at a gathered lm_head; got {self.layout} tp_style={tp_style!r}")
         self.num_microbatches, self.global_batch = int(num_microbatches), int(global_batch)
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
                      schedule=schedule, tp_style=tp_style, world_size=g.world.world_size)
@@ -80,7 +82,7 @@ class HybridGPT(LayoutState):
             gpt_layers(c, self.dtype) if piped and not c.moe_experts else GPT(c, dtype=self.dtype), grid=g,
             tensor_parallel=tp, data_parallel="fsdp" if self.sharding else "ddp", sharding_strategy=self.sharding,
             sequence_parallel=self.sequence_parallel, context_parallel=cp_algo if g.G_context > 1 else None,
-            expert_parallel=self._expert_parallel if c.moe_experts else None,
+            expert_parallel=self._expert_parallel if c.moe_experts or self._expert_parallel > 1 else None,
             pipeline=PipelinePlan(self.num_microbatches, self.schedule, virtual_stages=vs) if piped else None,
             activation_checkpointing=(True if piped else [f"blocks.{i}" for i in range(c.n_layer)])
             if activation_checkpointing else None, **opts)
@@ -177,15 +179,3 @@ def gpt_layers(config: GPTConfig, dtype=None) -> LayerBuilder:
                         lambda layer, i: init_gpt_weights(layer, config.n_layer),
                         lambda layers: GPT.from_pipeline_layers(config, layers),
                         tie if config.tie_word_embeddings else None)
-
-
-def _refuse(h: "HybridGPT", config: GPTConfig, fsdp, activation_checkpointing: bool) -> None:
-    """``NotImplementedError`` for what neither the recipe nor the composer builds, naming why and what to use."""
-    lay, r = h.layout, h.grid.world.rank
-    if h.sequence_parallel and h.style is not TPStyle.MEGATRON:
-        raise NotImplementedError(
-            f"rank {r}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1): the GPT leaves the "
-            f"sequence-parallel region at a gathered, vocabulary-parallel lm_head; got {lay} "
-            f"tp_style={h.style and h.style.value!r}")
-    if h._expert_parallel > 1 and not config.moe_experts:
-        raise ValueError(f"rank {r}: expert_parallel={h._expert_parallel} needs a MoE GPT (config.moe_experts > 0)")
