@@ -37,7 +37,8 @@ the busiest pipeline stage.
   all-reduce ``2 (p-1)/p v b / bw``; all-gather, reduce-scatter, all-to-all ``(p-1)/p v b / bw``;
   point-to-point ``v b / bw``.  ``bw`` is ``bw_intra`` when the group fits in one node (grid order,
   fastest first: col, row, depth, inter, data; a group of stride ``s`` and size ``p`` fits when
-  ``s p <= gpus_per_node``), else ``bw_inter``.  Each call costs ``latency`` more (``--measure``: what
+  ``s p <= gpus_per_node``), else ``bw_inter`` (``--measure``: an all-reduce's bandwidth between
+  GEMMs, as a step meets it).  Each call costs ``latency`` more (``--measure``: what
   a small all-reduce adds between GEMMs; where ranks share cores, mostly the wait for the others' turn
   on a core): per Linear and micro-batch 5 calls on col and on row (four collectives and the
   row-count exchange), 2 on depth; one per gradient tensor and group; two per micro-batch and
@@ -543,12 +544,14 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
                       seq: int = 128, heads: int = 8, dtype: str = "float32") -> Dict[str, float]:
     """Time all-reduces and a GEMM on this allocation (collective; call on every rank under mpiexec/srun).
 
-    Returns ``{"intra", "inter", "latency", "flops", "cores"}``:
+    Returns ``{"intra", "intra_alone", "inter", "latency", "flops", "cores"}`` and the kernels':
 
     * ``intra``: bus bandwidth ``2 (p-1)/p n / t`` (bytes/s) of an all-reduce of ``nbytes`` among the
-      ranks of one node, the *median* of ``repeats`` (what a step meets when ranks share cores and
-      other jobs run; the best case overstates it); ``inter``: the same among one rank per node
-      (``intra`` on one node);
+      ranks of one node *between GEMMs* (``t``: what it adds to a loop of GEMMs run on every rank at
+      once, less ``latency``; what a step meets: where ranks share cores, a transfer moves only while
+      both ends hold a core); ``intra_alone``: the same back to back, the *median* of ``repeats``
+      (for information; ``intra`` when a node has one rank); ``inter``: the back-to-back one among
+      one rank per node (``intra`` on one node);
     * ``latency``: what an 8-byte all-reduce of all ranks adds to a loop of GEMMs (one between each):
       a collective's cost when ranks compute between collectives, as in a step (where ranks share
       cores, mostly the wait for the others' turn on a core; on dedicated cores, the latency);
