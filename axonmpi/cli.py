@@ -180,10 +180,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.measure:
         bw = P.measure_bandwidth(width=args.width, seq=args.seq, heads=args.heads or max(1, args.width // 64),
                                  dtype="float32" if args.dtype_bytes == 4 else "float64")
-        hw = P.Hardware.from_measured(bw, hw.gpus_per_node, args.cores)
+        import axonmpi
+        per_node = hw.gpus_per_node if args.gpus_per_node_set else axonmpi.get_world().local_size  # the measured run's
+        hw = P.Hardware.from_measured(bw, per_node, args.cores)
         if args.save_hardware:
             from axonmpi.planner.cpu import save_measured
-            import axonmpi
             if axonmpi.get_world().rank == 0:
                 save_measured(args.save_hardware, bw, hw.gpus_per_node)
     model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
@@ -317,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seq", type=_positive_int, required=True, help="sequence length")
     sp.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
     sp.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size")
-    sp.add_argument("--gpus-per-node", type=_positive_int, default=None, help="ranks per node (default: the "
-                    "--hardware file's, else 8)")
+    sp.add_argument("--gpus-per-node", type=_positive_int, default=None, help="ranks per node (default: with "
+                    "--measure the run's, else the --hardware file's, else 8)")
     sp.add_argument("--dtype-bytes", type=_positive_int, default=4, help="bytes per element")
     sp.add_argument("--bw-intra", type=float, default=50.0, help="GB/s inside a node")
     sp.add_argument("--bw-inter", type=float, default=12.5, help="GB/s between nodes")

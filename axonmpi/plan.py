@@ -37,7 +37,8 @@ the busiest pipeline stage.
   all-reduce ``2 (p-1)/p v b / bw``; all-gather, reduce-scatter, all-to-all ``(p-1)/p v b / bw``;
   point-to-point ``v b / bw``.  ``bw`` is ``bw_intra`` when the group fits in one node (grid order,
   fastest first: col, row, depth, inter, data; a group of stride ``s`` and size ``p`` fits when
-  ``s p <= gpus_per_node``), else ``bw_inter``.  Each call costs ``latency`` more (``--measure``: what
+  ``s p <= gpus_per_node``), else ``bw_inter`` (``--measure``: an all-reduce's bandwidth between
+  GEMMs, as a step meets it).  Each call costs ``latency`` more (``--measure``: what
   a small all-reduce adds between GEMMs; where ranks share cores, mostly the wait for the others' turn
   on a core): per Linear and micro-batch 5 calls on col and on row (four collectives and the
   row-count exchange), 2 on depth; one per gradient tensor and group; two per micro-batch and
@@ -543,12 +544,14 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
                       seq: int = 128, heads: int = 8, dtype: str = "float32") -> Dict[str, float]:
     """Time all-reduces and a GEMM on this allocation (collective; call on every rank under mpiexec/srun).
 
-    Returns ``{"intra", "inter", "latency", "flops", "cores"}``:
+    Returns ``{"intra", "intra_alone", "inter", "latency", "flops", "cores"}`` and the kernels':
 
     * ``intra``: bus bandwidth ``2 (p-1)/p n / t`` (bytes/s) of an all-reduce of ``nbytes`` among the
-      ranks of one node, the *median* of ``repeats`` (what a step meets when ranks share cores and
-      other jobs run; the best case overstates it); ``inter``: the same among one rank per node
-      (``intra`` on one node);
+      ranks of one node *between GEMMs* (``t``: what it adds to a loop of GEMMs run on every rank at
+      once, less ``latency``; what a step meets: where ranks share cores, a transfer moves only while
+      both ends hold a core); ``intra_alone``: the same back to back, the *median* of ``repeats``
+      (for information; ``intra`` when a node has one rank); ``inter``: the back-to-back one among
+      one rank per node (``intra`` on one node);
     * ``latency``: what an 8-byte all-reduce of all ranks adds to a loop of GEMMs (one between each):
       a collective's cost when ranks compute between collectives, as in a step (where ranks share
       cores, mostly the wait for the others' turn on a core; on dedicated cores, the latency);
@@ -632,6 +635,7 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         plain = min(loop(False), loop(False))
         lat = max(0.0, min(loop(True), loop(True)) - plain) / (3 * repeats)     # the better of two, as plain
     med = float(all_reduce(np.array([lat]), op="max")[0])
+    between = _between_gemms(a, node, nbytes, repeats, med) if node.size > 1 else 0.0
     # the other kernels, alone (the others sleep), and the memory-bound loop (AdamW) on all ranks at once
     barrier()
     kern = on_first_rank(lambda: measure_kernels(width, seq, heads, dtype=dtype, repeats=repeats)) or {}
@@ -645,8 +649,41 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
         p.__isub__(1e-9 * m1 / (np.sqrt(m2) + 1.0))
 
     kern["mem_cores"] = alone_and_cores(adam_like)[1]
+    if between > 0:                    # what a step meets; the plain all-reduce's kept for information
+        intra, inter = between, (inter if inter > 0 else between)
     return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med, "flops": alone,
-            "cores": cores, **kern}
+            "cores": cores, "intra_alone": float(vals[0]), **kern}
+
+
+def _between_gemms(a, group, nbytes: int, repeats: int, latency: float) -> float:
+    """Bus bandwidth ``2 (p-1)/p n / t`` of an all-reduce of ``nbytes`` over ``group`` (a node's ranks) where
+    ranks compute between collectives, as in a step: ``t`` is what one such all-reduce adds to a loop of
+    GEMMs (``a @ a``) on every rank at once, less ``latency`` (what an 8-byte one adds).  Where ranks
+    share cores the transfer only runs while both ends hold a core, so this is several times below the
+    bandwidth of back-to-back all-reduces (2026-11-27, 4 ranks on 2 cores: 0.6-0.8 against 1.9 GB/s).
+    The smallest over the group's ranks (the collective waits for the slowest); 0.0 if unmeasurable."""
+    import time
+
+    import numpy as np
+
+    from .distributed import all_reduce, barrier
+    x = np.zeros(max(1, nbytes // 8))
+    n = 3 * repeats
+
+    def loop(sync: bool) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            a @ a
+            if sync:
+                all_reduce(x, group=group)
+        return time.perf_counter() - t0
+
+    loop(True)                                              # warm-up: the transport's buffers
+    extra = (min(loop(True), loop(True)) - min(loop(False), loop(False))) / n - latency
+    p = group.size
+    bw = 2.0 * (p - 1) / p * x.nbytes / extra if extra > 0 else 0.0
+    return float(all_reduce(np.array([bw]), op="min", group=group)[0])
 
 
 # -- mixture of experts: expert parallelism vs tensor-parallel experts ----------------------------

@@ -11,7 +11,7 @@ Measured: the median tokens/s of the steps after the first (warm-up), from ``--m
 ``--repeats R`` the best of R interleaved rounds (other jobs on the machine come and go).
 Predicted: ``axonmpi.plan.estimate`` with what ``axonmpi.plan.measure_bandwidth`` measures under
 ``mpiexec -n N`` (what ``axonmpi plan --hardware cpu --measure`` uses): the GEMM's flop rate, the
-bandwidth and the latency (an 8-byte all-reduce between GEMMs), the cores the N ranks get in effect
+bandwidth and the latency (what a 4 MiB and an 8-byte all-reduce add to a loop of GEMMs), the cores the N ranks get in effect
 (from a GEMM timed alone and on all ranks at once: ranks sharing cores, with each other or with other
 jobs, stretch compute), our autograd's other kernels (GELU, LayerNorm, the attention core, adds, AdamW,
 copies: ``plan.measure_kernels``) and the cores in effect for memory-bound work.  ``--flops-from
@@ -158,8 +158,9 @@ def main():
         hw = replace(hw, **GEMM_ONLY)
     print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {model.vocab}, global batch "
           f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | 1 rank: {serial:,.0f} tokens/s "
-          f"({flops / 1e9:.1f} GFLOP/s per CPU second) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} "
-          f"GB/s (median), {bw['latency'] * 1e6:.0f} us a call between GEMMs, {cores:.2f} cores in effect for "
+          f"({flops / 1e9:.1f} GFLOP/s per CPU second) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} GB/s "
+          f"between GEMMs ({bw.get('intra_alone', bw['intra']) / 1e9:.2f} back to back), "
+          f"{bw['latency'] * 1e6:.0f} us a call between GEMMs, {cores:.2f} cores in effect for "
           f"{args.ranks} ranks | per element, forward + backward, alone: GELU {hw.gelu * 1e9:.1f} ns, LayerNorm "
           f"{hw.layernorm * 1e9:.1f} ns, attention score {hw.softmax * 1e9:.1f} ns, add {hw.add * 1e9:.2f} ns; "
           f"AdamW + clipping {hw.adam * 1e9:.1f} ns a parameter; attention matmuls {hw.attn_flops / 1e9:.1f} GFLOP/s; "

@@ -1,4 +1,5 @@
 """The planner's cost model (axonmpi/plan.py) against hand-computed cases, and the plan/plot commands."""
+import json
 import os
 import subprocess
 import sys
@@ -147,6 +148,10 @@ def test_plan_and_plot_commands(tmp_path):
     hw = hardware_from_spec(str(saved))
     assert all(getattr(hw, k) > 0 for k in ("gelu", "layernorm", "softmax", "add", "adam", "copy", "attn_flops"))
     assert 0 < hw.mem_cores <= (os.cpu_count() or 1)
+    spec = json.loads(saved.read_text())        # the run's ranks per node, not the default 8
+    assert spec["gpus_per_node"] == 2 and hw.gpus_per_node == 2, spec["gpus_per_node"]
+    # the bandwidth a step meets (between GEMMs) is the model's; the back-to-back one is kept beside it
+    assert spec["measured"]["intra"] > 0 and spec["measured"]["intra_alone"] > 0, spec["measured"]
     m = tmp_path / "m.json"
     m.write_text('{"step": 1, "loss": 2.0, "tokens_per_s": 10}\n{"step": 2, "loss": 1.5, "tokens_per_s": 11}\n')
     r = _cli("plot", str(m), "-o", str(tmp_path / "m.png"))

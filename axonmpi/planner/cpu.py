@@ -3,10 +3,10 @@
 On CPUs the runs ``examples/train_gpt.py`` makes are the GPT under AxoNN's easy mode, DDP, FSDP or a
 plain pipeline, and what decides their step time is a measured GEMM rate, the measured cost of our
 autograd's other kernels (GELU, LayerNorm, the attention core, AdamW, gradient copies), the cores the
-ranks really get (for compute and for memory-bound work) and the wait of every blocking collective for
-the other ranks' turn on a core -- which ``axonmpi.plan.estimate`` models with its call counts and
-``measure_bandwidth`` measures.  So
-``--hardware cpu`` plans with that model; ``hardware/cpu.json`` holds one measurement of the development
+ranks really get (for compute and for memory-bound work), the wait of every blocking collective for
+the other ranks' turn on a core and the bandwidth a collective gets between computation (on shared
+cores several times below back-to-back all-reduces') -- which ``axonmpi.plan.estimate`` models with
+its call counts and volumes and ``measure_bandwidth`` measures.  So ``--hardware cpu`` plans with that model; ``hardware/cpu.json`` holds one measurement of the development
 allocation (``axonmpi plan --hardware cpu --measure --save-hardware PATH`` writes a new one), and
 ``--measure`` replaces it with the current allocation's.
 """
