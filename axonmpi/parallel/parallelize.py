@@ -438,13 +438,7 @@ class _FSDPParallelModule(ParallelModule):
         self.module.load_optim_state_dict(optimizer, state_dict)
 
 
-class _FSDPTensorParallelModule(ParallelModule):
-    """FSDP over the data group of a tensor-parallel model (Megatron or AxoNN): FSDP shards the tensor-parallel
-    pieces.  Its state is the tensor-parallel form (each piece gathered over FSDP's group, saved as its block):
-    :class:`ParallelModule`'s methods, by placements."""
-
-
-class _FSDPExpertModule(_FSDPTensorParallelModule):
+class _FSDPExpertModule(ParallelModule):
     """[Note: FSDP with expert parallelism]  FSDP shards every parameter but the experts over data x context;
     the experts (split over the expert group) stay outside its flat shards, as under a pipeline's FSDP, and
     are reduced over their expert-data group (x context) as each gradient completes (``_hook_experts``).
@@ -974,11 +968,11 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
             opts["sharding_strategy"] = sharding_strategy
         with _hidden(module, experts):     # [Note: FSDP with expert parallelism]
             wrapped = FSDP(module, group=dgroup, **opts)
-        cls = _FSDPExpertModule if experts else _FSDPParallelModule
+        # FSDP alone keeps FSDP's own state form; over cut parameters the placements' (ParallelModule's)
+        cls = _FSDPExpertModule if experts else _FSDPParallelModule if tensor_parallel is None else ParallelModule
         if tensor_parallel is not None:
             # run by FSDP's reducer (a part of the model's) after its reduce-scatter
             _reduce_fsdp_segments(wrapped.grad_reducer, list(wrapped.parameters()), grid, axonn, sp_params)
-            cls = _FSDPExpertModule if experts else _FSDPTensorParallelModule
     pm = cls(module, grid, tensor_parallel, data_parallel, wrapped, module, reducer)
     pm._context(cp_size > 1, context_parallel)
     if sequence_parallel and not gpt_sp:

@@ -336,8 +336,6 @@ class LayoutState:
         model: the rank's model (tensor-parallel layers in place; other stages' parameters may be
             zero-stride stand-ins with the serial names, local shapes and placements).
         param_names: the parameters this rank owns (its stage's; every one under FSDP).
-        shapes: accepted for callers written before placements carried shapes; the local and full shapes
-            are read from the placements.
         fsdp: the :class:`~axonmpi.parallel.FSDP` wrapping ``model`` over data, or ``None``.
         tensor_parallel: whether ``model`` holds cut parameters (tensor or expert parallel).
         grid: the process grid (its ``inter_group`` joins the pipeline stages' parts).
@@ -345,13 +343,13 @@ class LayoutState:
         flats: FSDP flat parameters of pipeline stages holding some of the owned parameters.
 
     Example:
-        >>> state = LayoutState(model, param_names=names, shapes=shapes, fsdp=None, tensor_parallel=True,
+        >>> state = LayoutState(model, param_names=names, fsdp=None, tensor_parallel=True,
         ...                     grid=grid, dtype=np.float64)
         >>> mgr.save(step, training_state(*state.checkpoint_state(opt)))
     """
 
-    def __init__(self, model, *, param_names: List[str], shapes: Optional[Dict[str, tuple]] = None, fsdp=None,
-                 tensor_parallel: bool = False, grid, dtype, flats=()):
+    def __init__(self, model, *, param_names: List[str], fsdp=None, tensor_parallel: bool = False, grid, dtype,
+                 flats=()):
         from ._flat import FlatParameter
         self.model, self.fsdp, self.grid, self.dtype = model, fsdp, grid, np.dtype(dtype)
         self.param_names = list(param_names)
