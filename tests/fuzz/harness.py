@@ -1,0 +1,256 @@
+"""The one serial-vs-layout harness: a model trained on one process and under a layout, compared step by step.
+
+:func:`run_case` trains a :class:`~cases.Case`'s model three AdamW steps (weight decay, clipping) serially on
+the global batch and under the case's layout (``parallelize``), and checks, each at 1e-10 relative:
+
+* the loss and the clip norm of every step;
+* every entry of ``pm.state_dict()`` (parameters, frozen ones and buffers) after the last step, the same keys
+  as the serial model's; ``pm.load_state_dict`` of the serial state dict with ``strict=True`` gives it back,
+  and a missing or an unexpected key raises;
+* the checkpoint round trip: ``training_state(pm, opt)`` saved after two steps, restored under the case's
+  second layout (another grid, another seed's weights), whose third step equals the serial third step.
+
+A refusal at construction (``NotImplementedError`` or ``ValueError`` from ``parallelize``, the same on every
+rank) is a clean outcome, reported with its reason; anything else that differs or raises is a failure.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+import axonmpi
+import axonmpi.nn.functional as F
+from axonmpi import Tensor
+from axonmpi.optim import AdamW, ZeroRedundancyOptimizer, clip_grad_norm_
+from axonmpi.parallel import PipelinePlan, full_state_dict, parallelize
+from axonmpi.parallel.grad_sync import data_reduction_group
+
+try:
+    from .cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, module_names
+except ImportError:            # run as a script (tests/fuzz/run.py)
+    from cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, module_names
+
+__all__ = ["Mismatch", "Refused", "run_case", "serial_run", "close"]
+
+TOL = 1e-10
+STEPS = 3
+MAX_NORM = 0.05
+LR, WD = 1e-2, 0.1
+
+
+class Mismatch(AssertionError):
+    """A layout differs from the serial model."""
+
+
+class Refused(Exception):
+    """``parallelize`` refused the layout at construction, with its reason."""
+
+
+def close(got, want, what: str, tol: float = TOL) -> float:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise Mismatch(f"{what}: shape {got.shape}, serial {want.shape}")
+    if got.size == 0:
+        return 0.0
+    scale = max(float(np.max(np.abs(want))), 1e-300)
+    err = float(np.max(np.abs(got - want))) / scale
+    if not err <= tol:
+        raise Mismatch(f"{what}: relative error {err:.3g} (got {got.reshape(-1)[:3]}, serial {want.reshape(-1)[:3]})")
+    return err
+
+
+def _inputs(spec: ModelSpec, x):
+    return x if spec.first == "embedding" else Tensor(x)
+
+
+_SERIAL: Dict[ModelSpec, List[Tuple[float, float, Dict[str, np.ndarray]]]] = {}
+
+
+def serial_run(spec: ModelSpec):
+    """``[(loss, clip norm, state dict after the step)]`` of the serial model over ``STEPS`` steps (cached)."""
+    if spec not in _SERIAL:
+        model = build_model(spec)
+        opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        out = []
+        for s in range(STEPS):
+            x, y = batch(spec, s)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(_inputs(spec, x)), y, ignore_index=-100)
+            loss.backward()
+            norm = float(clip_grad_norm_(model.parameters(), MAX_NORM))
+            opt.step()
+            out.append((float(loss.data), norm, {k: np.array(v, copy=True) for k, v in model.state_dict().items()}))
+        _SERIAL[spec] = out
+    return _SERIAL[spec]
+
+
+def options(spec: ModelSpec, lay: LayoutSpec, grid) -> Dict[str, Any]:
+    """``parallelize``'s keyword arguments for ``lay``."""
+    opts: Dict[str, Any] = dict(grid=grid, data_parallel=lay.data)
+    if lay.tensor == "axonn":
+        opts["tensor_parallel"] = "axonn"
+    elif lay.tensor == "megatron":
+        opts["tensor_parallel"] = megatron_plan(spec, lay)
+    if lay.sharding:
+        opts["sharding_strategy"] = lay.sharding
+        if lay.sharding == "hybrid_shard":
+            n = grid.G_data * getattr(grid, "G_context", 1)
+            opts["hybrid_shard_size"] = 2 if n % 2 == 0 and n > 2 else 1
+    if lay.sequence_parallel:
+        opts["sequence_parallel"] = True
+    if lay.context:
+        opts["context_parallel"] = lay.context
+    if spec.has.get("moe"):
+        opts["expert_parallel"] = lay.expert_parallel
+    if lay.ac == "all":
+        opts["activation_checkpointing"] = True
+    elif lay.ac == "some":
+        names = [n for n, _ in module_names(spec)][::2]
+        opts["activation_checkpointing"] = names or True
+    if lay.schedule:
+        opts["pipeline"] = PipelinePlan(num_microbatches=lay.microbatches, schedule=lay.schedule,
+                                        virtual_stages=2 if lay.schedule == "interleaved" else None)
+    return opts
+
+
+def _grid(world, lay: LayoutSpec):
+    return axonmpi.ProcessGrid(world, **dict(lay.sizes), expert_parallel=lay.expert_parallel)
+
+
+def build(spec: ModelSpec, lay: LayoutSpec, grid, seed_shift: int = 0):
+    """``(pm, optimizer)`` of ``spec`` under ``lay``; ``Refused`` when ``parallelize`` refuses it."""
+    from dataclasses import replace
+    model = build_model(replace(spec, seed=spec.seed + seed_shift) if seed_shift else spec)
+    try:
+        pm = parallelize(model, **options(spec, lay, grid))
+    except (NotImplementedError, ValueError) as e:
+        raise Refused(f"{type(e).__name__}: {e}") from e
+    if lay.zero1:
+        opt = ZeroRedundancyOptimizer(pm.parameters(), AdamW, group=data_reduction_group(grid), lr=LR,
+                                      weight_decay=WD)
+    else:
+        opt = AdamW(pm.parameters(), lr=LR, weight_decay=WD)
+    return pm, opt
+
+
+def train_step(spec: ModelSpec, pm, opt, s: int) -> Tuple[float, float]:
+    """One step on this rank's part of step ``s``'s global batch: the global mean loss and the clip norm."""
+    x, y = batch(spec, s)
+    xb, yb = pm.local_batch(x, y)
+    opt.zero_grad()
+    if hasattr(pm, "step"):
+        loss = float(pm.step(xb, yb))
+    else:
+        out = pm(_inputs(spec, xb))
+        lsum = F.cross_entropy(out, yb, ignore_index=-100, reduction="sum")
+        lm = pm.token_mean(lsum, int((np.asarray(yb) != -100).sum()))
+        lm.backward()
+        loss = float(lm.item())
+    norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
+    opt.step()
+    return loss, norm
+
+
+def check_state(pm, want: Dict[str, np.ndarray], what: str) -> None:
+    """``pm.state_dict()`` equals ``want`` (keys and values)."""
+    got = pm.state_dict()
+    if sorted(got) != sorted(want):
+        raise Mismatch(f"{what}: state_dict keys differ from the serial model's: missing "
+                       f"{sorted(set(want) - set(got))}, unexpected {sorted(set(got) - set(want))}")
+    for k, v in want.items():
+        close(got[k], v, f"{what}: {k}")
+
+
+def check_strict(pm, want: Dict[str, np.ndarray], what: str) -> None:
+    """``load_state_dict(strict=True)`` takes the serial state dict and gives it back; a missing and an
+    unexpected key each raise."""
+    pm.load_state_dict({k: np.array(v, copy=True) for k, v in want.items()}, strict=True)
+    check_state(pm, want, f"{what} after load_state_dict(serial)")
+    for bad, label in (({k: v for k, v in list(want.items())[1:]}, "missing"),
+                       ({**want, "no_such.weight": np.zeros(2)}, "unexpected")):
+        try:
+            pm.load_state_dict(bad, strict=True)
+        except (RuntimeError, KeyError, ValueError):
+            continue
+        raise Mismatch(f"{what}: load_state_dict(strict=True) with a {label} key did not raise")
+
+
+def _shared_dir(world) -> str:
+    path = tempfile.mkdtemp(prefix="axonmpi-fuzz-") if world.rank == 0 else None
+    return axonmpi.broadcast_object(path)
+
+
+def run_case(world, case: Case, checkpoint: bool = True) -> str:
+    """Run ``case`` (collective over ``world``); returns ``"ok"`` or ``"refused: <reason>"``, raises
+    :class:`Mismatch` (or the layout's own error) on a failure."""
+    spec = case.model
+    want = serial_run(spec)
+    old = world.grid
+    path = _shared_dir(world) if checkpoint else None
+    try:
+        grid = _grid(world, case.layout)
+        world.grid = grid
+        try:
+            pm, opt = build(spec, case.layout, grid)
+            for s in range(STEPS):
+                loss, norm = train_step(spec, pm, opt, s)
+                close(loss, want[s][0], f"step {s} loss")
+                close(norm, want[s][1], f"step {s} clip norm")
+                if checkpoint and s == STEPS - 2:
+                    axonmpi.checkpoint.save(path + "/ckpt", axonmpi.checkpoint.training_state(pm, opt, step=s + 1))
+            check_state(pm, want[-1][2], f"after {STEPS} steps")
+            check_strict(pm, want[-1][2], "state dict round trip")
+        finally:
+            world.grid = old
+            grid.free()
+        if not checkpoint:
+            return "ok"
+        grid = _grid(world, case.restore)
+        world.grid = grid
+        try:
+            try:
+                pm2, opt2 = build(spec, case.restore, grid, seed_shift=7)
+            except Refused as e:
+                return f"ok (restore layout {e})"
+            template = axonmpi.checkpoint.training_state(pm2, opt2, step=0)
+            meta = axonmpi.checkpoint.restore_training_state(axonmpi.checkpoint.load(path + "/ckpt", template),
+                                                             pm2, opt2)
+            if meta["step"] != STEPS - 1:
+                raise Mismatch(f"restored step {meta['step']}, saved {STEPS - 1}")
+            loss, norm = train_step(spec, pm2, opt2, STEPS - 1)
+            close(loss, want[-1][0], f"restored under {case.restore.short()}: step {STEPS - 1} loss")
+            close(norm, want[-1][1], f"restored under {case.restore.short()}: step {STEPS - 1} clip norm")
+            check_state(pm2, want[-1][2], f"restored under {case.restore.short()}, after step {STEPS - 1}")
+        finally:
+            world.grid = old
+            grid.free()
+        return "ok"
+    finally:
+        if path is not None and world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[str]]:
+    """``(status, detail)`` agreed by every rank: ``("ok", None)``, ``("refused", reason)`` or
+    ``("failed", "rank r: error")`` (collective)."""
+    import traceback
+    try:
+        status, detail = run_case(world, case, checkpoint), None
+        if status.startswith("ok ("):
+            status, detail = "ok", status[4:-1]
+    except Refused as e:
+        status, detail = "refused", str(e).splitlines()[0]
+    except Exception as e:   # noqa: BLE001 - every error is a finding
+        status = "failed"
+        detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))
+    got = axonmpi.all_gather_object((status, detail))
+    for st, d in got:
+        if st == "failed":
+            return "failed", d
+    if len({st for st, _ in got}) > 1:
+        return "failed", f"ranks disagree: {sorted({st for st, _ in got})}"
+    return got[0]
