@@ -323,7 +323,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if fixed:
         axonmpi.log.exit0(f"{path}: a resume cannot change {'; '.join(fixed)}. Pass the saved values to resume, "
                           "or start a new run in another --checkpoint-dir")
-    loaded = ckpt.load(path, model.owner.checkpoint_template(path))   # each rank reads only its blocks
+    loaded = ckpt.load(path, model.sharded_state().checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
     apply_changed_options(saved, args, sched, log)
@@ -348,7 +348,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if saved_ranks != world.world_size:
         # a continuation of the random streams is impossible on another rank count: derive one
         # independent stream per rank from the seed and the step, the same way on every rank
-        axonmpi.manual_seed(model.owner.dropout_seed(args.seed) + 7919 * step)
+        axonmpi.manual_seed(int(args.seed) * 1000 + model.batch_shards[1] + 7919 * step)   # hyb.dropout_seed
         log.warning("saved on %d ranks, resumed on %d: dropout/sampling streams re-seeded per rank "
                     "(deterministic, not a continuation)", saved_ranks, world.world_size)
     if args.steps != sched.total_steps and args.steps > step:
@@ -573,7 +573,7 @@ def main(argv=None):
         # expert parallel: every rank runs the generation (its forwards dispatch tokens to the others)
         prompt = "def "
         idx = tok.encode(prompt)[None, :]
-        out = hyb.model.generate(idx, args.sample_chars, temperature=0.8, top_k=20)
+        out = hyb.generate(idx, args.sample_chars, temperature=0.8, top_k=20)
         if world.rank == 0:
             print("---- sample ----\n" + tok.decode(out[0]) + "\n----------------", flush=True)
     axonmpi.barrier()

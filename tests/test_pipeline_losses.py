@@ -136,6 +136,7 @@ def test_router_losses_with_checkpointed_pipeline_chunks_are_refused(world):
     """Checkpointed chunks keep no graph of their forward, so their router losses could not join the backward:
     refused at construction, naming the fix."""
     from axonmpi.parallel import PipelinePlan, parallelize
+    from axonmpi.recipes.gpt import gpt_model_plan
     if world.world_size % 2:
         pytest.skip("needs an even number of ranks")
     grid = axonmpi.ProcessGrid(world, G_inter=2)
@@ -143,7 +144,8 @@ def test_router_losses_with_checkpointed_pipeline_chunks_are_refused(world):
     try:
         with pytest.raises(NotImplementedError, match=f"rank {world.rank}: auxiliary .router. losses with "
                                                       "activation_checkpointing=True in a pipeline"):
-            parallelize(GPT(MOE, dtype="float64"), grid=grid, pipeline=PipelinePlan(2), activation_checkpointing=True)
+            parallelize(GPT(MOE, dtype="float64"), grid=grid, pipeline=PipelinePlan(2), activation_checkpointing=True,
+                        model_plan=gpt_model_plan(MOE))
     finally:
         world.grid = old
         grid.free()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import axonmpi
+from axonmpi.distributed.placement import placement_of
 import axonmpi.nn as nn
 from axonmpi.nn import functional as F
 from axonmpi.optim import AdamW
@@ -108,7 +109,7 @@ def _tied_parity(world, sizes, plan):
         for k, v in want_sd.items():
             np.testing.assert_allclose(got[k], v, rtol=TOL, atol=1e-13, err_msg=k)
         # both stages' copies stay one value: the first and the last stage hold it
-        tied = [p for p in pm.parameters() if getattr(p, "tied_copy", None) is not None]
+        tied = [p for p in pm.parameters() if placement_of(p).tied is not None]
         assert len(tied) == (1 if grid.inter_group.rank in (0, 1) else 0)
         copies = axonmpi.all_gather_object(np.asarray(tied[0].data), group=grid.inter_group)
         assert np.array_equal(copies[0], copies[1])

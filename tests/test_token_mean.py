@@ -145,7 +145,8 @@ def test_token_mean_equals_serial(world, layout):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algo", ["ring", "ulysses"])
 def test_token_mean_context_parallel(world, algo):
-    """A GPT under ``parallelize(context_parallel=)``: each rank's logits are its tokens of each sequence;
+    """A GPT under ``parallelize(context_parallel=)``: ``pm.local_batch`` gives each rank its tokens of each
+    sequence (the GPT numbers them at their global positions); each rank's logits are those tokens';
     summed over data x context with the counts, the loss and gradients are the serial token mean's."""
     from axonmpi.models import GPT, GPTConfig
     n = world.world_size
@@ -166,8 +167,7 @@ def test_token_mean_context_parallel(world, algo):
         want.backward()
         axonmpi.manual_seed(9)
         pm = parallelize(GPT(cfg, dtype="float64"), grid=grid, context_parallel=algo)
-        xb, yb = pm.local_batch(x, y)
-        yl = yb[:, pm.inner.context_parallel.positions(L)]             # this rank's tokens
+        xb, yl = pm.local_batch(x, y)                                  # this rank's rows and tokens
 
         def step():
             logits, _ = pm(xb)

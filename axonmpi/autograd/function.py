@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -11,7 +12,7 @@ from ..backend import get_array_module
 from .grad_mode import is_grad_enabled, no_grad
 from .tensor import Tensor
 
-__all__ = ["Function", "RemovableHandle", "backward"]
+__all__ = ["Function", "RemovableHandle", "backward", "queue_callback"]
 
 _SEQ = itertools.count()
 
@@ -282,8 +283,42 @@ def _incoming(fn: "Function", pending: Dict[Any, list]):
     return incoming
 
 
+_ENGINE = threading.local()     # the callbacks queued by the backward passes running on this thread
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` once the backward pass running now has finished (PyTorch's
+    ``Variable._execution_engine.queue_callback``): from a gradient hook, a step that needs every gradient of
+    the pass (a reducer's finalize) is queued for its end.  Callbacks run in order; one may queue more.
+
+    Raises:
+        RuntimeError: outside a backward pass.
+    """
+    stack = getattr(_ENGINE, "callbacks", None)
+    if not stack:
+        raise RuntimeError("queue_callback: no backward pass is running (call it from a gradient hook)")
+    stack[-1].append(fn)
+
+
 def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
              retain_graph: bool = False) -> None:
+    """Accumulate gradients of ``tensors`` (weighted by ``grad_tensors``) into the graph's leaves, then run the
+    callbacks gradient hooks queued during the pass (:func:`queue_callback`)."""
+    stack = getattr(_ENGINE, "callbacks", None)
+    if stack is None:
+        stack = _ENGINE.callbacks = []
+    stack.append([])
+    try:
+        _backward(tensors, grad_tensors, retain_graph)
+        queued = stack[-1]
+        while queued:
+            queued.pop(0)()
+    finally:
+        stack.pop()
+
+
+def _backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
+              retain_graph: bool = False) -> None:
     """Accumulate gradients of ``tensors`` (weighted by ``grad_tensors``) into the graph's leaves.
 
     Nodes run once each in decreasing creation order (a topological order), with the sum of

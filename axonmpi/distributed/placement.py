@@ -106,6 +106,13 @@ class Placement:
         full_shape: the serial (unsharded) shape, or ``None`` when the parameter is whole here.
         cuts: the :class:`Cut` steps from the full array to this rank's local one, in order; left
             out, one per ``DIM`` shard that names its dim (see :attr:`layout`).
+        partial: groups over which this rank's gradient is a part of the parameter's gradient (sequence
+            parallelism: each rank ran it on its own tokens): the finalize step sums it over them.
+        tied: the group of ranks holding copies of one tied weight (the pipeline stages holding an
+            embedding and its head): the finalize step sums the gradient over it; ``None``: not tied.
+        counted: ``False`` on every copy of a tied weight but the first (clipping and norms count each
+            element once).
+        frozen: ``requires_grad=False``: in the state dicts with its serial value, never reduced or updated.
 
     Example (a Megatron column-parallel weight over a 2-rank tensor group, replicated over data)::
 
@@ -117,6 +124,10 @@ class Placement:
     replicas: Tuple[Any, ...] = ()
     full_shape: Optional[Tuple[int, ...]] = field(default=None)
     cuts: Tuple[Cut, ...] = ()
+    partial: Tuple[Any, ...] = ()
+    tied: Any = None
+    counted: bool = True
+    frozen: bool = False
 
     @property
     def layout(self) -> Tuple[Cut, ...]:
@@ -147,6 +158,17 @@ class Placement:
         return replace(self, shards=self.shards + (shard,),
                        replicas=tuple(r for r in self.replicas if not _same(r, shard.group)))
 
+    def with_partial(self, group: Any) -> "Placement":
+        """This placement with ``group`` among the groups its gradient is summed over (no change when there)."""
+        if group is None or any(_same(g, group) for g in self.partial):
+            return self
+        return replace(self, partial=self.partial + (group,))
+
+    @property
+    def partial_groups(self) -> Tuple[Any, ...]:
+        """The groups of more than one rank the gradient is a part over (see ``partial``)."""
+        return _nontrivial(self.partial)
+
     def with_replica(self, group: Any) -> "Placement":
         """This placement with one more replicating group (no change when it is already there)."""
         if group is None or any(_same(r, group) for r in self.replicas) \
@@ -161,6 +183,11 @@ class Placement:
         parts = [f"{s.kind.value} shard over {name(s.group)}" + (f" dim {s.dim}" if s.dim is not None else "")
                  for s in self.shards]
         parts += [f"replicated over {name(g)}" for g in self.replicas]
+        parts += [f"gradient partial over {name(g)}" for g in self.partial]
+        if self.tied is not None:
+            parts.append(f"tied over {name(self.tied)}" + ("" if self.counted else " (a copy)"))
+        if self.frozen:
+            parts.append("frozen")
         shape = f", full shape {self.full_shape}" if self.full_shape is not None else ""
         cuts = f", cuts {list(self.cuts)}" if self.cuts else ""
         return (", ".join(parts) or "replicated (no group)") + shape + cuts
@@ -209,8 +236,10 @@ def set_placement(param: Any, placement: Placement) -> Any:
     return param
 
 
-def add_placement(param: Any, *, shard: Optional[Shard] = None, replica: Any = None) -> Any:
-    """Add a sharding group and/or a replicating group to ``param``'s current placement; returns ``param``.
+def add_placement(param: Any, *, shard: Optional[Shard] = None, replica: Any = None, partial: Any = None,
+                  tied: Any = None, counted: Optional[bool] = None) -> Any:
+    """Add a sharding group, a replicating group, a partial group and / or a tie to ``param``'s current
+    placement; returns ``param``.
 
     Strategies that wrap others call it: DDP adds its data group as a replica, the pipeline its
     group as a ``STAGE`` shard.  The AxoNN tags are left as the layer set them.
@@ -220,6 +249,12 @@ def add_placement(param: Any, *, shard: Optional[Shard] = None, replica: Any = N
         pl = pl.with_shard(shard)
     if replica is not None:
         pl = pl.with_replica(replica)
+    if partial is not None:
+        pl = pl.with_partial(partial)
+    if tied is not None:
+        pl = replace(pl, tied=tied)
+    if counted is not None:
+        pl = replace(pl, counted=bool(counted))
     param.placement = pl
     return param
 

@@ -117,7 +117,7 @@ def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
         if group is not None and getattr(p, "placement", None) is pl \
                 and not any(g.ranks == group.ranks for g in pl.shard_groups + pl.replica_groups):
             pl = pl.with_shard(Shard(group, ShardKind.STAGE))   # a strategy's shard on one stage of ``group``
-        if getattr(p, "tied_copy", False):   # a later stage's copy of a tied weight: counted on the first
+        if not pl.counted:                   # a later stage's copy of a tied weight: counted on the first
             add(pl.shard_groups, [])
             continue
         inner = getattr(p, "params", None) if callable(getattr(p, "segments", None)) else None

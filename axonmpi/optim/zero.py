@@ -7,7 +7,7 @@ Per parameter group and dtype, the parameters are packed back to back into one f
 the first ``n`` elements. Rank ``i`` owns elements ``chunk_bounds(n, k, i)`` (the project's one
 uneven rule) as a private parameter of its own, on which the wrapped optimizer is built, so
 its state covers only that chunk (``k`` the ranks holding the same elements: the group, or for a
-parameter split over a subgroup of it, an expert over its expert group -- tagged ``expert_parallel`` --,
+parameter its placement splits over a subgroup of it, an expert over its expert group,
 the expert's replica group inside it, the expert-data group; see :func:`_state_group`). ``step()`` copies the (already averaged, e.g. by DDP)
 gradients of the chunk into the chunk's gradient, steps the wrapped optimizer, then
 all-gathers every rank's updated chunk straight into the padded buffer (chunk ``i`` in slot
@@ -142,17 +142,27 @@ class _Bucket:
 
 def _state_group(param: Any, group: Any) -> Any:
     """The ranks of ``group`` holding the same elements of ``param``, over which its state is split: ``group``;
-    or, for an expert (tagged ``expert_parallel``, split over an expert group inside ``group``), its largest
-    replica group inside ``group`` (the expert-data group), ``None`` when no other rank of ``group`` holds its
-    elements (this rank steps them alone).  Any other parameter split inside ``group`` is refused later."""
+    or, for a parameter its placement splits over a subgroup of the grid's data ranks inside ``group`` (an expert
+    over its expert group, carved from data), its largest replica group inside ``group`` (the expert-data group),
+    ``None`` when no other rank of ``group`` holds its elements (this rank steps them alone).  Any other parameter
+    split inside ``group`` (a tensor-parallel shard) is refused later."""
     from ..distributed.placement import ShardKind, placement_of
     mine = set(group.ranks)
+    data = _data_ranks(group)
     pl = placement_of(param)
-    if not getattr(param, "expert_parallel", False) or not any(
-            s.kind is ShardKind.DIM and set(s.group.ranks) <= mine for s in pl.shards if s.group.size > 1):
+    if not any(s.kind is ShardKind.DIM and s.group.size > 1 and set(s.group.ranks) <= mine
+               and set(s.group.ranks) <= data for s in pl.shards):
         return group
     inside = [g for g in pl.replica_groups if set(g.ranks) <= mine]
     return max(inside, key=lambda g: g.size) if inside else None
+
+
+def _data_ranks(group: Any) -> set:
+    """The ranks of this rank's data (x context) group of the current grid (``group``'s when there is none)."""
+    from ..distributed import get_world, is_initialized
+    if is_initialized() and get_world().grid is not None:
+        return set(get_world().grid.group_for("data_context").ranks)
+    return set(group.ranks)
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -311,6 +321,65 @@ class ZeroRedundancyOptimizer(Optimizer):
             ids = sorted(i for b in self.buckets if b.group_index == gi for i in b.indices)
             groups.append({**copy.deepcopy({k: v for k, v in g.items() if k != "params"}), "params": ids})
         return {"state": state, "param_groups": groups}
+
+    def param_states(self) -> Dict[int, Dict[str, Any]]:
+        """``{id(parameter): {key: array shaped like the parameter, or scalar}}``: each parameter's state as the
+        wrapped optimizer would hold it for that parameter alone (its moments gathered over the bucket's group;
+        ``step``: its own count), for the parameters that have taken a step.  Collective over the groups; what
+        ``ShardedState`` saves under serial names, as for a plain optimizer.
+
+        Example:
+            >>> st = opt.param_states()[id(model.fc.weight)]; st["exp_avg"].shape == model.fc.weight.shape
+            True
+        """
+        out: Dict[int, Dict[str, Any]] = {}
+        for b in self.buckets:
+            st = self.optim.state.get(b.shard, {})
+            stepped = [i for i, n in enumerate(b.counts) if n > 0]
+            for key in sorted(st):
+                v = st[key]
+                if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                    xp = get_array_module(v)
+                    send = xp.zeros(b.size, v.dtype)
+                    send[:v.shape[0]] = v
+                    views = b.layout.views(b.gather(send, xp.zeros(b.k * b.size, v.dtype)))
+                    for i in stepped:
+                        out.setdefault(id(b.params[i]), {})[key] = to_host(views[i]).copy()
+                else:
+                    for i in stepped:
+                        out.setdefault(id(b.params[i]), {})[key] = b.counts[i] if key == "step" else v
+        return out
+
+    def load_param_states(self, states: Dict[int, Dict[str, Any]], param_groups=None) -> None:
+        """Load :meth:`param_states`' form (``{id(parameter): {key: array shaped like it, or scalar}}``, e.g. read
+        under another layout): each rank keeps its chunk; ``param_groups``: saved options to restore."""
+        if param_groups is not None:
+            for g, sg in zip(self.param_groups, param_groups):
+                g.update({k: copy.deepcopy(v) for k, v in sg.items() if k != "params"})
+        for b in self.buckets:
+            st: Dict[str, Any] = {}
+            xp = get_array_module(b.send)
+            for i, p in enumerate(b.params):
+                ps = states.get(id(p))
+                b.counts[i] = int(ps.get("step", 0)) if ps else 0
+            arrays = sorted({k for p in b.params for k, v in (states.get(id(p)) or {}).items()
+                             if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0})
+            for key in arrays if any(b.counts) else ():
+                st[key] = xp.zeros(b.hi - b.lo, dtype=b.shard.data.dtype)
+            for s in b.segments:
+                ps = states.get(id(b.params[s.index]))
+                for key, v in (ps or {}).items():
+                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                        if key not in st:
+                            st[key] = xp.zeros(b.hi - b.lo, dtype=b.shard.data.dtype)
+                        s.in_chunk(st[key])[...] = xp.asarray(np.asarray(v).reshape(-1)[s.param_start:s.param_stop])
+                    elif key != "step":
+                        st[key] = v
+            if st or any(b.counts):
+                if any(b.counts):
+                    st["step"] = max(b.counts)
+                self.optim.state[b.shard] = st
+        self._sync_options()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a full (consolidated, any world size) or sharded state dict; every rank keeps its chunk."""

@@ -13,7 +13,10 @@ from .fsdp import (
     SizeWrapPolicy,
 )
 from .auto_parallelize import auto_parallelize
-from .parallelize import ParallelModule, PipelinePlan, PipelinedModule, full_state_dict, parallelize
+from .parallelize import (ModelPlan, ParallelModule, PipelinePlan, PipelinedModule, SequenceRegion, full_state_dict,
+                          parallelize)
+from .finalize import finalize_grads
+from .state import ShardedState
 from . import grad_sync
 from .grad_sync import GradReducer, no_sync
 from . import moe
@@ -27,7 +30,8 @@ __all__ = [
     "TensorParallelGroups", "FlatLayout", "FlatParameter", "FlatSegment",
     "FSDP", "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats",
     "ModuleWrapPolicy", "SizeWrapPolicy", "fsdp",
-    "ParallelModule", "PipelinePlan", "PipelinedModule", "parallelize", "full_state_dict", "grad_sync", "moe", "expert_parallel",
+    "ModelPlan", "ParallelModule", "PipelinePlan", "PipelinedModule", "SequenceRegion", "ShardedState", "parallelize",
+    "finalize_grads", "full_state_dict", "grad_sync", "moe", "expert_parallel",
     "GradReducer", "no_sync", "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
 __all__ += pipeline.__all__

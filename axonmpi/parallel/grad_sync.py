@@ -157,8 +157,10 @@ class GradReducer:
         self.name = name
         self.parts: List[Any] = []
         self._after: List[Tuple[Callable[[], Any], Callable[[], Tuple[Any, ...]], float]] = []
+        self._first: List[Callable[[], None]] = []
         self._handles: List[Any] = []
         self._enabled = True
+        self._queued = False
         for part in parts:
             self.add_part(part)
 
@@ -214,11 +216,39 @@ class GradReducer:
                     self._after.append((lambda f=f, seg=seg: None if f.grad is None else seg.in_chunk(f.grad.data),
                                         lambda groups=groups: groups, scale))
 
+    def before_run(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` first in every :meth:`run` (a pipeline stage's FSDP reduce-scatter, before the entries
+        that read its shard)."""
+        self._first.append(fn)
+
+    def arm(self, params: Iterable[Any]) -> None:
+        """Run :meth:`run` once at the end of every backward pass that gives one of ``params`` a gradient
+        (``autograd.queue_callback`` from its post-accumulate-grad hook): ``loss.backward()`` returns with every
+        entry reduced, as a model without after-backward entries does."""
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._queue))
+
+    def _queue(self, _param) -> None:
+        if self._queued or not self._enabled:
+            return
+        from ..autograd import queue_callback
+        self._queued = True
+
+        def finalize():
+            self._queued = False
+            self.run()
+        queue_callback(finalize)
+
     def run(self) -> None:
         """Run the after-backward entries (nothing inside :func:`no_sync`): one flat array per (groups, scale,
         dtype), summed over each group, times the scale (one MEAN where that is all it is).  Collective over
         the groups, in the same order on every rank (the entries' order)."""
-        if not self._enabled or not self._after:
+        if not self._enabled:
+            return
+        for fn in self._first:
+            fn()
+        if not self._after:
             return
         buckets: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], float, List[Any]]] = {}
         for grad_of, groups_of, scale in self._after:

@@ -17,17 +17,16 @@ from ..nn import functional as F
 from ..optim.clip import clip_grad_norm_
 from ..parallel.ddp import DistributedDataParallel
 from ..parallel.fsdp import ShardingStrategy
-from ..parallel.parallelize import PipelinePlan, parallelize
+from ..parallel.parallelize import ModelPlan, PipelinePlan, SequenceRegion, parallelize
 from ..parallel.pipeline import LayerBuilder
-from ..parallel.state import LayoutState
 from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout
 
-__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "gpt_layers", "gpt_plan"]
+__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "gpt_layers", "gpt_model_plan", "gpt_plan"]
 
 
-class HybridGPT(LayoutState):
-    """The GPT on this rank under any layout of the grid: ``self.pm``, :func:`parallelize` of the GPT's plan,
-    with one ``forward_backward`` / ``clip_grad_norm_``; checkpoints through ``LayoutState`` (serial names).
+class HybridGPT:
+    """The GPT on this rank under any layout of the grid: ``self.pm``, :func:`parallelize` of the GPT's plan, with
+    one ``forward_backward`` / ``clip_grad_norm_``; its state is the composer's one form (``pm.sharded_state()``).
 
     Args:
         config: the GPT (a tied head under any layout: whole under AxoNN, split over the vocabulary under sequence
@@ -38,8 +37,9 @@ class HybridGPT(LayoutState):
             each block) recomputed in backward.  dtype: parameter dtype.
         fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead of
             DDP.  cpu_offload, mixed_precision, hybrid_shard_size: FSDP's options.
-        cp_algo: ``"ring"`` or ``"ulysses"`` when ``G_context > 1`` (in a pipeline too: the embedding stage
-            numbers this rank's tokens at their positions).  sequence_parallel: Megatron's.
+        cp_algo: ``"ring"`` or ``"ulysses"`` when ``G_context > 1`` (in a pipeline too: the embedding numbers this
+            rank's tokens at their positions).  sequence_parallel: Megatron's (entered after the embeddings, left
+            at the gathered ``lm_head``: :func:`gpt_model_plan`).
         expert_parallel: EP of a MoE GPT's experts (divides ``G_data``): the grid's by default (``None``; its
             groups are built at init, ``axonmpi.init(..., expert_parallel=EP)``).
             In a pipeline each stage adds its router losses of each micro-batch (weight
@@ -85,32 +85,25 @@ class HybridGPT(LayoutState):
             expert_parallel=self._expert_parallel if c.moe_experts or self._expert_parallel > 1 else None,
             pipeline=PipelinePlan(self.num_microbatches, self.schedule, virtual_stages=vs) if piped else None,
             activation_checkpointing=(True if piped else [f"blocks.{i}" for i in range(c.n_layer)])
-            if activation_checkpointing else None, **opts)
+            if activation_checkpointing else None, model_plan=gpt_model_plan(c), **opts)
         self.shards, self.shard_index = pm.batch_shards
         self.model, self._params, self.pipe = pm.inner, list(pm.parameters()), pm.pipeline if piped else None
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
         self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
         self.fsdp = pm.module if self.sharding is not None and not piped else None
-        # LayoutState (its one construction): this rank's parameter names (their shapes: the placements)
-        mine = {id(p) for p in (pm.pipeline.parameters() if piped else self.model.parameters())}
-        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in mine or self.fsdp is not None]
-        LayoutState.__init__(self, self.model, param_names=self.param_names, fsdp=self.fsdp,
-                             tensor_parallel=tp is not None or self._expert_parallel > 1, grid=g, dtype=self.dtype,
-                             flats=pm._flats() if self.pipe is not None else ())
+        self.param_names = list(pm.sharded_state().owned)      # this rank's (its stages' in a pipeline)
 
     def parameters(self) -> List[Any]:
         """The parameters this rank trains (its stage's; its shards of tensor-parallel ones)."""
         return list(self._params)
 
     def local_batch(self, batch):
-        """This rank's rows of a global batch (the slice ``shard_index`` of ``shards`` equal slices)."""
+        """This rank's rows (and, under context parallelism, tokens) of a global batch."""
         return self.pm.local_batch(batch)
 
     def _token_mean(self, x, y):
-        """The one loss rule (``pm.token_mean``) on this rank's rows (its tokens under context parallelism)."""
+        """The one loss rule (``pm.token_mean``) on this rank's rows and tokens."""
         logits, _ = self.pm(x)
-        cp = getattr(self.model, "context_parallel", None)
-        y = y[:, cp.positions(y.shape[1])] if cp is not None and cp.active else y
         return self.pm.token_mean(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"), int((y != -100).sum()))
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
@@ -137,9 +130,37 @@ class HybridGPT(LayoutState):
         with no_grad():
             return float(self._token_mean(x, y).item())
 
+    def generate(self, idx, max_new_tokens: int, **kwargs):
+        """Sample from the whole model on this rank (context-parallel attention runs whole sequences here)."""
+        with self.pm.whole_sequences():
+            return self.model.generate(idx, max_new_tokens, **kwargs)
+
     def dropout_seed(self, seed: int) -> int:
         """``seed * 1000 + shard_index``: ranks holding the same rows draw the same masks, data replicas distinct ones."""
         return int(seed) * 1000 + self.shard_index
+
+    # -- state: the composer's one form (pm.sharded_state()) ------------------------------------
+    def full_state_dict(self):
+        """The whole serial model's state on every rank (collective over the grid); the serial model's keys."""
+        return self.pm.state_dict()
+
+    def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load a full (serial-named) state dict, or one read into :meth:`checkpoint_template`'s blocks."""
+        self.pm.load_state_dict(state_dict, strict=strict)
+
+    def full_shape(self, name: str) -> tuple:
+        """The serial model's shape of parameter ``name`` (its placement's)."""
+        return self.pm.sharded_state().full_shape(name)
+
+    def checkpoint_state(self, optimizer) -> "tuple":
+        """``(model, optimizer)`` for :func:`axonmpi.checkpoint.training_state` / ``restore_training_state``: the
+        model saves serial-named ``ShardedArray`` blocks (each rank its pieces) and loads either form, so a
+        checkpoint saved under one layout loads under any other and into the serial model."""
+        return self.pm, optimizer
+
+    def checkpoint_template(self, path: Optional[str] = None) -> Dict[str, Any]:
+        """A ``checkpoint.load`` template: this layout's blocks (``ShardedState.checkpoint_template``)."""
+        return self.pm.sharded_state().checkpoint_template(path, group=self.grid.world.default_group)
 
     def layout_record(self) -> Dict[str, Any]:
         """The five sizes, the TP style, the schedule and the micro-batches (stored in checkpoints)."""
@@ -158,6 +179,20 @@ class HybridGPT(LayoutState):
                 (f" + FSDP {self.sharding.name} stage shards" if self.sharding is not None else "")
         return (f"{self.layout} | tp-style {self.style.value if self.style else 'none'} | {how} | batch in "
                 f"{self.shards} row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
+
+
+def gpt_model_plan(config: GPTConfig) -> ModelPlan:
+    """What the GPT declares to the composer: its sequence-parallel region starts after the embeddings (they number
+    positions by column) at ``drop`` and ends at the gathered ``lm_head``; a MoE GPT's router losses are each
+    pipeline chunk's auxiliary loss (``moe_aux_loss_coeff * aux + moe_z_loss_coeff * z``)."""
+    aux = None
+    if config.moe_experts and (config.moe_aux_loss_coeff or config.moe_z_loss_coeff):
+        from ..nn.moe import moe_loss
+
+        def aux(chunk):
+            return moe_loss(chunk, config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
+    return ModelPlan(sequence_region=SequenceRegion(enter="drop", leave="lm_head", outside=("wte", "wpe")),
+                     aux_loss=aux)
 
 
 def gpt_plan(config: GPTConfig, sequence_parallel: bool = False) -> Dict[str, str]:

@@ -50,7 +50,7 @@ class _Phase(enum.Enum):
     RUNNING = "running"    # backward started: units complete and launch their reductions
 
 
-def _resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Optional[int]):
+def resolve_groups(group, strategy: ShardingStrategy, hybrid_shard_size: Optional[int]):
     """``(shard_group, replicate_group or None)`` for a strategy (collective over the data group)."""
     world = get_world()
     if strategy is ShardingStrategy.HYBRID_SHARD and isinstance(group, tuple):
@@ -188,7 +188,7 @@ class FullyShardedDataParallel(Module):
         self.module = module
         self._nested_in: Optional["FullyShardedDataParallel"] = None   # the root, once nested in one
         self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
-        self.shard_group, self.replicate_group = _resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
+        self.shard_group, self.replicate_group = resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
         rep = self.replicate_group
         named = list(module.named_parameters())
         for grp in (self.shard_group, rep):

@@ -1,0 +1,236 @@
+"""Step 1 of the composer: tensor parallelism (a Megatron plan or AxoNN 3-D) and sequence parallelism.
+
+The plan's modules are swapped for column / row / vocab / attention layers holding this rank's shard of the
+serial weights (each with its :class:`~axonmpi.distributed.Placement`); AxoNN swaps every ``nn.Linear`` whose
+sizes divide over the grid.  Under sequence parallelism every ``nn.LayerNorm`` becomes a
+``SequenceParallelLayerNorm`` and every other parameter used on sequence shards records the tensor group as a
+``partial`` group of its placement: the finalize step sums its gradient there
+([Note: partial gradients under sequence parallelism]).
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from ...nn import layers as nn_layers
+from ...nn.module import Module
+from ...nn.transformer import CausalSelfAttention
+from ..swap import module_slots
+from .record import Composition
+
+__all__ = ["apply", "STYLES"]
+
+STYLES = ("column", "column_gather", "row", "vocab", "attention")
+_TYPES = {"column": nn_layers.Linear, "column_gather": nn_layers.Linear, "row": nn_layers.Linear,
+          "vocab": nn_layers.Embedding, "attention": CausalSelfAttention}
+
+
+def apply(module: Module, c: Composition) -> None:
+    """Swap the tensor-parallel layers in, re-tie shared weights, then lay sequence parallelism over the rest."""
+    if c.axonn:
+        _axonn(module, c)
+    elif c.megatron:
+        tied = _tied_slots(module)
+        if _megatron(module, c) == 0:
+            raise ValueError(f"rank {c.rank}: no module of the model matches the plan {c.tensor}; names: "
+                             f"{[n for n, _ in module.named_modules() if n][:20]}")
+        _retie(module, tied, c.rank)
+    if c.sp:
+        _enter_declared_region(module, c)
+        c.partial = _sequence_parallel(module, c)
+
+
+def copy_serial(new: Module, old: Module) -> None:
+    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard); a
+    :class:`~axonmpi.parallel.pipeline.LayerBuilder`'s stand-in (another pipeline rank's layer) stays one."""
+    from ..pipeline.staged import is_stand_in, stand_in
+    from ..tensor.state import load_full_state_dict
+    if any(is_stand_in(p) for p in old.parameters()):
+        stand_in(new)
+        return
+    load_full_state_dict(new, {k: np.asarray(v) for k, v in old.state_dict().items()})
+
+
+def _users(module: Module) -> Dict[int, int]:
+    users: Dict[int, int] = {}
+    for m in module.modules():
+        for q in m._parameters.values():
+            if q is not None:
+                users[id(q)] = users.get(id(q), 0) + 1
+    return users
+
+
+def _axonn(module: Module, c: Composition) -> int:
+    """Every ``nn.Linear`` whose sizes divide over the grid (AxoNN's ``is_parallelizable_linear``) -> a 3-D
+    ``intra_layer.Linear`` (easy mode); the others stay replicated, and so does a Linear whose weight another
+    module shares (a head tied to the embedding: one Parameter, so its gradient keeps both uses)."""
+    from ..auto_parallelize import is_parallelizable_linear
+    from ..intra_layer import Linear as Linear3D
+    from ..tensor.groups import TensorParallelGroups
+    groups = TensorParallelGroups.from_grid(c.grid)
+    users, n = _users(module), 0
+    for parent, name, child, _ in module_slots(module):
+        if (type(child) is nn_layers.Linear and users.get(id(child.weight), 0) == 1
+                and is_parallelizable_linear(child.in_features, child.out_features, groups.sizes)):
+            new = Linear3D(child.in_features, child.out_features, bias=child.bias is not None,
+                           dtype=child.weight.dtype, groups=groups)
+            copy_serial(new, child)
+            setattr(parent, name, new)
+            n += 1
+    return n
+
+
+def _style_of(plan: Dict[str, str], qname: str):
+    return next((s for pat, s in plan.items() if fnmatch.fnmatchcase(qname, pat)), None)
+
+
+def _check_plan(module: Module, c: Composition) -> None:
+    for pattern, style in c.tensor.items():
+        if style not in STYLES:
+            raise ValueError(f"rank {c.rank}: tensor_parallel[{pattern!r}] = {style!r}; expected one of {STYLES}")
+    for _, _, child, qname in module_slots(module):
+        style = _style_of(c.tensor, qname)
+        if style is not None and type(child) is not _TYPES[style]:
+            raise TypeError(f"rank {c.rank}: {qname!r} matches a {style!r} pattern but is a "
+                            f"{type(child).__name__}, not an nn.{_TYPES[style].__name__}")
+
+
+def _megatron(module: Module, c: Composition) -> int:
+    """The modules the plan names -> Megatron column / row / vocab-parallel / head-split attention layers over
+    the grid's tensor group; ``"column_gather"``: a column layer whose output is all-gathered (the serial width;
+    under sequence parallelism cut back to this rank's sequence shard, unless it is the declared region's
+    ``leave``).  A ``"column"`` layer whose output reaches the model's output unpaired raises at the first
+    forward ([Note: the output keeps the serial shape] in ``split_output.py``)."""
+    from ..split_output import refuse_split_outputs
+    _check_plan(module, c)
+    group, region = c.grid.intra_group, c.model_plan.sequence_region if c.sp else None
+    columns, rows, n = {}, [], 0
+    for parent, name, child, qname in module_slots(module):
+        style = _style_of(c.tensor, qname)
+        if style is None:
+            continue
+        outside = region is not None and any(fnmatch.fnmatchcase(qname, p) for p in region.outside)
+        new = _layer(child, style, c, whole_out=region is not None and qname == region.leave, outside=outside)
+        if style == "column":
+            columns[qname] = new
+        if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group
+            rows.append(new)
+        copy_serial(new, child)
+        setattr(parent, name, new)
+        n += 1
+    refuse_split_outputs(module, columns, rows, group)
+    return n
+
+
+def _layer(child: Module, style: str, c: Composition, *, whole_out: bool, outside: bool) -> Module:
+    """The tensor-parallel layer of ``style`` for ``child`` (not yet holding its weights)."""
+    from ..tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, VocabParallelEmbedding,
+                          scatter_to_sequence_parallel_region)
+    group = c.grid.intra_group
+    sp = int(c.sequence_dim) if c.sequence_parallel else None
+    seq = {} if sp is None or outside else {"sequence_parallel": True, "sequence_dim": sp}
+    if style == "attention":
+        return TensorParallelAttention(child.n_embd, child.n_head, group=group, causal=True,
+                                       dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
+                                       dtype=child.qkv.weight.dtype, sequence_parallel=sp is not None)
+    if style == "vocab":
+        return VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
+                                      dtype=child.weight.dtype, **seq)
+    if style == "row":
+        return RowParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                 input_is_parallel=True, group=group, dtype=child.weight.dtype, **seq)
+    new = ColumnParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                               gather_output=style == "column_gather", group=group, dtype=child.weight.dtype, **seq)
+    if style == "column_gather" and sp is not None and not whole_out:
+        # gathered over features: back to this rank's sequence shard (the region goes on after it)
+        new.register_forward_hook(lambda m, a, y, d=sp: scatter_to_sequence_parallel_region(y, group, dim=d))
+    return new
+
+
+def _tied_slots(module: Module) -> List[List[Tuple[str, str]]]:
+    """The parameters held by more than one module (a head tied to its embedding), each as its
+    ``[(module name, attribute), ...]``."""
+    slots: Dict[int, List[Tuple[str, str]]] = {}
+    for q, m in module.named_modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((q, name))
+    return [v for v in slots.values() if len(v) > 1]
+
+
+def _retie(module: Module, tied, r: int) -> None:
+    """A weight the plan's layers hold twice (a ``"vocab"`` embedding and its ``"column_gather"`` head, both this
+    rank's vocabulary rows) is one Parameter again (Megatron's tied embedding); a tie between a split and a
+    replicated use raises, naming both."""
+    from ...distributed.placement import placement_of
+    mods = dict(module.named_modules())
+    for slots in tied:
+        params = [getattr(mods[q], name) for q, name in slots]
+        first = params[0]
+        if all(p is first for p in params):
+            continue
+        shards = [tuple((s.kind, getattr(s, "dim", None)) for s in placement_of(p).shards) for p in params]
+        if any(tuple(p.shape) != tuple(first.shape) or sh != shards[0] for p, sh in zip(params, shards)):
+            names = [f"{q}.{name}" if q else name for q, name in slots]
+            raise ValueError(f"rank {r}: {names} are one tied weight but the tensor-parallel plan lays them out "
+                             f"differently (local shapes {[tuple(p.shape) for p in params]}): split both the same "
+                             "way (an embedding 'vocab' and its head 'column_gather') or neither")
+        for (q, name), p in zip(slots[1:], params[1:]):
+            setattr(mods[q], name, first)
+
+
+def _enter_declared_region(module: Module, c: Composition) -> None:
+    """A model that declares its sequence region (:class:`~axonmpi.parallel.plan.SequenceRegion`) enters it at
+    ``enter`` (swapped for a scatter-then-dropout) and leaves it at ``leave``, a gathered column layer."""
+    region = c.model_plan.sequence_region
+    if region is None:
+        return
+    from ..tensor import ColumnParallelLinear, SequenceParallelDropout
+    mods = dict(module.named_modules())
+    for what, name in (("enter", region.enter), ("leave", region.leave)):
+        if name not in mods:
+            raise ValueError(f"rank {c.rank}: the model plan's sequence region {what}s at {name!r}, which is not "
+                             f"a module of the model (names: {[n for n in mods if n][:12]})")
+    leave = mods[region.leave]
+    if not (type(leave) is ColumnParallelLinear and leave.gather_output):
+        raise ValueError(f"rank {c.rank}: sequence parallelism leaves the region at {region.leave!r}: make it "
+                         f"'column_gather' in the tensor-parallel plan (it is a {type(leave).__name__}; a tied head "
+                         "with a 'vocab' embedding: split both)")
+    old = mods[region.enter]
+    new = SequenceParallelDropout(getattr(old, "p", 0.0), c.grid.intra_group)
+    parent, _, attr = region.enter.rpartition(".")
+    setattr(mods[parent] if parent else module, attr, new)
+    c.enter, c.leave = new, leave
+
+
+def _sequence_parallel(module: Module, c: Composition) -> List[object]:
+    """[Note: partial gradients under sequence parallelism]  Each rank runs the region on its tokens, so a
+    parameter not split over the tensor group gets this rank's part of its gradient.  ``nn.LayerNorm`` ->
+    ``SequenceParallelLayerNorm`` (which sums its own); every other such parameter records the tensor group as
+    ``partial`` in its placement and is returned: the finalize step sums it there.  The declared region's
+    ``outside`` modules run on whole sequences: left as they are."""
+    from ...distributed.placement import add_placement, placement_of
+    from ..tensor import SequenceParallelLayerNorm
+    g = c.grid.intra_group
+    region = c.model_plan.sequence_region
+    outside = [] if region is None else [m for q, m in module.named_modules()
+                                         if any(fnmatch.fnmatchcase(q, p) for p in region.outside)]
+    for parent, name, child, _ in module_slots(module):
+        if type(child) is nn_layers.LayerNorm and not any(child is m for m in outside):
+            new = SequenceParallelLayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
+                                            bias=child.bias is not None, group=g,
+                                            dtype=None if child.weight is None else child.weight.dtype)
+            copy_serial(new, child)
+            setattr(parent, name, new)
+    skip = {id(q) for m in outside for q in m.parameters()}
+    rest = []
+    for p in module.parameters():      # replicated, or split over another group (experts over the expert group)
+        pl = placement_of(p)
+        if id(p) in skip or any(s.group is g or getattr(s.group, "ranks", None) == g.ranks for s in pl.shards) \
+                or getattr(p, "sequence_parallel", False):
+            continue
+        add_placement(p, replica=g, partial=g)
+        rest.append(p)
+    return rest

@@ -1,0 +1,104 @@
+"""The one finalize step after backward: every sum a parameter's placement asks for (Megatron's ``finalize_model_grads``).
+
+[Note: the finalize step]  After a backward (a pipeline: after the step's last micro-batch) each gradient is
+summed over the groups the placements give, read here and nowhere else:
+
+* the data replicas (data x context; AxoNN's easy mode: and the tensor block), as the mean of the global batch --
+  by DDP's buckets overlapped with backward or FSDP's reduce-scatter where the model is wrapped in them (their
+  own executors, parts of the model's :class:`~axonmpi.parallel.grad_sync.GradReducer`), by the pipeline's
+  reduction of each stage, or by an entry here (AxoNN's table, the experts' expert-data groups);
+* ``placement.partial``: the tensor group of a parameter run on sequence shards ([Note: partial gradients under
+  sequence parallelism]);
+* ``placement.tied``: the ranks holding copies of one tied weight (the first and last pipeline stage);
+* FSDP flat chunks of tensor-parallel shards: each segment over its parameter's groups.
+
+The entries are bucketed by (groups, scale, dtype) and run in one pass: without a pipeline at the end of the
+backward pass (queued from the gradient hooks), with one by :meth:`PipelinedModule.step`.  ``no_sync`` turns the
+whole step off; the first finalize outside sums what accumulated (every sum is linear).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Sequence
+
+from ..distributed.placement import placement_of
+from .grad_sync import GradReducer, data_reduction_group, reduction_groups
+
+__all__ = ["finalize_entries", "finalize_grads", "pipeline_entries", "segment_entries"]
+
+
+def finalize_grads(model: Any) -> None:
+    """Run ``model``'s finalize step now (collective over its groups): a pipelined model calls it after its
+    step's last backward; a model without a pipeline runs it at the end of each backward by itself."""
+    model.grad_reducer.run()
+
+
+def _batch_groups(c) -> tuple:
+    return (c.grid.intra_group,) if c.axonn else ()
+
+
+def _shards(c) -> int:
+    """The number of batch shards the loss is the mean over (data x context; AxoNN: x the tensor block)."""
+    g = c.grid
+    return g.G_data * (g.G_intra if c.axonn else 1) * getattr(g, "G_context", 1)
+
+
+def _live(groups: Sequence[Any]) -> tuple:
+    out: List[Any] = []
+    for grp in groups:
+        if grp is not None and grp.size > 1 and not any(grp is h or getattr(h, "ranks", 0) == grp.ranks for h in out):
+            out.append(grp)
+    return tuple(out)
+
+
+def finalize_entries(reducer: GradReducer, module, c, wrapped) -> None:
+    """A model without a pipeline: the entries of every parameter its wrapper (DDP / FSDP) does not reduce in
+    full, and the hooks that run them at the end of each backward."""
+    g = c.grid
+    data = data_reduction_group(g) if c.data is not None else None
+    experts = {id(p) for p in c.experts}
+    in_flat = {id(q) for f in getattr(wrapped, "parameters", lambda: [])() for q in getattr(f, "params", ())}
+    wrapper_reduces = c.data == "fsdp" or (c.data == "ddp" and not c.axonn)
+    # the table's data / batch sums here (a pipeline you build over these stages reduces them itself)
+    table = c.data is not None or (c.axonn and g.G_inter == 1)
+    scale = 1.0 / _shards(c)
+    entries = []
+    for p in module.parameters():
+        if not p.requires_grad or id(p) in in_flat:
+            continue
+        partial = placement_of(p).partial_groups
+        if (wrapper_reduces and id(p) not in experts) or not table:
+            groups, s = partial, 1.0             # the wrapper took the data mean (or nobody here does)
+        else:
+            groups, s = partial + tuple(reduction_groups(p, data, _batch_groups(c), g.depth_group)), scale
+        if _live(groups) or s != 1.0:
+            entries.append((p, _live(groups), s))
+    for p, groups, s in entries:
+        reducer.after_backward([p], lambda q, groups=groups: groups, s)
+    reducer.arm([p for p, _, _ in entries])
+
+
+def segment_entries(reducer: GradReducer, flats: Iterable[Any], c) -> None:
+    """FSDP chunks of a tensor-parallel layout, after the reduce-scatter over data: AxoNN's table on each segment
+    (3-D biases over depth, replicated parameters over the tensor block, all divided by the block's size); a
+    Megatron layout's partial parameters over the tensor group."""
+    g = c.grid
+    flats = list(flats)
+    if c.axonn:
+        reducer.after_backward_segments(flats, lambda q: reduction_groups(q, None, (g.intra_group,), g.depth_group),
+                                        1.0 / g.G_intra)
+    elif c.sp:
+        reducer.after_backward_segments(flats, lambda q: placement_of(q).partial_groups)
+
+
+def pipeline_entries(reducer: GradReducer, params: Iterable[Any], flats: Sequence[Any], c) -> None:
+    """A pipelined model (the pipeline reduces each stage over its data groups): tied copies over their group,
+    partial gradients over the tensor group, and the stages' FSDP segments."""
+    in_flat = {id(q) for f in flats for q in f.params}
+    for p in params:
+        if not p.requires_grad or id(p) in in_flat:
+            continue
+        pl = placement_of(p)
+        groups = _live(pl.partial_groups + ((pl.tied,) if pl.tied is not None else ()))
+        if groups:
+            reducer.after_backward([p], lambda q, groups=groups: groups)
+    segment_entries(reducer, flats, c)
