@@ -289,7 +289,8 @@ _ENGINE = threading.local()     # the callbacks queued by the backward passes ru
 def queue_callback(fn: Callable[[], None]) -> None:
     """Run ``fn()`` once the backward pass running now has finished (PyTorch's
     ``Variable._execution_engine.queue_callback``): from a gradient hook, a step that needs every gradient of
-    the pass (a reducer's finalize) is queued for its end.  Callbacks run in order; one may queue more.
+    the pass (a reducer's finalize) is queued for its end -- the end of the outermost pass, when a pass runs
+    inside another (activation checkpointing's recomputation).  Callbacks run in order; one may queue more.
 
     Raises:
         RuntimeError: outside a backward pass.
@@ -297,7 +298,7 @@ def queue_callback(fn: Callable[[], None]) -> None:
     stack = getattr(_ENGINE, "callbacks", None)
     if not stack:
         raise RuntimeError("queue_callback: no backward pass is running (call it from a gradient hook)")
-    stack[-1].append(fn)
+    stack[0].append(fn)      # the outermost pass (a checkpoint's recomputation runs a pass inside it)
 
 
 def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,

@@ -125,6 +125,11 @@ class _Bucket:
         if "step" in st:
             st["step"] = max(self.counts[s.index] for s in self.segments)
 
+    def refresh(self) -> None:
+        """The chunk from the parameters' current values (a load or a user may have written them since the
+        last step: the shard is the optimizer's own copy)."""
+        self.shard.data[...] = self.buffer[self.lo:self.hi]
+
     def all_gather_params(self) -> None:
         if self.shard.data is not self.send[:self.hi - self.lo] and self.shard.data.base is not self.send:
             self.send[:self.hi - self.lo] = self.shard.data
@@ -243,6 +248,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._sync_options()
         rank = self.process_group.world.rank
         for b, options in zip(self.buckets, self.optim.param_groups):
+            b.refresh()
             b.plan_passes(options, rank)
         while any(b.passes for b in self.buckets):  # one pass unless a chunk mixes None/counts
             held = [b.gather_grad(self.optim) for b in self.buckets]

@@ -15,7 +15,7 @@ from .fsdp import (
 from .auto_parallelize import auto_parallelize
 from .parallelize import (ModelPlan, ParallelModule, PipelinePlan, PipelinedModule, SequenceRegion, full_state_dict,
                           parallelize)
-from .finalize import finalize_grads
+from .finalize import UnusedParameterError, finalize_grads
 from .state import ShardedState
 from . import grad_sync
 from .grad_sync import GradReducer, no_sync
@@ -31,7 +31,7 @@ __all__ = [
     "FSDP", "FullyShardedDataParallel", "ShardingStrategy", "CPUOffload", "MixedPrecision", "FSDPMemoryStats",
     "ModuleWrapPolicy", "SizeWrapPolicy", "fsdp",
     "ModelPlan", "ParallelModule", "PipelinePlan", "PipelinedModule", "SequenceRegion", "ShardedState", "parallelize",
-    "finalize_grads", "full_state_dict", "grad_sync", "moe", "expert_parallel",
+    "UnusedParameterError", "finalize_grads", "full_state_dict", "grad_sync", "moe", "expert_parallel",
     "GradReducer", "no_sync", "allreduce_hook", "auto_parallelize", "fp16_compress_hook", "intra_layer", "tensor",
 ]
 __all__ += pipeline.__all__

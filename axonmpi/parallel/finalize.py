@@ -23,7 +23,7 @@ from typing import Any, Iterable, List, Sequence
 from ..distributed.placement import placement_of
 from .grad_sync import GradReducer, data_reduction_group, reduction_groups
 
-__all__ = ["finalize_entries", "finalize_grads", "pipeline_entries", "segment_entries"]
+__all__ = ["UnusedCheck", "UnusedParameterError", "finalize_entries", "finalize_grads", "pipeline_entries", "segment_entries"]
 
 
 def finalize_grads(model: Any) -> None:
@@ -74,7 +74,9 @@ def finalize_entries(reducer: GradReducer, module, c, wrapped) -> None:
             entries.append((p, _live(groups), s))
     for p, groups, s in entries:
         reducer.after_backward([p], lambda q, groups=groups: groups, s)
-    reducer.arm([p for p, _, _ in entries])
+    reducer.before_run(UnusedCheck(module.named_parameters(), g))
+    if g.G_inter == 1:        # on a pipeline grid the Pipeline you build runs it after the step's last backward
+        reducer.arm([p for p in module.parameters() if p.requires_grad])
 
 
 def segment_entries(reducer: GradReducer, flats: Iterable[Any], c) -> None:
@@ -102,3 +104,44 @@ def pipeline_entries(reducer: GradReducer, params: Iterable[Any], flats: Sequenc
         if groups:
             reducer.after_backward([p], lambda q, groups=groups: groups)
     segment_entries(reducer, flats, c)
+
+
+class UnusedParameterError(RuntimeError):
+    """A trainable parameter received no gradient in a step under ``parallelize`` ([Note: unused parameters])."""
+
+
+class UnusedCheck:
+    """[Note: unused parameters]  A trainable parameter no forward of a step uses has no gradient in the serial
+    model, so its optimizer skips it (no update, no weight decay).  Flat shards (FSDP) step it as part of one
+    tensor and cannot skip it, so ``parallelize`` refuses such a parameter under every layout, with one message,
+    at the end of the first step's backward (collective over the world: every rank raises, naming every rank's
+    unused parameters).  Freeze it (``p.requires_grad_(False)``) or remove it."""
+
+    def __init__(self, named_params, grid):
+        self.grid = grid
+        self.params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.used = set()
+        self.done = False
+        self.handles = [p.register_post_accumulate_grad_hook(self._mark) for _, p in self.params]
+
+    def _mark(self, p) -> None:
+        self.used.add(id(p))
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        for h in self.handles:
+            h.remove()
+        import numpy as np
+        from ..distributed import ReduceOp, all_gather_object, all_reduce
+        mine = [n for n, p in self.params if id(p) not in self.used]
+        world = self.grid.world.default_group
+        if not int(all_reduce(np.array([len(mine)], np.int64), ReduceOp.SUM, world)[0]):
+            return
+        found = sorted({n for part in all_gather_object(mine, group=world) for n in part})
+        raise UnusedParameterError(
+            f"rank {self.grid.rank}: parameters {found} received no gradient in this step (no forward used them). "
+            "The serial model's optimizer would skip them (no update, no weight decay), which flat shards cannot "
+            "do, so parallelize refuses unused parameters under every layout: freeze them "
+            "(p.requires_grad_(False)) or remove them from the model")

@@ -78,6 +78,9 @@ class ShardedState:
         own = None if modules is None else {id(q) for m in modules for q in m.parameters()}
         self.owned = [n for n, q in self.named.items() if own is None or id(q) in own or id(q) in in_flat]
         self._plain = [n for n in self.owned if id(self.named[n]) not in in_flat]
+        # FSDP's 1-D blocks where every rank writes its entries in one form: one stage (another stage's rank
+        # writes an empty block of the serial shape)
+        self._flat1d = stage_group is None or stage_group.size == 1
 
     # -- one parameter -------------------------------------------------------------------------
     def placement(self, name: str):
@@ -140,6 +143,8 @@ class ShardedState:
         names = self._flat_names(f)
         cut = [self._cut(n) for n in names]
         out: Dict[str, Any] = {}
+        if not self._flat1d:
+            cut = [True] * len(names)
         if sharded:
             for n, blk, c in zip(names, f.layout.shard_blocks(f.segments(), chunk), cut):
                 if not c:
@@ -205,10 +210,8 @@ class ShardedState:
             RuntimeError: with ``strict``, naming every missing and every unexpected key.
         """
         from ..backend import get_array_module
-        items = dict(self.model._state_items())
-        mine = set(self.owned)
-        missing = [k for k, t in items.items()
-                   if k not in state_dict and (self._name.get(id(t)) in mine or id(t) not in self._name)]
+        items = dict(self.model._state_items())      # every serial name, on every rank (any stage)
+        missing = [k for k in items if k not in state_dict]
         unexpected = sorted(set(state_dict) - set(items))
         if strict and (missing or unexpected):
             raise RuntimeError(f"rank {self.rank}: load_state_dict(strict=True): missing keys {missing}, unexpected "
@@ -344,7 +347,7 @@ class ShardedState:
             return self._empty(name, dtype)
         q, pl = self.named[name], self.placement(name)
         for f in self.flats:
-            if any(q is x for x in f.params) and not self._cut(name):
+            if self._flat1d and any(q is x for x in f.params) and not self._cut(name):
                 i = next(i for i, x in enumerate(f.params) if x is q)
                 return f.layout.shard_blocks(f.segments(), np.zeros(f.data.shape, dtype))[i]
         return placed.block(np.zeros(placed.local_shape(pl), dtype), pl)

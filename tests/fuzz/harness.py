@@ -27,6 +27,7 @@ import axonmpi.nn.functional as F
 from axonmpi import Tensor
 from axonmpi.optim import AdamW, ZeroRedundancyOptimizer, clip_grad_norm_
 from axonmpi.parallel import PipelinePlan, full_state_dict, parallelize
+from axonmpi.parallel import UnusedParameterError
 from axonmpi.parallel.grad_sync import data_reduction_group
 
 try:
@@ -155,9 +156,8 @@ def train_step(spec: ModelSpec, pm, opt, s: int) -> Tuple[float, float]:
     return loss, norm
 
 
-def check_state(pm, want: Dict[str, np.ndarray], what: str) -> None:
-    """``pm.state_dict()`` equals ``want`` (keys and values)."""
-    got = pm.state_dict()
+def check_values(got: Dict[str, Any], want: Dict[str, np.ndarray], what: str) -> None:
+    """A state dict ``got`` equals ``want`` (keys and values)."""
     if sorted(got) != sorted(want):
         raise Mismatch(f"{what}: state_dict keys differ from the serial model's: missing "
                        f"{sorted(set(want) - set(got))}, unexpected {sorted(set(got) - set(want))}")
@@ -165,18 +165,39 @@ def check_state(pm, want: Dict[str, np.ndarray], what: str) -> None:
         close(got[k], v, f"{what}: {k}")
 
 
-def check_strict(pm, want: Dict[str, np.ndarray], what: str) -> None:
+def check_strict(world, pm, want: Dict[str, np.ndarray], what: str) -> None:
     """``load_state_dict(strict=True)`` takes the serial state dict and gives it back; a missing and an
-    unexpected key each raise."""
-    pm.load_state_dict({k: np.array(v, copy=True) for k, v in want.items()}, strict=True)
-    check_state(pm, want, f"{what} after load_state_dict(serial)")
+    unexpected key each raise, on every rank."""
+    agreed(world, pm.load_state_dict, {k: np.array(v, copy=True) for k, v in want.items()}, True)
+    agreed(world, check_values, pm.state_dict(), want, f"{what} after load_state_dict(serial)")
     for bad, label in (({k: v for k, v in list(want.items())[1:]}, "missing"),
                        ({**want, "no_such.weight": np.zeros(2)}, "unexpected")):
-        try:
-            pm.load_state_dict(bad, strict=True)
-        except (RuntimeError, KeyError, ValueError):
-            continue
-        raise Mismatch(f"{what}: load_state_dict(strict=True) with a {label} key did not raise")
+        def load(bad=bad, label=label):
+            try:
+                pm.load_state_dict(bad, strict=True)
+            except (RuntimeError, KeyError, ValueError):
+                return
+            raise Mismatch(f"{what}: load_state_dict(strict=True) with a {label} key did not raise")
+        agreed(world, load)
+
+
+def agreed(world, fn, *args):
+    """``fn(*args)`` on every rank, then agree: when it raised on any rank, every rank raises that rank's error
+    (a check that fails on some ranks only must not leave the others in the next collective)."""
+    err = None
+    try:
+        out = fn(*args)
+    except Exception as e:   # noqa: BLE001
+        err, out = e, None
+    got = axonmpi.all_gather_object(None if err is None else (type(err).__name__, str(err)))
+    bad = [(r, x) for r, x in enumerate(got) if x is not None]
+    if bad:
+        if err is not None:
+            raise err
+        r, (kind, msg) = bad[0]
+        cls = {"Refused": Refused, "UnusedParameterError": UnusedParameterError}.get(kind, Mismatch)
+        raise cls(f"(rank {r}) {kind}: {msg}")
+    return out
 
 
 def _shared_dir(world) -> str:
@@ -195,15 +216,16 @@ def run_case(world, case: Case, checkpoint: bool = True) -> str:
         grid = _grid(world, case.layout)
         world.grid = grid
         try:
-            pm, opt = build(spec, case.layout, grid)
+            pm, opt = agreed(world, build, spec, case.layout, grid)
             for s in range(STEPS):
                 loss, norm = train_step(spec, pm, opt, s)
-                close(loss, want[s][0], f"step {s} loss")
-                close(norm, want[s][1], f"step {s} clip norm")
+                agreed(world, close, loss, want[s][0], f"step {s} loss")
+                agreed(world, close, norm, want[s][1], f"step {s} clip norm")
                 if checkpoint and s == STEPS - 2:
                     axonmpi.checkpoint.save(path + "/ckpt", axonmpi.checkpoint.training_state(pm, opt, step=s + 1))
-            check_state(pm, want[-1][2], f"after {STEPS} steps")
-            check_strict(pm, want[-1][2], "state dict round trip")
+            got = pm.state_dict()
+            agreed(world, check_values, got, want[-1][2], f"after {STEPS} steps")
+            check_strict(world, pm, want[-1][2], "state dict round trip")
         finally:
             world.grid = old
             grid.free()
@@ -213,7 +235,7 @@ def run_case(world, case: Case, checkpoint: bool = True) -> str:
         world.grid = grid
         try:
             try:
-                pm2, opt2 = build(spec, case.restore, grid, seed_shift=7)
+                pm2, opt2 = agreed(world, build, spec, case.restore, grid, 7)
             except Refused as e:
                 return f"ok (restore layout {e})"
             template = axonmpi.checkpoint.training_state(pm2, opt2, step=0)
@@ -222,9 +244,10 @@ def run_case(world, case: Case, checkpoint: bool = True) -> str:
             if meta["step"] != STEPS - 1:
                 raise Mismatch(f"restored step {meta['step']}, saved {STEPS - 1}")
             loss, norm = train_step(spec, pm2, opt2, STEPS - 1)
-            close(loss, want[-1][0], f"restored under {case.restore.short()}: step {STEPS - 1} loss")
-            close(norm, want[-1][1], f"restored under {case.restore.short()}: step {STEPS - 1} clip norm")
-            check_state(pm2, want[-1][2], f"restored under {case.restore.short()}, after step {STEPS - 1}")
+            where = f"restored under {case.restore.short()}"
+            agreed(world, close, loss, want[-1][0], f"{where}: step {STEPS - 1} loss")
+            agreed(world, close, norm, want[-1][1], f"{where}: step {STEPS - 1} clip norm")
+            agreed(world, check_values, pm2.state_dict(), want[-1][2], f"{where}, after step {STEPS - 1}")
         finally:
             world.grid = old
             grid.free()
@@ -244,6 +267,8 @@ def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[s
             status, detail = "ok", status[4:-1]
     except Refused as e:
         status, detail = "refused", str(e).splitlines()[0]
+    except UnusedParameterError as e:       # refused at the first step, the same under every layout
+        status, detail = "refused", "UnusedParameterError: " + str(e).split(": ", 1)[1][:120]
     except Exception as e:   # noqa: BLE001 - every error is a finding
         status = "failed"
         detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))

@@ -33,7 +33,7 @@ def build_stages(builder, grid, plan):
 def apply(module: Module, c: Composition):
     """Cut, stage, and run: returns the :class:`~axonmpi.parallel.module.PipelinedModule`."""
     from ...nn import functional as F
-    from ..finalize import pipeline_entries
+    from ..finalize import UnusedCheck, pipeline_entries
     from ..grad_sync import data_reduction_group
     from ..module import PipelinedModule
     from ..pipeline import Pipeline, make_schedule, split_module
@@ -57,6 +57,8 @@ def apply(module: Module, c: Composition):
                     aux_loss=None if aux is None else lambda st: aux(st.body))
     pm = PipelinedModule(module, c, pipe, stages)
     flats = pm._flats()
+    mine = {id(q) for st in stages for q in st.body.parameters()}
+    pm.grad_reducer.before_run(UnusedCheck([(n, q) for n, q in module.named_parameters() if id(q) in mine], grid))
     if flats or tied:
         pm.grad_reducer.before_run(lambda: _before_entries(flats, tied, replicate, pm._mixed_precision))
     pipeline_entries(pm.grad_reducer, pm.parameters(), flats, c)

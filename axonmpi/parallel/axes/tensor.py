@@ -29,17 +29,32 @@ _TYPES = {"column": nn_layers.Linear, "column_gather": nn_layers.Linear, "row": 
 
 def apply(module: Module, c: Composition) -> None:
     """Swap the tensor-parallel layers in, re-tie shared weights, then lay sequence parallelism over the rest."""
+    tied = _tied_slots(module)         # a swap copies weights into new Parameters: ties are re-made after
     if c.axonn:
         _axonn(module, c)
     elif c.megatron:
-        tied = _tied_slots(module)
         if _megatron(module, c) == 0:
             raise ValueError(f"rank {c.rank}: no module of the model matches the plan {c.tensor}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
-        _retie(module, tied, c.rank)
     if c.sp:
+        _refuse_whole_sequence_layers(module, c)
         _enter_declared_region(module, c)
+        _swap_layer_norms(module, c)
+    _retie(module, tied, c.rank)
+    if c.sp:
         c.partial = _sequence_parallel(module, c)
+
+
+def _refuse_whole_sequence_layers(module: Module, c: Composition) -> None:
+    """Under sequence parallelism each rank runs the region on its tokens: an attention the plan leaves whole
+    would attend within this rank's tokens only.  Refused, naming it and the fix."""
+    for q, m in module.named_modules():
+        if type(m) is CausalSelfAttention:
+            raise ValueError(
+                f"rank {c.rank}: sequence_parallel=True runs {q!r} ({m.n_head} heads) on this rank's tokens of each "
+                f"sequence, but it is not in the tensor-parallel plan, so it would attend within them only: add it as "
+                f"'attention' (its heads must divide by the tensor size, {c.grid.intra_group.size}) or drop "
+                "sequence_parallel")
 
 
 def copy_serial(new: Module, old: Module) -> None:
@@ -205,26 +220,36 @@ def _enter_declared_region(module: Module, c: Composition) -> None:
     c.enter, c.leave = new, leave
 
 
-def _sequence_parallel(module: Module, c: Composition) -> List[object]:
-    """[Note: partial gradients under sequence parallelism]  Each rank runs the region on its tokens, so a
-    parameter not split over the tensor group gets this rank's part of its gradient.  ``nn.LayerNorm`` ->
-    ``SequenceParallelLayerNorm`` (which sums its own); every other such parameter records the tensor group as
-    ``partial`` in its placement and is returned: the finalize step sums it there.  The declared region's
-    ``outside`` modules run on whole sequences: left as they are."""
-    from ...distributed.placement import add_placement, placement_of
-    from ..tensor import SequenceParallelLayerNorm
-    g = c.grid.intra_group
+def _outside(module: Module, c: Composition) -> List[Module]:
+    """The modules a declared sequence region leaves outside (run on whole sequences before it)."""
     region = c.model_plan.sequence_region
-    outside = [] if region is None else [m for q, m in module.named_modules()
-                                         if any(fnmatch.fnmatchcase(q, p) for p in region.outside)]
+    return [] if region is None else [m for q, m in module.named_modules()
+                                      if any(fnmatch.fnmatchcase(q, p) for p in region.outside)]
+
+
+def _swap_layer_norms(module: Module, c: Composition) -> None:
+    """Every ``nn.LayerNorm`` in the region -> a ``SequenceParallelLayerNorm`` (same names and values; it sums
+    its weight and bias gradients over the tensor group in backward)."""
+    from ..tensor import SequenceParallelLayerNorm
+    outside = _outside(module, c)
     for parent, name, child, _ in module_slots(module):
         if type(child) is nn_layers.LayerNorm and not any(child is m for m in outside):
             new = SequenceParallelLayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
-                                            bias=child.bias is not None, group=g,
+                                            bias=child.bias is not None, group=c.grid.intra_group,
                                             dtype=None if child.weight is None else child.weight.dtype)
             copy_serial(new, child)
             setattr(parent, name, new)
-    skip = {id(q) for m in outside for q in m.parameters()}
+
+
+def _sequence_parallel(module: Module, c: Composition) -> List[object]:
+    """[Note: partial gradients under sequence parallelism]  Each rank runs the region on its tokens, so a
+    parameter not split over the tensor group gets this rank's part of its gradient.  The sequence-parallel
+    LayerNorms sum their own; every other such parameter records the tensor group as ``partial`` in its
+    placement and is returned: the finalize step sums it there.  The declared region's ``outside`` modules run
+    on whole sequences: left as they are."""
+    from ...distributed.placement import add_placement, placement_of
+    g = c.grid.intra_group
+    skip = {id(q) for m in _outside(module, c) for q in m.parameters()}
     rest = []
     for p in module.parameters():      # replicated, or split over another group (experts over the expert group)
         pl = placement_of(p)

@@ -449,8 +449,14 @@ class Pipeline:
         return no_sync(self)
 
     def _reduce_data_parallel(self) -> None:
-        """The reduction after the step's last backward (nothing inside :meth:`no_sync`)."""
+        """The reduction after the step's last backward (nothing inside :meth:`no_sync`), then the finalize step of
+        each stage that has its own (a ``parallelize``'d stage: its sequence-parallel sums), once per step."""
         self.grad_reducer.run()
+        if self.grad_reducer.enabled:
+            for sid in sorted(self.stages):
+                own = getattr(self.stages[sid].module, "grad_reducer", None)
+                if own is not None and own is not self.grad_reducer:
+                    own.run()
 
     def _run(self, acts: List[Action], sizes: List[int], inputs, targets, *, train: bool, scale: float = 1.0):
         ex = _Executor(self, acts, sizes, inputs, targets, train, scale)
