@@ -12,7 +12,7 @@ from ..backend import get_array_module
 from .grad_mode import is_grad_enabled, no_grad
 from .tensor import Tensor
 
-__all__ = ["Function", "RemovableHandle", "backward", "queue_callback"]
+__all__ = ["Function", "RemovableHandle", "backward", "backward_depth", "queue_callback"]
 
 _SEQ = itertools.count()
 
@@ -299,6 +299,13 @@ def queue_callback(fn: Callable[[], None]) -> None:
     if not stack:
         raise RuntimeError("queue_callback: no backward pass is running (call it from a gradient hook)")
     stack[0].append(fn)      # the outermost pass (a checkpoint's recomputation runs a pass inside it)
+
+
+def backward_depth() -> int:
+    """How many backward passes are running on this thread (0 outside backward; 2 inside the pass an activation
+    checkpoint's recomputation runs within another): a gradient hook at depth > 1 may see more contributions to
+    its leaf later in the outer pass."""
+    return len(getattr(_ENGINE, "callbacks", None) or ())
 
 
 def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,

@@ -205,6 +205,8 @@ class GradientSynchronizer:
                 self._where[id(p)] = (b, i)
         self._next_launch = 0
         self._n_ready = 0
+        self._deferred = {}
+        self.defer_to_end = False
         self._total = len(self.named_params)
         self._phase = _Phase.IDLE
         self._unused: List[Tuple[GradientBucket, int]] = []   # unreachable from this forward's outputs
@@ -322,6 +324,27 @@ class GradientSynchronizer:
                 self.finish()
 
     def _on_grad_ready(self, p: Tensor) -> None:
+        from ..autograd.function import backward_depth, queue_callback
+        if self.defer_to_end or backward_depth() > 1:
+            # [Note: DDP and activation checkpointing]  a checkpoint's recomputation runs a backward pass inside the
+            # outer one, and a parameter's hook there may be followed by more contributions later in the outer
+            # pass (a weight shared by a checkpointed block and another layer): such a round marks its parameters
+            # ready at the end of the outermost pass (``defer_to_end``: every round, for a model with checkpointed
+            # modules; parallelize sets it), in bucket order, so no bucket is launched before its last gradient
+            if not self._deferred:
+                queue_callback(self._ready_deferred)
+            self._deferred[id(p)] = p
+            return
+        self._ready(p)
+
+    def _ready_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, {}
+        for b in self.buckets:
+            for p in b.params:
+                if id(p) in deferred and p.grad is not None:
+                    self._ready(p)
+
+    def _ready(self, p: Tensor) -> None:
         phase = self._phase
         if phase is not _Phase.RUNNING:
             if phase is _Phase.IDLE or (phase is _Phase.SYNCED and not self.enabled):

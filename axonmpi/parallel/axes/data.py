@@ -31,6 +31,8 @@ def apply(module: Module, c: Composition) -> Tuple[Module, Any]:
         if c.experts:
             opts["ignored_parameters"] = c.experts
         wrapped = DistributedDataParallel(module, group=dgroup, **opts)
+        # [Note: DDP and activation checkpointing]: a checkpointed module's parameters are ready at the pass's end
+        wrapped.synchronizer.defer_to_end = c.checkpointing not in (None, False)
     elif c.data == "ddp" and c.strategy_options:
         raise ValueError(f"rank {c.rank}: AxoNN layouts reduce through the gradient-sync table; DDP options "
                          f"{sorted(c.strategy_options)} do not apply")
@@ -49,6 +51,7 @@ def _fsdp(module: Module, c: Composition, dgroup) -> Module:
         opts["sharding_strategy"] = c.sharding_strategy
     with _hidden(module, c.experts):     # [Note: FSDP with expert parallelism]
         wrapped = FSDP(module, group=dgroup, **opts)
+    wrapped.defer_to_end = c.checkpointing not in (None, False)
     if c.tensor is not None:
         from ..finalize import segment_entries
         segment_entries(wrapped.grad_reducer, list(wrapped.parameters()), c)

@@ -268,6 +268,7 @@ class FullyShardedDataParallel(Module):
         self._seq: List[FSDPUnit] = []                      # forward order of this step
         self._anchor = Tensor(np.zeros(()), requires_grad=True)
         self.enabled = True        # backwards reduce-scatter (False inside no_sync): the switch of grad_reducer
+        self.defer_to_end = False  # count parameters ready at the end of the pass ([Note: DDP and activation checkpointing])
         # the no_sync switch, and what runs after the reduce-scatter (grad_sync, [Note: the reducer])
         self.grad_reducer = GradReducer("fsdp", parts=[self])
         self._phase = _Phase.OUTSIDE
@@ -284,7 +285,8 @@ class FullyShardedDataParallel(Module):
 
     def _hoist_outside_uses(self, module: Module, plan, inner_params) -> Dict[int, Tuple[str, str]]:
         """The parameters read outside their unit (``F.linear(h, self.emb.weight)`` in the root's
-        forward while ``emb`` is a unit of its own): id -> (name, where it is read).  They go to
+        forward while ``emb`` is a unit of its own) or held by two units (a head tied to its embedding):
+        id -> (name, where it is read).  They go to
         the root unit, gathered from forward to the end of backward, so the step is the serial
         one; one of a nested FSDP instance cannot move and is refused, naming it and both users.
         See :mod:`axonmpi.parallel.fsdp.shared`."""
@@ -315,10 +317,20 @@ class FullyShardedDataParallel(Module):
                     "FSDP place it), or use the weight only inside its module's forward")
             if pid not in hoisted:
                 hoisted[pid] = (use.param, f"{reader} at {use.where}")
+        names = {id(p): n for n, p in module.named_parameters()}
+        units: Dict[int, List[str]] = {}
+        for q, m, is_nested in plan:          # a weight two units hold (an embedding tied to its head)
+            if not is_nested:
+                for pid in {id(x) for x in m.parameters()}:
+                    units.setdefault(pid, []).append(q)
+        for pid, qs in units.items():
+            if len(qs) > 1 and pid not in hoisted and pid not in nested_at:
+                hoisted[pid] = (names.get(pid, "?"), f"the units {qs} (one weight)")
         if hoisted:
             from ... import log as _log
             _log.get_logger("axonmpi.fsdp", rank0_only=True).info(
-                "FSDP: %s read outside their unit (%s): kept in the root unit, gathered for the whole step",
+                "FSDP: %s read outside their unit or shared by units (%s): kept in the root unit, gathered for the "
+                "whole step",
                 ", ".join(repr(n) for n, _ in hoisted.values()),
                 "; ".join(f"{n} by {w}" for n, w in hoisted.values()))
         return hoisted

@@ -88,6 +88,7 @@ class FSDPUnit:
         self._buf = None
         self.n_params = 0 if flat is None else len(flat.params)
         self.n_ready = 0            # parameters whose gradient of this backward is final
+        self._deferred: dict = {}   # parameters ready inside a recomputation pass, counted at the pass's end
         self.n_fwd = 0              # forward calls this step
         self.n_bwd = 0              # backward calls completed this step
         self.complete = False
@@ -153,10 +154,27 @@ class FSDPUnit:
     # -- gradients -----------------------------------------------------------------------------
     def reset(self) -> None:
         self.n_ready = self.n_fwd = self.n_bwd = 0
+        self._deferred = {}
         self.complete = self.flat is None or not self.flat.requires_grad
         self.work = None
 
-    def on_param_ready(self, _param) -> None:
+    def on_param_ready(self, param) -> None:
+        from ...autograd.function import backward_depth, queue_callback
+        if backward_depth() > 1 or self.rt.defer_to_end:
+            # [Note: DDP and activation checkpointing] (ddp.py): inside a recomputation pass a parameter may get more
+            # contributions later in the outer pass; the unit counts it once, at the end of the outermost pass
+            if not self._deferred:
+                queue_callback(self._ready_deferred)
+            self._deferred[id(param)] = param
+            return
+        self._count()
+
+    def _ready_deferred(self) -> None:
+        n, self._deferred = len(self._deferred), {}
+        for _ in range(n):
+            self._count()
+
+    def _count(self) -> None:
         self.n_ready += 1
         if self.n_ready == self.n_params:
             self.rt._unit_complete(self)
