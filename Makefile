@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED := 1
 # a new demo replaces the last demo's checkpoints; DEMO_ARGS="--resume --steps 600" continues them
 DEMO_FRESH := $(if $(findstring resume,$(DEMO_ARGS)),,--overwrite)
 
-.PHONY: install test test-interop test-gpu demo bench clean help
+.PHONY: install test test-interop test-gpu demo bench fuzz clean help
 
 help:
 	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on RANKS=$(RANKS) local ranks"
@@ -24,6 +24,7 @@ help:
 	@echo "make test-interop - install torch (CPU) and transformers into $(VENV), then run the tests against them"
 	@echo "make test-gpu - run every @pytest.mark.gpu test in tests/ at 1..number-of-GPUs ranks (NCCL, CuPy; skipped without a GPU)"
 	@echo "make bench  - run the benchmarks in bench/ beside the anchors in ../shared/anchors"
+	@echo "make fuzz N=500 SEED=0 FUZZ_RANKS=4 - the composition fuzzer: N generated models x layouts against one process"
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +45,7 @@ test: install
 	for n in $(ND_NPS); do \
 	  echo "=== N-D layouts: pytest -m nd --with-mpi on $$n ranks ==="; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
-	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider -m nd $(PYTEST_ARGS) tests/test_nd_layouts.py tests/test_recipe_layouts.py tests/test_no_sync.py tests/test_sharded_state.py || { \
+	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider -m nd $(PYTEST_ARGS) tests/test_nd_layouts.py tests/test_recipe_layouts.py tests/test_no_sync.py tests/test_sharded_state.py tests/test_fuzz.py || { \
 	    status=$$?; echo "*** the $$n-rank N-D run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
@@ -81,6 +82,15 @@ demo: install
 
 bench: install
 	$(MPIEXEC) -n 2 $(PY) bench/collectives.py
+
+# the composition fuzzer (tests/fuzz): N generated cases from SEED at FUZZ_RANKS ranks; a failure prints its seed and
+# the smallest model and layout that still fail (rerun one: python tests/fuzz/run.py --only SEED)
+N ?= 100
+SEED ?= 0
+FUZZ_RANKS ?= 4
+fuzz: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
+	  $(MPIEXEC) -n $(FUZZ_RANKS) $(PY) tests/fuzz/run.py --cases $(N) --seed $(SEED)
 
 clean:
 	rm -rf $(VENV) .test-logs build *.egg-info .pytest_cache

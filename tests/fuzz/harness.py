@@ -268,7 +268,7 @@ def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[s
     except Refused as e:
         status, detail = "refused", str(e).splitlines()[0]
     except UnusedParameterError as e:       # refused at the first step, the same under every layout
-        status, detail = "refused", "UnusedParameterError: " + str(e).split(": ", 1)[1][:120]
+        status, detail = "refused", "UnusedParameterError: " + str(e).split(": ", 1)[1]
     except Exception as e:   # noqa: BLE001 - every error is a finding
         status = "failed"
         detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))
