@@ -66,6 +66,10 @@ def copy_serial(new: Module, old: Module) -> None:
         stand_in(new)
         return
     load_full_state_dict(new, {k: np.asarray(v) for k, v in old.state_dict().items()})
+    frozen = {n for n, p in old.named_parameters() if not p.requires_grad}
+    for n, p in new.named_parameters():          # a frozen parameter stays frozen in its replacement
+        if n in frozen:
+            p.requires_grad = False
 
 
 def _users(module: Module) -> Dict[int, int]:
