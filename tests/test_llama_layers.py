@@ -234,7 +234,8 @@ def test_rotary_tables_match_transformers(scaling):
     torch = _torch()
     ml = _modeling_llama()
     import transformers
-    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=5000.0, rope_scaling=scaling,
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=5000.0,
+                                   rope_scaling=dict(scaling) if scaling else None,   # transformers writes into it
                                    max_position_embeddings=64)
     hf = ml.LlamaRotaryEmbedding(cfg)
     ours = nn.RotaryEmbedding(16, theta=5000.0, scaling=scaling)
