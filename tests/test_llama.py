@@ -140,6 +140,8 @@ def test_save_hf_round_trip_and_config(tmp_path, tied):
     back = Llama.from_hf(str(tmp_path))
     assert back.config == model.config
     assert (back.lm_head.weight is back.model.embed_tokens.weight) == tied
+    for config in (model.config, model.config.to_dict(), cfg):      # a state dict and any form of the config
+        assert Llama.from_hf(model.to_hf(), config).config == model.config
     x = _idx()
     _close(_logits(back, x), _logits(model, x), 0.0, "from_hf(save_hf) logits")
 

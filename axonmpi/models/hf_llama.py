@@ -115,8 +115,8 @@ def _as_config(config, where: str):
     from .llama import LlamaConfig
     if isinstance(config, LlamaConfig):
         return config
-    if isinstance(config, dict):
-        return config_from_hf(config, where)
+    if isinstance(config, dict):       # LlamaConfig.to_dict() or a transformers config.json
+        return LlamaConfig.from_dict(config) if "n_embd" in config else config_from_hf(config, where)
     if hasattr(config, "to_dict"):             # a transformers LlamaConfig
         return config_from_hf(config.to_dict(), where)
     raise TypeError(f"from_hf: config must be a LlamaConfig, a config.json dict or a transformers LlamaConfig, "

@@ -257,8 +257,8 @@ class Llama(Module):
                 ``model.safetensors.index.json``), as ``save_pretrained`` or :meth:`save_hf` writes it;
                 or a state dict (names as ``LlamaForCausalLM.state_dict()``, values NumPy arrays or
                 torch tensors; a ``LlamaModel``'s names without ``model.`` are accepted).
-            config: with a state dict: a :class:`LlamaConfig`, a ``config.json`` dict, or a transformers
-                ``LlamaConfig`` (head counts, rotary base and scaling and the norm epsilon are in no shape).
+            config: with a state dict: a :class:`LlamaConfig` (or its ``to_dict()``), a ``config.json`` dict, or a
+                transformers ``LlamaConfig`` (head counts, rotary base and scaling and the norm epsilon are in no shape).
                 With a directory: ``None`` (``config.json`` is read).
             dtype: parameter dtype (default: that of ``model.embed_tokens.weight``).
             device: where the model lives.
