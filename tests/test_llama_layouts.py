@@ -4,7 +4,8 @@ A Megatron plan on transformers' names (q/k/v and gate/up column-parallel, o/dow
 embedding vocabulary-parallel, ``lm_head`` column-parallel with its output gathered) splits query
 and key/value heads alike: each rank reads its heads from the projected widths, so the model needs no
 tensor-parallel layer of its own (the tensor size divides ``n_kv_head``).  DDP, FSDP, TP and TP x DDP /
-TP x FSDP at 2, 3 and 4 ranks, untied and tied heads: the loss (``pm.token_mean``) and the clip norm
+TP x FSDP, AxoNN 3-D (easy mode: every Linear; 2 rows, or 2 columns x 2 depth) and DDP with every
+decoder layer recomputed in backward, at 2, 3 and 4 ranks, untied and tied heads: the loss (``pm.token_mean``) and the clip norm
 (clipping active) at each of 3 AdamW steps and the parameters after equal the serial run to 1e-10.
 
 Phase 2 of issue 42 adds the layouts that need the composer's rewrite: fewer kv heads than the tensor
@@ -35,6 +36,9 @@ LAYOUTS = {
     "tp": (lambda p: {"G_intra_c": p} if p in (2, 4) else None, PLAN, "ddp"),
     "tp2_x_ddp": (lambda p: {"G_intra_c": 2} if p == 4 else None, PLAN, "ddp"),
     "tp2_x_fsdp": (lambda p: {"G_intra_c": 2} if p in (2, 4) else None, PLAN, "fsdp"),
+    "axonn_2row": (lambda p: {"G_intra_r": 2} if p in (2, 4) else None, "axonn", "ddp"),
+    "axonn_2col_2depth": (lambda p: {"G_intra_c": 2, "G_intra_d": 2} if p == 4 else None, "axonn", "ddp"),
+    "ddp_recompute": (lambda p: {}, None, "ddp"),
 }
 
 
@@ -96,6 +100,8 @@ def test_llama_under_parallelize_matches_serial(world, layout, tied):
         # FSDP units: one per decoder layer (torchtitan's); the embedding and the head (tied or not) in the root
         # unit (the default policy makes each a unit of its own and refuses a tied head, naming this fix)
         options = {"auto_wrap_policy": {LlamaDecoderLayer}} if dp == "fsdp" else {}
+        if layout.endswith("recompute"):     # every decoder layer recomputes its forward in backward
+            options["activation_checkpointing"] = ["model.layers.*"]
         pm = parallelize(_make(tied), grid=grid, tensor_parallel=plan, data_parallel=dp, **options)
         opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         worst = 0.0
@@ -135,5 +141,27 @@ def test_fewer_kv_heads_than_the_tensor_size_raises_naming_the_rule(world):
         xb, _ = pm.local_batch(*_batch(0))
         with pytest.raises(ValueError, match=r"k_proj gives 2 features on this rank.*n_kv_head=2"):
             pm(xb)
+    finally:
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_phase_2_layouts_fail_loudly(world):
+    """Sequence and context parallelism need the model's plan (phase 2 of issue 42): today they raise, naming
+    what is missing, rather than train on wrong rotary positions."""
+    if world.world_size != 2:
+        pytest.skip("the layouts are for 2 ranks")
+    grid = axonmpi.ProcessGrid(world, G_intra_c=2)
+    try:
+        pm = parallelize(_make(False), grid=grid, tensor_parallel=PLAN, sequence_parallel=True, data_parallel="ddp")
+        xb, _ = pm.local_batch(*_batch(0))
+        with pytest.raises(ValueError, match="position_embeddings of shape .* do not cover the 8 tokens"):
+            pm(xb)
+    finally:
+        grid.free()
+    grid = axonmpi.ProcessGrid(world, G_context=2)
+    try:
+        with pytest.raises(ValueError, match="found no nn.CausalSelfAttention"):
+            parallelize(_make(False), grid=grid, context_parallel="ring", data_parallel="ddp")
     finally:
         grid.free()

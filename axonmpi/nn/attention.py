@@ -71,8 +71,8 @@ class GroupedQueryAttention(Module):
         self.o_proj = Linear(n_head * head_dim, n_embd, bias=bias, dtype=dtype, device=device)
         self.attn_dropout = Dropout(dropout)
 
-    def _heads(self, y: Tensor, B: int, T: int, what: str) -> Tensor:
-        width = y.shape[-1]
+    def _heads(self, y: Tensor, B: int, what: str) -> Tensor:
+        T, width = y.shape[1], y.shape[-1]
         if width % self.head_dim:
             raise ValueError(
                 f"GroupedQueryAttention: {what} gives {width} features on this rank, not a multiple of head_dim="
@@ -81,18 +81,22 @@ class GroupedQueryAttention(Module):
         return ops.reshape(y, B, T, width // self.head_dim, self.head_dim)
 
     def forward(self, x: Tensor, position_embeddings: Optional[Tuple] = None) -> Tensor:
-        B, T = x.shape[0], x.shape[1]
-        hd = self.head_dim
-        q = self._heads(self.q_proj(x), B, T, "q_proj")        # (B, T, nh, hd): this rank's heads
-        k = self._heads(self.k_proj(x), B, T, "k_proj")
-        v = self._heads(self.v_proj(x), B, T, "v_proj")
-        nh, nkv = q.shape[2], k.shape[2]
+        B, hd = x.shape[0], self.head_dim
+        # (B, T, nh, hd): this rank's heads; T from the projections (a sequence-parallel column layer gathers it)
+        q = self._heads(self.q_proj(x), B, "q_proj")
+        k = self._heads(self.k_proj(x), B, "k_proj")
+        v = self._heads(self.v_proj(x), B, "v_proj")
+        T, nh, nkv = q.shape[1], q.shape[2], k.shape[2]
         if nh % nkv:
             raise ValueError(f"GroupedQueryAttention: {nh} query heads and {nkv} key/value heads on this rank; the "
                              f"key/value heads must divide the query heads (n_head={self.n_head}, n_kv_head="
                              f"{self.n_kv_head}: the tensor size must divide n_kv_head)")
         if position_embeddings is not None:
             cos, sin = (t.data if isinstance(t, Tensor) else t for t in position_embeddings)
+            if cos.ndim < 2 or cos.shape[-2] != T:
+                raise ValueError(f"GroupedQueryAttention: position_embeddings of shape {tuple(cos.shape)} do not cover "
+                                 f"the {T} tokens of the projections (expected ({T}, {hd}) or (batch, {T}, {hd}): the "
+                                 "tables of every token the attention sees, at its position in the sequence)")
             cos, sin = cos[..., None, :], sin[..., None, :]        # broadcast over heads
             q = ops_llama.apply_rotary_emb(q, cos, sin)
             k = ops_llama.apply_rotary_emb(k, cos, sin)
