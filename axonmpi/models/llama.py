@@ -21,7 +21,7 @@ from ..nn.normalization import RMSNorm
 from ..nn.rotary import RotaryEmbedding, check_rope_scaling
 from ..nn.transformer import SwiGLU
 
-__all__ = ["Llama", "LlamaConfig", "LlamaDecoderLayer", "LlamaModel", "llama_hidden_size"]
+__all__ = ["Llama", "LlamaConfig", "LlamaDecoderLayer", "LlamaModel", "init_llama_weights", "llama_hidden_size"]
 
 
 def llama_hidden_size(n_embd: int, multiple_of: int = 256, ffn_dim_multiplier: Optional[float] = None) -> int:
