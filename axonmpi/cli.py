@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", default=None, help="the merged file (default DIR/trace.json)")
     t.set_defaults(func=_cmd_trace)
     from axonmpi.checkpoint import cli as ckpt_cli
-    ckpt_cli.add_subparser(sub)
+    from axonmpi.interop import EXPORT_FORMATS
+    ckpt_cli.add_subparser(sub, formats=EXPORT_FORMATS)
     return p
 
 

@@ -249,6 +249,11 @@ EXAMPLES = {
     "axonmpi.nn.Sigmoid": lambda: _close(nn.Sigmoid()(X), 1 / (1 + np.exp(-X.numpy()))),
     "axonmpi.nn.Softmax": lambda: _close(nn.Softmax(dim=1)(X).sum(dim=1), [1, 1]),
     "axonmpi.nn.Tanh": lambda: _close(nn.Tanh()(X), np.tanh(X.numpy())),
+    "axonmpi.nn.GroupedQueryAttention": lambda: _backward_ok(nn.GroupedQueryAttention(4, 2, 1, dtype=np.float64)(
+        _x(1, 3, 4), nn.RotaryEmbedding(2)(_x(1, 3, 4)))),
+    "axonmpi.nn.RMSNorm": lambda: _close((nn.RMSNorm(3, eps=0.0, dtype=np.float64)(X) ** 2).mean(dim=-1), [1, 1]),
+    "axonmpi.nn.RotaryEmbedding": lambda: _close(nn.RotaryEmbedding(2)(X, np.array([0, 1]))[0], np.cos([[0, 0], [1, 1]])),
+    "axonmpi.nn.SwiGLU": lambda: nn.SwiGLU(3, 5, dtype=np.float64)(X).shape == X.shape,
     "axonmpi.nn.TransformerBlock": lambda: nn.TransformerBlock(4, 2, dtype=np.float64)(_x(1, 3, 4)).shape == (1, 3, 4),
     # ---- axonmpi.nn.functional -------------------------------------------------------------
     "axonmpi.nn.functional.MinMax": lambda: F.max(X, 1).indices.dtype == np.int64,
@@ -272,6 +277,11 @@ EXAMPLES = {
     "axonmpi.nn.functional.expand": lambda: F.expand(_x(1, 3), 4, 3).shape == (4, 3),
     "axonmpi.nn.functional.flatten": lambda: F.flatten(X).shape == (6,),
     "axonmpi.nn.functional.gelu": lambda: F.gelu(X, approximate="tanh").shape == X.shape,
+    "axonmpi.nn.functional.apply_rotary_emb": lambda: _close(F.apply_rotary_emb(
+        Tensor(np.array([1.0, 0.0])), np.full(2, 0.0), np.full(2, 1.0)), [0.0, 1.0]),   # a quarter turn
+    "axonmpi.nn.functional.rms_norm": lambda: _close(F.rms_norm(Tensor(np.array([3.0, 4.0])), 2, eps=0.0),
+                                                     np.array([3.0, 4.0]) / np.sqrt(12.5)),
+    "axonmpi.nn.functional.swiglu": lambda: _close(F.swiglu(X, X), X.numpy() ** 2 / (1 + np.exp(-X.numpy()))),
     "axonmpi.nn.functional.layer_norm": lambda: F.layer_norm(X, 3).shape == X.shape,
     "axonmpi.nn.functional.linear": lambda: _close(F.linear(X, W), X.numpy() @ W.numpy().T),
     "axonmpi.nn.functional.log": lambda: _close(F.log(F.exp(X)), X.numpy()),

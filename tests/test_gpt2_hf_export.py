@@ -18,6 +18,7 @@ import pytest
 import axonmpi
 from axonmpi import Tensor, checkpoint
 from axonmpi.checkpoint import cli as ckpt_cli
+from axonmpi.interop import EXPORT_FORMATS
 from axonmpi.models import GPT, GPTConfig
 
 V, H, C, T = 64, 4, 32, 8
@@ -175,7 +176,7 @@ def test_ckpt_export_hf_gpt2_from_any_layout(world, tmp_path_factory, layout, ti
         axonmpi.barrier()
         if world.rank == 0:
             args = ["export", root + "/ck", root + "/hf", "--format", "hf-gpt2"]
-            ckpt_cli.main(args + (["--n-head", str(H)] if layout == "serial" else []))
+            ckpt_cli.main(args + (["--n-head", str(H)] if layout == "serial" else []), formats=EXPORT_FORMATS)
             back = GPT.from_hf_gpt2(root + "/hf")
             assert back.config == serial.config
             x = _idx()

@@ -14,6 +14,7 @@ import axonmpi
 import axonmpi.autograd
 from axonmpi.autograd import Function, Tensor, gradcheck, ops
 from axonmpi.autograd import ops_nn as F
+from axonmpi.autograd import ops_llama as F_llama
 
 RNG = np.random.default_rng(2024)
 
@@ -38,6 +39,8 @@ def _dropout(a):
 
 
 _TARGET = _int(1, -100, 0, 2)
+_ANGLE = np.arange(3)[:, None, None] * np.array([1.0, 0.3, 0.05, 1.0, 0.3, 0.05])   # (T, 1, head_dim)
+_COS, _SIN = np.cos(_ANGLE), np.sin(_ANGLE)
 
 # Function (module.Class) -> [(case id, function of the inputs, input factories[, gradcheck options])]
 CASES = {
@@ -108,6 +111,10 @@ CASES = {
     "ops_nn.Softmax": [("softmax_method", lambda a: a.softmax(dim=0), [_t(3, 4)])],
     "ops_nn.LogSoftmax": [("log_softmax_method", lambda a: a.log_softmax(dim=-1), [_t(3, 4)])],
     "ops_nn.LayerNorm": [("layer_norm", lambda x, w, b: F.layer_norm(x, 4, w, b), [_t(2, 3, 4), _t(4), _t(4)])],
+    "ops_llama.RMSNorm": [("rms_norm", lambda x, w: F_llama.rms_norm(x, 4, w, eps=1e-3), [_t(2, 3, 4), _t(4)]),
+                          ("rms_norm_2d_noweight", lambda x: F_llama.rms_norm(x, (3, 4)), [_t(2, 3, 4)])],
+    "ops_llama.Rotary": [("rotary", lambda x: F_llama.apply_rotary_emb(x, _COS, _SIN), [_t(2, 3, 2, 6)])],
+    "ops_llama.SwiGLU": [("swiglu", F_llama.swiglu, [_t(3, 4), _t(3, 4)])],
     "ops_nn.Embedding": [("embedding", lambda w: F.embedding([[1, 1], [0, 3]], w), [_t(4, 3)])],
     "ops_nn.Dropout": [("dropout", _dropout, [_t(4, 5)])],
     "ops_nn.MaskedFill": [("masked_fill_method", lambda a: a.masked_fill(Tensor(np.array([True, False, True])), -2.0),

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from .format import META_GROUP
 from .index import write_entry_view
 from .read import CheckpointReader
 from .manager import list_run_folder, run_folder_rows
+from .safetensors_io import create_temporary, export_safetensors
 
 __all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate", "export",
            "create_temporary"]
@@ -240,54 +241,42 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
     return 0
 
 
-def create_temporary(out_path: str) -> str:
-    """Create an empty temporary file beside ``out_path`` with the umask's mode (0666 & ~umask).
-
-    ``tempfile.mkstemp`` always gives 0600, which keeps an exported model from colleagues on a
-    shared cluster; ``os.open`` with 0o666 applies the umask as any new file would get.
-    """
-    directory = os.path.dirname(os.path.abspath(out_path))
-    for _ in range(100):
-        tmp = os.path.join(directory, f"{os.path.basename(out_path)}.{os.urandom(6).hex()}.tmp")
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temporary file beside {out_path}")
-
-
 def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = "5GB",
            dtype: Optional[str] = None, prefix: Optional[str] = None, stream=None,
-           n_head: Optional[int] = None) -> int:
-    """``axonmpi ckpt export CKPT OUT --format safetensors|hf-gpt2``: the model state as safetensors files.
+           n_head: Optional[int] = None, formats: Optional[Mapping[str, Callable]] = None,
+           config: Optional[str] = None) -> int:
+    """``axonmpi ckpt export CKPT OUT --format FMT``: the model state as safetensors files.
 
     ``safetensors``: full shapes under the serial ``state_dict`` names, streamed block by block,
     HF-style shards with ``model.safetensors.index.json`` above ``max_shard_size`` (see
-    :func:`axonmpi.checkpoint.export_safetensors`).  ``hf-gpt2``: an axonmpi GPT saved under any
-    layout as a directory that ``transformers.GPT2LMHeadModel.from_pretrained(OUT)`` loads
-    (``config.json`` with GPT-2's names and ``tie_word_embeddings``, ``model.safetensors``; see
-    :func:`axonmpi.models.hf_gpt2.export_checkpoint`; ``n_head`` when the checkpoint does not record it).
+    :func:`axonmpi.checkpoint.export_safetensors`).  The other formats are a model's (the checkpoint
+    package knows no model): ``formats`` maps each name to its exporter, ``fn(path, out, *, prefix, dtype,
+    max_shard_size, n_head=, config=)`` returning the paths written; the ``axonmpi`` command passes
+    :data:`axonmpi.interop.EXPORT_FORMATS` (``hf-gpt2``: an axonmpi GPT saved under any layout as a directory
+    ``transformers.GPT2LMHeadModel.from_pretrained`` loads; ``hf-llama``: a Llama for
+    ``transformers.LlamaForCausalLM``).  ``n_head`` / ``config`` go to the exporter when given.
 
     Returns:
         0 on success.
     """
-    from .safetensors_io import export_safetensors
-    if fmt == "hf-gpt2":
-        from ..models.hf_gpt2 import export_checkpoint
-        written = export_checkpoint(path, out, n_head=n_head, prefix=prefix, dtype=dtype,
-                                    max_shard_size=max_shard_size)
-        (stream or sys.stdout).write("".join(f"wrote {p}\n" for p in written))
-        return 0
-    if fmt != "safetensors":
-        raise ValueError(f"--format {fmt!r}: the export formats are: safetensors, hf-gpt2")
-    written = export_safetensors(path, out, max_shard_size=max_shard_size, dtype=dtype, prefix=prefix)
+    formats = dict(formats or {})
+    if fmt == "safetensors":
+        written = export_safetensors(path, out, max_shard_size=max_shard_size, dtype=dtype, prefix=prefix)
+    elif fmt in formats:
+        options = {k: v for k, v in (("n_head", n_head), ("config", config)) if v is not None}
+        written = formats[fmt](path, out, prefix=prefix, dtype=dtype, max_shard_size=max_shard_size, **options)
+    else:
+        hint = "" if formats else (" (the model formats hf-gpt2 and hf-llama come with the `axonmpi` command: "
+                                   "axonmpi ckpt export CKPT OUT --format hf-llama)")
+        raise ValueError(f"--format {fmt!r}: the export formats are: {', '.join(['safetensors', *formats])}{hint}")
     (stream or sys.stdout).write("".join(f"wrote {p}\n" for p in written))
     return 0
 
 
-def add_commands(sub) -> None:
-    """Add the ``inspect``, ``verify``, ``consolidate`` and ``export`` commands to an argparse subparsers object."""
+def add_commands(sub, formats: Optional[Mapping[str, Callable]] = None) -> None:
+    """Add the ``inspect``, ``verify``, ``consolidate`` and ``export`` commands to an argparse subparsers object;
+    ``formats``: the model export formats beside ``safetensors`` (name -> exporter, see :func:`export`)."""
+    formats = dict(formats or {})
     p = sub.add_parser("inspect", help="list a checkpoint's entries, shapes, dtypes, shards, bytes and step; "
                                        "report missing or short shard files")
     p.add_argument("path", help="checkpoint directory (or its index.h5)")
@@ -307,33 +296,40 @@ def add_commands(sub) -> None:
                                       "HF-style shards with model.safetensors.index.json)")
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("out", help="output directory (or a single .safetensors file)")
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "hf-gpt2"],
-                   help="output format: safetensors (serial names) or hf-gpt2 (an axonmpi GPT as a directory "
-                        "transformers.GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors)")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", *formats],
+                   help="output format: safetensors (serial names)" + "".join(
+                       f"; {name}: {(fn.__doc__ or '').strip().splitlines()[0].rstrip('.')}" for name, fn in formats.items()))
     p.add_argument("--n-head", type=int, default=None,
                    help="hf-gpt2: the GPT's number of heads when the checkpoint does not record it "
                         "(default: extra/config/n_head, else n_embd // 64)")
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="hf-llama: the model's config when the checkpoint does not record it under extra/config "
+                        "(a JSON file of LlamaConfig.to_dict() or a transformers config.json)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per file, e.g. 5GB (10^9) or 500MiB")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp64"],
                    help="cast floating tensors (default: keep each tensor's dtype)")
     p.add_argument("--prefix", default=None, help="state key holding the model (default: 'model' if present)")
     p.set_defaults(func=lambda a: export(a.path, a.out, a.format, a.max_shard_size, a.dtype, a.prefix,
-                                         n_head=a.n_head))
+                                         n_head=a.n_head, formats=formats, config=a.config))
 
 
-def add_subparser(subparsers) -> argparse.ArgumentParser:
-    """Register ``ckpt`` (with ``inspect``/``verify``/``consolidate``) on a top-level CLI; run it with ``args.func(args)``."""
+def add_subparser(subparsers, formats: Optional[Mapping[str, Callable]] = None) -> argparse.ArgumentParser:
+    """Register ``ckpt`` (with ``inspect``/``verify``/``consolidate``/``export``) on a top-level CLI; run it with
+    ``args.func(args)``; ``formats``: the model export formats (see :func:`export`)."""
     p = subparsers.add_parser("ckpt", help="inspect, verify, consolidate or export axonmpi checkpoints",
                               description="Inspect, verify or consolidate axonmpi sharded HDF5 checkpoints.")
-    add_commands(p.add_subparsers(dest="ckpt_command", required=True, metavar="{inspect,verify,consolidate,export}"))
+    add_commands(p.add_subparsers(dest="ckpt_command", required=True, metavar="{inspect,verify,consolidate,export}"),
+                 formats)
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m axonmpi.checkpoint {inspect,verify,consolidate,export} ...``."""
+def main(argv: Optional[List[str]] = None, formats: Optional[Mapping[str, Callable]] = None) -> int:
+    """``python -m axonmpi.checkpoint {inspect,verify,consolidate,export} ...``; ``formats``: the model export
+    formats beside ``safetensors`` (``python -m axonmpi.checkpoint`` passes :data:`axonmpi.interop.EXPORT_FORMATS`)."""
     parser = argparse.ArgumentParser(prog="python -m axonmpi.checkpoint",
                                      description="Inspect, verify or consolidate axonmpi sharded HDF5 checkpoints.")
-    add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,consolidate,export}"))
+    add_commands(parser.add_subparsers(dest="command", required=True, metavar="{inspect,verify,consolidate,export}"),
+                 formats)
     args = parser.parse_args(argv)
     from ..log import run_main
     return run_main(args.func, args)  # one "error: ..." line, quiet on a closed pipe

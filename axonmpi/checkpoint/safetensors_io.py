@@ -28,8 +28,8 @@ import numpy as np
 
 from .format import Entry
 
-__all__ = ["export_safetensors", "load_safetensors", "save_safetensors", "parse_size",
-           "INDEX_FILE", "SINGLE_FILE"]
+__all__ = ["export_safetensors", "load_safetensors", "save_safetensors", "parse_size", "read_model_state",
+           "create_temporary", "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,6 +67,23 @@ def parse_size(size: Union[int, str]) -> int:
     if n <= 0:
         raise ValueError(f"max_shard_size {size!r} must be positive")
     return n
+
+
+def create_temporary(out_path: str) -> str:
+    """Create an empty temporary file beside ``out_path`` with the umask's mode (0666 & ~umask).
+
+    ``tempfile.mkstemp`` always gives 0600, which keeps an exported model from colleagues on a
+    shared cluster; ``os.open`` with 0o666 applies the umask as any new file would get.
+    """
+    directory = os.path.dirname(os.path.abspath(out_path))
+    for _ in range(100):
+        tmp = os.path.join(directory, f"{os.path.basename(out_path)}.{os.urandom(6).hex()}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file beside {out_path}")
 
 
 def _code(dtype: np.dtype, name: str) -> str:
@@ -125,7 +142,6 @@ def _header(items: List[Tuple[str, str, Tuple[int, ...]]], metadata: Optional[Di
 
 def _write_file(path: str, items, metadata, write_tensor) -> None:
     """Write one safetensors file through a temporary name; ``write_tensor(name, f)`` streams its data."""
-    from .cli import create_temporary
     head, _, order = _header(items, metadata)
     tmp = create_temporary(path)
     try:
@@ -182,7 +198,6 @@ def _write_all(out: str, tensors: List[Tuple[str, str, Tuple[int, ...]]], max_sh
         files.append(os.path.join(out, fname))
         weight_map.update((n, fname) for n in names)
     index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
-    from .cli import create_temporary
     tmp = create_temporary(os.path.join(out, INDEX_FILE))
     try:
         with open(tmp, "w") as f:
@@ -236,6 +251,34 @@ def _model_entries(entries: Iterable[Entry], prefix: Optional[str]) -> List[Tupl
         raise ValueError(f"the checkpoint has no arrays under {prefix!r} (entries: "
                          f"{[e.name for e in arrays][:10]}); pass prefix= the key of the model state")
     return out
+
+
+def read_model_state(path: str, prefix: Optional[str] = None, verify: bool = True
+                     ) -> Tuple["OrderedDict[str, np.ndarray]", Dict[str, Any]]:
+    """``(model arrays, config)`` of a checkpoint saved under any layout: every array of the model state
+    (``prefix`` as in :func:`export_safetensors`) whole, in its full shape, under its serial name, and the
+    values saved under ``extra/config`` as a nested dict (``{}`` when none), which a model exporter reads
+    the sizes no shape holds from.
+
+    Example:
+        >>> sd, config = read_model_state("runs/gpt/step-00001000")
+        >>> model.load_state_dict(sd)
+    """
+    from .read import CheckpointReader
+    with CheckpointReader(path, verify=verify) as r:
+        sd = OrderedDict((n, np.asarray(r.read(e.name)).reshape(e.full_shape))
+                         for n, e in _model_entries(r.manifest.entries, prefix))
+        config: Dict[str, Any] = {}
+        for name in r.names():
+            parts = name.split("/")
+            if len(parts) >= 3 and parts[:2] == ["extra", "config"]:
+                e = r.entry(name)
+                if e.kind == "value":
+                    node = config
+                    for k in parts[2:-1]:
+                        node = node.setdefault(k, {})
+                    node[parts[-1]] = r.value(e)
+    return sd, config
 
 
 def export_safetensors(path: str, out: str, *, max_shard_size: Union[int, str] = "5GB",

@@ -2,5 +2,6 @@
 from __future__ import annotations
 
 from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig"]

@@ -111,23 +111,6 @@ def read_directory(directory: "str | os.PathLike") -> Tuple["OrderedDict[str, np
     return load_safetensors(directory), kw
 
 
-def _checkpoint_model(path: str, prefix: Optional[str]):
-    """(serial-name full arrays of the checkpoint's model, its ``extra/config`` dict or {})."""
-    from ..checkpoint.read import CheckpointReader
-    from ..checkpoint.safetensors_io import _model_entries
-    with CheckpointReader(path, verify=True) as r:
-        sd = OrderedDict((n, np.asarray(r.read(e.name)).reshape(e.full_shape))
-                         for n, e in _model_entries(r.manifest.entries, prefix))
-        extra = {}
-        for name in r.names():
-            parts = name.split("/")
-            if len(parts) == 3 and parts[:2] == ["extra", "config"]:
-                e = r.entry(name)
-                if e.kind == "value":
-                    extra[parts[2]] = r.value(e)
-    return sd, extra
-
-
 def export_checkpoint(path: str, out: str, *, n_head: Optional[int] = None, prefix: Optional[str] = None,
                       dtype: Optional[str] = None, max_shard_size="5GB") -> List[str]:
     """A training checkpoint's GPT, saved under any layout, as a transformers GPT-2 directory.
@@ -144,8 +127,9 @@ def export_checkpoint(path: str, out: str, *, n_head: Optional[int] = None, pref
     Returns:
         The paths written (safetensors files, then ``config.json``).
     """
+    from ..checkpoint.safetensors_io import read_model_state
     from .gpt import GPT, GPTConfig
-    sd, extra = _checkpoint_model(path, prefix)
+    sd, extra = read_model_state(path, prefix)
     missing = [k for k in ("wte.weight", "wpe.weight", "ln_f.weight") if k not in sd]
     if missing:
         raise ValueError(f"--format hf-gpt2: the checkpoint {path!r} has no {missing} among its model arrays "

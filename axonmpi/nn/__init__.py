@@ -11,12 +11,15 @@ from .loss import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss
 from .moe import MoE, moe_losses, moe_stats
 from .module import IncompatibleKeys, Module, ModuleDict, ModuleList, Sequential
 from .parameter import Parameter
-from .transformer import MLP, CausalSelfAttention, TransformerBlock
+from .transformer import MLP, CausalSelfAttention, SwiGLU, TransformerBlock
+from .attention import GroupedQueryAttention
+from .normalization import RMSNorm
+from .rotary import RotaryEmbedding
 
 __all__ = [
     "CausalSelfAttention", "Conv2d", "MaxPool2d", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "IncompatibleKeys",
     "LayerNorm", "Linear", "MLP", "MoE", "moe_losses", "moe_stats", "Module", "ModuleDict", "ModuleList", "Parameter", "ReLU",
     "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "TransformerBlock", "functional", "init",
     "Checkpointed", "checkpoint", "checkpoint_sequential", "utils", "BCELoss", "BCEWithLogitsLoss", "CrossEntropyLoss",
-    "L1Loss", "MSELoss", "NLLLoss", "SmoothL1Loss",
+    "L1Loss", "MSELoss", "NLLLoss", "SmoothL1Loss", "GroupedQueryAttention", "RMSNorm", "RotaryEmbedding", "SwiGLU",
 ]

@@ -50,3 +50,9 @@ __all__ = [
     "transpose", "unsqueeze", "var", "where", "binary_cross_entropy", "binary_cross_entropy_with_logits",
     "l1_loss", "nll_loss", "smooth_l1_loss",
 ]
+
+
+# -- the Llama block's fused ops (RMSNorm, rotary position embedding, SwiGLU gate) -------------------
+from ..autograd.ops_llama import apply_rotary_emb, rms_norm, swiglu  # noqa: E402
+
+__all__ += ["apply_rotary_emb", "rms_norm", "swiglu"]

@@ -1,4 +1,5 @@
-"""Transformer building blocks: causal self-attention, MLP and a pre-norm block (nanoGPT-shaped).
+"""Transformer building blocks: causal self-attention, MLP and a pre-norm block (nanoGPT-shaped), and
+Llama's gated MLP (``SwiGLU``: ``gate_proj``, ``up_proj``, ``down_proj``).
 
 Parameter names: ``attn.qkv`` (fused q/k/v projection, (3*n_embd, n_embd)), ``attn.proj``,
 ``mlp.fc``, ``mlp.proj``, ``ln_1``, ``ln_2`` — e.g. ``"blocks.3.attn.qkv.bias"`` in a GPT.
@@ -9,13 +10,13 @@ import math
 
 import numpy as np
 
-from ..autograd import ops, ops_nn
+from ..autograd import ops, ops_llama, ops_nn
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module
 from .layers import GELU, Dropout, LayerNorm, Linear
 from .module import Module
 
-__all__ = ["CausalSelfAttention", "MLP", "TransformerBlock"]
+__all__ = ["CausalSelfAttention", "MLP", "SwiGLU", "TransformerBlock"]
 
 
 class CausalSelfAttention(Module):
@@ -89,3 +90,25 @@ class TransformerBlock(Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+class SwiGLU(Module):
+    """The gated MLP of Llama (transformers' ``LlamaMLP``): ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+    ``gate_proj`` and ``up_proj`` (C -> hidden) are column-parallel and ``down_proj`` (hidden -> C)
+    row-parallel under a Megatron plan; the gate is fused (:func:`~axonmpi.nn.functional.swiglu`).
+
+    Example:
+        >>> mlp = SwiGLU(64, 172)
+        >>> mlp(x).shape == x.shape
+        True
+    """
+
+    def __init__(self, n_embd: int, hidden: int, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.gate_proj = Linear(n_embd, hidden, bias=bias, dtype=dtype, device=device)
+        self.up_proj = Linear(n_embd, hidden, bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(hidden, n_embd, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(ops_llama.swiglu(self.gate_proj(x), self.up_proj(x)))
