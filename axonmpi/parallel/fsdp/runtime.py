@@ -163,6 +163,32 @@ class FullyShardedDataParallel(Module):
                  hybrid_shard_size: Optional[int] = None, record_events: bool = False,
                  device_id=None, use_orig_params: bool = False):
         super().__init__()
+        self._check_args(module, device_id, use_orig_params)
+        get_world()   # initialise the World (and its grid) before groups are resolved
+        self.sharding_strategy = ShardingStrategy.coerce(sharding_strategy)
+        self.cpu_offload = CPUOffload.coerce(cpu_offload)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}")
+        self.mixed_precision = mixed_precision
+        self.prefetch = bool(prefetch)
+        self.module = module
+        self._nested_in: Optional["FullyShardedDataParallel"] = None   # the root, once nested in one
+        self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
+        self._init_groups(module, group, hybrid_shard_size)
+        self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
+        plan = plan_units(module, auto_wrap_policy)
+        nested, inner_params, params, buffers = self._own_states(module, plan)
+        first = params[0][1] if params else next(nested[0][1].module.parameters())
+        self._init_states(first, params, buffers, sync_module_states)
+        self._build_units(module, plan, params, inner_params)
+        self._set_unit_modes(first)
+        self._init_step_state()
+        self._register_hooks()
+
+    # -- construction ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_args(module: Module, device_id, use_orig_params: bool) -> None:
+        """Refuse what cannot be wrapped; move the module to ``device_id`` (PyTorch's) when given."""
         if not isinstance(module, Module):
             raise TypeError(f"FullyShardedDataParallel wraps an axonmpi.nn.Module, got {type(module).__name__}")
         if use_orig_params:
@@ -178,16 +204,10 @@ class FullyShardedDataParallel(Module):
         if is_fsdp(module):
             raise ValueError("FSDP: the module is already an FSDP model; wrap it once (to nest, wrap a plain "
                              "module that holds FSDP instances: FSDP(Sequential(FSDP(block), head)))")
-        get_world()   # initialise the World (and its grid) before groups are resolved
-        self.sharding_strategy = ShardingStrategy.coerce(sharding_strategy)
-        self.cpu_offload = CPUOffload.coerce(cpu_offload)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"mixed_precision must be a MixedPrecision or None, got {type(mixed_precision).__name__}")
-        self.mixed_precision = mixed_precision
-        self.prefetch = bool(prefetch)
-        self.module = module
-        self._nested_in: Optional["FullyShardedDataParallel"] = None   # the root, once nested in one
-        self._nested: List["FullyShardedDataParallel"] = []             # the instances nested directly here
+
+    def _init_groups(self, module: Module, group, hybrid_shard_size: Optional[int]) -> None:
+        """The shard and replicate groups (checked against the parameters' placement) and the data
+        ranks they span together."""
         self.shard_group, self.replicate_group = resolve_groups(group, self.sharding_strategy, hybrid_shard_size)
         rep = self.replicate_group
         named = list(module.named_parameters())
@@ -195,8 +215,10 @@ class FullyShardedDataParallel(Module):
             check_group(named, grp, "FSDP")
         spans = [self.shard_group.ranks] if rep is None else rep.comm.allgather(self.shard_group.ranks)
         self._data_ranks = tuple(sorted({r for rs in spans for r in rs}))      # shard x replicate
-        self.events: Optional[List[Tuple[str, str]]] = [] if record_events else None
-        plan = plan_units(module, auto_wrap_policy)
+
+    def _own_states(self, module: Module, plan):
+        """``(nested, inner_params, params, buffers)``: the FSDP instances nested in the unit plan
+        (checked), id -> where of their parameters, and this instance's own parameters and buffers."""
         nested = [(q, m) for q, m, is_nested in plan if is_nested]
         for q, inner in nested:
             self._check_nestable(q, inner)
@@ -219,9 +241,13 @@ class FullyShardedDataParallel(Module):
             buffers += [((f"{pre}.{n}" if pre else n), b) for n, b in m.named_buffers(recurse=False)]
         if not params and not nested:
             raise ValueError("FSDP: the module has no parameters")
-        first = params[0][1] if params else next(nested[0][1].module.parameters())
+        return nested, inner_params, params, buffers
+
+    def _init_states(self, first: Tensor, params, buffers, sync_module_states: bool) -> None:
+        """The compute device and dtypes; parameters and buffers broadcast (``sync_module_states``);
+        floating buffers cast to ``mixed_precision.buffer_dtype``."""
         self.compute_device = device_of(first.data)
-        mp = mixed_precision
+        mp = self.mixed_precision
         self.param_dtype = None if mp is None or mp.param_dtype is None else mp.param_dtype
         self.reduce_dtype = None if mp is None else (mp.reduce_dtype or mp.param_dtype)
         if sync_module_states:      # shard group from its rank 0, then the replicas from shard group 0
@@ -233,6 +259,10 @@ class FullyShardedDataParallel(Module):
             for _, b in buffers:
                 if b.data.dtype.kind == "f":
                     b.data = b.data.astype(mp.buffer_dtype)
+
+    def _build_units(self, module: Module, plan, params, inner_params) -> None:
+        """The root unit (the parameters outside every child unit, and the hoisted ones), one unit per
+        planned child (its forward routed through the unit) and the units of nested instances."""
         self.units: List[FSDPUnit] = []
         self._frozen: List[Tuple[str, Tensor]] = []     # requires_grad=False: replicated, never reduced
         self._frozen_master: Dict[int, Any] = {}        # id(frozen param) -> its full-precision values (MP)
@@ -253,6 +283,11 @@ class FullyShardedDataParallel(Module):
             unit._orig_forward = m.forward
             object.__setattr__(m, "forward", unit.call)
             self.units.append(unit)
+
+    def _set_unit_modes(self, first: Tensor) -> None:
+        """Each child unit's memory mode ([Note: FULL_SHARD unit boundary]): a FULL_SHARD / HYBRID_SHARD
+        unit frees its parameters after forward ("remap" under NumPy where ``madvise`` can drop the pages,
+        else "recompute"); the other units "keep" theirs gathered until their gradients are complete."""
         remap = (get_array_module(first.data) is np and hasattr(mmap, "MADV_DONTNEED")
                  and hasattr(mmap, "MAP_PRIVATE"))
         names = [u.name for u in self.units]
@@ -263,6 +298,9 @@ class FullyShardedDataParallel(Module):
             if mode == "recompute" and any(n.startswith(u.name + ".") for n in names):
                 mode = "keep"
             u.mode, u.recompute = mode, mode == "recompute"
+
+    def _init_step_state(self) -> None:
+        """The per-step state ([Note: FSDP step]): the unit orders, the phase, the launched reductions."""
         self._all_units = [self.root_unit] + self.units
         self._order: List[FSDPUnit] = list(self.units)     # forward order of the last step
         self._seq: List[FSDPUnit] = []                      # forward order of this step
@@ -276,6 +314,10 @@ class FullyShardedDataParallel(Module):
         self._n_complete = 0
         self._launched: List[FSDPUnit] = []
         self._peak_gathered = 0
+
+    def _register_hooks(self) -> None:
+        """A post-accumulate-grad hook on each parameter of a unit that does not recompute (it tells the
+        unit the parameter's gradient is final); every unit reset for the first step."""
         for u in self._all_units:
             if u.flat is not None and not u.recompute:
                 for p in u.flat.params:

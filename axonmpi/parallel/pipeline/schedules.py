@@ -431,36 +431,96 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0, w
             raise ValueError(f"simulate: {name} must be >= 0, got {t!r}")
     duration = {ActionKind.FORWARD: forward_time, ActionKind.BACKWARD: backward_time + weight_time,
                 ActionKind.BACKWARD_INPUT: backward_time, ActionKind.BACKWARD_WEIGHT: weight_time}
-    p, S, m = schedule.num_stages, schedule.total_stages, schedule.num_microbatches
-    lists = [schedule.actions(r) for r in range(p)]
-    pos = [0] * p
-    clock = [0] * p
-    busy = [0] * p
-    sent: Dict[Tuple[ActionKind, int, int], object] = {}     # (send kind, mb, stage) -> time sent
-    done: Dict[Tuple[ActionKind, int, int], object] = {}     # compute/recv completions per rank-local key
-    held = [0] * p
-    peak = [0] * p
-    held_stage = [0] * S
-    peak_stage = [0] * S
-    timeline: List[List[Tuple[object, object, Action]]] = [[] for _ in range(p)]
+    sim = _Simulation(schedule, duration, comm_time)
+    sim.run()
+    sim.check_blocked()
+    sim.check_complete()
+    return sim.result()
 
-    def fail(r: int, a: Action, why: str):
-        raise ScheduleDeadlockError(f"rank {r}: action {a} (position {pos[r]}) {why}")
 
-    def check(r: int, a: Action) -> None:
-        if not 0 <= a.stage < S or schedule.rank_of(a.stage) != r:
-            fail(r, a, f"names stage {a.stage}, which is not on rank {r} (stages {schedule.stages_of(r)})")
+class _Simulation:
+    """The state of one :func:`simulate` run: each rank's position in its list, clock and busy
+    time, the sends and completions so far, and the activations held per rank and per stage."""
+
+    def __init__(self, schedule: Schedule, duration: Dict[ActionKind, object], comm_time):
+        p, S = schedule.num_stages, schedule.total_stages
+        self.schedule, self.duration, self.comm_time = schedule, duration, comm_time
+        self.p, self.S, self.m = p, S, schedule.num_microbatches
+        self.lists = [schedule.actions(r) for r in range(p)]
+        self.pos = [0] * p
+        self.clock = [0] * p
+        self.busy = [0] * p
+        self.sent: Dict[Tuple[ActionKind, int, int], object] = {}     # (send kind, mb, stage) -> time sent
+        self.done: Dict[Tuple[ActionKind, int, int], object] = {}     # compute/recv completions per rank-local key
+        self.held = [0] * p
+        self.peak = [0] * p
+        self.held_stage = [0] * S
+        self.peak_stage = [0] * S
+        self.timeline: List[List[Tuple[object, object, Action]]] = [[] for _ in range(p)]
+
+    # -- the event loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Run every rank's list in turns until no rank can move (all done, or blocked at a receive)."""
+        progress = True
+        while progress:
+            progress = False
+            for r in range(self.p):
+                while self.pos[r] < len(self.lists[r]):
+                    a = self.lists[r][self.pos[r]]
+                    self.check(r, a)
+                    if a.kind in _COMPUTE:
+                        self.compute(r, a)
+                    elif a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
+                        self.send(r, a)
+                    elif not self.receive(r, a):
+                        break  # blocked: the matching send has not run yet
+                    self.pos[r] += 1
+                    progress = True
+
+    def fail(self, r: int, a: Action, why: str):
+        raise ScheduleDeadlockError(f"rank {r}: action {a} (position {self.pos[r]}) {why}")
+
+    def check(self, r: int, a: Action) -> None:
+        S, m = self.S, self.m
+        if not 0 <= a.stage < S or self.schedule.rank_of(a.stage) != r:
+            self.fail(r, a, f"names stage {a.stage}, which is not on rank {r} (stages {self.schedule.stages_of(r)})")
         if not 0 <= a.microbatch < m:
-            fail(r, a, f"names micro-batch {a.microbatch}, outside [0, {m})")
+            self.fail(r, a, f"names micro-batch {a.microbatch}, outside [0, {m})")
 
-    def ready_time(r: int, a: Action):
+    def compute(self, r: int, a: Action) -> None:
+        start = self.ready_time(r, a)
+        end = start + self.duration[a.kind]
+        self.clock[r] = end
+        self.busy[r] += self.duration[a.kind]
+        self.done[(a.kind, a.microbatch, a.stage)] = end
+        self.timeline[r].append((start, end, a))
+        if a.kind is not ActionKind.BACKWARD_INPUT:
+            self.hold(r, a)
+
+    def send(self, r: int, a: Action) -> None:
+        srcs = (ActionKind.FORWARD,) if a.kind is ActionKind.SEND_ACT else _GRAD_MAKERS
+        if not any((src, a.microbatch, a.stage) in self.done for src in srcs):
+            self.fail(r, a, f"sends before {Action(srcs[0], a.microbatch, a.stage)} has run")
+        if (a.kind, a.microbatch, a.stage) in self.sent:
+            self.fail(r, a, "sends a second time")
+        self.sent[(a.kind, a.microbatch, a.stage)] = self.clock[r]
+
+    def receive(self, r: int, a: Action) -> bool:
+        """Complete receive ``a``; False (and nothing done) while its matching send has not run."""
+        key = (_MATCH[a.kind], a.microbatch, _peer_stage(a))
+        if key not in self.sent:
+            return False
+        self.done[(a.kind, a.microbatch, a.stage)] = max(self.clock[r], self.sent[key] + self.comm_time)
+        return True
+
+    def ready_time(self, r: int, a: Action):
         """When the inputs of compute action ``a`` are there, or raise if they never will be."""
-        t = clock[r]
+        t, done, fail, S = self.clock[r], self.done, self.fail, self.S
         if a.kind is ActionKind.FORWARD:
             if (ActionKind.FORWARD, a.microbatch, a.stage) in done:
                 fail(r, a, "runs a second time")
             if a.stage > 0:
-                local = schedule.rank_of(a.stage - 1) == r
+                local = self.schedule.rank_of(a.stage - 1) == r
                 key = (ActionKind.FORWARD if local else ActionKind.RECV_ACT, a.microbatch, a.stage - 1 if local else a.stage)
                 if key not in done:
                     fail(r, a, "has no input: " + ("the previous stage's forward has not run on this rank"
@@ -478,7 +538,7 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0, w
             if any((k, a.microbatch, a.stage) in done for k in _GRAD_MAKERS):
                 fail(r, a, "runs a second time (a stage runs either B or I and W on a micro-batch)")
             if a.stage < S - 1:
-                local = schedule.rank_of(a.stage + 1) == r
+                local = self.schedule.rank_of(a.stage + 1) == r
                 if local:
                     key = next(((k, a.microbatch, a.stage + 1) for k in _GRAD_MAKERS
                                 if (k, a.microbatch, a.stage + 1) in done), None)
@@ -490,72 +550,56 @@ def simulate(schedule: Schedule, forward_time=1, backward_time=2, comm_time=0, w
                 t = max(t, done[key])
         return t
 
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                check(r, a)
-                if a.kind in _COMPUTE:
-                    start = ready_time(r, a)
-                    end = start + duration[a.kind]
-                    clock[r] = end
-                    busy[r] += duration[a.kind]
-                    done[(a.kind, a.microbatch, a.stage)] = end
-                    timeline[r].append((start, end, a))
-                    if a.kind is ActionKind.BACKWARD_INPUT:
-                        pos[r] += 1
-                        progress = True
-                        continue
-                    delta = 1 if a.kind is ActionKind.FORWARD else -1
-                    held[r] += delta
-                    held_stage[a.stage] += delta
-                    peak[r] = max(peak[r], held[r])
-                    peak_stage[a.stage] = max(peak_stage[a.stage], held_stage[a.stage])
-                elif a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
-                    srcs = (ActionKind.FORWARD,) if a.kind is ActionKind.SEND_ACT else _GRAD_MAKERS
-                    if not any((src, a.microbatch, a.stage) in done for src in srcs):
-                        fail(r, a, f"sends before {Action(srcs[0], a.microbatch, a.stage)} has run")
-                    if (a.kind, a.microbatch, a.stage) in sent:
-                        fail(r, a, "sends a second time")
-                    sent[(a.kind, a.microbatch, a.stage)] = clock[r]
-                else:
-                    peer = _peer_stage(a)
-                    key = (_MATCH[a.kind], a.microbatch, peer)
-                    if key not in sent:
-                        break  # blocked: the matching send has not run yet
-                    done[(a.kind, a.microbatch, a.stage)] = max(clock[r], sent[key] + comm_time)
-                pos[r] += 1
-                progress = True
-    blocked = [r for r in range(p) if pos[r] < len(lists[r])]
-    if blocked:
-        lines = []
-        for r in blocked:
-            a = lists[r][pos[r]]
-            peer = _peer_stage(a)
-            lines.append(f"rank {r} waits at {a} (position {pos[r]}) for "
-                         f"{Action(_MATCH[a.kind], a.microbatch, peer)} from rank {schedule.rank_of(peer) if 0 <= peer < S else '?'}")
-        raise ScheduleDeadlockError("pipeline schedule deadlocks: ranks " + str(blocked) + " are blocked:\n  "
-                                    + "\n  ".join(lines))
-    for r in range(p):
-        for s in schedule.stages_of(r):
-            for i in range(m):
-                split = (ActionKind.BACKWARD_INPUT, i, s) in done
-                if split and (ActionKind.BACKWARD_WEIGHT, i, s) not in done:
-                    raise ScheduleDeadlockError(
-                        f"rank {r}: the schedule runs {Action(ActionKind.BACKWARD_INPUT, i, s)} but never "
-                        f"{Action(ActionKind.BACKWARD_WEIGHT, i, s)}; every I needs its W")
-                for kind in (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT if split else ActionKind.BACKWARD):
-                    if (kind, i, s) not in done:
+    # -- memory accounting -------------------------------------------------------------------------
+    def hold(self, r: int, a: Action) -> None:
+        """A forward keeps one micro-batch's activations on its rank and stage; a B or W frees them
+        (an I keeps them: its W still needs them)."""
+        delta = 1 if a.kind is ActionKind.FORWARD else -1
+        self.held[r] += delta
+        self.held_stage[a.stage] += delta
+        self.peak[r] = max(self.peak[r], self.held[r])
+        self.peak_stage[a.stage] = max(self.peak_stage[a.stage], self.held_stage[a.stage])
+
+    # -- the deadlock report -----------------------------------------------------------------------
+    def check_blocked(self) -> None:
+        """Raise naming every rank left waiting at a receive, and the send it waits for."""
+        blocked = [r for r in range(self.p) if self.pos[r] < len(self.lists[r])]
+        if blocked:
+            lines = []
+            for r in blocked:
+                a = self.lists[r][self.pos[r]]
+                peer = _peer_stage(a)
+                lines.append(f"rank {r} waits at {a} (position {self.pos[r]}) for "
+                             f"{Action(_MATCH[a.kind], a.microbatch, peer)} from rank "
+                             f"{self.schedule.rank_of(peer) if 0 <= peer < self.S else '?'}")
+            raise ScheduleDeadlockError("pipeline schedule deadlocks: ranks " + str(blocked) + " are blocked:\n  "
+                                        + "\n  ".join(lines))
+
+    def check_complete(self) -> None:
+        """Raise if some micro-batch misses a stage's forward or backward, or an I has no W."""
+        done = self.done
+        for r in range(self.p):
+            for s in self.schedule.stages_of(r):
+                for i in range(self.m):
+                    split = (ActionKind.BACKWARD_INPUT, i, s) in done
+                    if split and (ActionKind.BACKWARD_WEIGHT, i, s) not in done:
                         raise ScheduleDeadlockError(
-                            f"rank {r}: the schedule never runs {Action(kind, i, s)}; every micro-batch must pass "
-                            "every stage forward and backward once")
-    makespan = max(clock) if clock else 0
-    idle = [0.0 if makespan == 0 else float(1 - Fraction(b) / Fraction(makespan)) if _exact(b, makespan)
-            else 1.0 - b / makespan for b in busy]
-    bubble = [(ev[-1][1] - ev[0][0] - b) if ev else 0 for ev, b in zip(timeline, busy)]
-    return SimulationResult(makespan, busy, idle, peak, peak_stage, timeline, bubble)
+                            f"rank {r}: the schedule runs {Action(ActionKind.BACKWARD_INPUT, i, s)} but never "
+                            f"{Action(ActionKind.BACKWARD_WEIGHT, i, s)}; every I needs its W")
+                    for kind in (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT if split else ActionKind.BACKWARD):
+                        if (kind, i, s) not in done:
+                            raise ScheduleDeadlockError(
+                                f"rank {r}: the schedule never runs {Action(kind, i, s)}; every micro-batch must pass "
+                                "every stage forward and backward once")
+
+    # -- the bubble accounting ---------------------------------------------------------------------
+    def result(self) -> SimulationResult:
+        busy, clock = self.busy, self.clock
+        makespan = max(clock) if clock else 0
+        idle = [0.0 if makespan == 0 else float(1 - Fraction(b) / Fraction(makespan)) if _exact(b, makespan)
+                else 1.0 - b / makespan for b in busy]
+        bubble = [(ev[-1][1] - ev[0][0] - b) if ev else 0 for ev, b in zip(self.timeline, busy)]
+        return SimulationResult(makespan, busy, idle, self.peak, self.peak_stage, self.timeline, bubble)
 
 
 def _exact(*xs) -> bool:
