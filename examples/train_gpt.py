@@ -13,7 +13,8 @@ five AxoNN sizes (--G-data, --G-inter, --G-intra-r, --G-intra-c, --G-intra-d) la
 as data x pipeline x tensor parallel (axonmpi.recipes.gpt; docs/hybrid.md); the loss printed
 is the mean over the whole global batch under every layout, and checkpoints load under any other
 layout: each log line and the final summary show the step's loss (the global batch's mean, what
-one process on the whole batch computes) beside its moving average (EMA 0.9), labelled. Rank 0
+one process on the whole batch computes) beside its moving average (EMA 0.9, over this run's steps:
+after a --resume it starts again from the first resumed step, as the log says), labelled. Rank 0
 shows a progress bar (loss, loss_ema, tokens/s, ETA) when its stderr reaches a terminal, also
 through mpiexec (--progress / --no-progress force it), evaluates on held-out text, prints a generated
 sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps).
@@ -331,6 +332,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     loaded = ckpt.load(path, model.owner.checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
+    log.info("resumed at step %d; the logged moving average starts again from this run's first step", step)
     apply_changed_options(saved, args, sched, log)
     if scaler is not None:
         if extra.get("scaler"):
