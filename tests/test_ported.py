@@ -110,7 +110,7 @@ def _theirs(name, tmp_path_factory, args=(), n=2, torchrun=False):
         cmd = [exe, "--standalone", f"--nproc_per_node={n}", script, *args]
     else:
         cmd = [sys.executable, script, *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=str(d))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=str(d), start_new_session=True)
     _THEIRS[name] = _check(r, f"{name} under torch at {n} processes")
     return _THEIRS[name]
 
