@@ -23,7 +23,7 @@ from .distributed import P2POp, batch_isend_irecv
 from . import random
 from . import trace
 from .trace import profile
-from .random import manual_seed
+from .random import Generator, manual_seed
 from . import autograd
 from .autograd import (
     Function, Tensor, arange, empty, enable_grad, full, gradcheck, is_grad_enabled, no_grad, ones, ones_like,
@@ -38,3 +38,9 @@ from .serialization import load, save
 from .distributed import (destroy_process_group, get_rank, get_world_size, init_process_group)  # noqa: F401
 from . import intra_layer
 from ._torch_names import *  # noqa: F401,F403  (torch.device, torch.float32, torch.argmax, ...: _torch_names.__all__)
+# torch's module paths (docs/porting.md: `torch` becomes `axonmpi` in every import line), loaded last: they name
+# the library's own classes from where torch keeps them (torch.utils.data, torch.nn.parallel,
+# torch.distributed.fsdp, torch.distributed.device_mesh, torch.distributed.tensor, torch.multiprocessing)
+from . import multiprocessing, utils  # noqa: E402
+from .nn import parallel as _nn_parallel  # noqa: E402,F401
+from .distributed import device_mesh as _device_mesh, fsdp as _fsdp, tensor as _dtensor  # noqa: E402,F401

@@ -82,23 +82,26 @@ def get_default_dtype():
     return np.float32
 
 
-def _gen():
-    from .random import default_generator
-    return default_generator()
+def _gen(generator=None):
+    from .random import host_generator
+    return host_generator(generator)
 
 
 def randint(low, high=None, size=None, *, dtype=None, device=None, generator=None) -> Tensor:
-    """Integers in ``[low, high)`` (``randint(high, size)`` too), int64 by default, from axonmpi's generator."""
+    """Integers in ``[low, high)`` (``randint(high, size)`` too), int64 by default, from ``generator`` (an
+    :class:`axonmpi.Generator`) or axonmpi's default generator."""
+    if size is None and isinstance(high, (tuple, list)):      # torch's randint(high, size)
+        low, high, size = 0, low, high
     if size is None:
         raise TypeError("randint needs size=, e.g. randint(0, 10, (4,))")
     if high is None:
         low, high = 0, low
-    return Tensor(_gen().integers(low, high, size=tuple(size)), dtype=dtype or np.int64, device=device)
+    return Tensor(_gen(generator).integers(low, high, size=tuple(size)), dtype=dtype or np.int64, device=device)
 
 
 def randperm(n: "int", *, dtype=None, device=None, generator=None) -> Tensor:
-    """A random permutation of ``0..n-1`` (int64) from axonmpi's generator."""
-    return Tensor(_gen().permutation(n), dtype=dtype or np.int64, device=device)
+    """A random permutation of ``0..n-1`` (int64) from ``generator`` or axonmpi's default generator."""
+    return Tensor(_gen(generator).permutation(n), dtype=dtype or np.int64, device=device)
 
 
 def eye(n: "int", m=None, *, dtype=None, device=None) -> Tensor:

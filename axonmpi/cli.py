@@ -96,7 +96,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"cupy         {d['cupy'] or 'not available'}   CUDA "
           f"{'-' if cuda is None else cuda['runtime'] + ' (driver ' + cuda['driver'] + ')'}   "
           f"NCCL {d['nccl'] or '-'}")
-    print(f"backend      {d['backend']} (device arrays)   debug mode (AXONMPI_DEBUG): {'on' if d['debug'] else 'off'}")
+    arrays = "device arrays" if d['cupy'] else "host arrays over MPI; no CuPy, so no device arrays"
+    print(f"backend      {d['backend']} ({arrays})   debug mode (AXONMPI_DEBUG): {'on' if d['debug'] else 'off'}")
     print(f"world        {d['world_size']} rank(s) on {d['num_nodes']} node(s)")
     gpus = sorted({r["gpus_visible"] for r in d["ranks"]})
     print(f"GPUs visible per rank: {', '.join(map(str, gpus))}")

@@ -25,10 +25,12 @@ import numpy as np
 from . import backend
 
 __all__ = [
+    "Generator",
     "cupy_generator",
     "default_generator",
     "fork_rng",
     "get_rng_state",
+    "host_generator",
     "initial_seed",
     "manual_seed",
     "set_rng_state",
@@ -80,6 +82,73 @@ def cupy_generator():
             raise RuntimeError("cupy_generator() needs CuPy and a CUDA device")
         _STATE.cupy = cp.random.default_rng(_STATE.seed)
     return _STATE.cupy
+
+
+class Generator:
+    """PyTorch's ``torch.Generator``: a random stream of its own, for the ``generator=`` argument of
+    ``randn``, ``rand``, ``randint``, ``randperm``, ``Tensor.normal_`` / ``uniform_`` and ``DataLoader``.
+
+    It holds a NumPy PCG64 generator: the same seed gives the same numbers on every rank and run
+    (not torch's numbers: torch's CPU generator is a Mersenne twister with its own transforms).
+
+    Example:
+        >>> g = Generator().manual_seed(42)
+        >>> a = axonmpi.randn(2, 3, generator=g)
+    """
+
+    def __init__(self, device: Any = "cpu"):
+        self.device = backend.Device(device) if not isinstance(device, backend.Device) else device
+        self._seed = 67280421310721          # torch's default seed of a new Generator
+        self._np = np.random.Generator(np.random.PCG64(self._seed))
+
+    def manual_seed(self, seed: int) -> "Generator":
+        """Reseed and return self (``torch.Generator().manual_seed(0)``)."""
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"Generator.manual_seed: seed must be an int, got {seed!r}")
+        self._seed = int(seed) & 0xFFFFFFFFFFFFFFFF      # torch takes a negative seed modulo 2**64
+        self._np = np.random.Generator(np.random.PCG64(self._seed))
+        return self
+
+    def seed(self) -> int:
+        """Reseed from the operating system's entropy and return the new seed."""
+        self.manual_seed(int(np.random.SeedSequence().entropy) & 0xFFFFFFFFFFFFFFFF)
+        return self._seed
+
+    def initial_seed(self) -> int:
+        """The seed last set."""
+        return self._seed
+
+    def get_state(self) -> Dict[str, Any]:
+        """The stream's state (a plain dict; ``set_state`` restores it)."""
+        return {"seed": self._seed, "bit_generator": copy.deepcopy(self._np.bit_generator.state)}
+
+    def set_state(self, state: Dict[str, Any]) -> "Generator":
+        """Restore a state from :meth:`get_state`."""
+        if not isinstance(state, dict) or "bit_generator" not in state:
+            raise ValueError(f"Generator.set_state expects a dict from get_state(), got {type(state).__name__}")
+        self._np.bit_generator.state = copy.deepcopy(state["bit_generator"])
+        self._seed = int(state.get("seed", self._seed))
+        return self
+
+    @property
+    def numpy(self) -> np.random.Generator:
+        """The NumPy generator behind this stream."""
+        return self._np
+
+    def __repr__(self) -> str:
+        return f"Generator(device='{self.device}', initial_seed={self._seed})"
+
+
+def host_generator(generator: Optional["Generator"] = None) -> np.random.Generator:
+    """The NumPy generator a host draw uses: ``generator``'s, or the default one when it is None."""
+    if generator is None:
+        return _STATE.numpy
+    if isinstance(generator, Generator):
+        return generator.numpy
+    if isinstance(generator, np.random.Generator):
+        return generator
+    raise TypeError(f"generator must be an axonmpi.Generator (torch.Generator's counterpart), got "
+                    f"{type(generator).__name__}")
 
 
 def generator_for(xp) -> Any:

@@ -13,7 +13,8 @@ five AxoNN sizes (--G-data, --G-inter, --G-intra-r, --G-intra-c, --G-intra-d) la
 as data x pipeline x tensor parallel (axonmpi.recipes.gpt; docs/hybrid.md); the loss printed
 is the mean over the whole global batch under every layout, and checkpoints load under any other
 layout: each log line and the final summary show the step's loss (the global batch's mean, what
-one process on the whole batch computes) beside its moving average (EMA 0.9), labelled. Rank 0
+one process on the whole batch computes) beside its moving average (EMA 0.9, over this run's steps:
+after a --resume it starts again from the first resumed step, as the log says), labelled. Rank 0
 shows a progress bar (loss, loss_ema, tokens/s, ETA) when its stderr reaches a terminal, also
 through mpiexec (--progress / --no-progress force it), evaluates on held-out text, prints a generated
 sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps).
@@ -37,6 +38,7 @@ import axonmpi  # noqa: E402
 from axonmpi import checkpoint as ckpt  # noqa: E402
 from axonmpi.data import CharDataset, CharTokenizer, load_stdlib_corpus, unigram_entropy  # noqa: E402
 from axonmpi.models import GPTConfig  # noqa: E402
+from axonmpi.models.gpt import padded_vocab_size  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
@@ -50,7 +52,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
 ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype", "moe_experts", "moe_top_k",
-                "moe_every", "tie_word_embeddings")
+                "moe_every", "tie_word_embeddings", "make_vocab_size_divisible_by")
 # training options a --resume may change: applied from the resumed step on, one log line each (old -> new)
 APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "global_batch")
 # training options a --resume cannot change honestly: refused, naming them
@@ -68,6 +70,10 @@ def parse_args(argv=None):
     g.add_argument("--n-embd", type=int, default=128, help="width; must divide by --n-head")
     g.add_argument("--block-size", type=int, default=64, help="context length in characters")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="Megatron's vocabulary padding: wte / lm_head get the vocabulary rounded up to a multiple of "
+                        "N x G-intra-c (megatron) rows; the padding rows are masked out of the loss and the sampler, "
+                        "and exports write the real vocabulary (default: no padding)")
     g.add_argument("--tie-word-embeddings", action="store_true",
                    help="GPT-2's tied head: lm_head.weight is wte.weight (with a pipeline: a copy on the first and "
                         "last stage, their gradients summed; with --sequence-parallel: split over the vocabulary: "
@@ -326,6 +332,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     loaded = ckpt.load(path, model.sharded_state().checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
+    log.info("resumed at step %d; the logged moving average starts again from this run's first step", step)
     apply_changed_options(saved, args, sched, log)
     if scaler is not None:
         if extra.get("scaler"):
@@ -399,7 +406,13 @@ def main(argv=None):
     if grid.expert_parallel != args.expert_parallel:      # the expert groups are built with a grid, at its init
         grid = axonmpi.ProcessGrid(world, **grid.sizes, expert_parallel=args.expert_parallel)
     try:
-        cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+        args.vocab_size = tok.vocab_size          # saved with the config: exports write these rows only
+        pad = None
+        if args.make_vocab_size_divisible_by is not None:
+            tp = grid.G_intra_c if args.tp_style == "megatron" else 1
+            pad = padded_vocab_size(tok.vocab_size, args.make_vocab_size_divisible_by, tp)
+            pad = None if pad == tok.vocab_size else pad
+        cfg = GPTConfig(vocab_size=tok.vocab_size, padded_vocab_size=pad, block_size=args.block_size, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts,
                         moe_top_k=args.moe_top_k, moe_every=args.moe_every,
                         moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coeff=args.moe_aux_loss_coeff,

@@ -72,17 +72,21 @@ axonmpi_command() {
 
 # axonmpi_run_name SCRIPT [ARGS...]: sets and exports RUN_NAME, the experiment's name and so its checkpoint folder
 # ($AXONMPI_SCRATCH/axonmpi/$RUN_NAME). Default: <job name>-<8 hex digits of the SHA-256 of the script's path,
-# SCRIPT_ARGS and the arguments given to sbatch>, so a requeued job (same arguments) resumes its own run and
-# another experiment under the same job name gets a folder of its own. RUN_NAME=name chooses it (resubmit
-# with the same RUN_NAME to continue a run with changed arguments). Says which, and whether it resumes.
+# SCRIPT_ARGS, the arguments given to sbatch and NAME=value of every variable named in AXONMPI_EXPERIMENT_VARS>.
+# Each template names there the variables that pick its layout and precision (the number of ranks, G_INTER ...,
+# FSDP, MIXED_PRECISION ...), so a sweep (G_INTER=2 then G_INTER=4, same script) gives each point its own folder,
+# a requeued job (same everything) resumes its own run, and --auto-resume never continues another experiment.
+# RUN_NAME=name chooses it (resubmit with the same RUN_NAME to continue a run under changed arguments or layout).
+# Says which, what went into the name, and whether it resumes.
 axonmpi_run_name() {
-  local how key
+  local how key var vars=()
+  for var in ${AXONMPI_EXPERIMENT_VARS:-}; do vars+=("$var=${!var:-}"); done
   if [[ -n "${RUN_NAME:-}" ]]; then
     how="set by RUN_NAME"
   else
-    key=$(printf '%s\0' "$@" "SCRIPT_ARGS=${SCRIPT_ARGS:-}" | sha256sum | cut -c1-8)
+    key=$(printf '%s\0' "$@" "SCRIPT_ARGS=${SCRIPT_ARGS:-}" "${vars[@]}" | sha256sum | cut -c1-8)
     RUN_NAME="${SLURM_JOB_NAME:-axonmpi}-$key"
-    how="job name + hash of the script and its arguments; RUN_NAME=... to choose"
+    how="job name + hash of the script, its arguments${vars[*]:+ and ${vars[*]}}; RUN_NAME=... to choose"
   fi
   case "$RUN_NAME" in
     */*|.|..|-*) echo "error: RUN_NAME=$RUN_NAME: one folder name (no '/', not '.', '..' or starting with '-')" >&2; exit 2 ;;
@@ -90,7 +94,7 @@ axonmpi_run_name() {
   export RUN_NAME
   local dir="$AXONMPI_SCRATCH/axonmpi/$RUN_NAME"
   if [[ -d "$dir" ]] && [[ -n "$(ls -A "$dir" 2>/dev/null)" ]]; then
-    echo "axonmpi: run $RUN_NAME ($how): $dir holds a run (this job requeued, or the same script and arguments submitted again): --auto-resume continues it; set RUN_NAME=<new name> for a fresh experiment" >&2
+    echo "axonmpi: run $RUN_NAME ($how): $dir holds a run (this job requeued, or the same script, arguments and layout submitted again): --auto-resume continues it; set RUN_NAME=<new name> for a fresh experiment" >&2
   else
     echo "axonmpi: run $RUN_NAME ($how): new checkpoint folder $dir" >&2
   fi

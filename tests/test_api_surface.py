@@ -569,6 +569,8 @@ EXAMPLES.update({
     "axonmpi.nn.functional.max_pool2d": lambda: F.max_pool2d(Tensor(np.arange(16.0).reshape(1, 1, 4, 4)), 2).tolist()
     == [[[[5.0, 7.0], [13.0, 15.0]]]],
     "axonmpi.optim.Adadelta": lambda: _train_step(optim.Adadelta, lr=1.0),
+    "axonmpi.Generator": lambda: (axonmpi.randn(3, generator=axonmpi.Generator().manual_seed(7)).tolist()
+                                  == axonmpi.randn(3, generator=axonmpi.Generator().manual_seed(7)).tolist()),
     "axonmpi.nn.functional.one_hot": lambda: F.one_hot(Tensor([0, 2]), 3).tolist() == [[1, 0, 0], [0, 0, 1]],
 })
 EXAMPLES.update({f"Tensor.{k}": v for k, v in TENSOR_EXAMPLES.items()})

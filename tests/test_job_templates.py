@@ -140,3 +140,31 @@ def test_requeue_path_appends_the_log_and_resumes_the_same_folder(slurm, templat
     assert out2.startswith(out) and "holds a run" in out2[len(out):], "the requeued job's log was truncated"
     r, log = slurm(template, "--steps", "9", STUB_SRUN_EXIT="3")       # a failure is not requeued
     assert r.returncode == 3 and "scontrol" not in log
+
+
+# One folder per experiment: what picks the layout or the precision is part of the run name (AXONMPI_EXPERIMENT_VARS)
+SWEEPS = {
+    "slurm_3d.sbatch": [{"G_INTER": "1"}, {"G_INTER": "2"}, {"G_INTRA_C": "2"}, {"TP_STYLE": "megatron"},
+                        {"SCHEDULE": "gpipe"}],
+    "slurm_3d_gpu.sbatch": [{"G_INTER": "1"}, {"G_INTER": "2"}, {"G_INTRA_C": "2"}],
+    "slurm_fsdp.sbatch": [{"FSDP": "full_shard"}, {"FSDP": "shard_grad_op"}, {"MIXED_PRECISION": "fp16"},
+                          {"CPU_OFFLOAD": "1"}],
+}
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("template", sorted(SWEEPS))
+def test_a_layout_sweep_gives_each_point_its_own_folder(slurm, template):
+    name = re.search(r"#SBATCH --job-name=(\S+)", open(os.path.join(ROOT, "jobs", template)).read()).group(1)
+    folders = []
+    for point in SWEEPS[template]:
+        r, log = slurm(template, "--steps", "5", **point)
+        assert r.returncode == 0, r.stdout + r.stderr + log
+        folders.append(_ckpt(_train_line(log)))
+        out = (slurm.tmp / f"{name}-4242.out").read_text()
+        assert f"new checkpoint folder {folders[-1]}" in out, (point, out)   # never --auto-resume of another point
+        assert "=".join(next(iter(point.items()))) in out, f"the run name does not say {point} went into it"
+    assert len(set(folders)) == len(folders), dict(zip(map(str, SWEEPS[template]), folders))
+    r, log = slurm(template, "--steps", "5", **SWEEPS[template][1])         # the same point again: its own run
+    assert _ckpt(_train_line(log)) == folders[1]
+    assert "holds a run" in (slurm.tmp / f"{name}-4242.out").read_text()

@@ -390,17 +390,18 @@ class Tensor:
         return self._inplace("clamp_", lambda a, o: self.xp.clip(a, min, max))
 
     def normal_(self, mean: float = 0.0, std: float = 1.0, *, generator=None):
-        """Fill with normal samples from axonmpi's generator (``axonmpi.manual_seed``)."""
+        """Fill with normal samples from ``generator`` (an :class:`axonmpi.Generator`) or axonmpi's
+        default generator (``axonmpi.manual_seed``)."""
         from .. import random as _r
         self._check_inplace("normal_")
-        self.data[...] = to_device(_r.default_generator().normal(mean, std, self.shape), self.device)
+        self.data[...] = to_device(_r.host_generator(generator).normal(mean, std, self.shape), self.device)
         return self
 
     def uniform_(self, a: float = 0.0, b: float = 1.0, *, generator=None):
-        """Fill with uniform samples in ``[a, b)`` from axonmpi's generator."""
+        """Fill with uniform samples in ``[a, b)`` from ``generator`` or axonmpi's default generator."""
         from .. import random as _r
         self._check_inplace("uniform_")
-        self.data[...] = to_device(_r.default_generator().uniform(a, b, self.shape), self.device)
+        self.data[...] = to_device(_r.host_generator(generator).uniform(a, b, self.shape), self.device)
         return self
 
     def __iadd__(self, o):
@@ -489,6 +490,17 @@ class Tensor:
         return handle
 
     # -- repr ------------------------------------------------------------------------------
+    def __format__(self, spec: str) -> str:
+        """``f"{loss:.4f}"``: a one-element tensor formats as its number (as torch's 0-d tensors do);
+        an empty spec gives ``str(self)``."""
+        if not spec:
+            return str(self)
+        if self.data.size != 1:
+            raise TypeError(f"unsupported format string {spec!r} passed to Tensor.__format__ for a tensor of "
+                            f"shape {self.shape}: only one-element tensors format as numbers (use .item() "
+                            "or .tolist())")
+        return format(self.item(), spec)
+
     def __repr__(self) -> str:
         body = np.array2string(to_host(self.data), separator=", ", prefix="Tensor(", precision=4)
         extra = []
@@ -828,19 +840,20 @@ def arange(start, end=None, step=1, dtype=None, device=None, requires_grad: bool
     return Tensor(_xp_for(device).arange(start, end, step, dtype=dt), requires_grad=requires_grad)
 
 
-def randn(*shape, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    """Standard-normal samples from :mod:`axonmpi.random`'s generator (drawn on the host)."""
-    from ..random import default_generator
+def randn(*shape, generator=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """Standard-normal samples drawn on the host from ``generator`` (an :class:`axonmpi.Generator`,
+    torch's ``generator=``) or, without one, from :mod:`axonmpi.random`'s default generator."""
+    from ..random import host_generator
 
     shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    arr = default_generator().standard_normal(shape).astype(_dt(dtype))
+    arr = host_generator(generator).standard_normal(shape).astype(_dt(dtype))
     return Tensor(arr, requires_grad=requires_grad, device=device)
 
 
-def rand(*shape, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    """Uniform [0, 1) samples from :mod:`axonmpi.random`'s generator (drawn on the host)."""
-    from ..random import default_generator
+def rand(*shape, generator=None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """Uniform [0, 1) samples drawn on the host from ``generator`` (or axonmpi's default generator)."""
+    from ..random import host_generator
 
     shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    arr = default_generator().random(shape).astype(_dt(dtype))
+    arr = host_generator(generator).random(shape).astype(_dt(dtype))
     return Tensor(arr, requires_grad=requires_grad, device=device)

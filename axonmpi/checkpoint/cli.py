@@ -234,10 +234,13 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
             meta = f.create_group(META_GROUP)
             entries = json.dumps([e.to_json() for e in r.manifest.entries]).encode()
             meta.create_dataset("entries", data=np.frombuffer(entries, np.uint8))
+            n_arrays = sum(1 for e in r.manifest.entries if e.kind == "array")
+            n_bytes = sum(int(e.nbytes or 0) for e in r.manifest.entries if e.kind == "array")
         os.replace(tmp, out_path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    print(f"wrote {out_path}: {n_arrays} arrays ({n_bytes / 2**20:.1f} MiB, every block verified) from {path}")
     return 0
 
 

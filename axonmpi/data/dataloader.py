@@ -17,14 +17,18 @@ def default_collate(samples: Sequence[Any]) -> Any:
     """Stack a list of samples into a batch, recursing into tuples, lists and dicts.
 
     Arrays and numbers are stacked along a new first axis (NumPy, or CuPy for CuPy
-    samples); tuples/lists give a tuple of batches; dicts give a dict of batches;
-    anything else (strings, objects) is returned as a list.
+    samples), ``axonmpi.Tensor`` samples into a Tensor (as torch's ``default_collate``);
+    tuples/lists give a tuple of batches; dicts give a dict of batches; anything else
+    (strings, objects) is returned as a list.
 
     Example:
         >>> default_collate([(np.zeros(2), 1), (np.ones(2), 0)])[1]
         array([1, 0])
     """
     first = samples[0]
+    from ..autograd import Tensor
+    if isinstance(first, Tensor):              # torch's rule: Tensors stack into a Tensor
+        return Tensor._wrap(get_array_module(first.data).stack([s.data for s in samples]))
     if isinstance(first, np.ndarray) or is_cupy_array(first):
         return get_array_module(first).stack(samples)
     if isinstance(first, (numbers.Number, np.generic)) and not isinstance(first, bool):
@@ -70,6 +74,8 @@ class DataLoader:
             the MPI and CuPy copies read directly, so it changes nothing.
         prefetch_factor: batches fetched ahead per worker (default 2; only with workers).
         persistent_workers: keep the worker threads between passes (only with workers).
+        generator: torch's ``generator=``: an :class:`axonmpi.Generator` each shuffled pass draws
+            its order from (then ``seed`` and the epoch are not used).
 
     Example:
         >>> dl = DataLoader(TensorDataset(np.arange(10)), batch_size=4, shuffle=True)
@@ -90,6 +96,7 @@ class DataLoader:
         pin_memory: bool = False,
         prefetch_factor: Optional[int] = None,
         persistent_workers: bool = False,
+        generator: Any = None,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -117,6 +124,10 @@ class DataLoader:
         self.collate_fn = collate_fn
         self.sampler = sampler
         self.epoch = 0
+        if generator is not None:
+            from ..random import host_generator
+            host_generator(generator)          # a TypeError naming it when it is not a Generator
+        self.generator = generator
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next pass (and pass it to the sampler's ``set_epoch``)."""
@@ -137,6 +148,9 @@ class DataLoader:
         if self.sampler is not None:
             return np.fromiter(iter(self.sampler), dtype=np.int64)
         n = len(self.dataset)
+        if self.shuffle and self.generator is not None:
+            from ..random import host_generator
+            return host_generator(self.generator).permutation(n)   # torch's: each pass draws from it
         if self.shuffle:
             return np.random.default_rng((self.seed, self.epoch)).permutation(n)
         return np.arange(n, dtype=np.int64)

@@ -37,6 +37,16 @@ def _check_index(index: Any, n: int) -> int:
     return i
 
 
+def _is_tensor(a: Any) -> bool:
+    from ..autograd import Tensor
+    return isinstance(a, Tensor)
+
+
+def _as_tensor(a: Any) -> Any:
+    from ..autograd import Tensor
+    return Tensor._wrap(a)
+
+
 def _as_array(a: Any) -> Any:
     """``a`` itself when it is a NumPy/CuPy array, the array inside a ``Tensor``, else ``np.asarray(a)``."""
     if isinstance(a, np.ndarray) or is_cupy_array(a):
@@ -52,7 +62,9 @@ class TensorDataset(Dataset):
 
     Args:
         *arrays: NumPy or CuPy arrays (or objects with a ``.data`` array, like
-            ``axonmpi.Tensor``) sharing their first dimension.
+            ``axonmpi.Tensor``) sharing their first dimension. What was given as an
+            ``axonmpi.Tensor`` comes back as Tensors (samples and ``DataLoader`` batches, as
+            torch's ``TensorDataset`` does); arrays come back as arrays.
 
     Example:
         >>> ds = TensorDataset(np.zeros((4, 3)), np.arange(4))
@@ -63,22 +75,26 @@ class TensorDataset(Dataset):
     def __init__(self, *arrays: Any):
         if not arrays:
             raise ValueError("TensorDataset needs at least one array")
+        self._tensors = tuple(_is_tensor(a) for a in arrays)
         arrays = tuple(_as_array(a) for a in arrays)
         lengths = [len(a) for a in arrays]
         if any(n != lengths[0] for n in lengths):
             raise ValueError(f"TensorDataset arrays must share their first dimension, got lengths {lengths}")
         self.arrays = arrays
 
+    def _out(self, rows: tuple) -> tuple:
+        return tuple(_as_tensor(r) if t else r for r, t in zip(rows, self._tensors))
+
     def __len__(self) -> int:
         return len(self.arrays[0])
 
     def __getitem__(self, index: int) -> tuple:
         i = _check_index(index, len(self))
-        return tuple(a[i] for a in self.arrays)
+        return self._out(tuple(a[i] for a in self.arrays))
 
     def get_batch(self, indices: np.ndarray) -> tuple:
         """Rows ``indices`` of every array, gathered with one fancy-indexing call each."""
-        return tuple(a[indices] for a in self.arrays)
+        return self._out(tuple(a[indices] for a in self.arrays))
 
 
 class Subset(Dataset):

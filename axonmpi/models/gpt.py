@@ -20,7 +20,7 @@ from ..nn.moe import ExpertLinear, MoE, moe_loss
 from ..nn.transformer import TransformerBlock
 from ..random import default_generator
 
-__all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "init_gpt_weights"]
+__all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "init_gpt_weights", "mask_padded_vocab", "padded_vocab_size"]
 
 # ours <-> Hugging Face GPT-2 names inside a block (Conv1D layers store their weight transposed)
 _HF_BLOCK = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln_2": "ln_2",
@@ -87,6 +87,11 @@ class GPTConfig:
         moe_every: 1 (every block) or 2 (every other block, as GShard and Switch).
         moe_aux_loss_coeff, moe_z_loss_coeff: weights of the load-balancing and router z losses in
             :meth:`GPT.moe_auxiliary_loss` (Megatron's ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``).
+        padded_vocab_size: rows of ``wte`` and ``lm_head`` when more than ``vocab_size`` (Megatron's padded
+            vocabulary, so that it divides over the tensor group: :func:`padded_vocab_size`). The padding
+            rows are never a token: their logits are masked out (``-0.5 * finfo.max``, so softmax gives them
+            exactly 0: the loss and its gradients equal the unpadded model's, and :meth:`GPT.generate` never
+            samples them), and exports write the first ``vocab_size`` rows. ``None``: no padding.
     """
 
     vocab_size: int
@@ -104,6 +109,12 @@ class GPTConfig:
     moe_capacity_factor: Optional[float] = None
     moe_aux_loss_coeff: float = 1e-2
     moe_z_loss_coeff: float = 1e-3
+    padded_vocab_size: Optional[int] = None
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of ``wte`` / ``lm_head``: ``padded_vocab_size`` when set, else ``vocab_size``."""
+        return self.padded_vocab_size or self.vocab_size
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -121,6 +132,40 @@ class GPTConfig:
                              f"got {self.moe_top_k!r}")
         if self.moe_every not in (1, 2):
             raise ValueError(f"GPTConfig.moe_every must be 1 (every block) or 2 (every other), got {self.moe_every!r}")
+        p = self.padded_vocab_size
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < self.vocab_size):
+            raise ValueError(f"GPTConfig.padded_vocab_size must be None or an int >= vocab_size={self.vocab_size}, "
+                             f"got {p!r}")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
+    """Megatron's ``--make-vocab-size-divisible-by N``: the vocabulary rounded up to a multiple of
+    ``N * tensor_parallel`` (so each tensor rank holds whole multiples of N rows).
+
+    Example:
+        >>> padded_vocab_size(95, 1, tensor_parallel=2), padded_vocab_size(50257, 128)
+        (96, 50304)
+    """
+    if isinstance(divisible_by, bool) or not isinstance(divisible_by, int) or divisible_by < 1:
+        raise ValueError(f"make_vocab_size_divisible_by must be a positive int, got {divisible_by!r}")
+    m = divisible_by * max(1, int(tensor_parallel))
+    return -(-int(vocab_size) // m) * m
+
+
+def mask_padded_vocab(logits: Tensor, vocab_size: int) -> Tensor:
+    """``logits`` with the columns past ``vocab_size`` (Megatron's padding rows) pushed to ``-0.5 * finfo.max``:
+    softmax gives them exactly 0, so the loss and every gradient equal the unpadded model's."""
+    n = logits.shape[-1]
+    if n == vocab_size:
+        return logits
+    xp = get_array_module(logits.data)
+    mask = xp.zeros(n, dtype=logits.data.dtype)
+    mask[vocab_size:] = -0.5 * np.finfo(mask.dtype).max
+    return logits + Tensor._wrap(mask)
+
+
+def _padded(c: "GPTConfig") -> Optional[int]:
+    return c.vocab_size if c.padded_vocab_size is not None else None
 
 
 class GPTEmbedding(Module):
@@ -142,12 +187,14 @@ class GPTEmbedding(Module):
 class GPTHead(Module):
     """The GPT's output end as a pipeline layer: final LayerNorm, then the vocabulary projection."""
 
-    def __init__(self, ln_f: Module, lm_head: Module):
+    def __init__(self, ln_f: Module, lm_head: Module, vocab_size: Optional[int] = None):
         super().__init__()
         self.ln_f, self.lm_head = ln_f, lm_head
+        self.vocab_size = vocab_size        # set when the head's rows are padded (GPTConfig.padded_vocab_size)
 
     def forward(self, x):
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        return logits if self.vocab_size is None else mask_padded_vocab(logits, self.vocab_size)
 
 
 def init_gpt_weights(module: Module, n_layer: int) -> None:
@@ -193,7 +240,7 @@ class GPT(Module):
             raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
         self.config = config
         c = config
-        self.wte = Embedding(c.vocab_size, c.n_embd, dtype=dtype)
+        self.wte = Embedding(c.vocab_rows, c.n_embd, dtype=dtype)
         self.wpe = Embedding(c.block_size, c.n_embd, dtype=dtype)
         self.drop = Dropout(c.dropout)
         self.blocks = ModuleList(
@@ -204,7 +251,7 @@ class GPT(Module):
                     block.mlp = MoE(c.n_embd, c.moe_experts, top_k=c.moe_top_k, gating=c.moe_gating,
                                     capacity_factor=c.moe_capacity_factor, bias=c.bias, dtype=dtype)
         self.ln_f = LayerNorm(c.n_embd, bias=c.bias, dtype=dtype)
-        self.lm_head = Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(c.n_embd, c.vocab_rows, bias=False, dtype=dtype)
         self.init_weights()
         if c.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -222,12 +269,12 @@ class GPT(Module):
         passed through :meth:`init_weights` (:func:`init_gpt_weights` on the layer does that)."""
         c = config
         if i == 0:
-            return GPTEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dtype),
+            return GPTEmbedding(Embedding(c.vocab_rows, c.n_embd, dtype=dtype),
                                 Embedding(c.block_size, c.n_embd, dtype=dtype), Dropout(c.dropout))
         if i <= c.n_layer:
             return TransformerBlock(c.n_embd, c.n_head, c.dropout, c.bias, dtype=dtype)
         return GPTHead(LayerNorm(c.n_embd, bias=c.bias, dtype=dtype),
-                       Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype))
+                       Linear(c.n_embd, c.vocab_rows, bias=False, dtype=dtype), _padded(c))
 
     @classmethod
     def from_pipeline_layers(cls, config: GPTConfig, layers: list) -> "GPT":
@@ -256,7 +303,8 @@ class GPT(Module):
     def pipeline_layers(self) -> list:
         """The model as pipeline layers sharing its parameters: ``[embedding, block 0, ..., head]``
         (what :func:`~axonmpi.parallel.pipeline.split_module` cuts)."""
-        return [GPTEmbedding(self.wte, self.wpe, self.drop), *self.blocks, GPTHead(self.ln_f, self.lm_head)]
+        return [GPTEmbedding(self.wte, self.wpe, self.drop), *self.blocks,
+                GPTHead(self.ln_f, self.lm_head, _padded(self.config))]
 
     def forward(self, idx, targets=None, positions=None) -> Tuple[Tensor, Optional[Tensor]]:
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``.
@@ -277,6 +325,8 @@ class GPT(Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
+        if self.config.padded_vocab_size is not None:
+            logits = mask_padded_vocab(logits, self.config.vocab_size)
         loss = None
         if targets is not None:
             targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
@@ -312,7 +362,7 @@ class GPT(Module):
         for _ in range(max_new_tokens):
             cond = idx[:, -self.config.block_size:]
             logits, _ = self(to_device(cond, device))
-            z = to_host(logits.data[:, -1, :]).astype(np.float64) / temperature
+            z = to_host(logits.data[:, -1, :self.config.vocab_size]).astype(np.float64) / temperature
             if top_k is not None:
                 k = min(int(top_k), z.shape[-1])
                 kth = np.sort(z, axis=-1)[:, -k][:, None]
@@ -424,6 +474,8 @@ class GPT(Module):
         self._check_hf_gpt2("to_hf_gpt2")
         out = OrderedDict()
         for k, v in self.state_dict().items():
+            if k in ("wte.weight", "lm_head.weight"):
+                v = v[:self.config.vocab_size]          # the padding rows are no token: the unpadded vocabulary
             name = _to_hf_name(k)
             out[name] = np.ascontiguousarray(v.T) if k.endswith(".weight") and _is_conv1d(name) else v
         return out

@@ -138,6 +138,11 @@ def export_checkpoint(path: str, out: str, *, n_head: Optional[int] = None, pref
     if any(".mlp.router." in k or ".mlp.experts." in k for k in sd):
         raise ValueError(f"--format hf-gpt2: the checkpoint {path!r} holds a mixture-of-experts GPT; GPT-2 has "
                          "dense MLPs only (export --format safetensors instead)")
+    real = extra.get("vocab_size")             # a padded vocabulary (--make-vocab-size-divisible-by): its tokens only
+    if real is not None and int(real) < sd["wte.weight"].shape[0]:
+        for k in ("wte.weight", "lm_head.weight"):
+            if k in sd:
+                sd[k] = sd[k][:int(real)]
     vocab, c = sd["wte.weight"].shape
     layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("blocks.")})
     if n_head is None:

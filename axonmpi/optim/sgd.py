@@ -38,7 +38,9 @@ class SGD(Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach=None,
+                 fused=None):
+        # torch's foreach / fused pick a kernel, not a result: accepted, the update is the same
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults)

@@ -65,6 +65,7 @@ class HybridGPT:
             raise ValueError(f"rank {g.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
         self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
+        self._schedule_said = schedule if isinstance(schedule, str) else self.schedule.name.lower()   # logs: the user's word
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
         self.sequence_parallel = bool(sequence_parallel)
         self._expert_parallel = int((g.expert_parallel if config.moe_experts else 1) if expert_parallel is None
@@ -175,7 +176,7 @@ class HybridGPT:
             rep = f.replicate_group.size if f.replicate_group is not None else 1
             how = f"FSDP {self.sharding.name} (shards over {f.shard_group.size} ranks x {rep} replicas)"
         elif self.pipe is not None:
-            how = f"pipeline {self.schedule.name.lower()} m={self.num_microbatches}" + \
+            how = f"pipeline {self._schedule_said} m={self.num_microbatches}" + \
                 (f" + FSDP {self.sharding.name} stage shards" if self.sharding is not None else "")
         return (f"{self.layout} | tp-style {self.style.value if self.style else 'none'} | {how} | batch in "
                 f"{self.shards} row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")

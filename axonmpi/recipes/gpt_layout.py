@@ -65,8 +65,12 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
                         f"G_intra_d={layout.G_intra_d} (use --tp-style axonn)")
         c = layout.G_intra_c
         errs += [f"{what}={n} does not divide by G_intra_c={c}" for what, n in
-                 (("n_head", config.n_head), ("4*n_embd (MLP width)", 4 * config.n_embd),
-                  ("vocab_size", config.vocab_size)) if n % c]
+                 (("n_head", config.n_head), ("4*n_embd (MLP width)", 4 * config.n_embd)) if n % c]
+        if config.vocab_rows % c:       # Megatron pads the vocabulary: name its flag and the padded size
+            errs.append(f"vocab_size={config.vocab_rows} does not divide by G_intra_c={c}: pad it with "
+                        f"--make-vocab-size-divisible-by N (Megatron's flag; N=1 gives "
+                        f"{-(-config.vocab_rows // c) * c} rows, the padding masked out of the loss; "
+                        "GPTConfig(padded_vocab_size=...))")
     n_layers = config.n_layer + 2
     v = 2 if sched.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
     if layout.G_inter * v > n_layers:

@@ -22,7 +22,7 @@ import axonmpi.nn as nn
 import axonmpi.distributed as dist
 import axonmpi as ax
 from axonmpi.intra_layer import auto_parallelize, sync_gradients
-from axonmpi.data import TensorDataset
+from axonmpi.utils.data import TensorDataset
 # --- IMPORTS end ---
 
 G_data, G_intra_r, G_intra_c, G_intra_d = (int(v) for v in os.environ.get("AXONN_GRID", "1,1,1,1").split(","))
