@@ -5,7 +5,8 @@ axonmpi.profile(DIR):`` traces a block. Each rank writes ``DIR/trace_rank<r>.jso
 trace-event format: open it in https://ui.perfetto.dev or chrome://tracing);
 ``axonmpi trace merge DIR`` writes ``DIR/trace.json``, one timeline with a row per rank.
 Collectives come from the flight recorder (:mod:`axonmpi.distributed.watchdog`), so they are
-traced when the watchdog is on (the default). Imports nothing from axonmpi.
+traced when the watchdog is on (the default). Imports only :mod:`axonmpi.env` and :mod:`axonmpi.log`
+(it sits below :mod:`axonmpi.distributed`, whose watchdog feeds it).
 """
 from __future__ import annotations
 
@@ -160,8 +161,8 @@ def profile(directory: "str | os.PathLike") -> Iterator[Tracer]:
         ...         train_step()
         >>> # then: axonmpi trace merge traces/   (one timeline in traces/trace.json)
     """
-    from .distributed.world import get_world
-    tr = start(os.fspath(directory), get_world().rank)
+    from .log import rank_info      # the World's rank once axonmpi.init ran (this module sits below distributed)
+    tr = start(os.fspath(directory), rank_info()[0])
     try:
         yield tr
     finally:
