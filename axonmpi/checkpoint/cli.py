@@ -8,18 +8,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from .format import META_GROUP
 from .index import write_entry_view
-from .read import CheckpointReader
+from .read import CheckpointReader, resolve_path
 from .manager import list_run_folder, run_folder_rows
 
 __all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate", "export",
-           "create_temporary"]
+           "create_temporary", "check_output"]
 
 
 def _size(n: float) -> str:
@@ -213,8 +214,7 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
         0 on success (errors raise :class:`CheckpointError` / ``FileExistsError``).
     """
     import h5py
-    if os.path.exists(out_path) and not force:
-        raise FileExistsError(f"{out_path} exists (pass --force to replace it)")
+    check_output(path, out_path, force, "consolidate")
     tmp = create_temporary(out_path)
     try:
         with CheckpointReader(path) as r, h5py.File(tmp, "w") as f:
@@ -240,6 +240,40 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
     return 0
 
 
+_EXPORT_FILES = re.compile(r"model\.safetensors|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors")
+
+
+def check_output(path: str, out: str, force: bool, command: str, directory: bool = False,
+                 also: Tuple[str, ...] = ()) -> None:
+    """Refuse an output that would destroy the input or overwrite silently (``consolidate`` and ``export``).
+
+    * ``out`` inside the checkpoint folder (or the folder itself): refused, ``--force`` or not (the
+      command would replace ``index.h5`` or a shard it is reading);
+    * ``out``'s folder missing: refused, naming it (nothing is created but ``out`` itself);
+    * ``out`` already there (for a directory output: a file the export writes, or ``also``):
+      refused without ``force``.
+
+    Raises:
+        ValueError, FileNotFoundError, FileExistsError naming the paths.
+    """
+    ck = os.path.realpath(resolve_path(path))
+    target = os.path.realpath(out)
+    if target == ck or target.startswith(ck.rstrip(os.sep) + os.sep):
+        raise ValueError(f"{command}: the output {out} is inside the checkpoint {path} it reads ({ck}); writing there "
+                         f"would destroy the checkpoint. Choose an output outside it")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{command}: the folder of the output {out} does not exist ({parent}); create it first "
+                                "or choose another output")
+    if directory and os.path.isdir(out):
+        present = sorted(f for f in os.listdir(out) if _EXPORT_FILES.fullmatch(f) or f in also)
+        if present and not force:
+            raise FileExistsError(f"{command}: {out} already holds {', '.join(present)} (an earlier export?); pass "
+                                  "--force to replace them, or choose another folder")
+    elif os.path.lexists(out) and not force:
+        raise FileExistsError(f"{command}: {out} exists (pass --force to replace it)")
+
+
 def create_temporary(out_path: str) -> str:
     """Create an empty temporary file beside ``out_path`` with the umask's mode (0666 & ~umask).
 
@@ -259,7 +293,7 @@ def create_temporary(out_path: str) -> str:
 
 def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = "5GB",
            dtype: Optional[str] = None, prefix: Optional[str] = None, stream=None,
-           n_head: Optional[int] = None) -> int:
+           n_head: Optional[int] = None, force: bool = False) -> int:
     """``axonmpi ckpt export CKPT OUT --format safetensors|hf-gpt2``: the model state as safetensors files.
 
     ``safetensors``: full shapes under the serial ``state_dict`` names, streamed block by block,
@@ -269,10 +303,18 @@ def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = 
     (``config.json`` with GPT-2's names and ``tie_word_embeddings``, ``model.safetensors``; see
     :func:`axonmpi.models.hf_gpt2.export_checkpoint`; ``n_head`` when the checkpoint does not record it).
 
+    ``out`` must lie outside the checkpoint and in a folder that exists (``out`` itself is created);
+    files an earlier export wrote there are replaced only with ``force`` (``--force``).
+
     Returns:
         0 on success.
     """
     from .safetensors_io import export_safetensors
+    if fmt not in ("safetensors", "hf-gpt2"):
+        raise ValueError(f"--format {fmt!r}: the export formats are: safetensors, hf-gpt2")
+    single = fmt == "safetensors" and out.endswith(".safetensors")
+    check_output(path, out, force, "export", directory=not single,
+                 also=("config.json",) if fmt == "hf-gpt2" else ())
     if fmt == "hf-gpt2":
         from ..models.hf_gpt2 import export_checkpoint
         written = export_checkpoint(path, out, n_head=n_head, prefix=prefix, dtype=dtype,
@@ -284,6 +326,16 @@ def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = 
     written = export_safetensors(path, out, max_shard_size=max_shard_size, dtype=dtype, prefix=prefix)
     (stream or sys.stdout).write("".join(f"wrote {p}\n" for p in written))
     return 0
+
+
+def _heads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
 
 
 def add_commands(sub) -> None:
@@ -310,15 +362,16 @@ def add_commands(sub) -> None:
     p.add_argument("--format", default="safetensors", choices=["safetensors", "hf-gpt2"],
                    help="output format: safetensors (serial names) or hf-gpt2 (an axonmpi GPT as a directory "
                         "transformers.GPT2LMHeadModel.from_pretrained loads: config.json + model.safetensors)")
-    p.add_argument("--n-head", type=int, default=None,
+    p.add_argument("--n-head", type=_heads, default=None,
                    help="hf-gpt2: the GPT's number of heads when the checkpoint does not record it "
                         "(default: extra/config/n_head, else n_embd // 64)")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per file, e.g. 5GB (10^9) or 500MiB")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp64"],
                    help="cast floating tensors (default: keep each tensor's dtype)")
     p.add_argument("--prefix", default=None, help="state key holding the model (default: 'model' if present)")
+    p.add_argument("--force", action="store_true", help="replace the files of an earlier export in OUT")
     p.set_defaults(func=lambda a: export(a.path, a.out, a.format, a.max_shard_size, a.dtype, a.prefix,
-                                         n_head=a.n_head))
+                                         n_head=a.n_head, force=a.force))
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
