@@ -204,7 +204,10 @@ def _site(c: dict) -> str:
 
 def _what(c: dict) -> str:
     peer = f" peer {c['peer']}" if c.get("peer") is not None else ""
-    return f"{c['op']}({c['count']} x {c['dtype']}{peer}) at {_site(c)}"
+    tag = f" tag {c['tag']}" if c.get("peer") is not None and c.get("tag", -1) != -1 else ""
+    shape = f", shape {tuple(c['shape'])}" if isinstance(c.get("shape"), list) else ""
+    root = f", root {c['root']}" if c.get("root", -1) not in (-1, None) else ""
+    return f"{c['op']}({c['count']} x {c['dtype']}{shape}{root}{peer}{tag}) at {_site(c)}"
 
 
 def analyze(directory: "str | os.PathLike") -> str:
@@ -231,8 +234,9 @@ def analyze(directory: "str | os.PathLike") -> str:
     groups = {}
     for r, d in records.items():
         for c in d["calls"]:
-            if c["op"] in ("send", "recv"):
-                continue        # point-to-point numbers count one rank's calls; they do not line up
+            if c["op"] in ("send", "recv", "collective check"):
+                continue        # point-to-point numbers count one rank's calls; they do not line up (nor does
+                                # the always-on check's last exchange at exit)
             groups.setdefault((c["group"], tuple(c["ranks"])), {}).setdefault(r, {})[c["seq"]] = c
     found = []
     for (name, ranks), per_rank in sorted(groups.items()):

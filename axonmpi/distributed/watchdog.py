@@ -286,10 +286,11 @@ class Watchdog:
     def _blocked_by_exit(self, e) -> bool:
         """True when a rank this call needs has exited without making it."""
         key = (e[_GROUP], e[_RANKS])
+        final = e[_OP] == _FINAL        # every rank makes the last exchange after announcing its exit
         for r, last in self.exited.items():
             if r not in e[_RANKS]:
                 continue
-            if e[_PEER] is not None or last.get(key, -1) < e[_SEQ]:
+            if e[_PEER] is not None or last.get(key, -1) < e[_SEQ] - (1 if final else 0):
                 return True
         return False
 
@@ -351,7 +352,12 @@ class Watchdog:
             if len(got) < len(want) and now - at < ANSWER_S:
                 return False
             st[2] = -1
-            cause = self.cause(_full(e), got)
+            try:
+                cause = self.cause(_full(e), got)
+            except Exception as err:      # a question must never end the monitor
+                cause = None
+                sys.stderr.write(f"[axonmpi] watchdog: rank {self.rank} could not read the other ranks' answers "
+                                 f"({type(err).__name__}: {err})\n")
             if cause is not None:
                 self._cause = cause
                 return True
@@ -432,6 +438,12 @@ class Watchdog:
                                   f"same members {sorted(ranks)} as {e[_GROUP]}, where this rank waits ({_desc(e, 0)})")
         if others:
             return "; ".join(others) + "."
+        done = sorted(r for r, f in waiting.items() if f[_OP] == _FINAL and f[_SEQ] <= e[_SEQ])
+        waiting = {r: f for r, f in waiting.items() if f[_OP] != _FINAL or r == self.rank}
+        if done and e[_OP] != _FINAL:
+            return (f"world ranks {done} finished (their script ended or called sys.exit; they wait in the exit "
+                    f"barrier) without making call #{e[_SEQ]} on {e[_GROUP]}, which this rank waits in "
+                    f"({_call_text(e)}): they made fewer collectives on the group.")
         seq = min(f[_SEQ] for f in waiting.values())     # the first call the ranks may disagree on
         calls = self._calls_at(e, answers, seq)
         lines = _by_call(calls)
@@ -516,7 +528,7 @@ class Watchdog:
         """This rank's calls in flight, last completed call per group, the last collectives per group and
         the last sends to each peer (what a report, and a peek, needs); entries as :func:`_full` gives them."""
         now = _clock()
-        flight, last, recent, sends = [], {}, {}, {}
+        flight, last, lastc, recent, sends = [], {}, {}, {}, {}
         n, cap, ring = self.pos, self.capacity, self.ring
         for i in range(max(0, n - cap), n):
             slot = ring[i % cap]
@@ -528,16 +540,18 @@ class Watchdog:
                 flight.append(e)
             else:
                 last[key] = e
+                if e[_PEER] is None and e[_OP] != _FINAL:
+                    lastc[key] = e
             if e[_PEER] is None:
                 recent.setdefault(key, []).append(e)
             elif e[_OP] == "send":
                 sends.setdefault(key + (e[_RANKS][e[_PEER]],), []).append(e)
         recent = {k: v[-16:] for k, v in recent.items()}
         sends = {k: v[-8:] for k, v in sends.items()}
-        for e in flight + list(last.values()):
+        for e in {id(x): x for x in flight + list(last.values()) + list(lastc.values())}.values():
             e[_T0] = now - e[_T0]                        # seconds ago (clocks differ between ranks)
             e[_T1] = None if e[_T1] is None else now - e[_T1]
-        return {"rank": self.rank, "flight": flight, "last": last, "recent": recent, "sends": sends,
+        return {"rank": self.rank, "flight": flight, "last": last, "lastc": lastc, "recent": recent, "sends": sends,
                 "exiting": self.rank in self.exited}
 
     def expire(self, e, waited: float) -> None:
@@ -586,9 +600,11 @@ class Watchdog:
             if st is None:
                 silent.append(r)
                 continue
-            mine = [f for f in st["flight"] if (f[_GROUP], f[_RANKS]) == key and f[_SEQ] == e[_SEQ]]
+            mine = [f for f in st["flight"] if (f[_GROUP], f[_RANKS]) == key and f[_SEQ] == e[_SEQ]
+                    and f[_PEER] is None and f[_OP] != _FINAL]
             last = st["last"].get(key)
-            if e[_PEER] is None and (mine or (last is not None and last[_SEQ] >= e[_SEQ])):
+            lastc = st.get("lastc", {}).get(key)
+            if e[_PEER] is None and (mine or (lastc is not None and lastc[_SEQ] >= e[_SEQ])):
                 arrived.append(r)
                 if mine:
                     calls[r] = mine[0]
@@ -640,9 +656,18 @@ class Watchdog:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         now = _clock()
         calls = []
-        for e in self.entries():
+        n, cap = self.pos, self.capacity
+        for i in range(max(0, n - cap), n):
+            slot = self.ring[i % cap]
+            e = _public(slot)
             d = dict(zip(CALL_FIELDS, e))
             d["ranks"] = list(d["ranks"])
+            sig = slot[_SIG]
+            if sig:                       # the call's signature: shape (collectives that compare it), root
+                d["shape"] = list(sig[2]) if isinstance(sig[2], tuple) else None
+                d["root"] = sig[3]
+            d["tag"] = slot[_TAG]
+            d["api"] = _api_name(slot[_API])
             d["dtype"] = str(d["dtype"])
             d["t_start"] = d["t_start"] - now
             d["t_end"] = None if d["t_end"] is None else d["t_end"] - now
@@ -684,14 +709,15 @@ class Watchdog:
             return
         last = {}
         for e in self.entries():
-            last[(e[_GROUP], e[_RANKS])] = e[_SEQ]
-        self._settle_checks()
+            if e[_PEER] is None:
+                last[(e[_GROUP], e[_RANKS])] = e[_SEQ]
         self.exited[self.rank] = last
         msg = pickle.dumps(last)
         for r in range(self.size):
             if r != self.rank:
                 self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_EXIT))
         self._expected_notices = self.size - 1
+        self._settle_checks()          # after the announcement: a rank waiting for a call this one never made hears of it
         bad = self._finish()
         if bad:
             sys.stdout.flush()
@@ -869,6 +895,7 @@ _OPCODE = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 3, "broadcast": 4, "a
            "gather_object": 12, "all_to_all_object": 13}   # ints: str hashes are salted per process
 _OPNAME = {v: k for k, v in _OPCODE.items()}
 _ROOTED = (2, 4, 6, 7, 10, 12)
+_FINAL = "collective check"    # the op of the last exchange (exit, free)
 _MOPS: Dict[int, int] = {}     # id(MPI.Op) -> its handle (MPI.Op objects are unhashable)
 _MOP_KEEP: list = []           # ... kept alive so an id is never reused
 _MOP_NAMES = {}
@@ -906,8 +933,10 @@ def _dtype_name(num: int) -> str:
 def sig_text(sig) -> str:
     """A call signature ``(opcode, dtype num, shape, root, reduce op)`` as ``all_reduce(shape=(4, 2), ...)``."""
     code, dtn, shape, root, redop = sig
+    if code == 0:
+        return "the always-on check's last exchange (at exit or free)"
     fields = []
-    if shape != _VARIES and code not in (9, 10, 11, 12, 13):
+    if isinstance(shape, (tuple, list)) and code not in (9, 10, 11, 12, 13):
         fields.append(f"shape={tuple(shape)}")
     if dtn:
         fields.append(f"dtype={_dtype_name(dtn)}")
@@ -1013,7 +1042,7 @@ class _Checks:
     def final(self) -> None:
         """Start the exchange of what is left (exit, ``free``): every rank that used the group makes it."""
         if self.calls or self.pending:
-            e = self.wc._rec("collective check", 0, None, None, True, (0, 0, 0, _NO_ROOT, 0))
+            e = self.wc._rec(_FINAL, 0, None, None, True, (0, 0, 0, _NO_ROOT, 0))
             self.exchange(e, False)
 
     def _wait(self, req, e) -> None:
