@@ -338,6 +338,15 @@ def _heads(text: str) -> int:
     return n
 
 
+def _shard_size(text: str) -> str:
+    from .safetensors_io import parse_size
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_commands(sub) -> None:
     """Add the ``inspect``, ``verify``, ``consolidate`` and ``export`` commands to an argparse subparsers object."""
     p = sub.add_parser("inspect", help="list a checkpoint's entries, shapes, dtypes, shards, bytes and step; "
@@ -365,7 +374,8 @@ def add_commands(sub) -> None:
     p.add_argument("--n-head", type=_heads, default=None,
                    help="hf-gpt2: the GPT's number of heads when the checkpoint does not record it "
                         "(default: extra/config/n_head, else n_embd // 64)")
-    p.add_argument("--max-shard-size", default="5GB", help="bytes per file, e.g. 5GB (10^9) or 500MiB")
+    p.add_argument("--max-shard-size", default="5GB", type=_shard_size,
+                   help="bytes per file, e.g. 5GB (10^9) or 500MiB")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp64"],
                    help="cast floating tensors (default: keep each tensor's dtype)")
     p.add_argument("--prefix", default=None, help="state key holding the model (default: 'model' if present)")

@@ -47,8 +47,9 @@ class World:
         if abort_on_exception:   # first: an error in the arguments below prints once, not once per rank
             install_abort_on_exception(comm if comm is not None else MPI.COMM_WORLD)
         base = comm if comm is not None else MPI.COMM_WORLD
-        from .signals import announce_early, record_early_signals
+        from .signals import announce_early, mark_ready, record_early_signals
         record_early_signals()   # Slurm's USR1 during start-up: MPICH's C handler would swallow it
+        mark_ready()             # the job template forwards a held SIGUSR1 once every rank is here
         sizes = resolve_grid_sizes(base.Get_size(), G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
                                    G_intra_c=G_intra_c, G_intra_d=G_intra_d, G_context=G_context,
                                    rank=base.Get_rank())

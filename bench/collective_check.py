@@ -1,0 +1,150 @@
+"""What the always-on collective check costs: all_reduce of 8 B, 1 KiB and 1 MiB, and a DDP step, check on vs off.
+
+One ``mpiexec`` job (``--ranks``, default 2) makes two groups of the same ranks in one process, one with
+the check (``checked``) and one without (``unchecked``: made with the check switched off, as
+``AXONMPI_CHECK_COLLECTIVES=0`` makes every group), both watched by the watchdog and the flight
+recorder, so only the check differs. Then, interleaved (off, on, on, off, ... per round, so that load
+from other processes hits both sides alike), ``--rounds`` times:
+
+  * per size, a block of ``--calls`` all-reduces on each group, timed as a block: the mean per call
+    includes the exchanges the check makes every ``AXONMPI_CHECK_EVERY`` calls (a per-call median
+    would hide them);
+  * a DDP step (MLP 784 -> HIDDEN -> HIDDEN -> 10, BATCH rows per rank, Adam) of one model on each
+    group, ``--steps`` steps per block.
+
+Prints the median over rounds of each side, the difference (us per call, ms per step) and the ratio,
+and the spread (min..max of the per-round differences), with the load average.
+
+    python bench/collective_check.py --ranks 2 --rounds 15
+    AXONMPI_CHECK_EVERY=1 python bench/collective_check.py     # the per-call check (the old design)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = (("8 B", 1), ("1 KiB", 128), ("1 MiB", 131072))   # float64 elements
+
+
+def worker(calls: int, rounds: int, steps: int) -> None:
+    import statistics
+    import time
+
+    import numpy as np
+
+    sys.path.insert(0, ROOT)
+    import axonmpi
+    import axonmpi.nn as nn
+    import axonmpi.nn.functional as F
+    from axonmpi.optim import Adam
+
+    w = axonmpi.init()
+    wd = w.watchdog
+    if wd is None:
+        raise SystemExit("the watchdog and the flight recorder are off: nothing to compare")
+    ranks = list(range(w.world_size))
+    wd.check = True
+    checked = w.new_group(ranks, name="checked")
+    wd.check = False
+    plain = w.new_group(ranks, name="unchecked")
+    wd.check = True
+    groups = {"off": plain, "on": checked}
+    clock = time.perf_counter
+
+    H = int(os.environ.get("HIDDEN", "1024"))
+    B = int(os.environ.get("BATCH", "64"))
+    models, opts = {}, {}
+    for side, g in groups.items():
+        axonmpi.manual_seed(0)
+        models[side] = axonmpi.DDP(nn.Sequential(nn.Linear(784, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU(),
+                                                 nn.Linear(H, 10)), group=g)
+        opts[side] = Adam(models[side].parameters(), lr=1e-3)
+    rng = np.random.default_rng(w.rank)
+    x = axonmpi.Tensor(rng.standard_normal((B, 784)).astype(np.float32))
+    y = axonmpi.Tensor(rng.integers(0, 10, B))
+
+    def ddp_step(side):
+        opts[side].zero_grad()
+        F.cross_entropy(models[side](x), y).backward()
+        opts[side].step()
+
+    bufs = {label: np.ones(n) for label, n in SIZES}
+    per_call = {(label, side): [] for label, _ in SIZES for side in groups}
+    per_step = {side: [] for side in groups}
+    colls = {side: [] for side in groups}
+    for side in groups:                      # warm up: buffers, persistent requests, DDP buckets
+        for label, _ in SIZES:
+            for _ in range(2 * wd.check_every):
+                axonmpi.all_reduce(bufs[label], group=groups[side], out=bufs[label])
+        for _ in range(3):
+            ddp_step(side)
+    w.barrier()
+    for rnd in range(rounds):
+        order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
+        for label, _ in SIZES:
+            n = calls if label != "1 MiB" else max(calls // 16, wd.check_every * 2)
+            for side in order:
+                g, b = groups[side], bufs[label]
+                w.barrier()
+                t = clock()
+                for _ in range(n):
+                    axonmpi.all_reduce(b, group=g, out=b)
+                per_call[(label, side)].append((clock() - t) / n)
+        for side in order:
+            ck = groups[side]._watched.ck if groups[side]._watched is not None else None
+            c0 = ck.calls if ck is not None else 0
+            w.barrier()
+            t = clock()
+            for _ in range(steps):
+                ddp_step(side)
+            per_step[side].append((clock() - t) / steps)
+            if ck is not None:
+                colls[side].append((ck.calls - c0) / steps)
+    if w.rank == 0:
+        med = statistics.median
+        print(f"{w.world_size} ranks, {rounds} interleaved rounds, AXONMPI_CHECK_EVERY={wd.check_every}, "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print(f"BENCH {'all_reduce':<12} {'off us/call':>11} {'on us/call':>11} {'on - off us':>12} {'ratio':>7} "
+              f"{'spread of on - off (min..max)':>30}")
+        for label, _ in SIZES:
+            off, on = per_call[(label, "off")], per_call[(label, "on")]
+            diffs = [(a - b) * 1e6 for a, b in zip(on, off)]
+            print(f"BENCH {label:<12} {med(off) * 1e6:>11.2f} {med(on) * 1e6:>11.2f} {med(diffs):>+12.2f} "
+                  f"{med(on) / med(off):>7.3f} {min(diffs):>+14.2f} .. {max(diffs):>+.2f}")
+        off, on = per_step["off"], per_step["on"]
+        diffs = [(a - b) * 1e3 for a, b in zip(on, off)]
+        nc = med(colls["on"]) if colls["on"] else 0
+        print(f"BENCH {'DDP step':<12} {med(off) * 1e3:>9.2f}ms {med(on) * 1e3:>9.2f}ms {med(diffs):>+10.3f}ms "
+              f"{med(on) / med(off):>7.3f} {min(diffs):>+12.3f} .. {max(diffs):>+.3f} ms "
+              f"({nc:.0f} checked collectives per step; MLP 784-{H}-{H}-10, batch {B} per rank)")
+    axonmpi.distributed.destroy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=2048, help="all-reduces per block (1 MiB: a 16th)")
+    ap.add_argument("--steps", type=int, default=5, help="DDP steps per block")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.calls, args.rounds, args.steps)
+        return
+    sys.path.insert(0, ROOT)
+    from axonmpi.testing import mpiexec_env, mpiexec_path
+    env = mpiexec_env({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    cmd = [mpiexec_path(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
+           "--calls", str(args.calls), "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}")
+    print("\n".join(line[6:] if line.startswith("BENCH ") else line for line in r.stdout.splitlines()
+                    if "BLAS" not in line))
+
+
+if __name__ == "__main__":
+    main()
