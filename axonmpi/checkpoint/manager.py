@@ -328,11 +328,12 @@ class CheckpointManager:
 
         ``load_latest`` skips such a folder (it has no index), so a resumed run comes back to its step;
         without this the save of that step refused to replace it and every rerun lost the same steps.
-        A folder here is the manager's by its name: only ``<prefix><8 digits>`` ones are moved."""
+        Only a folder that holds nothing but a save's files (``shard-*.h5``, ``data.h5``) is moved: one with
+        other files is not a checkpoint and the save refuses to replace it, as before."""
         from ..distributed import broadcast_object
         from ..log import get_logger
         moved, err = None, None
-        if g.rank == 0 and os.path.isdir(path) and not os.path.islink(path) and not is_checkpoint(path):
+        if g.rank == 0 and _interrupted_save(path):
             aside, n = f"{path}.unfinished", 1
             while os.path.lexists(aside):
                 aside, n = f"{path}.unfinished-{n}", n + 1
@@ -408,6 +409,17 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, keep_last={self.keep_last}, "
                 f"every_steps={self.every_steps}, latest_step={self.latest_step()})")
+
+
+_SAVE_FILES = re.compile(r"shard-\d{5}\.h5|data\.h5|index\.h5")
+
+
+def _interrupted_save(path: str) -> bool:
+    """True for a folder without an index that holds only files a save writes (an interrupted save)."""
+    if not os.path.isdir(path) or os.path.islink(path) or is_checkpoint(path):
+        return False
+    names = os.listdir(path)
+    return bool(names) and all(_SAVE_FILES.fullmatch(n) for n in names)
 
 
 def _verify_problems(path: str, part: int = 0, parts: int = 1) -> List[str]:
