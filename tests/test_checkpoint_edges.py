@@ -229,3 +229,28 @@ def test_replicas_of_a_block_that_differ_are_refused_naming_the_entry_and_the_ra
     assert ckpt.load(path)["step"] == 1                                  # the previous checkpoint is intact
     axonmpi.barrier()
     assert not [n for n in os.listdir(shared) if ".tmp-" in n]
+
+
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-bytes", "60000",
+        "--eval-batches", "1", "--no-progress", "--sample-chars", "0", "--warmup", "2", "--global-batch", "4"]
+
+
+@pytest.mark.serial
+def test_train_gpt_auto_resume_over_an_interrupted_save_saves_that_step_again(tmp_path):
+    """The issue's row: step 4's folder lost its index.h5; --auto-resume resumed from step 2 (right), then the
+    save of step 4 refused to replace the folder (FileExistsError, exit 1), on every rerun. Now it saves."""
+    import sys
+    from axonmpi.testing import mpiexec_path
+    d = str(tmp_path / "ck")
+    gpt = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_gpt.py")
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, gpt, *TINY, "--checkpoint-dir", d, "--save-every", "2",
+           "--steps", "4", "--auto-resume"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mpiexec_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rerun in range(2):
+        os.remove(os.path.join(d, "step-00000004", "index.h5"))
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mpiexec_env(), cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"resumed from {d}/step-00000002 at step 2" in r.stderr, r.stderr[-3000:]
+        assert "moved it to" in r.stderr and "step-00000004.unfinished" in r.stderr, r.stderr[-3000:]
+        assert CheckpointManager(d).steps() == [2, 4]
