@@ -33,25 +33,40 @@ deadline.
 
 [Note: the always-on collective check]
 Every collective through a :class:`WatchedComm` is also checked across its group, debug mode or not
-(``AXONMPI_CHECK_COLLECTIVES=1``, the default). Before the MPI call, the rank hashes the call's
-signature (op, wire dtype, element count where MPI needs it equal, root, reduce op, and the group's
-collective sequence number) and starts a persistent ``Allreduce(MIN)`` of ``(h, -h)`` on the group's
-check communicator (a duplicate made with the group, used for nothing else; one preallocated
-request per slot of a 16-slot ring, so a call costs a ``Start`` and a ``Test``, no allocation).
-After the call the result is ``(min h, -max h)``: equal halves mean every rank passed the same
-signature. Checks are verified in call order, right after the call when the check has completed
-(it almost always has: every rank started it before its part of the call), else before the next
-blocking collective on the group (which waits for it: no rank may block in call n+1 while another
-raises for call n), when the ring wraps, or at exit. Ranks that block for ever in different
-collectives (all_reduce on one, broadcast on another) cannot raise: the monitor thread reads the
-completed check's result buffer after ``PEEK_S`` and reports the hang at once, naming who called
-what. A mismatch is seen at the same call number on every rank; the ranks then exchange descriptions (op, count, dtype, root, call site) point-to-point on the
-check communicator (:func:`axonmpi.distributed.debug.name_mismatch`, debug mode's protocol) and
-every rank raises :class:`~axonmpi.distributed.debug.CollectiveMismatchError` naming who called
-what where. An MPI error in a call (truncation: 5 vs 4 elements) becomes
-:class:`~axonmpi.distributed.debug.CollectiveMPIError` naming the op, group and call site, or the
-mismatch error when the check names the cause. Debug mode still checks shapes, which the hash
-does not see (only element counts).
+(``AXONMPI_CHECK_COLLECTIVES=1``, the default). Each call's signature is ``(op code, wire dtype
+number, shape, root, reduce op)``: the shape the caller passed (the collective notes it on the group,
+``group._sig_shape``, when the backend gets a flat buffer; ``-1`` for the v-collectives, whose counts
+differ by design). The check runs on the group's check communicator (a duplicate made with the
+group, used for nothing else), so it covers the group too.
+
+A per-call exchange costs a second small collective per call (about 8 us on a loop of one-element
+all-reduces), so the check is batched: each call only appends ``(signature, ring entry)`` to the
+group's window; every ``AXONMPI_CHECK_EVERY`` calls (64), at every barrier (an exchange point: the
+window is compared before it returns) and at exit or ``free`` (the last exchange, after the exit is
+announced), the window is hashed and a persistent non-blocking ``Allreduce(SUM)`` of five uint64 lanes
+starts: two ``b``-bit hashes ``h1, h2`` of the window, their squares, and the window's all-to-all
+balance. ``n * sum(h^2) == sum(h)^2`` holds only when all ``n`` hashes are equal, and with
+``b = (63 - log2 n) / 2`` the sums are exact. The balance: for every count an ``Alltoallv`` sends,
+the sender adds a 64-bit mix of (call, source, destination, count) and the receiver subtracts the mix
+of the count it expects, so the group's sum is 0 (mod 2^64) only when every receiver expects what
+its sender sends. Exchanges are verified in order at the next exchange (waiting for them before a
+blocking call: they completed once every rank entered the window's calls; a rank must not block in a
+later call while another raises for an earlier one), so a mismatch MPI completes without complaint is
+raised within two windows; ``AXONMPI_CHECK_EVERY=1`` verifies each call's exchange before it returns.
+A difference is seen at the same exchange on every rank; the ranks then send their windows to group
+rank 0 point-to-point on the check communicator
+(:func:`axonmpi.distributed.debug.name_window_mismatch`, debug mode's protocol), which names the
+first call they disagree on, or the counts that do not match, and every rank raises
+:class:`~axonmpi.distributed.debug.CollectiveMismatchError`.
+
+Mismatches MPI cannot complete hang instead. A call blocked ``PEEK_S`` asks the ranks it waits for
+(their monitors answer on the watchdog communicator, ``_PEEK``) for their state: the calls they are
+blocked in, their last collectives per group with signatures, their last sends with tags. When two
+questions in a row show the same cause (different collectives, roots or shapes at one call number,
+two groups with the same members, a rank outside an API the others are in, a tag nobody sends, a
+rank that finished without the call), the job ends at once with it (:meth:`Watchdog.cause`). An MPI
+error in a collective asks the same question (:meth:`Watchdog.ask_about`) and becomes the mismatch
+it shows, else :class:`~axonmpi.distributed.debug.CollectiveMPIError` naming the op, group and site.
 
 [Note: point-to-point accounting]
 Each :class:`WatchedComm` counts the sends it posts to and the receives it posts from each peer.
