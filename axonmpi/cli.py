@@ -286,6 +286,39 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _count0(text: str) -> int:
+    """A whole number >= 0 (0 meaning "none" or "the default")."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
+    return n
+
+
+def _positive(text: str) -> float:
+    """A number > 0 (a bandwidth, a rate, a size)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return x
+
+
+def _amount0(text: str) -> float:
+    """A number >= 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="axonmpi", description="axonmpi: MPI-native distributed deep learning.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -322,14 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--gpus-per-node", type=_positive_int, default=None, help="ranks per node (default: with "
                     "--measure the run's, else the --hardware file's, else 8)")
     sp.add_argument("--dtype-bytes", type=_positive_int, default=4, help="bytes per element")
-    sp.add_argument("--bw-intra", type=float, default=50.0, help="GB/s inside a node")
-    sp.add_argument("--bw-inter", type=float, default=12.5, help="GB/s between nodes")
-    sp.add_argument("--tflops", type=float, default=50.0, help="TFLOP/s per rank")
-    sp.add_argument("--cores", type=float, default=0.0,
+    sp.add_argument("--bw-intra", type=_positive, default=50.0, help="GB/s inside a node")
+    sp.add_argument("--bw-inter", type=_positive, default=12.5, help="GB/s between nodes")
+    sp.add_argument("--tflops", type=_positive, default=50.0, help="TFLOP/s per rank")
+    sp.add_argument("--cores", type=_amount0, default=0.0,
                     help="cores per node; more ranks than cores stretch compute (0: one per rank)")
-    sp.add_argument("--memory-gib", type=float, default=None, help="leave out layouts needing more per rank")
+    sp.add_argument("--memory-gib", type=_positive, default=None, help="leave out layouts needing more per rank")
     sp.add_argument("--top", type=_positive_int, default=20, help="rows shown")
-    sp.add_argument("--moe-experts", type=int, default=0,
+    sp.add_argument("--moe-experts", type=_count0, default=0,
                     help="also estimate one MoE layer of E experts: expert parallelism vs tensor-parallel experts")
     sp.add_argument("--moe-top-k", type=int, default=1, choices=[1, 2], help="experts per token (with --moe-experts)")
     sp.add_argument("--measure", action="store_true",
@@ -338,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hardware", default=None,
                     help="a shipped machine (dgx-a100, dgx-h100, perlmutter, frontier: the full cost model of "
                          "axonmpi.planner; cpu: HybridGPT's model with this allocation's measured numbers) or a JSON file")
-    sp.add_argument("--heads", type=int, default=0, help="attention heads (the full cost model)")
-    sp.add_argument("--ffn", type=int, default=0, help="MLP hidden size (default 4 x width)")
+    sp.add_argument("--heads", type=_count0, default=0, help="attention heads (the full cost model)")
+    sp.add_argument("--ffn", type=_count0, default=0, help="MLP hidden size (default 4 x width)")
     sp.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch")
     sp.add_argument("--precision", choices=["fp16", "bf16", "fp32", "fp64"], default="fp16",
                     help="compute precision (the full cost model)")

@@ -44,7 +44,13 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "too, MPI calls go straight to mpi4py"),
     EnvVar("AXONMPI_CHECK_COLLECTIVES", "bool", "1",
            "0 turns off the always-on check that every rank of a group calls each collective with the same op, "
-           "dtype, element count and root (needs the watchdog or the flight recorder on)"),
+           "dtype, shape, root and all-to-all counts (needs the watchdog or the flight recorder on)"),
+    EnvVar("AXONMPI_CHECK_EVERY", "float", "64",
+           "calls between two exchanges of the always-on check (also at every barrier and at exit); 1 checks "
+           "each call before it returns (about 8 us more per call)"),
+    EnvVar("AXONMPI_READY_DIR", "str", "",
+           "set by jobs/requeue.sh: each rank writes a file there once it catches SIGTERM/SIGUSR1 (at import "
+           "axonmpi); the template holds SIGUSR1 until every rank has"),
     EnvVar("AXONMPI_WATCHDOG_POLLING", "bool", "0",
            "1 makes the watchdog poll non-blocking calls (the fallback used below MPI THREAD_MULTIPLE)"),
     EnvVar("AXONMPI_FLIGHT_RECORDER_SIZE", "float", "2000", "calls kept per rank in the flight recorder's ring buffer"),

@@ -12,16 +12,26 @@ if TYPE_CHECKING:
 from . import env as _env
 
 __all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0", "run_main",
-           "stderr_is_terminal"]
+           "stderr_is_terminal", "set_rank", "rank_info"]
 
 _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
 
 
-def _rank_info():
-    from .distributed import get_world, is_initialized
-    if is_initialized():
-        w = get_world()
-        return w.rank, w.world_size
+# (rank, world size) of the current World, told by axonmpi.init (this module sits below
+# axonmpi.distributed and never imports it); None before init and after destroy
+_RANK: Optional[tuple] = None
+
+
+def set_rank(rank: Optional[int], world_size: int = 1) -> None:
+    """Label log lines with ``rank`` of ``world_size`` (``World`` calls it at init; ``None`` at destroy)."""
+    global _RANK
+    _RANK = None if rank is None else (int(rank), int(world_size))
+
+
+def rank_info():
+    """``(rank, world_size)``: the World's once ``axonmpi.init`` ran, else the launcher's variables, else (0, 1)."""
+    if _RANK is not None:
+        return _RANK
     # before init: fall back to launcher variables only for labelling log lines
     for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
                  ("SLURM_PROCID", "SLURM_NTASKS")):
@@ -38,7 +48,7 @@ class RankFilter(logging.Filter):
         self.rank0_only = rank0_only
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank, record.world_size = _rank_info()
+        record.rank, record.world_size = rank_info()
         return not (self.rank0_only and record.rank != 0)
 
 
@@ -67,14 +77,14 @@ def get_logger(name: str = "axonmpi", level: Optional[int] = None, rank0_only: b
 
 def print0(*args: Any, **kwargs: Any) -> None:
     """``print`` on world rank 0 only (flushes, so lines are not held back under mpiexec)."""
-    if _rank_info()[0] == 0:
+    if rank_info()[0] == 0:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
 
 
 def print_rank(*args: Any, **kwargs: Any) -> None:
     """``print`` prefixed with ``[rank r/n]`` on every rank."""
-    r, n = _rank_info()
+    r, n = rank_info()
     kwargs.setdefault("flush", True)
     print(f"[rank {r}/{n}]", *args, **kwargs)
 
@@ -89,7 +99,7 @@ def rank0_parser(parser: "argparse.ArgumentParser") -> "argparse.ArgumentParser"
     Example:
         >>> args = rank0_parser(argparse.ArgumentParser()).parse_args()
     """
-    if _rank_info()[0] != 0:
+    if rank_info()[0] != 0:
         parser._print_message = lambda message, file=None: None
     return parser
 
@@ -164,7 +174,7 @@ def exit0(message: str, code: int = 2) -> "NoReturn":
         >>> if args.global_batch % world.world_size:
         ...     exit0(f"--global-batch {args.global_batch} must divide by the {world.world_size} ranks")
     """
-    if _rank_info()[0] == 0:
+    if rank_info()[0] == 0:
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
     raise SystemExit(code)

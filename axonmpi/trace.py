@@ -5,7 +5,8 @@ axonmpi.profile(DIR):`` traces a block. Each rank writes ``DIR/trace_rank<r>.jso
 trace-event format: open it in https://ui.perfetto.dev or chrome://tracing);
 ``axonmpi trace merge DIR`` writes ``DIR/trace.json``, one timeline with a row per rank.
 Collectives come from the flight recorder (:mod:`axonmpi.distributed.watchdog`), so they are
-traced when the watchdog is on (the default). Imports nothing from axonmpi.
+traced when the watchdog is on (the default). Imports only :mod:`axonmpi.env` and :mod:`axonmpi.log`
+(it sits below :mod:`axonmpi.distributed`, whose watchdog feeds it).
 """
 from __future__ import annotations
 
@@ -160,8 +161,8 @@ def profile(directory: "str | os.PathLike") -> Iterator[Tracer]:
         ...         train_step()
         >>> # then: axonmpi trace merge traces/   (one timeline in traces/trace.json)
     """
-    from .distributed.world import get_world
-    tr = start(os.fspath(directory), get_world().rank)
+    from .log import rank_info      # the World's rank once axonmpi.init ran (this module sits below distributed)
+    tr = start(os.fspath(directory), rank_info()[0])
     try:
         yield tr
     finally:
@@ -203,7 +204,10 @@ def _site(c: dict) -> str:
 
 def _what(c: dict) -> str:
     peer = f" peer {c['peer']}" if c.get("peer") is not None else ""
-    return f"{c['op']}({c['count']} x {c['dtype']}{peer}) at {_site(c)}"
+    tag = f" tag {c['tag']}" if c.get("peer") is not None and c.get("tag", -1) != -1 else ""
+    shape = f", shape {tuple(c['shape'])}" if isinstance(c.get("shape"), list) else ""
+    root = f", root {c['root']}" if c.get("root", -1) not in (-1, None) else ""
+    return f"{c['op']}({c['count']} x {c['dtype']}{shape}{root}{peer}{tag}) at {_site(c)}"
 
 
 def analyze(directory: "str | os.PathLike") -> str:
@@ -230,8 +234,9 @@ def analyze(directory: "str | os.PathLike") -> str:
     groups = {}
     for r, d in records.items():
         for c in d["calls"]:
-            if c["op"] in ("send", "recv"):
-                continue        # point-to-point numbers count one rank's calls; they do not line up
+            if c["op"] in ("send", "recv", "collective check"):
+                continue        # point-to-point numbers count one rank's calls; they do not line up (nor does
+                                # the always-on check's last exchange at exit)
             groups.setdefault((c["group"], tuple(c["ranks"])), {}).setdefault(r, {})[c["seq"]] = c
     found = []
     for (name, ranks), per_rank in sorted(groups.items()):

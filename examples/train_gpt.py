@@ -183,9 +183,9 @@ def parse_args(argv=None):
                    help="write a Chrome/Perfetto timeline per rank to DIR/trace_rank<r>.json (collectives, forward, "
                         "backward, FSDP, pipeline, checkpoints); merge with `axonmpi trace merge DIR`")
     args = axonmpi.log.rank0_parser(p).parse_args(argv)
-    for name in ("steps", "global_batch", "log_every", "keep_last"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    bad = count_problem(args)
+    if bad:
+        p.exit(2, f"{p.prog}: error: {bad}\n")   # one line naming the flag (rank 0 prints it)
     if args.hybrid_shard_size is not None and args.fsdp != "hybrid_shard":
         p.error(f"--hybrid-shard-size {args.hybrid_shard_size} needs --fsdp hybrid_shard, got --fsdp {args.fsdp}")
     if args.fsdp == "none" and (args.cpu_offload or args.mixed_precision == "fp16"):
@@ -193,6 +193,37 @@ def parse_args(argv=None):
     if args.overwrite and (args.resume or args.auto_resume):
         p.error("--overwrite starts fresh; it cannot be combined with --resume/--auto-resume")
     return args
+
+
+# counts and amounts that make no sense at zero or below (None: the option was left out)
+AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batch", "log_every", "keep_last",
+              "microbatches", "G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel",
+              "expert_parallel", "hybrid_shard_size", "corpus_bytes", "eval_batches", "loss_scale_growth_interval")
+AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
+              "moe_experts": "0: dense", "seed": None, "grad_clip": "0: no clipping", "weight_decay": None,
+              "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None}
+ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor")
+
+
+def count_problem(args) -> "str | None":
+    """The first option whose value makes no sense (a count below 1, a negative amount), as one line; else None."""
+    def flag(name):
+        return "--" + name.replace("_", "-")
+    for name in AT_LEAST_1:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            return f"{flag(name)} must be a whole number >= 1, got {v}"
+    for name, zero in AT_LEAST_0.items():
+        v = getattr(args, name, None)
+        if v is not None and not v >= 0:     # nan too
+            return f"{flag(name)} must be >= 0{f' ({zero})' if zero else ''}, got {v}"
+    for name in ABOVE_0:
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            return f"{flag(name)} must be > 0, got {v}"
+    if not 0 <= args.dropout < 1:           # nan too
+        return f"--dropout must be a probability in [0, 1), got {args.dropout}"
+    return None
 
 
 def _mixed_precision(mode: str):

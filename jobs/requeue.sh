@@ -101,17 +101,38 @@ axonmpi_run_name() {
 }
 
 # axonmpi_run COMMAND...: run srun in the background, forward SIGUSR1/SIGTERM to it, requeue on exit 75.
+# The signal window: a rank catches SIGUSR1 from `import axonmpi` on (it is kept for its PreemptionHandler);
+# before that the default action would end it. So each rank writes a file into AXONMPI_READY_DIR once it
+# catches signals, and a SIGUSR1 that comes before every rank has is held here and forwarded as soon as
+# they all have (or after AXONMPI_SIGNAL_HOLD_S seconds, default 90, for a script that never imports axonmpi).
+axonmpi_ready() {   # true when SLURM_NTASKS ranks have written their file
+  local n
+  n=$(find "$AXONMPI_READY_DIR" -maxdepth 1 -name 'rank-*' 2>/dev/null | wc -l)
+  (( n >= ${SLURM_NTASKS:-${SLURM_NPROCS:-1}} ))
+}
 axonmpi_run() {
-  local pid rc
+  local pid rc held=0 since=0
+  export AXONMPI_READY_DIR="${AXONMPI_SCRATCH:-${TMPDIR:-/tmp}}/axonmpi/.ready-${SLURM_JOB_ID:-$$}-${SLURM_RESTART_COUNT:-0}"
+  rm -rf "$AXONMPI_READY_DIR"; mkdir -p "$AXONMPI_READY_DIR"   # on the shared scratch: ranks on every node write here
   "$@" &
   pid=$!
-  trap 'echo "axonmpi: $(date +%T) SIGUSR1 (time limit or preemption near): asking every rank to save and exit" >&2; kill -USR1 '"$pid"' 2>/dev/null || true' USR1
+  trap 'if axonmpi_ready; then echo "axonmpi: $(date +%T) SIGUSR1 (time limit or preemption near): asking every rank to save and exit" >&2; kill -USR1 '"$pid"' 2>/dev/null || true; else held=1; since=$SECONDS; echo "axonmpi: $(date +%T) SIGUSR1 before every rank has imported axonmpi: held until they have" >&2; fi' USR1
   trap 'kill -TERM '"$pid"' 2>/dev/null || true' TERM
   while :; do
     rc=0; wait "$pid" || rc=$?
     kill -0 "$pid" 2>/dev/null || break   # still running: wait was cut short by a trapped signal
+    while (( held )) && kill -0 "$pid" 2>/dev/null; do
+      if axonmpi_ready || (( SECONDS - since >= ${AXONMPI_SIGNAL_HOLD_S:-90} )); then
+        echo "axonmpi: $(date +%T) SIGUSR1 (time limit or preemption near): asking every rank to save and exit" >&2
+        kill -USR1 "$pid" 2>/dev/null || true
+        held=0
+      else
+        sleep 0.5
+      fi
+    done
   done
   trap - USR1 TERM
+  rm -rf "$AXONMPI_READY_DIR"
   if (( rc == AXONMPI_PREEMPTED_EXIT )); then
     echo "axonmpi: $(date +%T) the ranks saved and exited with $rc: requeueing job ${SLURM_JOB_ID:-?}" >&2
     scontrol requeue "${SLURM_JOB_ID:?SLURM_JOB_ID is not set: not inside a Slurm job}"

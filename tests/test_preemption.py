@@ -64,7 +64,7 @@ def test_all_ranks_stop_at_the_same_step_when_one_rank_is_signalled(world):
         assert pre.signal_name == ("SIGUSR1" if world.rank == world.world_size - 1 else None)
     assert stops == [3]
     assert axonmpi.all_gather_object(stops) == [[3]] * world.world_size
-    from axonmpi.checkpoint.preemption import _on_early_signal
+    from axonmpi.distributed.signals import on_early_signal as _on_early_signal
     assert signal.getsignal(signal.SIGUSR1) is _on_early_signal   # close() restored init's recorder
     with PreemptionHandler() as pre, pytest.raises(SystemExit) as e:
         pre.exit("test")

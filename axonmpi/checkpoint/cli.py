@@ -8,19 +8,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .format import META_GROUP
 from .index import write_entry_view
-from .read import CheckpointReader
+from .read import CheckpointReader, resolve_path
 from .manager import list_run_folder, run_folder_rows
 from .safetensors_io import create_temporary, export_safetensors
 
 __all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate", "export",
-           "create_temporary"]
+           "create_temporary", "check_output"]
 
 
 def _size(n: float) -> str:
@@ -214,8 +215,7 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
         0 on success (errors raise :class:`CheckpointError` / ``FileExistsError``).
     """
     import h5py
-    if os.path.exists(out_path) and not force:
-        raise FileExistsError(f"{out_path} exists (pass --force to replace it)")
+    check_output(path, out_path, force, "consolidate")
     tmp = create_temporary(out_path)
     try:
         with CheckpointReader(path) as r, h5py.File(tmp, "w") as f:
@@ -244,10 +244,44 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
     return 0
 
 
+_EXPORT_FILES = re.compile(r"model\.safetensors|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors")
+
+
+def check_output(path: str, out: str, force: bool, command: str, directory: bool = False,
+                 also: Tuple[str, ...] = ()) -> None:
+    """Refuse an output that would destroy the input or overwrite silently (``consolidate`` and ``export``).
+
+    * ``out`` inside the checkpoint folder (or the folder itself): refused, ``--force`` or not (the
+      command would replace ``index.h5`` or a shard it is reading);
+    * ``out``'s folder missing: refused, naming it (nothing is created but ``out`` itself);
+    * ``out`` already there (for a directory output: a file the export writes, or ``also``):
+      refused without ``force``.
+
+    Raises:
+        ValueError, FileNotFoundError, FileExistsError naming the paths.
+    """
+    ck = os.path.realpath(resolve_path(path))
+    target = os.path.realpath(out)
+    if target == ck or target.startswith(ck.rstrip(os.sep) + os.sep):
+        raise ValueError(f"{command}: the output {out} is inside the checkpoint {path} it reads ({ck}); writing there "
+                         f"would destroy the checkpoint. Choose an output outside it")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{command}: the folder of the output {out} does not exist ({parent}); create it first "
+                                "or choose another output")
+    if directory and os.path.isdir(out):
+        present = sorted(f for f in os.listdir(out) if _EXPORT_FILES.fullmatch(f) or f in also)
+        if present and not force:
+            raise FileExistsError(f"{command}: {out} already holds {', '.join(present)} (an earlier export?); pass "
+                                  "--force to replace them, or choose another folder")
+    elif os.path.lexists(out) and not force:
+        raise FileExistsError(f"{command}: {out} exists (pass --force to replace it)")
+
+
 def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = "5GB",
            dtype: Optional[str] = None, prefix: Optional[str] = None, stream=None,
            n_head: Optional[int] = None, formats: Optional[Mapping[str, Callable]] = None,
-           config: Optional[str] = None) -> int:
+           config: Optional[str] = None, force: bool = False) -> int:
     """``axonmpi ckpt export CKPT OUT --format FMT``: the model state as safetensors files.
 
     ``safetensors``: full shapes under the serial ``state_dict`` names, streamed block by block,
@@ -259,21 +293,46 @@ def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = 
     ``transformers.GPT2LMHeadModel.from_pretrained`` loads; ``hf-llama``: a Llama for
     ``transformers.LlamaForCausalLM``).  ``n_head`` / ``config`` go to the exporter when given.
 
+    ``out`` must lie outside the checkpoint and in a folder that exists (``out`` itself is created);
+    files an earlier export wrote there are replaced only with ``force`` (``--force``).
+
     Returns:
         0 on success.
     """
     formats = dict(formats or {})
-    if fmt == "safetensors":
-        written = export_safetensors(path, out, max_shard_size=max_shard_size, dtype=dtype, prefix=prefix)
-    elif fmt in formats:
-        options = {k: v for k, v in (("n_head", n_head), ("config", config)) if v is not None}
-        written = formats[fmt](path, out, prefix=prefix, dtype=dtype, max_shard_size=max_shard_size, **options)
-    else:
+    if fmt != "safetensors" and fmt not in formats:
         hint = "" if formats else (" (the model formats hf-gpt2 and hf-llama come with the `axonmpi` command: "
                                    "axonmpi ckpt export CKPT OUT --format hf-llama)")
         raise ValueError(f"--format {fmt!r}: the export formats are: {', '.join(['safetensors', *formats])}{hint}")
+    single = fmt == "safetensors" and out.endswith(".safetensors")
+    check_output(path, out, force, "export", directory=not single,
+                 also=("config.json",) if fmt != "safetensors" else ())
+    if fmt == "safetensors":
+        written = export_safetensors(path, out, max_shard_size=max_shard_size, dtype=dtype, prefix=prefix)
+    else:
+        options = {k: v for k, v in (("n_head", n_head), ("config", config)) if v is not None}
+        written = formats[fmt](path, out, prefix=prefix, dtype=dtype, max_shard_size=max_shard_size, **options)
     (stream or sys.stdout).write("".join(f"wrote {p}\n" for p in written))
     return 0
+
+
+def _heads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+def _shard_size(text: str) -> str:
+    from .safetensors_io import parse_size
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_commands(sub, formats: Optional[Mapping[str, Callable]] = None) -> None:
@@ -302,18 +361,21 @@ def add_commands(sub, formats: Optional[Mapping[str, Callable]] = None) -> None:
     p.add_argument("--format", default="safetensors", choices=["safetensors", *formats],
                    help="output format: safetensors (serial names)" + "".join(
                        f"; {name}: {(fn.__doc__ or '').strip().splitlines()[0].rstrip('.')}" for name, fn in formats.items()))
-    p.add_argument("--n-head", type=int, default=None,
+    p.add_argument("--n-head", type=_heads, default=None,
                    help="hf-gpt2: the GPT's number of heads when the checkpoint does not record it "
                         "(default: extra/config/n_head, else n_embd // 64)")
     p.add_argument("--config", default=None, metavar="JSON",
                    help="hf-llama: the model's config when the checkpoint does not record it under extra/config "
                         "(a JSON file of LlamaConfig.to_dict() or a transformers config.json)")
-    p.add_argument("--max-shard-size", default="5GB", help="bytes per file, e.g. 5GB (10^9) or 500MiB")
+    p.add_argument("--max-shard-size", default="5GB", type=_shard_size,
+                   help="bytes per file, e.g. 5GB (10^9) or 500MiB")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32", "fp64"],
                    help="cast floating tensors (default: keep each tensor's dtype)")
     p.add_argument("--prefix", default=None, help="state key holding the model (default: 'model' if present)")
+    p.add_argument("--force", action="store_true", help="replace the files of an earlier export in OUT")
     p.set_defaults(func=lambda a: export(a.path, a.out, a.format, a.max_shard_size, a.dtype, a.prefix,
-                                         n_head=a.n_head, formats=formats, config=a.config))
+                                         n_head=a.n_head, formats=formats, config=a.config,
+                                         force=a.force))
 
 
 def add_subparser(subparsers, formats: Optional[Mapping[str, Callable]] = None) -> argparse.ArgumentParser:

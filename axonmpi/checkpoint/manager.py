@@ -159,6 +159,7 @@ class CheckpointManager:
         self.acquire()
         g = resolve_group(self.group)
         path = self.path_for(step)
+        self._move_unfinished(path, g)
         if not async_save:
             save(path, state, self.group, **kw)
             if g.rank == 0:
@@ -312,6 +313,45 @@ class CheckpointManager:
                 "their problems). Nothing was loaded; to start fresh anyway, move them out of the folder")
         return None
 
+    def unfinished(self) -> List[str]:
+        """Paths of folders set aside by :meth:`save` as unfinished saves (``<prefix>N.unfinished[-K]``)."""
+        if not os.path.isdir(self.directory):
+            return []
+        pat = re.compile(re.escape(self.prefix) + r"(\d+)\.unfinished(-\d+)?$")
+        found = [(int(m.group(1)), n) for n in os.listdir(self.directory) for m in [pat.match(n)] if m]
+        return [os.path.join(self.directory, n) for _, n in sorted(found)]
+
+    def _move_unfinished(self, path: str, g) -> None:
+        """Before saving ``path``: a folder there without an index (an interrupted save, or one whose index
+        was lost) is moved to ``<path>.unfinished[-N]`` (kept for inspection, never read as a checkpoint)
+        and named in a warning, so that the same step saves again (collective; group rank 0 moves it).
+
+        ``load_latest`` skips such a folder (it has no index), so a resumed run comes back to its step;
+        without this the save of that step refused to replace it and every rerun lost the same steps.
+        Only a folder that holds nothing but a save's files (``shard-*.h5``, ``data.h5``) is moved: one with
+        other files is not a checkpoint and the save refuses to replace it, as before."""
+        from ..distributed import broadcast_object
+        from ..log import get_logger
+        moved, err = None, None
+        if g.rank == 0 and _interrupted_save(path):
+            aside, n = f"{path}.unfinished", 1
+            while os.path.lexists(aside):
+                aside, n = f"{path}.unfinished-{n}", n + 1
+            try:
+                os.rename(path, aside)
+                moved = aside
+            except OSError as e:
+                err = f"{type(e).__name__}: {e}"
+        moved, err = broadcast_object((moved, err), group=g) if g.size > 1 else (moved, err)
+        if err is not None:
+            raise CheckpointError(f"{path} has no index.h5 (an interrupted save) and could not be moved aside to save "
+                                  f"there again: {err}; move it out of {self.directory} by hand")
+        if moved is not None and g.rank == 0:
+            get_logger(__name__).warning(
+                "%s has no index.h5 (a save that was interrupted, or whose index was lost): moved it to %s "
+                "(kept for inspection; `axonmpi ckpt inspect %s` lists it) and saving step %s again",
+                path, moved, self.directory, os.path.basename(path)[len(self.prefix):].lstrip("0") or "0")
+
     def _set_aside(self, path: str, g) -> str:
         """Rename a damaged checkpoint to ``<path>.damaged[-N]`` (group rank 0; collective)."""
         from ..distributed import broadcast_object
@@ -371,6 +411,17 @@ class CheckpointManager:
                 f"every_steps={self.every_steps}, latest_step={self.latest_step()})")
 
 
+_SAVE_FILES = re.compile(r"shard-\d{5}\.h5|data\.h5|index\.h5")
+
+
+def _interrupted_save(path: str) -> bool:
+    """True for a folder without an index that holds only files a save writes (an interrupted save)."""
+    if not os.path.isdir(path) or os.path.islink(path) or is_checkpoint(path):
+        return False
+    names = os.listdir(path)
+    return bool(names) and all(_SAVE_FILES.fullmatch(n) for n in names)
+
+
 def _verify_problems(path: str, part: int = 0, parts: int = 1) -> List[str]:
     """The problems ``axonmpi ckpt verify`` finds in the checkpoint at ``path`` ([] when it is intact).
 
@@ -410,7 +461,9 @@ def run_folder_rows(path: "str | os.PathLike", prefix: str = "step-") -> Optiona
                    if os.path.isfile(os.path.join(full, f)))
         suffix, has_index = m.group(2), is_checkpoint(full)
         problems = _file_problems(full) if has_index else []
-        if suffix.startswith(".tmp-") or not has_index:
+        if suffix.startswith(".unfinished"):
+            status = "set aside by a later save: an interrupted save (no index.h5), kept for inspection"
+        elif suffix.startswith(".tmp-") or not has_index:
             status = "incomplete: an unfinished or crashed save (no index.h5)" if not has_index else \
                 "incomplete: an unfinished or crashed save"
         elif suffix.startswith(".damaged"):

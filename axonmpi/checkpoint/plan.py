@@ -8,10 +8,18 @@ lowest group rank holding it; each plain array (replicated over the group) is wr
 by the rank with the fewest bytes so far (largest arrays first), so replicated state is spread
 over the ranks too. Small values go in the index. The result is a :class:`WritePlan`, which
 can be printed and tested without MPI.
+
+[Note: replicas of a ShardedArray block]
+Several ranks may hold the same block (a tensor-parallel shard replicated over the data ranks):
+one writes it, and every other holder is listed in ``WritePlan.replicas``. Those ranks checksum
+their copy while the writers write (the same per-block xxh3 the writer records), send the sums
+with their "done" message, and group rank 0 compares them with the writer's before it writes the
+index: replicas that differ (a rank that diverged) fail the save on every rank, naming the entry,
+the block and the ranks, instead of silently keeping the lowest rank's copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -21,7 +29,7 @@ from ..distributed.sharding import ShardedArray
 from .checksum import block_rows, xxh3_64
 from .format import ARRAY_KINDS, CheckpointError, Entry, Piece, encode_value, flatten, key_name, shard_name
 
-__all__ = ["Block", "EntryPlan", "WritePlan", "plan_state", "check_plans", "assign", "host_array"]
+__all__ = ["Block", "EntryPlan", "Replica", "WritePlan", "plan_state", "check_plans", "assign", "host_array"]
 
 
 class Block(NamedTuple):
@@ -56,12 +64,22 @@ class EntryPlan(NamedTuple):
         return (self.kind, self.pytype, self.dtype, self.shape)
 
 
+class Replica(NamedTuple):
+    """A ShardedArray block a rank holds but does not write: ``owner`` writes the same block."""
+
+    entry: int
+    block: Block
+    owner: int
+
+
 @dataclass
 class WritePlan:
-    """The entries (with their pieces, checksums still empty) and, per writer, the pieces it writes."""
+    """The entries (with their pieces, checksums still empty), per writer the pieces it writes, and
+    per rank the blocks it holds as a replica of another rank's (see the note on replicas)."""
 
     entries: List[Entry]
     by_writer: Dict[int, List[Piece]]
+    replicas: Dict[int, List[Replica]] = field(default_factory=dict)
 
     @property
     def writers(self) -> List[int]:
@@ -167,13 +185,19 @@ def _size(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _owners(i: int, e: Entry, plans: List[List[EntryPlan]]) -> Dict[Block, int]:
-    """The distinct blocks of sharded entry ``i`` and the lowest rank holding each; checks the tiling."""
+def _owners(i: int, e: Entry, plans: List[List[EntryPlan]],
+            replicas: Optional[Dict[int, List[Replica]]] = None) -> Dict[Block, int]:
+    """The distinct blocks of sharded entry ``i`` and the lowest rank holding each; checks the tiling.
+
+    Ranks holding a block another (lower) rank holds are added to ``replicas``."""
     owner: Dict[Block, int] = {}
     for r, plan in enumerate(plans):
         b = plan[i].block
         if _size(b.shape):
-            owner.setdefault(Block(tuple(b.offsets), tuple(b.shape)), r)
+            key = Block(tuple(b.offsets), tuple(b.shape))
+            first = owner.setdefault(key, r)
+            if first != r and replicas is not None:
+                replicas.setdefault(r, []).append(Replica(i, key, first))
     blocks = list(owner)
     bad = _overlap(blocks)
     if bad is not None:
@@ -210,6 +234,7 @@ def assign(plans: List[List[EntryPlan]], collective: bool = False) -> WritePlan:
     """
     nranks = len(plans)
     entries: List[Entry] = []
+    replicas: Dict[int, List[Replica]] = {}
     load = [0] * nranks
     replicated: List[int] = []
     placed: List[Tuple[int, Piece]] = []  # (writer, piece)
@@ -228,7 +253,7 @@ def assign(plans: List[List[EntryPlan]], collective: bool = False) -> WritePlan:
         if p.pytype != "sharded":
             replicated.append(i)
             continue
-        for b, r in _owners(i, e, plans).items():
+        for b, r in _owners(i, e, plans, replicas).items():
             placed.append((r, piece(i, e, r, b)))
             load[r] += _size(b.shape) * np.dtype(p.dtype).itemsize
     replicated.sort(key=lambda i: -entries[i].nbytes)
@@ -242,4 +267,4 @@ def assign(plans: List[List[EntryPlan]], collective: bool = False) -> WritePlan:
     for r, pc in placed:
         entries[pc.entry].pieces.append(pc)
         by_writer.setdefault(r, []).append(pc)
-    return WritePlan(entries, by_writer)
+    return WritePlan(entries, by_writer, replicas)

@@ -10,17 +10,9 @@ the first rank was signalled. The training loop then saves and calls :meth:`Pree
 which raises ``SystemExit(PREEMPTED_EXIT_CODE)`` on every rank; the job templates requeue the job on
 that code (``jobs/requeue.sh``, docs/cluster.md "Preemption and requeue").
 
-[Note: signals before the handler]
-Slurm's warning (``--signal=USR1@120``) or a SIGTERM may arrive during start-up or a long checkpoint
-load, before the script makes its ``PreemptionHandler``. MPICH installs a C-level SIGUSR1 handler at
-``MPI_Init``, so without a Python handler the signal was swallowed and the run went on to its time
-limit. :func:`axonmpi.init` therefore calls :func:`record_early_signals` right after MPI is up: a
-Python handler that only records the first SIGTERM/SIGUSR1 (where no Python handler is installed
-yet). The first ``PreemptionHandler`` made takes the record over, and its first ``should_stop()``
-returns True on every rank. A recorded SIGTERM that no handler claims within
-``AXONMPI_EARLY_SIGNAL_GRACE`` seconds (default 30, Slurm's default ``KillWait``) ends the rank as
-SIGTERM would have (exit 143, one line saying why): a script that never makes a handler still
-stops on SIGTERM.
+Signals that arrive before the handler exists (during start-up, a long load) are recorded by
+:mod:`axonmpi.distributed.signals` (from ``import axonmpi`` under a launcher, and from ``init``); the
+first ``PreemptionHandler`` made takes the record over (see the note there).
 """
 from __future__ import annotations
 
@@ -32,78 +24,12 @@ from typing import Dict, Optional, Sequence, NoReturn
 
 import numpy as np
 
+from ..distributed.signals import DEFAULT_SIGNALS as _DEFAULT_SIGNALS
+from ..distributed.signals import claim_early, note_handler_made, record_early_signals, signal_number
+
 __all__ = ["PreemptionHandler", "PREEMPTED_EXIT_CODE", "record_early_signals"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "temporary failure, the user is invited to retry"
-
-_DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-
-
-def _signal_number(s: "int | str") -> int:
-    if isinstance(s, str):
-        name = s.upper() if s.upper().startswith("SIG") else "SIG" + s.upper()
-        if not hasattr(signal, name):
-            raise ValueError(f"unknown signal {s!r}; expected a name such as 'SIGTERM' or 'USR1', or a number")
-        return int(getattr(signal, name))
-    return int(s)
-
-
-# the first signal recorded before any PreemptionHandler existed: (signum, monotonic time) or None
-_early: Optional[tuple] = None
-_early_installed: Dict[int, object] = {}   # signum -> the handler record_early_signals replaced
-_handlers_made = 0
-
-
-def _on_early_signal(signum, frame) -> None:
-    global _early
-    if _early is None:
-        _early = (signum, time.monotonic())
-        if signum == signal.SIGTERM:
-            _arm_sigterm_grace()
-
-
-def _arm_sigterm_grace() -> None:
-    """A SIGTERM that no PreemptionHandler claims in time ends the rank as SIGTERM would have."""
-    from ..env import get_float
-    grace = get_float("AXONMPI_EARLY_SIGNAL_GRACE")
-    seen = _handlers_made
-
-    def expire():
-        if _handlers_made == seen and _early is not None and _early[0] == signal.SIGTERM:
-            os.write(2, f"[axonmpi] pid {os.getpid()}: SIGTERM arrived and no PreemptionHandler was made within "
-                        f"{grace:g} s (AXONMPI_EARLY_SIGNAL_GRACE): ending this rank as SIGTERM would "
-                        "(exit 143)\n".encode())
-            os._exit(128 + signal.SIGTERM)
-
-    t = threading.Timer(grace, expire)
-    t.daemon = True
-    t.start()
-
-
-def record_early_signals(signals: Sequence["int | str"] = _DEFAULT_SIGNALS) -> None:
-    """Record SIGTERM/SIGUSR1 that arrive before a :class:`PreemptionHandler` exists (called by ``init``).
-
-    Only where no Python handler is installed (the default action, or MPICH's C-level handler);
-    a handler the script installed itself is left alone. Main thread only (else a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for s in signals:
-        n = _signal_number(s)
-        if n in _early_installed:
-            continue
-        prev = signal.getsignal(n)
-        if prev is None or prev is signal.SIG_DFL:
-            _early_installed[n] = signal.signal(n, _on_early_signal)
-
-
-def _claim_early(signals) -> Optional[tuple]:
-    """The recorded early signal, once, for the first handler that catches it."""
-    global _early
-    e = _early
-    if e is not None and e[0] in signals:
-        _early = None
-        return e
-    return None
 
 
 class PreemptionHandler:
@@ -132,7 +58,7 @@ class PreemptionHandler:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionHandler must be made in the main thread (Python runs signal handlers there)")
         self.group = group
-        self.signals = tuple(_signal_number(s) for s in signals)
+        self.signals = tuple(signal_number(s) for s in signals)
         if not self.signals:
             raise ValueError("PreemptionHandler needs at least one signal to catch, got none")
         self.received: Optional[int] = None     # the first signal this rank received
@@ -140,11 +66,10 @@ class PreemptionHandler:
         self.stopped_at: Optional[float] = None  # when should_stop() first returned True
         self._flag = np.zeros(1, np.int8)
         self._previous: Dict[int, object] = {}
-        global _handlers_made
-        _handlers_made += 1
+        note_handler_made()
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._on_signal)
-        early = _claim_early(self.signals)   # arrived after init, before this handler existed
+        early = claim_early(self.signals)   # arrived after init, before this handler existed
         if early is not None:
             self.received, self.received_at = early
 

@@ -36,7 +36,7 @@ from ..distributed.collectives import all_gather_object, barrier, broadcast_obje
 from ..distributed.sharding import ShardedArray
 from .agree import describe, raise_from, share
 from .checksum import CHECKSUM_ALGORITHM, block_checksums
-from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, Piece, shard_name
+from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, CheckpointError, Piece, shard_name
 from .index import write_index
 from .plan import WritePlan, assign, check_plans, host_array, plan_state
 from .read import is_checkpoint
@@ -85,12 +85,19 @@ def _rename_exchange(a: str, b: str) -> bool:
 
 
 # -- disk space -----------------------------------------------------------------------------------
+# [Note: disk space is agreed, not raced]
 # HDF5 that meets ENOSPC while it flushes its metadata leaves the library in a state in which
 # closing or freeing its objects raises again, prints its error stack and can crash the process
 # (a segmentation fault at 1 rank, "Can't decrement id ref count" at 4). So HDF5 must never meet
-# a full disk: every rank checks the free space against what the whole checkpoint needs before it
-# writes, and each writer reserves its file's blocks (fallocate, FALLOC_FL_KEEP_SIZE) before
-# HDF5 writes to it. Both errors are one OSError(ENOSPC) naming the folder and the bytes.
+# a full disk. Group rank 0 measures the free space once, right after it made the temporary folder
+# and before any rank writes, and sends it with the folder's name; once the plans are exchanged
+# every rank knows the bytes every writer will write (the same WritePlan everywhere), so all ranks
+# compare the same two numbers and agree without another message: a save that fits goes ahead, one
+# that does not raises the same OSError(ENOSPC) on every rank, naming the bytes needed and free,
+# before anything is written. (Each rank measuring for itself raced: a rank that looked after
+# another had reserved its shard saw that much less free and refused a save that fits.) Each
+# writer then reserves its file's blocks (fallocate, FALLOC_FL_KEEP_SIZE) before HDF5 writes to it,
+# which catches a disk that another process fills meanwhile; that error too is one OSError(ENOSPC).
 _PER_DATASET = 2048      # an HDF5 dataset's object header, link and B-tree share (about 800 B measured)
 _PER_FILE = 16 << 10     # superblock, root group, free-space slack of one HDF5 file (about 2 KiB measured)
 _FALLOC_FL_KEEP_SIZE = 1
@@ -149,10 +156,10 @@ def _ours(e: BaseException) -> bool:
     return isinstance(e, OSError) and str(e.strerror or "").startswith("No space left on device: rank")
 
 
-def _check_space(tmp: str, needed: int, rank: int) -> None:
-    free = _free_bytes(tmp)
-    if free < needed:
-        raise _no_space(os.path.dirname(os.path.abspath(tmp)), needed, rank, free)
+def _check_space(folder: str, needed: int, free: "int | None", rank: int) -> None:
+    """Every rank, with the same ``needed`` (from the agreed plan) and ``free`` (group rank 0's measure)."""
+    if free is not None and free < needed:
+        raise _no_space(folder, needed, rank, free)
 
 
 def _reserve(fname: str, nbytes: int, rank: int) -> bool:
@@ -171,7 +178,11 @@ def _reserve(fname: str, nbytes: int, rank: int) -> bool:
     finally:
         os.close(fd)
     if err == errno.ENOSPC:
-        raise _no_space(os.path.dirname(os.path.dirname(os.path.abspath(fname))), nbytes, rank,
+        try:
+            free = _free_bytes(os.path.dirname(os.path.abspath(fname)))
+        except OSError:
+            free = None
+        raise _no_space(os.path.dirname(os.path.dirname(os.path.abspath(fname))), nbytes, rank, free,
                         what=f"its file {os.path.basename(fname)}")
     return False   # EOPNOTSUPP (NFS, some parallel file systems), ENOSYS, ...: the free-space check stands
 
@@ -184,11 +195,45 @@ def _trim(fname: str) -> None:
 
 
 class _Written(NamedTuple):
-    """What a writer reports to rank 0: per piece its block checksums and byte offset; file sizes."""
+    """What a rank reports to rank 0: per piece it wrote its block checksums and byte offset, file
+    sizes, and the block checksums of the ShardedArray blocks it holds as a replica (not written)."""
 
     checksums: List[List[int]]
     byte_offsets: List[int]
     file_bytes: Dict[str, int]
+    replica_sums: List[Tuple[int, Tuple[int, ...], List[int]]] = []   # (entry, offsets, sums)
+
+
+def _replica_sums(plan: WritePlan, arrays: Dict[str, Any], rank: int) -> List[Tuple[int, Tuple[int, ...], List[int]]]:
+    """Checksums of this rank's copies of blocks another rank writes (see plan.py's note on replicas)."""
+    out = []
+    for rep in plan.replicas.get(rank, []):
+        e = plan.entries[rep.entry]
+        a = arrays[e.name]
+        local = host_array(a.local if isinstance(a, ShardedArray) else a)
+        rows = next(p.block_rows for p in e.pieces if tuple(p.offsets) == tuple(rep.block.offsets))
+        out.append((rep.entry, tuple(rep.block.offsets), block_checksums(local, rows)))
+    return out
+
+
+def _check_replicas(plan: WritePlan, results) -> None:
+    """Rank 0: raise naming the entry, the block and the ranks when replicas of a block differ."""
+    problems = []
+    for r, (w, _) in enumerate(results):
+        for i, offsets, sums in (w.replica_sums if w is not None else []):
+            e = plan.entries[i]
+            piece = next(p for p in e.pieces if tuple(p.offsets) == offsets)
+            owner = next(o for o, ps in plan.by_writer.items() if any(q is piece for q in ps))
+            if list(piece.checksums) != list(sums):
+                problems.append(f"entry {e.name!r}: ranks {owner} and {r} hold different data for its block at offsets "
+                                f"{offsets} (shape {tuple(piece.shape)})")
+    if problems:
+        raise CheckpointError(
+            "replicas of a ShardedArray block differ: " + "; ".join(problems[:5])
+            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            + ". Ranks that hold the same block (offsets and shape) must hold the same values: a replica diverged "
+            "(an update or a gradient not reduced over the ranks that share it), or pass blocks of their own "
+            "offsets. Nothing was saved; the previous checkpoint is intact")
 
 
 def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> _Written:
@@ -323,17 +368,18 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
     what = f"save to {path}"
     h5py._errors.silence_errors()   # per thread (h5py does it for the main thread only): no HDF5 error stack on stderr
 
-    # 1. rank 0 makes the temporary directory
-    tmp, err = None, None
+    # 1. rank 0 makes the temporary directory and measures the free space once (before anyone writes)
+    tmp, free, err = None, None, None
     if rank == 0:
         try:
             _check_target(path, overwrite)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
             os.mkdir(tmp)
+            free = _free_bytes(tmp)
         except Exception as e:
             err = e
-    tmp = share(g, tmp, err, what)
+    tmp, free = share(g, (tmp, free), err, what)
 
     agreed = False  # True where a failure is raised by every rank at the same point
     try:
@@ -349,6 +395,8 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         plans = [p for p, _ in gathered]
         check_plans(plans)
         plan = assign(plans, collective)
+        folder = os.path.dirname(os.path.abspath(path))
+        _check_space(folder, _needed(plan, collective), free, rank)   # the same verdict on every rank
         agreed = False
 
         # 3. write this rank's pieces
@@ -356,13 +404,14 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         try:
             jobs = [(p, arrays[plan.entries[p.entry].name]) for p in plan.by_writer.get(rank, [])]
             jobs = [(p, a.local if isinstance(a, ShardedArray) else a) for p, a in jobs]
-            _check_space(tmp, _needed(plan, collective), rank)
             _fault("before_shard", rank)
             if collective:
                 written = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
             elif jobs:
                 with _trace.span("checkpoint.write_shard", "checkpoint"):
                     written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
+            if plan.replicas.get(rank):
+                written = written._replace(replica_sums=_replica_sums(plan, arrays, rank))
             _fault("after_shard", rank)
         except Exception as e:
             err = _no_space(os.path.dirname(os.path.abspath(path)), _needed(plan, collective), rank) if (
@@ -380,6 +429,7 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
                     for p, sums, off in zip(pieces, w.checksums, w.byte_offsets):
                         p.checksums, p.byte_offset = sums, off
                     file_bytes.update(w.file_bytes)
+                _check_replicas(plan, results)
                 _fault("before_index", rank)
                 index = os.path.join(tmp, INDEX_NAME)
                 reserved = []

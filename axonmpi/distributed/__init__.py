@@ -42,6 +42,14 @@ __all__ = [
     "is_mpi_available", "is_nccl_available", "is_gloo_available", "is_torchelastic_launched",
 ]
 
+# MPI is up (mpi4py initialises it on import, and MPICH then installs a C-level SIGUSR1 handler that
+# would swallow Slurm's warning): from here a SIGTERM/SIGUSR1 is recorded for the first
+# PreemptionHandler. Only under a launcher: a command-line tool keeps the default actions.
+from . import signals as _signals   # noqa: E402
+if _signals.launched():
+    _signals.record_early_signals()
+    _signals.mark_ready()
+
 
 def rank() -> int:
     """This process's rank in the World (initializes it on first use)."""

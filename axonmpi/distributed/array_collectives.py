@@ -14,7 +14,7 @@ from .work import Work
 from . import world as _world_mod
 from .sharding import chunk_sizes
 from .host_staging import (_MEAN, _ND, _SUM, _Staged, _as_array, _backend, _check_dtype, _check_out, _check_root,
-                           _complete, _debug, _flat, _group, _host_backend)
+                           _complete, _debug, _flat, _group, _host_backend, _note_shape)
 
 __all__ = [
     "all_reduce", "all_reduce_sum", "all_reduce_mean", "all_reduce_min", "all_reduce_max",
@@ -86,6 +86,7 @@ def all_reduce(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None, *, 
         target[...] = res
         return target
 
+    _note_shape(g, be, x.shape)
     return _complete(g, async_op, stage, send, recv, lambda: be.iallreduce(send, recv, op),
                      lambda: be.allreduce(send, recv, op), finish)
 
@@ -131,6 +132,7 @@ def reduce(x, dst: int = 0, op: ReduceOp = _SUM, group: Optional[ProcessGroup] =
     if g.size == 1:
         recv[...] = send
     else:
+        _note_shape(g, be, x.shape)
         be.reduce(send, recv, op, dst)
     if g.rank != dst:
         return None
@@ -166,6 +168,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, *, async_op
         be = _backend(g, x)
         stage = _Staged(be, x)
         buf = stage.host(_flat(x))
+        _note_shape(g, be, x.shape)
         be.broadcast(buf, src)
         if stage.dev or not np.shares_memory(buf, x):
             stage.fill(x, buf)
@@ -262,6 +265,7 @@ def all_gather(x, axis: int = 0, group: Optional[ProcessGroup] = None, *, uneven
     if uneven:  # already exchanged above
         res = finish()
         return Work(result=res) if async_op else res
+    _note_shape(g, be, x.shape)
     return _complete(g, async_op, stage, send, recv, lambda: be.iallgather(send, recv),
                      lambda: be.allgather(send, recv), finish)
 
@@ -321,6 +325,7 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
 
     if p == 1:
         send = send[:counts[0]]
+    _note_shape(g, be, x.shape)
     return _complete(g, async_op, stage, send, recv, lambda: be.ireduce_scatter(send, recv, counts, op),
                      lambda: be.reduce_scatter(send, recv, counts, op), finish)
 

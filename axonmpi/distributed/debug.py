@@ -26,7 +26,7 @@ from mpi4py import MPI
 from .. import env as _env
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "CollectiveMPIError", "check_collective",
-           "check_same_object", "name_mismatch"]
+           "check_same_object", "name_window_mismatch"]
 
 _SIG_CHARS = 4096
 _ACK = b"A"
@@ -149,8 +149,9 @@ def _exchange(group, sig: str, text: str) -> None:
     raise CollectiveTimeoutError(where + verdict[len(_TIMEOUT):].decode())
 
 
-def _collect(group, sig: str, text: str, up: int, down: int, comm=None, timeout=None) -> bytes:
-    """Group rank 0: gather the signatures (until the timeout), decide, tell every rank that came."""
+def _collect(group, sig: str, text: str, up: int, down: int, comm=None, timeout=None, judge=None) -> bytes:
+    """Group rank 0: gather the signatures (until the timeout), decide (``judge``: a function of every
+    rank's signature giving the verdict; default: all equal), tell every rank that came."""
     comm = group.comm if comm is None else comm
     size, timeout = group.size, _timeout(group) if timeout is None else timeout
     sigs = {0: sig}
@@ -172,6 +173,8 @@ def _collect(group, sig: str, text: str, up: int, down: int, comm=None, timeout=
             f"called it (stuck elsewhere, finished, or called a different sequence of collectives); "
             f"world ranks {_rank_list(came)} did"
         ).encode()
+    elif judge is not None:
+        verdict = judge(sigs)
     elif all(s == sig for s in sigs.values()):
         verdict = _OK
     else:
@@ -216,24 +219,66 @@ def _report(group, sig: str, text: str, up: int, down: int, comm=None, timeout=N
 
 # -- the always-on check's slow path -----------------------------------------------------------------
 # [Note: naming a mismatch the always-on check found]
-# The always-on check (axonmpi.distributed.watchdog, ``_Checks``) compares a hash of every collective's
-# signature; when the hashes of call #n differ, every rank of the group learns it from the same
-# all-reduced (min, -max) pair, in call order, and comes here with its own description of call #n.
-# The descriptions then travel as in debug mode (signatures to group rank 0, which names who called
-# what), point-to-point on the check's own communicator with two fixed tags: its persistent
-# collectives may be started further on some ranks than on others, so no collective may follow.
+# The always-on check (axonmpi.distributed.watchdog, ``_Checks``) compares a hash of the signatures of a
+# window of collective calls (every AXONMPI_CHECK_EVERY calls, at barriers and at exit); when the sums
+# of an exchange show that the hashes (or the all-to-all counts) differ, every rank of the group learns
+# it from the same summed lanes, at the same exchange, and comes here with its own window: each call's
+# number, signature (op, dtype, shape, root, reduce op), call site and, for all-to-alls, its counts.
+# The windows travel as in debug mode (to group rank 0, which finds the first call the ranks disagree
+# on, or the counts that do not match, and names who called what), point-to-point on the check's own
+# communicator with two fixed tags: its persistent collectives may be started further on some ranks
+# than on others, so no collective may follow.
 _SLOW_UP, _SLOW_DOWN = 1, 2
 
 
-def name_mismatch(group, comm, desc: str, timeout: float) -> str:
-    """Exchange ``desc`` (this rank's call #n) over ``comm`` (the group's check communicator) and return
-    the lines naming which world ranks called what (or, after ``timeout`` s, who never answered)."""
+def _judge_windows(group, sigs: Dict[int, str]) -> bytes:
+    """Group rank 0: the verdict on every rank's window (JSON lists of [call, signature, site, counts])."""
+    import json
+    from .watchdog import sig_text
+    wins = {g: json.loads(s) for g, s in sigs.items()}
+    nums = sorted({c[0] for w in wins.values() for c in w})
+    for n in nums:
+        at = {g: next((c for c in w if c[0] == n), None) for g, w in wins.items()}
+        if len({json.dumps(c[1]) if c else None for c in at.values()}) > 1:
+            by: Dict[str, List[int]] = {}
+            for g in sorted(at):
+                c = at[g]
+                text = (f"called {sig_text(c[1])} call #{n} at {c[2]}" if c else
+                        f"made no call #{n} on {group.name} in this window (its calls end at "
+                        f"#{max([x[0] for x in wins[g]], default=n - 1)})")
+                by.setdefault(text, []).append(group.ranks[g])
+            return _MISMATCH + "\n".join(f"  world ranks {_rank_list(r)} {t}" for t, r in by.items()).encode()
+    for n in nums:
+        at = {g: next((c for c in w if c[0] == n), None) for g, w in wins.items()}
+        if any(c is None or c[3] is None for c in at.values()):
+            continue
+        send = {g: c[3][0] for g, c in at.items()}
+        recv = {g: c[3][1] for g, c in at.items()}
+        bad = [f"world rank {group.ranks[j]} expects {recv[j][i]} element(s) from world rank {group.ranks[i]}, "
+               f"which sends {send[i][j]}" for i in sorted(at) for j in sorted(at)
+               if i < len(recv[j]) and j < len(send[i]) and send[i][j] != recv[j][i]]
+        if bad:
+            site = at[0][2] if 0 in at else "?"
+            return _MISMATCH + (f"  all_to_all call #{n} at {site}: the receive counts do not match what the "
+                                f"senders send: " + "; ".join(bad[:8])
+                                + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")).encode()
+    return _OK
+
+
+def name_window_mismatch(group, comm, window, timeout: float) -> str:
+    """Exchange this rank's ``window`` (``[(call number, signature, site, counts)]``) over ``comm`` (the
+    group's check communicator) and return the lines naming which world ranks called what (or, after
+    ``timeout`` s, who never answered)."""
+    import json
+    mine = json.dumps([[n, list(sig), site, extra] for n, sig, site, extra in window])
     if group.rank == 0:
-        verdict = _collect(group, desc, desc, _SLOW_UP, _SLOW_DOWN, comm=comm, timeout=timeout)
+        verdict = _collect(group, mine, "the always-on check's windows", _SLOW_UP, _SLOW_DOWN, comm=comm,
+                           timeout=timeout, judge=lambda sigs: _judge_windows(group, sigs))
     else:
-        verdict = _report(group, desc, desc, _SLOW_UP, _SLOW_DOWN, comm=comm, timeout=timeout)
+        verdict = _report(group, mine, "the always-on check's windows", _SLOW_UP, _SLOW_DOWN, comm=comm,
+                          timeout=timeout)
     if verdict.startswith(_MISMATCH):
         return verdict[len(_MISMATCH):].decode()
-    if verdict == _OK:   # a hash collision of two different signatures cannot give equal descriptions
-        return f"  every rank called {desc} (the signature hashes differed: fields not shown differ)"
-    return "  " + verdict[len(_TIMEOUT):].decode() + f"; this rank called {desc}"
+    if verdict == _OK:   # a hash collision of equal windows cannot happen; fields not shown differ
+        return "  every rank called the same sequence (the signature hashes differed in fields not shown)"
+    return "  " + verdict[len(_TIMEOUT):].decode()

@@ -56,7 +56,7 @@ class ProcessGroup:
     """
 
     __slots__ = ("comm", "rank", "size", "ranks", "name", "world", "max_tag", "_index", "_backends", "_host",
-                 "_freed", "_debug_seq", "_debug_pending", "_watched", "_check")
+                 "_freed", "_debug_seq", "_debug_pending", "_watched", "_check", "_sig_shape")
 
     def __init__(self, world: "World", comm: "Optional[MPI.Intracomm]", ranks: Sequence[int],
                  name: str = "group"):
@@ -74,6 +74,7 @@ class ProcessGroup:
         self._debug_seq = 0   # debug mode: checks made on this group (picks their message tags)
         self._debug_pending = []  # debug mode: sends of a timed-out check, kept until they complete
         self._watched = None      # the WatchedComm its MPI backends share (per-group call numbers)
+        self._sig_shape = None    # the shape the caller passed to the collective in flight (for the check)
         # the always-on collective check's own communicator (axonmpi.distributed.watchdog, _Checks):
         # duplicated here, where every member makes the group together (Dup is collective)
         wd = getattr(world, "watchdog", None)
@@ -132,10 +133,11 @@ class ProcessGroup:
         w = self._watched
         if w is not None and getattr(w, "ck", None) is not None:
             ck = w.ck
-            w.ck = None
             try:
-                ck.settle(ck.started, True)   # collective, as free is: a mismatch still raises
+                ck.final()                     # collective, as free is: a mismatch still raises
+                ck.settle(True)
             finally:
+                w.ck = None
                 ck.close()
         for b in self._backends.values():
             b.close()

@@ -33,25 +33,40 @@ deadline.
 
 [Note: the always-on collective check]
 Every collective through a :class:`WatchedComm` is also checked across its group, debug mode or not
-(``AXONMPI_CHECK_COLLECTIVES=1``, the default). Before the MPI call, the rank hashes the call's
-signature (op, wire dtype, element count where MPI needs it equal, root, reduce op, and the group's
-collective sequence number) and starts a persistent ``Allreduce(MIN)`` of ``(h, -h)`` on the group's
-check communicator (a duplicate made with the group, used for nothing else; one preallocated
-request per slot of a 16-slot ring, so a call costs a ``Start`` and a ``Test``, no allocation).
-After the call the result is ``(min h, -max h)``: equal halves mean every rank passed the same
-signature. Checks are verified in call order, right after the call when the check has completed
-(it almost always has: every rank started it before its part of the call), else before the next
-blocking collective on the group (which waits for it: no rank may block in call n+1 while another
-raises for call n), when the ring wraps, or at exit. Ranks that block for ever in different
-collectives (all_reduce on one, broadcast on another) cannot raise: the monitor thread reads the
-completed check's result buffer after ``PEEK_S`` and reports the hang at once, naming who called
-what. A mismatch is seen at the same call number on every rank; the ranks then exchange descriptions (op, count, dtype, root, call site) point-to-point on the
-check communicator (:func:`axonmpi.distributed.debug.name_mismatch`, debug mode's protocol) and
-every rank raises :class:`~axonmpi.distributed.debug.CollectiveMismatchError` naming who called
-what where. An MPI error in a call (truncation: 5 vs 4 elements) becomes
-:class:`~axonmpi.distributed.debug.CollectiveMPIError` naming the op, group and call site, or the
-mismatch error when the check names the cause. Debug mode still checks shapes, which the hash
-does not see (only element counts).
+(``AXONMPI_CHECK_COLLECTIVES=1``, the default). Each call's signature is ``(op code, wire dtype
+number, shape, root, reduce op)``: the shape the caller passed (the collective notes it on the group,
+``group._sig_shape``, when the backend gets a flat buffer; ``-1`` for the v-collectives, whose counts
+differ by design). The check runs on the group's check communicator (a duplicate made with the
+group, used for nothing else), so it covers the group too.
+
+A per-call exchange costs a second small collective per call (about 8 us on a loop of one-element
+all-reduces), so the check is batched: each call only appends ``(signature, ring entry)`` to the
+group's window; every ``AXONMPI_CHECK_EVERY`` calls (64), at every barrier (an exchange point: the
+window is compared before it returns) and at exit or ``free`` (the last exchange, after the exit is
+announced), the window is hashed and a persistent non-blocking ``Allreduce(SUM)`` of five uint64 lanes
+starts: two ``b``-bit hashes ``h1, h2`` of the window, their squares, and the window's all-to-all
+balance. ``n * sum(h^2) == sum(h)^2`` holds only when all ``n`` hashes are equal, and with
+``b = (63 - log2 n) / 2`` the sums are exact. The balance: for every count an ``Alltoallv`` sends,
+the sender adds a 64-bit mix of (call, source, destination, count) and the receiver subtracts the mix
+of the count it expects, so the group's sum is 0 (mod 2^64) only when every receiver expects what
+its sender sends. Exchanges are verified in order at the next exchange (waiting for them before a
+blocking call: they completed once every rank entered the window's calls; a rank must not block in a
+later call while another raises for an earlier one), so a mismatch MPI completes without complaint is
+raised within two windows; ``AXONMPI_CHECK_EVERY=1`` verifies each call's exchange before it returns.
+A difference is seen at the same exchange on every rank; the ranks then send their windows to group
+rank 0 point-to-point on the check communicator
+(:func:`axonmpi.distributed.debug.name_window_mismatch`, debug mode's protocol), which names the
+first call they disagree on, or the counts that do not match, and every rank raises
+:class:`~axonmpi.distributed.debug.CollectiveMismatchError`.
+
+Mismatches MPI cannot complete hang instead. A call blocked ``PEEK_S`` asks the ranks it waits for
+(their monitors answer on the watchdog communicator, ``_PEEK``) for their state: the calls they are
+blocked in, their last collectives per group with signatures, their last sends with tags. When two
+questions in a row show the same cause (different collectives, roots or shapes at one call number,
+two groups with the same members, a rank outside an API the others are in, a tag nobody sends, a
+rank that finished without the call), the job ends at once with it (:meth:`Watchdog.cause`). An MPI
+error in a collective asks the same question (:meth:`Watchdog.ask_about`) and becomes the mismatch
+it shows, else :class:`~axonmpi.distributed.debug.CollectiveMPIError` naming the op, group and site.
 
 [Note: point-to-point accounting]
 Each :class:`WatchedComm` counts the sends it posts to and the receives it posts from each peer.
@@ -90,15 +105,18 @@ MAX_SLEEP_S = 1e-3     # polling mode: the longest pause between two tests of a 
 LISTEN_S = 0.1         # the monitor looks for questions (and exited ranks) this often
 ANSWER_S = 2.0         # how long the reporting rank waits for the others' answers
 EXIT_GRACE_S = 1.0     # a call involving an exited rank gets this long to complete anyway
-PEEK_S = 1.0           # a call blocked this long: look whether the always-on check found a mismatch
-_ASK, _STATE, _EXIT = 1, 2, 3
+PEEK_S = 1.0           # a call blocked this long: ask the ranks it waits for what they are doing (then 2, 4, .. s)
+PEEK_MAX_S = 30.0      # the longest pause between two such questions about one call
+_ASK, _STATE, _EXIT, _PEEK, _PEEKED = 1, 2, 3, 4, 5
 
 # one flight-recorder entry is a list: these are its fields, in order (entries() gives them so;
-# a ring slot has two more, its call index and whether the main thread blocks in it, and keeps
-# the call site as code object + instruction offset)
+# a ring slot has five more: its call index, whether the main thread blocks in it, the tag of a
+# point-to-point call, the package function the user called (code object) and the call's signature
+# (op code, dtype number, shape, root, reduce op); it keeps the call site as code object + offset)
 CALL_FIELDS = ("seq", "op", "group", "ranks", "count", "dtype", "bytes", "peer", "t_start", "t_end",
                "file", "line")
-_SEQ, _OP, _GROUP, _RANKS, _COUNT, _DTYPE, _BYTES, _PEER, _T0, _T1, _FILE, _LINE, _IDX, _BLK = range(14)
+(_SEQ, _OP, _GROUP, _RANKS, _COUNT, _DTYPE, _BYTES, _PEER, _T0, _T1, _FILE, _LINE, _IDX, _BLK, _TAG, _API,
+ _SIG) = range(17)
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../axonmpi
 _clock = time.perf_counter
@@ -138,6 +156,23 @@ def _public(e) -> list:
     return out
 
 
+_DIST = os.path.dirname(os.path.abspath(__file__))   # .../axonmpi/distributed
+
+
+def _api_name(code) -> Optional[str]:
+    """``CheckpointManager.save`` for the code object of the package function the user called (None for the
+    collectives themselves: their op names them)."""
+    if code is None or code.co_filename.startswith(_DIST):
+        return None
+    return getattr(code, "co_qualname", code.co_name)
+
+
+def _full(e) -> list:
+    """A ring slot as the 12 public fields, then (at the slot's indices) its call index, tag, API name and
+    signature: what a peek sends."""
+    return _public(e) + [e[_IDX], False, e[_TAG], _api_name(e[_API]), e[_SIG]]
+
+
 def _where(e) -> str:
     return f"{os.path.basename(e[_FILE])}:{e[_LINE]}"
 
@@ -145,6 +180,23 @@ def _where(e) -> str:
 def _desc(e, now: float) -> str:
     peer = f" with group rank {e[_PEER]}" if e[_PEER] is not None else ""
     return f"{e[_OP]} #{e[_SEQ]} on {e[_GROUP]}{peer} at {_where(e)}"
+
+
+def _call_text(f) -> str:
+    """``all_reduce(shape=(4, 2), dtype=float64, op=SUM) call #3 at train.py:40 (in CheckpointManager.save)``."""
+    sig = f[_SIG] if len(f) > _SIG else None
+    what = sig_text(sig) if sig else f"{f[_OP]}(count={f[_COUNT]})"
+    api = f[_API] if len(f) > _API and isinstance(f[_API], str) else None
+    api = f" (in {api})" if api else ""
+    return f"{what} call #{f[_SEQ]} at {_where(f)}{api}"
+
+
+def _by_call(calls: Dict[int, list]) -> Dict[str, List[int]]:
+    """``{call text: [world ranks]}`` for the ranks' calls (what each called, grouped)."""
+    out: Dict[str, List[int]] = {}
+    for r in sorted(calls):
+        out.setdefault(_call_text(calls[r]), []).append(r)
+    return out
 
 
 class Watchdog:
@@ -169,13 +221,15 @@ class Watchdog:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.watch, self.record = bool(watch), bool(record)
         self.check = bool(check)       # the always-on collective check (groups made from now on)
+        from ..env import get_float
+        self.check_every = max(1, int(get_float("AXONMPI_CHECK_EVERY")))   # calls between two exchanges
         self._comms: List["WatchedComm"] = []   # every group's watched communicator (p2p counts)
         self._bad_exit: List[str] = []          # what makes this rank exit 1 at the end
         self.comm = comm.Dup() if self.watch else None
         self.timeout = float(timeout)
         self.capacity = int(capacity) if self.record else min(int(capacity), 64)
         self.dump_dir = dump_dir
-        self.ring: List[list] = [[None] * 12 + [-1, False] for _ in range(self.capacity)]
+        self.ring: List[list] = [[None] * 12 + [-1, False, -1, None, None] for _ in range(self.capacity)]
         self.pos = 0
         self.cur_wait = None   # (slot, call index, wait start) of a request being waited on, or None
         if polling is None:
@@ -191,6 +245,10 @@ class Watchdog:
         self.exited: Dict[int, Dict[Any, int]] = {}   # world rank -> {group key: its last seq}
         self.reporter: Optional[int] = None            # the lowest rank reporting a hang, if any
         self._answers: Dict[int, Any] = {}
+        self._peeked: Dict[int, Any] = {}      # world rank -> (round, state): answers to this rank's peeks
+        self._peek_round = 0
+        self._peek_at: Dict[int, list] = {}    # call index -> [next peek time, interval, round asked, asked at]
+        self._cause: Optional[str] = None      # what a peek found (named in the hang report)
         self._sends: List[Any] = []
         self._stop = threading.Event()
         self._exit_notices = 0
@@ -228,7 +286,7 @@ class Watchdog:
             now = _clock()
             if now < spin_until:
                 continue
-            if now > deadline or (now - t0 > PEEK_S and self._peek_checks()):
+            if now > deadline or (now - t0 > PEEK_S and self._peek(e, t0, now)):
                 self.expire(e, now - t0)
             if self.exited:
                 if exit_seen is None:
@@ -243,10 +301,11 @@ class Watchdog:
     def _blocked_by_exit(self, e) -> bool:
         """True when a rank this call needs has exited without making it."""
         key = (e[_GROUP], e[_RANKS])
+        final = e[_OP] == _FINAL        # every rank makes the last exchange after announcing its exit
         for r, last in self.exited.items():
             if r not in e[_RANKS]:
                 continue
-            if e[_PEER] is not None or last.get(key, -1) < e[_SEQ]:
+            if e[_PEER] is not None or last.get(key, -1) < e[_SEQ] - (1 if final else 0):
                 return True
         return False
 
@@ -275,7 +334,7 @@ class Watchdog:
             if not self.polling:
                 now = _clock()
                 for e, t0 in self._in_flight():
-                    if now - t0 > self.timeout or (now - t0 > PEEK_S and self._peek_checks()):
+                    if now - t0 > self.timeout or (now - t0 > PEEK_S and self._peek(e, t0, now)):
                         self.expire(e, now - t0)
                     nap = min(nap, t0 + self.timeout - now)
                     if self.exited and self._blocked_by_exit(e):
@@ -287,25 +346,176 @@ class Watchdog:
 
     _expected_notices = 0
 
-    def _peek_checks(self) -> bool:
-        """True when a pending always-on check has completed with a mismatch (read from its result
-        buffer without an MPI call: the main thread owns the requests). Ranks that called different
-        collectives (all_reduce on one, broadcast on another) block in them for ever, so the check
-        can never raise; the hang report then says who called what (:meth:`explain`)."""
-        for c in list(self._comms):
-            ck = c.ck
-            if ck is None:
-                continue
-            r = ck.r
-            for n in range(ck.done, ck.started):
-                k = n & (_CHECK_SLOTS - 1)
-                a, b = r[2 * k], r[2 * k + 1]
-                if not (a == 1 and b == 1) and a != -b:      # (1, 1): the sentinel, not yet complete
-                    self._check_found = n
-                    return True
+    # -- naming the cause of a hang while it lasts (see the Note on the always-on check) ---------------
+    def _peek(self, e, t0: float, now: float) -> bool:
+        """For call ``e`` (blocked since ``t0``): ask the ranks it waits for what they are doing (after
+        ``PEEK_S``, then at growing pauses); True once their answers show a cause (kept in ``_cause``):
+        different collectives, roots, shapes or groups, a call they skipped, a tag nobody sends."""
+        if self._cause is not None:
+            return True
+        if e[_T1] is not None:
+            return False
+        st = self._peek_at.get(e[_IDX])
+        if st is None:
+            if len(self._peek_at) > 64:
+                self._peek_at.clear()
+            st = self._peek_at[e[_IDX]] = [now, PEEK_S, -1, now, None]
+        nxt, pause, asked, at = st[:4]
+        if asked >= 0:              # a question is out: decide once every rank asked answered (or in time)
+            want = self._peers(e)
+            got = {r: a[1] for r, a in list(self._peeked.items()) if a[0] == asked and r in want}
+            if len(got) < len(want) and now - at < ANSWER_S:
+                return False
+            st[2] = -1
+            try:
+                cause = self.cause(_full(e), got)
+                # a cause must be seen by two questions in a row (a long transfer can look like a mismatch
+                # for a moment: a broadcast's root already in its next call while the others still receive)
+                seen, st[4] = (len(st) > 4 and st[4] == cause), cause
+                if cause is not None and not seen:
+                    st[0], st[1] = now + PEEK_S, pause
+                    return False
+            except Exception as err:      # a question must never end the monitor
+                cause = None
+                sys.stderr.write(f"[axonmpi] watchdog: rank {self.rank} could not read the other ranks' answers "
+                                 f"({type(err).__name__}: {err})\n")
+            if cause is not None:
+                self._cause = cause
+                return True
+            st[0], st[1] = now + pause, min(pause * 2, PEEK_MAX_S)
+            return False
+        if now < nxt:
+            return False
+        self._peek_round += 1
+        msg = pickle.dumps(("peek", self._peek_round))
+        for r in self._peers(e):
+            self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_PEEK))
+        st[2], st[3] = self._peek_round, now
         return False
 
-    _check_found = None
+    def _peers(self, e) -> List[int]:
+        """World ranks whose state explains call ``e``: its peer, or the other members of its group."""
+        ranks = list(e[_RANKS])
+        if e[_PEER] is not None:
+            return [ranks[e[_PEER]]]
+        return [r for r in ranks if r != self.rank]
+
+    def ask_about(self, e) -> Optional[str]:
+        """Main thread, after an MPI error in collective ``e``: ask the group's ranks (their monitors answer)
+        what they called as this call; the lines naming who called what, or None when nobody answered."""
+        if self.comm is None:
+            return None
+        self._peek_round += 1
+        rnd, want = self._peek_round, self._peers(e)
+        msg = pickle.dumps(("peek", rnd))
+        for r in want:
+            self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_PEEK))
+        end = time.monotonic() + ANSWER_S
+        while time.monotonic() < end:
+            self._drain()
+            if all(self._peeked.get(r, (None,))[0] == rnd for r in want):
+                break
+            time.sleep(0.005)
+        got = {r: a[1] for r, a in list(self._peeked.items()) if a[0] == rnd and r in want}
+        if not got:
+            return None
+        calls = self._calls_at(_full(e), got)
+        return "\n".join(f"  world ranks {ranks} called {what}" for what, ranks in _by_call(calls).items())
+
+    def _calls_at(self, e, answers, seq: Optional[int] = None) -> Dict[int, list]:
+        """Each rank's call number ``seq`` (default ``e``'s) on ``e``'s group, in flight or recent; this rank's too."""
+        key = (e[_GROUP], e[_RANKS])
+        seq = e[_SEQ] if seq is None else seq
+        calls = {}
+        for r, st in list(answers.items()) + [(self.rank, None)]:
+            pool = [e] if st is None else []
+            if st is None and seq != e[_SEQ]:
+                mine = self.state()
+                pool = mine["flight"] + mine["recent"].get(key, [])
+            elif st is not None:
+                pool = st["flight"] + st["recent"].get(key, [])
+            for f in pool:
+                if (f[_GROUP], f[_RANKS]) == key and f[_PEER] is None and f[_SEQ] == seq:
+                    calls[r] = f
+                    break
+        return calls
+
+    def cause(self, e, answers: Dict[int, Any]) -> Optional[str]:
+        """The cause of the hang of call ``e`` (a full entry) that the other ranks' states show, or None."""
+        key, ranks = (e[_GROUP], e[_RANKS]), tuple(e[_RANKS])
+        if e[_PEER] is not None:
+            return self._p2p_cause(e, answers)
+        waiting = {self.rank: e}       # each rank's collective it is blocked in on this group
+        others = []
+        for r, st in answers.items():
+            for f in st.get("blocked", []):
+                if f[_PEER] is not None:
+                    continue
+                fk = (f[_GROUP], tuple(f[_RANKS]))
+                if fk == key:
+                    waiting[r] = f
+                elif sorted(f[_RANKS]) == sorted(ranks):
+                    others.append(f"world rank {r} waits in {_desc(f, 0)}: {f[_GROUP]} is a different group with the "
+                                  f"same members {sorted(ranks)} as {e[_GROUP]}, where this rank waits ({_desc(e, 0)})")
+        if others:
+            return "; ".join(others) + "."
+        done = sorted(r for r, f in waiting.items() if f[_OP] == _FINAL and f[_SEQ] <= e[_SEQ])
+        waiting = {r: f for r, f in waiting.items() if f[_OP] != _FINAL or r == self.rank}
+        if done and e[_OP] != _FINAL:
+            return (f"world ranks {done} finished (their script ended or called sys.exit; they wait in the exit "
+                    f"barrier) without making call #{e[_SEQ]} on {e[_GROUP]}, which this rank waits in "
+                    f"({_call_text(e)}): they made fewer collectives on the group.")
+        seq = min(f[_SEQ] for f in waiting.values())     # the first call the ranks may disagree on
+        calls = self._calls_at(e, answers, seq)
+        lines = _by_call(calls)
+        if len(lines) > 1:
+            sigs = {r: f[_SIG] for r, f in calls.items()}
+            kinds = {s[0] for s in sigs.values() if s}
+            what = "different collectives"
+            if len(kinds) == 1:
+                if len({s[3] for s in sigs.values()}) > 1:
+                    what = "the same collective with different roots"
+                elif len({tuple(s[2]) if isinstance(s[2], (tuple, list)) else s[2] for s in sigs.values()}) > 1:
+                    what = "the same collective with different shapes"
+                else:
+                    what = "the same collective with different arguments"
+            text = (f"ranks of {e[_GROUP]} called {what} as call #{seq}: "
+                    + "; ".join(f"world ranks {rs} {w}" for w, rs in lines.items()) + ".")
+            apis = {r: f[_API] for r, f in calls.items()}
+            for a in sorted({x for x in apis.values() if x}):   # the API one side is in (save, ...)
+                inside = sorted(r for r, x in apis.items() if x == a)
+                outside = sorted(r for r in calls if apis[r] != a)
+                if outside:
+                    text += (f" World ranks {outside} are not in {a} (ranks {inside} are): a rank that skipped "
+                             f"{a}, or called it elsewhere.")
+                    break
+            return text
+        return None     # the same calls so far (ranks at later calls may still be finishing this one): not knowable
+
+    def _p2p_cause(self, e, answers) -> Optional[str]:
+        """A blocked send/receive: what its peer does with this rank (the tags it sends, or that it waits too)."""
+        peer = e[_RANKS][e[_PEER]]
+        st = answers.get(peer)
+        if st is None:
+            return None
+        me_g = e[_RANKS].index(self.rank)
+        key = (e[_GROUP], e[_RANKS])
+        mine = f"{e[_OP]} {'from' if e[_OP] == 'recv' else 'to'} world rank {peer} with tag {e[_TAG]}"
+        for f in st.get("blocked", []):
+            if (f[_GROUP], f[_RANKS]) == key and f[_PEER] == me_g and f[_OP] != e[_OP] and f[_TAG] != e[_TAG]:
+                return (f"world rank {peer} waits in {f[_OP]} with tag {f[_TAG]} at {_where(f)}; this rank waits in "
+                        f"{mine} at {_where(e)}: the tags differ")
+            if (f[_GROUP], f[_RANKS]) == key and f[_PEER] == me_g and f[_OP] == e[_OP]:
+                return (f"world rank {peer} waits in {f[_OP]} {'from' if f[_OP] == 'recv' else 'to'} this rank too "
+                        f"(tag {f[_TAG]} at {_where(f)}): each waits for the other")
+        if e[_OP] == "recv":
+            sent = [f for f in st["sends"].get((e[_GROUP], e[_RANKS], self.rank), [])]
+            tags = sorted({f[_TAG] for f in sent})
+            if sent and e[_TAG] not in tags:
+                return (f"world rank {peer} sent {len(sent)} message(s) to this rank on {e[_GROUP]} with tag(s) {tags} "
+                        f"(the last at {_where(sent[-1])}) and none with tag {e[_TAG]}, which this rank waits for at "
+                        f"{_where(e)}: a tag nobody sends")
+        return None
 
     def _drain(self) -> None:
         """Receive and handle every message waiting on the watchdog communicator (thread-safe:
@@ -332,25 +542,45 @@ class Watchdog:
 
     # -- the report ---------------------------------------------------------------------------------
     def state(self) -> dict:
-        """This rank's calls in flight and last completed call per group (what a report needs)."""
+        """This rank's calls in flight, last completed call per group, the last collectives per group and
+        the last sends to each peer (what a report, and a peek, needs); entries as :func:`_full` gives them."""
         now = _clock()
-        flight, last = [], {}
-        for e in self.entries():
+        flight, last, lastc, recent, sends = [], {}, {}, {}, {}
+        n, cap, ring = self.pos, self.capacity, self.ring
+        for i in range(max(0, n - cap), n):
+            slot = ring[i % cap]
+            if slot[_IDX] != i:
+                continue
+            e = _full(slot)
+            key = (e[_GROUP], e[_RANKS])
             if e[_T1] is None:
                 flight.append(e)
             else:
-                last[(e[_GROUP], e[_RANKS])] = e
-        for e in flight + list(last.values()):
+                last[key] = e
+                if e[_PEER] is None and e[_OP] != _FINAL:
+                    lastc[key] = e
+            if e[_PEER] is None:
+                recent.setdefault(key, []).append(e)
+            elif e[_OP] == "send":
+                sends.setdefault(key + (e[_RANKS][e[_PEER]],), []).append(e)
+        recent = {k: v[-16:] for k, v in recent.items()}
+        sends = {k: v[-8:] for k, v in sends.items()}
+        for e in {id(x): x for x in flight + list(last.values()) + list(lastc.values())}.values():
             e[_T0] = now - e[_T0]                        # seconds ago (clocks differ between ranks)
             e[_T1] = None if e[_T1] is None else now - e[_T1]
-        return {"rank": self.rank, "flight": flight, "last": last, "exiting": self.rank in self.exited}
+        blocked = []                                   # the calls the main thread is blocked in (not merely posted)
+        for slot, _ in self._in_flight():
+            if slot[_T1] is None and all(b[_IDX] != slot[_IDX] for b in blocked):
+                blocked.append(_full(slot))
+        return {"rank": self.rank, "flight": flight, "blocked": blocked, "last": last, "lastc": lastc,
+                "recent": recent, "sends": sends, "exiting": self.rank in self.exited}
 
     def expire(self, e, waited: float) -> None:
         """Ask every rank for its state, print one root-cause paragraph, write flight records, abort."""
         if self._expiring:
             return
         self._expiring = True
-        e = _public(e)
+        e = _full(e)
         path = self.dump() if self.record else None
         # ranks waiting on one call time out together: the lowest asks first, the others see its
         # question during their pause and leave the report to it
@@ -391,9 +621,11 @@ class Watchdog:
             if st is None:
                 silent.append(r)
                 continue
-            mine = [f for f in st["flight"] if (f[_GROUP], f[_RANKS]) == key and f[_SEQ] == e[_SEQ]]
+            mine = [f for f in st["flight"] if (f[_GROUP], f[_RANKS]) == key and f[_SEQ] == e[_SEQ]
+                    and f[_PEER] is None and f[_OP] != _FINAL]
             last = st["last"].get(key)
-            if e[_PEER] is None and (mine or (last is not None and last[_SEQ] >= e[_SEQ])):
+            lastc = st.get("lastc", {}).get(key)
+            if e[_PEER] is None and (mine or (lastc is not None and lastc[_SEQ] >= e[_SEQ])):
                 arrived.append(r)
                 if mine:
                     calls[r] = mine[0]
@@ -410,6 +642,14 @@ class Watchdog:
         head = (f"[axonmpi] watchdog: rank {self.rank} waited {waited:.1f} s (AXONMPI_TIMEOUT={self.timeout:g}) "
                 f"in {what} (group ranks {ranks}).")
         parts = [head]
+        cause = self._cause
+        if cause is None and len(e) > _SIG:
+            try:
+                cause = self.cause(e, {r: st for r, st in answers.items() if st is not None})
+            except Exception:   # a report must never fail for want of a cause
+                cause = None
+        if cause is not None:
+            parts.append("Cause: " + cause.rstrip(".") + ".")
         if behind:
             parts.append("Behind: " + " | ".join(behind) + ".")
         if silent:
@@ -420,11 +660,9 @@ class Watchdog:
             for r, f in sorted(calls.items()):
                 dt = f" x {f[_DTYPE]}" if f[_DTYPE] is not None else ""
                 kinds.setdefault(f"{f[_OP]}({f[_COUNT]}{dt}) at {_where(f)}", []).append(r)
-            if len(kinds) > 1 or self._check_found is not None:
-                parts.append("They called different collectives" + (
-                    " (the always-on check found the mismatch; the calls themselves never return)"
-                    if self._check_found is not None else "") + ": " +
-                    "; ".join(f"ranks {rs} {k}" for k, rs in kinds.items()) + ".")
+            if len(kinds) > 1 and cause is None:
+                parts.append("They called different collectives: " +
+                             "; ".join(f"ranks {rs} {k}" for k, rs in kinds.items()) + ".")
         if path is None:
             parts.append("No flight records (AXONMPI_FLIGHT_RECORDER=0). Ending the job (exit 1).")
         else:
@@ -439,9 +677,18 @@ class Watchdog:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         now = _clock()
         calls = []
-        for e in self.entries():
+        n, cap = self.pos, self.capacity
+        for i in range(max(0, n - cap), n):
+            slot = self.ring[i % cap]
+            e = _public(slot)
             d = dict(zip(CALL_FIELDS, e))
             d["ranks"] = list(d["ranks"])
+            sig = slot[_SIG]
+            if sig:                       # the call's signature: shape (collectives that compare it), root
+                d["shape"] = list(sig[2]) if isinstance(sig[2], tuple) else None
+                d["root"] = sig[3]
+            d["tag"] = slot[_TAG]
+            d["api"] = _api_name(slot[_API])
             d["dtype"] = str(d["dtype"])
             d["t_start"] = d["t_start"] - now
             d["t_end"] = None if d["t_end"] is None else d["t_end"] - now
@@ -470,6 +717,11 @@ class Watchdog:
         elif tag == _EXIT:
             self.exited[src] = msg
             self._exit_notices += 1
+        elif tag == _PEEK:             # another rank's question while it waits: what is this rank doing?
+            out = pickle.dumps((msg[1], self.state()))
+            self._sends.append(self.comm.Isend([out, MPI.BYTE], dest=src, tag=_PEEKED))
+        elif tag == _PEEKED:
+            self._peeked[src] = msg
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _at_exit(self) -> None:
@@ -478,14 +730,15 @@ class Watchdog:
             return
         last = {}
         for e in self.entries():
-            last[(e[_GROUP], e[_RANKS])] = e[_SEQ]
-        self._settle_checks()
+            if e[_PEER] is None:
+                last[(e[_GROUP], e[_RANKS])] = e[_SEQ]
         self.exited[self.rank] = last
         msg = pickle.dumps(last)
         for r in range(self.size):
             if r != self.rank:
                 self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_EXIT))
         self._expected_notices = self.size - 1
+        self._settle_checks()          # after the announcement: a rank waiting for a call this one never made hears of it
         bad = self._finish()
         if bad:
             sys.stdout.flush()
@@ -498,14 +751,18 @@ class Watchdog:
                 os._exit(1)
 
     def _settle_checks(self) -> None:
-        """At exit: verify the collective checks still pending (a broadcast root's, the last call's)."""
+        """At exit: every group's last window is exchanged and verified (all started first, then waited
+        for: the groups' order may differ between ranks)."""
         from .debug import CollectiveMismatchError
-        for c in self._comms:
-            ck = c.ck
-            if ck is None or ck.done >= ck.started or c.group._freed:
-                continue
+        live = [c.ck for c in self._comms if c.ck is not None and not c.group._freed]
+        for ck in live:
             try:
-                ck.settle(ck.started, True)
+                ck.final()
+            except CollectiveMismatchError as err:
+                self._bad_exit.append(f"at exit: {err}")
+        for ck in live:
+            try:
+                ck.settle(True)
             except CollectiveMismatchError as err:
                 self._bad_exit.append(f"at exit: {err}")
 
@@ -650,15 +907,21 @@ def dump_flight_record(path: Optional[str] = None) -> str:
 
 
 # -- the always-on collective check (see the Note at the top) ---------------------------------------
-_CHECK_SLOTS = 16              # checks in flight per group before the oldest must be verified
-_VARIES = -1                   # element count not compared (v-collectives: counts differ by design)
+_SLOTS = 4                     # exchanges in flight per group before the oldest must be verified
+_LANES = 5                     # h1, h1^2, h2, h2^2, all-to-all balance (uint64, summed)
+_VARIES = -1                   # shape not compared (v-collectives: counts differ by design)
 _NO_ROOT = -1
 _OPCODE = {"all_reduce": 1, "reduce": 2, "reduce_scatter": 3, "broadcast": 4, "all_gather": 5, "gather": 6,
            "scatter": 7, "all_to_all": 8, "barrier": 9, "broadcast_object": 10, "all_gather_object": 11,
            "gather_object": 12, "all_to_all_object": 13}   # ints: str hashes are salted per process
+_OPNAME = {v: k for k, v in _OPCODE.items()}
+_ROOTED = (2, 4, 6, 7, 10, 12)
+_FINAL = "collective check"    # the op of the last exchange (exit, free)
 _MOPS: Dict[int, int] = {}     # id(MPI.Op) -> its handle (MPI.Op objects are unhashable)
 _MOP_KEEP: list = []           # ... kept alive so an id is never reused
 _MOP_NAMES = {}
+_DTYPES: Dict[int, Any] = {}   # dtype.num -> dtype (for messages)
+_M64 = (1 << 64) - 1
 
 
 def _mop(op) -> int:
@@ -676,80 +939,139 @@ def _mop_name(code: int) -> str:
     return _MOP_NAMES.get(code, f"user op {code}")
 
 
-class _Checks:
-    """One group's always-on signature check: a ring of persistent ``Allreduce(MIN)`` requests on the
-    group's check communicator, started one per collective and verified in call order."""
+def _dtype_name(num: int) -> str:
+    if not _DTYPES:
+        for c in np.typecodes["All"]:
+            try:
+                d = np.dtype(c)
+            except TypeError:
+                continue
+            _DTYPES.setdefault(d.num, d)
+    d = _DTYPES.get(num)
+    return str(d) if d is not None else f"dtype #{num}"
 
-    def __init__(self, group, comm, wd):
-        k = _CHECK_SLOTS
-        self.group, self.comm, self.wd = group, comm, wd
-        self.sbuf = np.zeros((k, 2), np.int64)
-        self.rbuf = np.zeros((k, 2), np.int64)
-        self.s = memoryview(self.sbuf).cast("B").cast("q")
-        self.r = memoryview(self.rbuf).cast("B").cast("q")
-        self.reqs = [None] * k
-        self.info = [None] * k      # (op, dtype, count, root, reduce op, ring entry, its call index)
-        self.started = 0            # checks started = collective calls on the group
-        self.done = 0               # checks verified, in order
-        self.persistent = True      # MPI-4 persistent collectives; else one Iallreduce per check
+
+def sig_text(sig) -> str:
+    """A call signature ``(opcode, dtype num, shape, root, reduce op)`` as ``all_reduce(shape=(4, 2), ...)``."""
+    code, dtn, shape, root, redop = sig
+    if code == 0:
+        return "the always-on check's last exchange (at exit or free)"
+    fields = []
+    if isinstance(shape, (tuple, list)) and code not in (9, 10, 11, 12, 13):
+        fields.append(f"shape={tuple(shape)}")
+    if dtn:
+        fields.append(f"dtype={_dtype_name(dtn)}")
+    if redop:
+        fields.append(f"op={_mop_name(redop)}")
+    if root != _NO_ROOT:
+        fields.append(f"root={root}")
+    return f"{_OPNAME.get(code, code)}({', '.join(fields)})"
+
+
+def _a2a_term(n: int, src: int, dst: int, count: int) -> int:
+    """The all-to-all balance term of ``count`` elements from group rank ``src`` to ``dst`` in call ``n``
+    (a 64-bit mix: senders add it, receivers subtract it; the group's sum is 0 when counts agree)."""
+    x = (n * 0x9E3779B97F4A7C15 + src * 0xBF58476D1CE4E5B9 + dst * 0x94D049BB133111EB + count + 1) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class _Checks:
+    """One group's always-on collective check, batched (see the Note at the top): the signatures of the
+    calls since the last exchange, and a ring of persistent ``Allreduce(SUM)`` exchanges of their hash on
+    the group's check communicator, verified in order."""
+
+    def __init__(self, group, comm, wd, wc):
+        self.group, self.comm, self.wd, self.wc = group, comm, wd, wc
+        self.every = wd.check_every
+        self.strict = self.every == 1   # verify after every call (the result is never handed back unchecked)
+        self.win: List[tuple] = []      # (signature, ring entry, its call index, extra) of the calls not exchanged
+        self.first = 0                  # the call number of win[0]
+        self.a2a = 0                    # the window's all-to-all balance (mod 2^64)
+        self.sbuf = np.zeros((_SLOTS, _LANES), np.uint64)
+        self.rbuf = np.zeros((_SLOTS, _LANES), np.uint64)
+        self.reqs = [None] * _SLOTS
+        self.pending: List[tuple] = []  # (slot, window, first call number) of exchanges started, in order
+        self.started = 0                # exchanges started
+        self.persistent = True          # MPI-4 persistent collectives; else one Iallreduce per exchange
+        n = max(group.size, 2)
+        self.bits = (63 - (n - 1).bit_length()) // 2     # n * (2^bits)^2 < 2^64: the sums are exact
+        self.mask = (1 << self.bits) - 1
+
+    @property
+    def calls(self) -> int:
+        """Collective calls made on the group so far."""
+        return self.first + len(self.win)
 
     def _request(self, k):
-        """Slot ``k``'s request: persistent (made once, started per call) where MPI has them."""
         if self.persistent:
             try:
-                return self.comm.Allreduce_init(self.sbuf[k], self.rbuf[k], MPI.MIN)
+                return self.comm.Allreduce_init(self.sbuf[k], self.rbuf[k], MPI.SUM)
             except (NotImplementedError, AttributeError):   # below MPI 4: the same order on every rank
                 self.persistent = False
-        return self.comm.Iallreduce(self.sbuf[k], self.rbuf[k], MPI.MIN)
+        return self.comm.Iallreduce(self.sbuf[k], self.rbuf[k], MPI.SUM)
 
-    def start(self, e, op, dtype, count, root=_NO_ROOT, redop=0, block=True) -> None:
-        """Start the check of collective ``e``. Before a blocking call, the checks of earlier calls are
-        waited for (they complete once every rank has entered those calls): a rank must not block
-        in call n+1 while another rank raises for call n and waits for it to say what it passed.
-        Before a non-blocking call only the completed ones are verified (DDP's overlap stays)."""
-        n = self.started
-        if self.done != n:
+    def exchange(self, e, block: bool) -> None:
+        """Verify the earlier exchanges (waiting for them before a blocking call ``e``: they completed once
+        every rank entered their calls; a rank must not block in a call while another raises for an earlier
+        one), then start the exchange of the window (which holds ``e``'s own signature last)."""
+        if self.pending:
             try:
-                self.settle(n, block)
-                if n - self.done >= _CHECK_SLOTS:      # its slot is still in use: wait for that check
-                    self.settle(n - _CHECK_SLOTS + 1, True)
+                self.settle(block, e)
             except BaseException:
-                e[_BLK] = False        # this call never starts: not in flight for the monitor
+                if self.win and self.win[-1][1] is e:
+                    self.win.pop()     # this call never starts
+                e[_BLK] = False
                 raise
-        k = n & (_CHECK_SLOTS - 1)
-        h = hash((_OPCODE[op], dtype.num if dtype is not None else 0, count, root, redop, n)) >> 1
-        s = self.s
-        s[2 * k] = h
-        s[2 * k + 1] = -h
-        s = self.r                     # (1, 1) is no (min h, -max h): "not complete" for the monitor
-        s[2 * k] = 1
-        s[2 * k + 1] = 1
+        if len(self.pending) >= _SLOTS:
+            self.settle(True, e, upto=1)
+        win = self.win
+        h = hash(tuple([w[0] for w in win])) & _M64
+        h1, h2 = h & self.mask, (h >> 32) & self.mask
+        k = self.started % _SLOTS
+        sb = self.sbuf[k]
+        sb[0], sb[1], sb[2], sb[3], sb[4] = h1, h1 * h1, h2, h2 * h2, self.a2a
         req = self.reqs[k]
         if req is None or not self.persistent:
             req = self.reqs[k] = self._request(k)
         if self.persistent:
             req.Start()
-        self.info[k] = (op, dtype, count, root, redop, e, e[_IDX])
-        self.started = n + 1
+        self.pending.append((k, win, self.first))
+        self.started += 1
+        self.first += len(win)
+        self.win = []
+        self.a2a = 0
 
-    def settle(self, upto: int, wait: bool = False) -> None:
-        """Verify checks ``done .. upto-1`` in order; without ``wait``, stop at one not yet complete."""
-        while self.done < upto:
-            k = self.done & (_CHECK_SLOTS - 1)
+    def settle(self, wait: bool, e=None, upto: Optional[int] = None) -> None:
+        """Verify the pending exchanges in order; without ``wait``, stop at one not yet complete."""
+        n = 0
+        while self.pending and (upto is None or n < upto):
+            k, win, first = self.pending[0]
             req = self.reqs[k]
             if not req.Test():
                 if not wait:
                     return
-                self._wait(req, k)
-            r = self.r
-            if r[2 * k] != -r[2 * k + 1]:
-                self.done += 1
-                self._mismatch(self.done - 1, k)
-            self.done += 1
+                self._wait(req, e if e is not None else (win[-1][1] if win else None))
+            self.pending.pop(0)
+            n += 1
+            r = [int(v) for v in self.rbuf[k]]
+            size = self.group.size
+            if size * r[1] != r[0] * r[0] or size * r[3] != r[2] * r[2] or r[4] != 0:
+                self._mismatch(win, first, r[4] != 0)
 
-    def _wait(self, req, k) -> None:
-        """A watched wait for check slot ``k`` (the monitor holds its deadline, naming its call)."""
-        wd, e = self.wd, self.info[k][5]
+    def final(self) -> None:
+        """Start the exchange of what is left (exit, ``free``): every rank that used the group makes it."""
+        if self.calls or self.pending:
+            e = self.wc._rec(_FINAL, 0, None, None, True, (0, 0, 0, _NO_ROOT, 0))
+            self.exchange(e, False)
+
+    def _wait(self, req, e) -> None:
+        """A watched wait for an exchange (the monitor holds its deadline, naming ``e``)."""
+        wd = self.wd
+        if e is None:
+            req.Wait()
+            return
         if wd.polling:
             wd.wait(req, e)
             return
@@ -759,55 +1081,49 @@ class _Checks:
         finally:
             wd.cur_wait = None
 
-    def describe(self, n: int, k: int) -> str:
-        op, dtype, count, root, redop, e, idx = self.info[k]
-        fields = []
-        if count != _VARIES:
-            fields.append(f"count={count}")
-        if dtype is not None:
-            fields.append(f"dtype={dtype}")
-        if redop:
-            fields.append(f"op={_mop_name(redop)}")
-        if root != _NO_ROOT:
-            fields.append(f"root={root}")
-        site = ""
-        if e[_IDX] == idx and not isinstance(e[_FILE], str):
-            pe = _public(e)
-            site = f" at {_where(pe)}"
-        return f"{op}({', '.join(fields)}) call #{n}{site}"
-
-    def _mismatch(self, n: int, k: int) -> None:
-        from .debug import CollectiveMismatchError, name_mismatch
+    def _mismatch(self, win, first: int, counts: bool) -> None:
+        from .debug import CollectiveMismatchError, name_window_mismatch
         g = self.group
-        lines = name_mismatch(g, self.comm, self.describe(n, k), timeout=min(self.wd.timeout, 60.0))
+        mine = [(first + i, sig, _site(e, idx), extra) for i, (sig, e, idx, extra) in enumerate(win)]
+        lines = name_window_mismatch(g, self.comm, mine, timeout=min(self.wd.timeout, 60.0))
+        what = "all-to-all counts" if counts else "collective calls"
+        last = first + len(win) - 1
+        calls = f"#{first}" if last <= first else f"#{first}-#{last}"
         raise CollectiveMismatchError(
-            f"rank {g.world.rank}: ranks of {g.name} disagree on collective call #{n} (found by the always-on "
-            f"check; AXONMPI_DEBUG=1 also compares shapes):\n{lines}")
+            f"rank {g.world.rank}: ranks of {g.name} disagree on {what} {calls} (found by the always-on "
+            f"check, which compares every {self.every} calls, at barriers and at exit; AXONMPI_CHECK_EVERY=1 "
+            f"compares each call before it returns):\n{lines}")
 
     def close(self) -> None:
-        for i, req in enumerate(self.reqs):
+        for req in self.reqs:
             if req is not None:
                 try:
                     if req.Test():
                         req.Free()
                 except Exception:
                     pass
-        self.reqs = [None] * _CHECK_SLOTS
+        self.reqs = [None] * _SLOTS
+
+
+def _site(e, idx) -> str:
+    """``file:line`` of ring entry ``e`` while it still holds call ``idx`` (else ``?``)."""
+    if e is None or e[_IDX] != idx or isinstance(e[_FILE], str):
+        return "?" if e is None or e[_IDX] != idx or e[_FILE] == "?" else _where(e)
+    return _where(_public(e))
 
 
 class _Watched:
     """A request whose ``Wait()`` has the watchdog's deadline and records completion.
 
     ``Wait()`` is MPI's own blocking wait (the monitor thread holds the deadline), or in polling
-    mode :meth:`Watchdog.wait`; ``Test()`` is one ``MPI_Test`` (it never sleeps). For a collective,
-    completion also verifies the always-on checks up to its own (``ck``: the group's :class:`_Checks`)."""
+    mode :meth:`Watchdog.wait`; ``Test()`` is one ``MPI_Test`` (it never sleeps). With
+    ``AXONMPI_CHECK_EVERY=1`` completion also verifies the collective's check (``ck``)."""
 
-    __slots__ = ("req", "wd", "e", "i", "done", "ck", "n", "wc")
+    __slots__ = ("req", "wd", "e", "i", "done", "ck", "wc")
 
     def __init__(self, req, wd, e, ck=None, wc=None):
         self.req, self.wd, self.e, self.i, self.done = req, wd, e, e[_IDX], False
         self.ck, self.wc = ck, wc
-        self.n = ck.started if ck is not None else 0
 
     def _end(self):
         self.done = True
@@ -815,8 +1131,8 @@ class _Watched:
         if e[_IDX] == self.i:          # the ring slot still holds this call
             e[_T1] = _clock()
         ck = self.ck
-        if ck is not None and ck.done < self.n:
-            ck.settle(self.n)
+        if ck is not None and ck.strict:
+            ck.settle(True)
 
     def Wait(self):  # noqa: N802 - mpi4py's request protocol
         if self.done:
@@ -832,7 +1148,7 @@ class _Watched:
                 finally:
                     wd.cur_wait = None
         except MPI.Exception as err:
-            self.wc._failed(err, self.e, self.ck is not None)
+            self.wc._failed(err, self.e, self.ck is not None or self.e[_PEER] is None)
             raise
         self._end()
 
@@ -842,7 +1158,7 @@ class _Watched:
         try:
             flag = self.req.Test()
         except MPI.Exception as err:
-            self.wc._failed(err, self.e, self.ck is not None)
+            self.wc._failed(err, self.e, self.e[_PEER] is None)
             raise
         if flag:
             self._end()
@@ -868,26 +1184,32 @@ def _dt(buf):
     return buf.dtype
 
 
+def _dn(dtype) -> int:
+    return dtype.num if dtype is not None else 0
+
+
 class WatchedComm:
     """The slice of an mpi4py communicator the MPI backend uses, with deadlines and recording.
 
-    Every call is stamped into the flight recorder (:meth:`_rec`); blocking calls are the
-    ordinary blocking MPI calls, marked as the call in flight for the monitor thread while they
-    run; non-blocking calls return a request whose ``Wait()`` is marked the same way. Collectives
-    are checked across the group (:class:`_Checks`); point-to-point calls are counted per peer
-    (compared at exit); MPI errors become :class:`~axonmpi.distributed.debug.CollectiveMPIError`.
+    Every call is stamped into the flight recorder (:meth:`_rec`) with its signature (op, dtype,
+    shape, root, reduce op; tag for point-to-point); blocking calls are the ordinary blocking MPI
+    calls, marked as the call in flight for the monitor thread while they run; non-blocking calls
+    return a request whose ``Wait()`` is marked the same way. Collectives are checked across the
+    group (:class:`_Checks`); point-to-point calls are counted per peer (compared at exit); MPI errors
+    become :class:`~axonmpi.distributed.debug.CollectiveMPIError` (or the mismatch that caused them).
     """
 
     def __init__(self, group, wd: Watchdog):
         self.group, self.wd, self.raw = group, wd, group.comm
         self.name, self.ranks = group.name, group.ranks
-        self.seq = 0
+        self.seq = 0                # collective calls on the group (the call numbers every rank shares)
+        self.pseq = 0               # point-to-point calls (this rank's own count)
         try:   # an MPI error raises here (and is named) instead of MPICH's fatal abort
             self.raw.Set_errhandler(MPI.ERRORS_RETURN)
         except Exception:
             pass
         chk = getattr(group, "_check", None)
-        self.ck = _Checks(group, chk, wd) if chk is not None else None
+        self.ck = _Checks(group, chk, wd, self) if chk is not None else None
         n = group.size
         self.sent = [0] * n         # sends posted to each group rank
         self.recvd = [0] * n        # receives posted from each group rank
@@ -897,22 +1219,28 @@ class WatchedComm:
     def Get_attr(self, key):  # noqa: N802
         return self.raw.Get_attr(key)
 
-    def _rec(self, op, count, dtype, peer=None, blocking=False):
+    def _rec(self, op, count, dtype, peer=None, blocking=False, sig=None, tag=-1):
         """Stamp a call into the ring (in place; its slot is returned, ``t_end`` set at completion)."""
         wd = self.wd
-        s = self.seq
-        self.seq = s + 1
+        if peer is None:
+            s = self.seq
+            self.seq = s + 1
+        else:
+            s = self.pseq
+            self.pseq = s + 1
         i = wd.pos
         wd.pos = i + 1
-        code, lasti = "?", 0
+        code, lasti, api = "?", 0, None
         if wd.record:
             # frames: 0 here, 1 this comm's method, 2 the backend's method (always in the package);
-            # each frame walked costs a frame object, so start at 3 (the collective, or a caller)
+            # each frame walked costs a frame object, so start at 3 (the collective, or a caller).
+            # The last package frame before the user's is the API the user called (``api``).
             f = _getframe(3)
             while f is not None:
                 c = f.f_code
                 fn = c.co_filename
                 if fn in _INSIDE:
+                    api = c
                     f = f.f_back
                 elif fn in _OUTSIDE:
                     code, lasti = c, f.f_lasti
@@ -923,37 +1251,50 @@ class WatchedComm:
                     _OUTSIDE.add(fn)
         if _trace._ACTIVE is None:
             e = wd.ring[i % wd.capacity]
-            e[:] = (s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking)
+            e[:] = (s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking,
+                    tag, api, sig)
         else:                          # tracing: a fresh entry, shared with the tracer
-            e = [s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking]
+            e = [s, op, self.name, self.ranks, count, dtype, None, peer, _clock(), None, code, lasti, i, blocking,
+                 tag, api, sig]
             e[:12] = _public(e)
             wd.ring[i % wd.capacity] = e
             _trace._ACTIVE.calls.append(e)
         return e
 
-    def _start(self, op, buf, peer=None, blocking=False):
-        c, d = _n(buf)
-        return self._rec(op, c, d, peer, blocking)
+    def _shape(self, buf):
+        """The shape the collective's caller passed (noted by the collective on the group), else ``buf``'s."""
+        g = self.group
+        sh = g._sig_shape
+        if sh is None:
+            return buf.shape if buf is not None and buf is not MPI.IN_PLACE else ()
+        g._sig_shape = None
+        return sh
 
-    def _cs(self, e, dtype, count, root=_NO_ROOT, redop=0, block=True):
-        """Start the always-on check of collective ``e`` (when the group has one); return ``e``."""
+    def _col(self, op, buf, sig, block=True, count=None, dtype=None):
+        """Stamp collective ``op`` with signature ``sig`` and add it to the group's check window."""
+        if count is None:
+            count, dtype = _n(buf)
+        e = self._rec(op, count, dtype, None, block, sig)
         ck = self.ck
         if ck is not None:
-            ck.start(e, e[_OP], dtype, count, root, redop, block)
+            win = ck.win
+            win.append((sig, e, e[_IDX], None))
+            if len(win) >= ck.every:
+                ck.exchange(e, block)
         return e
 
     def _failed(self, err, e, collective: bool) -> None:
-        """Turn the MPI error ``err`` of call ``e`` into an axonmpi error (the mismatch, when the
-        always-on check names one). Returns for errors that are not MPI's."""
+        """Turn the MPI error ``err`` of call ``e`` into an axonmpi error: the mismatch, when the other
+        ranks' calls (asked through the watchdog) differ from this one. Returns for errors that are not MPI's."""
         if not isinstance(err, MPI.Exception):
             return
         from .debug import CollectiveMismatchError, CollectiveMPIError
-        ck = self.ck
-        if collective and ck is not None and ck.done < ck.started:
-            try:
-                ck.settle(ck.started, True)
-            except CollectiveMismatchError as m:
-                raise m from err
+        if collective and self.wd.watch and self.wd.size > 1:
+            lines = self.wd.ask_about(e)
+            if lines:
+                raise CollectiveMismatchError(
+                    f"rank {self.wd.rank}: ranks of {self.name} disagree on collective call #{e[_SEQ]} (MPI failed "
+                    f"it: {MPI.Get_error_string(err.Get_error_class())}):\n{lines}") from err
         try:
             text = [ln.strip() for ln in err.Get_error_string().splitlines() if ln.strip()]
             what = MPI.Get_error_string(err.Get_error_class())
@@ -983,7 +1324,7 @@ class WatchedComm:
         return out
 
     def _runc(self, e, fn, *args, **kw):
-        """:meth:`_run` for a collective: its check is verified after it (when complete)."""
+        """:meth:`_run` for a collective (with ``AXONMPI_CHECK_EVERY=1`` its check is verified after it)."""
         try:
             out = fn(*args, **kw)
         except BaseException as err:
@@ -992,16 +1333,27 @@ class WatchedComm:
             raise
         e[_T1] = _clock()
         ck = self.ck
-        if ck is not None:
-            ck.settle(ck.started)
+        if ck is not None and ck.strict:
+            ck.settle(True)
         return out
 
     # reductions (the hot ones written out: no extra Python call on the fast path)
     def Allreduce(self, s, r, op):  # noqa: N802
-        e = self._rec("all_reduce", r.size, r.dtype, None, True)
+        g = self.group
+        sh = g._sig_shape
+        if sh is None:
+            sh = r.shape
+        else:
+            g._sig_shape = None
+        dt = r.dtype
+        sig = (1, dt.num, sh, _NO_ROOT, _mop(op))
+        e = self._rec("all_reduce", r.size, dt, None, True, sig)
         ck = self.ck
         if ck is not None:
-            ck.start(e, "all_reduce", r.dtype, r.size, _NO_ROOT, _mop(op))
+            win = ck.win
+            win.append((sig, e, e[_IDX], None))
+            if len(win) >= ck.every:
+                ck.exchange(e, True)
         try:
             self.raw.Allreduce(s, r, op)
         except BaseException as err:
@@ -1009,26 +1361,34 @@ class WatchedComm:
             self._failed(err, e, True)
             raise
         e[_T1] = _clock()
-        if ck is not None:
-            ck.settle(ck.started)
+        if ck is not None and ck.strict:
+            ck.settle(True)
 
     def Iallreduce(self, s, r, op):  # noqa: N802
-        e = self._rec("all_reduce", r.size, r.dtype)
-        ck = self.ck
-        if ck is not None:
-            ck.start(e, "all_reduce", r.dtype, r.size, _NO_ROOT, _mop(op), False)
-        return _Watched(self.raw.Iallreduce(s, r, op), self.wd, e, ck, self)
+        e = self._col("all_reduce", r, (1, r.dtype.num, self._shape(r), _NO_ROOT, _mop(op)), False)
+        return _Watched(self.raw.Iallreduce(s, r, op), self.wd, e, self.ck, self)
 
     def Reduce(self, s, r, op, root):  # noqa: N802
         b = s if s is not MPI.IN_PLACE else r
-        e = self._cs(self._start("reduce", b, None, True), b.dtype, b.size, root, _mop(op))
+        e = self._col("reduce", b, (2, b.dtype.num, self._shape(b), root, _mop(op)))
         self._runc(e, self.raw.Reduce, s, r, op, root=root)
 
     def Reduce_scatter_block(self, s, r, op):  # noqa: N802
-        e = self._rec("reduce_scatter", s.size, s.dtype, None, True)
+        g = self.group
+        sh = g._sig_shape
+        if sh is None:
+            sh = s.shape
+        else:
+            g._sig_shape = None
+        dt = s.dtype
+        sig = (3, dt.num, sh, _NO_ROOT, _mop(op))
+        e = self._rec("reduce_scatter", s.size, dt, None, True, sig)
         ck = self.ck
         if ck is not None:
-            ck.start(e, "reduce_scatter", s.dtype, s.size, _NO_ROOT, _mop(op))
+            win = ck.win
+            win.append((sig, e, e[_IDX], None))
+            if len(win) >= ck.every:
+                ck.exchange(e, True)
         try:
             self.raw.Reduce_scatter_block(s, r, op)
         except BaseException as err:
@@ -1036,27 +1396,38 @@ class WatchedComm:
             self._failed(err, e, True)
             raise
         e[_T1] = _clock()
-        if ck is not None:
-            ck.settle(ck.started)
+        if ck is not None and ck.strict:
+            ck.settle(True)
 
     def Ireduce_scatter_block(self, s, r, op):  # noqa: N802
-        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op), False)
+        e = self._col("reduce_scatter", s, (3, s.dtype.num, self._shape(s), _NO_ROOT, _mop(op)), False)
         return _Watched(self.raw.Ireduce_scatter_block(s, r, op), self.wd, e, self.ck, self)
 
     def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._cs(self._start("reduce_scatter", s, None, True), s.dtype, s.size, _NO_ROOT, _mop(op))
+        e = self._col("reduce_scatter", s, (3, s.dtype.num, self._shape(s), _NO_ROOT, _mop(op)))
         self._runc(e, self.raw.Reduce_scatter, s, r, counts, op)
 
     def Ireduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op), False)
+        e = self._col("reduce_scatter", s, (3, s.dtype.num, self._shape(s), _NO_ROOT, _mop(op)), False)
         return _Watched(self.raw.Ireduce_scatter(s, r, counts, op), self.wd, e, self.ck, self)
 
     # data movement
     def Bcast(self, buf, root):  # noqa: N802
-        e = self._rec("broadcast", buf.size, buf.dtype, None, True)
+        g = self.group
+        sh = g._sig_shape
+        if sh is None:
+            sh = buf.shape
+        else:
+            g._sig_shape = None
+        dt = buf.dtype
+        sig = (4, dt.num, sh, root, 0)
+        e = self._rec("broadcast", buf.size, dt, None, True, sig)
         ck = self.ck
         if ck is not None:
-            ck.start(e, "broadcast", buf.dtype, buf.size, root)
+            win = ck.win
+            win.append((sig, e, e[_IDX], None))
+            if len(win) >= ck.every:
+                ck.exchange(e, True)
         try:
             self.raw.Bcast(buf, root=root)
         except BaseException as err:
@@ -1064,14 +1435,25 @@ class WatchedComm:
             self._failed(err, e, True)
             raise
         e[_T1] = _clock()
-        if ck is not None:
-            ck.settle(ck.started)
+        if ck is not None and ck.strict:
+            ck.settle(True)
 
     def Allgather(self, s, r):  # noqa: N802
-        e = self._rec("all_gather", r.size, r.dtype, None, True)
+        g = self.group
+        sh = g._sig_shape
+        if sh is None:
+            sh = s.shape
+        else:
+            g._sig_shape = None
+        dt = r.dtype
+        sig = (5, dt.num, sh, _NO_ROOT, 0)
+        e = self._rec("all_gather", r.size, dt, None, True, sig)
         ck = self.ck
         if ck is not None:
-            ck.start(e, "all_gather", r.dtype, r.size)
+            win = ck.win
+            win.append((sig, e, e[_IDX], None))
+            if len(win) >= ck.every:
+                ck.exchange(e, True)
         try:
             self.raw.Allgather(s, r)
         except BaseException as err:
@@ -1079,32 +1461,66 @@ class WatchedComm:
             self._failed(err, e, True)
             raise
         e[_T1] = _clock()
-        if ck is not None:
-            ck.settle(ck.started)
+        if ck is not None and ck.strict:
+            ck.settle(True)
 
     def Iallgather(self, s, r):  # noqa: N802
-        e = self._cs(self._start("all_gather", r), r.dtype, r.size, _NO_ROOT, 0, False)
+        e = self._col("all_gather", r, (5, r.dtype.num, self._shape(s), _NO_ROOT, 0), False)
         return _Watched(self.raw.Iallgather(s, r), self.wd, e, self.ck, self)
 
     def Allgatherv(self, s, r):  # noqa: N802
-        e = self._cs(self._start("all_gather", r, None, True), _dt(s), _VARIES)
+        self.group._sig_shape = None
+        e = self._col("all_gather", r, (5, _dn(_dt(s)), _VARIES, _NO_ROOT, 0))
         self._runc(e, self.raw.Allgatherv, s, r)
 
     def Gatherv(self, s, r, root):  # noqa: N802
-        e = self._cs(self._start("gather", s, None, True), _dt(s), _VARIES, root)
+        self.group._sig_shape = None
+        e = self._col("gather", s, (6, _dn(_dt(s)), _VARIES, root, 0))
         self._runc(e, self.raw.Gatherv, s, r, root=root)
 
     def Scatterv(self, s, r, root):  # noqa: N802
-        e = self._cs(self._start("scatter", r, None, True), _dt(r), _VARIES, root)
+        self.group._sig_shape = None
+        e = self._col("scatter", r, (7, _dn(_dt(r)), _VARIES, root, 0))
         self._runc(e, self.raw.Scatterv, s, r, root=root)
 
+    def _a2a(self, s, r):
+        """Add this rank's all-to-all counts to the window's balance (see the Note: senders add, receivers
+        subtract, per (call, source, destination, count)); returns the counts for a mismatch report."""
+        ck = self.ck
+        sc, rc = list(s[1][0]), list(r[1][0])
+        if ck is not None:
+            n, me = ck.calls, self.group.rank
+            b = ck.a2a
+            for j, c in enumerate(sc):
+                b += _a2a_term(n, me, j, int(c))
+            for j, c in enumerate(rc):
+                b -= _a2a_term(n, j, me, int(c))
+            ck.a2a = b & _M64
+        return sc, rc
+
     def Alltoallv(self, s, r):  # noqa: N802
-        e = self._cs(self._start("all_to_all", s, None, True), _dt(s), _VARIES)
+        self.group._sig_shape = None
+        sc, rc = self._a2a(s, r)
+        sig = (8, _dn(_dt(s)), _VARIES, _NO_ROOT, 0)
+        e = self._rec("all_to_all", *_n(s), None, True, sig)
+        ck = self.ck
+        if ck is not None:
+            win = ck.win
+            win.append((sig, e, e[_IDX], (tuple(sc), tuple(rc))))
+            if len(win) >= ck.every:
+                ck.exchange(e, True)
         self._runc(e, self.raw.Alltoallv, s, r)
 
     def Barrier(self):  # noqa: N802
-        e = self._cs(self._rec("barrier", 0, None, None, True), None, 0)
-        self._runc(e, self.raw.Barrier)
+        """A barrier is an exchange point: the window (this call last) is compared before it returns."""
+        e = self._rec("barrier", 0, None, None, True, (9, 0, (), _NO_ROOT, 0))
+        ck = self.ck
+        if ck is not None:
+            ck.win.append((e[_SIG], e, e[_IDX], None))
+            ck.exchange(e, True)
+        self._run(e, self.raw.Barrier)
+        if ck is not None:
+            ck.settle(True, e)
 
     # point-to-point (sequence numbers count this rank's calls on the group; they need not match;
     # sends and receives are counted per peer and compared at exit)
@@ -1116,40 +1532,40 @@ class WatchedComm:
             self.recvd[peer] += 1
 
     def Send(self, buf, dest, tag):  # noqa: N802
-        e = self._rec("send", buf.size, buf.dtype, dest, True)
+        e = self._rec("send", buf.size, buf.dtype, dest, True, None, tag)
         self._p2p(e, dest, True)
         self._run(e, self.raw.Send, buf, dest=dest, tag=tag)
 
     def Recv(self, buf, source, tag):  # noqa: N802
-        e = self._rec("recv", buf.size, buf.dtype, source, True)
+        e = self._rec("recv", buf.size, buf.dtype, source, True, None, tag)
         self._p2p(e, source, False)
         self._run(e, self.raw.Recv, buf, source=source, tag=tag)
 
     def Isend(self, buf, dest, tag):  # noqa: N802
-        e = self._rec("send", buf.size, buf.dtype, dest)
+        e = self._rec("send", buf.size, buf.dtype, dest, False, None, tag)
         self._p2p(e, dest, True)
         return _Watched(self.raw.Isend(buf, dest=dest, tag=tag), self.wd, e, None, self)
 
     def Irecv(self, buf, source, tag):  # noqa: N802
-        e = self._rec("recv", buf.size, buf.dtype, source)
+        e = self._rec("recv", buf.size, buf.dtype, source, False, None, tag)
         self._p2p(e, source, False)
         return _Watched(self.raw.Irecv(buf, source=source, tag=tag), self.wd, e, None, self)
 
     # picklable objects
     def bcast(self, obj, root):
-        e = self._cs(self._rec("broadcast_object", 0, None, None, True), None, 0, root)
+        e = self._col("broadcast_object", None, (10, 0, 0, root, 0), count=0)
         return self._runc(e, self.raw.bcast, obj, root=root)
 
     def allgather(self, obj):
-        e = self._cs(self._rec("all_gather_object", 0, None, None, True), None, 0)
+        e = self._col("all_gather_object", None, (11, 0, 0, _NO_ROOT, 0), count=0)
         return self._runc(e, self.raw.allgather, obj)
 
     def gather(self, obj, root):
-        e = self._cs(self._rec("gather_object", 0, None, None, True), None, 0, root)
+        e = self._col("gather_object", None, (12, 0, 0, root, 0), count=0)
         return self._runc(e, self.raw.gather, obj, root=root)
 
     def alltoall(self, objs):
-        e = self._cs(self._rec("all_to_all_object", 0, None, None, True), None, 0)
+        e = self._col("all_to_all_object", None, (13, 0, 0, _NO_ROOT, 0), count=0)
         return self._runc(e, self.raw.alltoall, objs)
 
 
@@ -1168,79 +1584,96 @@ class PolledComm(WatchedComm):
             raise
         e[_T1] = _clock()
         ck = self.ck
-        if collective and ck is not None:
-            ck.settle(ck.started)
+        if collective and ck is not None and ck.strict:
+            ck.settle(True)
 
     def Allreduce(self, s, r, op):  # noqa: N802
-        e = self._cs(self._start("all_reduce", r), r.dtype, r.size, _NO_ROOT, _mop(op))
+        e = self._col("all_reduce", r, (1, r.dtype.num, self._shape(r), _NO_ROOT, _mop(op)))
         self._w(e, self.raw.Iallreduce(s, r, op))
 
     def Reduce(self, s, r, op, root):  # noqa: N802
         b = s if s is not MPI.IN_PLACE else r
-        e = self._cs(self._start("reduce", b), b.dtype, b.size, root, _mop(op))
+        e = self._col("reduce", b, (2, b.dtype.num, self._shape(b), root, _mop(op)))
         self._w(e, self.raw.Ireduce(s, r, op, root=root))
 
     def Reduce_scatter_block(self, s, r, op):  # noqa: N802
-        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op))
+        e = self._col("reduce_scatter", s, (3, s.dtype.num, self._shape(s), _NO_ROOT, _mop(op)))
         self._w(e, self.raw.Ireduce_scatter_block(s, r, op))
 
     def Reduce_scatter(self, s, r, counts, op):  # noqa: N802
-        e = self._cs(self._start("reduce_scatter", s), s.dtype, s.size, _NO_ROOT, _mop(op))
+        e = self._col("reduce_scatter", s, (3, s.dtype.num, self._shape(s), _NO_ROOT, _mop(op)))
         self._w(e, self.raw.Ireduce_scatter(s, r, counts, op))
 
     def Bcast(self, buf, root):  # noqa: N802
-        e = self._cs(self._start("broadcast", buf), buf.dtype, buf.size, root)
+        e = self._col("broadcast", buf, (4, buf.dtype.num, self._shape(buf), root, 0))
         self._w(e, self.raw.Ibcast(buf, root=root))
 
     def Allgather(self, s, r):  # noqa: N802
-        e = self._cs(self._start("all_gather", r), r.dtype, r.size)
+        e = self._col("all_gather", r, (5, r.dtype.num, self._shape(s), _NO_ROOT, 0))
         self._w(e, self.raw.Iallgather(s, r))
 
     def Allgatherv(self, s, r):  # noqa: N802
-        e = self._cs(self._start("all_gather", r), _dt(s), _VARIES)
+        self.group._sig_shape = None
+        e = self._col("all_gather", r, (5, _dn(_dt(s)), _VARIES, _NO_ROOT, 0))
         self._w(e, self.raw.Iallgatherv(s, r))
 
     def Gatherv(self, s, r, root):  # noqa: N802
-        e = self._cs(self._start("gather", s), _dt(s), _VARIES, root)
+        self.group._sig_shape = None
+        e = self._col("gather", s, (6, _dn(_dt(s)), _VARIES, root, 0))
         self._w(e, self.raw.Igatherv(s, r, root=root))
 
     def Scatterv(self, s, r, root):  # noqa: N802
-        e = self._cs(self._start("scatter", r), _dt(r), _VARIES, root)
+        self.group._sig_shape = None
+        e = self._col("scatter", r, (7, _dn(_dt(r)), _VARIES, root, 0))
         self._w(e, self.raw.Iscatterv(s, r, root=root))
 
     def Alltoallv(self, s, r):  # noqa: N802
-        e = self._cs(self._start("all_to_all", s), _dt(s), _VARIES)
+        self.group._sig_shape = None
+        sc, rc = self._a2a(s, r)
+        sig = (8, _dn(_dt(s)), _VARIES, _NO_ROOT, 0)
+        e = self._rec("all_to_all", *_n(s), None, True, sig)
+        ck = self.ck
+        if ck is not None:
+            ck.win.append((sig, e, e[_IDX], (tuple(sc), tuple(rc))))
+            if len(ck.win) >= ck.every:
+                ck.exchange(e, True)
         self._w(e, self.raw.Ialltoallv(s, r))
 
     def Barrier(self):  # noqa: N802
-        e = self._cs(self._start("barrier", None), None, 0)
-        self._w(e, self.raw.Ibarrier())
+        e = self._rec("barrier", 0, None, None, True, (9, 0, (), _NO_ROOT, 0))
+        ck = self.ck
+        if ck is not None:
+            ck.win.append((e[_SIG], e, e[_IDX], None))
+            ck.exchange(e, True)
+        self._w(e, self.raw.Ibarrier(), False)
+        if ck is not None:
+            ck.settle(True, e)
 
     def Send(self, buf, dest, tag):  # noqa: N802
-        e = self._start("send", buf, dest)
+        e = self._rec("send", buf.size, buf.dtype, dest, False, None, tag)
         self._p2p(e, dest, True)
         self._w(e, self.raw.Isend(buf, dest=dest, tag=tag), False)
 
     def Recv(self, buf, source, tag):  # noqa: N802
-        e = self._start("recv", buf, source)
+        e = self._rec("recv", buf.size, buf.dtype, source, False, None, tag)
         self._p2p(e, source, False)
         self._w(e, self.raw.Irecv(buf, source=source, tag=tag), False)
 
-    def _arrive(self, op, root=_NO_ROOT):
-        self._w(self._cs(self._start(op, None), None, 0, root), self.raw.Ibarrier())
+    def _arrive(self, op, sig):
+        self._w(self._col(op, None, sig, count=0), self.raw.Ibarrier())
 
     def bcast(self, obj, root):
-        self._arrive("broadcast_object", root)
+        self._arrive("broadcast_object", (10, 0, 0, root, 0))
         return self.raw.bcast(obj, root=root)
 
     def allgather(self, obj):
-        self._arrive("all_gather_object")
+        self._arrive("all_gather_object", (11, 0, 0, _NO_ROOT, 0))
         return self.raw.allgather(obj)
 
     def gather(self, obj, root):
-        self._arrive("gather_object", root)
+        self._arrive("gather_object", (12, 0, 0, root, 0))
         return self.raw.gather(obj, root=root)
 
     def alltoall(self, objs):
-        self._arrive("all_to_all_object")
+        self._arrive("all_to_all_object", (13, 0, 0, _NO_ROOT, 0))
         return self.raw.alltoall(objs)

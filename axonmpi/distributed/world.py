@@ -47,8 +47,9 @@ class World:
         if abort_on_exception:   # first: an error in the arguments below prints once, not once per rank
             install_abort_on_exception(comm if comm is not None else MPI.COMM_WORLD)
         base = comm if comm is not None else MPI.COMM_WORLD
-        from ..checkpoint.preemption import record_early_signals
+        from .signals import announce_early, mark_ready, record_early_signals
         record_early_signals()   # Slurm's USR1 during start-up: MPICH's C handler would swallow it
+        mark_ready()             # the job template forwards a held SIGUSR1 once every rank is here
         sizes = resolve_grid_sizes(base.Get_size(), G_inter=G_inter, G_data=G_data, G_intra_r=G_intra_r,
                                    G_intra_c=G_intra_c, G_intra_d=G_intra_d, G_context=G_context,
                                    rank=base.Get_rank())
@@ -56,6 +57,9 @@ class World:
         self._comm = base.Dup()
         self.rank = self._comm.Get_rank()
         self.world_size = self._comm.Get_size()
+        announce_early(self.rank)   # a signal between `import axonmpi` and here: kept for the first handler
+        from .. import log as _log
+        _log.set_rank(self.rank, self.world_size)   # log lines name the rank (log.py sits below distributed)
         if debug is None:
             from ..env import get_bool
             debug = get_bool("AXONMPI_DEBUG")
@@ -224,6 +228,8 @@ class World:
         if self.watchdog is not None:
             self.watchdog.close()
         self._destroyed = True
+        from .. import log as _log
+        _log.set_rank(None)
 
     def __repr__(self) -> str:
         return (f"World(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
