@@ -198,7 +198,8 @@ def parse_args(argv=None):
 # counts and amounts that make no sense at zero or below (None: the option was left out)
 AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batch", "log_every", "keep_last",
               "microbatches", "G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel",
-              "expert_parallel", "hybrid_shard_size", "corpus_bytes", "eval_batches", "loss_scale_growth_interval")
+              "expert_parallel", "hybrid_shard_size", "corpus_bytes", "eval_batches", "loss_scale_growth_interval",
+              "make_vocab_size_divisible_by")
 AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
               "moe_experts": "0: dense", "seed": None, "grad_clip": "0: no clipping", "weight_decay": None,
               "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None}
