@@ -2,10 +2,9 @@
 
 The plan's modules are swapped for column / row / vocab / attention layers holding this rank's shard of the
 serial weights (each with its :class:`~axonmpi.distributed.Placement`); AxoNN swaps every ``nn.Linear`` whose
-sizes divide over the grid.  Under sequence parallelism every ``nn.LayerNorm`` becomes a
-``SequenceParallelLayerNorm`` and every other parameter used on sequence shards records the tensor group as a
-``partial`` group of its placement: the finalize step sums its gradient there
-([Note: partial gradients under sequence parallelism]).
+sizes divide over the grid.  Under sequence parallelism every parameter used on sequence shards (LayerNorms,
+row-parallel biases, any replicated layer) records the tensor group as a ``partial`` group of its placement: the
+finalize step sums its gradient there ([Note: partial gradients under sequence parallelism]).
 """
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ def apply(module: Module, c: Composition) -> None:
     if c.sp:
         _refuse_whole_sequence_layers(module, c)
         _enter_declared_region(module, c)
-        _swap_layer_norms(module, c)
     _retie(module, tied, c.rank)
     if c.sp:
         c.partial = _sequence_parallel(module, c)
@@ -153,13 +151,15 @@ def _layer(child: Module, style: str, c: Composition, *, whole_out: bool, outsid
     if style == "attention":
         return TensorParallelAttention(child.n_embd, child.n_head, group=group, causal=True,
                                        dropout=child.attn_dropout.p, bias=child.qkv.bias is not None,
-                                       dtype=child.qkv.weight.dtype, sequence_parallel=sp is not None)
+                                       dtype=child.qkv.weight.dtype, sequence_parallel=sp is not None,
+                                       partial_grads=True)
     if style == "vocab":
         return VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
                                       dtype=child.weight.dtype, **seq)
     if style == "row":
         return RowParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                 input_is_parallel=True, group=group, dtype=child.weight.dtype, **seq)
+                                 input_is_parallel=True, group=group, dtype=child.weight.dtype, partial_grads=True,
+                                 **seq)
     new = ColumnParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                gather_output=style == "column_gather", group=group, dtype=child.weight.dtype, **seq)
     if style == "column_gather" and sp is not None and not whole_out:
@@ -231,26 +231,12 @@ def _outside(module: Module, c: Composition) -> List[Module]:
                                       if any(fnmatch.fnmatchcase(q, p) for p in region.outside)]
 
 
-def _swap_layer_norms(module: Module, c: Composition) -> None:
-    """Every ``nn.LayerNorm`` in the region -> a ``SequenceParallelLayerNorm`` (same names and values; it sums
-    its weight and bias gradients over the tensor group in backward)."""
-    from ..tensor import SequenceParallelLayerNorm
-    outside = _outside(module, c)
-    for parent, name, child, _ in module_slots(module):
-        if type(child) is nn_layers.LayerNorm and not any(child is m for m in outside):
-            new = SequenceParallelLayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
-                                            bias=child.bias is not None, group=c.grid.intra_group,
-                                            dtype=None if child.weight is None else child.weight.dtype)
-            copy_serial(new, child)
-            setattr(parent, name, new)
-
-
 def _sequence_parallel(module: Module, c: Composition) -> List[object]:
     """[Note: partial gradients under sequence parallelism]  Each rank runs the region on its tokens, so a
-    parameter not split over the tensor group gets this rank's part of its gradient.  The sequence-parallel
-    LayerNorms sum their own; every other such parameter records the tensor group as ``partial`` in its
-    placement and is returned: the finalize step sums it there.  The declared region's ``outside`` modules run
-    on whole sequences: left as they are."""
+    parameter not split over the tensor group (a LayerNorm's, a row layer's bias, any replicated layer's) gets
+    this rank's part of its gradient: it records the tensor group as ``partial`` in its placement and is
+    returned, and the finalize step sums them all there, bucketed (one collective per bucket, not one per
+    parameter).  The declared region's ``outside`` modules run on whole sequences: left as they are."""
     from ...distributed.placement import add_placement, placement_of
     g = c.grid.intra_group
     skip = {id(q) for m in _outside(module, c) for q in m.parameters()}

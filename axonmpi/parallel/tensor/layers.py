@@ -184,6 +184,9 @@ class RowParallelLinear(_AxisSharded):
             keeps its sequence shard; backward: all-gather) instead of all-reducing it; the bias is
             added on the shard and its gradient all-reduced over the group (see the module's note).
         sequence_dim: the sequence dimension of the output (default -2).
+        partial_grads: under ``sequence_parallel`` leave the bias's gradient this rank's part (its placement
+            ``partial`` over the group) for the owner's finalize step to sum, bucketed with the others
+            (``parallelize`` does); default: summed over the group in backward, by the layer.
 
     Example:
         >>> proj = RowParallelLinear(32, 16, group=tp)
@@ -192,11 +195,12 @@ class RowParallelLinear(_AxisSharded):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  group: Optional[ProcessGroup] = None, dtype=None, *, init_method: Optional[Callable] = None,
-                 sequence_parallel: bool = False, sequence_dim: int = -2):
+                 sequence_parallel: bool = False, sequence_dim: int = -2, partial_grads: bool = False):
         super().__init__()
         self.group = one_d_group(group)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.input_is_parallel = bool(input_is_parallel)
+        self.partial_grads = bool(partial_grads)
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
         if self.sequence_parallel and not self.input_is_parallel:
             raise ValueError(f"rank {self.group.world.rank}: RowParallelLinear(sequence_parallel=True) needs "
@@ -207,10 +211,10 @@ class RowParallelLinear(_AxisSharded):
         if bias:
             self.bias = Parameter(init_full((self.out_features,), dtype, _bias_init(self.in_features),
                                             [self.group]))
-            if self.sequence_parallel:
+            if self.sequence_parallel and not self.partial_grads:
                 _tag_sequence_parallel(self.bias, self.group)
             else:
-                _replicate(self.bias, self.group)
+                _replicate(self.bias, self.group)     # partial_grads: the owner's finalize step sums it
         else:
             self.register_parameter("bias", None)
 
@@ -220,7 +224,9 @@ class RowParallelLinear(_AxisSharded):
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(ops_nn.linear(x, self.weight), self.group,
                                                            dim=self.sequence_dim)
-            return y if self.bias is None else y + _sp_param(self.bias, self.group)
+            if self.bias is None:
+                return y
+            return y + (self.bias if self.partial_grads else _sp_param(self.bias, self.group))
         y = reduce_from_tensor_parallel_region(ops_nn.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -532,7 +538,8 @@ class TensorParallelAttention(_TensorParallelModule):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None, causal: bool = True,
-                 dropout: float = 0.0, bias: bool = True, dtype=None, *, sequence_parallel: bool = False):
+                 dropout: float = 0.0, bias: bool = True, dtype=None, *, sequence_parallel: bool = False,
+                 partial_grads: bool = False):
         super().__init__()
         group = one_d_group(group)
         if embed_dim % num_heads:
@@ -543,7 +550,7 @@ class TensorParallelAttention(_TensorParallelModule):
         self.sequence_parallel = bool(sequence_parallel)
         self.qkv = _QKVParallelLinear(embed_dim, bias, group, dtype, self.sequence_parallel)
         self.proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=group, dtype=dtype,
-                                      sequence_parallel=self.sequence_parallel)
+                                      sequence_parallel=self.sequence_parallel, partial_grads=partial_grads)
         self.attn_dropout = Dropout(dropout)
         self.resid_dropout = Dropout(dropout)
 
