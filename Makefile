@@ -1,6 +1,8 @@
 # axonmpi — two commands for a new machine with python3 and pip:
 #   make demo   installs into .venv, then trains the char GPT with DDP on RANKS (default 4) local ranks
 #   make test   installs, then runs the whole test suite at 1, 2, 3 and 4 ranks, and the N-D layouts at 8 and 16
+# (--capture=sys: pytest captures sys.stdout / sys.stderr, not file descriptor 2, so a report a rank ends the job
+# on -- the watchdog's -- reaches the terminal even though the process is killed)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -37,7 +39,7 @@ test: install
 	@rm -rf .test-logs; set -e; for n in $(NPS); do \
 	  echo "=== pytest --with-mpi on $$n rank(s) ==="; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
-	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider $(PYTEST_ARGS) || { \
+	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider --capture=sys $(PYTEST_ARGS) || { \
 	    status=$$?; echo "*** the $$n-rank run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
@@ -45,7 +47,7 @@ test: install
 	for n in $(ND_NPS); do \
 	  echo "=== N-D layouts: pytest -m nd --with-mpi on $$n ranks ==="; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
-	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider -m nd $(PYTEST_ARGS) tests/test_nd_layouts.py tests/test_recipe_layouts.py tests/test_no_sync.py tests/test_sharded_state.py tests/test_fuzz.py || { \
+	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider --capture=sys -m nd $(PYTEST_ARGS) tests/test_nd_layouts.py tests/test_recipe_layouts.py tests/test_no_sync.py tests/test_sharded_state.py tests/test_fuzz.py || { \
 	    status=$$?; echo "*** the $$n-rank N-D run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \

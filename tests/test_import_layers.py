@@ -72,9 +72,25 @@ def _graph():
     return graph
 
 
+# torch's import paths under the import rule of docs/porting.md (torch.distributed.fsdp, torch.distributed.tensor,
+# torch.distributed.device_mesh): aliases of the parallel layer's classes that sit under distributed/ only because
+# torch's paths do; nothing in the library imports them, and axonmpi/__init__.py loads them last
+TORCH_PATHS = ("axonmpi.distributed.fsdp", "axonmpi.distributed.tensor", "axonmpi.distributed._tensor",
+               "axonmpi.distributed.device_mesh")
+
+
 def _room(mod):
+    if mod.startswith(TORCH_PATHS):
+        return "torch paths (above parallel)"
     parts = mod.split(".")
     return parts[1] if len(parts) > 1 else "axonmpi (the package root, which imports every room)"
+
+
+def test_nothing_in_the_library_imports_the_torch_paths():
+    bad = [f"{mod} (line {line}) imports {dep}" for mod, deps in sorted(_graph().items())
+           if not mod.startswith(TORCH_PATHS) and mod != "axonmpi"
+           for dep, line in sorted(deps.items()) if dep.startswith(TORCH_PATHS)]
+    assert not bad, "the library imports torch's alias paths:\n" + "\n".join(bad)
 
 
 def test_the_bottom_layers_import_only_downward():
@@ -112,6 +128,8 @@ def _cycle_through(graph, start):
 
 def _node(mod):
     """``distributed`` is one node (its modules import each other, deferred, inside the room); others are modules."""
+    if mod.startswith(TORCH_PATHS):
+        return mod
     return "axonmpi.distributed" if mod.startswith("axonmpi.distributed.") else mod
 
 
@@ -133,3 +151,26 @@ def test_the_checker_sees_a_circle_when_there_is_one():
     mods = {"axonmpi.distributed.world": "x/world.py", "axonmpi.checkpoint.preemption": "p.py", "axonmpi.checkpoint": "c/__init__.py"}
     node = ast.parse("from ..checkpoint.preemption import record_early_signals").body[0]
     assert _targets("axonmpi.distributed.world", "x/world.py", node, mods) == ["axonmpi.checkpoint.preemption"]
+
+
+@pytest.mark.parametrize("room,forbidden", [("parallel", "models"), ("checkpoint", "models"), ("checkpoint", "parallel")])
+def test_rooms_that_know_no_model(room, forbidden):
+    """``parallel/`` (the composer and its axes) imports nothing from ``models/``: what a model needs it declares in
+    its plan (issue 38); ``checkpoint/`` (generic sharded storage) imports neither models nor strategies (the
+    export formats of models are passed in by ``axonmpi/interop.py``)."""
+    bad = [f"{mod} (line {line}) imports {dep}" for mod, deps in sorted(_graph().items()) if _room(mod) == room
+           for dep, line in sorted(deps.items()) if _room(dep) == forbidden]
+    assert not bad, f"{room}/ imports {forbidden}/:\n" + "\n".join(bad)
+
+
+def test_no_import_circle_through_the_checkpoint_cli_and_the_models():
+    """Room by room (the checkpoint CLI once reached models/hf_gpt2, which reached checkpoint/safetensors_io):
+    no circle passes through ``checkpoint``."""
+    graph = {}
+    for m, deps in _graph().items():
+        if m.endswith(".__main__"):          # an entry point (python -m axonmpi.checkpoint): nothing imports it
+            continue
+        graph.setdefault(_room(m), set()).update(_room(d) for d in deps if d != "axonmpi")
+    graph = {m: sorted(d - {m}) for m, d in graph.items()}
+    cycle = _cycle_through(graph, "checkpoint")
+    assert cycle is None, "import circle: " + " -> ".join(cycle)

@@ -182,9 +182,10 @@ class _Part:
 
 @pytest.mark.mpi(min_size=2)
 def test_reducer_entries_closed_form_and_switch(world):
-    """Rank r's gradient is (r + 1) x ones: the hooked entry gives the sum n (n + 1) / 2 x scale as backward
-    returns, the after-backward entries (two parameters, one flat bucket) the mean (n + 1) / 2 at ``run``;
-    inside ``no_sync`` neither runs and the part is off, and the switch is restored after an exception."""
+    """Rank r's gradient is (r + 1) x ones: the armed entry gives the sum n (n + 1) / 2 x scale as backward
+    returns (run at the end of the pass), the after-backward entries (two parameters, one flat bucket) the mean
+    (n + 1) / 2 at ``run``; inside ``no_sync`` neither runs and the part is off, and the switch is restored after
+    an exception."""
     from axonmpi.distributed import resolve_group
     from axonmpi.parallel.grad_sync import GradReducer
     group, n, r = resolve_group(None), world.world_size, world.rank
@@ -192,13 +193,15 @@ def test_reducer_entries_closed_form_and_switch(world):
     late = [nn.Parameter(np.zeros(2)), nn.Parameter(np.zeros((2, 2)))]
     part = _Part()
     red = GradReducer("test", parts=[part])
-    red.hook([hooked], lambda p: (group,), 0.5)
+    armed = red.add_part(GradReducer("armed"))
+    armed.after_backward([hooked], lambda p: (group,), 0.5)
+    armed.arm([hooked])
     red.after_backward(late, lambda p: (group,), 1.0 / n)
     for inside in (True, False):
         for p in [hooked, *late]:
             p.grad = None
         with (red.no_sync() if inside else contextlib.nullcontext()):
-            assert part.enabled is not inside
+            assert part.enabled is not inside and armed.enabled is not inside
             ((hooked * (r + 1.0)).sum() + sum((p * (r + 1.0)).sum() for p in late)).backward()
             red.run()
         want_hooked = (r + 1.0) if inside else 0.5 * n * (n + 1) / 2

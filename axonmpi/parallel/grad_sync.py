@@ -148,7 +148,8 @@ class GradReducer:
 
     Example:
         >>> red = GradReducer("axonn")
-        >>> red.hook(model.parameters(), lambda p: reduction_groups(p, data, (grid.intra_group,)), 1 / shards)
+        >>> red.after_backward(model.parameters(), lambda p: reduction_groups(p, data, (grid.intra_group,)), 1 / shards)
+        >>> red.arm(model.parameters())            # run at the end of every backward pass
         >>> with red.no_sync():
         ...     loss.backward()                    # gradients accumulate, nothing is reduced
     """
@@ -182,19 +183,6 @@ class GradReducer:
         part.enabled = self._enabled
         self.parts.append(part)
         return part
-
-    def hook(self, params: Iterable[Any], groups_of: Callable[[Any], Sequence[Any]], scale: float = 1.0) -> None:
-        """Reduce each of ``params`` over ``groups_of(p)`` (then times ``scale``) as soon as its gradient of a
-        backward is complete (a post-accumulate-grad hook, so ``backward()`` returns reduced gradients)."""
-        for p in params:
-            if not p.requires_grad:
-                continue
-            groups = _live(groups_of(p))
-            if groups or scale != 1.0:
-                def reduce(q, groups=groups):
-                    if self._enabled:
-                        reduce_gradient(q.grad.data, groups, scale)
-                self._handles.append(p.register_post_accumulate_grad_hook(reduce))
 
     def after_backward(self, params: Iterable[Any], groups_of: Callable[[Any], Sequence[Any]],
                        scale: float = 1.0) -> None:
@@ -278,7 +266,7 @@ class GradReducer:
             self.enabled = prev
 
     def remove_hooks(self) -> None:
-        """Unregister the gradient hooks of :meth:`hook`."""
+        """Unregister the gradient hooks of :meth:`arm`."""
         for h in self._handles:
             h.remove()
         self._handles = []

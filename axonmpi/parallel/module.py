@@ -31,7 +31,12 @@ def in_region(run, x, c, *, enters: bool, leaves: bool):
     if not enters:
         x = scatter_to_sequence_parallel_region(x if isinstance(x, Tensor) else Tensor(x), g, dim=d)
     y = run(x)
-    return y if leaves else gather_from_sequence_parallel_region(y, g, tensor_parallel_output_grad=False, dim=d)
+    if leaves:
+        return y
+    if isinstance(y, tuple):          # a model that returns (logits, loss): each output gathered, None kept
+        return tuple(o if o is None else gather_from_sequence_parallel_region(o, g, tensor_parallel_output_grad=False,
+                                                                             dim=d) for o in y)
+    return gather_from_sequence_parallel_region(y, g, tensor_parallel_output_grad=False, dim=d)
 
 
 class ParallelModule(Module):

@@ -5,7 +5,8 @@ Every attention (``nn.CausalSelfAttention``, or step 1's head-split ``TensorPara
 values, shards and placements kept), and every parameter records the context group as a replica.
 ``pm.local_batch`` gives each rank its tokens of each sequence (ring: chunks ``r`` and ``2P-1-r`` of ``2P``;
 Ulysses: the ``r``-th of ``P``).  A module whose ``forward`` takes ``positions=`` (the model, or a pipeline's
-first layer: a GPT's embedding) is given those tokens' positions in the whole sequence (:func:`number_positions`).
+first layer: a GPT's embedding) is given those tokens' positions in the whole sequence (:func:`number_positions`;
+so is one inside a sequence-parallel region, which sees its sequence shard).
 """
 from __future__ import annotations
 
@@ -70,30 +71,43 @@ def takes_positions(m: Module) -> bool:
 
 
 def number_positions(m: Module, c: Composition) -> bool:
-    """If ``m`` takes ``positions=``: its forward, given this rank's tokens of each sequence (``T_local`` of
-    them), numbers them at their positions in the whole ``T_local * P``-token sequence.  Returns whether it did."""
-    if not (c.cp and takes_positions(m)):
+    """If ``m`` takes ``positions=`` and sees part of each sequence -- this rank's tokens under context parallelism
+    (``T_local`` of them), its sequence shard under sequence parallelism when the model declares no region (the
+    model's input is scattered before ``m``) -- its forward numbers the tokens it is given at their positions in
+    the whole sequence.  Returns whether it did."""
+    sp_cut = c.sp and not c.region_declared
+    if not ((c.cp or sp_cut) and takes_positions(m)):
         return False
-    import numpy as np
-    from ...autograd.tensor import Tensor
-    from ..context.layout import ContextLayout, CPAlgo
-    g, algo, attention = c.grid.context_group, CPAlgo.coerce(c.context), c.attention
     forward = m.forward
 
     def numbered(idx, *args, **kwargs):
-        on = all(a.context_enabled for a in attention)
-        if on and kwargs.get("positions") is None:
-            t = int(np.shape(idx.data if isinstance(idx, Tensor) else idx)[1])
-            whole = attention[0].seq_len or t * g.size       # pm.local_batch records the whole length
-            pos = ContextLayout(int(whole), g.size, algo).positions(g.rank)
-            if len(pos) != t:
-                raise ValueError(f"rank {c.rank}: {type(m).__name__} got {t} tokens of each sequence, but this rank's "
-                                 f"share of a {whole}-token sequence is {len(pos)}: split the batch with "
-                                 "pm.local_batch (or pm.local_tokens) first")
-            kwargs["positions"] = pos
+        if kwargs.get("positions") is None:
+            kwargs["positions"] = _positions(m, c, idx, sp_cut)
         return forward(idx, *args, **kwargs)
     object.__setattr__(m, "forward", numbered)
     return True
+
+
+def _positions(m: Module, c: Composition, idx, sp_cut: bool):
+    """The global positions of the ``t`` tokens per sequence ``idx`` holds (``None``: whole sequences, ``0 .. t-1``)."""
+    import numpy as np
+    from ...autograd.tensor import Tensor
+    from ..context.layout import ContextLayout, CPAlgo
+    t = int(np.shape(idx.data if isinstance(idx, Tensor) else idx)[1])
+    tp = c.grid.intra_group
+    local = t * tp.size if sp_cut else t                       # this rank's tokens before the sequence cut
+    pos = np.arange(local)
+    if c.cp and all(a.context_enabled for a in c.attention):
+        g, algo = c.grid.context_group, CPAlgo.coerce(c.context)
+        whole = c.attention[0].seq_len or local * g.size       # pm.local_batch records the whole length
+        pos = np.asarray(ContextLayout(int(whole), g.size, algo).positions(g.rank))
+        if len(pos) != local:
+            raise ValueError(f"rank {c.rank}: {type(m).__name__} got {local} tokens of each sequence, but this rank's "
+                             f"share of a {whole}-token sequence is {len(pos)}: split the batch with "
+                             "pm.local_batch (or pm.local_tokens) first")
+    elif not sp_cut:
+        return None
+    return pos[tp.rank * t:(tp.rank + 1) * t] if sp_cut else pos
 
 
 @contextlib.contextmanager
