@@ -24,8 +24,9 @@ class SequenceRegion:
     declares the region instead:
 
     Args:
-        enter: the module (a name of ``named_modules()``) whose output enters the region: it is swapped for
-            a :class:`~axonmpi.parallel.tensor.SequenceParallelDropout` (scatter, then its dropout).
+        enter: the module (a name of ``named_modules()``) whose output enters the region: a dropout is swapped
+            for a :class:`~axonmpi.parallel.tensor.SequenceParallelDropout` (scatter, then its dropout); any other
+            module (an embedding) has its output scattered along the sequence.
         leave: the module whose output leaves it whole (a ``"column_gather"`` layer of the plan: its
             all-gather over the tensor group returns whole sequences).
         outside: modules run on whole sequences before ``enter`` (their parameters' gradients are whole on

@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from ...nn import layers as nn_layers
+from ...nn.layers import Dropout
 from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
 from ..swap import module_slots
@@ -202,7 +203,8 @@ def _retie(module: Module, tied, r: int) -> None:
 
 def _enter_declared_region(module: Module, c: Composition) -> None:
     """A model that declares its sequence region (:class:`~axonmpi.parallel.plan.SequenceRegion`) enters it at
-    ``enter`` (swapped for a scatter-then-dropout) and leaves it at ``leave``, a gathered column layer."""
+    ``enter`` (a dropout swapped for a scatter-then-dropout; any other module's output scattered) and leaves it at
+    ``leave``, a gathered column layer."""
     region = c.model_plan.sequence_region
     if region is None:
         return
@@ -218,9 +220,15 @@ def _enter_declared_region(module: Module, c: Composition) -> None:
                          f"'column_gather' in the tensor-parallel plan (it is a {type(leave).__name__}; a tied head "
                          "with a 'vocab' embedding: split both)")
     old = mods[region.enter]
-    new = SequenceParallelDropout(getattr(old, "p", 0.0), c.grid.intra_group)
-    parent, _, attr = region.enter.rpartition(".")
-    setattr(mods[parent] if parent else module, attr, new)
+    if isinstance(old, Dropout):           # the embedding dropout: scatter, then its dropout on the shard
+        new = SequenceParallelDropout(getattr(old, "p", 0.0), c.grid.intra_group)
+        parent, _, attr = region.enter.rpartition(".")
+        setattr(mods[parent] if parent else module, attr, new)
+    else:                                   # any other module (an embedding): its output scattered
+        from ..tensor import scatter_to_sequence_parallel_region
+        g, d = c.grid.intra_group, int(c.sequence_dim)
+        old.register_forward_hook(lambda m, a, y: scatter_to_sequence_parallel_region(y, g, dim=d))
+        new = old
     c.enter, c.leave = new, leave
 
 
