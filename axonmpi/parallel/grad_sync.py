@@ -21,25 +21,27 @@ expert ``DIM`` shard over a subgroup of    its replica groups inside ``data`` (t
                                            never the expert group
 FSDP ``FLAT`` chunk                        reduce-scattered by FSDP over its shard group
 pipeline ``STAGE`` shard                   as above, over the stage's own groups
-sequence-parallel (``sequence_parallel``)  also the tensor group, inside backward
+``partial`` over a group (sequence           also that group (the finalize step; a layer that
+parallelism: the tensor group)             sums its own, ``sequence_parallel``, in backward)
+``tied`` (copies across pipeline stages)   also the tied group (the finalize step)
 =========================================  ==========================================
 
 Context parallelism (``G_context > 1``): the ranks of a context group see different tokens of the
 same samples, so every gradient's ``data`` group is data x context (:func:`data_reduction_group`,
 Megatron's ``dp_cp`` group); the parameters record the context group as a replica.  Sequence
-parallelism: a parameter used on sequence shards (LayerNorm, a row-parallel bias; tag
-``sequence_parallel``) has its gradient summed over the tensor group in backward (the layer takes it
-through ``copy_to_tensor_parallel_region``, or ``parallelize`` hooks it), so the rest of the table
-sees the full gradient.
+parallelism: a parameter used on sequence shards (LayerNorm, a row-parallel bias, any replicated layer)
+records the tensor group as ``partial`` in its placement and the finalize step sums it there (a layer used
+on its own, outside ``parallelize``, sums it in backward through ``copy_to_tensor_parallel_region``, Megatron's
+attribute ``sequence_parallel``); the sums are linear, so their order with the data mean does not matter.
 
 [Note: the reducer]  :class:`GradReducer` is the one executor of this table for every layout (Megatron's
 ``finalize_model_grads`` is the model): ``parallelize``, DDP, FSDP and the ``Pipeline`` each own one, and the
 reductions they run are its entries or its parts.  An *entry* is a gradient array, the groups the table gives
-for its parameter, and a scale (``1 / batch shards``); it runs either from a post-accumulate-grad hook as
-soon as the parameter's gradient of a backward is complete (AxoNN's easy mode, expert parameters,
-sequence-parallel parameters summed over the tensor group: ``loss.backward()`` returns reduced gradients),
-or after backward, bucketed into one flat array per (groups, scale, dtype) (a pipeline stage's gradients
-after its last micro-batch; FSDP chunk segments after the reduce-scatter).  A *part* is an executor that keeps
+for its parameter, and a scale (``1 / batch shards``); the entries run after backward, bucketed into one flat
+array per (groups, scale, dtype): at the end of the backward pass (:meth:`GradReducer.arm`, queued with
+``autograd.queue_callback``: ``loss.backward()`` returns reduced gradients), or when the owner calls
+:meth:`GradReducer.run` (a pipeline after its last micro-batch; FSDP's chunk segments after its reduce-scatter).
+``parallelize``'s one is the model's finalize step (:mod:`axonmpi.parallel.finalize`).  A *part* is an executor that keeps
 its own collective: DDP's bucketed all-reduce overlapped with backward (``GradientSynchronizer``), FSDP's
 reduce-scatter of flat shards, a pipeline's reducer under ``parallelize``'s.  :func:`no_sync` is the one
 switch: it turns a model's reducer off, parts included, so every path accumulates local gradients, and the
