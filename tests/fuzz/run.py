@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import sys
 import time
 
@@ -66,7 +67,9 @@ def main(argv=None) -> int:
             print(f"[{time.time() - t0:7.1f}s] seed {seed}: {st}" + (f" ({detail})" if st == "refused" else ""),
                   flush=True)
         if st == "refused":
-            reasons[detail.split(":")[0] + ": " + detail.split(": ", 2)[-1][:90]] += 1
+            kind, _, msg = detail.partition(": ")
+            msg = re.sub(r"^(\(rank \d+\) \w+: )?rank \d+: ", "", msg)
+            reasons[kind + ": " + re.sub(r"'[^']*'|\[[^\]]*\]", "..", msg)[:100]] += 1
         if st == "failed":
             small, sdetail = (case, detail) if args.no_shrink else shrink(world, case, detail)
             failed.append(seed)
