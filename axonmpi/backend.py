@@ -9,6 +9,7 @@ import numpy as np
 from . import env as _env
 
 __all__ = [
+    "matmul",
     "Device",
     "as_device",
     "cupy_available",
@@ -223,3 +224,96 @@ def to_host_pinned(a: Any) -> np.ndarray:
     out = empty_pinned(a.size, a.dtype).reshape(a.shape)
     get_cupy().ascontiguousarray(a).get(out=out)   # no stream given: a synchronous copy
     return out
+
+
+# -- batched half-precision products on CuPy -------------------------------------------------------------------
+# [Note: batched bf16 matmul on CuPy]  CuPy 14 sends a 2-D bfloat16 product to cuBLAS (gemmEx, fp32 accumulation)
+# but a batched (3-D and up) one to its integer GEMM path, which fails ("data type 'E' not understood", seen on
+# an H200 with CuPy 14.2), and a batched float16 one through float32 copies.  ``matmul`` sends them to cuBLAS'
+# strided-batched GEMM (half operands, fp32 accumulation, tensor cores); its first use per dtype is checked
+# against the float32 product, and if cuBLAS refuses or differs, every later call takes the float32 route
+# (correct, slower), said once.
+_HALF_BATCHED: dict = {}      # dtype name -> True (cuBLAS works) / False (float32 route)
+_CUDA_TYPES = {"bfloat16": 14, "float16": 2}     # cudaDataType: CUDA_R_16BF, CUDA_R_16F
+
+
+def matmul(a: Any, b: Any) -> Any:
+    """``a @ b`` (NumPy's rules); on CuPy a batched bfloat16 / float16 product through cuBLAS' strided-batched
+    GEMM ([Note: batched bf16 matmul on CuPy])."""
+    name = getattr(getattr(a, "dtype", None), "name", "")
+    if name not in _CUDA_TYPES or not is_cupy_array(a) or (a.ndim <= 2 and b.ndim <= 2) or a.ndim < 2 \
+            or b.ndim < 2 or getattr(b.dtype, "name", "") != name:
+        return a @ b
+    ok = _HALF_BATCHED.get(name)
+    if ok is False:
+        return _half_via_float32(a, b)
+    if ok is None:
+        want = _half_via_float32(a, b)
+        try:
+            got = _half_batched_cublas(a, b)
+            xp = get_cupy()
+            err = float(xp.abs(got.astype(np.float32) - want.astype(np.float32)).max()) / \
+                max(float(xp.abs(want.astype(np.float32)).max()), 1e-30)
+            ok = err < 2e-2
+        except Exception as e:  # noqa: BLE001 - any refusal of cuBLAS: the float32 route, said once
+            err, ok = repr(e), False
+        _HALF_BATCHED[name] = ok
+        if not ok:
+            from .log import get_logger
+            get_logger("axonmpi.backend").warning(
+                "batched %s matmul through cuBLAS strided-batched GEMM failed its check (%s): products take the "
+                "float32 route", name, err)
+        return got if ok else want
+    return _half_batched_cublas(a, b)
+
+
+def _half_via_float32(a, b):
+    return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
+
+
+def _operand(x):
+    """``(contiguous storage, transposed?)`` of a batched matrix operand: a C-contiguous array as it is, the
+    transpose of one (``y.swapaxes(-1, -2)``) as that one with a transpose flag, else a contiguous copy."""
+    if x.flags.c_contiguous:
+        return x, False
+    t = x.swapaxes(-1, -2)
+    if t.flags.c_contiguous:
+        return t, True
+    return get_cupy().ascontiguousarray(x), False
+
+
+def _half_batched_cublas(a, b):
+    cp = get_cupy()
+    from cupy_backends.cuda.libs import cublas
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if b.shape[-2] != k:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
+    a = cp.broadcast_to(a, batch + (m, k)) if a.shape[:-2] != batch else a
+    b = cp.broadcast_to(b, batch + (k, n)) if b.shape[:-2] != batch else b
+    sa, ta = _operand(a)
+    sb, tb = _operand(b)
+    count = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    c = cp.empty(batch + (m, n), a.dtype)
+    if count == 0 or m == 0 or n == 0:
+        return c
+    if k == 0:
+        c[...] = 0
+        return c
+    dt = _CUDA_TYPES[a.dtype.name]
+    # row-major C = A @ B is column-major C^T = B^T @ A^T: the first operand is b, the second a
+    handle = cp.cuda.device.get_cublas_handle()
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmStridedBatchedEx(
+            handle, cublas.CUBLAS_OP_T if tb else cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T if ta else cublas.CUBLAS_OP_N,
+            n, m, k, one.ctypes.data,
+            sb.data.ptr, dt, k if tb else n, k * n,
+            sa.data.ptr, dt, m if ta else k, m * k,
+            zero.ctypes.data, c.data.ptr, dt, n, m * n,
+            count, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return c

@@ -187,6 +187,9 @@ def neg(input) -> Tensor:  # noqa: A002
 
 
 # -- matmul --------------------------------------------------------------------------------
+from ..backend import matmul as _bmm  # noqa: E402  (a batched bf16 / fp16 product on CuPy goes to cuBLAS)
+
+
 class MatMul(Function):
     _fresh_grads = True
 
@@ -195,7 +198,7 @@ class MatMul(Function):
         n = ctx.needs_input_grad
         ctx.save_for_backward(a if n[1] else None, b if n[0] else None)
         ctx.sa, ctx.sb = a.shape, b.shape
-        return a @ b
+        return _bmm(a, b)
 
     @staticmethod
     def backward(ctx, g):
@@ -211,11 +214,11 @@ class MatMul(Function):
         ga = gb = None
         if n[0]:
             b2 = b[:, None] if len(sb) == 1 else b
-            ga = g @ b2.swapaxes(-1, -2)
+            ga = _bmm(g, b2.swapaxes(-1, -2))
             ga = _unbroadcast(ga, (1,) + tuple(sa) if len(sa) == 1 else tuple(sa)).reshape(sa)
         if n[1]:
             a2 = a[None, :] if len(sa) == 1 else a
-            gb = a2.swapaxes(-1, -2) @ g
+            gb = _bmm(a2.swapaxes(-1, -2), g)
             gb = _unbroadcast(gb, tuple(sb) + (1,) if len(sb) == 1 else tuple(sb)).reshape(sb)
         return ga, gb
 

@@ -121,6 +121,9 @@ def apply_rotary_emb(x, cos, sin) -> Tensor:
     if out_shape != tuple(x.shape):
         raise ValueError(f"apply_rotary_emb: the tables' shape {tuple(c.shape)} must broadcast to x's shape "
                          f"{tuple(x.shape)} (e.g. cos[:, None, :] for x of (batch, time, heads, head_dim))")
+    xp = get_array_module(x.data if isinstance(x, Tensor) else x)
+    if get_array_module(c) is not xp:           # host tables for a device input: moved once, here
+        c, s = xp.asarray(c), xp.asarray(s)
     if c.dtype != x.dtype:
         c, s = c.astype(x.dtype), s.astype(x.dtype)
     return Rotary.apply(x, c, s)
