@@ -170,7 +170,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, *, async_op
         buf = stage.host(_flat(x))
         _note_shape(g, be, x.shape)
         be.broadcast(buf, src)
-        if stage.dev or not np.shares_memory(buf, x):
+        if stage.dev or not _same_memory(buf, x):
             stage.fill(x, buf)
     return Work(result=x) if async_op else x
 
@@ -318,7 +318,7 @@ def reduce_scatter(x, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None,
     def finish():
         res = stage.back(recv.reshape(my_shape), x)
         if out is not None:
-            if stage.dev or not np.shares_memory(res, out):
+            if stage.dev or not _same_memory(res, out):
                 out[...] = res
             return out
         return res
@@ -498,3 +498,20 @@ def barrier(group: Optional[ProcessGroup] = None) -> None:
     g = _group(group)
     _debug(g, "barrier")
     _host_backend(g).barrier()
+
+
+def _address(a):
+    if type(a) is _ND:
+        return a.__array_interface__["data"][0]
+    data = getattr(a, "data", None)
+    return getattr(data, "ptr", None)
+
+
+def _same_memory(a, b) -> bool:
+    """Whether ``a`` and ``b`` are the same elements (one buffer, same start, shape and strides): the result
+    already lies in the caller's array.  A pointer comparison: ``np.shares_memory`` on CuPy arrays sorts the
+    memory ranges on the device (2 ms on 64 MiB, seen on an H200), once per call."""
+    if a is b:
+        return True
+    pa, pb = _address(a), _address(b)
+    return pa is not None and pa == pb and tuple(a.shape) == tuple(b.shape) and tuple(a.strides) == tuple(b.strides)

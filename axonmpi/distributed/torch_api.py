@@ -315,41 +315,21 @@ def all_reduce(tensor, op: ReduceOp = _SUM, group: Optional[ProcessGroup] = None
                **kw):
     """torch: reduce ``tensor`` over ``group`` **in place**; ``None`` (or a Work with ``async_op=True``).
 
-    On an array (NumPy/CuPy, torch's tensors via interop) this is axonmpi's
-    :func:`axonmpi.distributed.array_collectives.all_reduce` (``out=``, returns the result). Called from a
-    script (code outside the library) on a writable array with no ``out=``, the result is also written
-    into the array, as torch's is: torch code reduces ``param.grad.data`` in place, and ``.data`` here
-    is the array (see ``[Note: torch's .data idiom]``).
+    On an array (NumPy/CuPy, torch's tensors via interop) this is axonmpi's out-of-place
+    :func:`axonmpi.distributed.array_collectives.all_reduce` (``out=``, returns the result): pass the Tensor
+    (``param.grad``), not its array (``param.grad.data``), for torch's in-place reduction (docs/porting.md).
 
     Example:
         >>> t = axonmpi.ones(3) * (dist.get_rank() + 1)
         >>> dist.all_reduce(t, op=dist.ReduceOp.SUM)     # t is now the sum over ranks
     """
     if not _is_tensor(tensor):
-        if "out" not in kw and not args and _in_place_for_script(tensor):
-            kw["out"] = tensor
         return _ac.all_reduce(tensor, op, group, *args, async_op=async_op, **kw)
     if _outside(group, "all_reduce"):
         return None
     x = _arr(tensor)
     w = _ac.all_reduce(x, op, _grp(group), out=x, async_op=async_op)
     return w if async_op else None
-
-
-def _in_place_for_script(a) -> bool:
-    """[Note: torch's .data idiom]
-    torch scripts write ``dist.all_reduce(param.grad.data, op=SUM)`` and rely on the reduction in place
-    (PyTorch's "Writing Distributed Applications" tutorial averages gradients so). Here ``Tensor.data`` is
-    the NumPy / CuPy array, which axonmpi's array form reduces out of place: the script would average
-    nothing, silently. So a call from outside the library (a script's frame) on a writable array with no
-    ``out=`` writes the result into it as well (and still returns it); the library's own calls keep the
-    out-of-place array form."""
-    import sys
-    writable = getattr(getattr(a, "flags", None), "writeable", False) and getattr(a, "ndim", 0) > 0
-    if not writable:
-        return False
-    caller = sys._getframe(2).f_globals.get("__name__", "")
-    return not (caller == "axonmpi" or caller.startswith("axonmpi."))
 
 
 def broadcast(tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None, async_op: bool = False,

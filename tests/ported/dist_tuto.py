@@ -14,7 +14,9 @@ What differs from the tutorial's text, in both versions alike:
 - the ring all-reduce gets a caller (`run_ring`) and the SGD prints its final parameters' checksum, the
   tutorial's "same model on every rank" promise made visible;
 - `size` comes from the environment when set (the tutorial starts 2), and so does `MASTER_PORT` (so that
-  two torch runs on one machine do not collide).
+  two torch runs on one machine do not collide);
+- `average_gradients` reduces `param.grad` (the Tensor, in place in both frameworks), not `param.grad.data`:
+  here `.data` is the NumPy array, which the collectives reduce out of place (docs/porting.md).
 """
 import os
 from math import ceil
@@ -155,7 +157,7 @@ def average_gradients(model):
     """ Gradient averaging. """
     size = float(dist.get_world_size())
     for param in model.parameters():
-        dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
         param.grad.data /= size
 
 
