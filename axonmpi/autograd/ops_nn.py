@@ -180,6 +180,11 @@ class GELU(Function):
         ctx.save_for_backward(x)
         ctx.approximate = approximate
         if approximate == "tanh":
+            if _inplace_ok(x):   # 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u))
+                out = _gelu_exp_neg2u(xp, x)
+                out += 1.0
+                xp.divide(x, out, out=out)
+                return out
             t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
             return 0.5 * x * (1 + t)
         return 0.5 * x * (1 + erf(x * _INV_SQRT_2))
@@ -189,6 +194,21 @@ class GELU(Function):
         (x,) = ctx.saved_tensors
         xp = get_array_module(x)
         if ctx.approximate == "tanh":
+            if _inplace_ok(x) and g.dtype == x.dtype:
+                # with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)), u = k (x + c x^3), k = sqrt(2/pi),
+                # c = 0.044715: d = s (1 + (1 - s) 2 k x (1 + 3 c x^2)); three buffers, in place
+                sg = _gelu_exp_neg2u(xp, x)
+                sg += 1.0
+                xp.divide(1.0, sg, out=sg)
+                d = xp.multiply(x, x)
+                d *= 6.0 * 0.044715 * _SQRT_2_OVER_PI
+                d += 2.0 * _SQRT_2_OVER_PI
+                d *= x
+                d *= xp.subtract(1.0, sg)
+                d += 1.0
+                d *= sg
+                d *= g
+                return d, None
             x2 = x * x
             t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x2 * x))
             d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * (_SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x2))
@@ -196,6 +216,36 @@ class GELU(Function):
             cdf = 0.5 * (1 + erf(x * _INV_SQRT_2))
             d = cdf + x * (_INV_SQRT_2PI * xp.exp(-0.5 * x * x))
         return g * d, None
+
+
+# [Note: elementwise] NumPy allocates a new array for every operator of an expression and makes a
+# pass over memory for each; a GELU written as one expression makes ~10 arrays of the hidden's size.
+# The kernels here allocate their output (and at most two scratch arrays) once and then update in
+# place (``out *= x``, ``xp.exp(e, out=e)``): the same arithmetic, fewer passes, no page faults of
+# fresh allocations. Python floats keep the array's dtype (float32 stays float32). The tanh GELU is
+# computed in its sigmoid form, ``0.5 x (1 + tanh u) = x / (1 + exp(-2u))``: one exp instead of a tanh
+# (30% faster here) and no cancellation in ``1 + tanh u`` left of 0. Dtypes without
+# NumPy loops for every ufunc (integers, ml_dtypes' bfloat16) take the plain expressions.
+def _inplace_ok(x) -> bool:
+    return getattr(x, "dtype", None) is not None and x.dtype.kind == "f" and x.dtype.itemsize >= 4
+
+
+def _gelu_exp_neg2u(xp, x):
+    """``exp(-2 sqrt(2/pi) (x + 0.044715 x^3))`` as one new array (``inf`` far left of 0, where
+    GELU's sigmoid form ``x / (1 + exp(-2u))`` is -0 and its derivative 0, as they should be)."""
+    if xp is np:
+        with np.errstate(over="ignore"):
+            return _gelu_exp_neg2u_raw(xp, x)
+    return _gelu_exp_neg2u_raw(xp, x)
+
+
+def _gelu_exp_neg2u_raw(xp, x):
+    e = xp.multiply(x, x)
+    e *= -2.0 * 0.044715 * _SQRT_2_OVER_PI
+    e -= 2.0 * _SQRT_2_OVER_PI
+    e *= x
+    xp.exp(e, out=e)
+    return e
 
 
 def _no_inplace(name: str, inplace: bool) -> None:
@@ -240,7 +290,7 @@ class Softmax(Function):
         xp = get_array_module(x)
         z = x - x.max(axis=axis, keepdims=True)
         xp.exp(z, out=z)
-        z /= z.sum(axis=axis, keepdims=True)
+        z /= _sum_keep(xp, z, axis)
         ctx.save_for_backward(z)
         ctx.axis = axis
         return z
@@ -248,9 +298,25 @@ class Softmax(Function):
     @staticmethod
     def backward(ctx, g):
         (p,) = ctx.saved_tensors
+        xp = get_array_module(p)
         gp = g * p
-        gp -= p * gp.sum(axis=ctx.axis, keepdims=True)
+        s = _sum_keep(xp, gp, ctx.axis)
+        if _inplace_ok(gp) and g.dtype == gp.dtype:   # (g - sum(g p)) p, in place
+            xp.subtract(g, s, out=gp)
+            gp *= p
+            return gp, None
+        gp -= p * s
         return gp, None
+
+
+def _sum_keep(xp, a, axis):
+    """``a.sum(axis=axis, keepdims=True)``; over the last axis of a float32/float64 C-contiguous array,
+    one BLAS matrix-vector product (a row sum of short rows is 2-3x faster there than NumPy's reduce)."""
+    n = a.shape[axis] if a.ndim else 1
+    if (a.ndim and axis in (-1, a.ndim - 1) and _inplace_ok(a) and a.flags.c_contiguous
+            and a.size and n > 1):
+        return (a.reshape(-1, n) @ xp.ones(n, a.dtype)).reshape(a.shape[:-1] + (1,))
+    return a.sum(axis=axis, keepdims=True)
 
 
 class LogSoftmax(Function):
@@ -298,7 +364,12 @@ def log_softmax(input, dim: int = -1, dtype=None, *, axis=None) -> Tensor:  # no
 
 # -- layer norm ----------------------------------------------------------------------------
 class LayerNorm(Function):
-    """Fused layer normalization over the trailing ``ndims`` axes."""
+    """Fused layer normalization over the trailing ``ndims`` axes.
+
+    float32/float64 inputs take the row form: the trailing axes as one row of ``m`` elements, every
+    row sum a BLAS matrix-vector product (``x @ ones``; ``sum(g w xhat) = (g xhat) @ w``), every
+    elementwise step in place ([Note: elementwise]); other dtypes the axis form.
+    """
 
     _fresh_grads = True
 
@@ -306,15 +377,36 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, ndims, eps):
         xp = get_array_module(x)
         axes = tuple(range(x.ndim - ndims, x.ndim))
+        ctx.axes = axes
+        n = ctx.needs_input_grad
+        m = int(np.prod(x.shape[x.ndim - ndims:]))
+        if _inplace_ok(x) and m > 0 and x.size and (weight is None or weight.dtype == x.dtype):
+            x2 = x.reshape(-1, m)
+            ones = xp.ones(m, x.dtype)
+            xc = x2 - (x2 @ ones)[:, None] * (1.0 / m)
+            var = xp.matmul(xc[:, None, :], xc[:, :, None]).reshape(-1)
+            var *= 1.0 / m
+            var += eps
+            rstd = xp.sqrt(var, out=var)
+            xp.divide(1.0, rstd, out=rstd)
+            xc *= rstd[:, None]                     # xhat
+            ctx.rows = True
+            ctx.save_for_backward(xc, rstd, weight if n[0] else None)
+            if weight is not None:
+                out = xc * weight.reshape(-1)
+            else:
+                out = xc.copy()
+            if bias is not None:
+                out += bias.reshape(-1)
+            return out.reshape(x.shape)
+        ctx.rows = False
         mu = x.mean(axis=axes, keepdims=True)
         xc = x - mu
         var = (xc * xc).mean(axis=axes, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + eps)
         xhat = xc
         xhat *= rstd
-        n = ctx.needs_input_grad
         ctx.save_for_backward(xhat, rstd, weight if n[0] else None)
-        ctx.axes = axes
         out = xhat * weight if weight is not None else xhat.copy()
         if bias is not None:
             out += bias
@@ -325,6 +417,29 @@ class LayerNorm(Function):
         xhat, rstd, weight = ctx.saved_tensors
         n = ctx.needs_input_grad
         axes = ctx.axes
+        if ctx.rows and g.dtype == xhat.dtype:
+            xp = get_array_module(g)
+            rows, m = xhat.shape
+            shape = g.shape
+            g2 = g.reshape(rows, m)
+            wshape = shape[len(shape) - len(axes):]
+            ones = xp.ones(rows, g.dtype)
+            gb = (ones @ g2).reshape(wshape) if n[2] else None
+            gxh = g2 * xhat
+            gw = (ones @ gxh).reshape(wshape) if n[1] else None
+            if not n[0]:
+                return None, gw, gb, None, None
+            w = None if weight is None else weight.reshape(-1)
+            gh = g2 * w if w is not None else g2.copy()
+            m1 = gh @ xp.ones(m, g.dtype)                              # sum(g w)
+            m2 = gxh @ w if w is not None else gxh @ xp.ones(m, g.dtype)   # sum(g w xhat)
+            m1 *= 1.0 / m
+            m2 *= 1.0 / m
+            gh -= m1[:, None]
+            xp.multiply(xhat, m2[:, None], out=gxh)
+            gh -= gxh
+            gh *= rstd[:, None]
+            return gh.reshape(shape), gw, gb, None, None
         lead = tuple(range(g.ndim - len(axes)))
         gw = (g * xhat).sum(axis=lead) if n[1] else None
         gb = g.sum(axis=lead) if n[2] else None
@@ -367,10 +482,26 @@ class Embedding(Function):
         (idx,) = ctx.saved_tensors
         xp = get_array_module(g)
         gw = xp.zeros(ctx.wshape, g.dtype)
-        xp.add.at(gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
+        _scatter_add_rows(xp, gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
         if ctx.padding_idx is not None:
             gw[ctx.padding_idx] = 0
         return None, gw, None
+
+
+def _scatter_add_rows(xp, out, idx, rows) -> None:
+    """``out[idx[i]] += rows[i]`` for every ``i``, repeated indices accumulating.
+
+    On the host: sort the indices (stable), sum each run of equal indices with ``add.reduceat``
+    and write each row once -- 2-4x faster than NumPy's ``add.at`` for a few thousand tokens.
+    CuPy's ``add.at`` is an atomic scatter, already fast.
+    """
+    if xp is not np or idx.size == 0:
+        xp.add.at(out, idx, rows)
+        return
+    order = np.argsort(idx, kind="stable")
+    sidx = idx[order]
+    starts = np.flatnonzero(np.concatenate(([True], sidx[1:] != sidx[:-1])))
+    out[sidx[starts]] += np.add.reduceat(rows[order], starts, axis=0)
 
 
 def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
