@@ -38,6 +38,7 @@ def _dropout(a):
 
 
 _TARGET = _int(1, -100, 0, 2)
+_FLOAT_MASK = RNG.standard_normal((2, 1, 3, 3))
 
 # Function (module.Class) -> [(case id, function of the inputs, input factories[, gradcheck options])]
 CASES = {
@@ -105,9 +106,20 @@ CASES = {
     "ops_nn.Sigmoid": [("sigmoid_method", lambda a: a.sigmoid(), [_t(3, 4)])],
     "ops_nn.SiLU": [("silu", F.silu, [_t(3, 4)])],
     "ops_nn.GELU": [("gelu", F.gelu, [_t(3, 4)]), ("gelu_tanh", lambda a: F.gelu(a, "tanh"), [_t(3, 4)])],
-    "ops_nn.Softmax": [("softmax_method", lambda a: a.softmax(dim=0), [_t(3, 4)])],
+    "ops_nn.Softmax": [("softmax_method", lambda a: a.softmax(dim=0), [_t(3, 4)]),
+                       ("softmax_last", lambda a: a.softmax(dim=-1), [_t(2, 3, 4)])],
     "ops_nn.LogSoftmax": [("log_softmax_method", lambda a: a.log_softmax(dim=-1), [_t(3, 4)])],
-    "ops_nn.LayerNorm": [("layer_norm", lambda x, w, b: F.layer_norm(x, 4, w, b), [_t(2, 3, 4), _t(4), _t(4)])],
+    "ops_nn.LayerNorm": [("layer_norm", lambda x, w, b: F.layer_norm(x, 4, w, b), [_t(2, 3, 4), _t(4), _t(4)]),
+                         ("layer_norm_2d_noaffine", lambda x: F.layer_norm(x, (3, 4)), [_t(2, 3, 4)])],
+    "ops_nn.ScaledDotProductAttention": [
+        ("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+         [_t(2, 2, 4, 3), _t(2, 2, 4, 3), _t(2, 2, 4, 5)]),
+        ("sdpa_bool_mask_scale", lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=np.array([[True, False, True], [True, True, False]]), scale=0.7),
+         [_t(3, 2, 4), _t(3, 3, 4), _t(3, 3, 2)]),
+        ("sdpa_float_mask_bcast", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_FLOAT_MASK), [_t(2, 2, 3, 4), _t(1, 2, 3, 4), _t(2, 2, 3, 4)]),
+        ("sdpa_dropout", lambda q, k, v: (axonmpi.manual_seed(5), F.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.3, is_causal=True))[1], [_t(2, 5, 3), _t(2, 5, 3), _t(2, 5, 3)])],
     "ops_nn.Embedding": [("embedding", lambda w: F.embedding([[1, 1], [0, 3]], w), [_t(4, 3)])],
     "ops_nn.Dropout": [("dropout", _dropout, [_t(4, 5)])],
     "ops_nn.MaskedFill": [("masked_fill_method", lambda a: a.masked_fill(Tensor(np.array([True, False, True])), -2.0),

@@ -15,7 +15,7 @@ from .tensor import Tensor
 
 __all__ = [
     "DtypeMismatchError", "dtype_mismatch", "dtype_refused", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax",
-    "masked_fill", "mse_loss", "relu", "sigmoid", "silu", "softmax",
+    "masked_fill", "mse_loss", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax",
 ]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -360,6 +360,115 @@ def log_softmax(input, dim: int = -1, dtype=None, *, axis=None) -> Tensor:  # no
     """Log-softmax along ``dim`` (log-sum-exp stabilised); ``dtype`` casts the input first."""
     x, d = _softmax_args(input, dim, axis, dtype)
     return LogSoftmax.apply(x, d)
+
+
+# -- attention -----------------------------------------------------------------------------
+class ScaledDotProductAttention(Function):
+    """``softmax(q k^T scale + mask) v`` over the last two axes as one op (torch's math backend).
+
+    The scores are made, scaled, masked and turned into probabilities in one buffer, in place; the
+    backward reuses the probabilities (no scaled, masked or shifted copies kept, as the unfused
+    ``matmul -> mul -> masked_fill -> softmax -> matmul`` chain keeps). Attention dropout draws its
+    mask exactly as :func:`dropout` on the probabilities would (same generator, shape and dtype).
+    """
+
+    _fresh_grads = True
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p):
+        xp = get_array_module(q)
+        s = xp.matmul(q, xp.swapaxes(k, -1, -2))
+        s *= scale
+        L, S = s.shape[-2], s.shape[-1]
+        if is_causal:   # top-left aligned, as torch: query i sees keys 0..i
+            _copyto(xp, s, -np.inf, xp.triu(xp.ones((L, S), dtype=bool), k=1))
+        if mask is not None:
+            if mask.dtype == np.bool_:
+                _copyto(xp, s, -np.inf, ~mask)
+            elif xp.broadcast_shapes(s.shape, mask.shape) == s.shape:
+                s += mask
+            else:
+                s = s + mask
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= _sum_keep(xp, s, -1)
+        keep = None
+        if dropout_p:
+            from ..random import generator_for
+            dt = s.dtype if s.dtype.kind == "f" or s.dtype.name == "bfloat16" else np.dtype(np.float32)
+            r = generator_for(xp).random(s.shape, dtype=np.float32 if dt.itemsize <= 4 else np.float64)
+            keep = (r >= dropout_p).astype(dt)
+            keep *= 1.0 / (1.0 - dropout_p)
+        ctx.save_for_backward(q, k, v, s, keep)
+        ctx.scale = scale
+        return xp.matmul(s if keep is None else s * keep, v)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, p, keep = ctx.saved_tensors
+        xp = get_array_module(g)
+        n = ctx.needs_input_grad
+        pd = p if keep is None else p * keep
+        gv = _unbroadcast(xp.matmul(xp.swapaxes(pd, -1, -2), g), v.shape) if n[2] else None
+        gs = None
+        if n[0] or n[1]:
+            dp = xp.matmul(g, xp.swapaxes(v, -1, -2))
+            if keep is not None:
+                dp *= keep
+            t = dp * p                                   # softmax backward: p (dp - sum(dp p))
+            dp -= _sum_keep(xp, t, -1)
+            dp *= p
+            dp *= ctx.scale
+            gs = dp
+        gq = _unbroadcast(xp.matmul(gs, k), q.shape) if n[0] else None
+        gk = _unbroadcast(xp.matmul(xp.swapaxes(gs, -1, -2), q), k.shape) if n[1] else None
+        return gq, gk, gv, None, None, None, None
+
+
+def _copyto(xp, dst, value, where) -> None:
+    if xp is np:
+        np.copyto(dst, value, where=where)
+    else:
+        dst[...] = xp.where(where, xp.asarray(value, dtype=dst.dtype), dst)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,  # noqa: C901
+                                 is_causal: bool = False, scale=None, enable_gqa: bool = False) -> Tensor:
+    """PyTorch's ``F.scaled_dot_product_attention``: ``softmax(q k^T scale + mask) v`` as one fused op.
+
+    Args:
+        query, key, value: (..., L, E), (..., S, E), (..., S, Ev) Tensors (heads in a leading axis).
+        attn_mask: a boolean mask (True: the pair takes part) or an additive float mask, broadcastable
+            to (..., L, S); not a Tensor with gradient.
+        dropout_p: attention dropout (applied whenever > 0, as torch's; pass ``p if training else 0``).
+        is_causal: mask the pairs (i, j > i) (top-left aligned, as torch).
+        scale: defaults to ``1 / sqrt(E)``.
+        enable_gqa: not built (``NotImplementedError``): repeat the key/value heads first.
+
+    Example:
+        >>> q = k = v = Tensor(np.ones((1, 2, 4, 8)))
+        >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
+        (1, 2, 4, 8)
+    """
+    if enable_gqa:
+        raise NotImplementedError("scaled_dot_product_attention(enable_gqa=True) is not built: repeat the key and "
+                                  "value heads to the query's (k.repeat_interleave) and call it with enable_gqa=False")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal=True, not both (as torch)")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"scaled_dot_product_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    e = query.shape[-1]
+    if key.shape[-1] != e or key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"scaled_dot_product_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and "
+                         f"value {tuple(value.shape)} must have (..., L, E), (..., S, E), (..., S, Ev)")
+    mask = attn_mask.data if isinstance(attn_mask, Tensor) else attn_mask
+    if mask is not None and not hasattr(mask, "dtype"):
+        mask = np.asarray(mask)
+    if mask is not None:
+        mask = _on_one_device((query.data if isinstance(query, Tensor) else query, mask), (False, False),
+                              ("scaled_dot_product_attention: query", "scaled_dot_product_attention: attn_mask"))[1]
+    sc = float(1.0 / math.sqrt(e) if scale is None else scale)
+    return ScaledDotProductAttention.apply(query, key, value, mask, bool(is_causal), sc, float(dropout_p))
 
 
 # -- layer norm ----------------------------------------------------------------------------
