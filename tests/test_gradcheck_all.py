@@ -114,6 +114,8 @@ CASES = {
     "ops_nn.ScaledDotProductAttention": [
         ("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
          [_t(2, 2, 4, 3), _t(2, 2, 4, 3), _t(2, 2, 4, 5)]),
+        ("sdpa_causal_blocks", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+         [_t(1, 130, 3), _t(1, 129, 3), _t(2, 1, 129, 2)]),
         ("sdpa_bool_mask_scale", lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, attn_mask=np.array([[True, False, True], [True, True, False]]), scale=0.7),
          [_t(3, 2, 4), _t(3, 3, 4), _t(3, 3, 2)]),

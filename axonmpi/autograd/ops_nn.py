@@ -368,8 +368,11 @@ class ScaledDotProductAttention(Function):
 
     The scores are made, scaled, masked and turned into probabilities in one buffer, in place; the
     backward reuses the probabilities (no scaled, masked or shifted copies kept, as the unfused
-    ``matmul -> mul -> masked_fill -> softmax -> matmul`` chain keeps). Attention dropout draws its
-    mask exactly as :func:`dropout` on the probabilities would (same generator, shape and dtype).
+    ``matmul -> mul -> masked_fill -> softmax -> matmul`` chain keeps). Causal attention without
+    dropout runs by blocks of query rows, each against the keys up to its last row only: the
+    masked half of the scores is never computed nor stored (about half the work and memory at long
+    sequences). Attention dropout draws its mask exactly as :func:`dropout` on the probabilities
+    would (same generator, shape and dtype).
     """
 
     _fresh_grads = True
@@ -377,52 +380,91 @@ class ScaledDotProductAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p):
         xp = get_array_module(q)
-        s = xp.matmul(q, xp.swapaxes(k, -1, -2))
-        s *= scale
-        L, S = s.shape[-2], s.shape[-1]
-        if is_causal:   # top-left aligned, as torch: query i sees keys 0..i
-            _copyto(xp, s, -np.inf, xp.triu(xp.ones((L, S), dtype=bool), k=1))
-        if mask is not None:
-            if mask.dtype == np.bool_:
-                _copyto(xp, s, -np.inf, ~mask)
-            elif xp.broadcast_shapes(s.shape, mask.shape) == s.shape:
-                s += mask
+        L, S = q.shape[-2], k.shape[-2]
+        rows = 128 if L >= 512 else 64
+        if is_causal and not dropout_p and L >= 2 * rows:
+            blocks = [(r0, min(r0 + rows, L)) for r0 in range(0, L, rows)]
+        else:
+            blocks = [(0, L)]
+        out, probs, keep = None, [], None
+        for r0, r1 in blocks:
+            end = min(S, r1) if is_causal else S
+            s = xp.matmul(q[..., r0:r1, :], xp.swapaxes(k[..., :end, :], -1, -2))
+            s *= scale
+            if is_causal and end > r0 + 1:   # top-left aligned, as torch: query i sees keys 0..i
+                _copyto(xp, s, -np.inf, xp.arange(end)[None, :] > xp.arange(r0, r1)[:, None])
+            if mask is not None:
+                if mask.dtype == np.bool_:
+                    _copyto(xp, s, -np.inf, ~mask)
+                elif xp.broadcast_shapes(s.shape, mask.shape) == s.shape:
+                    s += mask
+                else:
+                    s = s + mask
+            s -= s.max(axis=-1, keepdims=True)
+            xp.exp(s, out=s)
+            s /= _sum_keep(xp, s, -1)
+            if dropout_p:
+                from ..random import generator_for
+                dt = s.dtype if s.dtype.kind == "f" or s.dtype.name == "bfloat16" else np.dtype(np.float32)
+                r = generator_for(xp).random(s.shape, dtype=np.float32 if dt.itemsize <= 4 else np.float64)
+                keep = (r >= dropout_p).astype(dt)
+                keep *= 1.0 / (1.0 - dropout_p)
+            o = xp.matmul(s if keep is None else s * keep, v[..., :end, :])
+            if len(blocks) == 1:
+                out = o
             else:
-                s = s + mask
-        s -= s.max(axis=-1, keepdims=True)
-        xp.exp(s, out=s)
-        s /= _sum_keep(xp, s, -1)
-        keep = None
-        if dropout_p:
-            from ..random import generator_for
-            dt = s.dtype if s.dtype.kind == "f" or s.dtype.name == "bfloat16" else np.dtype(np.float32)
-            r = generator_for(xp).random(s.shape, dtype=np.float32 if dt.itemsize <= 4 else np.float64)
-            keep = (r >= dropout_p).astype(dt)
-            keep *= 1.0 / (1.0 - dropout_p)
-        ctx.save_for_backward(q, k, v, s, keep)
-        ctx.scale = scale
-        return xp.matmul(s if keep is None else s * keep, v)
+                if out is None:
+                    out = xp.empty(o.shape[:-2] + (L, o.shape[-1]), o.dtype)
+                out[..., r0:r1, :] = o
+            probs.append(s)
+        ctx.save_for_backward(q, k, v, keep, *probs)
+        ctx.blocks, ctx.scale = [(r0, r1, min(S, r1) if is_causal else S) for r0, r1 in blocks], scale
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, p, keep = ctx.saved_tensors
+        q, k, v, keep, *probs = ctx.saved_tensors
         xp = get_array_module(g)
         n = ctx.needs_input_grad
-        pd = p if keep is None else p * keep
-        gv = _unbroadcast(xp.matmul(xp.swapaxes(pd, -1, -2), g), v.shape) if n[2] else None
-        gs = None
-        if n[0] or n[1]:
-            dp = xp.matmul(g, xp.swapaxes(v, -1, -2))
+        bs, one = g.shape[:-2], len(probs) == 1
+        L, S = q.shape[-2], k.shape[-2]
+        gq = gk = gv = None
+        if not one:
+            gq = xp.empty(bs + (L, q.shape[-1]), g.dtype) if n[0] else None
+            gk = xp.zeros(bs + (S, k.shape[-1]), g.dtype) if n[1] else None
+            gv = xp.zeros(bs + (S, v.shape[-1]), g.dtype) if n[2] else None
+        for (r0, r1, end), p in zip(ctx.blocks, probs):
+            gi = g[..., r0:r1, :]
+            if n[2]:
+                pd = p if keep is None else p * keep
+                dv = xp.matmul(xp.swapaxes(pd, -1, -2), gi)
+                if one:
+                    gv = dv
+                else:
+                    gv[..., :end, :] += dv
+            if not (n[0] or n[1]):
+                continue
+            dp = xp.matmul(gi, xp.swapaxes(v[..., :end, :], -1, -2))
             if keep is not None:
                 dp *= keep
             t = dp * p                                   # softmax backward: p (dp - sum(dp p))
             dp -= _sum_keep(xp, t, -1)
             dp *= p
             dp *= ctx.scale
-            gs = dp
-        gq = _unbroadcast(xp.matmul(gs, k), q.shape) if n[0] else None
-        gk = _unbroadcast(xp.matmul(xp.swapaxes(gs, -1, -2), q), k.shape) if n[1] else None
-        return gq, gk, gv, None, None, None, None
+            if n[0]:
+                dq = xp.matmul(dp, k[..., :end, :])
+                if one:
+                    gq = dq
+                else:
+                    gq[..., r0:r1, :] = dq
+            if n[1]:
+                dk = xp.matmul(xp.swapaxes(dp, -1, -2), q[..., r0:r1, :])
+                if one:
+                    gk = dk
+                else:
+                    gk[..., :end, :] += dk
+        return (None if gq is None else _unbroadcast(gq, q.shape), None if gk is None else _unbroadcast(gk, k.shape),
+                None if gv is None else _unbroadcast(gv, v.shape), None, None, None, None)
 
 
 def _copyto(xp, dst, value, where) -> None:
