@@ -1,14 +1,14 @@
 """Every strategy side by side with PyTorch (CPU, gloo) in one invocation: step times and ratios.
 
-For each case and each world size in --ranks (default 1 2 4) this starts, one after the other and
---repeats times in alternation (axonmpi, torch, axonmpi, torch, ...; so load from other processes on
-the machine falls on both sides), ``mpiexec -n N python bench/vs_torch.py --worker ours|torch --case C``.
-Both sides run under the same ``mpiexec`` with one BLAS/OpenMP thread per rank; the torch workers read
-their rank from the launcher's environment and meet over gloo (TCP on 127.0.0.1). Each run times
---steps steps after two warm-up steps (a barrier before and after each step, so a step is the slowest
-rank's); the table gives the min and the median over every timed step of every run, and the ratio
-axonmpi / torch of each (below 1: axonmpi is faster). ``uptime``'s load average is printed before and
-after.
+For each case and each world size in --ranks (default 1 2 4) this starts --repeats times
+``mpiexec -n N python bench/vs_torch.py --worker --case C``. Every rank builds both sides, axonmpi's
+(over MPI) and PyTorch's (over gloo, TCP on 127.0.0.1), and runs their steps alternately (axonmpi,
+torch, torch, axonmpi, ...), so load from other processes on the machine falls on both alike; one
+BLAS/OpenMP thread per rank. Each side has two warm-up steps, then --steps timed steps, each between two
+barriers (a step is the slowest rank's). The table gives the min and the median over every timed
+step of every run, and the ratio axonmpi / torch of each (below 1: axonmpi is faster); one-rank rows
+also give the ratio of CPU time (``process_time``, steadier than wall time when other processes share
+the cores). ``uptime``'s load average is printed before and after.
 
 | case | axonmpi | PyTorch 2.13 |
 |---|---|---|
@@ -56,28 +56,9 @@ CP = dict(width=128, heads=4, blocks=2, seq=1024, batch=2, classes=64)
 MOE = dict(width=256, experts=4, hidden=1024, tokens=512, classes=10)
 
 
-def _rank_size():
-    for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("RANK", "WORLD_SIZE")):
-        if r in os.environ:
-            return int(os.environ[r]), int(os.environ[s])
-    return 0, 1
-
-
-def _timed(step, barrier, steps):
-    for _ in range(WARMUP):
-        step()
-    ts = []
-    for _ in range(steps):
-        barrier()
-        t0 = time.perf_counter()
-        step()
-        barrier()
-        ts.append(time.perf_counter() - t0)
-    return ts
-
-
 # ---------------------------------------------------------------------------------------------- axonmpi side
-def _ours(case: str, n: int, steps: int):
+def _ours(case: str, n: int):
+    """axonmpi's step of ``case`` on ``n`` ranks (this one's part), and the World."""
     import numpy as np
 
     sys.path.insert(0, ROOT)
@@ -217,9 +198,7 @@ def _ours(case: str, n: int, steps: int):
             opt.step()
     else:
         raise ValueError(f"unknown case {case!r}; expected one of {CASES}")
-    ts = _timed(step, world.barrier, steps)
-    if world.rank == 0:
-        print("RESULT" + json.dumps(ts), flush=True)
+    return step, world
 
 
 # ---------------------------------------------------------------------------------------------- torch side
@@ -268,20 +247,20 @@ def _torch_gpt(torch, V, T, L, H, C):
     return Model()
 
 
-def _torch(case: str, n: int, steps: int, port: int):
+def _torch(case: str, n: int, port: int, rank: int):
+    """PyTorch's step of ``case`` on ``n`` ranks (gloo over TCP on 127.0.0.1), this rank's part."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    rank, size = _rank_size()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     from torch.distributed.device_mesh import init_device_mesh
     nnt, F = torch.nn, torch.nn.functional
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
 
-    if case in ("gpt1",):
+    if case == "gpt1":
         g = GPT
         try:
             from transformers import GPT2Config, GPT2LMHeadModel
@@ -394,7 +373,7 @@ def _torch(case: str, n: int, steps: int, port: int):
             opt.step()
     elif case == "cp":
         # torch 2.13's context_parallel has no sharding rule for the CPU attention kernel
-        # (aten._scaled_dot_product_flash_attention_for_cpu): time the serial model; main() divides by N
+        # (aten._scaled_dot_product_flash_attention_for_cpu): time the serial model on rank 0; _worker divides by N
         c = CP
         C, Hh = c["width"], c["heads"]
 
@@ -461,10 +440,33 @@ def _torch(case: str, n: int, steps: int, port: int):
             opt.step()
     else:
         raise ValueError(f"unknown case {case!r}; expected one of {CASES}")
-    ts = _timed(step, dist.barrier, steps)
-    if rank == 0:
-        print("RESULT" + json.dumps(ts), flush=True)
-    dist.destroy_process_group()
+    return step
+
+
+def _worker(case: str, n: int, steps: int, port: int) -> None:
+    """Both sides in this process, their steps alternating (so load from elsewhere falls on both alike)."""
+    ours, world = _ours(case, n)
+    formula = case == "cp" and n > 1      # torch: the serial model on rank 0, its time / n
+    theirs = _torch(case, 1 if formula else n, port, 0 if formula else world.rank) \
+        if not formula or world.rank == 0 else (lambda: None)
+    times = {"ours": [], "torch": [], "ours_cpu": [], "torch_cpu": []}
+    for _ in range(WARMUP):
+        ours()
+        theirs()
+    for i in range(steps):
+        for side in (("ours", "torch") if i % 2 == 0 else ("torch", "ours")):
+            f = ours if side == "ours" else theirs
+            world.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            f()
+            world.barrier()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if side == "torch" and formula:
+                wall, cpu = wall / n, cpu / n
+            times[side].append(wall)
+            times[side + "_cpu"].append(cpu)
+    if world.rank == 0:
+        print("RESULT" + json.dumps(times), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -474,11 +476,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(side: str, case: str, n: int, steps: int, timeout: float):
+def _launch(case: str, n: int, steps: int, timeout: float):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", side, "--case", case,
+    cmd = [mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", "--case", case,
            "--n", str(n), "--steps", str(steps), "--port", str(_free_port())]
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -507,20 +509,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4])
-    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each side")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per run (after 2 warm-up steps)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs (launches) of each case")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps of each side per run (after 2 warm-up steps)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--json", help="also write the rows here")
-    ap.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker == "ours":
-        _ours(args.case, args.n, args.steps)
-        return
-    if args.worker == "torch":
-        _torch(args.case, args.n, args.steps, args.port)
+    if args.worker:
+        _worker(args.case, args.n, args.steps, args.port)
         return
     try:
         import torch
@@ -529,7 +528,7 @@ def main() -> None:
         sys.exit("torch is not installed: pip install torch==2.13.0 (the CPU wheel); transformers for gpt1")
     load0 = _uptime()
     print(f"axonmpi vs PyTorch {tv}, 1 BLAS/OpenMP thread per rank, {os.cpu_count()} CPUs, "
-          f"{args.repeats} alternating runs x {args.steps} steps; load average {load0}", flush=True)
+          f"{args.repeats} runs x {args.steps} steps of each side, alternating; load average {load0}", flush=True)
     print(f"{'case':<9} {'ranks':>5} | {'axonmpi ms min':>14} {'median':>8} | {'torch ms min':>12} {'median':>8} | "
           f"{'ratio min':>9} {'median':>7}", flush=True)
     rows = []
@@ -537,29 +536,27 @@ def main() -> None:
         for n in args.ranks:
             if n not in RANKS.get(case, (1, 2, 4)) or (case == "moe" and MOE["experts"] % n):
                 continue
-            ours, theirs, errors = [], [], []
+            t = {"ours": [], "torch": [], "ours_cpu": [], "torch_cpu": []}
+            errors = []
             for _ in range(args.repeats):
-                for side, acc in (("ours", ours), ("torch", theirs)):
-                    if side == "torch" and case == "cp" and n > 1:
-                        ts, err = _launch("torch", case, 1, args.steps, args.timeout)   # serial torch / N
-                        ts = None if ts is None else [t / n for t in ts]
-                    else:
-                        ts, err = _launch(side, case, n, args.steps, args.timeout)
-                    if ts is None:
-                        errors.append(f"{side}: {err}")
-                    else:
-                        acc += ts
+                res, err = _launch(case, n, args.steps, args.timeout)
+                if res is None:
+                    errors.append(err)
+                    continue
+                for k in t:
+                    t[k] += res[k]
+            nan = math.nan
             row = {"case": case, "ranks": n, "load": _uptime(), "errors": errors,
-                   "ours_min": min(ours) if ours else math.nan, "ours_median": _median(ours) if ours else math.nan,
-                   "torch_min": min(theirs) if theirs else math.nan,
-                   "torch_median": _median(theirs) if theirs else math.nan,
                    "torch_column": "serial torch / N (formula)" if case == "cp" and n > 1 else "measured"}
+            for k, v in t.items():
+                row[k + "_min"], row[k + "_median"] = (min(v), _median(v)) if v else (nan, nan)
             rows.append(row)
-            note = " (torch: serial / N)" if case == "cp" and n > 1 else ""
+            note = "  torch: serial / N (formula)" if case == "cp" and n > 1 else ""
+            cpu = (f" | cpu median {row['ours_cpu_median'] / row['torch_cpu_median']:.2f}x" if n == 1 else "")
             print(f"{case:<9} {n:>5} | {1e3 * row['ours_min']:>14.1f} {1e3 * row['ours_median']:>8.1f} | "
                   f"{1e3 * row['torch_min']:>12.1f} {1e3 * row['torch_median']:>8.1f} | "
                   f"{row['ours_min'] / row['torch_min']:>8.2f}x {row['ours_median'] / row['torch_median']:>6.2f}x"
-                  f"{note}", flush=True)
+                  f"{cpu}{note}", flush=True)
             for e in errors[:2]:
                 print(f"    error: {e}", flush=True)
     print(f"load average before {load0}, after {_uptime()}")
