@@ -571,13 +571,13 @@ class LayerNorm(Function):
         xhat, rstd, weight = ctx.saved_tensors
         n = ctx.needs_input_grad
         axes = ctx.axes
-        if ctx.rows and g.dtype == xhat.dtype:
+        if ctx.rows:
             xp = get_array_module(g)
             rows, m = xhat.shape
             shape = g.shape
-            g2 = g.reshape(rows, m)
+            g2 = g.reshape(rows, m).astype(xhat.dtype, copy=False)
             wshape = shape[len(shape) - len(axes):]
-            ones = xp.ones(rows, g.dtype)
+            ones = xp.ones(rows, g2.dtype)
             gb = (ones @ g2).reshape(wshape) if n[2] else None
             gxh = g2 * xhat
             gw = (ones @ gxh).reshape(wshape) if n[1] else None
@@ -585,8 +585,8 @@ class LayerNorm(Function):
                 return None, gw, gb, None, None
             w = None if weight is None else weight.reshape(-1)
             gh = g2 * w if w is not None else g2.copy()
-            m1 = gh @ xp.ones(m, g.dtype)                              # sum(g w)
-            m2 = gxh @ w if w is not None else gxh @ xp.ones(m, g.dtype)   # sum(g w xhat)
+            m1 = gh @ xp.ones(m, g2.dtype)                              # sum(g w)
+            m2 = gxh @ w if w is not None else gxh @ xp.ones(m, g2.dtype)   # sum(g w xhat)
             m1 *= 1.0 / m
             m2 *= 1.0 / m
             gh -= m1[:, None]

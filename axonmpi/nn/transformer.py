@@ -42,7 +42,7 @@ class CausalSelfAttention(Module):
         k = ops.permute(ops.reshape(k, B, T, nh, hd), 0, 2, 1, 3)
         v = ops.permute(ops.reshape(v, B, T, nh, hd), 0, 2, 1, 3)
         # one fused op (scores, causal mask, softmax, dropout drawn as self.attn_dropout would, @ v)
-        p = self.attn_dropout.p if self.training else 0.0
+        p = self.attn_dropout.p if self.attn_dropout.training else 0.0
         y = ops_nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hd)
         y = ops.reshape(ops.permute(y, 0, 2, 1, 3), B, T, C)
         return self.resid_dropout(self.proj(y))
