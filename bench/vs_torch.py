@@ -6,8 +6,9 @@ For each case and each world size in --ranks (default 1 2 4) this starts --repea
 torch, torch, axonmpi, ...), so load from other processes on the machine falls on both alike; one
 BLAS/OpenMP thread per rank. Each side has two warm-up steps, then --steps timed steps, each between two
 barriers (a step is the slowest rank's). The table gives the min and the median over every timed
-step of every run, and the ratio axonmpi / torch of each (below 1: axonmpi is faster); one-rank rows
-also give the ratio of CPU time (``process_time``, steadier than wall time when other processes share
+step of every run, the ratio axonmpi / torch of each (below 1: axonmpi is faster) and the median of
+the ratios of steps that ran next to each other ("pairs": load that changes slowly cancels); one-rank
+rows also give the ratio of CPU time (``process_time``, steadier than wall time when other processes share
 the cores). ``uptime``'s load average is printed before and after.
 
 | case | axonmpi | PyTorch 2.13 |
@@ -530,7 +531,7 @@ def main() -> None:
     print(f"axonmpi vs PyTorch {tv}, 1 BLAS/OpenMP thread per rank, {os.cpu_count()} CPUs, "
           f"{args.repeats} runs x {args.steps} steps of each side, alternating; load average {load0}", flush=True)
     print(f"{'case':<9} {'ranks':>5} | {'axonmpi ms min':>14} {'median':>8} | {'torch ms min':>12} {'median':>8} | "
-          f"{'ratio min':>9} {'median':>7}", flush=True)
+          f"{'ratio min':>9} {'median':>7} {'pairs':>7}", flush=True)
     rows = []
     for case in args.cases:
         for n in args.ranks:
@@ -550,13 +551,17 @@ def main() -> None:
                    "torch_column": "serial torch / N (formula)" if case == "cp" and n > 1 else "measured"}
             for k, v in t.items():
                 row[k + "_min"], row[k + "_median"] = (min(v), _median(v)) if v else (nan, nan)
+            # step i of each side ran next to each other: their ratio cancels load that changes slowly
+            pairs = [a / b for a, b in zip(t["ours"], t["torch"])]
+            row["pair_ratio_median"] = _median(pairs) if pairs else nan
+            row["steps"] = t
             rows.append(row)
             note = "  torch: serial / N (formula)" if case == "cp" and n > 1 else ""
             cpu = (f" | cpu median {row['ours_cpu_median'] / row['torch_cpu_median']:.2f}x" if n == 1 else "")
             print(f"{case:<9} {n:>5} | {1e3 * row['ours_min']:>14.1f} {1e3 * row['ours_median']:>8.1f} | "
                   f"{1e3 * row['torch_min']:>12.1f} {1e3 * row['torch_median']:>8.1f} | "
-                  f"{row['ours_min'] / row['torch_min']:>8.2f}x {row['ours_median'] / row['torch_median']:>6.2f}x"
-                  f"{cpu}{note}", flush=True)
+                  f"{row['ours_min'] / row['torch_min']:>8.2f}x {row['ours_median'] / row['torch_median']:>6.2f}x "
+                  f"{row['pair_ratio_median']:>6.2f}x{cpu}{note}", flush=True)
             for e in errors[:2]:
                 print(f"    error: {e}", flush=True)
     print(f"load average before {load0}, after {_uptime()}")
