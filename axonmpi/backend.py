@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -18,6 +19,7 @@ __all__ = [
     "empty_pinned",
     "get_array_module",
     "get_cupy",
+    "host_compute",
     "is_cupy_array",
     "to_device",
     "to_host",
@@ -317,3 +319,52 @@ def _half_batched_cublas(a, b):
     finally:
         cublas.setPointerMode(handle, mode)
     return c
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def host_compute() -> dict:
+    """What does the host's arithmetic: the CPU, the BLAS NumPy calls (library, version, the kernels it
+    picked, its threads) and anything in the environment that slows it.
+
+    GEMMs run in NumPy's BLAS; elementwise kernels are NumPy ufuncs written in place (see
+    ``[Note: elementwise]`` in ``axonmpi/autograd/ops_nn.py``). On the machines this was measured on
+    (docs/performance.md) no other BLAS from the package registries was faster than the
+    OpenBLAS of NumPy's wheels, so there is no optional BLAS to pick.
+
+    Example:
+        >>> host_compute()["blas"]        # e.g. 'scipy-openblas 0.3.31.188.0'
+    """
+    out = {"cpu": _cpu_model(), "cores": os.cpu_count(), "blas": "unknown", "kernels": None, "threads": None,
+           "notes": []}
+    try:
+        from threadpoolctl import threadpool_info
+        libs = [d for d in threadpool_info() if d.get("user_api") == "blas"]
+    except Exception:  # threadpoolctl missing or unable to inspect this process
+        libs = []
+    mine = [d for d in libs if "numpy" in (d.get("filepath") or "")] or libs
+    if mine:
+        d = mine[0]
+        prefix = d.get("prefix") or ""
+        name = "scipy-openblas" if prefix.startswith("libscipy_openblas") else d.get("internal_api") or prefix
+        out["blas"] = f"{name} {d.get('version') or ''}".strip()
+        out["kernels"], out["threads"] = d.get("architecture"), d.get("num_threads")
+    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        if os.environ.get(var):
+            out["notes"].append(f"{var}={os.environ[var]} is set: OpenBLAS uses those kernels, not the CPU's own "
+                                "(slower on a current NumPy; unset it where NumPy's OpenBLAS supports the CPU)")
+    threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS")
+    if threads is None and (out["threads"] or 1) > 1:
+        out["notes"].append("OMP_NUM_THREADS is unset: with several ranks per node set it to cores / ranks "
+                            "(axonmpi run --threads N does)")
+    return out

@@ -62,6 +62,7 @@ def info_dict(world) -> dict:
                 "library": MPI.Get_library_version().splitlines()[0].strip(),
                 "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
                 "cuda_aware": _cuda_aware_text()},
+        "compute": backend.host_compute(),
         "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "parallel_hdf5": bool(h5py.get_config().mpi),
         "cupy": None if cp is None else cp.__version__,
         "cuda": cuda,
@@ -89,6 +90,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"axonmpi      {d['axonmpi']}")
     print(f"python       {d['python']}  ({d['python_executable']})")
     print(f"numpy        {d['numpy']}")
+    comp = d["compute"]
+    print(f"compute      {comp['cpu']} ({comp['cores']} cores): BLAS {comp['blas']} ({comp['kernels'] or '?'} kernels, "
+          f"{comp['threads']} thread(s)); elementwise: NumPy ufuncs in place")
+    for note in comp["notes"]:
+        print(f"  note: {note}")
     print(f"mpi4py       {d['mpi4py']}   MPI {mpi['standard']}: {mpi['library']}")
     print(f"MPI threads  {mpi['thread_level']}")
     print(f"CUDA-aware MPI: {mpi['cuda_aware']}")

@@ -318,6 +318,10 @@ EXAMPLES = {
     "axonmpi.nn.functional.silu": lambda: F.silu(X).shape == X.shape,
     "axonmpi.nn.functional.sin": lambda: _close(F.sin(X), np.sin(X.numpy())),
     "axonmpi.nn.functional.softmax": lambda: _close(F.softmax(X, dim=1).sum(dim=1), [1, 1]),
+    # one query per key (causal), all-equal scores: row i averages values 0..i
+    "axonmpi.nn.functional.scaled_dot_product_attention": lambda: _close(F.scaled_dot_product_attention(
+        Tensor(np.zeros((1, 3, 2))), Tensor(np.zeros((1, 3, 2))), Tensor(np.array([[[3.0, 0], [1, 0], [2, 0]]])),
+        is_causal=True)[0, :, 0], [3.0, 2.0, 2.0]),
     "axonmpi.nn.functional.split": lambda: [p.shape for p in F.split(X, 2, dim=1)] == [(2, 2), (2, 1)],
     "axonmpi.nn.functional.sqrt": lambda: _close(F.sqrt(X * X), np.abs(X.numpy())),
     "axonmpi.nn.functional.squeeze": lambda: F.squeeze(_x(1, 3)).shape == (3,),

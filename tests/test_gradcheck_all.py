@@ -41,6 +41,7 @@ def _dropout(a):
 _TARGET = _int(1, -100, 0, 2)
 _ANGLE = np.arange(3)[:, None, None] * np.array([1.0, 0.3, 0.05, 1.0, 0.3, 0.05])   # (T, 1, head_dim)
 _COS, _SIN = np.cos(_ANGLE), np.sin(_ANGLE)
+_FLOAT_MASK = RNG.standard_normal((2, 1, 3, 3))
 
 # Function (module.Class) -> [(case id, function of the inputs, input factories[, gradcheck options])]
 CASES = {
@@ -108,9 +109,22 @@ CASES = {
     "ops_nn.Sigmoid": [("sigmoid_method", lambda a: a.sigmoid(), [_t(3, 4)])],
     "ops_nn.SiLU": [("silu", F.silu, [_t(3, 4)])],
     "ops_nn.GELU": [("gelu", F.gelu, [_t(3, 4)]), ("gelu_tanh", lambda a: F.gelu(a, "tanh"), [_t(3, 4)])],
-    "ops_nn.Softmax": [("softmax_method", lambda a: a.softmax(dim=0), [_t(3, 4)])],
+    "ops_nn.Softmax": [("softmax_method", lambda a: a.softmax(dim=0), [_t(3, 4)]),
+                       ("softmax_last", lambda a: a.softmax(dim=-1), [_t(2, 3, 4)])],
     "ops_nn.LogSoftmax": [("log_softmax_method", lambda a: a.log_softmax(dim=-1), [_t(3, 4)])],
-    "ops_nn.LayerNorm": [("layer_norm", lambda x, w, b: F.layer_norm(x, 4, w, b), [_t(2, 3, 4), _t(4), _t(4)])],
+    "ops_nn.LayerNorm": [("layer_norm", lambda x, w, b: F.layer_norm(x, 4, w, b), [_t(2, 3, 4), _t(4), _t(4)]),
+                         ("layer_norm_2d_noaffine", lambda x: F.layer_norm(x, (3, 4)), [_t(2, 3, 4)])],
+    "ops_nn.ScaledDotProductAttention": [
+        ("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+         [_t(2, 2, 4, 3), _t(2, 2, 4, 3), _t(2, 2, 4, 5)]),
+        ("sdpa_causal_blocks", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+         [_t(1, 130, 3), _t(1, 129, 3), _t(2, 1, 129, 2)]),
+        ("sdpa_bool_mask_scale", lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=np.array([[True, False, True], [True, True, False]]), scale=0.7),
+         [_t(3, 2, 4), _t(3, 3, 4), _t(3, 3, 2)]),
+        ("sdpa_float_mask_bcast", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_FLOAT_MASK), [_t(2, 2, 3, 4), _t(1, 2, 3, 4), _t(2, 2, 3, 4)]),
+        ("sdpa_dropout", lambda q, k, v: (axonmpi.manual_seed(5), F.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.3, is_causal=True))[1], [_t(2, 5, 3), _t(2, 5, 3), _t(2, 5, 3)])],
     "ops_llama.RMSNorm": [("rms_norm", lambda x, w: F_llama.rms_norm(x, 4, w, eps=1e-3), [_t(2, 3, 4), _t(4)]),
                           ("rms_norm_2d_noweight", lambda x: F_llama.rms_norm(x, (3, 4)), [_t(2, 3, 4)])],
     "ops_llama.Rotary": [("rotary", lambda x: F_llama.apply_rotary_emb(x, _COS, _SIN), [_t(2, 3, 2, 6)])],

@@ -356,8 +356,13 @@ class GetItem(Function):
     def backward(ctx, g):
         xp = get_array_module(g)
         out = xp.zeros(ctx.shape, g.dtype)
-        if _is_advanced(ctx.idx):
-            xp.add.at(out, ctx.idx, g)  # scatter-add: repeated indices accumulate
+        idx = ctx.idx
+        if (getattr(idx, "dtype", None) is not None and idx.dtype.kind in "iu" and len(ctx.shape) >= 1
+                and idx.size and bool((idx >= 0).all())):   # a[rows]: rows scatter-added by sorted runs
+            from .ops_nn import _scatter_add_rows
+            _scatter_add_rows(xp, out.reshape(ctx.shape[0], -1), idx.reshape(-1), g.reshape(idx.size, -1))
+        elif _is_advanced(idx):
+            xp.add.at(out, idx, g)  # scatter-add: repeated indices accumulate
         else:
             out[ctx.idx] = g
         return out, None

@@ -7,7 +7,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from ..backend import get_array_module
+from ..backend import get_array_module, matmul as _bmm
 from .function import Function
 from ._util import _dim, _on_one_device, _shape, _unbroadcast
 from .special import erf
@@ -15,7 +15,7 @@ from .tensor import Tensor
 
 __all__ = [
     "DtypeMismatchError", "dtype_mismatch", "dtype_refused", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax",
-    "masked_fill", "mse_loss", "relu", "sigmoid", "silu", "softmax",
+    "masked_fill", "mse_loss", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax",
 ]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -47,7 +47,10 @@ class Linear(Function):
         g2 = g.reshape(-1, g.shape[-1]) if g.ndim != 2 else g
         gx = (g2 @ w).reshape(ctx.xshape) if n[0] else None
         gw = g2.T @ x2 if n[1] else None
-        gb = g2.sum(axis=0) if n[2] else None
+        gb = None
+        if n[2]:   # column sums: one BLAS matrix-vector product (2x NumPy's reduce over rows here)
+            xp = get_array_module(g2)
+            gb = xp.ones(g2.shape[0], g2.dtype) @ g2 if _inplace_ok(g2) and g2.shape[0] > 1 else g2.sum(axis=0)
         return gx, gw, gb
 
 
@@ -180,6 +183,11 @@ class GELU(Function):
         ctx.save_for_backward(x)
         ctx.approximate = approximate
         if approximate == "tanh":
+            if _inplace_ok(x):   # 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u))
+                out = _gelu_exp_neg2u(xp, x)
+                out += 1.0
+                xp.divide(x, out, out=out)
+                return out
             t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
             return 0.5 * x * (1 + t)
         return 0.5 * x * (1 + erf(x * _INV_SQRT_2))
@@ -189,6 +197,21 @@ class GELU(Function):
         (x,) = ctx.saved_tensors
         xp = get_array_module(x)
         if ctx.approximate == "tanh":
+            if _inplace_ok(x) and g.dtype == x.dtype:
+                # with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)), u = k (x + c x^3), k = sqrt(2/pi),
+                # c = 0.044715: d = s (1 + (1 - s) 2 k x (1 + 3 c x^2)); three buffers, in place
+                sg = _gelu_exp_neg2u(xp, x)
+                sg += 1.0
+                xp.divide(1.0, sg, out=sg)
+                d = xp.multiply(x, x)
+                d *= 6.0 * 0.044715 * _SQRT_2_OVER_PI
+                d += 2.0 * _SQRT_2_OVER_PI
+                d *= x
+                d *= xp.subtract(1.0, sg)
+                d += 1.0
+                d *= sg
+                d *= g
+                return d, None
             x2 = x * x
             t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x2 * x))
             d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * (_SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x2))
@@ -196,6 +219,36 @@ class GELU(Function):
             cdf = 0.5 * (1 + erf(x * _INV_SQRT_2))
             d = cdf + x * (_INV_SQRT_2PI * xp.exp(-0.5 * x * x))
         return g * d, None
+
+
+# [Note: elementwise] NumPy allocates a new array for every operator of an expression and makes a
+# pass over memory for each; a GELU written as one expression makes ~10 arrays of the hidden's size.
+# The kernels here allocate their output (and at most two scratch arrays) once and then update in
+# place (``out *= x``, ``xp.exp(e, out=e)``): the same arithmetic, fewer passes, no page faults of
+# fresh allocations. Python floats keep the array's dtype (float32 stays float32). The tanh GELU is
+# computed in its sigmoid form, ``0.5 x (1 + tanh u) = x / (1 + exp(-2u))``: one exp instead of a tanh
+# (30% faster here) and no cancellation in ``1 + tanh u`` left of 0. Dtypes without
+# NumPy loops for every ufunc (integers, ml_dtypes' bfloat16) take the plain expressions.
+def _inplace_ok(x) -> bool:
+    return getattr(x, "dtype", None) is not None and x.dtype.kind == "f" and x.dtype.itemsize >= 4
+
+
+def _gelu_exp_neg2u(xp, x):
+    """``exp(-2 sqrt(2/pi) (x + 0.044715 x^3))`` as one new array (``inf`` far left of 0, where
+    GELU's sigmoid form ``x / (1 + exp(-2u))`` is -0 and its derivative 0, as they should be)."""
+    if xp is np:
+        with np.errstate(over="ignore"):
+            return _gelu_exp_neg2u_raw(xp, x)
+    return _gelu_exp_neg2u_raw(xp, x)
+
+
+def _gelu_exp_neg2u_raw(xp, x):
+    e = xp.multiply(x, x)
+    e *= -2.0 * 0.044715 * _SQRT_2_OVER_PI
+    e -= 2.0 * _SQRT_2_OVER_PI
+    e *= x
+    xp.exp(e, out=e)
+    return e
 
 
 def _no_inplace(name: str, inplace: bool) -> None:
@@ -240,7 +293,7 @@ class Softmax(Function):
         xp = get_array_module(x)
         z = x - x.max(axis=axis, keepdims=True)
         xp.exp(z, out=z)
-        z /= z.sum(axis=axis, keepdims=True)
+        z /= _sum_keep(xp, z, axis)
         ctx.save_for_backward(z)
         ctx.axis = axis
         return z
@@ -248,9 +301,25 @@ class Softmax(Function):
     @staticmethod
     def backward(ctx, g):
         (p,) = ctx.saved_tensors
+        xp = get_array_module(p)
         gp = g * p
-        gp -= p * gp.sum(axis=ctx.axis, keepdims=True)
+        s = _sum_keep(xp, gp, ctx.axis)
+        if _inplace_ok(gp) and g.dtype == gp.dtype:   # (g - sum(g p)) p, in place
+            xp.subtract(g, s, out=gp)
+            gp *= p
+            return gp, None
+        gp -= p * s
         return gp, None
+
+
+def _sum_keep(xp, a, axis):
+    """``a.sum(axis=axis, keepdims=True)``; over the last axis of a float32/float64 C-contiguous array,
+    one BLAS matrix-vector product (a row sum of short rows is 2-3x faster there than NumPy's reduce)."""
+    n = a.shape[axis] if a.ndim else 1
+    if (a.ndim and axis in (-1, a.ndim - 1) and _inplace_ok(a) and a.flags.c_contiguous
+            and a.size and n > 1):
+        return (a.reshape(-1, n) @ xp.ones(n, a.dtype)).reshape(a.shape[:-1] + (1,))
+    return a.sum(axis=axis, keepdims=True)
 
 
 class LogSoftmax(Function):
@@ -296,9 +365,165 @@ def log_softmax(input, dim: int = -1, dtype=None, *, axis=None) -> Tensor:  # no
     return LogSoftmax.apply(x, d)
 
 
+# -- attention -----------------------------------------------------------------------------
+class ScaledDotProductAttention(Function):
+    """``softmax(q k^T scale + mask) v`` over the last two axes as one op (torch's math backend).
+
+    The scores are made, scaled, masked and turned into probabilities in one buffer, in place; the
+    backward reuses the probabilities (no scaled, masked or shifted copies kept, as the unfused
+    ``matmul -> mul -> masked_fill -> softmax -> matmul`` chain keeps). Causal attention without
+    dropout runs by blocks of query rows, each against the keys up to its last row only: the
+    masked half of the scores is never computed nor stored (about half the work and memory at long
+    sequences). Attention dropout draws its mask exactly as :func:`dropout` on the probabilities
+    would (same generator, shape and dtype).
+    """
+
+    _fresh_grads = True
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p):
+        xp = get_array_module(q)
+        L, S = q.shape[-2], k.shape[-2]
+        rows = 128 if L >= 512 else 64
+        if is_causal and not dropout_p and L >= 2 * rows:
+            blocks = [(r0, min(r0 + rows, L)) for r0 in range(0, L, rows)]
+        else:
+            blocks = [(0, L)]
+        out, probs, keep = None, [], None
+        for r0, r1 in blocks:
+            end = min(S, r1) if is_causal else S
+            s = _bmm(q[..., r0:r1, :], xp.swapaxes(k[..., :end, :], -1, -2))
+            s *= scale
+            if is_causal and end > r0 + 1:   # top-left aligned, as torch: query i sees keys 0..i
+                _copyto(xp, s, -np.inf, xp.arange(end)[None, :] > xp.arange(r0, r1)[:, None])
+            if mask is not None:
+                if mask.dtype == np.bool_:
+                    _copyto(xp, s, -np.inf, ~mask)
+                elif xp.broadcast_shapes(s.shape, mask.shape) == s.shape:
+                    s += mask
+                else:
+                    s = s + mask
+            s -= s.max(axis=-1, keepdims=True)
+            xp.exp(s, out=s)
+            s /= _sum_keep(xp, s, -1)
+            if dropout_p:
+                from ..random import generator_for
+                dt = s.dtype if s.dtype.kind == "f" or s.dtype.name == "bfloat16" else np.dtype(np.float32)
+                r = generator_for(xp).random(s.shape, dtype=np.float32 if dt.itemsize <= 4 else np.float64)
+                keep = (r >= dropout_p).astype(dt)
+                keep *= 1.0 / (1.0 - dropout_p)
+            o = _bmm(s if keep is None else s * keep, v[..., :end, :])
+            if len(blocks) == 1:
+                out = o
+            else:
+                if out is None:
+                    out = xp.empty(o.shape[:-2] + (L, o.shape[-1]), o.dtype)
+                out[..., r0:r1, :] = o
+            probs.append(s)
+        ctx.save_for_backward(q, k, v, keep, *probs)
+        ctx.blocks, ctx.scale = [(r0, r1, min(S, r1) if is_causal else S) for r0, r1 in blocks], scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, keep, *probs = ctx.saved_tensors
+        xp = get_array_module(g)
+        n = ctx.needs_input_grad
+        bs, one = g.shape[:-2], len(probs) == 1
+        L, S = q.shape[-2], k.shape[-2]
+        gq = gk = gv = None
+        if not one:
+            gq = xp.empty(bs + (L, q.shape[-1]), g.dtype) if n[0] else None
+            gk = xp.zeros(bs + (S, k.shape[-1]), g.dtype) if n[1] else None
+            gv = xp.zeros(bs + (S, v.shape[-1]), g.dtype) if n[2] else None
+        for (r0, r1, end), p in zip(ctx.blocks, probs):
+            gi = g[..., r0:r1, :]
+            if n[2]:
+                pd = p if keep is None else p * keep
+                dv = _bmm(xp.swapaxes(pd, -1, -2), gi)
+                if one:
+                    gv = dv
+                else:
+                    gv[..., :end, :] += dv
+            if not (n[0] or n[1]):
+                continue
+            dp = _bmm(gi, xp.swapaxes(v[..., :end, :], -1, -2))
+            if keep is not None:
+                dp *= keep
+            t = dp * p                                   # softmax backward: p (dp - sum(dp p))
+            dp -= _sum_keep(xp, t, -1)
+            dp *= p
+            dp *= ctx.scale
+            if n[0]:
+                dq = _bmm(dp, k[..., :end, :])
+                if one:
+                    gq = dq
+                else:
+                    gq[..., r0:r1, :] = dq
+            if n[1]:
+                dk = _bmm(xp.swapaxes(dp, -1, -2), q[..., r0:r1, :])
+                if one:
+                    gk = dk
+                else:
+                    gk[..., :end, :] += dk
+        return (None if gq is None else _unbroadcast(gq, q.shape), None if gk is None else _unbroadcast(gk, k.shape),
+                None if gv is None else _unbroadcast(gv, v.shape), None, None, None, None)
+
+
+def _copyto(xp, dst, value, where) -> None:
+    if xp is np:
+        np.copyto(dst, value, where=where)
+    else:
+        dst[...] = xp.where(where, xp.asarray(value, dtype=dst.dtype), dst)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,  # noqa: C901
+                                 is_causal: bool = False, scale=None, enable_gqa: bool = False) -> Tensor:
+    """PyTorch's ``F.scaled_dot_product_attention``: ``softmax(q k^T scale + mask) v`` as one fused op.
+
+    Args:
+        query, key, value: (..., L, E), (..., S, E), (..., S, Ev) Tensors (heads in a leading axis).
+        attn_mask: a boolean mask (True: the pair takes part) or an additive float mask, broadcastable
+            to (..., L, S); not a Tensor with gradient.
+        dropout_p: attention dropout (applied whenever > 0, as torch's; pass ``p if training else 0``).
+        is_causal: mask the pairs (i, j > i) (top-left aligned, as torch).
+        scale: defaults to ``1 / sqrt(E)``.
+        enable_gqa: not built (``NotImplementedError``): repeat the key/value heads first.
+
+    Example:
+        >>> q = k = v = Tensor(np.ones((1, 2, 4, 8)))
+        >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
+        (1, 2, 4, 8)
+    """
+    if enable_gqa:
+        raise NotImplementedError("scaled_dot_product_attention(enable_gqa=True) is not built: repeat the key and "
+                                  "value heads to the query's (k.repeat_interleave) and call it with enable_gqa=False")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal=True, not both (as torch)")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"scaled_dot_product_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    e = query.shape[-1]
+    if key.shape[-1] != e or key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"scaled_dot_product_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and "
+                         f"value {tuple(value.shape)} must have (..., L, E), (..., S, E), (..., S, Ev)")
+    mask = attn_mask.data if isinstance(attn_mask, Tensor) else attn_mask
+    if mask is not None and not hasattr(mask, "dtype"):
+        mask = np.asarray(mask)
+    if mask is not None:
+        mask = _on_one_device((query.data if isinstance(query, Tensor) else query, mask), (False, False),
+                              ("scaled_dot_product_attention: query", "scaled_dot_product_attention: attn_mask"))[1]
+    sc = float(1.0 / math.sqrt(e) if scale is None else scale)
+    return ScaledDotProductAttention.apply(query, key, value, mask, bool(is_causal), sc, float(dropout_p))
+
+
 # -- layer norm ----------------------------------------------------------------------------
 class LayerNorm(Function):
-    """Fused layer normalization over the trailing ``ndims`` axes."""
+    """Fused layer normalization over the trailing ``ndims`` axes.
+
+    float32/float64 inputs take the row form: the trailing axes as one row of ``m`` elements, every
+    row sum a BLAS matrix-vector product (``x @ ones``; ``sum(g w xhat) = (g xhat) @ w``), every
+    elementwise step in place ([Note: elementwise]); other dtypes the axis form.
+    """
 
     _fresh_grads = True
 
@@ -306,15 +531,36 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, ndims, eps):
         xp = get_array_module(x)
         axes = tuple(range(x.ndim - ndims, x.ndim))
+        ctx.axes = axes
+        n = ctx.needs_input_grad
+        m = int(np.prod(x.shape[x.ndim - ndims:]))
+        if _inplace_ok(x) and m > 0 and x.size and (weight is None or weight.dtype == x.dtype):
+            x2 = x.reshape(-1, m)
+            ones = xp.ones(m, x.dtype)
+            xc = x2 - (x2 @ ones)[:, None] * (1.0 / m)
+            var = _bmm(xc[:, None, :], xc[:, :, None]).reshape(-1)
+            var *= 1.0 / m
+            var += eps
+            rstd = xp.sqrt(var, out=var)
+            xp.divide(1.0, rstd, out=rstd)
+            xc *= rstd[:, None]                     # xhat
+            ctx.rows = True
+            ctx.save_for_backward(xc, rstd, weight if n[0] else None)
+            if weight is not None:
+                out = xc * weight.reshape(-1)
+            else:
+                out = xc.copy()
+            if bias is not None:
+                out += bias.reshape(-1)
+            return out.reshape(x.shape)
+        ctx.rows = False
         mu = x.mean(axis=axes, keepdims=True)
         xc = x - mu
         var = (xc * xc).mean(axis=axes, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + eps)
         xhat = xc
         xhat *= rstd
-        n = ctx.needs_input_grad
         ctx.save_for_backward(xhat, rstd, weight if n[0] else None)
-        ctx.axes = axes
         out = xhat * weight if weight is not None else xhat.copy()
         if bias is not None:
             out += bias
@@ -325,6 +571,29 @@ class LayerNorm(Function):
         xhat, rstd, weight = ctx.saved_tensors
         n = ctx.needs_input_grad
         axes = ctx.axes
+        if ctx.rows:
+            xp = get_array_module(g)
+            rows, m = xhat.shape
+            shape = g.shape
+            g2 = g.reshape(rows, m).astype(xhat.dtype, copy=False)
+            wshape = shape[len(shape) - len(axes):]
+            ones = xp.ones(rows, g2.dtype)
+            gb = (ones @ g2).reshape(wshape) if n[2] else None
+            gxh = g2 * xhat
+            gw = (ones @ gxh).reshape(wshape) if n[1] else None
+            if not n[0]:
+                return None, gw, gb, None, None
+            w = None if weight is None else weight.reshape(-1)
+            gh = g2 * w if w is not None else g2.copy()
+            m1 = gh @ xp.ones(m, g2.dtype)                              # sum(g w)
+            m2 = gxh @ w if w is not None else gxh @ xp.ones(m, g2.dtype)   # sum(g w xhat)
+            m1 *= 1.0 / m
+            m2 *= 1.0 / m
+            gh -= m1[:, None]
+            xp.multiply(xhat, m2[:, None], out=gxh)
+            gh -= gxh
+            gh *= rstd[:, None]
+            return gh.reshape(shape), gw, gb, None, None
         lead = tuple(range(g.ndim - len(axes)))
         gw = (g * xhat).sum(axis=lead) if n[1] else None
         gb = g.sum(axis=lead) if n[2] else None
@@ -367,10 +636,26 @@ class Embedding(Function):
         (idx,) = ctx.saved_tensors
         xp = get_array_module(g)
         gw = xp.zeros(ctx.wshape, g.dtype)
-        xp.add.at(gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
+        _scatter_add_rows(xp, gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
         if ctx.padding_idx is not None:
             gw[ctx.padding_idx] = 0
         return None, gw, None
+
+
+def _scatter_add_rows(xp, out, idx, rows) -> None:
+    """``out[idx[i]] += rows[i]`` for every ``i``, repeated indices accumulating.
+
+    On the host: sort the indices (stable), sum each run of equal indices with ``add.reduceat``
+    and write each row once -- 2-4x faster than NumPy's ``add.at`` for a few thousand tokens.
+    CuPy's ``add.at`` is an atomic scatter, already fast.
+    """
+    if xp is not np or idx.size == 0:
+        xp.add.at(out, idx, rows)
+        return
+    order = np.argsort(idx, kind="stable")
+    sidx = idx[order]
+    starts = np.flatnonzero(np.concatenate(([True], sidx[1:] != sidx[:-1])))
+    out[sidx[starts]] += np.add.reduceat(rows[order], starts, axis=0)
 
 
 def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002

@@ -6,13 +6,8 @@ Parameter names: ``attn.qkv`` (fused q/k/v projection, (3*n_embd, n_embd)), ``at
 """
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
 from ..autograd import ops, ops_llama, ops_nn
 from ..autograd.tensor import Tensor
-from ..backend import get_array_module
 from .layers import GELU, Dropout, LayerNorm, Linear
 from .module import Module
 
@@ -45,14 +40,11 @@ class CausalSelfAttention(Module):
         nh, hd = self.n_head, C // self.n_head
         q, k, v = ops.split(self.qkv(x), C, axis=2)
         q = ops.permute(ops.reshape(q, B, T, nh, hd), 0, 2, 1, 3)
-        k = ops.permute(ops.reshape(k, B, T, nh, hd), 0, 2, 3, 1)  # (B, nh, hd, T)
+        k = ops.permute(ops.reshape(k, B, T, nh, hd), 0, 2, 1, 3)
         v = ops.permute(ops.reshape(v, B, T, nh, hd), 0, 2, 1, 3)
-        att = ops.matmul(q, k) * (1.0 / math.sqrt(hd))
-        xp = get_array_module(x.data)
-        future = xp.triu(xp.ones((T, T), dtype=bool), k=1)
-        att = ops_nn.masked_fill(att, future, -np.inf)
-        att = self.attn_dropout(ops_nn.softmax(att, -1))
-        y = ops.matmul(att, v)  # (B, nh, T, hd)
+        # one fused op (scores, causal mask, softmax, dropout drawn as self.attn_dropout would, @ v)
+        p = self.attn_dropout.p if self.attn_dropout.training else 0.0
+        y = ops_nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hd)
         y = ops.reshape(ops.permute(y, 0, 2, 1, 3), B, T, C)
         return self.resid_dropout(self.proj(y))
 

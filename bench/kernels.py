@@ -1,0 +1,155 @@
+"""The host kernels beside PyTorch's on one core: GEMM libraries, then each elementwise op forward + backward.
+
+GEMM: single-precision GFLOP/s at the GPT's and the tensor-parallel block's shapes for NumPy's BLAS, for
+torch (MKL), and, where installed, for MKL's ``cblas_sgemm`` called directly (``pip install mkl``) and for
+BLIS (``pip install blis``): the libraries from the package registries that could replace NumPy's.
+Kernels: axonmpi's op (forward + backward through autograd) beside torch's at the GPT's shapes.
+Everything is timed by CPU time (``process_time``: steadier than wall time when other processes share the
+cores), interleaved, min of --repeats.
+
+    python bench/kernels.py
+    python bench/kernels.py --repeats 20 --skip-gemm
+"""
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_v] = "1"
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import glob  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _race(fns: dict, repeats: int) -> dict:
+    for f in fns.values():
+        f()
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.process_time()
+            f()
+            best[k] = min(best[k], time.process_time() - t)
+    return best
+
+
+def _mkl_sgemm():
+    """MKL's cblas_sgemm through ctypes, sequential, or None where the ``mkl`` wheel is not installed."""
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    libs = sorted(glob.glob(os.path.join(venv, "lib", "libmkl_rt.so*")))
+    if not libs:
+        return None
+    mkl = ctypes.CDLL(libs[0])
+    mkl.MKL_Set_Threading_Layer(1)   # MKL_THREADING_SEQUENTIAL
+    f = mkl.cblas_sgemm
+    f.restype = None
+    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+
+    def mm(a, b, out):
+        m, k = a.shape
+        n = b.shape[1]
+        f(101, 111, 111, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data, n, 0.0, out.ctypes.data, n)
+    return mm
+
+
+def gemm(repeats: int, torch) -> None:
+    from axonmpi.backend import host_compute
+    hc = host_compute()
+    mkl = _mkl_sgemm()
+    try:
+        from blis.py import gemm as blis_gemm
+    except ImportError:
+        blis_gemm = None
+    cols = ["numpy " + hc["blas"].split()[0]] + (["torch"] if torch else []) + (["mkl (ctypes)"] if mkl else []) \
+        + (["blis"] if blis_gemm else [])
+    print(f"GEMM, float32, 1 thread, GFLOP/s; NumPy's BLAS: {hc['blas']} ({hc['kernels']} kernels); CPU {hc['cpu']}")
+    print(f"{'m x k x n':>18} " + " ".join(f"{c:>15}" for c in cols))
+    for m, k, n in [(512, 512, 512), (1024, 256, 768), (1024, 256, 1024), (1024, 1024, 256), (256, 1024, 4096),
+                    (256, 4096, 1024), (4096, 256, 1024)]:
+        a = np.random.rand(m, k).astype(np.float32)
+        b = np.random.rand(k, n).astype(np.float32)
+        out = np.empty((m, n), np.float32)
+        fns = {"numpy": lambda: np.matmul(a, b, out=out)}
+        if torch:
+            ta, tb, to = torch.from_numpy(a), torch.from_numpy(b), torch.empty(m, n)
+            fns["torch"] = lambda: torch.mm(ta, tb, out=to)
+        if mkl:
+            fns["mkl"] = lambda: mkl(a, b, out)
+        if blis_gemm:
+            fns["blis"] = lambda: blis_gemm(a, b, out=out)
+        best = _race(fns, repeats)
+        print(f"{f'{m} x {k} x {n}':>18} " + " ".join(f"{2 * m * n * k / 1e9 / t:>15.1f}" for t in best.values()))
+
+
+def kernels(repeats: int, torch) -> None:
+    import axonmpi.nn.functional as F
+    from axonmpi import Tensor
+    rng = np.random.default_rng(0)
+    print("\nkernels, forward + backward, float32, 1 thread, CPU ms (min)")
+    print(f"{'op and shape':<44}{'axonmpi':>9}{'torch':>9}{'ratio':>7}")
+
+    def pair(name, ours_fn, shapes, torch_fn):
+        arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        ours_in = [Tensor(a, requires_grad=True) for a in arrays]
+        out = ours_fn(*ours_in)
+        g = Tensor(rng.standard_normal(out.shape).astype(np.float32))
+
+        def ours():
+            for t in ours_in:
+                t.grad = None
+            ours_fn(*ours_in).backward(g)
+        fns = {"ours": ours}
+        if torch:
+            t_in = [torch.tensor(a, requires_grad=True) for a in arrays]
+            tg = torch.from_numpy(g.data)
+
+            def theirs():
+                for t in t_in:
+                    t.grad = None
+                torch_fn(*t_in).backward(tg)
+            fns["torch"] = theirs
+        best = _race(fns, repeats)
+        tt = best.get("torch")
+        print(f"{name:<44}{1e3 * best['ours']:>9.2f}" + (f"{1e3 * tt:>9.2f}{best['ours'] / tt:>7.2f}" if tt else ""))
+
+    tf = torch.nn.functional if torch else None
+    pair("gelu tanh (1024, 1024)", lambda x: F.gelu(x, "tanh"), [(1024, 1024)],
+         lambda x: tf.gelu(x, approximate="tanh"))
+    pair("layer_norm (1024, 256)", lambda x, w, b: F.layer_norm(x, 256, w, b), [(1024, 256), (256,), (256,)],
+         lambda x, w, b: tf.layer_norm(x, (256,), w, b))
+    pair("softmax (8, 4, 128, 128)", lambda x: F.softmax(x, -1), [(8, 4, 128, 128)], lambda x: torch.softmax(x, -1))
+    for b, h, t, d in ((8, 4, 128, 64), (2, 4, 1024, 32)):
+        pair(f"causal attention ({b}, {h}, {t}, {d})",
+             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [(b, h, t, d)] * 3,
+             lambda q, k, v: tf.scaled_dot_product_attention(q, k, v, is_causal=True))
+    pair("linear 256 -> 1024, 1024 rows", F.linear, [(1024, 256), (1024, 256), (1024,)], tf.linear if tf else None)
+    pair("cross_entropy (1024, 96)", lambda x: F.cross_entropy(x, np.arange(1024) % 96), [(1024, 96)],
+         lambda x: tf.cross_entropy(x, torch.arange(1024) % 96))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--skip-gemm", action="store_true")
+    args = ap.parse_args()
+    try:
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        torch = None
+        print("torch not installed: its columns are skipped (pip install torch==2.13.0)")
+    if not args.skip_gemm:
+        gemm(args.repeats, torch)
+    kernels(args.repeats, torch)
+
+
+if __name__ == "__main__":
+    main()
