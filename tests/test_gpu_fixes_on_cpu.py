@@ -16,8 +16,9 @@ def test_backend_matmul_is_numpy_matmul_on_the_host():
     at = rng.standard_normal((3, 5, 4)).swapaxes(-1, -2)
     np.testing.assert_array_equal(backend.matmul(at, b), at @ b)
     ml = pytest.importorskip("ml_dtypes")
-    h = a.astype(ml.bfloat16)
-    assert backend.matmul(h, b.astype(ml.bfloat16)).dtype == h.dtype     # NumPy's own bf16 product, unchanged
+    h, hb = a.astype(ml.bfloat16), b.astype(ml.bfloat16)
+    got, want = backend.matmul(h, hb), h @ hb                            # NumPy's own bf16 product, unchanged
+    assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
 def test_same_memory_is_a_pointer_comparison():
