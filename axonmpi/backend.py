@@ -261,8 +261,8 @@ def matmul(a: Any, b: Any) -> Any:
             err, ok = repr(e), False
         _HALF_BATCHED[name] = ok
         if not ok:
-            from .log import get_logger
-            get_logger("axonmpi.backend").warning(
+            import logging
+            logging.getLogger("axonmpi.backend").warning(
                 "batched %s matmul through cuBLAS strided-batched GEMM failed its check (%s): products take the "
                 "float32 route", name, err)
         return got if ok else want

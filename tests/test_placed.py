@@ -77,9 +77,10 @@ def test_a_placement_without_a_full_shape_is_refused_naming_the_fix():
         placed.local_shape(Placement(cuts=(Cut(_G("tp", 2, 0), 0),)))
 
 
-def test_sharded_state_of_a_plain_model_and_its_optimizer_round_trips_and_refuses_zero():
+def test_sharded_state_of_a_plain_model_and_its_optimizer_round_trips_with_adamw_and_zero():
     """``ShardedState`` of a plain model (one process): both forms of the model and of AdamW's state load
-    into a fresh model and optimizer exactly; a ZeRO optimizer (state by buckets) is refused, naming the fix."""
+    into a fresh model and optimizer exactly; a ZeRO-1 optimizer's state goes through the same form (each
+    parameter's moments gathered from its buckets) and loads into AdamW and back into a ZeRO-1 optimizer."""
     import axonmpi
     import axonmpi.nn as nn
     import axonmpi.nn.functional as F
@@ -106,7 +107,19 @@ def test_sharded_state_of_a_plain_model_and_its_optimizer_round_trips_and_refuse
             for k in ("exp_avg", "exp_avg_sq"):
                 np.testing.assert_array_equal(opt2.state[q][k], opt.state[p][k], err_msg=f"{n} {k}")
             assert opt2.state[q]["step"] == 1
-    zero = ZeroRedundancyOptimizer(m.parameters(), AdamW, lr=0.1)
-    with pytest.raises(NotImplementedError, match=r"rank 0: ZeroRedundancyOptimizer keeps its state in buckets.*"
-                                                  r"optimizer.sharded_state_dict\(\)"):
-        st.optim_state_dict(zero)
+    m3 = make()
+    zero = ZeroRedundancyOptimizer(m3.parameters(), AdamW, lr=0.1)
+    F.mse_loss(m3(Tensor(x)), Tensor(np.ones((5, 4)))).backward()
+    zero.step()
+    full = ShardedState(m3).full_optim_state_dict(zero)          # the same moments as the plain AdamW's
+    for n, p in m.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_allclose(full["state"][n][k], opt.state[p][k], rtol=1e-14, err_msg=f"zero {n} {k}")
+        assert full["state"][n]["step"] == 1
+    m4 = make()
+    zero2 = ZeroRedundancyOptimizer(m4.parameters(), AdamW, lr=0.1)
+    ShardedState(m4).load_optim_state_dict(zero2, ShardedState(m3).optim_state_dict(zero))
+    again = ShardedState(m4).full_optim_state_dict(zero2)
+    for n in full["state"]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(again["state"][n][k], full["state"][n][k], err_msg=f"zero reloaded {n} {k}")
