@@ -282,36 +282,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
-    return n
-
-
-def _count0(text: str) -> int:
-    """A whole number >= 0 (0 meaning "none" or "the default")."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
-    return n
-
-
-def _positive(text: str) -> float:
-    """A number > 0 (a bandwidth, a rate, a size)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not x > 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return x
+from ._argtypes import count0 as _count0, positive as _positive, positive_int as _positive_int  # noqa: E402
 
 
 def _amount0(text: str) -> float:

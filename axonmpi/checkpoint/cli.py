@@ -316,14 +316,7 @@ def export(path: str, out: str, fmt: str = "safetensors", max_shard_size: str = 
     return 0
 
 
-def _heads(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
-    return n
+from .._argtypes import positive_int as _heads  # noqa: E402
 
 
 def _shard_size(text: str) -> str:
