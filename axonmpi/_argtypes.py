@@ -2,38 +2,31 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 __all__ = ["count0", "positive", "positive_int"]
 
 
+def _checked(text: str, cast: Callable, ok: Callable, expect: str):
+    try:
+        v = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expect}, got {text!r}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"expected {expect}, got {v}")
+    return v
+
+
 def positive_int(text: str) -> int:
     """A whole number >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
-    return n
+    return _checked(text, int, lambda n: n >= 1, "a whole number >= 1")
 
 
 def count0(text: str) -> int:
     """A whole number >= 0 (0 meaning "none" or "the default")."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
-    return n
+    return _checked(text, int, lambda n: n >= 0, "a whole number >= 0")
 
 
 def positive(text: str) -> float:
     """A number > 0 (a bandwidth, a rate, a size)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not x > 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return x
+    return _checked(text, float, lambda x: x > 0 and x != float("inf"), "a number > 0")
