@@ -21,7 +21,8 @@ from ..nn.normalization import RMSNorm
 from ..nn.rotary import RotaryEmbedding, check_rope_scaling
 from ..nn.transformer import SwiGLU
 
-__all__ = ["Llama", "LlamaConfig", "LlamaDecoderLayer", "LlamaModel", "init_llama_weights", "llama_hidden_size"]
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "LlamaDecoderLayer", "LlamaEmbedding", "LlamaHead", "LlamaModel",
+           "init_llama_weights", "llama_hidden_size"]
 
 
 def llama_hidden_size(n_embd: int, multiple_of: int = 256, ffn_dim_multiplier: Optional[float] = None) -> int:
@@ -177,10 +178,56 @@ class LlamaModel(Module):
 
     def forward(self, idx, positions=None) -> Tensor:
         x = self.embed_tokens(idx)
+        if positions is None:
+            # the tokens of ``idx`` (not of ``x``: a sequence-parallel region entered at the embedding scatters its
+            # output, while the attention's column layers gather the sequence back before the rotation)
+            positions = get_array_module(x.data).arange(np.shape(getattr(idx, "data", idx))[1])
         rope = self.rotary_emb(x, positions)
         for layer in self.layers:
             x = layer(x, rope)
         return self.norm(x)
+
+
+class LlamaEmbedding(Module):
+    """The Llama's input end as a pipeline layer: ``embed_tokens`` (token ids -> hidden states)."""
+
+    def __init__(self, embed_tokens: Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, idx):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        return self.embed_tokens(get_array_module(self.embed_tokens.weight.data).asarray(idx))
+
+
+class LlamaBlock(Module):
+    """A decoder layer as a pipeline layer, with the rotary tables of its own (every stage computes them).
+
+    ``forward(x, positions=None)``: ``positions`` are those of the sequence the attention sees (default
+    ``0 .. T-1``).  Under ``parallelize`` a pipeline stage's layer taking ``positions=`` is given them: each
+    token's global position under context parallelism, the whole sequence's inside a sequence-parallel region
+    (the attention's column layers gather it), so the tables match the attention's tokens.
+    """
+
+    def __init__(self, layer: LlamaDecoderLayer, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.layer, self.rotary_emb = layer, rotary_emb
+
+    def forward(self, x, positions=None):
+        if positions is None:
+            positions = get_array_module(x.data).arange(x.shape[1])
+        return self.layer(x, self.rotary_emb(x, positions))
+
+
+class LlamaHead(Module):
+    """The Llama's output end as a pipeline layer: the final ``norm``, then ``lm_head``."""
+
+    def __init__(self, norm: Module, lm_head: Module):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.norm(x))
 
 
 class Llama(Module):
@@ -219,6 +266,43 @@ class Llama(Module):
     def init_weights(self) -> None:
         """transformers' init over all modules (see the class docstring); ``Llama.__init__`` calls it."""
         init_llama_weights(self, self.config.initializer_range)
+
+    # -- the model as pipeline layers -------------------------------------------------------------
+    @staticmethod
+    def build_pipeline_layer(config: LlamaConfig, i: int, dtype=None) -> Module:
+        """Pipeline layer ``i`` (``0``: :class:`LlamaEmbedding`, ``1..n_layer``: :class:`LlamaBlock`,
+        ``n_layer + 1``: :class:`LlamaHead`) as ``Llama.__init__`` constructs it (same modules, same random draws
+        in the same order), not yet through :func:`init_llama_weights`."""
+        c = config
+        if i == 0:
+            return LlamaEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dtype))
+        if i <= c.n_layer:
+            return LlamaBlock(LlamaDecoderLayer(c, dtype=dtype), RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling))
+        return LlamaHead(RMSNorm(c.n_embd, eps=c.rms_norm_eps, dtype=dtype),
+                         Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype))
+
+    @classmethod
+    def from_pipeline_layers(cls, config: LlamaConfig, layers: list) -> "Llama":
+        """The Llama made of ``[embedding, block 0, ..., head]`` (as :meth:`pipeline_layers` gives them), sharing
+        their parameters (the serial names); no init, no tying."""
+        model = cls.__new__(cls)
+        Module.__init__(model)
+        model.config = config
+        body = LlamaModel.__new__(LlamaModel)
+        Module.__init__(body)
+        body.embed_tokens = layers[0].embed_tokens
+        body.layers = ModuleList(b.layer for b in layers[1:-1])
+        body.norm = layers[-1].norm
+        body.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        model.model, model.lm_head = body, layers[-1].lm_head
+        return model
+
+    def pipeline_layers(self) -> list:
+        """The model as pipeline layers sharing its parameters: ``[embedding, block 0, ..., head]`` (what
+        :func:`~axonmpi.parallel.pipeline.split_module` cuts); each block computes its rotary tables."""
+        m = self.model
+        return [LlamaEmbedding(m.embed_tokens), *(LlamaBlock(layer, m.rotary_emb) for layer in m.layers),
+                LlamaHead(m.norm, self.lm_head)]
 
     def forward(self, idx, targets=None, positions=None) -> Tuple[Tensor, Optional[Tensor]]:
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``
