@@ -386,6 +386,31 @@ class Llama(Module):
         from . import hf_llama
         return hf_llama.save(self, directory, max_shard_size=max_shard_size, dtype=dtype)
 
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
+        """Sample ``max_new_tokens`` tokens after ``idx`` (B, T) (the last ``block_size`` as context, the
+        :mod:`axonmpi.random` generator on the host); returns (B, T + max_new_tokens) ids, as ``GPT.generate``."""
+        from ..autograd.grad_mode import no_grad
+        from ..backend import to_device, to_host
+        from ..random import default_generator
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        was_tensor = isinstance(idx, Tensor)
+        ids = to_host(idx.data if was_tensor else idx).astype(np.int64)
+        device, gen = self.lm_head.weight.device, default_generator()
+        with no_grad():
+            for _ in range(int(max_new_tokens)):
+                logits, _ = self(to_device(ids[:, -self.config.block_size:], device))
+                z = to_host(logits.data[:, -1, :]).astype(np.float64) / temperature
+                if top_k is not None:
+                    z = np.where(z < np.sort(z, axis=-1)[:, -min(int(top_k), z.shape[-1])][:, None], -np.inf, z)
+                p = np.exp(z - z.max(axis=-1, keepdims=True))
+                p /= p.sum(axis=-1, keepdims=True)
+                u = gen.random((p.shape[0], 1))
+                ids = np.concatenate([ids, np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)[:, None]],
+                                     axis=1)
+        out = to_device(ids, device)
+        return Tensor(out) if was_tensor else out
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameter count (optionally without the token embedding; a tied head counted once)."""
         n = super().num_parameters()
