@@ -17,6 +17,8 @@ import numpy as np
 import axonmpi
 import axonmpi.nn.functional as F
 from axonmpi import checkpoint as ckpt
+from axonmpi.checkpoint import cli as ckpt_cli
+from axonmpi.interop import EXPORT_FORMATS
 from axonmpi.models import Llama, LlamaConfig
 from axonmpi.optim import AdamW
 from axonmpi.optim.clip import clip_grad_norm_
@@ -154,3 +156,31 @@ def shared_path(world, tmp_path_factory, name: str) -> str:
     """A folder every rank sees (rank 0 makes it), and a checkpoint path in it."""
     base = str(tmp_path_factory.mktemp(name)) if world.rank == 0 else None
     return axonmpi.broadcast_object(base) + "/ckpt"
+
+
+def check_export(world, path, cfg, state):
+    """Rank 0 exports the checkpoint at ``path`` and compares the logits with the plain Llama holding ``state`` (the
+    serial run's, which the layout's equal to 1e-10)."""
+    if world.rank == 0:
+        out = path + "-hf"
+        assert ckpt_cli.main(["export", path, out, "--format", "hf-llama"], formats=EXPORT_FORMATS) == 0
+        plain = Llama(cfg, dtype=np.float64)
+        plain.load_state_dict(state)
+        idx = np.random.default_rng(3).integers(0, cfg.vocab_size, (3, T))
+        with axonmpi.no_grad():
+            want = plain(idx)[0].numpy()
+            back = Llama.from_hf(out)
+            assert back.config == cfg
+            close(back(idx)[0].numpy(), want, "Llama.from_hf of the export: logits")      # the layout's weights
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            pass
+        else:
+            hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            with torch.no_grad():
+                theirs = hf(torch.from_numpy(idx)).logits.numpy()
+            err = np.max(np.abs(theirs - want)) / max(1.0, np.max(np.abs(want)))
+            assert err <= 1e-5, f"transformers' logits of the export: relative difference {err:.3g}"
+    axonmpi.barrier()

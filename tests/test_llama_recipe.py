@@ -15,15 +15,12 @@ import numpy as np
 import pytest
 
 import axonmpi
-from axonmpi import checkpoint as ckpt
-from axonmpi.checkpoint import cli as ckpt_cli
-from axonmpi.interop import EXPORT_FORMATS
 from axonmpi.models import Llama
 from axonmpi.parallel import parallelize
 from axonmpi.parallel.context import ContextLayout, grouped_causal_attention, ring_attention
 from axonmpi.recipes.llama import llama_model_plan, llama_plan
 
-from llama_cases import GB, T, close, config, restore_layout, run_layout, serial, shared_path
+from llama_cases import GB, check_export, config, restore_layout, run_layout, serial, shared_path
 
 # name: (world size, grid sizes (G_data: what is left), n_kv_head, tied, HybridGPT options)
 LAYOUTS = {
@@ -87,34 +84,6 @@ def test_ckpt_export_hf_llama_from_a_two_axis_layout(world, tmp_path_factory):
     path = shared_path(world, tmp_path_factory, "llama-export")
     run_layout(world, "pp2_tp2_kvrep_zbh1", sizes, cfg, opts, save=path)
     check_export(world, path, cfg, serial(cfg)[-2][2])
-
-
-def check_export(world, path, cfg, state):
-    """Rank 0 exports the checkpoint at ``path`` and compares the logits with the plain Llama holding ``state`` (the
-    serial run's, which the layout's equal to 1e-10)."""
-    if world.rank == 0:
-        out = path + "-hf"
-        assert ckpt_cli.main(["export", path, out, "--format", "hf-llama"], formats=EXPORT_FORMATS) == 0
-        plain = Llama(cfg, dtype=np.float64)
-        plain.load_state_dict(state)
-        idx = np.random.default_rng(3).integers(0, cfg.vocab_size, (3, T))
-        with axonmpi.no_grad():
-            want = plain(idx)[0].numpy()
-            back = Llama.from_hf(out)
-            assert back.config == cfg
-            close(back(idx)[0].numpy(), want, "Llama.from_hf of the export: logits")      # the layout's weights
-        try:
-            import torch
-            import transformers
-        except ImportError:
-            pass
-        else:
-            hf = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-            with torch.no_grad():
-                theirs = hf(torch.from_numpy(idx)).logits.numpy()
-            err = np.max(np.abs(theirs - want)) / max(1.0, np.max(np.abs(want)))
-            assert err <= 1e-5, f"transformers' logits of the export: relative difference {err:.3g}"
-    axonmpi.barrier()
 
 
 # -- what the attention sees -------------------------------------------------------------------------

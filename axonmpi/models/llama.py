@@ -277,7 +277,8 @@ class Llama(Module):
         if i == 0:
             return LlamaEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dtype))
         if i <= c.n_layer:
-            return LlamaBlock(LlamaDecoderLayer(c, dtype=dtype), RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling))
+            return LlamaBlock(LlamaDecoderLayer(c, dtype=dtype),
+                              RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling))
         return LlamaHead(RMSNorm(c.n_embd, eps=c.rms_norm_eps, dtype=dtype),
                          Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype))
 
@@ -406,8 +407,8 @@ class Llama(Module):
                 p = np.exp(z - z.max(axis=-1, keepdims=True))
                 p /= p.sum(axis=-1, keepdims=True)
                 u = gen.random((p.shape[0], 1))
-                ids = np.concatenate([ids, np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)[:, None]],
-                                     axis=1)
+                nxt = np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)
+                ids = np.concatenate([ids, nxt[:, None]], axis=1)
         out = to_device(ids, device)
         return Tensor(out) if was_tensor else out
 

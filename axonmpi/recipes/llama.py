@@ -58,7 +58,8 @@ def llama_layers(config: LlamaConfig, dtype=None) -> LayerBuilder:
     with a pipeline, ``parallelize`` builds only this rank's stages' layers, with the serial Llama's values.
 
     Example:
-        >>> pm = parallelize(llama_layers(cfg, "float64"), pipeline=PipelinePlan(2, "zb-h1"), model_plan=llama_model_plan(cfg))
+        >>> pm = parallelize(llama_layers(cfg, "float64"), pipeline=PipelinePlan(2, "zb-h1"),
+        ...                  model_plan=llama_model_plan(cfg))
     """
     def tie(model):
         model.lm_head.weight = model.model.embed_tokens.weight

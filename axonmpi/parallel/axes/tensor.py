@@ -201,7 +201,8 @@ def _kv_layer(attn: GroupedQueryAttention, child: Module, c: Composition, kv_gro
         if heads not in kv_groups:
             kv_groups[heads] = kv_head_groups(group, heads)
         shared = kv_groups[heads]
-    seq = {"sequence_parallel": True, "sequence_dim": int(c.sequence_dim)} if c.sequence_parallel and not outside else {}
+    sp = c.sequence_parallel and not outside
+    seq = {"sequence_parallel": True, "sequence_dim": int(c.sequence_dim)} if sp else {}
     return ColumnParallelKVLinear(child.in_features, heads, attn.head_dim, bias=child.bias is not None, group=group,
                                   dtype=child.weight.dtype, kv_groups=shared, **seq)
 

@@ -91,7 +91,8 @@ class ContextParallelGroupedQueryAttention(Module):
             raise NotImplementedError(f"rank {r}: dropout on the attention weights (attn_dropout={attn_dropout}) is "
                                       "not built for context parallelism")
         self.algo = CPAlgo.coerce(algo)
-        self.n_embd, self.n_head, self.n_kv_head, self.head_dim = int(n_embd), int(n_head), int(n_kv_head), int(head_dim)
+        self.n_embd, self.n_head = int(n_embd), int(n_head)
+        self.n_kv_head, self.head_dim = int(n_kv_head), int(head_dim)
         self.seq_len = seq_len
         self.context_enabled = True          # False: whole sequences on this rank alone (generation)
         self.q_proj = Linear(n_embd, n_head * head_dim, bias=bias, dtype=dtype, device=device)

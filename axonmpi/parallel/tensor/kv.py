@@ -106,7 +106,8 @@ class ColumnParallelKVLinear(ColumnParallelLinear):
             self.kv_groups = shard, replica = kv_groups if kv_groups is not None else kv_head_groups(g, self.heads)
             if shard.size != self.heads or replica.size != p // self.heads:
                 raise ValueError(f"rank {g.world.rank}: kv_groups of sizes {shard.size} x {replica.size} do not lay "
-                                 f"{self.heads} heads over {p} tensor ranks (expected {self.heads} x {p // self.heads})")
+                                 f"{self.heads} heads over {p} tensor ranks (expected {self.heads} x "
+                                 f"{p // self.heads})")
             self.weight = self._replicated_head(full, shard, replica)
             self.bias = None if fb is None else self._replicated_head(fb, shard, replica)
         if self.bias is None:
