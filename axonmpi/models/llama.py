@@ -239,10 +239,10 @@ class Llama(Module):
     ``model.norm.weight``, ``lm_head.weight`` — so weights move by name (:meth:`from_hf`, :meth:`save_hf`).
     Init: transformers' (Linear and Embedding weights N(0, ``initializer_range``), norms 1).
 
-    Under a Megatron plan ``{"*.q_proj": "column", "*.k_proj": "column", "*.v_proj": "column",
-    "*.o_proj": "row", "*.gate_proj": "column", "*.up_proj": "column", "*.down_proj": "row",
-    "model.embed_tokens": "vocab", "lm_head": "column_gather"}`` each rank computes its heads with the
-    same code (the tensor size must divide ``n_kv_head``); see ``docs/llama.md``.
+    Under a Megatron plan (``axonmpi.recipes.llama.llama_plan``: q/k/v and gate/up column-parallel, o/down
+    row-parallel, key/value heads split or, when fewer than the tensor size, replicated by ``"column_kv"``) each
+    rank computes its heads with the same code; :meth:`pipeline_layers` cut it for a pipeline, each block with its
+    rotary tables; see ``docs/llama.md``.
 
     Example:
         >>> cfg = LlamaConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_kv_head=2, intermediate_size=64)
