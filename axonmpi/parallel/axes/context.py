@@ -42,7 +42,6 @@ def apply(module: Module, c: Composition) -> None:
 
 def _swap_attention(module: Module, c: Composition) -> List[Any]:
     from ..context import ContextParallelAttention
-    from ..context.gqa import ContextParallelGroupedQueryAttention
     from ..context.layout import CPAlgo
     from ..tensor import TensorParallelAttention
     g, algo, r = c.grid.context_group, CPAlgo.coerce(c.context), c.rank
