@@ -184,3 +184,23 @@ def check_export(world, path, cfg, state):
             err = np.max(np.abs(theirs - want)) / max(1.0, np.max(np.abs(want)))
             assert err <= 1e-5, f"transformers' logits of the export: relative difference {err:.3g}"
     axonmpi.barrier()
+
+
+def assert_stored_once(world, path: str, names=("model/model.layers.0.self_attn.k_proj.weight",
+                                          "optimizer/state/model.layers.0.self_attn.v_proj.weight/exp_avg")) -> None:
+    """Each serial element of ``names`` is stored exactly once in the checkpoint at ``path`` (replicated key/value
+    heads: the ranks sharing a head hold equal blocks, written by one of them).  Rank 0 reads; every rank raises."""
+    from axonmpi.checkpoint import CheckpointReader
+    problem = None
+    if world.rank == 0:
+        reader = CheckpointReader(path)
+        for name in names:
+            e = reader.entry(name)
+            count = np.zeros(e.full_shape, np.int64)
+            for piece in e.pieces:
+                count[piece.slices] += 1
+            if not (count == 1).all():
+                problem = f"{name}: elements stored {sorted(set(count.ravel().tolist()))} times"
+    problem = axonmpi.broadcast_object(problem)
+    assert problem is None, problem
+

@@ -12,7 +12,8 @@ in ``tests/test_llama_recipe.py``.
 """
 import pytest
 
-from llama_cases import check_export, config, restore_layout, run_layout, serial, shared_path
+from llama_cases import (assert_stored_once, check_export, config, restore_layout,
+                         run_layout, serial, shared_path)
 
 pytestmark = pytest.mark.nd
 
@@ -67,6 +68,7 @@ def test_llama_nd_checkpoint_restores_under_another_layout(world, saved, restore
     sizes2, _, opts2 = _layout(world, restored)          # the saved layout's model
     path = shared_path(world, tmp_path_factory, "llama-nd-ckpt")
     run_layout(world, saved, sizes, cfg, opts, save=path)
+    assert_stored_once(world, path)
     restore_layout(world, restored, sizes2, cfg, opts2, path)
 
 

@@ -20,7 +20,8 @@ from axonmpi.parallel import parallelize
 from axonmpi.parallel.context import ContextLayout, grouped_causal_attention, ring_attention
 from axonmpi.recipes.llama import llama_model_plan, llama_plan
 
-from llama_cases import GB, check_export, config, restore_layout, run_layout, serial, shared_path
+from llama_cases import (GB, assert_stored_once, check_export, config, restore_layout,
+                         run_layout, serial, shared_path)
 
 # name: (world size, grid sizes (G_data: what is left), n_kv_head, tied, HybridGPT options)
 LAYOUTS = {
@@ -64,12 +65,14 @@ PAIRS = [("tp2_mqa_sp", "cp2_ulysses_mqa"), ("pp2_zbh1_tied", "fsdp2"),
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("saved,restored", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_llama_checkpoint_restores_under_another_layout(world, saved, restored, tmp_path_factory):
-    """Training state (the model's and AdamW's, sharded) saved after 2 steps under ``saved`` restores under
-    ``restored`` built from other weights, whose third step and parameters equal the serial run's."""
+    """Training state (the model's and AdamW's, sharded) saved after 2 steps under ``saved`` -- each serial element
+    stored once, replicated key/value heads included -- restores under ``restored`` built from other weights,
+    whose third step and parameters equal the serial run's."""
     sizes, cfg, opts = _layout(world, saved)
     sizes2, _, opts2 = _layout(world, restored)          # the saved layout's model (head tied or not)
     path = shared_path(world, tmp_path_factory, "llama-ckpt")
     run_layout(world, saved, sizes, cfg, opts, save=path)
+    assert_stored_once(world, path)
     restore_layout(world, restored, sizes2, cfg, opts2, path)
 
 
