@@ -96,3 +96,22 @@ def test_train_llama_flags_are_refused_with_the_other_model():
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
             train_gpt.parse_args(argv)
         assert e.value.code == 2 and said in err.getvalue(), (argv, err.getvalue())
+
+
+@pytest.mark.serial
+def test_llama_generate_with_top_k_1_is_greedy():
+    """``Llama.generate`` (the trainer's sample) with ``top_k=1`` appends the argmax of the last position's logits,
+    the context cut to ``block_size``."""
+    import axonmpi
+    from axonmpi.models import Llama, LlamaConfig
+    axonmpi.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=20, n_embd=16, n_layer=1, n_head=2, n_kv_head=1, block_size=6),
+                  dtype=np.float64)
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    out = model.generate(ids, 5, top_k=1)
+    want = ids
+    with axonmpi.no_grad():
+        for _ in range(5):
+            logits = model(want[:, -6:])[0].numpy()
+            want = np.concatenate([want, logits[:, -1].argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, want)
