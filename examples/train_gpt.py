@@ -1,4 +1,4 @@
-"""Train a character-level GPT on the Python standard library's own source code over MPI ranks.
+"""Train a character-level GPT (or a Llama) on the Python standard library's own source code over MPI ranks.
 
 Run on 4 local ranks (what `make demo` does):
 
@@ -6,6 +6,12 @@ Run on 4 local ranks (what `make demo` does):
     mpiexec -n 4 python examples/train_gpt.py --resume          # continue from the last checkpoint
     mpiexec -n 4 python examples/train_gpt.py --G-inter 2 --G-intra-c 2     # pipeline x tensor parallel
     mpiexec -n 4 python examples/train_gpt.py --context-parallel 2 --cp-algo ring   # 2 data x 2 sequence chunks
+    mpiexec -n 4 python examples/train_gpt.py --model llama --n-kv-head 1 --G-intra-c 4 --tp-style megatron \
+        --sequence-parallel --checkpoint-dir checkpoints/llama   # a Llama: its key/value head on every tensor rank
+
+--model llama trains axonmpi.models.Llama (RMSNorm, rotary positions, grouped-query attention with --n-kv-head
+key/value heads, a SwiGLU MLP of --ffn-hidden) through the same recipe (axonmpi.recipes.llama; docs/llama.md):
+every layout flag below applies, and its checkpoints export with axonmpi ckpt export --format hf-llama.
 
 By default each rank holds the whole model (DistributedDataParallel); the global batch is split
 across ranks, gradients are averaged with bucketed all-reduces overlapped with backward. The
@@ -37,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import axonmpi  # noqa: E402
 from axonmpi import checkpoint as ckpt  # noqa: E402
 from axonmpi.data import CharDataset, CharTokenizer, load_stdlib_corpus, unigram_entropy  # noqa: E402
-from axonmpi.models import GPTConfig  # noqa: E402
+from axonmpi.models import GPTConfig, LlamaConfig  # noqa: E402
 from axonmpi.models.gpt import padded_vocab_size  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
@@ -51,8 +57,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
-ARCH_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype", "moe_experts", "moe_top_k",
-                "moe_every", "tie_word_embeddings", "make_vocab_size_divisible_by")
+ARCH_OPTIONS = ("model", "n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype", "moe_experts", "moe_top_k",
+                "moe_every", "tie_word_embeddings", "make_vocab_size_divisible_by", "n_kv_head", "ffn_hidden",
+                "rope_theta")
+# the flags only one model family reads
+LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "rope_theta")
 # training options a --resume may change: applied from the resumed step on, one log line each (old -> new)
 APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "global_batch")
 # training options a --resume cannot change honestly: refused, naming them
@@ -65,6 +74,9 @@ LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "c
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     g = p.add_argument_group("model")
+    g.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                   help="gpt: GPT-2's shape (learned positions, LayerNorm, GELU); llama: RMSNorm, rotary positions, "
+                        "grouped-query attention, SwiGLU (docs/llama.md)")
     g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     g.add_argument("--n-head", type=int, default=4, help="attention heads")
     g.add_argument("--n-embd", type=int, default=128, help="width; must divide by --n-head")
@@ -87,6 +99,12 @@ def parse_args(argv=None):
                    help="drop tokens past capacity_factor * tokens * k / E per expert (Switch); default: dropless")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2, help="weight of the load-balancing loss")
     g.add_argument("--moe-z-loss-coeff", type=float, default=1e-3, help="weight of the router z-loss")
+    g.add_argument("--n-kv-head", type=int, default=None,
+                   help="--model llama: key/value heads, dividing --n-head (default: --n-head); fewer than "
+                        "--G-intra-c: each replicated over the tensor ranks that share it (Megatron's rule)")
+    g.add_argument("--ffn-hidden", type=int, default=None,
+                   help="--model llama: the SwiGLU width (default: Meta's rule, 2/3 of 4 x --n-embd rounded up to 256)")
+    g.add_argument("--rope-theta", type=float, default=None, help="--model llama: the rotary base (default 10000)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300,
                    help="optimizer steps in total; on --resume a larger value extends the LR schedule")
@@ -192,18 +210,36 @@ def parse_args(argv=None):
         p.error("--cpu-offload and --mixed-precision fp16 need --fsdp shard_grad_op|full_shard|hybrid_shard")
     if args.overwrite and (args.resume or args.auto_resume):
         p.error("--overwrite starts fresh; it cannot be combined with --resume/--auto-resume")
+    other = model_problem(args)
+    if other:
+        p.error(other)
     return args
+
+
+def model_problem(args) -> "str | None":
+    """A flag the chosen --model does not read (one line naming it and the fix), else None."""
+    if args.model == "gpt":
+        given = [n for n in LLAMA_ONLY if getattr(args, n) is not None]
+        return (f"--{given[0].replace('_', '-')} is a Llama option: add --model llama" if given else None)
+    for name, off, why in (("moe_experts", 0, "the Llama recipe has no MoE variant yet (docs/llama.md)"),
+                           ("make_vocab_size_divisible_by", None, "the Llama splits its vocabulary where it divides "
+                                                                  "(G-intra-c must divide it under --sequence-parallel)"),
+                           ("dropout", 0.0, "the Llama has no dropout")):
+        if getattr(args, name) != off:
+            return f"--{name.replace('_', '-')} {getattr(args, name)} with --model llama: {why}"
+    return None
 
 
 # counts and amounts that make no sense at zero or below (None: the option was left out)
 AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batch", "log_every", "keep_last",
+              "n_kv_head", "ffn_hidden",
               "microbatches", "G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel",
               "expert_parallel", "hybrid_shard_size", "corpus_bytes", "eval_batches", "loss_scale_growth_interval",
               "make_vocab_size_divisible_by")
 AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
               "moe_experts": "0: dense", "seed": None, "grad_clip": "0: no clipping", "weight_decay": None,
               "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None}
-ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor")
+ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor", "rope_theta")
 
 
 def count_problem(args) -> "str | None":
@@ -444,16 +480,23 @@ def main(argv=None):
             tp = grid.G_intra_c if args.tp_style == "megatron" else 1
             pad = padded_vocab_size(tok.vocab_size, args.make_vocab_size_divisible_by, tp)
             pad = None if pad == tok.vocab_size else pad
-        cfg = GPTConfig(vocab_size=tok.vocab_size, padded_vocab_size=pad, block_size=args.block_size, n_layer=args.n_layer,
-                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts,
-                        moe_top_k=args.moe_top_k, moe_every=args.moe_every,
-                        moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-                        moe_z_loss_coeff=args.moe_z_loss_coeff, tie_word_embeddings=args.tie_word_embeddings)
+        if args.model == "llama":
+            cfg = LlamaConfig(vocab_size=tok.vocab_size, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+                              n_kv_head=args.n_kv_head, intermediate_size=args.ffn_hidden, block_size=args.block_size,
+                              rope_theta=10000.0 if args.rope_theta is None else args.rope_theta,
+                              tie_word_embeddings=args.tie_word_embeddings)
+        else:
+            cfg = GPTConfig(vocab_size=tok.vocab_size, padded_vocab_size=pad, block_size=args.block_size,
+                            n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                            moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
+                            moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                            moe_z_loss_coeff=args.moe_z_loss_coeff, tie_word_embeddings=args.tie_word_embeddings)
     except ValueError as e:
         axonmpi.log.exit0(str(e))
     try:
         check_layout(cfg, Layout.from_grid(grid), global_batch=args.global_batch, num_microbatches=args.microbatches,
-                     schedule=args.schedule, tp_style=args.tp_style, world_size=world.world_size)
+                     schedule=args.schedule, tp_style=args.tp_style, world_size=world.world_size,
+                     sequence_parallel=args.sequence_parallel)
     except ValueError as e:
         axonmpi.log.exit0(str(e))
     chunks = 2 * args.context_parallel if args.cp_algo == "ring" else args.context_parallel
@@ -503,7 +546,10 @@ def main(argv=None):
     last_saved = step
 
     def save(step, async_save=False):
-        extra = {"config": vars(args), "layout": hyb.layout_record()}
+        config = dict(vars(args))
+        if args.model == "llama":     # the Llama's own fields too: ckpt export --format hf-llama reads them
+            config["llama"] = cfg.to_dict()
+        extra = {"config": config, "layout": hyb.layout_record()}
         if scaler is not None:
             extra["scaler"] = scaler.state_dict()       # the loss scale and growth count continue on --resume
         nonlocal last_saved
@@ -514,8 +560,8 @@ def main(argv=None):
                  "being written in the background to" if async_save else "saved to", path, step)
         return path
 
-    log.info("GPT (rank 0 trains %.2fM parameters) | %d ranks, %d row slices x %d sequences x %d chars | %d steps | "
-             "%d train chars, vocab %d, unigram entropy %.3f nats",
+    log.info("%s (rank 0 trains %.2fM parameters) | %d ranks, %d row slices x %d sequences x %d chars | %d steps | "
+             "%d train chars, vocab %d, unigram entropy %.3f nats", hyb.recipe.name,
              sum(int(np.prod(q.shape)) for q in hyb.parameters()) / 1e6, world.world_size, hyb.shards,
              args.global_batch // hyb.shards, args.block_size, args.steps, len(train_tokens),
              tok.vocab_size, h_unigram)

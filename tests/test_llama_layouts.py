@@ -8,8 +8,8 @@ TP x FSDP, AxoNN 3-D (easy mode: every Linear; 2 rows, or 2 columns x 2 depth) a
 decoder layer recomputed in backward, at 2, 3 and 4 ranks, untied and tied heads: the loss (``pm.token_mean``) and the clip norm
 (clipping active) at each of 3 AdamW steps and the parameters after equal the serial run to 1e-10.
 
-Phase 2 of issue 42 adds the layouts that need the composer's rewrite: fewer kv heads than the tensor
-size (replicated), sequence and context parallelism with rotary positions, pipelines, AxoNN 3-D.
+Phase 2 of issue 42 (the Llama recipe: fewer kv heads than the tensor size, sequence and context parallelism
+with rotary positions, pipelines) is tested in ``tests/test_llama_recipe.py`` and ``tests/test_llama_nd.py``.
 """
 import numpy as np
 import pytest
@@ -129,8 +129,8 @@ def test_llama_under_parallelize_matches_serial(world, layout, tied):
 
 @pytest.mark.mpi(min_size=4)
 def test_fewer_kv_heads_than_the_tensor_size_raises_naming_the_rule(world):
-    """2 key/value heads over a tensor size of 4 would cut a head in two (kv-head replication under tensor
-    parallelism comes with phase 2): every rank raises at the first forward, naming the rule."""
+    """2 key/value heads over a tensor size of 4 under a plain ``"column"`` plan would cut a head in two: every rank
+    raises at the first forward, naming the rule (the recipe's ``"column_kv"`` replicates each head instead)."""
     if world.world_size != 4:
         pytest.skip("the layout is for 4 ranks")
     axonmpi.manual_seed(5)
@@ -146,22 +146,17 @@ def test_fewer_kv_heads_than_the_tensor_size_raises_naming_the_rule(world):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_phase_2_layouts_fail_loudly(world):
-    """Sequence and context parallelism need the model's plan (phase 2 of issue 42): today they raise, naming
-    what is missing, rather than train on wrong rotary positions."""
+def test_sequence_parallel_without_the_llama_region_fails_loudly(world):
+    """Sequence parallelism without the Llama's model plan (``recipes.llama.llama_model_plan``: the region entered
+    after the embedding) scatters the token ids, so the rotary tables would cover this rank's tokens only while
+    the gathered projections see the whole sequence: it raises at the first forward rather than rotate wrongly."""
     if world.world_size != 2:
-        pytest.skip("the layouts are for 2 ranks")
+        pytest.skip("the layout is for 2 ranks")
     grid = axonmpi.ProcessGrid(world, G_intra_c=2)
     try:
         pm = parallelize(_make(False), grid=grid, tensor_parallel=PLAN, sequence_parallel=True, data_parallel="ddp")
         xb, _ = pm.local_batch(*_batch(0))
         with pytest.raises(ValueError, match="position_embeddings of shape .* do not cover the 8 tokens"):
             pm(xb)
-    finally:
-        grid.free()
-    grid = axonmpi.ProcessGrid(world, G_context=2)
-    try:
-        with pytest.raises(ValueError, match="found no nn.CausalSelfAttention"):
-            parallelize(_make(False), grid=grid, context_parallel="ring", data_parallel="ddp")
     finally:
         grid.free()

@@ -21,7 +21,8 @@ from ..nn.normalization import RMSNorm
 from ..nn.rotary import RotaryEmbedding, check_rope_scaling
 from ..nn.transformer import SwiGLU
 
-__all__ = ["Llama", "LlamaConfig", "LlamaDecoderLayer", "LlamaModel", "init_llama_weights", "llama_hidden_size"]
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "LlamaDecoderLayer", "LlamaEmbedding", "LlamaHead", "LlamaModel",
+           "init_llama_weights", "llama_hidden_size"]
 
 
 def llama_hidden_size(n_embd: int, multiple_of: int = 256, ffn_dim_multiplier: Optional[float] = None) -> int:
@@ -177,10 +178,56 @@ class LlamaModel(Module):
 
     def forward(self, idx, positions=None) -> Tensor:
         x = self.embed_tokens(idx)
+        if positions is None:
+            # the tokens of ``idx`` (not of ``x``: a sequence-parallel region entered at the embedding scatters its
+            # output, while the attention's column layers gather the sequence back before the rotation)
+            positions = get_array_module(x.data).arange(np.shape(getattr(idx, "data", idx))[1])
         rope = self.rotary_emb(x, positions)
         for layer in self.layers:
             x = layer(x, rope)
         return self.norm(x)
+
+
+class LlamaEmbedding(Module):
+    """The Llama's input end as a pipeline layer: ``embed_tokens`` (token ids -> hidden states)."""
+
+    def __init__(self, embed_tokens: Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, idx):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        return self.embed_tokens(get_array_module(self.embed_tokens.weight.data).asarray(idx))
+
+
+class LlamaBlock(Module):
+    """A decoder layer as a pipeline layer, with the rotary tables of its own (every stage computes them).
+
+    ``forward(x, positions=None)``: ``positions`` are those of the sequence the attention sees (default
+    ``0 .. T-1``).  Under ``parallelize`` a pipeline stage's layer taking ``positions=`` is given them: each
+    token's global position under context parallelism, the whole sequence's inside a sequence-parallel region
+    (the attention's column layers gather it), so the tables match the attention's tokens.
+    """
+
+    def __init__(self, layer: LlamaDecoderLayer, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.layer, self.rotary_emb = layer, rotary_emb
+
+    def forward(self, x, positions=None):
+        if positions is None:
+            positions = get_array_module(x.data).arange(x.shape[1])
+        return self.layer(x, self.rotary_emb(x, positions))
+
+
+class LlamaHead(Module):
+    """The Llama's output end as a pipeline layer: the final ``norm``, then ``lm_head``."""
+
+    def __init__(self, norm: Module, lm_head: Module):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.norm(x))
 
 
 class Llama(Module):
@@ -192,10 +239,10 @@ class Llama(Module):
     ``model.norm.weight``, ``lm_head.weight`` — so weights move by name (:meth:`from_hf`, :meth:`save_hf`).
     Init: transformers' (Linear and Embedding weights N(0, ``initializer_range``), norms 1).
 
-    Under a Megatron plan ``{"*.q_proj": "column", "*.k_proj": "column", "*.v_proj": "column",
-    "*.o_proj": "row", "*.gate_proj": "column", "*.up_proj": "column", "*.down_proj": "row",
-    "model.embed_tokens": "vocab", "lm_head": "column_gather"}`` each rank computes its heads with the
-    same code (the tensor size must divide ``n_kv_head``); see ``docs/llama.md``.
+    Under a Megatron plan (``axonmpi.recipes.llama.llama_plan``: q/k/v and gate/up column-parallel, o/down
+    row-parallel, key/value heads split or, when fewer than the tensor size, replicated by ``"column_kv"``) each
+    rank computes its heads with the same code; :meth:`pipeline_layers` cut it for a pipeline, each block with its
+    rotary tables; see ``docs/llama.md``.
 
     Example:
         >>> cfg = LlamaConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_kv_head=2, intermediate_size=64)
@@ -219,6 +266,44 @@ class Llama(Module):
     def init_weights(self) -> None:
         """transformers' init over all modules (see the class docstring); ``Llama.__init__`` calls it."""
         init_llama_weights(self, self.config.initializer_range)
+
+    # -- the model as pipeline layers -------------------------------------------------------------
+    @staticmethod
+    def build_pipeline_layer(config: LlamaConfig, i: int, dtype=None) -> Module:
+        """Pipeline layer ``i`` (``0``: :class:`LlamaEmbedding`, ``1..n_layer``: :class:`LlamaBlock`,
+        ``n_layer + 1``: :class:`LlamaHead`) as ``Llama.__init__`` constructs it (same modules, same random draws
+        in the same order), not yet through :func:`init_llama_weights`."""
+        c = config
+        if i == 0:
+            return LlamaEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dtype))
+        if i <= c.n_layer:
+            return LlamaBlock(LlamaDecoderLayer(c, dtype=dtype),
+                              RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling))
+        return LlamaHead(RMSNorm(c.n_embd, eps=c.rms_norm_eps, dtype=dtype),
+                         Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype))
+
+    @classmethod
+    def from_pipeline_layers(cls, config: LlamaConfig, layers: list) -> "Llama":
+        """The Llama made of ``[embedding, block 0, ..., head]`` (as :meth:`pipeline_layers` gives them), sharing
+        their parameters (the serial names); no init, no tying."""
+        model = cls.__new__(cls)
+        Module.__init__(model)
+        model.config = config
+        body = LlamaModel.__new__(LlamaModel)
+        Module.__init__(body)
+        body.embed_tokens = layers[0].embed_tokens
+        body.layers = ModuleList(b.layer for b in layers[1:-1])
+        body.norm = layers[-1].norm
+        body.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        model.model, model.lm_head = body, layers[-1].lm_head
+        return model
+
+    def pipeline_layers(self) -> list:
+        """The model as pipeline layers sharing its parameters: ``[embedding, block 0, ..., head]`` (what
+        :func:`~axonmpi.parallel.pipeline.split_module` cuts); each block computes its rotary tables."""
+        m = self.model
+        return [LlamaEmbedding(m.embed_tokens), *(LlamaBlock(layer, m.rotary_emb) for layer in m.layers),
+                LlamaHead(m.norm, self.lm_head)]
 
     def forward(self, idx, targets=None, positions=None) -> Tuple[Tensor, Optional[Tensor]]:
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``
@@ -301,6 +386,31 @@ class Llama(Module):
         """
         from . import hf_llama
         return hf_llama.save(self, directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
+        """Sample ``max_new_tokens`` tokens after ``idx`` (B, T) (the last ``block_size`` as context, the
+        :mod:`axonmpi.random` generator on the host); returns (B, T + max_new_tokens) ids, as ``GPT.generate``."""
+        from ..autograd.grad_mode import no_grad
+        from ..backend import to_device, to_host
+        from ..random import default_generator
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        was_tensor = isinstance(idx, Tensor)
+        ids = to_host(idx.data if was_tensor else idx).astype(np.int64)
+        device, gen = self.lm_head.weight.device, default_generator()
+        with no_grad():
+            for _ in range(int(max_new_tokens)):
+                logits, _ = self(to_device(ids[:, -self.config.block_size:], device))
+                z = to_host(logits.data[:, -1, :]).astype(np.float64) / temperature
+                if top_k is not None:
+                    z = np.where(z < np.sort(z, axis=-1)[:, -min(int(top_k), z.shape[-1])][:, None], -np.inf, z)
+                p = np.exp(z - z.max(axis=-1, keepdims=True))
+                p /= p.sum(axis=-1, keepdims=True)
+                u = gen.random((p.shape[0], 1))
+                nxt = np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)
+                ids = np.concatenate([ids, nxt[:, None]], axis=1)
+        out = to_device(ids, device)
+        return Tensor(out) if was_tensor else out
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameter count (optionally without the token embedding; a tied head counted once)."""

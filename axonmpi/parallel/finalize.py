@@ -82,13 +82,14 @@ def finalize_entries(reducer: GradReducer, module, c, wrapped) -> None:
 def segment_entries(reducer: GradReducer, flats: Iterable[Any], c) -> None:
     """FSDP chunks of a tensor-parallel layout, after the reduce-scatter over data: AxoNN's table on each segment
     (3-D biases over depth, replicated parameters over the tensor block, all divided by the block's size); a
-    Megatron layout's partial parameters over the tensor group."""
+    Megatron layout's partial parameters over their groups (sequence parallelism's tensor group, replicated
+    key/value heads' replicas)."""
     g = c.grid
     flats = list(flats)
     if c.axonn:
         reducer.after_backward_segments(flats, lambda q: reduction_groups(q, None, (g.intra_group,), g.depth_group),
                                         1.0 / g.G_intra)
-    elif c.sp:
+    else:
         reducer.after_backward_segments(flats, lambda q: placement_of(q).partial_groups)
 
 

@@ -1,12 +1,15 @@
-"""The GPT recipe: the GPT on any layout of the 5-D grid (``HybridGPT``), as a plan for the composer.
+"""The GPT recipe: the GPT (or the Llama) on any layout of the 5-D grid (``HybridGPT``), as a plan for the composer.
 
 [Note: the GPT recipe]  The recipe holds the GPT's plan -- which layers are column / row / vocab / attention
 (:func:`gpt_plan`), where the pipeline cuts (the GPT layer by layer, :func:`gpt_layers`: each rank builds only its
 stage's layers), the batch split -- and hands it to :func:`~axonmpi.parallel.parallelize` for every layout.
+``HybridGPT`` runs any model family given its :class:`ModelRecipe` (:func:`recipe_for`: the GPT's, the Llama's of
+``recipes/llama.py``); nothing else in it knows the model.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -21,16 +24,66 @@ from ..parallel.parallelize import ModelPlan, PipelinePlan, SequenceRegion, para
 from ..parallel.pipeline import LayerBuilder
 from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout
 
-__all__ = ["HybridGPT", "Layout", "TPStyle", "batch_shards", "check_layout", "gpt_layers", "gpt_model_plan", "gpt_plan"]
+__all__ = ["HybridGPT", "Layout", "ModelRecipe", "TPStyle", "batch_shards", "check_layout", "gpt_layers",
+           "gpt_model_plan", "gpt_plan", "recipe_for"]
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """What :class:`HybridGPT` needs of a model family, as data and small functions.
+
+    Attributes:
+        name: the family's name in messages (``"GPT"``, ``"Llama"``).
+        build: ``dtype -> model``, the whole serial model.
+        layers: ``dtype -> LayerBuilder`` of the model layer by layer (a pipeline builds only its stages' layers);
+            ``None``: built whole on every rank.
+        plan: ``(tensor size, sequence_parallel) -> {pattern: style}``, the Megatron plan.
+        model_plan: what the model declares to the composer (its sequence region, an auxiliary loss).
+        blocks: the modules activation checkpointing recomputes without a pipeline.
+        moe: the model has MoE layers (expert parallelism; ``model.moe_auxiliary_loss()`` joins the loss).
+    """
+
+    name: str
+    build: Callable[[Any], Any]
+    layers: Optional[Callable[[Any], LayerBuilder]]
+    plan: Callable[[int, bool], Dict[str, str]]
+    model_plan: ModelPlan
+    blocks: List[str]
+    moe: bool = False
+
+
+def recipe_for(config) -> ModelRecipe:
+    """The :class:`ModelRecipe` of a ``GPTConfig`` or a ``LlamaConfig``.
+
+    Example:
+        >>> recipe_for(LlamaConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4)).name
+        'Llama'
+    """
+    from ..models.llama import Llama, LlamaConfig
+    c = config
+    if isinstance(c, GPTConfig):
+        return ModelRecipe("GPT", lambda dtype: GPT(c, dtype=dtype),
+                           None if c.moe_experts else (lambda dtype: gpt_layers(c, dtype)),
+                           lambda tp, sp: gpt_plan(c, sp), gpt_model_plan(c),
+                           [f"blocks.{i}" for i in range(c.n_layer)], bool(c.moe_experts))
+    if isinstance(c, LlamaConfig):
+        from .llama import llama_layers, llama_model_plan, llama_plan
+        return ModelRecipe("Llama", lambda dtype: Llama(c, dtype=dtype), lambda dtype: llama_layers(c, dtype),
+                           lambda tp, sp: llama_plan(c, tp, sp), llama_model_plan(c),
+                           [f"model.layers.{i}" for i in range(c.n_layer)])
+    raise TypeError(f"HybridGPT lays out a GPTConfig or a LlamaConfig, got {type(config).__name__}")
 
 
 class HybridGPT:
-    """The GPT on this rank under any layout of the grid: ``self.pm``, :func:`parallelize` of the GPT's plan, with
-    one ``forward_backward`` / ``clip_grad_norm_``; its state is the composer's one form (``pm.sharded_state()``).
+    """The GPT (or the Llama) on this rank under any layout of the grid: ``self.pm``, :func:`parallelize` of the
+    model's plan (:func:`recipe_for`), with one ``forward_backward`` / ``clip_grad_norm_``; its state is the
+    composer's one form (``pm.sharded_state()``).
 
     Args:
-        config: the GPT (a tied head under any layout: whole under AxoNN, split over the vocabulary under sequence
-            parallelism, across pipeline stages a copy on the first and last stage, their gradients summed).
+        config: a ``GPTConfig`` (a tied head under any layout: whole under AxoNN, split over the vocabulary under
+            sequence parallelism, across pipeline stages a copy on the first and last stage, their gradients
+            summed), or a ``LlamaConfig`` (``recipes/llama.py``: key/value heads replicated when fewer than the
+            tensor size, rotary tables at each token's global position).
         grid: the process grid (default: ``axonmpi.get_grid()``).  tp_style: ``"megatron"`` or ``"axonn"``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or ``"zbv"``.
         num_microbatches, global_batch: per step.  activation_checkpointing: each pipeline chunk (no pipeline:
@@ -57,36 +110,40 @@ class HybridGPT:
                  hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False,
                  expert_parallel: Optional[int] = None):
         g = self.grid = get_grid() if grid is None else grid
-        self.layout, c, piped = Layout.from_grid(g), config, g.G_inter > 1
+        self.layout, piped = Layout.from_grid(g), g.G_inter > 1
         self.sharding = None if fsdp is None or fsdp == "none" else ShardingStrategy.coerce(fsdp)
         opts = {k: v for k, v in (("cpu_offload", cpu_offload), ("mixed_precision", mixed_precision),
                                   ("hybrid_shard_size", hybrid_shard_size)) if v not in (None, False, "none")}
         if self.sharding is None and set(opts) - {"hybrid_shard_size"}:
             raise ValueError(f"rank {g.world.rank}: cpu_offload={cpu_offload!r} / mixed_precision="
                              f"{mixed_precision!r} need fsdp (a sharding strategy), got fsdp={fsdp!r}")
+        self.recipe = recipe = recipe_for(config)
         self.config, self.dtype, self.schedule = config, np.dtype(dtype), _schedule(schedule)
         self._schedule_said = schedule if isinstance(schedule, str) else self.schedule.name.lower()   # logs: the user's word
         self.style = _style(tp_style) if self.layout.tensor_size > 1 else None
         self.sequence_parallel = bool(sequence_parallel)
-        self._expert_parallel = int((g.expert_parallel if config.moe_experts else 1) if expert_parallel is None
+        self._expert_parallel = int((g.expert_parallel if recipe.moe else 1) if expert_parallel is None
                                     else expert_parallel)
         if self.sequence_parallel and self.style is not TPStyle.MEGATRON:     # the composer's, named by the flag
             raise NotImplementedError(f"rank {g.world.rank}: sequence_parallel needs tp_style='megatron' (G_intra_c > 1): "
-                                      f"the GPT leaves it at a gathered lm_head; got {self.layout} tp_style={tp_style!r}")
+                                      f"the {recipe.name} leaves it at a gathered lm_head; got {self.layout} "
+                                      f"tp_style={tp_style!r}")
         self.num_microbatches, self.global_batch = int(num_microbatches), int(global_batch)
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
-                     schedule=schedule, tp_style=tp_style, world_size=g.world.world_size)
-        tp = {TPStyle.AXONN: "axonn", TPStyle.MEGATRON: gpt_plan(c, self.sequence_parallel)}.get(self.style)
+                     schedule=schedule, tp_style=tp_style, world_size=g.world.world_size,
+                     sequence_parallel=self.sequence_parallel)
+        tp = {TPStyle.AXONN: "axonn",
+              TPStyle.MEGATRON: recipe.plan(self.layout.G_intra_c, self.sequence_parallel)}.get(self.style)
         vs = 2 if self.schedule.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
         self.pm = pm = parallelize(
             # a MoE GPT's constructor draws its experts after every block: built whole on every rank
-            gpt_layers(c, self.dtype) if piped and not c.moe_experts else GPT(c, dtype=self.dtype), grid=g,
+            recipe.layers(self.dtype) if piped and recipe.layers is not None else recipe.build(self.dtype), grid=g,
             tensor_parallel=tp, data_parallel="fsdp" if self.sharding else "ddp", sharding_strategy=self.sharding,
             sequence_parallel=self.sequence_parallel, context_parallel=cp_algo if g.G_context > 1 else None,
-            expert_parallel=self._expert_parallel if c.moe_experts or self._expert_parallel > 1 else None,
+            expert_parallel=self._expert_parallel if recipe.moe or self._expert_parallel > 1 else None,
             pipeline=PipelinePlan(self.num_microbatches, self.schedule, virtual_stages=vs) if piped else None,
-            activation_checkpointing=(True if piped else [f"blocks.{i}" for i in range(c.n_layer)])
-            if activation_checkpointing else None, model_plan=gpt_model_plan(c), **opts)
+            activation_checkpointing=(True if piped else recipe.blocks) if activation_checkpointing else None,
+            model_plan=recipe.model_plan, **opts)
         self.shards, self.shard_index = pm.batch_shards
         self.model, self._params, self.pipe = pm.inner, list(pm.parameters()), pm.pipeline if piped else None
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
@@ -114,7 +171,7 @@ class HybridGPT:
         if self.pipe is not None:      # the token mean over its micro-batches and token groups
             return self.pm.step(x, y, scaler=scaler)   # x, y: local_batch, this rank's tokens
         loss = self._token_mean(x, y)
-        aux = self.model.moe_auxiliary_loss() if self.config.moe_experts else None
+        aux = self.model.moe_auxiliary_loss() if self.recipe.moe else None
         total = loss if aux is None else loss + aux      # the returned value stays the LM loss
         (total if scaler is None else scaler.scale(total)).backward()
         return float(loss.item())

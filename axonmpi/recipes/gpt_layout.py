@@ -42,9 +42,10 @@ def batch_shards(layout: Layout, tp_style="axonn") -> int:
 
 
 def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_microbatches: int = 1,
-                 schedule="1f1b", tp_style="axonn", world_size: Optional[int] = None) -> None:
-    """Refuse a layout the GPT cannot run on, before any work: a ``ValueError`` naming every size that
-    does not fit (e.g. ``n_head=4 does not divide by G_intra_c=3``).
+                 schedule="1f1b", tp_style="axonn", world_size: Optional[int] = None,
+                 sequence_parallel: bool = False) -> None:
+    """Refuse a layout the GPT (or a Llama: a ``LlamaConfig``) cannot run on, before any work: a ``ValueError``
+    naming every size that does not fit (e.g. ``n_head=4 does not divide by G_intra_c=3``).
 
     Example:
         >>> check_layout(GPTConfig(vocab_size=16, n_layer=1), Layout(G_inter=4), global_batch=8)
@@ -64,9 +65,13 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
             errs.append(f"--tp-style megatron splits over one dimension (G_intra_c); got G_intra_r={layout.G_intra_r}, "
                         f"G_intra_d={layout.G_intra_d} (use --tp-style axonn)")
         c = layout.G_intra_c
-        errs += [f"{what}={n} does not divide by G_intra_c={c}" for what, n in
-                 (("n_head", config.n_head), ("4*n_embd (MLP width)", 4 * config.n_embd)) if n % c]
-        if config.vocab_rows % c:       # Megatron pads the vocabulary: name its flag and the padded size
+        if not isinstance(config, GPTConfig):       # a Llama: its own size rules (recipes/llama.py)
+            from .llama import llama_layout_errors
+            errs += llama_layout_errors(config, c, sequence_parallel)
+        else:
+            errs += [f"{what}={n} does not divide by G_intra_c={c}" for what, n in
+                     (("n_head", config.n_head), ("4*n_embd (MLP width)", 4 * config.n_embd)) if n % c]
+        if isinstance(config, GPTConfig) and config.vocab_rows % c:   # Megatron pads the vocabulary: its flag
             errs.append(f"vocab_size={config.vocab_rows} does not divide by G_intra_c={c}: pad it with "
                         f"--make-vocab-size-divisible-by N (Megatron's flag; N=1 gives "
                         f"{-(-config.vocab_rows // c) * c} rows, the padding masked out of the loss; "
@@ -74,7 +79,8 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
     n_layers = config.n_layer + 2
     v = 2 if sched.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
     if layout.G_inter * v > n_layers:
-        errs.append(f"the GPT has {n_layers} pipeline layers (embedding, {config.n_layer} blocks, head) but "
+        name = "GPT" if isinstance(config, GPTConfig) else type(config).__name__.replace("Config", "")
+        errs.append(f"the {name} has {n_layers} pipeline layers (embedding, {config.n_layer} blocks, head) but "
                     f"G_inter={layout.G_inter}" + (f" x {v} virtual stages" if v > 1 else "")
                     + " needs at least one each")
     if num_microbatches < 1:

@@ -2,7 +2,8 @@
 
 Models are ``nn.Sequential`` of the library's layers, as a user would write them: an embedding (tied to the
 head or not), a Linear, or a LayerNorm first; residual MLPs of odd or even widths, with or without biases and
-an affine or plain LayerNorm; transformer blocks (``nn.CausalSelfAttention``); ``nn.MoE`` blocks (dropless or
+an affine or plain LayerNorm; transformer blocks (``nn.CausalSelfAttention``); Llama blocks (``nn.RMSNorm``, ``nn.GroupedQueryAttention`` with
+rotary positions, ``nn.SwiGLU``); ``nn.MoE`` blocks (dropless or
 with a capacity); a frozen gain with a buffer; a block holding a parameter no forward uses; a later layer
 sharing the first layer's weight.  Layouts are drawn from the composition matrix (``parallelize``'s axes:
 data / FSDP / ZeRO-1, Megatron or AxoNN tensor, sequence, context, expert, activation checkpointing and
@@ -46,6 +47,24 @@ class ResidualMLP(nn.Module):
         return x + self.proj(self.act(self.fc(self.ln(x))))
 
 
+class LlamaBlock(nn.Module):
+    """A Llama decoder block: ``x + attn(norm1(x))`` (grouped-query, rotary at ``positions``), then
+    ``x + mlp(norm2(x))`` (SwiGLU).  ``forward(x, positions=None)``: under ``parallelize`` a layer taking
+    ``positions=`` is given those of the sequence its attention sees (context / sequence parallelism)."""
+
+    def __init__(self, c: int, heads: int, kv_heads: int, hidden: int):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(c, eps=1e-5, dtype=F64)
+        self.attn = nn.GroupedQueryAttention(c, heads, kv_heads, dtype=F64)
+        self.norm2 = nn.RMSNorm(c, eps=1e-5, dtype=F64)
+        self.mlp = nn.SwiGLU(c, hidden, dtype=F64)
+        self.rope = nn.RotaryEmbedding(c // heads, theta=20.0)
+
+    def forward(self, x, positions=None):
+        x = x + self.attn(self.norm1(x), self.rope(x, positions))
+        return x + self.mlp(self.norm2(x))
+
+
 class MoEBlock(nn.Module):
     """``x + moe(ln(x))``."""
 
@@ -75,7 +94,7 @@ class FrozenScale(nn.Module):
 @dataclass(frozen=True)
 class ModelSpec:
     """A generated model.  ``blocks``: ``("mlp", hidden, bias, norm)`` (norm: None, False plain, True affine),
-    ``("attn", heads, bias)``, ``("moe", experts, top_k, hidden, capacity)``, ``("norm", affine)``,
+    ``("attn", heads, bias)``, ``("llama", heads, kv_heads, hidden)``, ``("moe", experts, top_k, hidden, capacity)``, ``("norm", affine)``,
     ``("frozen",)``, ``("reuse",)`` (a layer sharing the first layer's weight)."""
 
     first: str                     # "embedding" | "linear" | "layernorm"
@@ -182,6 +201,8 @@ def build_model(spec: ModelSpec) -> nn.Sequential:
             unused_left = False
         elif kind == "attn":
             layers.append(nn.TransformerBlock(C, b[1], bias=b[2], dtype=F64))
+        elif kind == "llama":
+            layers.append(LlamaBlock(C, b[1], b[2], b[3]))
         elif kind == "moe":
             layers.append(MoEBlock(C, b[1], b[2], b[3], b[4]))
         elif kind == "norm":
@@ -260,11 +281,32 @@ def megatron_plan(spec: ModelSpec, layout: LayoutSpec) -> Dict[str, str]:
         elif b[0] == "attn" and b[1] % tp == 0 and (4 * spec.width) % tp == 0:
             plan[f"{name}.attn"] = "attention"
             plan[f"{name}.mlp.fc"], plan[f"{name}.mlp.proj"] = "column", "row"
+        elif b[0] == "llama":
+            if llama_heads_split(b, tp):      # query heads split; key/value heads split or replicated (column_kv)
+                plan.update({f"{name}.attn.q_proj": "column", f"{name}.attn.k_proj": "column_kv",
+                             f"{name}.attn.v_proj": "column_kv", f"{name}.attn.o_proj": "row"})
+            if b[3] % tp == 0:
+                plan.update({f"{name}.mlp.gate_proj": "column", f"{name}.mlp.up_proj": "column",
+                             f"{name}.mlp.down_proj": "row"})
     if layout.vocab_split:
         if spec.first == "embedding":
             plan["0"] = "vocab"
         plan[str(top_layers(spec) - 1)] = "column_gather"
     return plan
+
+
+def llama_heads_split(block: tuple, tp: int) -> bool:
+    """Whether a Llama block's heads split over ``tp`` tensor ranks (its key/value heads split or replicated)."""
+    heads, kv = block[1], block[2]
+    return heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
+
+def local_heads(block: tuple, tp: int, split: bool) -> Tuple[int, int]:
+    """A Llama block's query and key/value heads on one tensor rank."""
+    heads, kv = block[1], block[2]
+    if not split:
+        return heads, kv
+    return heads // tp, max(kv // tp, 1)
 
 
 def _spare_top(spec: ModelSpec) -> bool:
@@ -284,12 +326,16 @@ def draw_model(rng: random.Random, seed: int) -> ModelSpec:
     feat = width if reuse else rng.choice([5, 6, 8])
     blocks: List[tuple] = []
     for _ in range(rng.choice([1, 2, 2, 3, 4])):
-        kind = rng.choice(["mlp", "mlp", "attn", "attn", "moe", "norm", "frozen"])
+        kind = rng.choice(["mlp", "mlp", "attn", "attn", "llama", "llama", "moe", "norm", "frozen"])
         if kind == "mlp":
             blocks.append(("mlp", rng.choice([6, 7, 10, 16]), rng.random() < 0.7,
                            rng.choice([None, False, True, True])))
         elif kind == "attn":
             blocks.append(("attn", rng.choice([h for h in (1, 2, 3, 4) if width % h == 0]), rng.random() < 0.8))
+        elif kind == "llama":       # heads of an even width (rotary pairs), key/value heads dividing them
+            heads = rng.choice([h for h in (1, 2, 3, 4, 6) if width % h == 0 and (width // h) % 2 == 0])
+            blocks.append(("llama", heads, rng.choice([k for k in (1, 2, 3, 4, 6) if heads % k == 0]),
+                           rng.choice([6, 8, 10, 16])))
         elif kind == "moe":
             blocks.append(("moe", rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([6, 8]),
                            None if rng.random() < 0.8 else rng.choice([0.5, 1.25])))
@@ -361,7 +407,7 @@ def valid(spec: ModelSpec, lay: LayoutSpec, world: int) -> bool:
         if top_layers(spec) < lay.size("G_inter") * v:
             return False
     if lay.context:
-        if not spec.has.get("attn"):
+        if not (spec.has.get("attn") or spec.has.get("llama")):
             return False
         if T % (2 * cp):
             return False
@@ -371,6 +417,10 @@ def valid(spec: ModelSpec, lay: LayoutSpec, world: int) -> bool:
                 if b[0] == "attn":
                     local = b[1] // tp if f"{name}.attn" in plan else b[1]
                     if local % cp:
+                        return False
+                if b[0] == "llama":
+                    q, kv = local_heads(b, tp, f"{name}.attn.q_proj" in plan)
+                    if q % cp or (kv % cp and cp % kv):
                         return False
     if lay.sequence_parallel and T % tp:
         return False

@@ -33,5 +33,7 @@ def apply(module: Module, spec: Any, rank: int, *, whole: bool = False) -> int:
     mods = [module] if whole else targets(module, spec, rank)
     for m in mods:
         fwd = m.forward
-        object.__setattr__(m, "forward", lambda *a, _f=fwd: checkpoint(_f, *a))
+        # keyword arguments (a module's positions=, [Note: positions]) reach the recomputed forward unchanged
+        object.__setattr__(m, "forward", lambda *a, _f=fwd, **k: checkpoint(lambda *b: _f(*b, **k), *a) if k
+                           else checkpoint(_f, *a))
     return len(mods)

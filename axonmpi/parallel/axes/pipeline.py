@@ -66,7 +66,7 @@ def apply(module: Module, c: Composition):
 
 
 def _stages(chunks: List[Module], c: Composition, shared) -> Tuple[List[Any], Any]:
-    """Each chunk through the unit transforms: the position numbering of the first stage (context parallel),
+    """Each chunk through the unit transforms: the position numbering of its layers (context / sequence parallel),
     checkpointing, the data axis (FSDP's flat shard over data x context, or hybrid shard's groups)."""
     from ..grad_sync import data_reduction_group
     from ..module import Stage
@@ -76,8 +76,9 @@ def _stages(chunks: List[Module], c: Composition, shared) -> Tuple[List[Any], An
         shard, replicate = _fsdp_groups(c, data_reduction_group(c.grid))
     stages = []
     for chunk in chunks:
-        if getattr(chunk, "stage_index", None) == 0 and len(chunk) > 0:
-            context_axis.number_positions(chunk[0], c)
+        # the first stage's first layer numbers the model's input; any other layer taking positions= (a Llama
+        # block's rotary tables) the sequence its attention sees ([Note: positions] in axes/context.py)
+        context_axis.number_layer_positions(list(chunk), c, first_is_input=getattr(chunk, "stage_index", None) == 0)
         flat, experts, whole = stage_shard(chunk, shard, shared) if shard is not None else (None, [], [])
         st = Stage(chunk, c, flat=flat, extra=experts + whole)
         if c.checkpointing is True:

@@ -1,7 +1,9 @@
 """Step 1 of the composer: tensor parallelism (a Megatron plan or AxoNN 3-D) and sequence parallelism.
 
 The plan's modules are swapped for column / row / vocab / attention layers holding this rank's shard of the
-serial weights (each with its :class:`~axonmpi.distributed.Placement`); AxoNN swaps every ``nn.Linear`` whose
+serial weights (each with its :class:`~axonmpi.distributed.Placement`; ``"column_kv"``: a grouped-query
+attention's key/value heads, split or, when fewer than the tensor size, replicated -- [Note: replicated
+key/value heads] in ``parallel/tensor/kv.py``); AxoNN swaps every ``nn.Linear`` whose
 sizes divide over the grid.  Under sequence parallelism every parameter used on sequence shards (LayerNorms,
 row-parallel biases, any replicated layer) records the tensor group as a ``partial`` group of its placement: the
 finalize step sums its gradient there ([Note: partial gradients under sequence parallelism]).
@@ -14,6 +16,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from ...nn import layers as nn_layers
+from ...nn.attention import GroupedQueryAttention
 from ...nn.layers import Dropout
 from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
@@ -22,9 +25,9 @@ from .record import Composition
 
 __all__ = ["apply", "STYLES"]
 
-STYLES = ("column", "column_gather", "row", "vocab", "attention")
-_TYPES = {"column": nn_layers.Linear, "column_gather": nn_layers.Linear, "row": nn_layers.Linear,
-          "vocab": nn_layers.Embedding, "attention": CausalSelfAttention}
+STYLES = ("column", "column_gather", "column_kv", "row", "vocab", "attention")
+_TYPES = {"column": nn_layers.Linear, "column_gather": nn_layers.Linear, "column_kv": nn_layers.Linear,
+          "row": nn_layers.Linear, "vocab": nn_layers.Embedding, "attention": CausalSelfAttention}
 
 
 def apply(module: Module, c: Composition) -> None:
@@ -48,6 +51,12 @@ def _refuse_whole_sequence_layers(module: Module, c: Composition) -> None:
     """Under sequence parallelism each rank runs the region on its tokens: an attention the plan leaves whole
     would attend within this rank's tokens only.  Refused, naming it and the fix."""
     for q, m in module.named_modules():
+        if type(m) is GroupedQueryAttention and type(m.q_proj) is nn_layers.Linear:
+            raise ValueError(
+                f"rank {c.rank}: sequence_parallel=True runs {q!r} ({m.n_head} query heads) on this rank's tokens of "
+                f"each sequence, but its projections are not in the tensor-parallel plan, so it would attend within "
+                f"them only: make q_proj 'column', k_proj / v_proj 'column_kv' and o_proj 'row' (the query heads "
+                f"must divide by the tensor size, {c.grid.intra_group.size}) or drop sequence_parallel")
         if type(m) is CausalSelfAttention:
             raise ValueError(
                 f"rank {c.rank}: sequence_parallel=True runs {q!r} ({m.n_head} heads) on this rank's tokens of each "
@@ -108,11 +117,15 @@ def _check_plan(module: Module, c: Composition) -> None:
     for pattern, style in c.tensor.items():
         if style not in STYLES:
             raise ValueError(f"rank {c.rank}: tensor_parallel[{pattern!r}] = {style!r}; expected one of {STYLES}")
-    for _, _, child, qname in module_slots(module):
+    for parent, name, child, qname in module_slots(module):
         style = _style_of(c.tensor, qname)
         if style is not None and type(child) is not _TYPES[style]:
             raise TypeError(f"rank {c.rank}: {qname!r} matches a {style!r} pattern but is a "
                             f"{type(child).__name__}, not an nn.{_TYPES[style].__name__}")
+        if style == "column_kv" and not (isinstance(parent, GroupedQueryAttention) and name in ("k_proj", "v_proj")):
+            raise TypeError(f"rank {c.rank}: {qname!r} matches a 'column_kv' pattern, which splits the key/value heads "
+                            f"of an nn.GroupedQueryAttention (its k_proj / v_proj); it is a {type(parent).__name__}'s "
+                            f"{name!r}: use 'column'")
 
 
 def _megatron(module: Module, c: Composition) -> int:
@@ -124,14 +137,17 @@ def _megatron(module: Module, c: Composition) -> int:
     from ..split_output import refuse_split_outputs
     _check_plan(module, c)
     group, region = c.grid.intra_group, c.model_plan.sequence_region if c.sp else None
-    columns, rows, n = {}, [], 0
+    columns, rows, n, kv_groups = {}, [], 0, {}
     for parent, name, child, qname in module_slots(module):
         style = _style_of(c.tensor, qname)
         if style is None:
             continue
         outside = region is not None and any(fnmatch.fnmatchcase(qname, p) for p in region.outside)
-        new = _layer(child, style, c, whole_out=region is not None and qname == region.leave, outside=outside)
-        if style == "column":
+        if style == "column_kv":
+            new = _kv_layer(parent, child, c, kv_groups, outside=outside)
+        else:
+            new = _layer(child, style, c, whole_out=region is not None and qname == region.leave, outside=outside)
+        if style in ("column", "column_kv"):
             columns[qname] = new
         if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group
             rows.append(new)
@@ -167,6 +183,28 @@ def _layer(child: Module, style: str, c: Composition, *, whole_out: bool, outsid
         # gathered over features: back to this rank's sequence shard (the region goes on after it)
         new.register_forward_hook(lambda m, a, y, d=sp: scatter_to_sequence_parallel_region(y, group, dim=d))
     return new
+
+
+def _kv_layer(attn: GroupedQueryAttention, child: Module, c: Composition, kv_groups, *, outside: bool) -> Module:
+    """``"column_kv"``: a grouped-query attention's ``k_proj`` / ``v_proj`` over the tensor group, its key/value heads
+    split when the tensor size divides them, else each rank's head replicated over the ranks that share it
+    (:class:`~axonmpi.parallel.tensor.ColumnParallelKVLinear`, [Note: replicated key/value heads]); one pair of
+    groups per head count for the whole model (``kv_groups``, filled here)."""
+    from ..tensor import ColumnParallelKVLinear, kv_head_groups
+    group, heads = c.grid.intra_group, attn.n_kv_head
+    p = group.size
+    if attn.n_head % p:
+        raise ValueError(f"rank {c.rank}: tensor parallelism splits {attn.n_head} query heads over {p} ranks; "
+                         f"{attn.n_head} is not divisible by {p}: use a tensor size that divides n_head")
+    shared = None
+    if heads < p and p % heads == 0:
+        if heads not in kv_groups:
+            kv_groups[heads] = kv_head_groups(group, heads)
+        shared = kv_groups[heads]
+    sp = c.sequence_parallel and not outside
+    seq = {"sequence_parallel": True, "sequence_dim": int(c.sequence_dim)} if sp else {}
+    return ColumnParallelKVLinear(child.in_features, heads, attn.head_dim, bias=child.bias is not None, group=group,
+                                  dtype=child.weight.dtype, kv_groups=shared, **seq)
 
 
 def _tied_slots(module: Module) -> List[List[Tuple[str, str]]]:
@@ -249,10 +287,14 @@ def _sequence_parallel(module: Module, c: Composition) -> List[object]:
     g = c.grid.intra_group
     skip = {id(q) for m in _outside(module, c) for q in m.parameters()}
     rest = []
+    inside = set(g.ranks)
     for p in module.parameters():      # replicated, or split over another group (experts over the expert group)
         pl = placement_of(p)
-        if id(p) in skip or any(s.group is g or getattr(s.group, "ranks", None) == g.ranks for s in pl.shards) \
-                or getattr(p, "sequence_parallel", False):
+        # a parameter cut over the tensor group or a part of it (replicated key/value heads: a tensor-parallel layer
+        # that gathers the sequence, with its own partial groups) is the layer's
+        if id(p) in skip or any(s.group is g or getattr(s.group, "ranks", None) == g.ranks
+                                or (getattr(s.group, "size", 1) > 1 and set(s.group.ranks) <= inside)
+                                for s in pl.shards) or getattr(p, "sequence_parallel", False):
             continue
         add_placement(p, replica=g, partial=g)
         rest.append(p)

@@ -62,6 +62,12 @@ def _exchange(buf_send, shape, dtype, group, tag, xp):
 
 
 class _RingAttention(Function):
+    """[Note: grouped-query heads in the ring]  ``q`` has ``H`` heads and ``k`` / ``v`` ``Hk`` (``H`` a multiple:
+    grouped-query attention; ``Hk = H``: multi-head).  Internally ``q`` is ``(B, Hk, G, T, D)`` (the ``G = H / Hk``
+    query heads of each key/value head) and ``k`` / ``v`` ``(B, Hk, 1, T, D)``, broadcast over ``G`` in the
+    products, so the ring carries the ``Hk`` key/value heads only (not repeated) and their gradients are
+    summed over each group."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, layout, scale):
         xp = get_array_module(q)
@@ -69,27 +75,29 @@ class _RingAttention(Function):
         pos = [xp.asarray(layout.positions(j)) for j in range(p)]
         qpos = pos[r]
         B, H, T, D = q.shape
-        m = xp.full((B, H, T), -xp.inf, dtype=q.dtype)
-        lsum = xp.zeros((B, H, T), dtype=q.dtype)
-        o = xp.zeros((B, H, T, D), dtype=q.dtype)
-        kv = xp.ascontiguousarray(xp.stack([k, v]))
+        Hk = k.shape[1]
+        q = q.reshape(B, Hk, H // Hk, T, D)
+        m = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
+        lsum = xp.zeros(q.shape[:-1], dtype=q.dtype)
+        o = xp.zeros(q.shape, dtype=q.dtype)
+        kv = xp.ascontiguousarray(xp.stack([k, v])[:, :, :, None])          # (2, B, Hk, 1, T, D)
         for s in range(p):
             owner = (r - s) % p
             pending = None
             if s < p - 1:                       # the next block travels while this one is computed
-                nshape = (2, B, H, len(pos[(owner - 1) % p]), D)
+                nshape = (2, B, Hk, 1, len(pos[(owner - 1) % p]), D)
                 pending = _exchange(kv, nshape, kv.dtype, group, _KV, xp)
             kpos = pos[owner]
             q0, k1 = _visible(qpos, kpos)
             if q0 < T and k1 > 0:
-                sc = _scores(q[:, :, q0:], kv[0][:, :, :k1], qpos[q0:], kpos[:k1], scale)
-                mb = m[:, :, q0:]
+                sc = _scores(q[..., q0:, :], kv[0][..., :k1, :], qpos[q0:], kpos[:k1], scale)
+                mb = m[..., q0:]
                 m_new = xp.maximum(mb, sc.max(axis=-1))
                 alpha = xp.exp(mb - m_new)
                 e = xp.exp(sc - m_new[..., None])
-                lsum[:, :, q0:] = lsum[:, :, q0:] * alpha + e.sum(axis=-1)
-                o[:, :, q0:] = o[:, :, q0:] * alpha[..., None] + xp.matmul(e, kv[1][:, :, :k1])
-                m[:, :, q0:] = m_new
+                lsum[..., q0:] = lsum[..., q0:] * alpha + e.sum(axis=-1)
+                o[..., q0:, :] = o[..., q0:, :] * alpha[..., None] + xp.matmul(e, kv[1][..., :k1, :])
+                m[..., q0:] = m_new
             if pending is not None:
                 nxt, wr, ws = pending
                 wr.wait()
@@ -98,7 +106,7 @@ class _RingAttention(Function):
         out = o / lsum[..., None]
         ctx.save_for_backward(q, k, v, out, m + xp.log(lsum))
         ctx.group, ctx.layout, ctx.scale = group, layout, scale
-        return out
+        return out.reshape(B, H, T, D)
 
     @staticmethod
     def backward(ctx, dout):
@@ -108,31 +116,32 @@ class _RingAttention(Function):
         p, r = group.size, group.rank
         pos = [xp.asarray(layout.positions(j)) for j in range(p)]
         qpos = pos[r]
-        B, H, T, D = q.shape
+        B, Hk, G, T, D = q.shape
+        dout = dout.reshape(q.shape)
         delta = (dout * out).sum(axis=-1)
         dq = xp.zeros_like(q)
-        kv = xp.ascontiguousarray(xp.stack([k, v]))
+        kv = xp.ascontiguousarray(xp.stack([k, v])[:, :, :, None])
         dkv = xp.zeros_like(kv)
         for s in range(p):
             owner = (r - s) % p
             pending = None
             if s < p - 1:
-                nshape = (2, B, H, len(pos[(owner - 1) % p]), D)
+                nshape = (2, B, Hk, 1, len(pos[(owner - 1) % p]), D)
                 pending = _exchange(kv, nshape, kv.dtype, group, _KV, xp)
             kpos = pos[owner]
             q0, k1 = _visible(qpos, kpos)
             if q0 < T and k1 > 0:
-                kb, vb, qb = kv[0][:, :, :k1], kv[1][:, :, :k1], q[:, :, q0:]
-                pr = xp.exp(_scores(qb, kb, qpos[q0:], kpos[:k1], scale) - lse[:, :, q0:, None])
-                do = dout[:, :, q0:]
-                dkv[1][:, :, :k1] += xp.matmul(xp.swapaxes(pr, -1, -2), do)
-                ds = pr * (xp.matmul(do, xp.swapaxes(vb, -1, -2)) - delta[:, :, q0:, None])
-                dq[:, :, q0:] += xp.matmul(ds, kb) * scale
-                dkv[0][:, :, :k1] += xp.matmul(xp.swapaxes(ds, -1, -2), qb) * scale
+                kb, vb, qb = kv[0][..., :k1, :], kv[1][..., :k1, :], q[..., q0:, :]
+                pr = xp.exp(_scores(qb, kb, qpos[q0:], kpos[:k1], scale) - lse[..., q0:, None])
+                do = dout[..., q0:, :]
+                dkv[1][..., :k1, :] += xp.matmul(xp.swapaxes(pr, -1, -2), do).sum(axis=2, keepdims=True)
+                ds = pr * (xp.matmul(do, xp.swapaxes(vb, -1, -2)) - delta[..., q0:, None])
+                dq[..., q0:, :] += xp.matmul(ds, kb) * scale
+                dkv[0][..., :k1, :] += xp.matmul(xp.swapaxes(ds, -1, -2), qb).sum(axis=2, keepdims=True) * scale
             if p == 1:
                 break
             # this block's gradient goes on with it (after the last step: home to its owner, r + 1)
-            nd, wdr, wds = _exchange(dkv, (2, B, H, len(pos[(owner - 1) % p]), D), dkv.dtype, group, _DKV, xp)
+            nd, wdr, wds = _exchange(dkv, (2, B, Hk, 1, len(pos[(owner - 1) % p]), D), dkv.dtype, group, _DKV, xp)
             if pending is not None:
                 nxt, wr, ws = pending
                 wr.wait()
@@ -141,7 +150,7 @@ class _RingAttention(Function):
             wdr.wait()
             wds.wait()
             dkv = nd
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq.reshape(B, Hk * G, T, D), dkv[0][:, :, 0], dkv[1][:, :, 0], None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, seq_len: Optional[int] = None, *,
@@ -150,7 +159,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, seq_len
 
     Args:
         q, k, v: ``(B, H, T_local, head_dim)``, this rank's tokens in the ring layout
-            (:class:`ContextLayout` ``(seq_len, group.size, "ring")``: chunks ``r`` and ``2P-1-r``).
+            (:class:`ContextLayout` ``(seq_len, group.size, "ring")``: chunks ``r`` and ``2P-1-r``); ``k`` and
+            ``v`` may have fewer heads ``Hk`` (grouped-query attention: query head ``h`` reads key/value head
+            ``h // (H / Hk)``; only the ``Hk`` heads travel, [Note: grouped-query heads in the ring]).
         group: the context-parallel group.
         seq_len: the whole sequence length (default ``T_local * P``: an even split).
         scale: score scale (default ``1/sqrt(head_dim)``).
@@ -169,6 +180,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, seq_len
         raise ValueError(f"rank {group.world.rank}: ring_attention over {p} ranks with seq_len={layout.seq_len} "
                          f"needs {want} local tokens on context rank {group.rank}, got q/k/v lengths "
                          f"{(q.shape[2], k.shape[2], v.shape[2])}; split the sequence with ContextLayout.split")
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"rank {group.world.rank}: ring_attention needs as many key as value heads, dividing the "
+                         f"query heads; got q/k/v heads {(q.shape[1], k.shape[1], v.shape[1])}")
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, group, layout, sc)
 

@@ -3,6 +3,7 @@ from .layers import (
     ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, TensorParallelAttention, TensorParallelMLP, VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from .kv import ColumnParallelKVLinear, kv_head_groups
 from .groups import TensorParallelGroups, default_groups, one_d_group
 from .mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
@@ -13,7 +14,7 @@ from .state import full_state_dict, load_full_state_dict, load_sharded_state_dic
 from .transformer import SequenceParallelDropout, parallelize_gpt
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",
+    "ColumnParallelLinear", "ColumnParallelKVLinear", "kv_head_groups", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
