@@ -24,7 +24,7 @@ element; ``B`` blocks on the rank (``L / pp``):
   biases: ``6 h e`` per block, once per step).  Without SP a pipeline boundary is Megatron's
   scatter/gather: ``1/t`` of the activation through the pipeline link and an all-gather (``n h e``)
   of it in the tensor group on the receiving side, each way.  AxoNN 3-D:
-  :func:`axonmpi.plan.linear_volumes` per Linear.
+  :func:`axonmpi.planner.axonn.linear_volumes` per Linear.
 * pipeline: each transfer of the schedule (``make_schedule``'s ``SEND``/``RECV`` actions of the busiest
   rank: 1F1B, GPipe, ZB-H1 ``2 (neighbours) m``; interleaved and ZBV more) moves one activation
   ``n h e`` (``/ t`` with Megatron's scatter/gather or SP); a tied embedding's gradient between the
@@ -56,7 +56,8 @@ import math
 from functools import lru_cache
 from typing import Dict
 
-from .estimate import check_layout
+from .axonn import linear_volumes
+from .estimate import _block, check_layout
 from .model import ParallelLayout, TrainConfig, TransformerConfig
 
 __all__ = ["GROUP_NAMES", "group_bytes", "pipeline_transfers"]
@@ -79,13 +80,6 @@ def pipeline_transfers(kind: str, p: int, m: int, v: int = 1) -> int:
     s = make_schedule(kind, p, m, v if kind == "interleaved" else None)
     moves = (ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
     return max(sum(a.kind in moves for a in s.actions(r)) for r in range(p))
-
-
-def _block_params(cfg: TransformerConfig, t: int) -> float:
-    """One dense block's parameters on a rank of a Megatron split ``t``: split weights and column biases,
-    whole LayerNorms and row biases."""
-    h, f = cfg.width, cfg.hidden
-    return (4 * h * h + 2 * h * f + 3 * h + f) / t + 6 * h
 
 
 def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
@@ -126,9 +120,8 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
             if pp > 1 and not sp:                                  # scatter/gather: an all-gather per receive
                 g["tensor"] += pipeline_transfers(lay.pipeline_schedule, pp, m, lay.vp) / 2 * act
         if lay.axonn > 1:
-            from ..plan import linear_volumes
             nrows = n
-            for i, o in ((h, 3 * h), (h, h), (h, cfg.hidden), (cfg.hidden, h)):
+            for i, o in cfg.linears():
                 for vols in linear_volumes(i, o, nrows, lay.row, lay.col, lay.depth).values():
                     g["tensor"] += m * blocks * sum(vols.values()) * e
         # -- pipeline ----------------------------------------------------------------------------------
@@ -147,7 +140,7 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
         if cfg.experts and lay.ep > 1:
             g["expert"] += m * blocks * moe_frac * 4 * cfg.top_k * n * h * e * (lay.ep - 1) / lay.ep * redo
         # -- data --------------------------------------------------------------------------------------
-        dense_block = _block_params(cfg, t) if lay.axonn == 1 else cfg.layer_params / T
+        dense_block = _block(cfg, lay).local
         moe_block, expert_block = dense_block, 0.0
         if cfg.experts:        # the MLP becomes a router (whole) and E / ep experts (split over t)
             f = cfg.hidden
