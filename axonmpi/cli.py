@@ -245,8 +245,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       overlap=args.overlap)
     ests = ests[:args.top]
     if args.json:
-        print(json.dumps({"hardware": hw.name, "measured": note or None, "layouts": [e.as_dict() for e in ests]},
-                         indent=1))
+        print(json.dumps({"layouts": [e.as_dict() for e in ests]}, indent=1))
         return 0
     kind = "Llama" if llama else "GPT"
     print(f"{kind} {cfg.params / 1e9:.3g}B parameters, {args.world} ranks of {hw.name} ({hw.gpus_per_node} per node"
