@@ -400,7 +400,6 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
         else:
             tp_fwd = tp_bwd = collective_time("allreduce", act, t, 1, hw, cal, 2)
             tp_hideable = (tp_fwd, 0.0)
-        vols["tensor"] = (8.0 if sp else 4.0) * act * (1.5 if train.recompute == "full" else 1.0)
     if lay.axonn > 1:
         for i, o in cfg.linears():
             secs, gv = _axonn_linear(i, o, n, lay, hw, cal, pb)
@@ -435,8 +434,6 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
                 "allgather", act, t, 1, hw, cal))
         else:
             p2p = collective_time("p2p", act, 2, T, hw, cal)
-        from .traffic import pipeline_transfers
-        vols["pipeline"] = pipeline_transfers(lay.pipeline_schedule, lay.pp, m, lay.vp) * act / max(t, 1)
     comm_f = lpc * (tp_fwd + cp_fwd + ep_fwd)
     F = lpc * Fd + comm_f + p2p
     comm_b = tp_chunk + cp_chunk + ep_chunk - comm_f
@@ -463,11 +460,10 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
     pipeline = m * (v * chunk_mb + head_mb) + bub
     for g in ("col", "row", "depth", "tensor"):
         vols[g] *= m * lpc * v
-    if cp_chunk:
-        vols["context"] = m * lpc * v * (2 * (2 * lay.cp - 2 + 2 * lay.cp - 1) * n * h / t * pb
-                                         if lay.cp_kind == "ring" else 8.0 * n * h / t * pb)
-    if ep_chunk:
-        vols["expert"] = m * lpc * v * moe_frac * 4 * cfg.top_k * n * h * pb * (lay.ep - 1) / lay.ep
+    from .traffic import group_bytes          # the byte counts of Megatron's groups: traffic.py's, once
+    counted = group_bytes(cfg, train, lay, embeddings="vocab" if lay.axonn == 1 else "replicated")
+    for g in ("pipeline", "context", "expert") + (("tensor",) if lay.axonn == 1 else ()):
+        vols[g] = counted[g]
 
     # -- parameters, gradients, sharded state, optimizer: the first and the last stage --------------------
     lrank = lpc * v

@@ -37,9 +37,13 @@ element; ``B`` blocks on the rank (``L / pp``):
 * expert (per MoE block and micro-batch): dispatch and combine all-to-alls each way of the ``k n h e``
   routed tokens, of which ``(ep - 1)/ep`` leave the rank (balanced routing): ``4 k n h e (ep-1)/ep``.
 * data (gradients of the rank's ``P`` parameters, over ``dp x cp`` replicas): DDP ``P e``; ZeRO-1 ``2 P e``
-  (reduce-scatter, all-gather); FSDP (``zero=3``) ``3 P e`` a micro-batch (all-gather forward and backward,
-  reduce-scatter) without a pipeline, and ``2 P e`` a step with one (a stage is gathered once before its
-  first micro-batch and reduce-scatters once after its last: FSDP2's ``reshard_after_forward=False``).
+  (DDP's all-reduce, then the all-gather of the updated chunks); FSDP ``3 P e`` (``zero=3``: all-gather
+  forward and backward, reduce-scatter) or ``2 P e`` (``zero=2``: gathered once, kept for the backward) a
+  micro-batch without a pipeline, and ``2 P e`` a step with one (a stage is gathered once before its
+  first micro-batch and reduce-scatters once after its last: FSDP2's ``reshard_after_forward=False``);
+  hybrid shard (``shard < dp``) adds the all-reduce of the shard's gradient over the replicas, ``P e / shard``
+  each time it reduce-scatters.  (The AxoNN layouts of :mod:`.estimate` count theirs as HybridGPT moves them:
+  ``PlanEstimate.volumes``.)
   Expert parameters are reduced over ``dp / ep``.  ``P`` counts what Megatron splits (``(4h^2 + 2hf +
   3h + f) / t`` a block) and what it keeps whole (LayerNorms, row-parallel biases: ``6 h``).
 
@@ -155,11 +159,14 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
             params += 2 * h + (0 if cfg.tied and pp == 1 else V * h / split)
         expert_params = blocks * moe_frac * expert_block
         gdp = lay.dp * cp
+        times = m if pp == 1 else 1
+        mult = {0: 1.0, 1: 2.0, 2: 2.0 * times, 3: (3.0 if pp == 1 else 2.0) * times}[lay.zero]
+        if lay.zero >= 2 and lay.shard_size < lay.dp:
+            mult += times / lay.shard_size
         if gdp > 1:
-            mult = {0: 1.0, 1: 2.0}.get(lay.zero, 3.0 * m if pp == 1 else 2.0)
             g["data"] += mult * params * e
         if expert_params and lay.dp // lay.ep > 1:
-            g["data"] += {0: 1.0, 1: 2.0}.get(lay.zero, 3.0 * m if pp == 1 else 2.0) * expert_params * e
+            g["data"] += mult * expert_params * e
         per_stage.append(g)
     for g in per_stage:
         for k in GROUP_NAMES:
