@@ -44,7 +44,6 @@ COUNTER = os.path.join(ROOT, "bench", "_backend_count.py")
 LAYOUTS = [(2, 2, 1, 1, 1), (2, 1, 1, 2, 1), (1, 2, 1, 2, 1), (1, 2, 1, 1, 2), (1, 1, 2, 1, 2), (1, 1, 2, 2, 1),
            (4, 1, 1, 1, 1), ((4, 1, 1, 1, 1), "full_shard"), ((4, 1, 1, 1, 1), "shard_grad_op"),
            ((2, 1, 1, 2, 1), "full_shard")]
-#: Hardware without the kernels besides the GEMMs (the flop rate alone: the model before issue 33).
 GROUP_OF = {"col_group": "col", "row_group": "row", "depth_group": "depth", "inter_group": "pipeline",
             "data_group": "data", "world": "repl", "intra_group": "repl"}
 GROUPS = ("col", "row", "depth", "pipeline", "data", "repl")
