@@ -105,14 +105,16 @@ def test_depth_data_fsdp_and_pipeline_by_hand():
 def test_placement_latency_and_shared_cores():
     # grid order col, row, depth, pipeline, data: 4 columns fill a node of 4, the data pairs span two nodes
     e = est("row=1,col=4,depth=1,pp=1,dp=2", batch=16, micro=2)
-    assert e.volumes["data"] == 4 * (2 * (192 / 4 + 36) + 32 / 4)        # 3-D weight shards and biases, the head's
+    # 3-D weight shards and biases, the head's, and the replicated parameters (then also over the tensor block)
+    assert e.volumes["data"] == 4 * (2 * (192 / 4 + 36) + 32 / 4 + 80) and e.volumes["repl"] == 4 * 80
     assert e.breakdown["dp_exposed_s"] > e.volumes["data"] / 1e2          # at the network's 100 B/s
     lat = hardware_from_measured({"intra": 1e3, "inter": 1e2, "flops": 1e3, "latency": 1.0, "cores": 0.0}, 4)
     a, b = est("row=1,col=2,depth=1,pp=1,dp=2", batch=16, micro=4, hw=lat), est("row=1,col=2,depth=1,pp=1,dp=2",
                                                                                   batch=16, micro=4)
     # 5 calls on col per split Linear (9 of them: the head's too), one per gradient tensor on data (8 weights + 8
-    # biases + the head's weight), one per replicated tensor over all ranks (2 embeddings + 2 x 4 LayerNorm + ln_f 2)
-    assert a.step_time - b.step_time == pytest.approx(45 + 17 + 12)
+    # biases + the head's weight, and the 12 replicated ones: 2 embeddings + 2 x 4 LayerNorm + ln_f 2), one per
+    # replicated tensor over the tensor block (parallel/grad_sync.py's table: data, then the batch group)
+    assert a.step_time - b.step_time == pytest.approx(45 + 17 + 12 + 12)
     two = hardware_from_measured({"intra": 1e3, "inter": 1e2, "flops": 1e3, "latency": 0.0, "cores": 2.0}, 4)
     shared = est("tp=1,pp=1,dp=4", batch=16, micro=4, hw=two)
     assert shared.breakdown["compute_s"] == pytest.approx(2 * est("tp=1,pp=1,dp=4", batch=16, micro=4).breakdown["compute_s"])

@@ -22,8 +22,8 @@ block reads its own rows), ``v`` chunks per pipeline rank of ``L / (p v)`` block
   ZB-H1, ZBV);
 * gradients and sharded state over the data (x context) group, as axonmpi runs them (:func:`_data`):
   DDP all-reduces in 25 MiB buckets (AxoNN: one call per gradient tensor; the replicated parameters
-  -- norms, embeddings, Linears the grid does not divide -- over all ranks, or in a pipeline over data
-  and then the tensor block); ZeRO-1 adds the all-gather of the updated chunks after the step; FSDP
+  -- norms, embeddings, Linears the grid does not divide -- over data and then over the tensor block's
+  batch group, as ``parallel/grad_sync.py``'s table says); ZeRO-1 adds the all-gather of the updated chunks after the step; FSDP
   (``zero=2, 3``) gathers and reduce-scatters unit by unit every micro-batch (in a pipeline once a
   step: the stage stays gathered), hybrid shard also all-reduces each unit's shard over the replicas.
   What overlaps: with ``overlap=1`` on a machine whose collectives progress under compute, DDP's
@@ -249,9 +249,9 @@ def _data(cfg, lay, hw, cal, P: _Params, unit_params: List[float], unit_F: List[
     dense = P.local - P.expert
     if lay.zero in (0, 1):
         if gdp > 1:
-            if lay.axonn > 1:            # sync_gradients: one all-reduce per gradient tensor
-                vol = P.split + (P.repl if lay.pp > 1 else 0.0)
-                calls = P.split_tensors + (P.repl_tensors if lay.pp > 1 else 0.0)
+            if lay.axonn > 1:            # one all-reduce per gradient tensor; the replicated ones too (grad_sync's
+                vol = P.local - P.expert  # table: over data, then over the tensor block's batch group)
+                calls = P.split_tensors + P.repl_tensors
             else:                        # DDP's buckets
                 vol = dense
                 calls = 1 + (dense * pb) // BUCKET_BYTES
@@ -311,7 +311,7 @@ def _data(cfg, lay, hw, cal, P: _Params, unit_params: List[float], unit_F: List[
             repl, depth = sh["repl"], sh["depth"]
         else:
             repl, depth = P.repl, P.depth
-        g = lay.world if lay.pp == 1 and lay.zero < 2 else T
+        g = T                          # the block's batch (intra) group
         t = collective_time("allreduce", repl * pb / max(P.repl_tensors, 1), g, 1, hw, cal, P.repl_tensors)
         t += collective_time("allreduce", depth * pb / max(P.depth_tensors, 1), lay.depth, lay.col * lay.row, hw,
                              cal, P.depth_tensors)
