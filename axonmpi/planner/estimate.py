@@ -447,19 +447,18 @@ def estimate_layout(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLay
     hd = head_ops(n, h, cfg.vocab, t, pb, split=t > 1)
     Hf, Hb, Hw = fwd_bwd(hd, hw, pr, cal, stretch)
     head_comm = collective_time("allreduce", 4.0 * n * 3, t, 1, hw, cal, 3) if t > 1 else 0.0   # loss's max/sum
+    head_vols: Dict[str, float] = {}
     if lay.axonn > 1 and head_split:
-        secs, gv = _axonn_linear(h, cfg.vocab, n, lay, hw, cal, pb)
-        head_comm += secs
-        for g, x in gv.items():
-            vols[g] += x / lpc / v if lpc else 0.0          # booked per block below; the head once
+        head_comm_axonn, head_vols = _axonn_linear(h, cfg.vocab, n, lay, hw, cal, pb)
+        head_comm += head_comm_axonn
     head_mb = Hf + Hb + Hw + head_comm
     split = lay.pipeline_schedule in ("zb-h1", "zbv")
     kind = lay.pipeline_schedule if lay.pp > 1 else "1f1b"
     bub, peak = bubble_and_peak(kind, lay.pp, m, v, F, Bi if split else Bi + W, W if split else 0.0)
     chunk_mb = F + Bi + W
     pipeline = m * (v * chunk_mb + head_mb) + bub
-    for g in ("col", "row", "depth", "tensor"):
-        vols[g] *= m * lpc * v
+    for g in ("col", "row", "depth", "tensor"):        # per block and micro-batch so far; the head's once
+        vols[g] = vols[g] * m * lpc * v + m * head_vols.get(g, 0.0)
     from .traffic import group_bytes          # the byte counts of Megatron's groups: traffic.py's, once
     counted = group_bytes(cfg, train, lay, embeddings="vocab" if lay.axonn == 1 else "replicated")
     for g in ("pipeline", "context", "expert") + (("tensor",) if lay.axonn == 1 else ()):
