@@ -8,6 +8,11 @@ fitted on these rows (:mod:`.calibration`).
 ``KORTHIKANTI``: Korthikanti et al. 2022 (arXiv 2205.05198), same machine, ``dp = 1``: eight step times
 (full recomputation; sequence parallelism + selective recomputation) and Figure 1's memory per GPU.
 Held out: never fitted, only checked.
+
+``TABLE2``: Megatron-LM 2021 Table 2, ZeRO-3 without model parallelism (DeepSpeed) against PTD-P at 384 to
+2240 GPUs, same models and global batch.  Held out: never fitted, only checked; :func:`winners` says
+whether the planner picks the published faster scheme at each GPU count, :func:`spearman` whether each
+sweep's ranking is preserved.
 """
 from __future__ import annotations
 
