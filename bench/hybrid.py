@@ -176,6 +176,7 @@ def main():
     if args.hardware == "measure":
         path, warn = _measure(args, tmp)
         hw = load_hardware(path)
+        print(f"measured hardware file: {path}", flush=True)
         for w in warn:
             print(w, flush=True)
     else:
