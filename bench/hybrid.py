@@ -257,7 +257,8 @@ def main():
         if rs:
             far = max(max(x, 1 / x) for x in rs)
             inside = sum(1 / 1.33 <= x <= 1.33 for x in rs)
-            extra = "" if rs is ratios else f"; Spearman {_spearman([args.global_batch * args.block / r[3] for r in ok], [r[7].step_time for r in ok])[0]:.2f}"
+            steps = [args.global_batch * args.block / r[3] for r in ok]
+            extra = "" if rs is ratios else f"; Spearman {_spearman(steps, [r[7].step_time for r in ok])[0]:.2f}"
             print(f"predicted / measured step time with {name}: {min(rs):.2f} .. {max(rs):.2f}; worst factor "
                   f"{far:.2f} (target <= 1.33); {inside} of {len(rs)} layouts within 1.33x{extra}")
 

@@ -4,8 +4,10 @@ Everything else the planner uses is a datasheet number (``hardware/*.json``) or 
 bytes.  The constants below were fitted by :func:`axonmpi.planner.published.fit` (a coarse grid search
 minimising the mean relative step-time error) on the ten rows of Megatron 2021 Table 1 only
 (``published.TABLE1``); Korthikanti et al. 2022 (``published.KORTHIKANTI``) and Megatron 2021's Table 2
-(``published.TABLE2``: ZeRO-3 against tensor x pipeline x data) are held out: never fitted, only checked.  The same constants are used for every GPU machine (an assumption for dgx-h100,
-perlmutter and frontier: nobody fitted them there).  The ``cpu`` machine has its own, measured.
+(``published.TABLE2``: ZeRO-3 against tensor x pipeline x data) are held out: never fitted, only
+checked.  The same constants are used for every GPU machine (an assumption for dgx-h100, perlmutter and
+frontier: nobody fitted them there).  A measured machine (``cpu``, ``--measure``) uses none of them: its
+rates are measured.
 """
 from __future__ import annotations
 

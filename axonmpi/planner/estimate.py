@@ -23,8 +23,8 @@ block reads its own rows), ``v`` chunks per pipeline rank of ``L / (p v)`` block
 * gradients and sharded state over the data (x context) group, as axonmpi runs them (:func:`_data`):
   DDP all-reduces in 25 MiB buckets (AxoNN: one call per gradient tensor; the replicated parameters
   -- norms, embeddings, Linears the grid does not divide -- over data and then over the tensor block's
-  batch group, as ``parallel/grad_sync.py``'s table says); ZeRO-1 adds the all-gather of the updated chunks after the step; FSDP
-  (``zero=2, 3``) gathers and reduce-scatters unit by unit every micro-batch (in a pipeline once a
+  batch group, as ``parallel/grad_sync.py``'s table says); ZeRO-1 adds the all-gather of the updated
+  chunks after the step; FSDP (``zero=2, 3``) gathers and reduce-scatters unit by unit every micro-batch (in a pipeline once a
   step: the stage stays gathered), hybrid shard also all-reduces each unit's shard over the replicas.
   What overlaps: with ``overlap=1`` on a machine whose collectives progress under compute, DDP's
   buckets during the last backward and FSDP's prefetched gathers and launched reduce-scatters under
