@@ -172,104 +172,113 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from axonmpi import plan as P
-    args.gpus_per_node_set = args.gpus_per_node is not None
-    if args.gpus_per_node is None:
-        args.gpus_per_node = 8
-    if args.hardware not in (None, "cpu") or (args.hardware is None and args.heads):
-        return _cmd_plan_model(args)
-    hw = P.Hardware(bw_intra=args.bw_intra * 1e9, bw_inter=args.bw_inter * 1e9, flops=args.tflops * 1e12,
-                    gpus_per_node=args.gpus_per_node, cores=args.cores)
-    if args.hardware == "cpu" and not args.measure:    # the shipped measurement of the development allocation
-        from axonmpi.planner.cpu import hardware_from_spec
-        hw = hardware_from_spec("cpu", args.gpus_per_node if args.gpus_per_node_set else None)
+def _plan_hardware(args: argparse.Namespace):
+    """The machine ``axonmpi plan`` plans for: measured now (``--measure``, collective), a shipped or saved
+    file (``--hardware``), with the command line's overrides; and a note on how it was measured."""
+    from axonmpi.planner import load_hardware
+    note = ""
     if args.measure:
-        bw = P.measure_bandwidth(width=args.width, seq=args.seq, heads=args.heads or max(1, args.width // 64),
-                                 dtype="float32" if args.dtype_bytes == 4 else "float64")
         import axonmpi
-        per_node = hw.gpus_per_node if args.gpus_per_node_set else axonmpi.get_world().local_size  # the measured run's
-        hw = P.Hardware.from_measured(bw, per_node, args.cores)
+        from axonmpi.planner.measure import check_load, hardware_from_measured, load_report, measure_bandwidth
+        world = axonmpi.get_world() if axonmpi.is_initialized() else axonmpi.init()
+        comm = world.default_group.comm
+        load, cores = comm.bcast(load_report() if world.rank == 0 else None, root=0)
+        bad = check_load(load, cores)
+        if bad and args.save_hardware and not args.allow_load:
+            raise ValueError(f"rank {world.rank}: refusing to --save-hardware: {bad}. Measure when the load average "
+                             f"(uptime) is below {cores}, or pass --allow-load to save it anyway")
+        if bad and world.rank == 0:
+            print(f"WARNING: {bad}; the plan below uses them (--save-hardware would refuse them)", file=sys.stderr)
+        heads = args.heads or max(1, args.width // 64)
+        bw = measure_bandwidth(width=args.width, seq=args.seq, heads=heads,
+                               dtype="float64" if args.precision == "fp64" else "float32")
+        after = comm.bcast(load_report()[0] if world.rank == 0 else None, root=0)
+        per_node = args.gpus_per_node or world.local_size             # the measured run's ranks per node
+        note = (f"measured on {world.world_size} ranks ({world.local_size} per node) under load average "
+                f"{load:.2f} before, {after:.2f} after, on {cores} cores")
+        hw = hardware_from_measured(bw, per_node, name="measured", description=note)
         if args.save_hardware:
             from axonmpi.planner.cpu import save_measured
-            if axonmpi.get_world().rank == 0:
-                save_measured(args.save_hardware, bw, hw.gpus_per_node)
-    model = P.Model(layers=args.layers, width=args.width, seq=args.seq, global_batch=args.global_batch,
-                    vocab=args.vocab, dtype_bytes=args.dtype_bytes, heads=args.heads)
+            if world.rank == 0:
+                save_measured(args.save_hardware, bw, hw.gpus_per_node, load=load, cores=cores)
+    else:
+        hw = load_hardware(args.hardware or "dgx-a100")
+        if args.gpus_per_node:
+            hw = hw.with_(gpus_per_node=args.gpus_per_node)
+    over = {}
+    if args.tflops is not None:
+        over["matrix_flops"] = {k: args.tflops * 1e12 for k in hw.matrix_flops}
+        if hw.is_measured:
+            over["measured"] = {**hw.measured, "flops": args.tflops * 1e12}
+    if args.bw_intra is not None:
+        over["intra_bw"] = args.bw_intra * 1e9
+    if args.bw_inter is not None:
+        over["nic_bw"] = args.bw_inter * 1e9
+    if args.cores is not None:
+        over["cores"] = args.cores
+    return (hw.with_(**over) if over else hw), note
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Rank the layouts of a transformer by predicted step time (``axonmpi.planner``: one cost model)."""
+    import json
+
+    from axonmpi.planner import ParallelLayout, TrainConfig, TransformerConfig, estimate_layout
+    from axonmpi.planner.report import format_table
+    from axonmpi.planner.search import search
+    if args.save_hardware and not args.measure:
+        raise ValueError("--save-hardware writes what --measure measured: add --measure (under mpiexec/srun)")
+    hw, note = _plan_hardware(args)
+    llama = args.model == "llama"
+    cfg = TransformerConfig(layers=args.layers, width=args.width, heads=args.heads or max(1, args.width // 64),
+                            seq=args.seq, vocab=args.vocab, ffn=args.ffn, experts=args.moe_experts,
+                            top_k=args.moe_top_k, kv_heads=args.kv_heads, gated=llama or args.gated,
+                            rotary=llama or args.rotary, bias=not (llama or args.no_bias),
+                            tied=args.tied and not llama)
+    precision = args.precision or {2: "fp16", 4: "fp32", 8: "fp64"}.get(args.dtype_bytes or 0) or (
+        "fp16" if "fp16" in hw.matrix_flops else "fp32")
+    train = TrainConfig(args.global_batch, args.micro_batch, precision, args.recompute, dropout=args.dropout > 0)
     limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
     import axonmpi
     if axonmpi.is_initialized() and axonmpi.get_world().rank != 0:
         return 0
     if args.layout:
-        from axonmpi.planner.cpu import legacy_layout
-        lay, fsdp, m = legacy_layout(args.layout, args.world)
-        ests = [P.estimate(model, lay, hw, microbatches=m, fsdp=fsdp)]
-    else:
-        ests = P.plan(model, args.world, hw, memory_limit=limit)
-    if args.json:
-        import json
-        from axonmpi.planner.cpu import legacy_json
-        print(json.dumps({"layouts": [legacy_json(e, model) for e in ests]}, indent=1))
-        return 0
-    print(f"GPT {model.params / 1e6:.1f}M weights on {args.world} ranks ({hw.gpus_per_node} per node); "
-          f"bandwidth intra {hw.bw_intra / 1e9:.1f} GB/s, inter {hw.bw_inter / 1e9:.1f} GB/s"
-          f"{' (measured)' if args.measure else ''}, latency {hw.latency * 1e6:.1f} us; "
-          f"{hw.flops / 1e12:.3f} TFLOP/s per rank{' (measured GEMM)' if args.measure else ''}"
-          f"{f', {hw.cores:.2g} cores per node' if hw.cores else ''}")
-    print(P.format_plan(ests, top=args.top, dtype_bytes=model.dtype_bytes))
-    if args.moe_experts:
-        _print_moe_plan(P, args, hw)
-    return 0
-
-
-def _cmd_plan_model(args: argparse.Namespace) -> int:
-    """The planner's cost model of every axis on a described machine (``axonmpi.planner``)."""
-    import json
-
-    from axonmpi.planner import ParallelLayout, TrainConfig, TransformerConfig, estimate_layout, load_hardware
-    from axonmpi.planner.search import search
-    from axonmpi.planner.report import format_table
-    if not args.heads:
-        raise ValueError(f"--hardware {args.hardware or 'dgx-a100'} plans with the full cost model, which needs "
-                         "--heads (attention heads)")
-    hw = load_hardware(args.hardware or "dgx-a100")
-    if args.gpus_per_node_set:
-        hw = hw.with_(gpus_per_node=args.gpus_per_node)
-    cfg = TransformerConfig(layers=args.layers, width=args.width, heads=args.heads, seq=args.seq, vocab=args.vocab,
-                            ffn=args.ffn, experts=args.moe_experts, top_k=args.moe_top_k)
-    train = TrainConfig(args.global_batch, args.micro_batch, args.precision, args.recompute)
-    limit = args.memory_gib * 2 ** 30 if args.memory_gib else None
-    if args.layout:
         lay = ParallelLayout.parse(args.layout)
-        if "overlap=" not in args.layout:
+        if "overlap=" not in args.layout.replace("tp_overlap=", "").replace("reduce_overlap=", ""):
             lay = lay.with_(overlap=args.overlap)
         ests = [estimate_layout(cfg, train, lay, hw, world=args.world)]
     else:
         ests = search(cfg, train, args.world, hw, memory_limit=limit, max_cp=args.max_cp, axonn=not args.no_axonn,
                       overlap=args.overlap)
+    ests = ests[:args.top]
     if args.json:
         print(json.dumps({"layouts": [e.as_dict() for e in ests]}, indent=1))
         return 0
-    print(f"GPT {cfg.params / 1e9:.2f}B parameters, {args.world} GPUs of {hw.name} ({hw.gpus_per_node} per node), "
-          f"global batch {train.global_batch}, micro-batch {train.micro_batch}, {train.precision}, recompute "
-          f"{train.recompute}; memory limit {(limit or hw.memory_bytes) / 2 ** 30:.0f} GiB")
+    kind = "Llama" if llama else "GPT"
+    print(f"{kind} {cfg.params / 1e9:.3g}B parameters, {args.world} ranks of {hw.name} ({hw.gpus_per_node} per node"
+          f"{f', {hw.cores:.2g} cores in effect' if hw.cores else ''}), global batch {train.global_batch}, "
+          f"micro-batch {train.micro_batch}, {train.precision}, recompute {train.recompute}; memory limit "
+          f"{(limit or hw.memory_bytes) / 2 ** 30:.0f} GiB" + (f"; {note}" if note else ""))
     print(format_table(ests, top=args.top))
+    if args.moe_experts:
+        _print_moe_plan(args, hw)
     return 0
 
 
-def _print_moe_plan(P, args, hw) -> None:
+def _print_moe_plan(args, hw) -> None:
     """Per MoE layer and rank: expert parallelism vs tensor-parallel experts over each group size."""
+    from axonmpi.planner.moe import moe_options
     tokens = args.global_batch * args.seq // args.world
-    hidden = 4 * args.width
+    hidden = args.ffn or 4 * args.width
+    itemsize = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}.get(args.precision or "", args.dtype_bytes or 4)
     print(f"\nMoE layer ({args.moe_experts} experts, top-{args.moe_top_k}, hidden {hidden}, {tokens} tokens per rank; "
           f"per rank and step, forward + backward; expert parallelism at uniform routing)")
     print(f"{'option':26s} {'group':>5s} {'MB moved':>10s} {'comm ms':>9s} {'expert params':>14s}")
     for n in range(2, args.world + 1):
         if args.world % n:
             continue
-        for e in P.moe_options(tokens, args.width, hidden, args.moe_experts, args.moe_top_k, n,
-                               itemsize=args.dtype_bytes):
-            ms = 1e3 * e.bytes_total / hw.bw_intra
+        for e in moe_options(tokens, args.width, hidden, args.moe_experts, args.moe_top_k, n, itemsize=itemsize):
+            ms = 1e3 * e.bytes_total / hw.intra_bw
             print(f"{e.option:26s} {n:5d} {e.bytes_total / 1e6:10.2f} {ms:9.3f} {e.expert_params:14d}")
 
 
@@ -283,17 +292,6 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 from ._argtypes import count0 as _count0, positive as _positive, positive_int as _positive_int  # noqa: E402
-
-
-def _amount0(text: str) -> float:
-    """A number >= 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,51 +319,81 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--examples", action="store_true", help="also write the example scripts into DIR/examples/")
     w.add_argument("--force", action="store_true", help="replace files that exist")
     w.set_defaults(func=_cmd_write)
-    sp = sub.add_parser("plan", help="rank the (G_data, G_inter, G_intra_r, G_intra_c, G_intra_d) layouts of a GPT "
-                        "by predicted step time (axonmpi.plan)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp = sub.add_parser(
+        "plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="rank the parallel layouts of a transformer by predicted step time, memory and breakdown "
+             "(axonmpi.planner)",
+        description="""Rank every layout of a transformer (GPT or Llama shape) on a machine by predicted step time.
+
+One cost model (axonmpi/planner/estimate.py, docs/plan.md) covers every axis: Megatron tensor parallelism
+(tp, with sequence parallelism sp) or AxoNN's row x col x depth, the pipeline (pp, vp, schedule 1f1b,
+interleaved, zb-h1, zbv), context (cp: ring, ulysses), experts (ep), and the data ranks (dp) as DDP,
+ZeRO-1, FSDP shard_grad_op (zero=2), FSDP full shard (zero=3) and hybrid shard (shard=N), with their
+bytes per rank per micro-batch, what overlaps compute and what cannot, the network bandwidth per GPU for
+groups that span nodes, and the memory each needs.  On a datasheet machine (--hardware dgx-a100,
+dgx-h100, perlmutter, frontier) ops take a roofline with five efficiencies fitted on Megatron 2021's
+Table 1 only; held out, Korthikanti 2022 reads 5.2% mean / 10.4% worst and Megatron 2021's ZeRO-3
+vs tensor x pipeline comparison (Table 2) 7.4% / 16.7%, picking the published winner at each GPU
+count (Table 1, fitted: 2.5% / 5.1%).  On a measured machine (--measure under mpiexec/srun, or
+--hardware cpu: this development machine's file) the same formulas take the rates measured there.
+Every layout string printed is accepted by --layout; --json prints {"layouts": [...]} (--top of them).""")
     sp.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
     sp.add_argument("--layers", type=_positive_int, required=True, help="transformer blocks")
     sp.add_argument("--width", type=_positive_int, required=True, help="hidden size")
     sp.add_argument("--seq", type=_positive_int, required=True, help="sequence length")
     sp.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
-    sp.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size")
-    sp.add_argument("--gpus-per-node", type=_positive_int, default=None, help="ranks per node (default: with "
-                    "--measure the run's, else the --hardware file's, else 8)")
-    sp.add_argument("--dtype-bytes", type=_positive_int, default=4, help="bytes per element")
-    sp.add_argument("--bw-intra", type=_positive, default=50.0, help="GB/s inside a node")
-    sp.add_argument("--bw-inter", type=_positive, default=12.5, help="GB/s between nodes")
-    sp.add_argument("--tflops", type=_positive, default=50.0, help="TFLOP/s per rank")
-    sp.add_argument("--cores", type=_amount0, default=0.0,
-                    help="cores per node; more ranks than cores stretch compute (0: one per rank)")
-    sp.add_argument("--memory-gib", type=_positive, default=None, help="leave out layouts needing more per rank")
-    sp.add_argument("--top", type=_positive_int, default=20, help="rows shown")
-    sp.add_argument("--moe-experts", type=_count0, default=0,
-                    help="also estimate one MoE layer of E experts: expert parallelism vs tensor-parallel experts")
-    sp.add_argument("--moe-top-k", type=int, default=1, choices=[1, 2], help="experts per token (with --moe-experts)")
-    sp.add_argument("--measure", action="store_true",
-                    help="time all-reduces and a GEMM on this allocation for the bandwidths, latency, flop rate and "
-                         "cores (run under mpiexec/srun)")
-    sp.add_argument("--hardware", default=None,
-                    help="a shipped machine (dgx-a100, dgx-h100, perlmutter, frontier: the full cost model of "
-                         "axonmpi.planner; cpu: HybridGPT's model with this allocation's measured numbers) or a JSON file")
-    sp.add_argument("--heads", type=_count0, default=0, help="attention heads (the full cost model)")
+    sp.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size (default 50304)")
+    sp.add_argument("--heads", type=_count0, default=0, help="attention heads (default width / 64)")
+    sp.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                    help="gpt (default): GeLU MLP, learned positions, biases; llama: SwiGLU, rotary, no biases, untied")
+    sp.add_argument("--kv-heads", type=_count0, default=0, help="key/value heads (grouped-query attention; default --heads)")
     sp.add_argument("--ffn", type=_count0, default=0, help="MLP hidden size (default 4 x width)")
-    sp.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch")
-    sp.add_argument("--precision", choices=["fp16", "bf16", "fp32", "fp64"], default="fp16",
-                    help="compute precision (the full cost model)")
+    sp.add_argument("--gated", action="store_true", help="a SwiGLU MLP (three matrices)")
+    sp.add_argument("--rotary", action="store_true", help="rotary position embeddings (no learned position table)")
+    sp.add_argument("--no-bias", action="store_true", help="no biases in Linears and norms")
+    sp.add_argument("--tied", action="store_true", help="the head shares the word embedding")
+    sp.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default 1)")
+    sp.add_argument("--precision", choices=["fp16", "bf16", "fp32", "fp64"], default=None,
+                    help="compute precision (default fp16 where the machine has it, else fp32)")
+    sp.add_argument("--dtype-bytes", type=int, choices=[2, 4, 8], default=None,
+                    help="bytes per element: another way to say --precision (2 fp16, 4 fp32, 8 fp64)")
     sp.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                    help="activation recomputation (the full cost model)")
+                    help="activation recomputation (default none)")
+    sp.add_argument("--dropout", type=float, default=0.0, help="dropout probability of the run (default 0: none)")
+    sp.add_argument("--hardware", default=None,
+                    help="a shipped machine (dgx-a100 (default), dgx-h100, perlmutter, frontier; cpu: this "
+                         "development machine, measured) or a hardware JSON file (--save-hardware writes one)")
+    sp.add_argument("--measure", action="store_true",
+                    help="measure this allocation (under mpiexec/srun: GEMM rate, kernels, bandwidth and latency "
+                         "between computation, cores in effect) and plan with it; reports the load average")
+    sp.add_argument("--save-hardware", default=None, metavar="PATH",
+                    help="with --measure: write the measured numbers as a hardware JSON file (refused when the load "
+                         "average exceeds the cores, unless --allow-load)")
+    sp.add_argument("--allow-load", action="store_true",
+                    help="save measured figures even when the machine was loaded (they describe the load)")
+    sp.add_argument("--gpus-per-node", type=_positive_int, default=None, help="ranks per node (default: the "
+                    "hardware file's; with --measure the run's)")
+    sp.add_argument("--tflops", type=_positive, default=None, help="override: matrix TFLOP/s per rank")
+    sp.add_argument("--bw-intra", type=_positive, default=None, help="override: GB/s of a rank's link inside a node")
+    sp.add_argument("--bw-inter", type=_positive, default=None, help="override: GB/s of a rank's network card")
+    sp.add_argument("--cores", type=_positive, default=None,
+                    help="override: cores per node; more ranks than cores stretch compute")
+    sp.add_argument("--memory-gib", type=_positive, default=None,
+                    help="leave out layouts needing more per rank (default: the hardware's memory)")
     sp.add_argument("--layout", default=None,
-                    help="estimate one layout: tp=8,pp=12,dp=16[,vp=2][,cp=..][,ep=..][,sp=1][,zero=0|1|3]"
-                         "[,row=..,col=..,depth=..][,schedule=1f1b|interleaved|zb-h1|zbv]")
+                    help="estimate one layout, as the table prints it: tp=8,pp=12,dp=16[,vp=2][,cp=..][,ep=..][,sp=1]"
+                         "[,zero=0|1|2|3][,shard=N][,row=..,col=..,depth=..][,schedule=1f1b|interleaved|zb-h1|zbv]"
+                         "[,overlap=0][,reduce_overlap=0][,tp_overlap=1]")
+    sp.add_argument("--top", type=_positive_int, default=20, help="layouts shown (and printed by --json; default 20)")
     sp.add_argument("--json", action="store_true", help='print {"layouts": [...]} as JSON')
     sp.add_argument("--max-cp", type=_positive_int, default=1, help="largest context-parallel size searched")
     sp.add_argument("--no-axonn", action="store_true", help="leave AxoNN 3-D tensor layouts out of the search")
     sp.add_argument("--overlap", type=int, choices=[0, 1], default=1,
-                    help="1: gradients reduced during the backward (DDP buckets, FSDP prefetch) as axonmpi's "
-                         "runtime does; 0: after it")
-    sp.add_argument("--save-hardware", default=None, metavar="PATH",
-                    help="with --measure: write the measured numbers as a hardware JSON file")
+                    help="1 (default): gradients reduced during the backward and FSDP's gathers prefetched, as "
+                         "axonmpi's runtime does (where the machine progresses collectives under compute); 0: after it")
+    sp.add_argument("--moe-experts", type=_count0, default=0,
+                    help="every MLP a mixture of E experts; also prints expert parallelism vs tensor-parallel experts")
+    sp.add_argument("--moe-top-k", type=int, default=1, choices=[1, 2], help="experts per token (with --moe-experts)")
     sp.set_defaults(func=_cmd_plan)
     sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot; needs "
                                      "pip install 'axonmpi[plot]')")

@@ -5,25 +5,24 @@ the user-facing path, with the backend's byte counter of ``bench/_backend_count.
 
     python bench/hybrid.py                                   # 8 layers, width 512, block 128, 4 ranks
     python bench/hybrid.py --layers 2 --width 128 --steps 3  # quicker
+    python bench/hybrid.py --hardware cpu                    # predict with the shipped cpu.json instead
 
 Rows: one per layout ``(G_data, G_inter, G_r, G_c, G_d)`` (and ``+fsdp``: FSDP full_shard over data).
 Measured: the median tokens/s of the steps after the first (warm-up), from ``--metrics-json``; with
 ``--repeats R`` the best of R interleaved rounds (other jobs on the machine come and go).
-Predicted: ``axonmpi.plan.estimate`` with what ``axonmpi.plan.measure_bandwidth`` measures under
-``mpiexec -n N`` (what ``axonmpi plan --hardware cpu --measure`` uses): the GEMM's flop rate, the
-bandwidth and the latency (what a 4 MiB and an 8-byte all-reduce add to a loop of GEMMs), the cores the N ranks get in effect
-(from a GEMM timed alone and on all ranks at once: ranks sharing cores, with each other or with other
-jobs, stretch compute), our autograd's other kernels (GELU, LayerNorm, the attention core, adds, AdamW,
-copies: ``plan.measure_kernels``) and the cores in effect for memory-bound work.  ``--flops-from
-serial`` instead takes one flop rate for everything, the model's flops of one step over the CPU seconds
-of a 1-rank step (the kernels folded in).  The header also prints the 1-rank step, measured and
-predicted (and the GEMMs' part of it).
+Predicted: the planner's one cost model (``axonmpi.planner.estimate_layout``) with the hardware that
+``axonmpi plan --measure --save-hardware`` measures on this machine, run first, under ``mpiexec -n N``
+(the GEMM's flop rate, our autograd's other kernels, the bandwidth and latency a collective gets between
+GEMMs, the cores the N ranks get in effect for compute and for memory-bound work); ``--hardware cpu``
+(or a file) predicts with a saved measurement instead, and the shipped ``cpu.json``'s predictions are
+printed beside for comparison.  The load average (``uptime``) is printed before the measurement, before
+the runs and after them.  The header also prints the 1-rank step, measured and predicted.
 Column ``cores``: the ranks' CPU seconds over the wall seconds while each layout ran (information:
 how loaded the machine was; MPI's busy waiting counts as busy).
 Bytes: what every rank moved through the backend per group during the last complete step (from one
-``zero_grad`` to the next), the busiest rank's, beside the planner's volume (``meas/pred`` in KiB;
-the ratio in the last column is the worst over the groups).  Spearman's rank correlation of the
-predicted and measured step times closes the table.
+``zero_grad`` to the next), the busiest rank's, beside the planner's (``meas/pred`` in KiB; the ratio in
+the last column is the worst over the groups).  Spearman's rank correlation of the predicted and
+measured step times closes the table (targets: >= 0.9, every layout within 1.33x).
 """
 from __future__ import annotations
 
@@ -43,26 +42,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 COUNTER = os.path.join(ROOT, "bench", "_backend_count.py")
 LAYOUTS = [(2, 2, 1, 1, 1), (2, 1, 1, 2, 1), (1, 2, 1, 2, 1), (1, 2, 1, 1, 2), (1, 1, 2, 1, 2), (1, 1, 2, 2, 1),
-           (4, 1, 1, 1, 1), ((4, 1, 1, 1, 1), "full_shard"), ((2, 1, 1, 2, 1), "full_shard")]
-#: Hardware without the kernels besides the GEMMs (the flop rate alone: the model before issue 33).
-GEMM_ONLY = dict(attn_flops=0.0, gelu=0.0, layernorm=0.0, softmax=0.0, add=0.0, adam=0.0, copy=0.0)
-GROUP_OF = {"col_group": "col", "row_group": "row", "depth_group": "depth", "inter_group": "inter",
+           (4, 1, 1, 1, 1), ((4, 1, 1, 1, 1), "full_shard"), ((4, 1, 1, 1, 1), "shard_grad_op"),
+           ((2, 1, 1, 2, 1), "full_shard")]
+GROUP_OF = {"col_group": "col", "row_group": "row", "depth_group": "depth", "inter_group": "pipeline",
             "data_group": "data", "world": "repl", "intra_group": "repl"}
+GROUPS = ("col", "row", "depth", "pipeline", "data", "repl")
 
 
 def _spearman(a, b):
+    """Spearman's rank correlation and both rank lists (0 = fastest)."""
+    from axonmpi.planner.published import spearman
+
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0] * len(v)
         for k, i in enumerate(order):
             r[i] = k
         return r
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    if n < 2:
-        return float("nan"), list(range(n)), list(range(n))
-    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb))
-    return 1.0 - 6.0 * d2 / (n * (n * n - 1)), ra, rb
+    if len(a) < 2:
+        return float("nan"), list(range(len(a))), list(range(len(a)))
+    return spearman(a, b), ranks(a), ranks(b)
+
+
+def _load() -> str:
+    from axonmpi.planner.measure import load_report
+    load, cores = load_report()
+    return f"load average {load:.2f} on {cores} cores"
 
 
 def _train(args, tmp, name, sizes, extra=()):
@@ -116,6 +121,36 @@ def _vocab() -> int:
     return CharTokenizer(load_stdlib_corpus(max_bytes=200000)).vocab_size
 
 
+def _layout(sizes, fsdp):
+    from axonmpi.planner import ParallelLayout
+    d, i, r, c, dd = sizes
+    return ParallelLayout(dp=d, pp=i, row=r, col=c, depth=dd, zero={"full_shard": 3, "shard_grad_op": 2}.get(fsdp, 0),
+                          schedule="1f1b" if i > 1 else "")
+
+
+def _predict(cfg, args, sizes, fsdp, m, hw):
+    from axonmpi.planner import TrainConfig, estimate_layout
+    T = sizes[2] * sizes[3] * sizes[4]
+    train = TrainConfig(args.global_batch, args.global_batch // (sizes[0] * T * m),
+                        "fp32" if args.dtype == "float32" else "fp64", "none", dropout=False)
+    return estimate_layout(cfg, train, _layout(sizes, fsdp), hw)
+
+
+def _measure(args, tmp):
+    """``axonmpi plan --measure --save-hardware`` under mpiexec: the hardware file it writes."""
+    from axonmpi.testing import run_mpiexec
+    path = os.path.join(tmp, "measured.json")
+    r = run_mpiexec(["-m", "axonmpi", "plan", "--measure", "--save-hardware", path, "--allow-load", "--world",
+                     str(args.ranks), "--layers", str(args.layers), "--width", str(args.width), "--seq", str(args.block),
+                     "--global-batch", str(args.global_batch), "--heads", str(args.heads), "--vocab", "95",
+                     "--precision", "fp32" if args.dtype == "float32" else "fp64", "--top", "1"],
+                    n=args.ranks, timeout=600)
+    if r.returncode != 0:
+        sys.exit(f"axonmpi plan --measure failed: {r.stderr.strip()[-2000:]}")
+    warn = [x for x in r.stderr.splitlines() if x.startswith("WARNING")]
+    return path, warn
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -129,48 +164,43 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the layouts; the best tokens/s kept")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these layouts, e.g. 2x1x1x2x1-full_shard 4x1x1x1x1")
-    p.add_argument("--flops-from", choices=["measure", "serial"], default="measure",
-                   help="the flop rate: measure_bandwidth's GEMM (what `axonmpi plan --hardware cpu --measure` "
-                        "uses) or the model's flops over a 1-rank step's CPU seconds")
+    p.add_argument("--hardware", default="measure",
+                   help="measure (default: `axonmpi plan --measure` on this machine, now), or a saved hardware file / "
+                        "name (cpu: the shipped measurement)")
     args = p.parse_args()
-    from axonmpi.plan import GROUPS, Hardware, Layout, Model, estimate
-    from axonmpi.testing import run_mpiexec
+    from axonmpi.planner import TransformerConfig, load_hardware
     tmp = tempfile.mkdtemp()
-    model = Model(layers=args.layers, width=args.width, seq=args.block, global_batch=args.global_batch,
-                  vocab=_vocab(), dtype_bytes=4 if args.dtype == "float32" else 8, heads=args.heads)
+    cfg = TransformerConfig(layers=args.layers, width=args.width, heads=args.heads, seq=args.block, vocab=_vocab(),
+                            tied=False)
+    print(f"before the measurement: {_load()}", flush=True)
+    if args.hardware == "measure":
+        path, warn = _measure(args, tmp)
+        hw = load_hardware(path)
+        print(f"measured hardware file: {path}", flush=True)
+        for w in warn:
+            print(w, flush=True)
+    else:
+        hw = load_hardware(args.hardware)
+    shipped = load_hardware("cpu")
+    print(f"before the runs: {_load()}", flush=True)
     serial, one, err = _train(args, tmp, "serial", None)
     if serial is None:
         sys.exit(f"the 1-rank run failed: {err}")
-    # flop/s of one rank alone on a core: the model's flops over the CPU seconds of a 1-rank step
-    flops = estimate(model, Layout(), Hardware(flops=1.0)).compute_time / one["_cpu"]
-    r = run_mpiexec(["-c", "import json, axonmpi\nfrom axonmpi.plan import measure_bandwidth\n"
-                     f"bw = measure_bandwidth(1 << 22, width={args.width}, seq={args.block}, heads={args.heads}, "
-                     f"dtype={args.dtype!r})\nif axonmpi.get_world().rank == 0: print(json.dumps(bw))"],
-                    n=args.ranks, timeout=600)
-    if r.returncode != 0:
-        sys.exit(f"measure_bandwidth failed: {r.stderr.strip()[-2000:]}")
-    bw = json.loads(r.stdout.strip().splitlines()[-1])
-    cores = bw["cores"]
-    if args.flops_from == "measure":
-        flops = bw["flops"]
-    hw = replace(Hardware.from_measured(bw, args.ranks), flops=flops)
-    if args.flops_from == "serial":      # the 1-rank step's CPU seconds hold every kernel: GEMM flops only
-        hw = replace(hw, **GEMM_ONLY)
-    print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {model.vocab}, global batch "
-          f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | 1 rank: {serial:,.0f} tokens/s "
-          f"({flops / 1e9:.1f} GFLOP/s per CPU second) | all-reduce bus bandwidth {bw['intra'] / 1e9:.2f} GB/s "
-          f"between GEMMs ({bw.get('intra_alone', bw['intra']) / 1e9:.2f} back to back), "
-          f"{bw['latency'] * 1e6:.0f} us a call between GEMMs, {cores:.2f} cores in effect for "
-          f"{args.ranks} ranks | per element, forward + backward, alone: GELU {hw.gelu * 1e9:.1f} ns, LayerNorm "
-          f"{hw.layernorm * 1e9:.1f} ns, attention score {hw.softmax * 1e9:.1f} ns, add {hw.add * 1e9:.2f} ns; "
-          f"AdamW + clipping {hw.adam * 1e9:.1f} ns a parameter; attention matmuls {hw.attn_flops / 1e9:.1f} GFLOP/s; "
-          f"{hw.mem_cores:.2f} cores in effect for memory-bound work",
-          flush=True)
-    one_rank = replace(hw, cores=0.0, mem_cores=0.0)
-    alone = estimate(model, Layout(), one_rank).step_time
-    gemms = estimate(model, Layout(), replace(one_rank, **GEMM_ONLY)).step_time
+    mk = hw.measured
+    print(f"GPT {args.layers} layers x width {args.width}, block {args.block}, vocab {cfg.vocab}, global batch "
+          f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | hardware: "
+          f"{hw.description or hw.name} | GEMM {mk.get('flops', 0) / 1e9:.1f} GFLOP/s alone | all-reduce bus bandwidth "
+          f"{hw.intra_bw / 1e9:.2f} GB/s between GEMMs ({mk.get('intra_alone', hw.intra_bw) / 1e9:.2f} back to back), "
+          f"{hw.intra_latency * 1e6:.0f} us a call between GEMMs, {hw.cores:.2f} cores in effect for {args.ranks} "
+          f"ranks | per element, forward + backward, alone: GELU {mk.get('gelu', 0) * 1e9:.1f} ns, LayerNorm "
+          f"{mk.get('layernorm', 0) * 1e9:.1f} ns, attention score {mk.get('softmax', 0) * 1e9:.1f} ns, add "
+          f"{mk.get('add', 0) * 1e9:.2f} ns; AdamW + clipping {mk.get('adam', 0) * 1e9:.1f} ns a parameter; attention "
+          f"matmuls {mk.get('attn_flops', 0) / 1e9:.1f} GFLOP/s; {hw.mem_cores():.2f} cores in effect for memory-bound "
+          f"work", flush=True)
+    alone = hw.with_(cores=0.0, measured={**hw.measured, "mem_cores": 0.0})
+    pred1 = _predict(cfg, args, (1, 1, 1, 1, 1), None, 1, alone)
     print(f"1 rank: measured {args.global_batch * args.block / serial * 1e3:.0f} ms a step, predicted "
-          f"{alone * 1e3:.0f} ms (GEMMs {gemms * 1e3:.0f} ms of it)", flush=True)
+          f"{pred1.step_time * 1e3:.0f} ms (compute {pred1.breakdown['compute_s'] * 1e3:.0f} ms of it)", flush=True)
     todo = []
     for entry in LAYOUTS:
         sizes, fsdp = (entry if isinstance(entry[1], str) else (entry, None))
@@ -187,20 +217,22 @@ def main():
             old = best.get((sizes, fsdp))
             if old is None or (tok is not None and (old[0] is None or tok > old[0])):
                 best[(sizes, fsdp)] = (tok, counted, err)
+    print(f"after the runs: {_load()}", flush=True)
     rows = []
     for sizes, fsdp in todo:
         m = args.microbatches if sizes[1] > 1 else 1
         tok, counted, err = best[(sizes, fsdp)]
-        rows.append((sizes, fsdp, m, tok, counted, err, estimate(model, Layout(*sizes), hw, microbatches=m, fsdp=fsdp)))
+        rows.append((sizes, fsdp, m, tok, counted, err, _predict(cfg, args, sizes, fsdp, m, hw),
+                     _predict(cfg, args, sizes, fsdp, m, shipped)))
     ok = [r for r in rows if r[3] is not None]
     rho, rm, rp = _spearman([args.global_batch * args.block / r[3] for r in ok], [r[6].step_time for r in ok])
     rank_of = {id(r): (a, b) for r, a, b in zip(ok, rm, rp)}
-    b = model.dtype_bytes
-    ratios = []
+    ratios, shipped_ratios = [], []
     print(f"{'layout (d,i,r,c,d)':<24} {'m':>2} {'cores':>5} {'tokens/s':>9} {'vs 1':>5} {'step ms':>8} {'pred ms':>8} "
-          f"{'rank':>4} {'pred':>4} {'p/m':>5}  " + " ".join(f"{g + ' KiB meas/pred':>21}" for g in GROUPS) + f" {'worst':>6}")
+          f"{'rank':>4} {'pred':>4} {'p/m':>5} {'cpu.json':>8}  "
+          + " ".join(f"{g + ' KiB meas/pred':>24}" for g in GROUPS) + f" {'worst':>6}")
     for r in rows:
-        sizes, fsdp, m, tok, counted, err, pred = r
+        sizes, fsdp, m, tok, counted, err, pred, ship = r
         label = str(sizes) + (f" {fsdp}" if fsdp else "")
         if tok is None:
             print(f"{label:<24} {m:>2} failed: {err}")
@@ -209,22 +241,26 @@ def main():
         step = args.global_batch * args.block / tok
         cells, worst = [], 1.0
         for g in GROUPS:
-            meas, want = counted.get(g, 0), pred.volumes[g] * b
-            cells.append(f"{meas / 1024:>10.0f}/{want / 1024:<10.0f}" if meas or want else f"{'-':>21}")
+            meas, want = counted.get(g, 0), pred.volumes.get(g, 0.0)
+            cells.append(f"{meas / 1024:>11.0f}/{want / 1024:<12.0f}" if meas or want else f"{'-':>24}")
             if meas or want:
                 ratio = meas / want if want else float("inf")
                 worst = ratio if abs(ratio - 1) > abs(worst - 1) else worst
         ratios.append(pred.step_time / step)
+        shipped_ratios.append(ship.step_time / step)
         print(f"{label:<24} {m:>2} {counted['_cores']:>5.2f} {tok:>9,.0f} {tok / serial:>5.2f} {step * 1e3:>8.0f} "
-              f"{pred.step_time * 1e3:>8.0f} {a + 1:>4} {c + 1:>4} {ratios[-1]:>5.2f}  " + " ".join(cells)
-              + f" {worst:>6.3f}")
+              f"{pred.step_time * 1e3:>8.0f} {a + 1:>4} {c + 1:>4} {ratios[-1]:>5.2f} {shipped_ratios[-1]:>8.2f}  "
+              + " ".join(cells) + f" {worst:>6.3f}")
     print(f"Spearman rank correlation (predicted vs measured step time): {rho:.2f} over {len(ok)} layouts "
           f"(target >= 0.9)")
-    if ratios:
-        far = max(max(r, 1 / r) for r in ratios)
-        inside = sum(1 / 1.33 <= r <= 1.33 for r in ratios)
-        print(f"predicted / measured step time: {min(ratios):.2f} .. {max(ratios):.2f}; worst factor {far:.2f} "
-              f"(target <= 1.33); {inside} of {len(ratios)} layouts within 1.33x (flop rate from {args.flops_from})")
+    for name, rs in (("this measurement", ratios), ("the shipped cpu.json", shipped_ratios)):
+        if rs:
+            far = max(max(x, 1 / x) for x in rs)
+            inside = sum(1 / 1.33 <= x <= 1.33 for x in rs)
+            steps = [args.global_batch * args.block / r[3] for r in ok]
+            extra = "" if rs is ratios else f"; Spearman {_spearman(steps, [r[7].step_time for r in ok])[0]:.2f}"
+            print(f"predicted / measured step time with {name}: {min(rs):.2f} .. {max(rs):.2f}; worst factor "
+                  f"{far:.2f} (target <= 1.33); {inside} of {len(rs)} layouts within 1.33x{extra}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The planner's cost model (axonmpi/plan.py) against hand-computed cases, and the plan/plot commands."""
+"""The planner's one cost model on a measured machine (axonmpi/planner/estimate.py) against hand-computed cases,
+and the plan/plot commands: the layout strings the planner prints are its input, --top in --json, --measure's load."""
 import json
 import os
 import subprocess
@@ -6,13 +7,24 @@ import sys
 
 import pytest
 
-from axonmpi.plan import Hardware, Layout, Model, candidate_layouts, estimate, linear_volumes, plan
+from axonmpi.planner import ParallelLayout, TrainConfig, TransformerConfig, estimate_layout
+from axonmpi.planner.axonn import linear_volumes
+from axonmpi.planner.measure import check_load, hardware_from_measured
+from axonmpi.planner.search import candidates, search
 
-# 2 blocks, width 4, sequence 2, batch 4, vocabulary 8: Linears (4,12) (4,4) (4,16) (16,4): 192 weights,
+# 2 blocks, width 4, one head, sequence 2, vocabulary 8, untied head: Linears (4,12) (4,4) (4,16) (16,4): 192 weights,
 # 36 biases and two LayerNorms (16) = 244 a block; 2*244 + (8+2)*4 embeddings + 8 ln_f + 8*4 head = 568 in all
-M = Model(layers=2, width=4, seq=2, global_batch=4, vocab=8, dtype_bytes=4)
-HW = Hardware(bw_intra=1e3, bw_inter=1e2, flops=1e3, gpus_per_node=4)
-ZERO = {"col": 0.0, "row": 0.0, "depth": 0.0, "inter": 0.0, "data": 0.0, "repl": 0.0}
+M = TransformerConfig(layers=2, width=4, heads=1, seq=2, vocab=8, tied=False)
+#: a measured machine with round numbers: 1 kB/s inside a node of 4 ranks, 100 B/s between nodes, 1 kflop/s
+HW = hardware_from_measured({"intra": 1e3, "inter": 1e2, "flops": 1e3, "latency": 0.0, "cores": 0.0}, 4)
+
+
+def train(batch=4, micro=1):
+    return TrainConfig(batch, micro, "fp32", "none", dropout=False)
+
+
+def est(text, batch=4, micro=1, hw=HW):
+    return estimate_layout(M, train(batch, micro), ParallelLayout.parse(text), hw)
 
 
 @pytest.mark.serial
@@ -24,132 +36,221 @@ def test_linear_volumes_are_the_easy_mode_closed_forms():
     assert v["depth"] == {"gather": 2 * 8 * 16 / 4}                                    # weight AG + dW RS
     assert linear_volumes(8, 16, 4, 1, 1, 1) == {"col": {}, "row": {}, "depth": {}}
     assert linear_volumes(8, 16, 4, 1, 1, 2) == {"col": {}, "row": {}, "depth": {"gather": 256.0}}   # no easy mode
-    assert M.block_params == 244 and M.params == 568
+    assert M.layer_params == 244 and M.params == 568
+
+
+@pytest.mark.serial
+def test_the_old_module_keeps_what_moved_and_names_what_went():
+    import axonmpi.plan as P
+    from axonmpi.planner.moe import moe_estimate
+    assert P.moe_estimate is moe_estimate and P.linear_volumes is linear_volumes
+    with pytest.raises(AttributeError, match="one cost model now, in axonmpi.planner; use axonmpi.planner.estimate_layout"):
+        P.estimate
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        P.nothing
 
 
 @pytest.mark.serial
 def test_row_split_by_hand():
-    e = estimate(M, Layout(G_intra_r=2), HW)
-    # n = 4/2 rows x 2 = 4 tokens a rank; per Linear 2 G_r n in + 2 n out = 16 in + 8 out: blocks 2*(16*28 + 8*36),
-    # head (4, 8): 64 + 64; the replicated LayerNorms and embeddings (80) over all ranks
-    assert e.volumes == {**ZERO, "row": 2 * (16 * 28 + 8 * 36) + 128.0, "repl": 80.0}
+    e = est("row=2,col=1,depth=1,pp=1,dp=1", micro=2)        # one micro-batch of 2 rows: n = 4 tokens a rank
+    # per Linear 2 G_r n in + 2 n out = 16 in + 8 out: blocks 2*(16*28 + 8*36), head (4, 8): 64 + 64; the replicated
+    # LayerNorms and embeddings (80) over all ranks; bytes of 4
+    assert e.volumes["row"] == 4 * (2 * (16 * 28 + 8 * 36) + 128.0) and e.volumes["repl"] == 4 * 80.0
+    assert e.volumes["col"] == e.volumes["depth"] == e.volumes["data"] == 0
     # all-reduce part G_r n in = 8 in: 2*8*28 + 32 = 480 at 2 (p-1)/p = 1; the rest at (p-1)/p = 1/2
-    assert e.comm_times["row"] == pytest.approx((480 + 0.5 * (1600 - 480)) * 4 / 1e3)
-    assert e.comm_times["repl"] == pytest.approx(80 * 4 / 1e3)
+    assert e.breakdown["tp_comm_s"] == pytest.approx((480 + 0.5 * (1600 - 480)) * 4 / 1e3)
+    assert e.breakdown["dp_exposed_s"] == pytest.approx(80 * 4 / 1e3)         # the replicated gradients, exposed
     # 6 n sum(in out) + 12 n S H a block, the head 6 n 32: 2 (4608 + 384) + 768 flops at 1e3 flop/s
-    assert e.compute_time == pytest.approx(10752 / 1e3)
+    assert e.breakdown["compute_s"] == pytest.approx(10752 / 1e3)
     assert e.step_time == pytest.approx(10.752 + 4.16 + 0.32)
-    # 4 x local parameters (40 embeddings + 2 x (16 + 96 + 18) + 8 + 16) x 4 bytes + activations 34 n H L b
-    assert e.memory_bytes == pytest.approx(4 * 324 * 4 + 34 * 4 * 4 * 2 * 4)
+    # fp32 weights, gradients and two AdamW moments: 16 bytes x local parameters (40 embeddings + 2 x (16 + 30 + 10
+    # + 40 + 34) + 8 + 16)
+    assert e.memory["state"] == 16 * 324
 
 
 @pytest.mark.serial
 def test_depth_data_fsdp_and_pipeline_by_hand():
-    e = estimate(M, Layout(G_intra_d=2), HW)
-    assert e.volumes["depth"] == 2 * 2 * 192 + 2 * 32 + 2 * 36     # weights gathered + scattered, bias all-reduce
-    assert e.comm_times["depth"] == pytest.approx((0.5 * 832 + 72) * 4 / 1e3)
-    e = estimate(M, Layout(G_intra_d=2), HW, microbatches=3)
-    assert e.volumes["depth"] == 3 * 832 + 72                      # the weight again every micro-batch
-    e = estimate(M, Layout(G_data=2), HW)
-    assert e.volumes == {**ZERO, "data": 568.0}                    # DDP: the whole gradient
-    assert e.comm_times["data"] == pytest.approx(568 * 4 / 1e3)
-    e = estimate(M, Layout(G_data=2), HW, fsdp="full_shard")
-    assert e.volumes["data"] == 3 * 568 and e.comm_times["data"] == pytest.approx(0.5 * 1704 * 4 / 1e3)
-    e = estimate(M, Layout(G_inter=2), HW, microbatches=2)
-    # cut [embedding 40, block 244 | block 244, head 40]; each stage sends and receives n H = 8*4 once each way
-    assert e.volumes == {**ZERO, "inter": 2 * 8 * 4.0}
-    # the slower stage: block 6*8*192 + 12*8*2*4 = 9984 plus the head 6*8*32, bubble (2 + 2 - 1) / 2
-    assert e.compute_time == pytest.approx((9984 + 1536) / 1e3 * 1.5)
-    with pytest.raises(NotImplementedError, match="hybrid_shard"):
-        estimate(M, Layout(G_data=2), HW, fsdp="hybrid_shard")
+    e = est("row=1,col=1,depth=2,pp=1,dp=1", micro=2)
+    assert e.volumes["depth"] == 4 * (2 * 2 * 192 + 2 * 32 + 2 * 36)   # weights gathered + scattered, bias all-reduce
+    # the weights' gathers and scatters at (p-1)/p, the biases' all-reduce at 2 (p-1)/p, the replicated 80 likewise
+    assert e.breakdown["tp_comm_s"] + e.breakdown["dp_exposed_s"] == pytest.approx((0.5 * 832 + 72 + 80) * 4 / 1e3)
+    e = est("row=1,col=1,depth=2,pp=1,dp=1", batch=12, micro=2)            # 3 micro-batches
+    assert e.volumes["depth"] == 4 * (3 * 832 + 72)                         # the weight again every micro-batch
+    e = est("tp=1,pp=1,dp=2", micro=2)
+    assert e.volumes["data"] == 4 * 568.0                                    # DDP: the whole gradient
+    assert e.breakdown["dp_exposed_s"] == pytest.approx(568 * 4 / 1e3)      # 2 (p-1)/p = 1, no overlap on a CPU
+    e = est("tp=1,pp=1,dp=2,zero=3", micro=2)
+    assert e.volumes["data"] == 4 * 3 * 568 and e.breakdown["dp_comm_s"] == pytest.approx(0.5 * 1704 * 4 / 1e3)
+    assert est("tp=1,pp=1,dp=2,zero=2", micro=2).volumes["data"] == 4 * 2 * 568          # gathered once, kept
+    e = est("tp=1,pp=2,dp=1,schedule=1f1b", micro=2)                         # 2 micro-batches of 2
+    # each stage sends and receives n H = 4*4 once each way per micro-batch
+    assert e.volumes["pipeline"] == 4 * 4 * 16.0
+    # the slower stage: a block 6*4*192 + 12*4*2*4 = 4992 a micro-batch plus the head 6*4*32 = 768; the 1F1B bubble
+    # adds one more micro-batch's chunk (p - 1 = 1 of them), its two transfers (64 bytes at 1 kB/s) included
+    assert e.breakdown["compute_s"] == pytest.approx(2 * (4992 + 768) / 1e3)
+    assert e.breakdown["bubble_s"] == pytest.approx(4992 / 1e3 + 2 * 64 / 1e3)
     # FSDP over data x AxoNN columns: TP-local parameters (embeddings 40, blocks 16 + 24+12 + 8+4 + 32+16 + 32+4,
     # ln_f 8 + head 32/2) = 360 gathered twice and reduce-scattered over data; the replicated ones reduced over
     # the tensor block on each rank's data shard: units wte 32 | wpe 8 | block 148 (ln_1 at 0, ln_2 at 56, both
     # in chunk 0 = [0, 74)) x 2 | ln_f 8 | head 16 (split): rank 0 16 + 4 + 2 x 16 + 4 = 56, rank 1 16 + 4 + 4 = 24
-    tp, e = estimate(M, Layout(G_data=2, G_intra_c=2), HW), estimate(M, Layout(G_data=2, G_intra_c=2), HW, fsdp="full_shard")
-    assert e.volumes == {**tp.volumes, "data": 3 * 360.0, "repl": 56.0}
-    assert estimate(M, Layout(G_data=2, G_intra_c=2), HW, fsdp="shard_grad_op").volumes["data"] == 2 * 360.0
-    with pytest.raises(ValueError, match="pipeline"):
-        estimate(M, Layout(G_data=2, G_inter=2), HW, fsdp="full_shard")
+    tp = est("row=1,col=2,depth=1,pp=1,dp=2", batch=8, micro=2)
+    e = est("row=1,col=2,depth=1,pp=1,dp=2,zero=3", batch=8, micro=2)
+    assert e.volumes == {**tp.volumes, "data": 4 * 3 * 360.0, "repl": 4 * 56.0}
+    assert est("row=1,col=2,depth=1,pp=1,dp=2,zero=2", batch=8, micro=2).volumes["data"] == 4 * 2 * 360.0
+    # every micro-batch gathers and reduce-scatters again (FSDP without no_sync)
+    assert est("row=1,col=2,depth=1,pp=1,dp=2,zero=3", batch=8, micro=1).volumes["data"] == 2 * 4 * 3 * 360.0
 
 
 @pytest.mark.serial
 def test_placement_latency_and_shared_cores():
-    m16 = Model(layers=2, width=4, seq=2, global_batch=16, vocab=8)
-    # grid order col, row, depth, inter, data: 4 columns fill a node of 4, the data pairs span two nodes
-    e = estimate(m16, Layout(G_data=2, G_intra_c=4), HW)
-    assert e.volumes["data"] == 2 * (192 / 4 + 36) + 32 / 4         # 3-D weight shards and biases
-    assert e.comm_times["data"] == pytest.approx(1.0 * e.volumes["data"] * 4 / 1e2)
-    assert e.comm_times["col"] > 0 and e.comm_times["col"] < e.comm_times["data"] * 100
-    lat = estimate(m16, Layout(G_intra_c=2, G_data=2), Hardware(**{**HW.__dict__, "latency": 1.0}))
-    base = estimate(m16, Layout(G_intra_c=2, G_data=2), HW)
-    # 5 calls on col per split Linear (9 of them), one per gradient tensor on data (8 weights + 8 biases +
-    # the head's weight), one per replicated tensor over all ranks (2 + 2*4 + 2)
-    assert lat.comm_times["col"] - base.comm_times["col"] == pytest.approx(45)
-    assert lat.comm_times["data"] - base.comm_times["data"] == pytest.approx(17)
-    assert lat.comm_times["repl"] - base.comm_times["repl"] == pytest.approx(12)
-    shared = estimate(m16, Layout(G_data=4), Hardware(**{**HW.__dict__, "cores": 2}))
-    assert shared.compute_time == pytest.approx(2 * estimate(m16, Layout(G_data=4), HW).compute_time)
+    # grid order col, row, depth, pipeline, data: 4 columns fill a node of 4, the data pairs span two nodes
+    e = est("row=1,col=4,depth=1,pp=1,dp=2", batch=16, micro=2)
+    # 3-D weight shards and biases, the head's, and the replicated parameters (then also over the tensor block)
+    assert e.volumes["data"] == 4 * (2 * (192 / 4 + 36) + 32 / 4 + 80) and e.volumes["repl"] == 4 * 80
+    assert e.breakdown["dp_exposed_s"] > e.volumes["data"] / 1e2          # at the network's 100 B/s
+    lat = hardware_from_measured({"intra": 1e3, "inter": 1e2, "flops": 1e3, "latency": 1.0, "cores": 0.0}, 4)
+    a, b = est("row=1,col=2,depth=1,pp=1,dp=2", batch=16, micro=4, hw=lat), est("row=1,col=2,depth=1,pp=1,dp=2",
+                                                                                  batch=16, micro=4)
+    # 5 calls on col per split Linear (9 of them: the head's too), one per gradient tensor on data (8 weights + 8
+    # biases + the head's weight, and the 12 replicated ones: 2 embeddings + 2 x 4 LayerNorm + ln_f 2), one per
+    # replicated tensor over the tensor block (parallel/grad_sync.py's table: data, then the batch group)
+    assert a.step_time - b.step_time == pytest.approx(45 + 17 + 12 + 12)
+    two = hardware_from_measured({"intra": 1e3, "inter": 1e2, "flops": 1e3, "latency": 0.0, "cores": 2.0}, 4)
+    shared = est("tp=1,pp=1,dp=4", batch=16, micro=4, hw=two)
+    assert shared.breakdown["compute_s"] == pytest.approx(2 * est("tp=1,pp=1,dp=4", batch=16, micro=4).breakdown["compute_s"])
 
 
 @pytest.mark.serial
 def test_the_other_kernels_by_hand():
-    """The CPU costs besides the GEMMs: per token and block 4H GELU, 2H LayerNorm, a S scores, 2H adds; the
-    final LayerNorm; AdamW over the updated parameters and two copies of every all-reduced gradient."""
-    kern = dict(attn_flops=100.0, gelu=1.0, layernorm=2.0, softmax=3.0, add=5.0, adam=7.0, copy=11.0)
-    hw = Hardware(**{**HW.__dict__, **kern, "cores": 1.0, "mem_cores": 0.5})
-    e = estimate(M, Layout(G_data=2), hw)          # n = 4 tokens a rank, one head, 2 ranks on the node
-    gemm = 6 * 4 * (2 * 192 + 4 * 8) / 1e3          # the Linears (the head's included)
-    attn = 12 * 4 * 2 * 4 * 2 / 100.0               # 12 n S H a block
-    other = 4 * (2 * (16 * 1.0 + 8 * 2.0 + 2 * 3.0) + 4 * 2.0)
-    memory = 2 * 4 * 4 * 2 * 5.0 + 568 * 7.0 + 2 * 568 * 11.0
-    assert e.compute_time == pytest.approx((gemm + attn + other) * 2 + memory * 4)   # ranks / cores, / mem_cores
-    f = estimate(M, Layout(G_data=2), hw, fsdp="full_shard")       # AdamW on the shard; no flat all-reduce
-    assert f.compute_time == pytest.approx((gemm + attn + other) * 2 + (2 * 4 * 4 * 2 * 5.0 + 284 * 7.0) * 4)
-    assert Hardware.from_measured({"intra": 1.0, "flops": 2.0, "cores": 2.0, **kern}, 4) == Hardware(
-        bw_intra=1.0, bw_inter=1.0, flops=2.0, gpus_per_node=4, cores=2.0, **kern)
+    """The CPU costs besides the GEMMs, per kind: GELU per MLP element, LayerNorm per element (two a block, the
+    final one), softmax per attention score (and the loss's), residual adds (memory-bound); AdamW over the updated
+    parameters and two copies of every all-reduced gradient."""
+    kern = dict(attn_flops=100.0, gelu=1.0, layernorm=2.0, softmax=3.0, add=5.0, adam=7.0, copy=11.0, mem_cores=0.5)
+    hw = hardware_from_measured({"intra": 1e3, "inter": 1e2, "flops": 1e3, "latency": 0.0, "cores": 1.0, **kern}, 4)
+    e = est("tp=1,pp=1,dp=2", micro=2, hw=hw)         # n = 4 tokens a rank, one head, 2 ranks on the node
+    gemm = 6 * 4 * (2 * 192 + 4 * 8) / 1e3             # the Linears (the head's included)
+    attn = 12 * 4 * 2 * 4 * 2 / 100.0                  # 12 n S H a block
+    other = 2 * (64 * 1.0 + 32 * 2.0 + 8 * 3.0) + 16 * 2.0 + 32 * 3.0   # blocks, final LayerNorm, the loss's softmax
+    adds = 2 * 2 * 4 * 4 * 5.0                          # 2 adds of n H a block
+    assert e.breakdown["compute_s"] == pytest.approx((gemm + attn + other) * 2 + adds * 4)   # ranks / cores, / mem_cores
+    assert e.breakdown["optimizer_s"] == pytest.approx((568 * 7.0 + 2 * 568 * 11.0) * 4)
+    f = est("tp=1,pp=1,dp=2,zero=3", micro=2, hw=hw)    # AdamW on the shard; no flat all-reduce
+    assert f.breakdown["optimizer_s"] == pytest.approx(284 * 7.0 * 4)
 
 
 @pytest.mark.serial
-def test_candidates_follow_the_rules_and_plan_is_sorted():
-    got = list(candidate_layouts(M, 4))
+def test_sharded_data_parallel_as_it_runs():
+    """FSDP's collectives per unit and micro-batch, what prefetching hides and what it cannot (the first gather,
+    the last reduce-scatter, gathers that outrun a small unit's compute), hybrid shard, and memory per layout."""
+    from axonmpi.planner import load_hardware
+    a100 = load_hardware("dgx-a100")
+    cfg = TransformerConfig(layers=8, width=2048, heads=16, seq=2048)
+    t = TrainConfig(64, 1, "bf16", "full")
+    lays = {k: estimate_layout(cfg, t, ParallelLayout.parse(f"tp=1,pp=1,dp=64,{k}"), a100)
+            for k in ("zero=0", "zero=1", "zero=2", "zero=3", "zero=3,shard=8", "zero=3,overlap=0")}
+    P = lays["zero=0"].breakdown["params_per_rank"]
+    assert lays["zero=3"].volumes["data"] == 3 * P * 2 and lays["zero=2"].volumes["data"] == 2 * P * 2
+    assert lays["zero=1"].volumes["data"] == 2 * P * 2                 # DDP's all-reduce + the all-gather after step
+    assert lays["zero=3,shard=8"].volumes["data"] == (3 * P + P / 8) * 2   # + the shard's all-reduce over replicas
+    z3, no = lays["zero=3"], lays["zero=3,overlap=0"]
+    assert 0 < z3.breakdown["dp_exposed_s"] < z3.breakdown["dp_comm_s"] == pytest.approx(no.breakdown["dp_exposed_s"])
+    # the node's NVLink carries a hybrid shard's gathers: faster than the same gathers through the network cards
+    assert lays["zero=3,shard=8"].breakdown["dp_comm_s"] < z3.breakdown["dp_comm_s"]
+    mem = {k: e.memory["state"] for k, e in lays.items()}
+    assert mem["zero=0"] > mem["zero=1"] > mem["zero=2"] > mem["zero=3"]
+    # a group across nodes gets the network bandwidth per GPU: one card's, whatever its ranks per node
+    from axonmpi.planner.calibration import FITTED
+    from axonmpi.planner.comm import group_bandwidth
+    assert group_bandwidth(64, 1, a100, FITTED) == group_bandwidth(8, 8, a100, FITTED) == a100.nic_bw * FITTED.network
+    # too little compute per unit: the gathers outrun it and show (a short sequence, same bytes)
+    small = estimate_layout(TransformerConfig(layers=8, width=2048, heads=16, seq=64), TrainConfig(64, 1, "bf16", "full"),
+                            ParallelLayout(dp=64, zero=3), a100)
+    assert small.breakdown["dp_exposed_s"] > 0.5 * small.breakdown["dp_comm_s"]
+
+
+@pytest.mark.serial
+def test_candidates_follow_the_rules_and_search_is_sorted():
+    got = list(candidates(M, train(), 4, HW))
     for lay in got:
-        assert lay.world_size == 4 and M.global_batch % (lay.G_data * lay.tensor_size) == 0
-    assert Layout(G_inter=4) in got and Layout(G_data=4) in got
-    assert len(got) == 15                                          # every 5-tuple of product 4 runs this GPT
-    small = set(candidate_layouts(Model(layers=2, width=4, seq=2, global_batch=2, vocab=8), 4))
-    assert Layout(G_data=2, G_intra_r=2) not in small and Layout(G_data=2, G_inter=2) in small   # 4 row slices of 2
-    assert Layout(G_intra_c=3) not in set(candidate_layouts(M, 3))   # in = 4 does not divide by 3
-    est = plan(M, 4, HW)
-    assert [e.step_time for e in est] == sorted(e.step_time for e in est) and len(est) == len(got)
-    assert len(plan(M, 4, HW, memory_limit=0)) == 0
+        assert lay.world == 4 and ParallelLayout.parse(lay.label()) == lay
+    assert ParallelLayout(pp=2, dp=2, schedule="1f1b") in got and ParallelLayout(dp=4, zero=3) in got
+    assert ParallelLayout(col=3) not in set(candidates(M, train(), 3, HW))      # in = 4 does not divide by 3
+    res = search(M, train(8), 4, HW)
+    assert [e.step_time for e in res] == sorted(e.step_time for e in res) and len(res) > 10
+    assert search(M, train(8), 4, HW, memory_limit=0) == []
 
 
 def _cli(*args, **kw):
     from axonmpi.testing import mpiexec_env
-    return subprocess.run([sys.executable, "-m", "axonmpi", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "axonmpi", *args], capture_output=True, text=True, timeout=120,
                           env=mpiexec_env(), **kw)
+
+
+SMALL = ["plan", "--world", "4", "--layers", "4", "--width", "64", "--seq", "8", "--global-batch", "8",
+         "--vocab", "95", "--hardware", "cpu"]
+
+
+@pytest.mark.serial
+def test_every_layout_the_plan_prints_is_accepted_by_layout(capsys):
+    """The table's and the JSON's layout strings go back in through --layout and give the same estimate
+    (the table printed `...,schedule=zbv,zbv` before)."""
+    from axonmpi.cli import main
+    for hw in (["--hardware", "cpu"], ["--hardware", "dgx-a100", "--world", "16", "--heads", "8"]):
+        args = SMALL[:-2] + hw + ["--top", "40"]
+        assert main(args + ["--json"]) == 0
+        lays = json.loads(capsys.readouterr().out)["layouts"]
+        assert main(args) == 0
+        table = [line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]]
+        assert table == [x["label"] for x in lays] and any("schedule=zbv" in x for x in table)
+        for x in lays:
+            assert main(args + ["--json", "--layout", x["label"]]) == 0, x["label"]
+            (back,) = json.loads(capsys.readouterr().out)["layouts"]
+            assert back["label"] == x["label"] and back["step_time_s"] == pytest.approx(x["step_time_s"], rel=1e-12)
+
+
+@pytest.mark.serial
+def test_top_is_honoured_in_json(capsys):
+    from axonmpi.cli import main
+    assert main(SMALL + ["--json", "--top", "3"]) == 0
+    three = json.loads(capsys.readouterr().out)["layouts"]
+    assert main(SMALL + ["--json", "--top", "500"]) == 0
+    every = json.loads(capsys.readouterr().out)["layouts"]
+    assert len(three) == 3 and len(every) > 3 and three == every[:3]
+
+
+@pytest.mark.serial
+def test_measure_reports_the_load_and_refuses_to_save_under_load(tmp_path, monkeypatch, capsys):
+    assert check_load(15.0, 2) and "load average 15.0 on 2 cores" in check_load(15.0, 2)
+    assert check_load(2.0, 2) is None
+    from axonmpi.cli import main
+    from axonmpi.planner import measure
+    monkeypatch.setattr(measure, "load_report", lambda: (15.0, 2))
+    saved = tmp_path / "hw.json"
+    assert main(SMALL[:-2] + ["--measure", "--save-hardware", str(saved)]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to --save-hardware: load average 15.0 on 2 cores" in err and "--allow-load" in err, err
+    assert not saved.exists()
 
 
 @pytest.mark.serial
 def test_plan_and_plot_commands(tmp_path):
-    r = _cli("plan", "--world", "4", "--layers", "8", "--width", "512", "--seq", "128", "--global-batch", "32",
-             "--top", "3")
+    r = _cli(*SMALL, "--top", "3")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "step ms" in lines[1] and len(lines) == 5 and lines[2].split()[0] == "1"
+    assert "step s" in lines[1] and len(lines) == 5 and lines[2].split()[0] == "1"
     from axonmpi.testing import run_mpiexec
     saved = tmp_path / "cpu.json"
     r = run_mpiexec(["-m", "axonmpi", "plan", "--world", "2", "--layers", "2", "--width", "64", "--seq", "8",
-                     "--global-batch", "4", "--heads", "2", "--hardware", "cpu", "--measure", "--save-hardware",
-                     str(saved)], n=2, timeout=60)
-    assert r.returncode == 0 and r.stdout.count("(measured)") == 1, r.stderr
-    from axonmpi.planner.cpu import hardware_from_spec          # the kernels measured, saved and read back
-    hw = hardware_from_spec(str(saved))
-    assert all(getattr(hw, k) > 0 for k in ("gelu", "layernorm", "softmax", "add", "adam", "copy", "attn_flops"))
-    assert 0 < hw.mem_cores <= (os.cpu_count() or 1)
-    spec = json.loads(saved.read_text())        # the run's ranks per node, not the default 8
-    assert spec["gpus_per_node"] == 2 and hw.gpus_per_node == 2, spec["gpus_per_node"]
+                     "--global-batch", "4", "--heads", "2", "--measure", "--save-hardware", str(saved), "--allow-load"],
+                    n=2, timeout=120)
+    assert r.returncode == 0 and "measured on 2 ranks (2 per node) under load average" in r.stdout, r.stderr
+    from axonmpi.planner import load_hardware        # the kernels measured, saved and read back
+    hw = load_hardware(str(saved))
+    assert hw.is_measured and all(hw.kernel(k) > 0 for k in ("gelu", "layernorm", "softmax", "add", "adam", "copy",
+                                                             "attn_flops", "flops"))
+    assert 0 < hw.mem_cores() <= (os.cpu_count() or 1)
+    spec = json.loads(saved.read_text())        # the run's ranks per node, not the default 8; the load it had
+    assert spec["gpus_per_node"] == 2 and hw.gpus_per_node == 2 and spec["load_average"] >= 0, spec
     # the bandwidth a step meets (between GEMMs) is the model's; the back-to-back one is kept beside it
     assert spec["measured"]["intra"] > 0 and spec["measured"]["intra_alone"] > 0, spec["measured"]
     m = tmp_path / "m.json"

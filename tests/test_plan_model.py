@@ -8,18 +8,29 @@ import pytest
 from axonmpi.planner import (FITTED, FITTED_ON, ParallelLayout, TrainConfig, TransformerConfig, estimate_layout,
                              hardware_names, load_hardware)
 from axonmpi.planner.pipeline import bubble_and_peak
-from axonmpi.planner.published import KORTHIKANTI, TABLE1, compare, memory_compare, summary
+from axonmpi.planner.published import KORTHIKANTI, TABLE1, TABLE2, compare, memory_compare, summary, winners
 
 A100 = load_hardware("dgx-a100")
 
 
 @pytest.mark.serial
-def test_table1_fitted_and_korthikanti_held_out_within_5_percent_mean_10_worst():
+def test_fitted_on_table1_within_5_10_held_out_within_10_20_and_the_published_winners():
+    """Issue 43's targets: fitted rows mean <= 5%, worst <= 10%; every held-out row (Korthikanti 2022, Megatron
+    2021 Table 2 with its ZeRO-3 rows) mean <= 10%, worst <= 20%; the published winner of ZeRO-3 against tensor x
+    pipeline x data at each GPU count; the ranking of each sweep preserved (Spearman >= 0.9)."""
     assert FITTED_ON == tuple(r.label for r in TABLE1)           # fitted on Table 1 only
-    for rows in (TABLE1, KORTHIKANTI):
+    for rows, mean, worst in ((TABLE1, 0.05, 0.10), (KORTHIKANTI, 0.10, 0.20), (TABLE2, 0.10, 0.20)):
         res = compare(rows)
         s = summary(res)
-        assert s["mean"] <= 0.05 and s["worst"] <= 0.10, [(r["row"], round(r["error"], 3)) for r in res]
+        assert s["mean"] <= mean and s["worst"] <= worst and s["spearman"] >= 0.9, \
+            [(r["row"], round(r["error"], 3)) for r in res]
+    for model in ("175B", "530B"):
+        assert summary(compare([r for r in TABLE2 if r.label.startswith(model)]))["spearman"] >= 0.9
+    w = winners(TABLE2)
+    assert len(w) == 5 and all(x["agree"] for x in w), w
+    # ZeRO-3 stops getting faster at a fixed batch once its gathers through the network cards outlast compute
+    z = {r["row"]: r["predicted_s"] for r in compare(TABLE2) if "ZeRO-3" in r["row"]}
+    assert z["175B ZeRO-3 1536"] > 0.9 * z["175B ZeRO-3 768"]
     mem = memory_compare()
     assert len(mem) == 12 and max(abs(m["error"]) for m in mem) <= 0.10, mem
 
@@ -74,8 +85,15 @@ def test_errors_name_the_value_and_the_fix(capsys):
         load_hardware("tpu")
     from axonmpi.cli import main
     assert main(["plan", "--hardware", "dgx-a100", "--world", "8", "--layers", "2", "--width", "64", "--seq", "8",
-                 "--global-batch", "8"]) == 1
-    assert "needs --heads" in capsys.readouterr().err
+                 "--global-batch", "8", "--layout", "tp=2,dp=2"]) == 1
+    assert "not --world 8; change dp to 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_heads=3 must divide heads=16"):
+        TransformerConfig(layers=2, width=64, heads=16, seq=8, kv_heads=3)
+    with pytest.raises(ValueError, match="tp=8 does not divide kv_heads=4"):
+        estimate_layout(TransformerConfig(layers=8, width=1024, heads=16, kv_heads=4, seq=1024), train,
+                        ParallelLayout(tp=8), A100)
+    with pytest.raises(ValueError, match="shard=3 .* must divide dp=8"):
+        ParallelLayout(dp=8, zero=3, shard=3)
 
 
 @pytest.mark.serial
@@ -138,18 +156,42 @@ def test_first_choice_is_no_slower_than_the_published_layout():
 
 
 @pytest.mark.serial
-def test_cpu_hardware_plans_hybridgpt_layouts_in_the_same_json(capsys):
+def test_cpu_hardware_plans_with_the_same_model_and_json(capsys):
     from axonmpi.cli import main
     base = ["plan", "--json", "--hardware", "cpu", "--world", "4", "--layers", "2", "--width", "64", "--seq", "8",
-            "--global-batch", "8", "--vocab", "95"]
-    assert main(base + ["--layout", "dp=2,col=2"]) == 0
+            "--global-batch", "8", "--vocab", "95", "--top", "100"]
+    assert main(base + ["--layout", "row=1,col=2,depth=1,pp=1,dp=2"]) == 0
     (e,) = json.loads(capsys.readouterr().out)["layouts"]
-    assert e["layout"]["dp"] == 2 and e["layout"]["col"] == 2 and e["step_time_s"] > 0 and e["breakdown"]["col_comm_s"] > 0
+    assert e["layout"]["dp"] == 2 and e["layout"]["col"] == 2 and e["step_time_s"] > 0
+    assert e["breakdown"]["tp_comm_s"] > 0 and e["bytes_per_step"]["col"] > 0 and e["bytes_per_step"]["data"] > 0
     assert main(base) == 0
     lays = json.loads(capsys.readouterr().out)["layouts"]
-    assert len(lays) == 15 and [x["step_time_s"] for x in lays] == sorted(x["step_time_s"] for x in lays)
-    assert main(base + ["--layout", "tp=2,dp=2"]) == 1
-    assert "use ['col', 'depth', 'dp', 'm', 'pp', 'row', 'schedule', 'zero']" in capsys.readouterr().err
+    assert len(lays) > 15 and [x["step_time_s"] for x in lays] == sorted(x["step_time_s"] for x in lays)
+    assert {"tp=1,pp=1,dp=4", "tp=1,pp=1,dp=4,zero=3", "row=2,col=2,depth=1,pp=1,dp=1"} <= {x["label"] for x in lays}
+    assert main(base + ["--layout", "tq=2,dp=2"]) == 1
+    assert "unknown key 'tq'" in capsys.readouterr().err
+
+
+@pytest.mark.serial
+def test_llama_shape_in_flops_memory_and_bytes():
+    """Grouped-query attention, a SwiGLU MLP and rotary positions, as planner parameters (no model class)."""
+    from axonmpi.planner.estimate import model_flops
+    llama = TransformerConfig(layers=32, width=4096, heads=32, kv_heads=8, seq=4096, vocab=128256, ffn=14336,
+                              gated=True, rotary=True, bias=False, tied=False)
+    assert llama.params == 8_030_261_248                            # Llama 3 8B, as published (8.03B)
+    assert llama.linears()[0] == (4096, 4096 + 2 * 8 * 128) and len(llama.linears()) == 5
+    t = TrainConfig(256, 1, "bf16", "selective")
+    # forward flops a token: 2 x (QKV + out + 3 MLP matrices) + attention 4 s h + head 2 h V, times 3 (+ selective)
+    lin = 2 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+    assert model_flops(llama, t, recompute=False) == 3.0 * 256 * 4096 * (32 * (lin + 4 * 4096 * 4096) + 2 * 4096 * 128256)
+    mha = TransformerConfig(layers=32, width=4096, heads=32, seq=4096, vocab=128256, ffn=14336, gated=True,
+                            rotary=True, bias=False, tied=False)
+    a, b = (estimate_layout(c, t, ParallelLayout(tp=8, dp=8), A100) for c in (llama, mha))
+    assert a.breakdown["params_per_rank"] < b.breakdown["params_per_rank"]      # fewer K/V weights
+    assert a.breakdown["compute_s"] < b.breakdown["compute_s"]
+    z = estimate_layout(llama, t, ParallelLayout(dp=64, zero=3), A100)
+    # 4 micro-batches, each gathering the whole model twice and reduce-scattering it once, in bf16
+    assert z.volumes["data"] == pytest.approx(4 * 3 * llama.params * 2, rel=1e-12)
 
 
 @pytest.mark.serial

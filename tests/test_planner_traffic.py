@@ -68,6 +68,8 @@ def test_fsdp_per_micro_batch_without_a_pipeline_once_with_one():
     whole = 4 * block(1) + V * H + S * H + 2 * H + V * H
     assert run("dp=8,zero=3")["data"] == 3 * whole * E
     assert run("dp=8,zero=1")["data"] == 2 * whole * E
+    assert run("dp=8,zero=2")["data"] == 2 * whole * E                 # gathered once, kept for the backward
+    assert run("dp=8,zero=3,shard=4")["data"] == (3 + 1 / 4) * whole * E   # + the shard's all-reduce over 2 replicas
     piped = run("tp=2,pp=2,dp=2,zero=3", m=2)
     assert piped["data"] == 2 * (2 * block(2) + V * H + S * H) * E     # one gather and one reduce-scatter a step
 

@@ -9,6 +9,12 @@ measured per group shape (AxoNN's tables for Perlmutter and Frontier) add ``grou
 No efficiency constant lives here: what was fitted to published runs lives in
 :mod:`axonmpi.planner.calibration`, named, with the rows it was fitted on.
 
+A measured machine (``cpu.json``, or what ``axonmpi plan --measure`` measures: :mod:`.measure`) carries
+``measured``: the rates the same cost model then uses in place of the roofline and the fitted
+efficiencies -- the GEMM's flop rate, the attention core's, our autograd's other kernels per element,
+the bandwidth a collective gets between computation, the latency of a call, and the cores the ranks
+get in effect (:attr:`HardwareSpec.kernels`).
+
 Example:
     >>> hw = load_hardware("dgx-a100")
     >>> hw.gpus_per_node, hw.peak_flops("fp16") / 1e12
@@ -44,6 +50,28 @@ class HardwareSpec:
     source: str = ""
     cores: float = 0.0                  # cpu: cores per node the ranks get (0: one per rank)
     measured: Dict[str, float] = field(default_factory=dict)
+    overlap: Optional[bool] = None      # collectives progress under compute (default: not on a measured CPU)
+
+    @property
+    def is_measured(self) -> bool:
+        """The rates are measured ones (``measured``): no roofline, no fitted efficiency."""
+        return bool(self.measured)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a non-blocking collective progresses while the rank computes.  On a measured CPU
+        allocation it does not: MPI progresses a request only inside MPI calls (no progress thread),
+        and the library tests its requests at unit boundaries only, so the model counts every
+        collective as exposed there."""
+        return (not self.is_measured) if self.overlap is None else bool(self.overlap)
+
+    def kernel(self, name: str) -> float:
+        """A measured rate or cost (``measured[name]``; 0.0 when not measured)."""
+        return float(self.measured.get(name, 0.0) or 0.0)
+
+    def mem_cores(self) -> float:
+        """The cores in effect for memory-bound work (measured; else ``cores``)."""
+        return self.kernel("mem_cores") or self.cores
 
     def peak_flops(self, precision: str) -> float:
         """Peak matrix flop/s per rank in ``precision`` (fp16, bf16, fp32, fp64 where listed)."""
@@ -80,6 +108,8 @@ class HardwareSpec:
             d["cores"] = self.cores
         if self.measured:
             d["measured"] = self.measured
+        if self.overlap is not None:
+            d["overlap"] = self.overlap
         return d
 
     def with_(self, **kw) -> "HardwareSpec":
@@ -106,7 +136,8 @@ def _from_dict(d: Dict[str, object], where: str) -> HardwareSpec:
         inter_latency=float(d.get("inter_latency_us", 0.0)) * 1e-6,
         group_gbs={k: v for k, v in dict(d["group_gbs"]).items() if k != "comment"} if d.get("group_gbs") else None,
         description=str(d.get("description", "")), source=str(d.get("source", "")),
-        cores=float(d.get("cores", 0.0)), measured=dict(d.get("measured", {})))
+        cores=float(d.get("cores", 0.0)), measured=dict(d.get("measured", {})),
+        overlap=None if d.get("overlap") is None else bool(d["overlap"]))
 
 
 def load_hardware(name_or_path: str) -> HardwareSpec:

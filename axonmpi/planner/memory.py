@@ -3,7 +3,10 @@
 [Note: memory]  Model state, per parameter held by the rank: mixed precision (fp16/bf16) keeps the
 16-bit weight (2 bytes), an fp32 gradient (4) and fp32 master weight and two Adam moments (12):
 18 bytes (Korthikanti's count); fp32 training 16.  ZeRO-1 shards the 12 optimizer bytes over the data
-ranks; FSDP (``zero=3``) shards all of it and holds two gathered layers at a time.
+ranks; FSDP (``zero=2`` and 3) shards all of it over its shard group, and holds gathered units on top:
+``zero=3`` two at a time (the one computing and the prefetched one; in a pipeline the whole stage, which
+stays gathered for the step), ``zero=2`` every unit from its forward to its backward (the whole model's
+parameters at the peak) -- see ``estimate.py``.
 
 Activations of one block and micro-batch (bytes, 16-bit; ``s`` the rank's sequence, ``b`` the
 micro-batch, ``a`` heads, ``t`` tensor ranks), Korthikanti's Table 2:
@@ -32,7 +35,7 @@ def state_bytes_per_param(precision_bytes: int, zero: int, dp: int) -> float:
     opt = 12.0 if mixed else 2.0 * precision_bytes
     if zero == 1:
         return weight + grad + opt / dp
-    if zero == 3:
+    if zero in (2, 3):
         return (weight + grad + opt) / dp
     return weight + grad + opt
 

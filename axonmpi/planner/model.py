@@ -24,9 +24,25 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """A GPT: ``layers`` blocks of width ``width`` with ``heads`` heads, sequence ``seq``, vocabulary
-    ``vocab``; MLP hidden ``ffn`` (default ``4 width``); ``experts > 0`` makes every ``moe_every``-th MLP
-    a mixture of ``experts`` experts with ``top_k`` routing; ``tied`` embeddings (Megatron's)."""
+    """A decoder-only transformer: ``layers`` blocks of width ``width`` with ``heads`` query heads, sequence
+    ``seq``, vocabulary ``vocab``.
+
+    The GPT (default) and the Llama shape in one description, without importing either model class:
+
+    * ``kv_heads``: key/value heads (grouped-query attention when fewer than ``heads``; 0: ``heads``);
+    * ``ffn``: the MLP's hidden width (0: ``4 width``); ``gated``: a SwiGLU MLP (gate and up
+      projections ``width -> ffn``, a SiLU and a product, down ``ffn -> width``: three matrices);
+    * ``rotary``: rotary position embeddings (no learned position table; the rotation of q and k);
+    * ``bias``: biases in the Linears and the norms (GPT: yes; Llama: no, and RMSNorm has no bias);
+    * ``experts > 0``: every ``moe_every``-th MLP a mixture of ``experts`` experts with ``top_k`` routing;
+    * ``tied``: the head shares the word embedding (Megatron's GPT; our GPT and Llama: no).
+
+    Example:
+        >>> llama = TransformerConfig(layers=32, width=4096, heads=32, kv_heads=8, seq=4096, vocab=128256,
+        ...                           ffn=14336, gated=True, rotary=True, bias=False, tied=False)
+        >>> round(llama.params / 1e9, 2)                       # Llama 3 8B
+        8.03
+    """
     layers: int
     width: int
     heads: int
@@ -37,6 +53,10 @@ class TransformerConfig:
     top_k: int = 1
     moe_every: int = 1
     tied: bool = True
+    kv_heads: int = 0
+    gated: bool = False
+    rotary: bool = False
+    bias: bool = True
 
     def __post_init__(self):
         for k in ("layers", "width", "heads", "seq", "vocab"):
@@ -44,10 +64,39 @@ class TransformerConfig:
                 raise ValueError(f"TransformerConfig: {k}={getattr(self, k)} must be >= 1")
         if self.width % self.heads:
             raise ValueError(f"TransformerConfig: width={self.width} does not divide by heads={self.heads}")
+        if self.kv_heads < 0 or (self.kv_heads and self.heads % self.kv_heads):
+            raise ValueError(f"TransformerConfig: kv_heads={self.kv_heads} must divide heads={self.heads} "
+                             "(grouped-query attention: each key/value head serves heads / kv_heads query heads)")
 
     @property
     def hidden(self) -> int:
+        """The MLP's hidden width."""
         return self.ffn or 4 * self.width
+
+    @property
+    def n_kv(self) -> int:
+        """Key/value heads."""
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @property
+    def qkv_out(self) -> int:
+        """Output width of the fused QKV projection: ``h`` queries and ``2 kv_heads head_dim`` keys and values."""
+        return self.width + 2 * self.n_kv * self.head_dim
+
+    def linears(self):
+        """``(in, out)`` of one block's Linears (the MLP's gate and up are two, as in Llama)."""
+        h, f = self.width, self.hidden
+        mlp = [(h, f), (h, f), (f, h)] if self.gated else [(h, f), (f, h)]
+        return [(h, self.qkv_out), (h, h)] + mlp
+
+    @property
+    def norm_params(self) -> int:
+        """One LayerNorm (weight and bias) or RMSNorm (weight only, ``bias=False``)."""
+        return self.width * (2 if self.bias else 1)
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer % self.moe_every == self.moe_every - 1
@@ -57,15 +106,28 @@ class TransformerConfig:
         return sum(self.is_moe(i) for i in range(self.layers))
 
     @property
-    def layer_params(self) -> int:
-        """A dense block: QKV, projection, two MLP Linears (with biases) and two LayerNorms."""
-        h, f = self.width, self.hidden
-        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    def attn_params(self) -> int:
+        """QKV and the output projection (with biases when ``bias``)."""
+        h = self.width
+        return h * self.qkv_out + h * h + ((self.qkv_out + h) if self.bias else 0)
 
     @property
     def expert_params(self) -> int:
-        """One expert's MLP."""
-        return 2 * self.width * self.hidden + self.hidden + self.width
+        """One MLP (an expert's): two or three matrices and their biases."""
+        h, f = self.width, self.hidden
+        if self.gated:
+            return 3 * h * f + ((2 * f + h) if self.bias else 0)
+        return 2 * h * f + ((f + h) if self.bias else 0)
+
+    @property
+    def layer_params(self) -> int:
+        """A dense block: attention, the MLP and two norms (GPT: ``12 h^2 + 13 h``)."""
+        return self.attn_params + self.expert_params + 2 * self.norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        """Word embeddings, and the learned position table unless ``rotary``."""
+        return (self.vocab + (0 if self.rotary else self.seq)) * self.width
 
     @property
     def params(self) -> int:
@@ -73,19 +135,20 @@ class TransformerConfig:
         dense = self.layers * self.layer_params
         if self.experts:
             dense += self.moe_layers * ((self.experts - 1) * self.expert_params + self.width * self.experts)
-        emb = (self.vocab + self.seq) * self.width + 2 * self.width
-        return dense + emb + (0 if self.tied else self.vocab * self.width)
+        return dense + self.embedding_params + self.norm_params + (0 if self.tied else self.vocab * self.width)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """The batch: ``global_batch`` sequences per step in micro-batches of ``micro_batch``; ``precision``
     of the compute (fp16/bf16: mixed precision with fp32 master weights, Megatron's 18 bytes a parameter);
-    ``recompute`` none, selective (Korthikanti's: the attention core) or full."""
+    ``recompute`` none, selective (Korthikanti's: the attention core) or full; ``dropout``: dropout layers
+    run (the published GPT runs: yes; ``examples/train_gpt.py``: ``--dropout 0``, none)."""
     global_batch: int
     micro_batch: int = 1
     precision: str = "fp16"
     recompute: str = "none"
+    dropout: bool = True
 
     def __post_init__(self):
         if self.precision not in PRECISION_BYTES:
@@ -100,7 +163,8 @@ class TrainConfig:
         return PRECISION_BYTES[self.precision]
 
 
-_INT_KEYS = ("tp", "pp", "dp", "vp", "cp", "ep", "sp", "zero", "row", "col", "depth", "overlap", "tp_overlap")
+_INT_KEYS = ("tp", "pp", "dp", "vp", "cp", "ep", "sp", "zero", "shard", "row", "col", "depth", "overlap",
+             "reduce_overlap", "tp_overlap")
 
 
 @dataclass(frozen=True)
@@ -109,7 +173,16 @@ class ParallelLayout:
     reduced during the last micro-batch's backward, FSDP's next all-gather prefetched under compute;
     ``overlap=0`` reduces gradients after the backward (Megatron 2021, the published runs).  ``tp_overlap=1``
     hides the backward's tensor-parallel all-reduces under the weight-gradient GEMMs (Megatron's asynchronous
-    all-reduce of 2022, on in Korthikanti's runs; axonmpi's runtime does not, so 0 by default)."""
+    all-reduce of 2022, on in Korthikanti's runs; axonmpi's runtime does not, so 0 by default).
+
+    Sharded data parallelism (``zero``), as axonmpi runs it: 0 DDP; 1 ZeRO-1 (``ZeroRedundancyOptimizer``:
+    DDP's all-reduce, then each rank steps its chunk and the chunks are all-gathered); 2 FSDP
+    ``SHARD_GRAD_OP`` (ZeRO-2: gathered in forward, kept for the backward, gradients reduce-scattered);
+    3 FSDP ``FULL_SHARD`` (ZeRO-3: gathered in forward and again in backward).  ``shard`` (with ``zero=2``
+    or 3): the size of the groups the state is sharded over, the data ranks split into ``dp / shard``
+    replicas of it whose gradients are all-reduced (``HYBRID_SHARD``; 0: all ``dp`` ranks).
+    ``reduce_overlap=0`` (with ``overlap=1``): gathers are prefetched but gradient reductions block the
+    backward (DeepSpeed's ``overlap_comm`` off, its documented default; the published ZeRO-3 runs)."""
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -118,6 +191,7 @@ class ParallelLayout:
     ep: int = 1
     sp: int = 0
     zero: int = 0
+    shard: int = 0
     row: int = 1
     col: int = 1
     depth: int = 1
@@ -125,16 +199,21 @@ class ParallelLayout:
     cp_kind: str = "ring"
     overlap: int = 1
     tp_overlap: int = 0
+    reduce_overlap: int = 1
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "vp", "cp", "ep", "row", "col", "depth"):
             if getattr(self, k) < 1:
                 raise ValueError(f"layout: {k}={getattr(self, k)} must be >= 1")
-        if self.zero not in (0, 1, 3):
-            raise ValueError(f"layout: zero={self.zero}; pick 0 (DDP), 1 (ZeRO-1) or 3 (FSDP full shard)")
-        if self.sp not in (0, 1) or self.overlap not in (0, 1) or self.tp_overlap not in (0, 1):
-            raise ValueError(f"layout: sp={self.sp}, overlap={self.overlap} and tp_overlap={self.tp_overlap} "
-                             "must be 0 or 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"layout: zero={self.zero}; pick 0 (DDP), 1 (ZeRO-1), 2 (FSDP shard_grad_op) or 3 "
+                             "(FSDP full shard)")
+        if self.shard and (self.zero < 2 or self.shard < 1 or self.dp % self.shard):
+            raise ValueError(f"layout: shard={self.shard} (hybrid shard) needs zero=2 or 3 and must divide "
+                             f"dp={self.dp}")
+        if any(x not in (0, 1) for x in (self.sp, self.overlap, self.tp_overlap, self.reduce_overlap)):
+            raise ValueError(f"layout: sp={self.sp}, overlap={self.overlap}, tp_overlap={self.tp_overlap} and "
+                             f"reduce_overlap={self.reduce_overlap} must be 0 or 1")
         if self.tp > 1 and self.axonn > 1:
             raise ValueError(f"layout: tp={self.tp} (Megatron 1-D) and row/col/depth={self.row}/{self.col}/"
                              f"{self.depth} (AxoNN 3-D) are two tensor splits; pick one")
@@ -149,6 +228,11 @@ class ParallelLayout:
         if self.vp > 1 and self.pipeline_schedule not in ("interleaved",):
             raise ValueError(f"layout: vp={self.vp} chunks per rank need schedule=interleaved "
                              f"(zbv always runs 2), got {self.pipeline_schedule}")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each piece of sharded state is spread over (the data ranks, or ``shard``)."""
+        return (self.shard or self.dp) if self.zero else 1
 
     @property
     def axonn(self) -> int:
@@ -203,6 +287,13 @@ class ParallelLayout:
         return d
 
     def label(self) -> str:
+        """The layout as ``--layout`` takes it: ``ParallelLayout.parse(lay.label())`` is an equal layout
+        (``shard`` equal to ``dp`` printed as nothing: the same thing).
+
+        Example:
+            >>> ParallelLayout(tp=2, pp=4, dp=2, schedule="zbv").label()
+            'tp=2,pp=4,dp=2,schedule=zbv'
+        """
         parts = [f"tp={self.tp}"] if self.axonn == 1 else [f"row={self.row},col={self.col},depth={self.depth}"]
         parts += [f"pp={self.pp}", f"dp={self.dp}"]
         for k in ("vp", "cp", "ep"):
@@ -214,8 +305,16 @@ class ParallelLayout:
             parts.append("sp=1")
         if self.zero:
             parts.append(f"zero={self.zero}")
-        if self.pp > 1 and self.pipeline_schedule not in ("1f1b", "interleaved"):
+        if self.shard and self.shard != self.dp:
+            parts.append(f"shard={self.shard}")
+        if self.pp > 1:
             parts.append(f"schedule={self.pipeline_schedule}")
+        if not self.overlap:
+            parts.append("overlap=0")
+        if not self.reduce_overlap:
+            parts.append("reduce_overlap=0")
+        if self.tp_overlap:
+            parts.append("tp_overlap=1")
         return ",".join(parts)
 
     def with_(self, **kw) -> "ParallelLayout":

@@ -9,15 +9,17 @@ __all__ = ["format_table", "format_validation"]
 
 
 def format_table(ests: List[PlanEstimate], top: int = 20) -> str:
-    """Rank, the layout, micro-batches, predicted step, memory, TFLOP/s and the breakdown's main terms."""
+    """Rank, the layout (as ``--layout`` takes it), micro-batches, predicted step, memory, TFLOP/s and the
+    breakdown's main terms."""
     cols = ("compute_s", "recompute_s", "tp_comm_s", "pp_p2p_s", "bubble_s", "dp_exposed_s", "cp_comm_s", "ep_comm_s")
-    head = (f"{'#':>3} {'layout':<44} {'m':>4} {'step s':>9} {'mem GiB':>8} {'TF/s':>6} "
-            + " ".join(f"{c[:-2]:>9}" for c in cols))
+    width = max([44] + [len(e.layout.label()) for e in ests[:top]])
+    head = (f"{'#':>3} {'layout (--layout takes it as printed)':<{width}} {'m':>4} {'step s':>9} {'mem GiB':>8} "
+            f"{'TF/s':>8} " + " ".join(f"{c[:-2]:>9}" for c in cols))
     lines = [head]
     for k, e in enumerate(ests[:top], 1):
-        lay = e.layout.label() + ("" if e.layout.pp == 1 else f",{e.layout.pipeline_schedule}")
-        lines.append(f"{k:>3} {lay:<44} {e.microbatches:>4} {e.step_time:>9.3f} {e.memory_bytes / 2 ** 30:>8.1f} "
-                     f"{e.tflops_per_gpu:>6.1f} " + " ".join(f"{e.breakdown[c]:>9.3f}" for c in cols))
+        lines.append(f"{k:>3} {e.layout.label():<{width}} {e.microbatches:>4} {e.step_time:>9.3f} "
+                     f"{e.memory_bytes / 2 ** 30:>8.1f} {e.tflops_per_gpu:>8.3g} "
+                     + " ".join(f"{e.breakdown[c]:>9.3f}" for c in cols))
     if not ests:
         lines.append("(no layout fits)")
     return "\n".join(lines)

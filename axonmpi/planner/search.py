@@ -5,7 +5,9 @@ dividing the heads; or AxoNN ``row x col x depth`` up to a node, dividing every 
 sizes dividing the layers, each schedule (1F1B, interleaved with ``vp`` chunks dividing a stage's
 layers, ZB-H1, ZBV), context sizes ``cp`` (ring and Ulysses) when ``max_cp > 1``, expert sizes ``ep``
 dividing the experts and the data ranks (MoE models: expert parallelism and tensor-parallel experts,
-``ep = 1``, in one ranking), and DDP / ZeRO-1 / FSDP over the data ranks.  Layouts that ``check_layout``
+``ep = 1``, in one ranking), and DDP / ZeRO-1 / FSDP shard_grad_op / FSDP full shard over the data
+ranks, and hybrid shard (FSDP over each node's data ranks, replicated across nodes) when the data ranks
+span nodes.  Layouts that ``check_layout``
 refuses or whose memory exceeds the limit are left out.
 """
 from __future__ import annotations
@@ -26,22 +28,20 @@ def _divisors(n: int) -> List[int]:
 
 def _tensor_options(cfg: TransformerConfig, world: int, gpn: int, axonn: bool):
     for t in _divisors(world):
-        if t > gpn or cfg.heads % t:
+        if t > gpn or cfg.heads % t or cfg.n_kv % t:
             continue
         yield {"tp": t, "sp": 0}
         if t > 1:
             yield {"tp": t, "sp": 1}
     if not axonn:
         return
-    h, f = cfg.width, cfg.hidden
     for T in _divisors(world):
         if T < 2 or T > gpn:
             continue
         for r in _divisors(T):
             for c in _divisors(T // r):
                 d = T // (r * c)
-                ok = all(o % r == 0 and i % c == 0 and (i * o // (r * c)) % d == 0
-                         for i, o in ((h, 3 * h), (h, h), (h, f), (f, h)))
+                ok = all(o % r == 0 and i % c == 0 and (i * o // (r * c)) % d == 0 for i, o in cfg.linears())
                 if ok:
                     yield {"row": r, "col": c, "depth": d}
 
@@ -66,12 +66,19 @@ def candidates(cfg: TransformerConfig, train: TrainConfig, world: int, hw: Hardw
                     if cfg.layers % (2 * pp) == 0:
                         scheds += [("zbv", 1)]
                 eps = [e for e in _divisors(dp) if cfg.experts and cfg.experts % e == 0] or [1]
+                shards = [(0, 0)]
+                if dp > 1:
+                    shards = [(z, 0) for z in (0, 1, 2, 3)]
+                    per_node = max(1, hw.gpus_per_node // (T * cp * pp))      # data ranks on one node
+                    if 1 < per_node < dp and dp % per_node == 0:
+                        shards += [(3, per_node)]
                 for kind in kinds:
                     for sched, vp in scheds:
                         for ep in eps:
-                            for zero in (0, 1, 3) if dp > 1 else (0,):
-                                yield ParallelLayout(pp=pp, dp=dp, vp=vp, cp=cp, ep=ep, zero=zero, schedule=sched,
-                                                     cp_kind=kind, overlap=overlap, **tens)
+                            for zero, shard in shards:
+                                yield ParallelLayout(pp=pp, dp=dp, vp=vp, cp=cp, ep=ep, zero=zero, shard=shard,
+                                                     schedule=sched if pp > 1 else "", cp_kind=kind,
+                                                     overlap=overlap, **tens)
 
 
 def search(cfg: TransformerConfig, train: TrainConfig, world: int, hw: HardwareSpec,

@@ -24,7 +24,7 @@ element; ``B`` blocks on the rank (``L / pp``):
   biases: ``6 h e`` per block, once per step).  Without SP a pipeline boundary is Megatron's
   scatter/gather: ``1/t`` of the activation through the pipeline link and an all-gather (``n h e``)
   of it in the tensor group on the receiving side, each way.  AxoNN 3-D:
-  :func:`axonmpi.plan.linear_volumes` per Linear.
+  :func:`axonmpi.planner.axonn.linear_volumes` per Linear.
 * pipeline: each transfer of the schedule (``make_schedule``'s ``SEND``/``RECV`` actions of the busiest
   rank: 1F1B, GPipe, ZB-H1 ``2 (neighbours) m``; interleaved and ZBV more) moves one activation
   ``n h e`` (``/ t`` with Megatron's scatter/gather or SP); a tied embedding's gradient between the
@@ -37,9 +37,13 @@ element; ``B`` blocks on the rank (``L / pp``):
 * expert (per MoE block and micro-batch): dispatch and combine all-to-alls each way of the ``k n h e``
   routed tokens, of which ``(ep - 1)/ep`` leave the rank (balanced routing): ``4 k n h e (ep-1)/ep``.
 * data (gradients of the rank's ``P`` parameters, over ``dp x cp`` replicas): DDP ``P e``; ZeRO-1 ``2 P e``
-  (reduce-scatter, all-gather); FSDP (``zero=3``) ``3 P e`` a micro-batch (all-gather forward and backward,
-  reduce-scatter) without a pipeline, and ``2 P e`` a step with one (a stage is gathered once before its
-  first micro-batch and reduce-scatters once after its last: FSDP2's ``reshard_after_forward=False``).
+  (DDP's all-reduce, then the all-gather of the updated chunks); FSDP ``3 P e`` (``zero=3``: all-gather
+  forward and backward, reduce-scatter) or ``2 P e`` (``zero=2``: gathered once, kept for the backward) a
+  micro-batch without a pipeline, and ``2 P e`` a step with one (a stage is gathered once before its
+  first micro-batch and reduce-scatters once after its last: FSDP2's ``reshard_after_forward=False``);
+  hybrid shard (``shard < dp``) adds the all-reduce of the shard's gradient over the replicas, ``P e / shard``
+  each time it reduce-scatters.  (The AxoNN layouts of :mod:`.estimate` count theirs as HybridGPT moves them:
+  ``PlanEstimate.volumes``.)
   Expert parameters are reduced over ``dp / ep``.  ``P`` counts what Megatron splits (``(4h^2 + 2hf +
   3h + f) / t`` a block) and what it keeps whole (LayerNorms, row-parallel biases: ``6 h``).
 
@@ -56,7 +60,8 @@ import math
 from functools import lru_cache
 from typing import Dict
 
-from .estimate import check_layout
+from .axonn import linear_volumes
+from .estimate import _block, check_layout
 from .model import ParallelLayout, TrainConfig, TransformerConfig
 
 __all__ = ["GROUP_NAMES", "group_bytes", "pipeline_transfers"]
@@ -79,13 +84,6 @@ def pipeline_transfers(kind: str, p: int, m: int, v: int = 1) -> int:
     s = make_schedule(kind, p, m, v if kind == "interleaved" else None)
     moves = (ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD)
     return max(sum(a.kind in moves for a in s.actions(r)) for r in range(p))
-
-
-def _block_params(cfg: TransformerConfig, t: int) -> float:
-    """One dense block's parameters on a rank of a Megatron split ``t``: split weights and column biases,
-    whole LayerNorms and row biases."""
-    h, f = cfg.width, cfg.hidden
-    return (4 * h * h + 2 * h * f + 3 * h + f) / t + 6 * h
 
 
 def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
@@ -126,9 +124,8 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
             if pp > 1 and not sp:                                  # scatter/gather: an all-gather per receive
                 g["tensor"] += pipeline_transfers(lay.pipeline_schedule, pp, m, lay.vp) / 2 * act
         if lay.axonn > 1:
-            from ..plan import linear_volumes
             nrows = n
-            for i, o in ((h, 3 * h), (h, h), (h, cfg.hidden), (cfg.hidden, h)):
+            for i, o in cfg.linears():
                 for vols in linear_volumes(i, o, nrows, lay.row, lay.col, lay.depth).values():
                     g["tensor"] += m * blocks * sum(vols.values()) * e
         # -- pipeline ----------------------------------------------------------------------------------
@@ -147,7 +144,7 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
         if cfg.experts and lay.ep > 1:
             g["expert"] += m * blocks * moe_frac * 4 * cfg.top_k * n * h * e * (lay.ep - 1) / lay.ep * redo
         # -- data --------------------------------------------------------------------------------------
-        dense_block = _block_params(cfg, t) if lay.axonn == 1 else cfg.layer_params / T
+        dense_block = _block(cfg, lay).local
         moe_block, expert_block = dense_block, 0.0
         if cfg.experts:        # the MLP becomes a router (whole) and E / ep experts (split over t)
             f = cfg.hidden
@@ -162,11 +159,14 @@ def group_bytes(cfg: TransformerConfig, train: TrainConfig, lay: ParallelLayout,
             params += 2 * h + (0 if cfg.tied and pp == 1 else V * h / split)
         expert_params = blocks * moe_frac * expert_block
         gdp = lay.dp * cp
+        times = m if pp == 1 else 1
+        mult = {0: 1.0, 1: 2.0, 2: 2.0 * times, 3: (3.0 if pp == 1 else 2.0) * times}[lay.zero]
+        if lay.zero >= 2 and lay.shard_size < lay.dp:
+            mult += times / lay.shard_size
         if gdp > 1:
-            mult = {0: 1.0, 1: 2.0}.get(lay.zero, 3.0 * m if pp == 1 else 2.0)
             g["data"] += mult * params * e
         if expert_params and lay.dp // lay.ep > 1:
-            g["data"] += {0: 1.0, 1: 2.0}.get(lay.zero, 3.0 * m if pp == 1 else 2.0) * expert_params * e
+            g["data"] += mult * expert_params * e
         per_stage.append(g)
     for g in per_stage:
         for k in GROUP_NAMES:
