@@ -410,7 +410,7 @@ else:
     time.sleep(4)
     axonmpi.all_reduce(np.ones(3), group=a)
     work.wait()
-print(w.rank, "ok", flush=True)
+print(f"{w.rank} ok\\n", end="", flush=True)   # one write per rank: two prints may interleave
 """
 
 
