@@ -4,6 +4,8 @@
   ``make test``; under ``mpiexec -n N`` with N > 1 they are skipped, so each runs once.
 * Under ``mpiexec``, only rank 0 prints pytest's report; the other ranks write theirs to
   ``.test-logs/np<N>-rank<r>.log`` (``make test`` prints those of failed runs).
+* ``--shard K/N`` keeps every N-th test from the K-th (0-based) of the collected order: ``make test`` runs
+  the 1-rank pass as two such shards at once, since its tests mostly wait on jobs they launch.
 * A watchdog (``faulthandler.dump_traceback_later``) ends a test that hangs for
   ``AXONMPI_TEST_TIMEOUT`` seconds (default 180), printing every thread's stack; the MPI
   launcher then tears down the other ranks instead of leaving the job blocked.
@@ -26,6 +28,21 @@ except Exception:  # pragma: no cover - mpi4py missing
 _TIMEOUT = float(os.environ.get("AXONMPI_TEST_TIMEOUT", "180"))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run only every N-th collected test, from the K-th (0-based): K/N, e.g. 0/2 and 1/2")
+
+
+def _shard(config):
+    text = config.getoption("--shard")
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise pytest.UsageError(f"--shard {text!r}: expected K/N with 0 <= K < N, e.g. --shard 1/2")
+    return int(m.group(1)), int(m.group(2))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     """Ranks other than 0 write pytest's report to .test-logs/np<N>-rank<r>.log."""
@@ -44,6 +61,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    shard = _shard(config)
+    if shard is not None:
+        k, n = shard
+        config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i % n != k])
+        items[:] = [it for i, it in enumerate(items) if i % n == k]
     if not re.search(r"\bnd\b", config.option.markexpr or ""):
         # the N-D layouts (8 and 16 ranks) run in make test's own pass: pytest -m nd
         skip_nd = pytest.mark.skip(reason="N-D layout: runs in its own pass (mpiexec -n 8|16 pytest -m nd)")

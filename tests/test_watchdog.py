@@ -257,3 +257,28 @@ def test_debug_mode_catches_a_skipped_call_at_the_next_one(world):
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout=-1 must be a number of seconds > 0"):
         axonmpi.init(timeout=-1)
+
+
+LATE_MESSAGE = """
+import pickle, numpy as np, axonmpi
+from axonmpi.distributed import watchdog as W
+w = axonmpi.init()
+wd = axonmpi.distributed.world.get_world().watchdog
+if w.rank == 1:                          # rank 1's monitor has taken its last look
+    wd._stop.set(); wd._thread.join()
+w.barrier()
+if w.rank == 0:                          # ... when rank 0's answer (large: sent by rendezvous) leaves
+    wd._post(pickle.dumps((1, {"pad": np.zeros(1 << 18)})), 1, W._PEEKED)
+print(w.rank, "ends", flush=True)
+"""
+
+
+@pytest.mark.serial
+def test_a_watchdog_message_sent_after_the_peers_last_look_does_not_block_the_exit():
+    """A question or answer that reaches a rank after its monitor stopped used to stay unreceived: its
+    sender waited in ``Waitall`` for ever while the others sat in ``MPI_Finalize`` (seen once at 16 ranks
+    at the end of a test pass). At exit the ranks now count their watchdog messages and receive the rest."""
+    r, took = _run(LATE_MESSAGE, 2, env={"AXONMPI_TIMEOUT": "60"}, timeout=60)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "0 ends" in r.stdout and "1 ends" in r.stdout
+    assert took < 30, took

@@ -250,6 +250,9 @@ class Watchdog:
         self._peek_at: Dict[int, list] = {}    # call index -> [next peek time, interval, round asked, asked at]
         self._cause: Optional[str] = None      # what a peek found (named in the hang report)
         self._sends: List[Any] = []
+        self._count_lock = threading.Lock()
+        self._nsent = np.zeros(self.size, np.int64)   # messages this rank's watchdog sent to each rank
+        self._nrecv = np.zeros(self.size, np.int64)   # and received from each
         self._stop = threading.Event()
         self._exit_notices = 0
         self._closed = False
@@ -389,7 +392,7 @@ class Watchdog:
         self._peek_round += 1
         msg = pickle.dumps(("peek", self._peek_round))
         for r in self._peers(e):
-            self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_PEEK))
+            self._post(msg, r, _PEEK)
         st[2], st[3] = self._peek_round, now
         return False
 
@@ -409,7 +412,7 @@ class Watchdog:
         rnd, want = self._peek_round, self._peers(e)
         msg = pickle.dumps(("peek", rnd))
         for r in want:
-            self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_PEEK))
+            self._post(msg, r, _PEEK)
         end = time.monotonic() + ANSWER_S
         while time.monotonic() < end:
             self._drain()
@@ -528,7 +531,30 @@ class Watchdog:
             buf = bytearray(status.Get_count(MPI.BYTE))
             src, tag = status.Get_source(), status.Get_tag()
             m.Recv([buf, MPI.BYTE])
+            with self._count_lock:
+                self._nrecv[src] += 1
             self._handle(src, tag, pickle.loads(bytes(buf)))
+
+    def _post(self, msg: bytes, dest: int, tag: int) -> None:
+        """Send ``msg`` to world rank ``dest`` on the watchdog communicator (counted: see ``_quiesce``)."""
+        with self._count_lock:
+            self._nsent[dest] += 1
+            self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=dest, tag=tag))
+
+    def _quiesce(self) -> None:
+        """After every rank's monitor stopped: receive (and drop) the messages still addressed to this rank --
+        a question or an answer sent after its monitor's last look -- then complete this rank's own sends.
+        Without it a send nobody receives (a large answer goes by rendezvous) blocks its rank's exit for ever
+        while the others wait in ``MPI_Finalize``."""
+        theirs = np.zeros(self.size, np.int64)
+        self.comm.Alltoall(self._nsent, theirs)       # theirs[q]: how many rank q sent to this rank
+        status = MPI.Status()
+        for q in range(self.size):
+            for _ in range(int(theirs[q] - self._nrecv[q])):
+                self.comm.Probe(source=q, tag=MPI.ANY_TAG, status=status)
+                self.comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], source=q, tag=status.Get_tag())
+                self._nrecv[q] += 1
+        MPI.Request.Waitall(self._sends)
 
     def _nap(self, seconds: float) -> None:
         """Sleep ``seconds`` while answering questions."""
@@ -592,7 +618,7 @@ class Watchdog:
         msg = pickle.dumps(("ask", self.rank))
         for r in range(self.size):
             if r != self.rank:
-                self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_ASK))
+                self._post(msg, r, _ASK)
         end = time.monotonic() + ANSWER_S
         while len(self._answers) < self.size - 1 and time.monotonic() < end:
             self._nap(0.01)
@@ -710,7 +736,7 @@ class Watchdog:
                 except OSError:
                     pass
             out = pickle.dumps(self.state())
-            self._sends.append(self.comm.Isend([out, MPI.BYTE], dest=src, tag=_STATE))
+            self._post(out, src, _STATE)
         elif tag == _STATE:
             self._answers[src] = msg
         elif tag == _EXIT:
@@ -718,7 +744,7 @@ class Watchdog:
             self._exit_notices += 1
         elif tag == _PEEK:             # another rank's question while it waits: what is this rank doing?
             out = pickle.dumps((msg[1], self.state()))
-            self._sends.append(self.comm.Isend([out, MPI.BYTE], dest=src, tag=_PEEKED))
+            self._post(out, src, _PEEKED)
         elif tag == _PEEKED:
             self._peeked[src] = msg
 
@@ -735,7 +761,7 @@ class Watchdog:
         msg = pickle.dumps(last)
         for r in range(self.size):
             if r != self.rank:
-                self._sends.append(self.comm.Isend([msg, MPI.BYTE], dest=r, tag=_EXIT))
+                self._post(msg, r, _EXIT)
         self._expected_notices = self.size - 1
         self._settle_checks()          # after the announcement: a rank waiting for a call this one never made hears of it
         bad = self._finish()
@@ -823,7 +849,7 @@ class Watchdog:
         self._poll(req)
         self._stop.set()
         self._thread.join()
-        MPI.Request.Waitall(self._sends)
+        self._quiesce()
         self._sends.clear()
         self._closed = True
         try:
