@@ -64,3 +64,15 @@ def world_size() -> int:
 def is_main_process() -> bool:
     """True on world rank 0."""
     return get_world().rank == 0
+
+
+_TORCH_PATHS = frozenset({"device_mesh", "fsdp", "tensor"})
+
+
+def __getattr__(name: str):
+    # torch.distributed.fsdp / .device_mesh / .tensor (docs/porting.md): they name axonmpi.parallel's classes,
+    # a layer above this one, so they load on first use
+    if name in _TORCH_PATHS:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

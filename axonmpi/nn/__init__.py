@@ -23,3 +23,11 @@ __all__ = [
     "Checkpointed", "checkpoint", "checkpoint_sequential", "utils", "BCELoss", "BCEWithLogitsLoss", "CrossEntropyLoss",
     "L1Loss", "MSELoss", "NLLLoss", "SmoothL1Loss", "GroupedQueryAttention", "RMSNorm", "RotaryEmbedding", "SwiGLU",
 ]
+
+
+def __getattr__(name: str):
+    # torch.nn.parallel's path (docs/porting.md): loaded on first use, since it names axonmpi.parallel's classes
+    if name == "parallel":
+        import importlib
+        return importlib.import_module(f"{__name__}.parallel")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
