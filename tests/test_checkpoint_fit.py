@@ -230,6 +230,11 @@ def test_resume_with_only_damaged_checkpoints_exits_non_zero_naming_the_folder(t
 def test_auto_resume_starts_fresh_only_in_an_empty_folder(tmp_path, caplog):
     d = str(tmp_path / "ck")
     import logging
-    with caplog.at_level(logging.INFO):
-        _gpt("--steps", 1, "--checkpoint-dir", d, "--auto-resume")
+    log = logging.getLogger("train_gpt")      # axonmpi.get_logger's loggers do not propagate to the root
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            _gpt("--steps", 1, "--checkpoint-dir", d, "--auto-resume")
+    finally:
+        log.removeHandler(caplog.handler)
     assert "no checkpoint in" in caplog.text and CheckpointManager(d).steps() == [1]

@@ -169,9 +169,14 @@ def test_resume_applies_changed_options_and_refuses_the_seed(tmp_path, caplog):
     _gpt("--steps", 4, "--checkpoint-dir", d, "--metrics-json", m)
     with open(m, "a") as f:                      # rows a killed job wrote after its last checkpoint
         f.write('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')
-    with caplog.at_level(logging.INFO):
-        _gpt("--steps", 6, "--checkpoint-dir", d, "--resume", "--lr", "0.001", "--global-batch", "4",
-             "--metrics-json", m)
+    log = logging.getLogger("train_gpt")      # axonmpi.get_logger's loggers do not propagate to the root
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            _gpt("--steps", 6, "--checkpoint-dir", d, "--resume", "--lr", "0.001", "--global-batch", "4",
+                 "--metrics-json", m)
+    finally:
+        log.removeHandler(caplog.handler)
     text = caplog.text
     assert "--lr 0.003 -> 0.001" in text and "--global-batch 2 -> 4" in text
     rows = [json.loads(x) for x in open(m)]
