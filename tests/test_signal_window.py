@@ -85,3 +85,20 @@ def test_the_template_holds_usr1_until_every_rank_has_imported_axonmpi(slurm_env
     assert "asking every rank to save and exit" in err and "requeueing job 4243" in err, err
     assert (tmp_path / "scontrol.txt").read_text().split() == ["requeue", "4243"]
     assert not [d for d in os.listdir(tmp_path / "axonmpi") if d.startswith(".ready-")]   # cleaned up
+
+
+@pytest.mark.serial
+def test_a_ready_folder_that_cannot_be_written_is_said(tmp_path, monkeypatch, capfd):
+    """The template holds SIGUSR1 until every rank's file is there: a rank that cannot write its file says so
+    (the signal would wait out AXONMPI_SIGNAL_HOLD_S) instead of staying silent."""
+    from axonmpi.distributed import signals
+    missing = tmp_path / "no-such-folder"
+    monkeypatch.setenv("AXONMPI_READY_DIR", str(missing))
+    monkeypatch.setenv("PMI_RANK", "3")
+    signals.mark_ready()
+    err = capfd.readouterr().err
+    assert f"rank 3: could not write {missing}" in err and "AXONMPI_SIGNAL_HOLD_S" in err, err
+    monkeypatch.setenv("AXONMPI_READY_DIR", str(tmp_path))
+    signals.mark_ready()
+    assert capfd.readouterr().err == ""
+    assert [f for f in os.listdir(tmp_path) if f.startswith("rank-3.")]

@@ -114,11 +114,15 @@ def mark_ready() -> None:
         return
     rank = next((os.environ[v] for v in ("SLURM_PROCID", "PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
                  if v in os.environ), "0")
+    path = os.path.join(d, f"rank-{rank}.{os.uname().nodename}.{os.getpid()}")
     try:
-        with open(os.path.join(d, f"rank-{rank}.{os.uname().nodename}.{os.getpid()}"), "w") as f:
+        with open(path, "w") as f:
             f.write("ready\n")
-    except OSError:
-        pass   # the folder is the template's; a missing one only means the signal is not held
+    except OSError as err:
+        os.write(2, f"[axonmpi] rank {rank}: could not write {path} ({err.strerror}): the job template will "
+                    "hold a SIGUSR1 until AXONMPI_SIGNAL_HOLD_S (default 90 s) instead of forwarding it at once; "
+                    "AXONMPI_READY_DIR must be a folder every rank can write (jobs/requeue.sh makes it on the "
+                    "scratch folder)\n".encode())
 
 
 def announce_early(rank: int) -> None:
