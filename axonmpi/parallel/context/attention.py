@@ -12,7 +12,7 @@ from ...backend import get_array_module
 from ...distributed import ProcessGroup, role_group
 from ...nn.layers import Dropout, Linear
 from ...nn.module import Module
-from .layout import CPAlgo, ContextLayout
+from .layout import CPAlgo, ContextLayout, local_layout
 from .ring import ring_attention
 from .ulysses import check_heads, head_to_seq, seq_to_head
 
@@ -92,12 +92,8 @@ class ContextParallelAttention(Module):
             y = ops.reshape(ops.permute(_causal(q, k, v, hd), 0, 2, 1, 3), B, T, C)
             return self.resid_dropout(self.proj(y))
         P = self.group.size
-        n = seq_len if seq_len is not None else (self.seq_len if self.seq_len is not None else T * P)
-        layout = self.layout(n)
-        if layout.local_len(self.group.rank) != T:
-            raise ValueError(f"rank {self.group.world.rank}: a {n}-token sequence over {P} context ranks "
-                             f"({self.algo.value}) puts {layout.local_len(self.group.rank)} tokens on context rank "
-                             f"{self.group.rank}, got {T}; split it with ContextLayout.split or pass seq_len")
+        layout = local_layout(self.group, self.algo, T, seq_len if seq_len is not None else self.seq_len)
+        n = layout.seq_len
         if self.algo is CPAlgo.RING:
             q, k, v = (ops.permute(ops.reshape(t, B, T, nh, hd), 0, 2, 1, 3) for t in ops.split(qkv, C, axis=2))
             y = ring_attention(q, k, v, self.group, n)

@@ -22,7 +22,7 @@ from ...backend import get_array_module
 from ...distributed import ProcessGroup, role_group
 from ...nn.layers import Linear
 from ...nn.module import Module
-from .layout import CPAlgo, ContextLayout
+from .layout import CPAlgo, ContextLayout, local_layout
 from .ring import ring_attention
 from .ulysses import check_heads, head_to_seq, seq_to_head
 
@@ -140,12 +140,8 @@ class ContextParallelGroupedQueryAttention(Module):
             y = grouped_causal_attention(*heads)
             return self.o_proj(ops.reshape(ops.permute(y, 0, 2, 1, 3), B, T, nh * hd))
         P = self.group.size
-        n = seq_len if seq_len is not None else (self.seq_len if self.seq_len is not None else T * P)
-        layout = self.layout(n)
-        if layout.local_len(self.group.rank) != T:
-            raise ValueError(f"rank {self.group.world.rank}: a {n}-token sequence over {P} context ranks "
-                             f"({self.algo.value}) puts {layout.local_len(self.group.rank)} tokens on context rank "
-                             f"{self.group.rank}, got {T}; split it with ContextLayout.split or pass seq_len")
+        layout = local_layout(self.group, self.algo, T, seq_len if seq_len is not None else self.seq_len)
+        n = layout.seq_len
         if self.algo is CPAlgo.RING:
             y = ops.permute(ring_attention(*heads, self.group, n), 0, 2, 1, 3)    # (B, T, nh, hd)
         else:

@@ -10,7 +10,7 @@ import numpy as np
 from ...distributed.sharding import chunk_sizes
 from ...enums import coerce_enum
 
-__all__ = ["CPAlgo", "ContextLayout"]
+__all__ = ["CPAlgo", "ContextLayout", "local_layout"]
 
 
 class CPAlgo(enum.Enum):
@@ -103,3 +103,15 @@ class ContextLayout:
             else:
                 out[r] = p
         return xp.concatenate(out, axis=axis)
+
+
+def local_layout(group, algo, T: int, seq_len: "int | None") -> ContextLayout:
+    """The layout of the whole sequence (``seq_len`` tokens, else ``T * group.size``: an even split) whose
+    share on this rank of ``group`` is the ``T`` tokens an attention forward received; raises otherwise."""
+    P = group.size
+    lay = ContextLayout(int(seq_len) if seq_len is not None else T * P, P, algo)
+    if lay.local_len(group.rank) != T:
+        raise ValueError(f"rank {group.world.rank}: a {lay.seq_len}-token sequence over {P} context ranks "
+                         f"({lay.algo.value}) puts {lay.local_len(group.rank)} tokens on context rank "
+                         f"{group.rank}, got {T}; split it with ContextLayout.split or pass seq_len")
+    return lay
