@@ -9,7 +9,6 @@ under any layout (``axonmpi ckpt export CKPT OUT --format hf-gpt2``).
 """
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -18,21 +17,17 @@ import numpy as np
 
 __all__ = ["CONFIG_FILE", "hf_config", "save", "read_directory", "config_from_hf", "export_checkpoint"]
 
-CONFIG_FILE = "config.json"
+from .hf_files import CONFIG_FILE, check_target, read, torch_dtype_name, write
 
 # transformers' GPT2Config fields that change the math; ours is fixed to these values
 _FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "layer_norm_epsilon": (1e-5,),
           "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
           "reorder_and_upcast_attn": (False,), "add_cross_attention": (False,)}
-_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64", np.dtype(np.float16): "float16"}
 
 
 def hf_config(config, dtype) -> Dict[str, Any]:
     """The ``config.json`` of transformers' ``GPT2Config`` for a :class:`~axonmpi.models.GPTConfig`."""
-    name = _DTYPES.get(np.dtype(dtype))
-    if name is None:
-        raise ValueError(f"save_hf_gpt2: parameter dtype {np.dtype(dtype)} has no torch name here; "
-                         "convert the model to float32 (gpt.to(np.float32)) first")
+    name = torch_dtype_name(dtype, "save_hf_gpt2", "gpt.to(np.float32)")
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
@@ -47,37 +42,12 @@ def hf_config(config, dtype) -> Dict[str, Any]:
     }
 
 
-_CAST_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-               "fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
-
-
 def save(gpt, directory: "str | os.PathLike", max_shard_size="5GB", dtype: Optional[str] = None) -> List[str]:
     """Write ``config.json`` and ``model.safetensors`` (HF shards above ``max_shard_size``) for ``gpt``;
     ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"``) casts the stored weights and the config's dtype."""
-    from ..checkpoint.safetensors_io import save_safetensors
-    directory = os.fspath(directory)
-    if directory.endswith(".safetensors"):
-        raise ValueError(f"save_hf_gpt2: {directory!r} is a file name; pass a directory (config.json and "
-                         "model.safetensors are written into it)")
+    directory = check_target(directory, dtype, "save_hf_gpt2")
     sd = gpt.to_hf_gpt2()
-    cast = dtype
-    dtype = sd["transformer.wte.weight"].dtype
-    if cast is not None and str(cast).lower() not in _CAST_NAMES:
-        raise ValueError(f"save_hf_gpt2: dtype={cast!r}; expected one of bf16, fp16, fp32, fp64 (or None to keep "
-                         f"the model's {dtype})")
-    cfg = hf_config(gpt.config, dtype)
-    if cast is not None:
-        cfg["dtype"] = _CAST_NAMES[str(cast).lower()]
-    if cfg["tie_word_embeddings"]:
-        sd.pop("lm_head.weight")      # as save_pretrained: a tied head is wte (one tensor in the file)
-    os.makedirs(directory, exist_ok=True)
-    written = save_safetensors(sd, directory, max_shard_size=max_shard_size, dtype=cast)
-    path = os.path.join(directory, CONFIG_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
-    return written + [path]
+    return write(directory, sd, hf_config(gpt.config, sd["transformer.wte.weight"].dtype), max_shard_size, dtype)
 
 
 def config_from_hf(cfg: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -100,15 +70,7 @@ def config_from_hf(cfg: Dict[str, Any], where: str) -> Dict[str, Any]:
 def read_directory(directory: "str | os.PathLike") -> Tuple["OrderedDict[str, np.ndarray]", Dict[str, Any]]:
     """(state dict, GPTConfig keyword arguments) of a directory written by ``save_pretrained`` or
     :func:`save`: ``config.json`` and ``model.safetensors`` (or its HF shards)."""
-    from ..checkpoint.safetensors_io import load_safetensors
-    directory = os.fspath(directory)
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"from_hf_gpt2: {directory!r} has no {CONFIG_FILE} (write one with "
-                                "gpt.save_hf_gpt2(directory) or transformers' save_pretrained)")
-    with open(path) as f:
-        kw = config_from_hf(json.load(f), path)
-    return load_safetensors(directory), kw
+    return read(directory, config_from_hf, "from_hf_gpt2", "gpt.save_hf_gpt2(directory)")
 
 
 def export_checkpoint(path: str, out: str, *, n_head: Optional[int] = None, prefix: Optional[str] = None,

@@ -23,11 +23,7 @@ from ..backend import to_host
 
 __all__ = ["CONFIG_FILE", "hf_config", "config_from_hf", "from_hf", "save", "read_directory", "export_checkpoint"]
 
-CONFIG_FILE = "config.json"
-
-_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64", np.dtype(np.float16): "float16"}
-_CAST_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-               "fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
+from .hf_files import CONFIG_FILE, check_target, read, torch_dtype_name, write
 
 
 def hf_config(config, dtype) -> Dict[str, Any]:
@@ -36,10 +32,7 @@ def hf_config(config, dtype) -> Dict[str, Any]:
     The rotary settings are written both ways transformers has read them: ``rope_parameters``
     (transformers 5) and ``rope_theta`` + ``rope_scaling`` (transformers 4), with equal values.
     """
-    name = _DTYPES.get(np.dtype(dtype))
-    if name is None:
-        raise ValueError(f"save_hf: parameter dtype {np.dtype(dtype)} has no torch name here; convert the model "
-                         "to float32 (model.to(np.float32)) first")
+    name = torch_dtype_name(dtype, "save_hf", "model.to(np.float32)")
     c = config
     scaling = dict(c.rope_scaling) if c.rope_scaling else None
     return {
@@ -158,42 +151,15 @@ def from_hf(cls, source, config=None, *, dtype=None, device=None):
 def read_directory(directory: "str | os.PathLike") -> Tuple["OrderedDict[str, np.ndarray]", Any]:
     """(state dict, :class:`~axonmpi.models.LlamaConfig`) of a directory written by ``save_pretrained`` or
     :func:`save`: ``config.json`` and ``model.safetensors`` (or its HF shards)."""
-    from ..checkpoint.safetensors_io import load_safetensors
-    directory = os.fspath(directory)
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"from_hf: {directory!r} has no {CONFIG_FILE} (write one with model.save_hf(directory) "
-                                "or transformers' save_pretrained)")
-    with open(path) as f:
-        config = config_from_hf(json.load(f), path)
-    return load_safetensors(directory), config
+    return read(directory, config_from_hf, "from_hf", "model.save_hf(directory)")
 
 
 def save(model, directory: "str | os.PathLike", max_shard_size="5GB", dtype: Optional[str] = None) -> List[str]:
     """Write ``config.json`` and ``model.safetensors`` (HF shards above ``max_shard_size``) for ``model``;
     ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"``) casts the stored weights and the config's dtype."""
-    from ..checkpoint.safetensors_io import save_safetensors
-    directory = os.fspath(directory)
-    if directory.endswith(".safetensors"):
-        raise ValueError(f"save_hf: {directory!r} is a file name; pass a directory (config.json and "
-                         "model.safetensors are written into it)")
-    if dtype is not None and str(dtype).lower() not in _CAST_NAMES:
-        raise ValueError(f"save_hf: dtype={dtype!r}; expected one of bf16, fp16, fp32, fp64 (or None to keep the "
-                         "model's)")
+    directory = check_target(directory, dtype, "save_hf")
     sd = model.to_hf()
-    cfg = hf_config(model.config, sd["model.embed_tokens.weight"].dtype)
-    if dtype is not None:
-        cfg["dtype"] = _CAST_NAMES[str(dtype).lower()]
-    if cfg["tie_word_embeddings"]:
-        sd.pop("lm_head.weight")      # as save_pretrained: a tied head is the embedding (one tensor in the file)
-    os.makedirs(directory, exist_ok=True)
-    written = save_safetensors(sd, directory, max_shard_size=max_shard_size, dtype=dtype)
-    path = os.path.join(directory, CONFIG_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
-    return written + [path]
+    return write(directory, sd, hf_config(model.config, sd["model.embed_tokens.weight"].dtype), max_shard_size, dtype)
 
 
 def _recorded_config(extra: Dict[str, Any]):
