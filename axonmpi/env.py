@@ -71,6 +71,9 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "0 forces the float16 path for MPI libraries without a half type (moved as 16-bit words, reduced in float32)"),
     EnvVar("AXONMPI_NO_THREAD_LIMIT", "bool", "0",
            "keep the BLAS/OpenMP thread pools as they are when several ranks share a node"),
+    EnvVar("AXONMPI_KEEP_FREED_MEMORY", "bool", "1",
+           "init() lets glibc keep freed arrays up to 32 MiB in the heap (mallopt M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) "
+           "so each step reuses them without page faults; 0 keeps glibc's defaults"),
 )}
 
 
