@@ -8,8 +8,9 @@ the user-facing path, with the backend's byte counter of ``bench/_backend_count.
     python bench/hybrid.py --hardware cpu                    # predict with the shipped cpu.json instead
 
 Rows: one per layout ``(G_data, G_inter, G_r, G_c, G_d)`` (and ``+fsdp``: FSDP full_shard over data).
-Measured: the median tokens/s of the steps after the first (warm-up), from ``--metrics-json``; with
-``--repeats R`` the best of R interleaved rounds (other jobs on the machine come and go).
+Measured: the median tokens/s of the steps after the first (warm-up; ``--steps``, default 6: the median
+of 5), from ``--metrics-json``; the best of ``--repeats R`` (default 2) interleaved rounds (the machine's
+speed drifts: on the shared development machine one layout's whole round read 20% apart from the next).
 Predicted: the planner's one cost model (``axonmpi.planner.estimate_layout``) with the hardware that
 ``axonmpi plan --measure --save-hardware`` measures on this machine, run first, under ``mpiexec -n N``
 (the GEMM's flop rate, our autograd's other kernels, the bandwidth and latency a collective gets between
@@ -158,11 +159,11 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6, help="steps per run; the median of those after the first is kept")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the layouts; the best tokens/s kept")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds over the layouts; the best tokens/s kept")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these layouts, e.g. 2x1x1x2x1-full_shard 4x1x1x1x1")
     p.add_argument("--hardware", default="measure",
                    help="measure (default: `axonmpi plan --measure` on this machine, now), or a saved hardware file / "
@@ -191,7 +192,9 @@ def main():
           f"{args.global_batch}, {args.dtype}, {args.ranks} ranks, {args.steps} steps | hardware: "
           f"{hw.description or hw.name} | GEMM {mk.get('flops', 0) / 1e9:.1f} GFLOP/s alone | all-reduce bus bandwidth "
           f"{hw.intra_bw / 1e9:.2f} GB/s between GEMMs ({mk.get('intra_alone', hw.intra_bw) / 1e9:.2f} back to back), "
-          f"{hw.intra_latency * 1e6:.0f} us a call between GEMMs, {hw.cores:.2f} cores in effect for {args.ranks} "
+          f"{hw.intra_latency * 1e6:.0f} us a call between GEMMs; after the backward (in place, back to back) "
+          f"{mk.get('bucket', 0) / 1e9:.2f} GB/s, {mk.get('bucket_latency', 0) * 1e6:.0f} us a call | "
+          f"{hw.cores:.2f} cores in effect for {args.ranks} "
           f"ranks | per element, forward + backward, alone: GELU {mk.get('gelu', 0) * 1e9:.1f} ns, LayerNorm "
           f"{mk.get('layernorm', 0) * 1e9:.1f} ns, attention score {mk.get('softmax', 0) * 1e9:.1f} ns, add "
           f"{mk.get('add', 0) * 1e9:.2f} ns; AdamW + clipping {mk.get('adam', 0) * 1e9:.1f} ns a parameter; attention "

@@ -121,6 +121,29 @@ def test_placement_latency_and_shared_cores():
 
 
 @pytest.mark.serial
+def test_reductions_after_the_backward_take_the_back_to_back_rates():
+    """DDP's buckets and AxoNN's per-tensor gradient all-reduces run after the backward, all ranks arriving
+    together, back to back and in place: a machine measured with ``bucket`` / ``bucket_latency`` charges them
+    at those; FSDP's gathers and reduce-scatters (between the units' compute) keep the between-GEMM rates."""
+    base = {"intra": 1e3, "inter": 1e2, "flops": 1e3, "latency": 1.0, "cores": 0.0}
+    old = hardware_from_measured(base, 4)
+    new = hardware_from_measured({**base, "bucket": 4e3, "bucket_latency": 0.25}, 4)
+    # DDP over 4 ranks of a node: one bucket of 568 float32 gradients, 2 (p-1)/p of it through each rank's link
+    a, b = est("tp=1,pp=1,dp=4", batch=16, hw=old), est("tp=1,pp=1,dp=4", batch=16, hw=new)
+    assert a.breakdown["dp_exposed_s"] == pytest.approx(1.5 * 568 * 4 / 1e3 + 1.0)
+    assert b.breakdown["dp_exposed_s"] == pytest.approx(1.5 * 568 * 4 / 4e3 + 0.25)
+    # AxoNN columns x data: 17 + 12 gradient tensors over data, 12 replicated ones over the tensor block: one
+    # call each, at the back-to-back latency (the column group's forward/backward calls keep the other one)
+    c, d = est("row=1,col=2,depth=1,pp=1,dp=2", batch=16, micro=4, hw=old), est(
+        "row=1,col=2,depth=1,pp=1,dp=2", batch=16, micro=4, hw=new)
+    assert c.breakdown["dp_exposed_s"] - d.breakdown["dp_exposed_s"] > (17 + 12 + 12) * 0.75
+    assert c.breakdown["tp_comm_s"] == pytest.approx(d.breakdown["tp_comm_s"])
+    # FSDP full shard: its gathers and reduce-scatters between the units' compute are charged as before
+    e, f = est("tp=1,pp=1,dp=4,zero=3", batch=16, hw=old), est("tp=1,pp=1,dp=4,zero=3", batch=16, hw=new)
+    assert e.breakdown["dp_exposed_s"] == pytest.approx(f.breakdown["dp_exposed_s"])
+
+
+@pytest.mark.serial
 def test_the_other_kernels_by_hand():
     """The CPU costs besides the GEMMs, per kind: GELU per MLP element, LayerNorm per element (two a block, the
     final one), softmax per attention score (and the loss's), residual adds (memory-bound); AdamW over the updated
@@ -253,6 +276,8 @@ def test_plan_and_plot_commands(tmp_path):
     assert spec["gpus_per_node"] == 2 and hw.gpus_per_node == 2 and spec["load_average"] >= 0, spec
     # the bandwidth a step meets (between GEMMs) is the model's; the back-to-back one is kept beside it
     assert spec["measured"]["intra"] > 0 and spec["measured"]["intra_alone"] > 0, spec["measured"]
+    # and the after-backward regime's (DDP's bucket in place, back to back)
+    assert spec["measured"]["bucket"] > 0 and 0 < spec["measured"]["bucket_latency"] < 1, spec["measured"]
     m = tmp_path / "m.json"
     m.write_text('{"step": 1, "loss": 2.0, "tokens_per_s": 10}\n{"step": 2, "loss": 1.5, "tokens_per_s": 11}\n')
     r = _cli("plot", str(m), "-o", str(tmp_path / "m.png"))

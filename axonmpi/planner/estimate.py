@@ -238,10 +238,24 @@ class _DataCost:
     volumes: Dict[str, float] = field(default_factory=dict)
 
 
+def _after_backward(hw: HardwareSpec) -> HardwareSpec:
+    """The rates of the reductions that run after the backward, every rank of the group arriving from the same
+    backward and the calls back to back, in place (DDP's buckets, AxoNN's per-tensor all-reduces, the
+    replicated parameters', ZeRO-1's gather after the step): on a measured machine the ``bucket`` bandwidth
+    and ``bucket_latency`` ``--measure`` measured in that regime (:func:`.measure._after_backward`), inside a
+    node; elsewhere (a datasheet machine, a hardware file measured before them) ``hw`` itself."""
+    bw = hw.kernel("bucket") if hw.is_measured else 0.0
+    if bw <= 0:
+        return hw
+    return hw.with_(intra_bw=bw, intra_latency=hw.kernel("bucket_latency"))
+
+
 def _data(cfg, lay, hw, cal, P: _Params, unit_params: List[float], unit_F: List[float], unit_B: List[float],
           m: int, pb: int, last_bwd: float, overlap: bool) -> _DataCost:
     """Gradients and sharded state over the data group (see the module's note)."""
     out = _DataCost(volumes={"data": 0.0, "repl": 0.0, "depth": 0.0})
+    sharded = hw                                           # FSDP's collectives: between the units' compute
+    hw = _after_backward(hw)                               # the rest: after the backward, back to back
     gdp = lay.dp * lay.cp                                  # ranks that replicate a dense parameter
     T = lay.tensor
     ip = T * lay.pp                                        # data ranks are the outermost axis
@@ -275,9 +289,9 @@ def _data(cfg, lay, hw, cal, P: _Params, unit_params: List[float], unit_F: List[
         full = lay.zero == 3
         per_unit_calls = 3 if full else 2
         if S > 1 or rep > 1:
-            ag = [collective_time("allgather", u * pb, S, ip, hw, cal) for u in unit_params]
-            rs = [collective_time("reducescatter", u * pb, S, ip, hw, cal)
-                  + collective_time("allreduce", u * pb / S, rep, ip * S, hw, cal) for u in unit_params]
+            ag = [collective_time("allgather", u * pb, S, ip, sharded, cal) for u in unit_params]
+            rs = [collective_time("reducescatter", u * pb, S, ip, sharded, cal)
+                  + collective_time("allreduce", u * pb / S, rep, ip * S, sharded, cal) for u in unit_params]
             if lay.pp > 1:           # a stage gathered once before its first micro-batch, reduced after its last
                 out.total = sum(ag) + sum(rs)
                 out.exposed = out.total

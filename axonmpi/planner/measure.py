@@ -20,6 +20,11 @@ __all__ = ["KERNELS", "check_load", "hardware_from_measured", "load_report", "me
 
 #: The kernels ``measure_kernels`` times and ``measure_bandwidth`` adds (``HardwareSpec.measured``'s keys).
 KERNELS = ("attn_flops", "gelu", "layernorm", "softmax", "add", "adam", "copy", "mem_cores")
+#: DDP's bucket (``parallel.ddp``, ``planner.estimate.BUCKET_BYTES``): the size the after-backward all-reduce
+#: is measured at.
+BUCKET_BYTES = 25 * 2 ** 20
+#: Interleaved pairs of loops (without, with the collective) whose differences' median a per-call cost is.
+PAIRS = 5
 
 
 def load_report() -> Tuple[float, int]:
@@ -72,6 +77,16 @@ def _memory_per_rank(ranks: int) -> float:
         return 16 * 2.0 ** 30
 
 
+def _paired(loop, pairs: int = PAIRS) -> float:
+    """The median over ``pairs`` interleaved runs of ``loop(False)`` and ``loop(True)`` of their difference:
+    what the collective adds to the loop.  Interleaving (rather than the better of two of each, one kind
+    after the other) keeps a change in the machine's speed during the measurement from landing on one kind
+    only (2026-11-28, a shared 2-core machine: the same GEMM ran at 67 to 88 GFLOP/s seconds apart)."""
+    import statistics
+    loop(True)                                    # warm-up: the transport's buffers
+    return statistics.median(loop(True) - loop(False) for _ in range(pairs))
+
+
 def _seconds(fn, repeats: int) -> float:
     """The median wall seconds of ``repeats`` calls of ``fn`` after one to warm up."""
     import statistics
@@ -86,7 +101,7 @@ def _seconds(fn, repeats: int) -> float:
 
 
 def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int = 256, dtype: str = "float32",
-                    repeats: int = 5) -> Dict[str, float]:
+                    repeats: int = 9) -> Dict[str, float]:
     """Time our autograd's kernels other than the Linears' GEMMs, forward + backward, on this rank
     (no MPI): what a step spends besides the GEMMs, per unit of work (``Hardware``'s fields).
 
@@ -151,11 +166,12 @@ def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int 
     return out
 
 
-def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, *, width: int = 512,
+def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 9, gemm: int = 512, *, width: int = 512,
                       seq: int = 128, heads: int = 8, dtype: str = "float32") -> Dict[str, float]:
     """Time all-reduces and a GEMM on this allocation (collective; call on every rank under mpiexec/srun).
 
-    Returns ``{"intra", "intra_alone", "inter", "latency", "flops", "cores"}`` and the kernels':
+    Returns ``{"intra", "intra_alone", "inter", "latency", "flops", "cores", "bucket", "bucket_latency"}``
+    and the kernels':
 
     * ``intra``: bus bandwidth ``2 (p-1)/p n / t`` (bytes/s) of an all-reduce of ``nbytes`` among the
       ranks of one node *between GEMMs* (``t``: what it adds to a loop of GEMMs run on every rank at
@@ -169,6 +185,8 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
     * ``flops``: a float32 ``gemm``-cube GEMM's rate on one rank while the node's other ranks sleep;
     * ``cores``: the cores the node's ranks get in effect: the sum over the node's ranks of their GEMM
       rate over a loop they all run at once, / ``flops``, at most the cores the process may use;
+    * ``bucket``, ``bucket_latency``: the after-backward regime (:func:`_after_backward`): an in-place
+      all-reduce of one DDP bucket, and an 8-byte one, back to back over the node's ranks;
     * ``measure_kernels``' numbers (the other kernels, timed on one rank while the others sleep; at
       the model's ``width``, ``seq``, ``heads`` and ``dtype``) and ``mem_cores``: the cores in effect,
       as ``cores``, of a memory-bound loop (AdamW's streams over ``2^22`` elements).
@@ -241,12 +259,10 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
                 all_reduce(small)
         return time.perf_counter() - t0
 
-    lat = 0.0
-    if world.world_size > 1:
-        plain = min(loop(False), loop(False))
-        lat = max(0.0, min(loop(True), loop(True)) - plain) / (3 * repeats)     # the better of two, as plain
+    lat = max(0.0, _paired(loop)) / (3 * repeats) if world.world_size > 1 else 0.0
     med = float(all_reduce(np.array([lat]), op="max")[0])
     between = _between_gemms(a, node, nbytes, repeats, med) if node.size > 1 else 0.0
+    after = _after_backward(node, repeats) if node.size > 1 else {}
     # the other kernels, alone (the others sleep), and the memory-bound loop (AdamW) on all ranks at once
     barrier()
     kern = on_first_rank(lambda: measure_kernels(width, seq, heads, dtype=dtype, repeats=repeats)) or {}
@@ -263,7 +279,31 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 7, gemm: int = 512, 
     if between > 0:                    # what a step meets; the plain all-reduce's kept for information
         intra, inter = between, (inter if inter > 0 else between)
     return {"intra": intra, "inter": inter if inter > 0 else intra, "latency": med, "flops": alone,
-            "cores": cores, "intra_alone": float(vals[0]), **kern}
+            "cores": cores, "intra_alone": float(vals[0]), **after, **kern}
+
+
+def _after_backward(group, repeats: int) -> Dict[str, float]:
+    """The regime of the gradient reductions after the backward (DDP's buckets, AxoNN's per-tensor
+    all-reduces, the replicated parameters'): every rank of the group arrives from the same backward and
+    the calls run back to back, each in place on a gradient buffer the step keeps.  ``bucket``: the bus
+    bandwidth ``2 (p-1)/p n / t`` of an in-place all-reduce of one DDP bucket (``BUCKET_BYTES``) back to
+    back; ``bucket_latency``: an 8-byte one's time back to back.  The median of ``repeats`` calls, the
+    slowest rank's.  (2026-11-28, 4 ranks on 2 cores: 1.4-1.8 GB/s and 0.04-0.1 ms, where a 4 MiB
+    all-reduce between GEMMs got 0.5 GB/s and 1.2 ms a call: waiting for a core.)"""
+    import numpy as np
+
+    from ..distributed import all_reduce, barrier
+    x = np.zeros(BUCKET_BYTES // 4, np.float32)
+    small = np.zeros(1)
+
+    def timed(buf) -> float:
+        all_reduce(buf, group=group, out=buf)
+        barrier()
+        return _seconds(lambda: all_reduce(buf, group=group, out=buf), repeats)
+    p = group.size
+    t_big, t_small = timed(x), timed(small)
+    t = all_reduce(np.array([t_big, t_small]), op="max", group=group)
+    return {"bucket": 2.0 * (p - 1) / p * x.nbytes / float(t[0]), "bucket_latency": float(t[1])}
 
 
 def _between_gemms(a, group, nbytes: int, repeats: int, latency: float) -> float:
@@ -290,8 +330,7 @@ def _between_gemms(a, group, nbytes: int, repeats: int, latency: float) -> float
                 all_reduce(x, group=group)
         return time.perf_counter() - t0
 
-    loop(True)                                              # warm-up: the transport's buffers
-    extra = (min(loop(True), loop(True)) - min(loop(False), loop(False))) / n - latency
+    extra = _paired(loop) / n - latency
     p = group.size
     bw = 2.0 * (p - 1) / p * x.nbytes / extra if extra > 0 else 0.0
     return float(all_reduce(np.array([bw]), op="min", group=group)[0])
