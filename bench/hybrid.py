@@ -9,7 +9,7 @@ the user-facing path, with the backend's byte counter of ``bench/_backend_count.
 
 Rows: one per layout ``(G_data, G_inter, G_r, G_c, G_d)`` (and ``+fsdp``: FSDP full_shard over data).
 Measured: the median tokens/s of the steps after the first (warm-up; ``--steps``, default 6: the median
-of 5), from ``--metrics-json``; the best of ``--repeats R`` (default 2) interleaved rounds (the machine's
+of 5), from ``--metrics-json``; the best of ``--repeats R`` (default 3) interleaved rounds (the machine's
 speed drifts: on the shared development machine one layout's whole round read 20% apart from the next).
 Predicted: the planner's one cost model (``axonmpi.planner.estimate_layout``) with the hardware that
 ``axonmpi plan --measure --save-hardware`` measures on this machine, run first, under ``mpiexec -n N``
@@ -163,7 +163,7 @@ def main():
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds over the layouts; the best tokens/s kept")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the layouts; the best tokens/s kept")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these layouts, e.g. 2x1x1x2x1-full_shard 4x1x1x1x1")
     p.add_argument("--hardware", default="measure",
                    help="measure (default: `axonmpi plan --measure` on this machine, now), or a saved hardware file / "
