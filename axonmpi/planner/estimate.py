@@ -59,6 +59,7 @@ from .calibration import FITTED, Calibration
 from .comm import FACTORS, collective_time, group_bandwidth, latency
 from .compute import block_ops, fwd_bwd, head_ops, ops_time
 from .hardware import HardwareSpec
+from .measure import BUCKET_BYTES     # DDP's bucket (``parallel.ddp``): one all-reduce per 25 MiB
 from .memory import block_activation_bytes, state_bytes_per_param
 from .model import ParallelLayout, TrainConfig, TransformerConfig
 from .pipeline import bubble_and_peak
@@ -66,8 +67,6 @@ from .pipeline import bubble_and_peak
 __all__ = ["PlanEstimate", "estimate_layout", "check_layout", "model_flops", "VOLUME_GROUPS", "BUCKET_BYTES"]
 
 GIB = 2.0 ** 30
-#: DDP's bucket (``parallel.ddp``): one all-reduce call per 25 MiB of gradients.
-BUCKET_BYTES = 25 * 2 ** 20
 #: The groups ``PlanEstimate.volumes`` reports.
 VOLUME_GROUPS = ("col", "row", "depth", "tensor", "pipeline", "context", "expert", "data", "repl")
 

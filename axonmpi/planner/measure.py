@@ -20,7 +20,7 @@ __all__ = ["KERNELS", "check_load", "hardware_from_measured", "load_report", "me
 
 #: The kernels ``measure_kernels`` times and ``measure_bandwidth`` adds (``HardwareSpec.measured``'s keys).
 KERNELS = ("attn_flops", "gelu", "layernorm", "softmax", "add", "adam", "copy", "mem_cores")
-#: DDP's bucket (``parallel.ddp``, ``planner.estimate.BUCKET_BYTES``): the size the after-backward all-reduce
+#: DDP's bucket (``parallel.ddp``; the estimate counts its calls by it): the size the after-backward all-reduce
 #: is measured at.
 BUCKET_BYTES = 25 * 2 ** 20
 #: Interleaved pairs of loops (without, with the collective) whose differences' median a per-call cost is.
@@ -288,8 +288,8 @@ def _after_backward(group, repeats: int) -> Dict[str, float]:
     the calls run back to back, each in place on a gradient buffer the step keeps.  ``bucket``: the bus
     bandwidth ``2 (p-1)/p n / t`` of an in-place all-reduce of one DDP bucket (``BUCKET_BYTES``) back to
     back; ``bucket_latency``: an 8-byte one's time back to back.  The median of ``repeats`` calls, the
-    slowest rank's.  (2026-11-28, 4 ranks on 2 cores: 1.4-1.8 GB/s and 0.04-0.1 ms, where a 4 MiB
-    all-reduce between GEMMs got 0.5 GB/s and 1.2 ms a call: waiting for a core.)"""
+    slowest rank's.  (2026-11-28, 4 ranks on 2 cores: 1.2-1.8 GB/s and 0.07-0.16 ms, where a 4 MiB
+    all-reduce between GEMMs got 0.7-1.3 GB/s and 0.6-1.5 ms a call: waiting for a core.)"""
     import numpy as np
 
     from ..distributed import all_reduce, barrier
