@@ -118,6 +118,11 @@ def _train(args, tmp, name, sizes, extra=()):
     return tok, per_group, None
 
 
+def _within(ratios, factor: float = 1.33) -> int:
+    """How many predicted / measured ratios lie within ``factor`` either way."""
+    return sum(1 / factor <= x <= factor for x in ratios)
+
+
 def _vocab() -> int:
     """The character vocabulary train_gpt.py builds from its corpus (the head's width)."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -162,11 +167,11 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=6, help="steps per run; the median of those after the first is kept")
+    p.add_argument("--steps", type=int, default=6, help="steps per run; the first is a warm-up")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the layouts; the best tokens/s kept")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the layouts; a layout's fastest step over all of them is kept")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these layouts, e.g. 2x1x1x2x1-full_shard 4x1x1x1x1")
     p.add_argument("--hardware", default="measure",
                    help="measure (default: `axonmpi plan --measure` on this machine, now), or a saved hardware file / "
@@ -268,11 +273,11 @@ def main():
         mr = [r[6].step_time / x for r, x in zip(ok, med)]
         print(f"with the best round's median step instead of the fastest step (information): Spearman "
               f"{_spearman(med, [r[6].step_time for r in ok])[0]:.2f}, predicted / measured {min(mr):.2f} .. "
-              f"{max(mr):.2f}, {sum(1 / 1.33 <= x <= 1.33 for x in mr)} of {len(mr)} within 1.33x")
+              f"{max(mr):.2f}, {_within(mr)} of {len(mr)} within 1.33x")
     for name, rs in (("this measurement", ratios), ("the shipped cpu.json", shipped_ratios)):
         if rs:
             far = max(max(x, 1 / x) for x in rs)
-            inside = sum(1 / 1.33 <= x <= 1.33 for x in rs)
+            inside = _within(rs)
             steps = [args.global_batch * args.block / r[3] for r in ok]
             extra = "" if rs is ratios else f"; Spearman {_spearman(steps, [r[7].step_time for r in ok])[0]:.2f}"
             print(f"predicted / measured step time with {name}: {min(rs):.2f} .. {max(rs):.2f}; worst factor "

@@ -87,6 +87,14 @@ def _paired(loop, pairs: int = PAIRS) -> float:
     return statistics.median(loop(True) - loop(False) for _ in range(pairs))
 
 
+def _collective_seconds(call, repeats: int) -> float:
+    """:func:`_seconds` of a collective ``call``, after one call and a barrier (every rank starts together)."""
+    from ..distributed import barrier
+    call()
+    barrier()
+    return _seconds(call, repeats)
+
+
 def _seconds(fn, repeats: int) -> float:
     """The median wall seconds of ``repeats`` calls of ``fn`` after one to warm up."""
     import statistics
@@ -208,10 +216,8 @@ def measure_bandwidth(nbytes: int = 1 << 22, repeats: int = 9, gemm: int = 512, 
         if group is None or group.size <= 1:
             return 0.0
         x = np.ones(max(1, nbytes // 8))
-        all_reduce(x, group=group)
-        barrier()
         p = group.size
-        return 2.0 * (p - 1) / p * x.nbytes / _seconds(lambda: all_reduce(x, group=group), repeats)
+        return 2.0 * (p - 1) / p * x.nbytes / _collective_seconds(lambda: all_reduce(x, group=group), repeats)
 
     node = world.split(world.node_index, name="plan-node")
     leaders = world.split(0 if world.local_rank == 0 else None, name="plan-leaders")
@@ -292,14 +298,12 @@ def _after_backward(group, repeats: int) -> Dict[str, float]:
     all-reduce between GEMMs got 0.7-1.3 GB/s and 0.6-1.5 ms a call: waiting for a core.)"""
     import numpy as np
 
-    from ..distributed import all_reduce, barrier
+    from ..distributed import all_reduce
     x = np.zeros(BUCKET_BYTES // 4, np.float32)
     small = np.zeros(1)
 
     def timed(buf) -> float:
-        all_reduce(buf, group=group, out=buf)
-        barrier()
-        return _seconds(lambda: all_reduce(buf, group=group, out=buf), repeats)
+        return _collective_seconds(lambda: all_reduce(buf, group=group, out=buf), repeats)
     p = group.size
     t_big, t_small = timed(x), timed(small)
     t = all_reduce(np.array([t_big, t_small]), op="max", group=group)
