@@ -40,6 +40,7 @@ from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, CheckpointError, Pi
 from .index import write_index
 from .plan import WritePlan, assign, check_plans, host_array, plan_state
 from .read import is_checkpoint
+from .space import checkpoint_bytes, human, index_bytes, shard_bytes
 
 __all__ = ["save"]
 
@@ -98,40 +99,13 @@ def _rename_exchange(a: str, b: str) -> bool:
 # another had reserved its shard saw that much less free and refused a save that fits.) Each
 # writer then reserves its file's blocks (fallocate, FALLOC_FL_KEEP_SIZE) before HDF5 writes to it,
 # which catches a disk that another process fills meanwhile; that error too is one OSError(ENOSPC).
-_PER_DATASET = 2048      # an HDF5 dataset's object header, link and B-tree share (about 800 B measured)
-_PER_FILE = 16 << 10     # superblock, root group, free-space slack of one HDF5 file (about 2 KiB measured)
 _FALLOC_FL_KEEP_SIZE = 1
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _piece_bytes(plan: WritePlan, p: Piece) -> int:
-    return int(np.prod(p.shape, dtype=np.int64)) * np.dtype(plan.entries[p.entry].dtype).itemsize
-
-
-def _shard_bytes(plan: WritePlan, pieces: List[Piece]) -> int:
-    """An upper bound of the size of a shard file holding ``pieces``."""
-    return sum(_piece_bytes(plan, p) for p in pieces) + _PER_DATASET * len(pieces) + _PER_FILE
-
-
-def _index_bytes(plan: WritePlan) -> int:
-    """An upper bound of the size of ``index.h5`` (manifest JSON, checksums, one view per entry)."""
-    blocks = sum(-(-p.shape[0] // max(p.block_rows, 1)) if p.shape else 1 for p in plan.pieces())
-    values = sum(len(json.dumps(e.value)) for e in plan.entries if e.kind == "value")   # in the manifest and a dataset
-    return _PER_FILE + _PER_DATASET * len(plan.entries) + 256 * len(plan.pieces()) + 8 * blocks + 2 * values
+_human = human
 
 
 def _needed(plan: WritePlan, collective: bool) -> int:
-    """Bytes the whole checkpoint needs on its file system (every writer's file and the index)."""
-    if collective:
-        return _shard_bytes(plan, plan.pieces()) + _index_bytes(plan)
-    return sum(_shard_bytes(plan, ps) for ps in plan.by_writer.values()) + _index_bytes(plan)
+    """Bytes the whole checkpoint needs on its file system (see ``space.py``'s note on the constants)."""
+    return checkpoint_bytes(plan, collective)
 
 
 def _free_bytes(path: str) -> int:
@@ -236,7 +210,7 @@ def _check_replicas(plan: WritePlan, results) -> None:
             "offsets. Nothing was saved; the previous checkpoint is intact")
 
 
-def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool) -> _Written:
+def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool, need: int) -> _Written:
     """Write the pieces; a worker thread checksums each piece while h5py writes it (xxhash frees the GIL).
 
     The file's blocks are reserved before HDF5 writes to it (see ``_reserve``).
@@ -244,8 +218,6 @@ def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bo
     import h5py
     from concurrent.futures import ThreadPoolExecutor
     futures, offsets = [], []
-    need = sum(int(np.prod(p.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for p, a in jobs) + \
-        _PER_DATASET * len(jobs) + _PER_FILE
     with ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-checksum") as pool, h5py.File(fname, "w") as f:
         reserved = _reserve(fname, need, rank)
         for n, (p, arr) in enumerate(jobs):
@@ -409,7 +381,8 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
                 written = _write_collective(os.path.join(tmp, "data.h5"), g, plan, jobs, fsync)
             elif jobs:
                 with _trace.span("checkpoint.write_shard", "checkpoint"):
-                    written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync)
+                    written = _write_shard(os.path.join(tmp, shard_name(rank)), jobs, rank, fsync,
+                                           shard_bytes(plan, plan.by_writer[rank]))
             if plan.replicas.get(rank):
                 written = written._replace(replica_sums=_replica_sums(plan, arrays, rank))
             _fault("after_shard", rank)
@@ -434,7 +407,7 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
                 index = os.path.join(tmp, INDEX_NAME)
                 reserved = []
                 write_index(index, plan.entries, _attrs(g, plan.writers), file_bytes,
-                            on_open=lambda: reserved.append(_reserve(index, _index_bytes(plan), rank)))
+                            on_open=lambda: reserved.append(_reserve(index, index_bytes(plan), rank)))
                 if any(reserved):
                     _trim(index)
                 if fsync:
