@@ -77,6 +77,38 @@ def test_a_second_job_is_refused_naming_the_first_and_a_dead_holder_frees_the_fo
     mgr.release()
 
 
+@pytest.mark.serial
+def test_a_deleted_run_folder_is_locked_again_at_the_next_save_or_the_save_raises(tmp_path, capfd):
+    """Issue 53 fault 3: deleting the folder dropped the lock; the next save recreated the folder unlocked and
+    a second job was admitted. Now each save checks the held lock against the path: retaken, or refused."""
+    import shutil
+    d = str(tmp_path / "ck")
+    mgr = CheckpointManager(d)
+    mgr.save(1, {"w": np.zeros(2)})
+    shutil.rmtree(d)                                        # someone deletes the run folder
+    mgr.save(2, {"w": np.ones(2)})                          # the lock is taken again on the new folder
+    logged = capfd.readouterr().err
+    assert "lock file was deleted" in logged and d in logged
+    other = subprocess.Popen([sys.executable, "-c", _HOLD, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=mpiexec_env())
+    out, err = other.communicate(timeout=60)
+    assert other.returncode != 0 and "FolderInUseError" in err and "locked" not in out   # the second job is refused
+    shutil.rmtree(d)
+    other = subprocess.Popen([sys.executable, "-c", _HOLD, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=mpiexec_env({"SLURM_JOB_ID": "778"}))
+    assert other.stdout.readline().startswith("locked")    # a second job took the folder meanwhile
+    try:
+        with pytest.raises(FolderInUseError) as e:
+            mgr.save(3, {"w": np.ones(2)})
+        msg = str(e.value)
+        assert d in msg and "lock file was deleted" in msg and "Slurm job 778" in msg, msg
+        assert not [n for n in os.listdir(d) if n.startswith("step")]        # nothing written
+    finally:
+        other.stdin.close()
+        other.wait(timeout=30)
+    mgr.release()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_tmp_folders_of_dead_saves_go_at_the_next_save_but_an_only_copy_old_stays(world, tmp_path_factory):
     d = _shared_dir(world, tmp_path_factory, "tmp")

@@ -115,22 +115,24 @@ class CheckpointManager:
         return self._lock.run_id
 
     def acquire(self) -> None:
-        """Take the folder's run lock on group rank 0 (collective; idempotent).
+        """Take the folder's run lock on group rank 0, or check the lock still held (collective; every save).
 
         Raises :class:`~axonmpi.checkpoint.runlock.FolderInUseError` on every rank, naming the job
         that holds the folder, when another running job does.
         """
         from ..distributed import resolve_group
         from .agree import share
-        if self._locked:
-            return
         g = resolve_group(self.group)
         err = None
         if g.rank == 0:
             try:
-                self._lock.acquire()
+                if self._locked:
+                    self._lock.check()       # the folder deleted meanwhile: retake the lock, or raise
+                else:
+                    self._lock.acquire()
             except Exception as e:
                 err = e
+        self._locked = False
         self._lock.run_id = share(g, self._lock.run_id, err, f"lock of {self.directory}")
         self._locked = True
 

@@ -96,6 +96,39 @@ class RunLock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
 
+    def check(self) -> None:
+        """Check that the held lock still locks :attr:`path` (before each save); retake it or raise.
+
+        Deleting the folder (or its lock file) while the job runs leaves this process holding an
+        ``flock`` on a file that no longer has the path: the folder the next save recreates is
+        unlocked and a second job would be admitted. When the lock file at the path is not the one
+        held (device and inode differ, or it is gone), the lock is taken again on the path; when
+        another job took it meanwhile, :class:`FolderInUseError` names the folder and that job.
+        """
+        if not self.held:
+            return self.acquire()
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        if self._fd is not None:
+            mine = os.fstat(self._fd)
+            if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                return
+        elif st is not None and (self.holder() or {}).get("pid") == os.getpid():
+            return                          # shared with another manager of this process, whose file is in place
+        what = "was deleted" if st is None else "was deleted and made again"
+        self.release()
+        try:
+            self.acquire()
+        except FolderInUseError as e:
+            raise FolderInUseError(
+                f"checkpoint folder {self.directory}: its lock file {what} while this job ran (the folder was deleted "
+                f"or emptied), and another job took the folder meanwhile: {e}") from None
+        from ..log import get_logger
+        get_logger(__name__).warning("checkpoint folder %s: its lock file %s while this job ran; the lock is "
+                                     "taken again (run id %s)", self.directory, what, self.run_id)
+
     def release(self) -> None:
         """Drop the lock (the file stays, recording the last holder)."""
         if self._fd is not None:
