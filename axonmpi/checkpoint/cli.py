@@ -14,7 +14,7 @@ from typing import Callable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .format import META_GROUP
+from .format import META_GROUP, CheckpointError
 from .index import write_entry_view
 from .read import CheckpointReader, resolve_path
 from .manager import list_run_folder, run_folder_rows
@@ -115,17 +115,19 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
     return 1 if problems else 0
 
 
-def verify(path: str, as_json: bool = False, out=None) -> int:
-    """Check every block of every piece against its checksum; list every problem.
+def verify(path: str, as_json: bool = False, out=None, strict: bool = False) -> int:
+    """Check every block of every piece against its checksum, and that the pieces tile each entry; list every problem.
 
     ``path`` is a checkpoint, or a run folder (as ``inspect`` takes): then every checkpoint in it
     (those set aside as ``.damaged`` and ``.old-*`` ones too) is verified, one line each, and
-    unfinished saves are listed as such.
+    unfinished saves (``.tmp-*``, ``.unfinished*``, no index) are listed as "incomplete (ignored by
+    resume)", as resume ignores them.
 
     Returns:
         0 when the checkpoint (every checkpoint of the folder) is intact, 1 when any file is
-        missing, short or unreadable or any block's checksum differs (each problem names the
-        entry and the file).
+        missing, short or unreadable, any block's checksum differs or an entry's pieces do not
+        tile its shape (each problem names the entry and the file); with ``strict``, 1 also when
+        an unfinished save is there.
 
     Example:
         >>> verify("runs/gpt/ckpt/step-00000500")     # prints "ok: ..." and returns 0
@@ -133,7 +135,15 @@ def verify(path: str, as_json: bool = False, out=None) -> int:
     out = out or sys.stdout
     rows = run_folder_rows(path)
     if rows is not None:
-        return _verify_folder(path, rows, as_json, out)
+        return _verify_folder(path, rows, as_json, out, strict)
+    if _unfinished(path, None):
+        info = {"path": path, "ok": None, "status": _INCOMPLETE}
+        if as_json:
+            json.dump(info, out, indent=1)
+            out.write("\n")
+        else:
+            out.write(f"incomplete (ignored by resume): {path}: an unfinished or crashed save\n")
+        return 1 if strict else 0
     code, info = _verify_one(path)
     if as_json:
         json.dump(info, out, indent=1)
@@ -154,12 +164,25 @@ def _verify_text(info: dict) -> str:
             f"{_size(info['bytes'])} verified ({info['checksum_algorithm']})\n")
 
 
-def _verify_folder(path: str, rows: List[dict], as_json: bool, out) -> int:
-    """``verify`` of every checkpoint of a run folder."""
+_INCOMPLETE = "incomplete (ignored by resume)"
+
+
+def _unfinished(path: str, row: Optional[dict]) -> bool:
+    """True for a save that never finished: a ``.tmp-*`` or ``.unfinished*`` folder, or one without an index."""
+    base = os.path.basename(os.path.normpath(path))
+    if ".tmp-" in base or ".unfinished" in base:
+        return True
+    return row is not None and not row["has_index"]
+
+
+def _verify_folder(path: str, rows: List[dict], as_json: bool, out, strict: bool = False) -> int:
+    """``verify`` of every checkpoint of a run folder (unfinished saves listed, not verified)."""
     results, bad = [], 0
     for row in rows:
-        if not row["has_index"]:
-            results.append({"path": row["path"], "step": row["step"], "ok": None, "status": row["status"]})
+        if _unfinished(row["path"], row):
+            results.append({"path": row["path"], "step": row["step"], "ok": None,
+                            "status": f"{_INCOMPLETE}: {row['status']}"})
+            bad += 1 if strict else 0
             continue
         try:
             code, info = _verify_one(row["path"])
@@ -176,7 +199,7 @@ def _verify_folder(path: str, rows: List[dict], as_json: bool, out) -> int:
     out.write(f"run folder  {path}\n")
     for info in results:
         if info["ok"] is None:
-            out.write(f"not verified: {info['path']}: {info['status']}\n")
+            out.write(f"{_INCOMPLETE}: {info['path']}: {info['status'].split(': ', 1)[1]}\n")
             continue
         text = _verify_text(info)
         if info["ok"] and ".damaged" in os.path.basename(info["path"]):
@@ -194,6 +217,7 @@ def _verify_one(path: str):
         problems = r.file_problems()
         bad_files = {p.file for p in problems if not p.entry}
         problems += [p for p in r.verify_all() if p.file not in bad_files]
+        problems += r.coverage_problems()
         npieces = sum(len(e.pieces) for e in r.manifest.entries)
         nblocks = sum(len(p.checksums) for e in r.manifest.entries for p in e.pieces)
         nbytes = sum(e.nbytes for e in r.manifest.entries)
@@ -219,6 +243,11 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
     tmp = create_temporary(out_path)
     try:
         with CheckpointReader(path) as r, h5py.File(tmp, "w") as f:
+            cover = r.coverage_problems()
+            if cover:
+                raise CheckpointError(f"cannot consolidate {path}: entry {cover[0].entry!r}: {cover[0].message}"
+                                      + (f" (and {len(cover) - 1} more entries)" if len(cover) > 1 else "")
+                                      + "; `axonmpi ckpt verify` lists every problem")
             for k, v in r.attrs.items():
                 if k != "checksum":
                     f.attrs[k] = v
@@ -227,7 +256,11 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
                 if e.kind == "array":
                     ds = f.create_dataset(e.name, shape=e.full_shape, dtype=np.dtype(e.dtype))
                     if e.nbytes:  # verified blocks only
-                        ds[...] = r.read_block(e, (0,) * len(e.shape), e.shape).reshape(e.full_shape)
+                        try:
+                            ds[...] = r.read_block(e, (0,) * len(e.shape), e.shape).reshape(e.full_shape)
+                        except MemoryError:
+                            raise CheckpointError(f"cannot consolidate {path}: entry {e.name!r} of shape {e.shape} "
+                                                  f"({_size(e.nbytes)}) does not fit in this machine's memory") from None
                     ds.attrs["axonmpi_type"] = e.pytype
                 else:
                     write_entry_view(f, e, h5py)
@@ -341,7 +374,9 @@ def add_commands(sub, formats: Optional[Mapping[str, Callable]] = None) -> None:
                                       "(exit 1 naming each damaged entry and file)")
     p.add_argument("path", help="checkpoint directory (or its index.h5), or a run folder: every checkpoint in it")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.set_defaults(func=lambda a: verify(a.path, a.json))
+    p.add_argument("--strict", action="store_true", help="exit 1 also for an unfinished save (a .tmp-* or "
+                                                         ".unfinished folder, which resume ignores)")
+    p.set_defaults(func=lambda a: verify(a.path, a.json, strict=a.strict))
     p = sub.add_parser("consolidate", help="write a checkpoint as one plain HDF5 file of full arrays (verified)")
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("out", help="output .h5 file")

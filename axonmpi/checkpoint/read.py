@@ -360,6 +360,35 @@ class CheckpointReader:
                 out.append(Problem("", fname, f"{full} cannot be opened ({size} bytes; truncated or corrupt): {ex}"))
         return out
 
+    def coverage_problems(self) -> List[Problem]:
+        """Array entries whose pieces do not tile the entry's shape exactly (a gap, an overlap, a piece out of
+        bounds), as :meth:`verify_all` would not see them: each piece's checksums can be valid."""
+        from .plan import _overlap
+        out: List[Problem] = []
+        for e in self.manifest.entries:
+            if e.kind != "array":
+                continue
+            shape, where = tuple(e.shape), (e.pieces[0].file if e.pieces else INDEX_NAME)
+            size = int(np.prod(shape, dtype=object))     # exact however large the index claims it is
+            outside = [p for p in e.pieces if len(p.offsets) != len(shape) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(p.offsets, p.shape, shape))]
+            if outside:
+                p = outside[0]
+                out.append(Problem(e.name, where, f"piece {p.file}:{p.dset} at offsets {tuple(p.offsets)} shape "
+                                                  f"{tuple(p.shape)} lies outside the entry's shape {shape}"))
+                continue
+            bad = _overlap([p for p in e.pieces if int(np.prod(p.shape, dtype=object))])
+            if bad is not None:
+                a, b = e.pieces[bad[0]], e.pieces[bad[1]]
+                out.append(Problem(e.name, where, f"pieces at offsets {tuple(a.offsets)} shape {tuple(a.shape)} and "
+                                                  f"{tuple(b.offsets)} shape {tuple(b.shape)} overlap"))
+                continue
+            covered = sum(int(np.prod(p.shape, dtype=object)) for p in e.pieces)
+            if covered != size:
+                out.append(Problem(e.name, where, f"the pieces cover {covered} of the {size} elements of the entry's "
+                                                  f"shape {shape} (a damaged or hand-edited index)"))
+        return out
+
     def verify_all(self, files: Optional[Sequence[str]] = None) -> List[Problem]:
         """Read every block of every piece and check it; return every problem found (empty: all good).
 
