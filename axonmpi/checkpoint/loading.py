@@ -81,6 +81,13 @@ def load(path: "str | os.PathLike", state: Optional[dict] = None, group=None, *,
         >>> out["step"]
         100
     """
+    from ..distributed import phases as _phases
+    with _phases.long_phase("checkpoint.load", f"reading {os.fspath(path)}"):
+        return _load(path, state, group, strict, cast, verify)
+
+
+def _load(path, state, group, strict: bool, cast: bool, verify: bool) -> dict:
+    """:func:`load` inside its long phase."""
     from ..distributed import resolve_group
 
     g = resolve_group(group)

@@ -18,6 +18,7 @@ from .. import backend as _be
 from ..distributed.sharding import ShardedArray
 from .format import CheckpointError, CheckpointMismatchError, flatten, unflatten
 from .io import is_checkpoint, load, save
+from ..distributed import phases as _phases
 from .runlock import RunLock
 
 __all__ = ["CheckpointManager", "list_run_folder"]
@@ -163,9 +164,10 @@ class CheckpointManager:
         path = self.path_for(step)
         self._move_unfinished(path, g)
         if not async_save:
-            save(path, state, self.group, **kw)
-            if g.rank == 0:
-                self._prune(keep_step=int(step))
+            with _phases.long_phase("CheckpointManager.save", f"step {int(step)}"):
+                save(path, state, self.group, **kw)
+                if g.rank == 0:
+                    self._prune(keep_step=int(step))
             return path
         if self._async_group is None:   # collective, on the calling thread, once
             self._async_group = g.world.split(0, parent=g, name=f"checkpoint-async:{self.directory}")

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from ..distributed import phases as _phases
 from .checksum import block_checksums, checksum_function
 from .format import INDEX_NAME, CheckpointError, Entry, Manifest, Piece, decode_value, key_name, unflatten
 from .index import read_index
@@ -153,6 +154,7 @@ class CheckpointReader:
                 continue
             covered += _size([h - l for l, h in zip(lo, hi)])
             self._read_part(e, p, lo, hi, offsets, out)
+            _phases.heartbeat(_size([h - l for l, h in zip(lo, hi)]) * dt.itemsize)   # a long load is not a hang
         if covered != _size(shape):
             raise CheckpointError(
                 f"entry {e.name!r} in {self.path}: the stored pieces cover {covered} of the {_size(shape)} "

@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import trace as _trace
 from ..distributed.collectives import all_gather_object, barrier, broadcast_object, gather_object
+from ..distributed import phases as _phases
 from ..distributed.sharding import ShardedArray
 from .agree import describe, raise_from, share
 from .checksum import CHECKSUM_ALGORITHM, block_checksums
@@ -40,7 +41,7 @@ from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, CheckpointError, Pi
 from .index import write_index
 from .plan import WritePlan, assign, check_plans, host_array, plan_state
 from .read import is_checkpoint
-from .space import checkpoint_bytes, human, index_bytes, shard_bytes
+from .space import DATASET, FILE, checkpoint_bytes, human, index_bytes, shard_bytes
 
 __all__ = ["save"]
 
@@ -210,14 +211,18 @@ def _check_replicas(plan: WritePlan, results) -> None:
             "offsets. Nothing was saved; the previous checkpoint is intact")
 
 
-def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool, need: int) -> _Written:
+def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bool,
+                 need: "int | None" = None) -> _Written:
     """Write the pieces; a worker thread checksums each piece while h5py writes it (xxhash frees the GIL).
 
-    The file's blocks are reserved before HDF5 writes to it (see ``_reserve``).
+    The file's blocks are reserved before HDF5 writes to it (see ``_reserve``): ``need`` bytes (default: the
+    data plus ``space.DATASET`` per piece and ``space.FILE``).
     """
     import h5py
     from concurrent.futures import ThreadPoolExecutor
     futures, offsets = [], []
+    if need is None:
+        need = FILE + sum(int(np.prod(p.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize + DATASET for p, a in jobs)
     with ThreadPoolExecutor(1, thread_name_prefix="axonmpi-ckpt-checksum") as pool, h5py.File(fname, "w") as f:
         reserved = _reserve(fname, need, rank)
         for n, (p, arr) in enumerate(jobs):
@@ -225,7 +230,7 @@ def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bo
                 _fault("mid_shard", rank)
             a = host_array(arr)
             futures.append(pool.submit(block_checksums, a, p.block_rows))
-            ds = f.create_dataset(p.dset, data=a)
+            ds = _write_beating(f, p.dset, a)
             off = ds.id.get_offset()
             offsets.append(-1 if off is None else int(off))
         sums = [fu.result() for fu in futures]
@@ -234,6 +239,24 @@ def _write_shard(fname: str, jobs: List[Tuple[Piece, Any]], rank: int, fsync: bo
     if fsync:
         _fsync_path(fname)
     return _Written(sums, offsets, {os.path.basename(fname): os.path.getsize(fname)})
+
+
+_BEAT_BYTES = 64 << 20   # the writer reports progress to the watchdog after each this many bytes
+
+
+def _write_beating(f, name: str, a: np.ndarray):
+    """``f.create_dataset(name, data=a)``, written in slabs of ``_BEAT_BYTES`` with a heartbeat after each (see
+    distributed/phases.py: a slow healthy write is not a hang)."""
+    if a.nbytes <= _BEAT_BYTES or a.ndim == 0 or a.shape[0] < 2:
+        ds = f.create_dataset(name, data=a)
+        _phases.heartbeat(a.nbytes)
+        return ds
+    ds = f.create_dataset(name, shape=a.shape, dtype=a.dtype)
+    rows = max(1, _BEAT_BYTES // max(1, a[0].nbytes))
+    for r0 in range(0, a.shape[0], rows):
+        ds.write_direct(a, np.s_[r0:r0 + rows], np.s_[r0:r0 + rows])
+        _phases.heartbeat(a[r0:r0 + rows].nbytes)
+    return ds
 
 
 def _write_collective(fname: str, g, plan: WritePlan, jobs: List[Tuple[Piece, Any]], fsync: bool) -> _Written:
@@ -324,6 +347,13 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         >>> w = ShardedArray.from_chunks(my_rows, (1024, 512), axis=0)
         >>> axonmpi.checkpoint.save("ckpt/step-100", {"model": {"w": w, "b": bias}, "step": 100})
     """
+    with _phases.long_phase("checkpoint.save", f"saving {os.fspath(path)}") as phase:
+        return _save(phase, path, state, group, overwrite=overwrite, fsync=fsync, collective=collective)
+
+
+def _save(phase, path, state: dict, group=None, *, overwrite: bool = True, fsync: bool = True,
+          collective: bool = False) -> str:
+    """:func:`save` inside its long phase (``phase``: None without a watchdog)."""
     from ..distributed import resolve_group
     import h5py
 
@@ -352,6 +382,7 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         except Exception as e:
             err = e
     tmp, free = share(g, (tmp, free), err, what)
+    _phases.remove_tree_on_abort(tmp)   # a job the watchdog ends leaves no .tmp-* behind
 
     agreed = False  # True where a failure is raised by every rank at the same point
     try:
@@ -370,6 +401,9 @@ def save(path: "str | os.PathLike", state: dict, group=None, *, overwrite: bool 
         folder = os.path.dirname(os.path.abspath(path))
         _check_space(folder, _needed(plan, collective), free, rank)   # the same verdict on every rank
         agreed = False
+        if phase is not None:
+            mine_bytes = shard_bytes(plan, plan.by_writer.get(rank, []))
+            phase.detail, phase.total = f"writing {human(mine_bytes)} to {tmp}", mine_bytes
 
         # 3. write this rank's pieces
         err, written = None, _Written([], [], {})

@@ -96,6 +96,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import trace as _trace
+from . import phases as _phases
 
 __all__ = ["Watchdog", "WatchedComm", "PolledComm", "CALL_FIELDS", "call_site", "dump_flight_record"]
 
@@ -232,6 +233,8 @@ class Watchdog:
         self.ring: List[list] = [[None] * 12 + [-1, False, -1, None, None] for _ in range(self.capacity)]
         self.pos = 0
         self.cur_wait = None   # (slot, call index, wait start) of a request being waited on, or None
+        self.phases: list = []                 # this rank's known long phases (distributed/phases.py)
+        self.deadlines: Dict[int, float] = {}  # call index -> its deadline, moved while a peer's phase progresses
         if polling is None:
             polling = MPI.Query_thread() < MPI.THREAD_MULTIPLE
         self.polling = bool(polling) and self.watch
@@ -289,7 +292,7 @@ class Watchdog:
             now = _clock()
             if now < spin_until:
                 continue
-            if now > deadline or (now - t0 > PEEK_S and self._peek(e, t0, now)):
+            if (now > deadline and _phases.late(self, e, e[_IDX], t0, now)) or (now - t0 > PEEK_S and self._peek(e, t0, now)):
                 self.expire(e, now - t0)
             if self.exited:
                 if exit_seen is None:
@@ -337,9 +340,9 @@ class Watchdog:
             if not self.polling:
                 now = _clock()
                 for e, t0 in self._in_flight():
-                    if now - t0 > self.timeout or (now - t0 > PEEK_S and self._peek(e, t0, now)):
+                    if _phases.late(self, e, e[_IDX], t0, now) or (now - t0 > PEEK_S and self._peek(e, t0, now)):
                         self.expire(e, now - t0)
-                    nap = min(nap, t0 + self.timeout - now)
+                    nap = min(nap, max(t0 + self.timeout, self.deadlines.get(e[_IDX], 0.0)) - now)
                     if self.exited and self._blocked_by_exit(e):
                         seen = exit_seen.setdefault(e[_IDX], now)
                         if now - seen > EXIT_GRACE_S:
@@ -408,8 +411,16 @@ class Watchdog:
         what they called as this call; the lines naming who called what, or None when nobody answered."""
         if self.comm is None:
             return None
+        got = self._ask_states(self._peers(e))
+        if not got:
+            return None
+        calls = self._calls_at(_full(e), got)
+        return "\n".join(f"  world ranks {ranks} called {what}" for what, ranks in _by_call(calls).items())
+
+    def _ask_states(self, want: List[int]) -> Dict[int, Any]:
+        """Ask world ranks ``want`` for their state (their monitors answer); the answers within ``ANSWER_S``."""
         self._peek_round += 1
-        rnd, want = self._peek_round, self._peers(e)
+        rnd = self._peek_round
         msg = pickle.dumps(("peek", rnd))
         for r in want:
             self._post(msg, r, _PEEK)
@@ -419,11 +430,7 @@ class Watchdog:
             if all(self._peeked.get(r, (None,))[0] == rnd for r in want):
                 break
             time.sleep(0.005)
-        got = {r: a[1] for r, a in list(self._peeked.items()) if a[0] == rnd and r in want}
-        if not got:
-            return None
-        calls = self._calls_at(_full(e), got)
-        return "\n".join(f"  world ranks {ranks} called {what}" for what, ranks in _by_call(calls).items())
+        return {r: a[1] for r, a in list(self._peeked.items()) if a[0] == rnd and r in want}
 
     def _calls_at(self, e, answers, seq: Optional[int] = None) -> Dict[int, list]:
         """Each rank's call number ``seq`` (default ``e``'s) on ``e``'s group, in flight or recent; this rank's too."""
@@ -599,7 +606,8 @@ class Watchdog:
             if slot[_T1] is None and all(b[_IDX] != slot[_IDX] for b in blocked):
                 blocked.append(_full(slot))
         return {"rank": self.rank, "flight": flight, "blocked": blocked, "last": last, "lastc": lastc,
-                "recent": recent, "sends": sends, "exiting": self.rank in self.exited}
+                "recent": recent, "sends": sends, "exiting": self.rank in self.exited,
+                "phases": _phases.current_phases(self)}
 
     def expire(self, e, waited: float) -> None:
         """Ask every rank for its state, print one root-cause paragraph, write flight records, abort."""
@@ -625,6 +633,7 @@ class Watchdog:
         if self.reporter is not None and self.reporter < self.rank:
             self._nap(ANSWER_S + 5)                  # a lower rank reports and aborts the job
         text = self.explain(e, waited, dict(self._answers), path)
+        _phases.run_cleanups(self)                   # a save's .tmp-* folder goes with the job
         sys.stdout.flush()
         _report_fatal(text)
         time.sleep(0.3)                              # let the launcher forward the report
@@ -661,11 +670,15 @@ class Watchdog:
                 now = "it has exited (its script ended or called sys.exit) and waits in the exit barrier"
             elif st["flight"]:
                 now = "it is waiting in " + "; ".join(f"{_desc(f, 0)} (for {f[_T0]:.1f} s)" for f in st["flight"])
+            elif st.get("phases"):
+                now = "it is " + _phases.describe(st["phases"]) + f"; if that phase is healthy but slow, {_phases.RAISE_DEADLINE}"
             else:
-                now = "it is in no axonmpi call (computing, or stuck in user code)"
+                now = ("it is in no axonmpi call (computing, or stuck in user code; a computation that is this long "
+                       f"by design: {_phases.RAISE_DEADLINE})")
             behind.append(f"rank {r}: {done}; {now}")
         head = (f"[axonmpi] watchdog: rank {self.rank} waited {waited:.1f} s (AXONMPI_TIMEOUT={self.timeout:g}) "
-                f"in {what} (group ranks {ranks}).")
+                f"in {what} (group ranks {ranks})" + (f" while {_phases.describe(_phases.current_phases(self))}"
+                                                     if self.phases else "") + ".")
         parts = [head]
         cause = self._cause
         if cause is None and len(e) > _SIG:
@@ -726,7 +739,8 @@ class Watchdog:
         return path
 
     def _handle(self, src: int, tag: int, msg) -> None:
-        if tag == _ASK:
+        if tag == _ASK:                # a rank is about to end the job with a report
+            _phases.run_cleanups(self)
             first = self.reporter is None
             if first or src < self.reporter:
                 self.reporter = src
