@@ -19,7 +19,8 @@ class GradScaler:
     ``group``, so every rank skips the same steps even when only one rank's shard overflowed);
     ``step(optimizer)`` steps unless an inf/nan was found; ``update()`` halves the scale
     (``backoff_factor``) after an overflow and doubles it (``growth_factor``) after
-    ``growth_interval`` clean steps in a row.
+    ``growth_interval`` clean steps in a row. ``skipped`` is True after a ``step`` that an inf/nan
+    skipped (a trainer logs it and goes on: see :mod:`axonmpi.finite`).
 
     Args:
         init_scale: the first scale.
@@ -51,6 +52,7 @@ class GradScaler:
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.enabled = bool(enabled)
+        self.skipped = False        # the last step() found an inf/nan and did not step
         self._group = group
         self._growth_tracker = 0
         self._per_opt: Dict[int, Dict[str, Any]] = {}
@@ -119,7 +121,8 @@ class GradScaler:
         if st is None or not st["unscaled"]:
             self.unscale_(optimizer)
             st = self._per_opt[id(optimizer)]
-        if st["found_inf"]:
+        self.skipped = bool(st["found_inf"])
+        if self.skipped:
             return None
         return optimizer.step(*args, **kwargs)
 

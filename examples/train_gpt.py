@@ -47,6 +47,7 @@ from axonmpi.models import GPTConfig, LlamaConfig  # noqa: E402
 from axonmpi.models.gpt import padded_vocab_size  # noqa: E402
 from axonmpi.optim import AdamW  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
+from axonmpi.finite import check_finite  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
 from axonmpi.recipes import HybridGPT, Layout, check_layout  # noqa: E402
 from axonmpi.optim.lr_scheduler import LinearWarmupCosine  # noqa: E402
@@ -596,6 +597,8 @@ def main(argv=None):
         if scaler is not None:
             scaler.unscale_(opt)
         grad_norm = hyb.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else float("inf"))
+        if scaler is None and not (math.isfinite(lval) and math.isfinite(grad_norm)):   # before the step: name the rank
+            check_finite(step + 1, loss=hyb.local_loss, optimizer=opt, hint="lower --lr")
         lr = opt.param_groups[0]["lr"]
         if scaler is not None:
             scaler.step(opt)           # skipped (and the scale halved) when a gradient overflowed
@@ -604,9 +607,8 @@ def main(argv=None):
             opt.step()
         sched.step()
         step += 1
-        if not math.isfinite(lval):
-            raise FloatingPointError(f"rank {world.rank}: loss became {lval} at step {step}; lower --lr")
-        loss_ema = lval if loss_ema is None else 0.9 * loss_ema + 0.1 * lval
+        if math.isfinite(lval) or loss_ema is None:   # a step the loss scaler skipped keeps the average (no scaler: raised above)
+            loss_ema = lval if loss_ema is None or not math.isfinite(loss_ema) else 0.9 * loss_ema + 0.1 * lval
         now = time.perf_counter()
         tok_s = tokens_per_step / max(now - t_last, 1e-9)
         if metrics is not None:

@@ -146,6 +146,7 @@ class HybridGPT:
             model_plan=recipe.model_plan, **opts)
         self.shards, self.shard_index = pm.batch_shards
         self.model, self._params, self.pipe = pm.inner, list(pm.parameters()), pm.pipeline if piped else None
+        self.local_loss = None     # this rank's loss sum of the last forward (None under a pipeline)
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
         self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
         self.fsdp = pm.module if self.sharding is not None and not piped else None
@@ -162,7 +163,9 @@ class HybridGPT:
     def _token_mean(self, x, y):
         """The one loss rule (``pm.token_mean``) on this rank's rows and tokens."""
         logits, _ = self.pm(x)
-        return self.pm.token_mean(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"), int((y != -100).sum()))
+        lsum = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+        self.local_loss = lsum.data     # this rank's own, before the mean over ranks (axonmpi.finite names its rank)
+        return self.pm.token_mean(lsum, int((y != -100).sum()))
 
     def forward_backward(self, x, y, *, scaler=None) -> float:
         """Forward and backward on this rank's rows (``scaler``: a ``GradScaler``; a pipeline's scales each
