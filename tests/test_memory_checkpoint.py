@@ -1,0 +1,108 @@
+"""In-memory checkpoints replicated to a buddy node; restart from memory, bitwise; HDF5 when a node and its
+buddy are lost together (issue 53 items 1, 2 and 4). "Nodes" are rank groups (AXONMPI_MEMORY_NODE_SIZE)."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import axonmpi
+from axonmpi import nn, optim
+from axonmpi.autograd import Tensor
+from axonmpi.checkpoint import CheckpointManager, restore_training_state, training_state
+from axonmpi.checkpoint.memory import MemoryCheckpointer, node_layout, resume, run_key
+import axonmpi.nn.functional as F
+
+
+def _model(seed):
+    axonmpi.manual_seed(seed)
+    m = axonmpi.DDP(nn.Sequential(nn.Linear(6, 8, dtype="float64"), nn.Tanh(), nn.Linear(8, 2, dtype="float64")))
+    return m, optim.Adam(m.parameters(), lr=0.05)
+
+
+def _step(world, m, opt, step):
+    x = np.random.default_rng(100 * step + world.rank).standard_normal((4, 6))
+    opt.zero_grad()
+    loss = F.mse_loss(m(Tensor(x)), Tensor(np.ones((4, 2))))
+    loss.backward()
+    opt.step()
+    return float(loss.item())
+
+
+def _params(m):
+    return [p.data.copy() for p in m.parameters()]
+
+
+@pytest.fixture
+def nodes(world, monkeypatch):
+    if world.world_size < 2:
+        pytest.skip("buddies need two nodes (two ranks at least)")
+    monkeypatch.setenv("AXONMPI_MEMORY_NODE_SIZE", str(world.world_size // 2 if world.world_size % 2 == 0 else 1))
+
+
+def _lose(world, mem, node):
+    """Node ``node`` dies: its memory folder goes (its first rank deletes it)."""
+    axonmpi.barrier()
+    if mem.nodes[world.rank] == node and world.rank == mem.nodes.index(node):
+        shutil.rmtree(mem.folder)
+    axonmpi.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_lost_node_resumes_from_its_buddies_bitwise_and_two_lost_buddies_fall_back_to_hdf5(
+        world, nodes, tmp_path_factory):
+    d = axonmpi.broadcast_object(str(tmp_path_factory.mktemp("memck")) if world.rank == 0 else None)
+    mgr = CheckpointManager(os.path.join(d, "ckpt"))
+    key = run_key(mgr.directory)
+    mem = MemoryCheckpointer(key, root=os.path.join(d, "shm"))
+    assert mem.buddy is not None and node_layout(world)[mem.buddy] != node_layout(world)[world.rank]
+    m, opt = _model(0)
+    for step in range(1, 4):
+        _step(world, m, opt, step)
+        if step == 2:
+            mgr.save(step, training_state(m, opt, step=step))          # the durable copy
+        mem.save(step, training_state(m, opt, step=step))
+    mem.wait()
+    losses = [_step(world, m, opt, s) for s in (4, 5)]                # the uninterrupted run
+    want = _params(m)
+
+    _lose(world, mem, node=1)                                         # node 1 and its memory are gone
+    m2, opt2 = _model(7)                                              # a new job: other weights
+    mem2 = MemoryCheckpointer(key, root=os.path.join(d, "shm"))
+    out, source = resume(mgr, mem2, training_state(m2, opt2))
+    assert source == "memory step 3", source
+    meta = restore_training_state(out, m2, opt2)
+    assert meta["step"] == 3
+    assert [_step(world, m2, opt2, s) for s in (4, 5)] == losses     # bitwise
+    for a, b in zip(_params(m2), want):
+        np.testing.assert_array_equal(a, b)
+    assert os.path.exists(mem2._path(world.rank, 3))                  # the lost node holds its copy again
+
+    for n in sorted(set(mem2.nodes)):                                 # a node and its buddy lost together
+        _lose(world, mem2, node=n)
+    m3, opt3 = _model(9)
+    mem3 = MemoryCheckpointer(key, root=os.path.join(d, "shm"))
+    out, source = resume(mgr, mem3, training_state(m3, opt3))
+    assert source == "hdf5 step 2", source
+    assert restore_training_state(out, m3, opt3)["step"] == 2
+    mem3.close()
+    mem2.comm.Free()
+    mem.comm.Free()
+    assert not os.path.exists(mem3.root) or not os.listdir(mem3.root)
+    mgr.release()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_another_runs_copies_are_never_used(world, nodes, tmp_path_factory):
+    d = axonmpi.broadcast_object(str(tmp_path_factory.mktemp("memrun")) if world.rank == 0 else None)
+    mem = MemoryCheckpointer("run-a", root=d)
+    m, opt = _model(0)
+    _step(world, m, opt, 1)
+    mem.save(1, training_state(m, opt, step=1))
+    mem.wait()
+    other = MemoryCheckpointer("run-b", root=d)
+    assert other.restore(training_state(m, opt)) is None
+    got = MemoryCheckpointer("run-a", root=d).restore(training_state(m, opt))
+    assert got is not None and got[0] == 1
+    for x in (mem, other):
+        x.close()
