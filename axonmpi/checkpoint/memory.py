@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from .. import backend as _be
 from ..distributed.sharding import ShardedArray
 from .format import CheckpointError, flatten, unflatten
 
@@ -84,28 +85,30 @@ def _pairs(nodes: List[int], rank: int) -> Tuple[Optional[int], Optional[int]]:
 
 
 def _blob(state: dict, rank: int, step: int, run_id: str) -> bytes:
+    """This rank's state as one pickle (the copy: arrays are copied into it once; its CRC-32 is added by the
+    background thread that writes it, see ``_write``)."""
     items = []
     for keys, leaf in flatten(state, rank):
         if isinstance(leaf, ShardedArray):
-            leaf = ("sharded", np.array(leaf.local, copy=True), tuple(leaf.global_shape), tuple(leaf.offsets))
-        elif isinstance(leaf, np.ndarray):
-            leaf = ("array", leaf.copy())
+            leaf = ("sharded", _be.to_host(leaf.local), tuple(leaf.global_shape), tuple(leaf.offsets))
+        elif isinstance(leaf, np.ndarray) or _be.is_cupy_array(leaf):
+            leaf = ("array", _be.to_host(leaf))
         else:
             leaf = ("value", leaf)
         items.append((keys, leaf))
-    body = pickle.dumps(items, protocol=5)
-    head = pickle.dumps({"run_id": run_id, "rank": rank, "step": step, "crc": zlib.crc32(body)}, protocol=5)
-    return len(head).to_bytes(8, "little") + head + body
+    return pickle.dumps({"run_id": run_id, "rank": rank, "step": step, "items": items}, protocol=5)
 
 
 def _open_blob(data: bytes, run_id: str, rank: int, step: int, where: str) -> list:
-    n = int.from_bytes(data[:8], "little")
-    head = pickle.loads(data[8:8 + n])
-    body = data[8 + n:]
-    if (head["run_id"], head["rank"], head["step"]) != (run_id, rank, step) or zlib.crc32(body) != head["crc"]:
-        raise CheckpointError(f"memory checkpoint {where} is not rank {rank}'s step {step} of run {run_id} or is "
-                              f"damaged (header {dict(head, crc=None)}, CRC-32 {'ok' if zlib.crc32(body) == head['crc'] else 'bad'})")
-    return pickle.loads(body)
+    """The items of a stored blob (``data``: the pickle and its CRC-32), checked."""
+    body, crc = memoryview(data)[:-4], int.from_bytes(data[-4:], "little")
+    if zlib.crc32(body) != crc:
+        raise CheckpointError(f"memory checkpoint {where} is damaged (CRC-32 mismatch)")
+    doc = pickle.loads(body)
+    if (doc["run_id"], doc["rank"], doc["step"]) != (run_id, rank, step):
+        raise CheckpointError(f"memory checkpoint {where} holds run {doc['run_id']} rank {doc['rank']} step "
+                              f"{doc['step']}, not run {run_id} rank {rank} step {step}")
+    return doc["items"]
 
 
 def _fill(template: Optional[dict], items: list, rank: int) -> dict:
@@ -171,16 +174,21 @@ class MemoryCheckpointer:
         return os.path.join(self.folder, f"r{owner:05d}-s{step:09d}.blob")
 
     def _write(self, owner: int, step: int, data: bytes) -> None:
-        """Background thread: write ``owner``'s blob of ``step``, then drop its blobs older than the previous one."""
+        """Write ``owner``'s blob of ``step`` with its CRC-32, then drop its blobs older than the previous one."""
         tmp = self._path(owner, step) + ".tmp"
         with open(tmp, "wb") as f:
             f.write(data)
+            f.write(zlib.crc32(data).to_bytes(4, "little"))
         os.replace(tmp, self._path(owner, step))
         for old in sorted(self._steps(owner))[:-2]:
             try:
                 os.remove(self._path(owner, old))
             except FileNotFoundError:
                 pass
+
+    def _write_all(self, jobs: list) -> None:
+        for job in jobs:
+            self._write(*job)
 
     def _steps(self, owner: int) -> List[int]:
         out = []
@@ -191,31 +199,42 @@ class MemoryCheckpointer:
         return out
 
     def save(self, step: int, state: dict) -> None:
-        """Copy ``state`` into memory for ``step`` and start its replication to the buddy (returns at once)."""
-        self.wait()
+        """Copy ``state`` into memory for ``step`` and start its replication to the buddy (returns at once:
+        the writes run on a background thread, the transfer completes at the next ``save`` or ``wait``)."""
+        self._join()
+        jobs = self._received()
         step = int(step)
         data = _blob(state, self.rank, step, self.run_id)
-        reqs, size_in = [], np.zeros(1, np.int64)
         if self.buddy is not None:
+            size_in = np.zeros(1, np.int64)
             self.comm.Sendrecv(np.array([len(data)], np.int64), dest=self.buddy, sendtag=_TAG_SIZE,
                                recvbuf=size_in, source=self.ward, recvtag=_TAG_SIZE)
             incoming = bytearray(int(size_in[0]))
             reqs = [self.comm.Isend([data, MPI.BYTE], dest=self.buddy, tag=_TAG_DATA),
                     self.comm.Irecv([incoming, MPI.BYTE], source=self.ward, tag=_TAG_DATA)]
             self._pending = [(reqs, self.ward, step, incoming, data)]
-        self._thread = threading.Thread(target=self._write, args=(self.rank, step, data),
+        self._thread = threading.Thread(target=self._write_all, args=([(self.rank, step, data)] + jobs,),
                                         name=f"axonmpi-memckpt-{step}", daemon=True)
         self._thread.start()
 
-    def wait(self) -> None:
-        """Complete the copies in flight: the local write, the exchange with the buddy and the received blob's write."""
+    def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def _received(self) -> list:
+        """Complete the exchange in flight; the (ward, step, bytes) writes it leaves to do."""
+        jobs = []
         for reqs, ward, step, incoming, _ in self._pending:
             MPI.Request.Waitall(reqs)
-            self._write(ward, step, bytes(incoming))
+            jobs.append((ward, step, incoming))
         self._pending = []
+        return jobs
+
+    def wait(self) -> None:
+        """Complete the copies in flight: the local write, the exchange with the buddy and the received blob's write."""
+        self._join()
+        self._write_all(self._received())
 
     def restore(self, state: Optional[dict] = None) -> Optional[Tuple[int, dict]]:
         """``(step, state)`` from the newest step every rank's blob is in some node's memory; None when none is
@@ -250,7 +269,7 @@ class MemoryCheckpointer:
             self.comm.Recv([buf, MPI.BYTE], source=src, tag=_TAG_DATA)
             data = bytes(buf)
             self.last_source = f"rank {src}'s node (buddy copy)"
-            self._write(self.rank, step, data)           # this node holds its own copy again
+            self._write(self.rank, step, data[:-4])      # this node holds its own copy again
         else:
             self.last_source = "this node"
         items = _open_blob(data, self.run_id, self.rank, step, f"of rank {self.rank} step {step}")
