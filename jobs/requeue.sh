@@ -100,7 +100,7 @@ axonmpi_run_name() {
   fi
 }
 
-# axonmpi_run COMMAND...: run srun in the background, forward SIGUSR1/SIGTERM to it, requeue on exit 75.
+# axonmpi_run_once COMMAND...: run srun in the background, forward SIGUSR1/SIGTERM to it, requeue on exit 75.
 # The signal window: a rank catches SIGUSR1 from `import axonmpi` on (it is kept for its PreemptionHandler);
 # before that the default action would end it. So each rank writes a file into AXONMPI_READY_DIR once it
 # catches signals, and a SIGUSR1 that comes before every rank has is held here and forwarded as soon as
@@ -110,7 +110,30 @@ axonmpi_ready() {   # true when SLURM_NTASKS ranks have written their file
   n=$(find "$AXONMPI_READY_DIR" -maxdepth 1 -name 'rank-*' 2>/dev/null | wc -l)
   (( n >= ${SLURM_NTASKS:-${SLURM_NPROCS:-1}} ))
 }
+# axonmpi_run COMMAND...: axonmpi_run_once; a job step that fails (exit not 0 nor 75) while the command resumes
+# (--auto-resume) is run again inside the allocation, up to AXONMPI_RESTARTS times (default 2; 0: never), each
+# restart said with the failure's exit code; AXONMPI_RESTART (the restart's number) and AXONMPI_FAILED_AT (epoch
+# seconds of the failure) are exported to it, so the script can say how long the restart took. Out of restarts,
+# the failure is the job's exit code (no requeue: a failure that repeats would requeue for ever).
 axonmpi_run() {
+  local rc tries=0 max=${AXONMPI_RESTARTS:-2}
+  [[ " $* " == *" --auto-resume "* ]] || max=0      # a command that does not resume would start over
+  while :; do
+    rc=0; axonmpi_run_once "$@" || rc=$?
+    (( rc == 0 )) && return 0
+    if (( tries >= max )); then
+      (( tries )) && echo "axonmpi: $(date +%T) the job step failed again (exit $rc) after $tries restart(s) inside the allocation (AXONMPI_RESTARTS=$max): giving up" >&2
+      return "$rc"
+    fi
+    tries=$((tries + 1))
+    export AXONMPI_RESTART=$tries AXONMPI_FAILED_AT
+    AXONMPI_FAILED_AT=$(date +%s.%N)
+    echo "axonmpi: $(date +%T) the job step failed (exit $rc): restart $tries of $max inside allocation ${SLURM_JOB_ID:-?} with --auto-resume (AXONMPI_RESTARTS=0 turns this off)" >&2
+  done
+}
+
+# axonmpi_run_once COMMAND...: run it (srun) once, forwarding signals; exit 75 requeues the job.
+axonmpi_run_once() {
   local pid rc held=0 since=0
   export AXONMPI_READY_DIR="${AXONMPI_SCRATCH:-${TMPDIR:-/tmp}}/axonmpi/.ready-${SLURM_JOB_ID:-$$}-${SLURM_RESTART_COUNT:-0}"
   rm -rf "$AXONMPI_READY_DIR"; mkdir -p "$AXONMPI_READY_DIR"   # on the shared scratch: ranks on every node write here

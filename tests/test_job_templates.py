@@ -54,6 +54,10 @@ if [[ " $* " == *" --auto-resume "* ]]; then       # the training step: "saves" 
   for i in "${!args[@]}"; do
     if [[ "${args[$i]}" == --checkpoint-dir ]]; then mkdir -p "${args[$((i+1))]}/step_1"; fi
   done
+  if [[ -n "${STUB_SRUN_EXITS:-}" ]]; then           # one exit code per training step run: "3 0" fails, then works
+    n=$(cat "$STUB_LOG.count" 2>/dev/null || echo 0); echo $((n + 1)) > "$STUB_LOG.count"
+    codes=($STUB_SRUN_EXITS); exit "${codes[$n]:-0}"
+  fi
   exit "${STUB_SRUN_EXIT:-0}"
 fi
 '''
@@ -140,6 +144,23 @@ def test_requeue_path_appends_the_log_and_resumes_the_same_folder(slurm, templat
     assert out2.startswith(out) and "holds a run" in out2[len(out):], "the requeued job's log was truncated"
     r, log = slurm(template, "--steps", "9", STUB_SRUN_EXIT="3")       # a failure is not requeued
     assert r.returncode == 3 and "scontrol" not in log
+    assert sum(1 for ln in log.splitlines() if ln.startswith("srun ") and "--auto-resume" in ln) == 3   # 2 restarts
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("template", ["slurm_ddp_1node.sbatch", "slurm_3d.sbatch"])
+def test_a_failed_job_step_restarts_inside_the_allocation_up_to_a_limit(slurm, template):
+    """Issue 53 item 3: the batch script reruns srun with --auto-resume (same folder) instead of ending the job."""
+    name = re.search(r"#SBATCH --job-name=(\S+)", open(os.path.join(ROOT, "jobs", template)).read()).group(1)
+    r, log = slurm(template, "--steps", "9", STUB_SRUN_EXITS="3 0")
+    assert r.returncode == 0 and "scontrol" not in log, log
+    runs = [ln for ln in log.splitlines() if ln.startswith("srun ") and "--auto-resume" in ln]
+    assert len(runs) == 2 and _ckpt(runs[0]) == _ckpt(runs[1]), log     # the restart resumes the same run
+    out = (slurm.tmp / f"{name}-4242.out").read_text()
+    assert "the job step failed (exit 3): restart 1 of 2 inside allocation 4242 with --auto-resume" in out, out
+    (slurm.tmp / "stub.log.count").unlink()
+    r, log = slurm(template, "--steps", "9", STUB_SRUN_EXITS="3 0", AXONMPI_RESTARTS="0")
+    assert r.returncode == 3 and len([ln for ln in log.splitlines() if "--auto-resume" in ln]) == 1
 
 
 # One folder per experiment: what picks the layout or the precision is part of the run name (AXONMPI_EXPERIMENT_VARS)

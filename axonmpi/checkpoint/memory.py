@@ -294,8 +294,13 @@ class MemoryCheckpointer:
 def resume(mgr, mem: Optional[MemoryCheckpointer], state: dict, log=None) -> Tuple[Optional[dict], str]:
     """Restore ``state`` from memory when every rank's copy of one step is there, else from ``mgr``'s newest HDF5
     checkpoint (collective). Returns ``(loaded state or None, "memory step N" | "hdf5 step N" | "none")`` and logs it."""
+    import time
     from ..log import get_logger
     log = log or get_logger(__name__)
+    failed = os.environ.get("AXONMPI_FAILED_AT")      # set by jobs/requeue.sh when it restarts a failed job step
+    if failed:
+        log.info("restart %s inside the allocation: %.1f s from the failed job step to this resume",
+                 os.environ.get("AXONMPI_RESTART", "?"), time.time() - float(failed))
     got = mem.restore(state) if mem is not None else None
     if got is not None:
         step, out = got
