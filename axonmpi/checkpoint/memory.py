@@ -67,7 +67,8 @@ def run_key(directory: str) -> str:
 
 def node_layout(world) -> List[int]:
     """The node index of every world rank (``AXONMPI_MEMORY_NODE_SIZE=k``: rank // k)."""
-    k = os.environ.get("AXONMPI_MEMORY_NODE_SIZE")
+    from ..env import get_str
+    k = get_str("AXONMPI_MEMORY_NODE_SIZE")
     if k:
         return [r // int(k) for r in range(world.world_size)]
     return list(MPI.COMM_WORLD.allgather(world.node_rank))
@@ -155,7 +156,8 @@ class MemoryCheckpointer:
         self.world = get_world()
         self.rank, self.size = self.world.rank, self.world.world_size
         self.run_id, self.every = str(run_id), max(1, int(every))
-        base = root or os.environ.get("AXONMPI_MEMORY_DIR") or "/dev/shm"
+        from ..env import get_str
+        base = root or get_str("AXONMPI_MEMORY_DIR")
         self.root = os.path.join(base, f"axonmpi-{self.run_id}-w{self.size}")   # another world size: not found
         self.nodes = node_layout(self.world)
         self.buddy, self.ward = _pairs(self.nodes, self.rank)
