@@ -14,9 +14,14 @@ from axonmpi.checkpoint.memory import MemoryCheckpointer, node_layout, resume, r
 import axonmpi.nn.functional as F
 
 
-def _model(seed):
+def _model(seed, kind="ddp"):
     axonmpi.manual_seed(seed)
-    m = axonmpi.DDP(nn.Sequential(nn.Linear(6, 8, dtype="float64"), nn.Tanh(), nn.Linear(8, 2, dtype="float64")))
+    net = nn.Sequential(nn.Linear(6, 8, dtype="float64"), nn.Tanh(), nn.Linear(8, 2, dtype="float64"))
+    if kind == "fsdp":
+        from axonmpi.parallel import FSDP
+        m = FSDP(net)                            # sharded: each rank's blob holds its own ShardedArray blocks
+    else:
+        m = axonmpi.DDP(net)
     return m, optim.Adam(m.parameters(), lr=0.05)
 
 
@@ -30,7 +35,7 @@ def _step(world, m, opt, step):
 
 
 def _params(m):
-    return [p.data.copy() for p in m.parameters()]
+    return [np.array(p.data, copy=True) for p in m.parameters()]
 
 
 @pytest.fixture
@@ -49,14 +54,15 @@ def _lose(world, mem, node):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_a_lost_node_resumes_from_its_buddies_bitwise_and_two_lost_buddies_fall_back_to_hdf5(
-        world, nodes, tmp_path_factory):
+        world, nodes, tmp_path_factory, kind):
     d = axonmpi.broadcast_object(str(tmp_path_factory.mktemp("memck")) if world.rank == 0 else None)
     mgr = CheckpointManager(os.path.join(d, "ckpt"))
     key = run_key(mgr.directory)
     mem = MemoryCheckpointer(key, root=os.path.join(d, "shm"))
     assert mem.buddy is not None and node_layout(world)[mem.buddy] != node_layout(world)[world.rank]
-    m, opt = _model(0)
+    m, opt = _model(0, kind)
     for step in range(1, 4):
         _step(world, m, opt, step)
         if step == 2:
@@ -67,7 +73,7 @@ def test_a_lost_node_resumes_from_its_buddies_bitwise_and_two_lost_buddies_fall_
     want = _params(m)
 
     _lose(world, mem, node=1)                                         # node 1 and its memory are gone
-    m2, opt2 = _model(7)                                              # a new job: other weights
+    m2, opt2 = _model(7, kind)                                            # a new job: other weights
     mem2 = MemoryCheckpointer(key, root=os.path.join(d, "shm"))
     out, source = resume(mgr, mem2, training_state(m2, opt2))
     assert source == "memory step 3", source
@@ -80,7 +86,7 @@ def test_a_lost_node_resumes_from_its_buddies_bitwise_and_two_lost_buddies_fall_
 
     for n in sorted(set(mem2.nodes)):                                 # a node and its buddy lost together
         _lose(world, mem2, node=n)
-    m3, opt3 = _model(9)
+    m3, opt3 = _model(9, kind)
     mem3 = MemoryCheckpointer(key, root=os.path.join(d, "shm"))
     out, source = resume(mgr, mem3, training_state(m3, opt3))
     assert source == "hdf5 step 2", source
