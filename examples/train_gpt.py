@@ -607,7 +607,7 @@ def main(argv=None):
             opt.step()
         sched.step()
         step += 1
-        if math.isfinite(lval) or loss_ema is None:   # a step the loss scaler skipped keeps the average (no scaler: raised above)
+        if math.isfinite(lval) or loss_ema is None:   # a step the scaler skipped keeps the average (no scaler: raised)
             loss_ema = lval if loss_ema is None or not math.isfinite(loss_ema) else 0.9 * loss_ema + 0.1 * lval
         now = time.perf_counter()
         tok_s = tokens_per_step / max(now - t_last, 1e-9)

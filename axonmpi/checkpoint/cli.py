@@ -259,8 +259,9 @@ def consolidate(path: str, out_path: str, force: bool = False) -> int:
                         try:
                             ds[...] = r.read_block(e, (0,) * len(e.shape), e.shape).reshape(e.full_shape)
                         except MemoryError:
-                            raise CheckpointError(f"cannot consolidate {path}: entry {e.name!r} of shape {e.shape} "
-                                                  f"({_size(e.nbytes)}) does not fit in this machine's memory") from None
+                            raise CheckpointError(f"cannot consolidate {path}: entry {e.name!r} of shape "
+                                                  f"{e.shape} ({_size(e.nbytes)}) does not fit in this machine's "
+                                                  "memory") from None
                     ds.attrs["axonmpi_type"] = e.pytype
                 else:
                     write_entry_view(f, e, h5py)

@@ -295,7 +295,8 @@ class MemoryCheckpointer:
 
 def resume(mgr, mem: Optional[MemoryCheckpointer], state: dict, log=None) -> Tuple[Optional[dict], str]:
     """Restore ``state`` from memory when every rank's copy of one step is there, else from ``mgr``'s newest HDF5
-    checkpoint (collective). Returns ``(loaded state or None, "memory step N" | "hdf5 step N" | "none")`` and logs it."""
+    checkpoint (collective). Returns ``(loaded state or None, "memory step N" | "hdf5 step N" | "none")``; logs
+    which."""
     import time
     from ..log import get_logger
     log = log or get_logger(__name__)

@@ -292,7 +292,8 @@ class Watchdog:
             now = _clock()
             if now < spin_until:
                 continue
-            if (now > deadline and _phases.late(self, e, e[_IDX], t0, now)) or (now - t0 > PEEK_S and self._peek(e, t0, now)):
+            if ((now > deadline and _phases.late(self, e, e[_IDX], t0, now))
+                    or (now - t0 > PEEK_S and self._peek(e, t0, now))):
                 self.expire(e, now - t0)
             if self.exited:
                 if exit_seen is None:
@@ -671,7 +672,8 @@ class Watchdog:
             elif st["flight"]:
                 now = "it is waiting in " + "; ".join(f"{_desc(f, 0)} (for {f[_T0]:.1f} s)" for f in st["flight"])
             elif st.get("phases"):
-                now = "it is " + _phases.describe(st["phases"]) + f"; if that phase is healthy but slow, {_phases.RAISE_DEADLINE}"
+                now = (f"it is {_phases.describe(st['phases'])}; if that phase is healthy but slow, "
+                       f"{_phases.RAISE_DEADLINE}")
             else:
                 now = ("it is in no axonmpi call (computing, or stuck in user code; a computation that is this long "
                        f"by design: {_phases.RAISE_DEADLINE})")
