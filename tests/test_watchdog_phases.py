@@ -34,20 +34,21 @@ if w.rank == 0:
 """
 
 
-def _run(tmp_path, seconds, beat, n=2):
+def _run(tmp_path, seconds, beat, n=2, polling=False):
     d = str(tmp_path / "ck")
     t0 = time.monotonic()
     r = run_mpiexec(["-c", SLOW_SAVE.format(seconds=seconds, beat=beat), d], n=n, timeout=90,
-                    env={"AXONMPI_TIMEOUT": "2", "AXONMPI_FLIGHT_DIR": str(tmp_path / "flight")})
+                    env={"AXONMPI_TIMEOUT": "2", "AXONMPI_FLIGHT_DIR": str(tmp_path / "flight"),
+                         "AXONMPI_WATCHDOG_POLLING": "1" if polling else "0"})
     return r, time.monotonic() - t0, d
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_slow_save_with_heartbeats_is_not_killed(tmp_path, n):
-    r, took, d = _run(tmp_path, 6, True, n)
+@pytest.mark.parametrize("n, polling", [(2, False), (3, False), (2, True)])
+def test_a_slow_save_with_heartbeats_is_not_killed(tmp_path, n, polling):
+    r, took, d = _run(tmp_path, 6, True, n, polling)
     assert r.returncode == 0, r.stderr
-    assert "saved [1]" in r.stdout and "watchdog" not in r.stderr
+    assert "saved [1]" in r.stdout and "watchdog: rank" not in r.stderr
     assert took >= 6
 
 
