@@ -173,7 +173,7 @@ def test_inspect_and_verify_agree_on_a_run_folder(tmp_path):
     text = out.getvalue()
     assert f"ok: {mgr.path_for(1)}" in text and f"DAMAGED: {mgr.path_for(3)}" in text
     assert f"ok: {mgr.path_for(2)}.damaged" in text and "rename it back to step-00000002" in text
-    assert "not verified" in text and "2 of 3 checkpoint(s) intact" in text
+    assert "incomplete (ignored by resume)" in text and "2 of 3 checkpoint(s) intact" in text
     out = io.StringIO()
     assert cli.verify(d, as_json=True, out=out) == 1
     rows = {r["step"]: r for r in json.loads(out.getvalue())["checkpoints"]}
