@@ -11,7 +11,8 @@ skips the step and lowers the scale (:attr:`GradScaler.skipped`), and nothing sh
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+import math
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -75,13 +76,15 @@ def nonfinite_ranks(*, loss=None, parameters: Optional[Iterable] = None, optimiz
 
 
 def check_finite(step: int, *, loss=None, parameters: Optional[Iterable] = None, optimizer=None, group=None,
-                 hint: str = "lower the learning rate") -> None:
+                 reduced: Sequence[float] = (), hint: str = "lower the learning rate") -> None:
     """Raise :class:`NonFiniteError` on every rank, naming the ranks, when a local loss or gradient is inf/nan
     (collective; call it before ``optimizer.step()``, so nothing non-finite is applied).
 
     Args:
         step: the step number the message names.
         loss, parameters, optimizer, group: as :func:`nonfinite_ranks`.
+        reduced: values already reduced over the ranks (the global loss, the gradient norm): non-finite while
+            every rank's own values are finite, they raise too (an overflow in the reduction).
         hint: what to do about it, appended to the message.
 
     Example:
@@ -89,9 +92,14 @@ def check_finite(step: int, *, loss=None, parameters: Optional[Iterable] = None,
         >>> opt.step()
     """
     loss_ranks, grad_ranks = nonfinite_ranks(loss=loss, parameters=parameters, optimizer=optimizer, group=group)
-    if not loss_ranks and not grad_ranks:
-        return
     rank = resolve_group(group).rank
+    if not loss_ranks and not grad_ranks:
+        bad = [v for v in reduced if not math.isfinite(float(v))]
+        if bad:
+            raise NonFiniteError(f"rank {rank}: non-finite values at step {step} before the optimizer step: the "
+                                 f"reduced values {bad} are inf/nan although every rank's own loss and gradients are finite "
+                                 f"(an overflow in the reduction). The step was not applied; {hint}", [], [])
+        return
     parts = []
     if loss_ranks:
         parts.append(f"the local loss of rank(s) {loss_ranks} became inf/nan first (their forward made it)")

@@ -598,7 +598,7 @@ def main(argv=None):
             scaler.unscale_(opt)
         grad_norm = hyb.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else float("inf"))
         if scaler is None and not (math.isfinite(lval) and math.isfinite(grad_norm)):   # before the step: name the rank
-            check_finite(step + 1, loss=hyb.local_loss, optimizer=opt, hint="lower --lr")
+            check_finite(step + 1, loss=hyb.local_loss, optimizer=opt, reduced=(lval, grad_norm), hint="lower --lr")
         lr = opt.param_groups[0]["lr"]
         if scaler is not None:
             scaler.step(opt)           # skipped (and the scale halved) when a gradient overflowed

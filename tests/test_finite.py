@@ -61,7 +61,9 @@ def test_a_nan_in_one_ranks_gradient_alone_is_named(world):
 @pytest.mark.mpi(min_size=1)
 def test_all_finite_is_silent(world):
     model, opt, local, _ = _ddp_step(world, bad_rank=-1)
-    check_finite(1, loss=local, optimizer=opt)
+    check_finite(1, loss=local, optimizer=opt, reduced=(1.5, 2.0))
+    with pytest.raises(NonFiniteError, match=r"the reduced values \[inf\] are inf/nan although every rank's own"):
+        check_finite(1, loss=local, optimizer=opt, reduced=(1.5, float("inf")))
     assert nonfinite_ranks(loss=local, optimizer=opt) == ([], [])
 
 
