@@ -5,6 +5,9 @@
 polynomials (Cephes ``expf`` with the exponent written through a bit cast; N. Juffa's ``erff``, 1.3 ulp;
 Cephes ``tanhf``) that LLVM turns into AVX2 loops; float64 keeps ``math.exp``/``math.erf``/``math.tanh`` (the
 C library's, correctly rounded to ~1 ulp: the float64 parity tests compare against torch at 1e-10 and tighter).
+
+numba's on-disk cache (``cache=True``, in ``__pycache__``) is keyed on the file of each kernel, not on the
+helpers here: after editing this file, delete ``axonmpi/kernels/__pycache__`` (stale kernels keep the old helpers).
 """
 from __future__ import annotations
 
@@ -154,7 +157,7 @@ def _tanh32(x):
 
 @njit(fastmath=set(FASTMATH), inline="always")
 def _sigmoid32(x):
-    return _F(1.0) / (_F(1.0) + _exp32(-x))
+    return _F(1.0) / (_F(1.0) + _exp32_full(-x))     # exactly 0 far left (x sigmoid(x) is -0 there, as torch's)
 
 
 @njit(fastmath=set(FASTMATH), inline="always")
