@@ -26,16 +26,17 @@ FASTMATH = frozenset({"nsz", "arcp", "contract", "afn"})
 
 
 def jit(fn):
-    """``numba.njit`` with the flags every kernel uses: cached on disk, compiled on first call, fast math."""
-    return njit(cache=True, fastmath=set(FASTMATH), nogil=True)(fn)
+    """``numba.njit`` with the flags every kernel uses: cached on disk, compiled on first call, fast math, NumPy's
+    error model (a float division by zero gives inf, no Python check: the check would stop the loop vectorizing)."""
+    return njit(cache=True, fastmath=set(FASTMATH), nogil=True, error_model="numpy")(fn)
 
 
 def jit_reduce(fn):
     """:func:`jit` plus ``reassoc``, so that sums vectorize: for kernels without the float32 exp's rounding trick."""
-    return njit(cache=True, fastmath=set(FASTMATH | {"reassoc"}), nogil=True)(fn)
+    return njit(cache=True, fastmath=set(FASTMATH | {"reassoc"}), nogil=True, error_model="numpy")(fn)
 
 
-@njit(cache=True, fastmath=set(FASTMATH | {"reassoc", "nnan"}), nogil=True)
+@njit(cache=True, fastmath=set(FASTMATH | {"reassoc", "nnan"}), nogil=True, error_model="numpy")
 def rmax(a):
     """Maximum of a 1-D array, vectorized (a NaN may be skipped: callers' exp(x - max) turns it to NaN anyway)."""
     m = a[0]
@@ -44,7 +45,7 @@ def rmax(a):
     return m
 
 
-@njit(cache=True, fastmath=set(FASTMATH | {"reassoc"}), nogil=True)
+@njit(cache=True, fastmath=set(FASTMATH | {"reassoc"}), nogil=True, error_model="numpy")
 def rsum(a):
     """Sum of a 1-D array, vectorized (partial sums in the array's dtype, as torch's CPU kernels)."""
     s = a.dtype.type(0)
@@ -53,7 +54,7 @@ def rsum(a):
     return s
 
 
-@njit(cache=True, fastmath=set(FASTMATH | {"reassoc"}), nogil=True)
+@njit(cache=True, fastmath=set(FASTMATH | {"reassoc"}), nogil=True, error_model="numpy")
 def rdot(a, b):
     """``sum(a * b)`` of two 1-D arrays, vectorized."""
     s = a.dtype.type(0)
@@ -93,7 +94,7 @@ def fsigmoid(v):
 _F = np.float32
 
 
-@njit(fastmath=set(FASTMATH), inline="always")
+@njit(fastmath=set(FASTMATH), inline="always", error_model="numpy")
 def _exp32(v):
     v = _F(-103.97) if v < _F(-103.97) else v    # below: 0 (gradual underflow through the denormals above)
     v = _F(88.7228) if v > _F(88.7228) else v     # exp(88.7228) ~ 3.4e38, the largest finite float32
@@ -114,14 +115,14 @@ def _exp32(v):
     return p * _bits_to_f32((k2 + np.int32(127)) << np.int32(23))
 
 
-@njit(fastmath=set(FASTMATH), inline="always")
+@njit(fastmath=set(FASTMATH), inline="always", error_model="numpy")
 def _exp32_full(v):
     e = _exp32(v)
     e = _F(np.inf) if v > _F(88.7228) else e
     return _F(0.0) if v < _F(-103.97) else e
 
 
-@njit(fastmath=set(FASTMATH), inline="always")
+@njit(fastmath=set(FASTMATH), inline="always", error_model="numpy")
 def _erf32(a):
     t = abs(a)
     s = a * a
@@ -144,7 +145,7 @@ def _erf32(a):
     return big if t > _F(0.927734375) else q
 
 
-@njit(fastmath=set(FASTMATH), inline="always")
+@njit(fastmath=set(FASTMATH), inline="always", error_model="numpy")
 def _tanh32(x):
     a = abs(x)
     z = x * x
@@ -155,12 +156,12 @@ def _tanh32(x):
     return small if a < _F(0.625) else big
 
 
-@njit(fastmath=set(FASTMATH), inline="always")
+@njit(fastmath=set(FASTMATH), inline="always", error_model="numpy")
 def _sigmoid32(x):
     return _F(1.0) / (_F(1.0) + _exp32_full(-x))     # exactly 0 far left (x sigmoid(x) is -0 there, as torch's)
 
 
-@njit(fastmath=set(FASTMATH), inline="always")
+@njit(fastmath=set(FASTMATH), inline="always", error_model="numpy")
 def _sigmoid64(x):
     if x >= 0.0:
         return 1.0 / (1.0 + math.exp(-x))
@@ -169,7 +170,7 @@ def _sigmoid64(x):
 
 
 def _by_dtype(generic, f32, f64):
-    @overload(generic, jit_options={"fastmath": set(FASTMATH)}, inline="always")
+    @overload(generic, jit_options={"fastmath": set(FASTMATH), "error_model": "numpy"}, inline="always")
     def _ol(v):
         if v == types.float32:
             return lambda v: f32(v)
