@@ -104,6 +104,11 @@ def test_numpy_and_numba_agree_in_float32(monkeypatch):
 
 
 def test_far_tails_and_nan(path):
+    with np.errstate(over="ignore"):
+        _far_tails_and_nan()
+
+
+def _far_tails_and_nan():
     x = np.array([-1e4, -100.0, -50.0, 0.0, 50.0, 100.0, 1e4, np.nan], np.float32)
     assert K.gelu_forward(x, "tanh")[0] == 0 and K.silu_forward(x)[0] == 0
     assert K.sigmoid_forward(x)[0] == 0 and K.sigmoid_forward(x)[6] == 1
