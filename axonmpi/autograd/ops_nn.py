@@ -170,14 +170,15 @@ class GELU(Function):
 
     @staticmethod
     def forward(ctx, x, approximate):
-        ctx.save_for_backward(x)
         ctx.approximate = approximate
-        return K.gelu_forward(x, approximate)
+        y = K.gelu_forward(x, approximate)
+        ctx.save_for_backward(x, y if approximate == "none" else None)
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return K.gelu_backward(x, g, ctx.approximate), None
+        x, y = ctx.saved_tensors
+        return K.gelu_backward(x, g, ctx.approximate, y), None
 
 
 def _inplace_ok(x) -> bool:

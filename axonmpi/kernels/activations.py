@@ -142,12 +142,19 @@ def gelu_forward(x, approximate: str = "none"):
     return 0.5 * x * (1 + _erf_np(x * _INV_SQRT_2))
 
 
-def gelu_backward(x, g, approximate: str = "none"):
-    """Gradient of :func:`gelu_forward` at ``x`` times the output gradient ``g``."""
+def gelu_backward(x, g, approximate: str = "none", y=None):
+    """Gradient of :func:`gelu_forward` at ``x`` times the output gradient ``g``.
+
+    ``y``, the forward's output (optional): the exact GELU's numba form then takes ``Phi(x) = y / x`` from it
+    and evaluates one ``exp`` per element instead of an ``erf`` and an ``exp`` (the next layer usually holds
+    ``y`` anyway, so keeping it costs no memory there).
+    """
     xp = get_array_module(x)
     tanh = approximate == "tanh"
     if xp is not np:
         return _cupy_run("axonmpi_gelu_tanh_bwd" if tanh else "axonmpi_gelu_erf_bwd", x, g.astype(x.dtype, copy=False))
+    if not tanh and y is not None and use_numba(x, g, y):
+        return _run_nb(_nb().gelu_erf_bwd_y, x.shape, x.dtype, x, y, g)
     if use_numba(x, g):
         return _run_nb(_nb().gelu_tanh_bwd if tanh else _nb().gelu_erf_bwd, x.shape, x.dtype, x, g)
     if tanh:
@@ -169,9 +176,13 @@ def gelu_backward(x, g, approximate: str = "none"):
         t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x2 * x))
         return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * (_SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x2)))
     if _inplace_ok(x) and g.dtype == x.dtype:
-        d = _erf_np(x * x.dtype.type(_INV_SQRT_2))
-        d += 1.0
-        d *= 0.5
+        if y is not None and y.dtype == x.dtype and y.shape == x.shape:   # Phi(x) = y / x (0.5 where x ~ 0)
+            d = np.full(x.shape, 0.5, x.dtype)
+            np.divide(y, x, out=d, where=np.abs(x) > 1e-30)
+        else:
+            d = _erf_np(x * x.dtype.type(_INV_SQRT_2))
+            d += 1.0
+            d *= 0.5
         e = np.multiply(x, x)
         e *= -0.5
         np.exp(e, out=e)
