@@ -269,3 +269,22 @@ def test_cupy_kernels_equal_the_numpy_reference(monkeypatch):
         gad, gbd = K.swiglu_backward(cp.asarray(x), cp.asarray(g), cp.asarray(g))
         np.testing.assert_allclose(cp.asnumpy(gad), ga, rtol=tol, atol=tol)
         np.testing.assert_allclose(cp.asnumpy(gbd), gb, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tables", [(1, 6, 1, 8), (6, 1, 8), (8,), (2, 6, 3, 8)])
+def test_rotary_against_the_plain_form(path, tables):
+    rng = np.random.default_rng(5)
+    for dtype in (np.float64, np.float32):
+        x = rng.standard_normal((2, 6, 3, 8)).astype(dtype)
+        c, s = (rng.standard_normal(tables).astype(dtype) for _ in range(2))
+        h = 4
+        rot = np.concatenate([-x[..., h:], x[..., :h]], -1)
+        want = x * c + rot * s
+        y = K.rotary_forward(x, c, s)
+        assert y.dtype == dtype
+        np.testing.assert_allclose(y, want, rtol=TOL[dtype], atol=TOL[dtype])
+        g = rng.standard_normal(x.shape).astype(dtype)
+        gx = K.rotary_backward(g, c, s)
+        # <rotary(x), g> = <x, rotary^T(g)> for every x
+        np.testing.assert_allclose((y * g).sum(), (x * gx).sum(), rtol=1e-5 if dtype == np.float32 else 1e-12)
+        np.testing.assert_allclose(K.rotary_backward(g[:, :, :, :], c, s), gx, rtol=0, atol=0)

@@ -91,21 +91,13 @@ class Rotary(Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        h = x.shape[-1] // 2
-        out = x * cos
-        out[..., :h] -= x[..., h:] * sin[..., :h]
-        out[..., h:] += x[..., :h] * sin[..., h:]
         ctx.save_for_backward(cos, sin)
-        return out
+        return K.rotary_forward(x, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        h = g.shape[-1] // 2
-        gx = g * cos              # the transpose of the rotation: rotate_half^T([g1, g2]) = [g2, -g1]
-        gx[..., :h] += g[..., h:] * sin[..., h:]
-        gx[..., h:] -= g[..., :h] * sin[..., :h]
-        return gx, None, None
+        return K.rotary_backward(g, cos, sin), None, None
 
 
 def apply_rotary_emb(x, cos, sin) -> Tensor:

@@ -13,6 +13,7 @@ from .activations import (erf_float32, exp_backward, exp_forward, gelu_backward,
                           swiglu_backward, swiglu_forward, tanh_backward, tanh_forward)
 from .embedding import embedding_backward, scatter_add_rows
 from .norms import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
+from .rotary import rotary_backward, rotary_forward
 from .softmax import (cross_entropy_backward, cross_entropy_forward, log_softmax_backward, log_softmax_forward,
                       softmax_backward, softmax_forward, sum_keep)
 
@@ -22,6 +23,7 @@ __all__ = ["host_path", "numba_available", "use_numba", "describe",
            "swiglu_backward", "swiglu_forward", "tanh_backward", "tanh_forward",
            "embedding_backward", "scatter_add_rows",
            "layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward",
+           "rotary_backward", "rotary_forward",
            "cross_entropy_backward", "cross_entropy_forward", "log_softmax_backward", "log_softmax_forward",
            "softmax_backward", "softmax_forward", "sum_keep"]
 

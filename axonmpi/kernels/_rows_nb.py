@@ -6,7 +6,8 @@ import math
 from ._nb import fexp, jit, jit_reduce, rdot, rmax, rsum
 
 __all__ = ["softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_bwd", "xent_fwd", "xent_bwd",
-           "layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd", "scatter_add_rows"]
+           "layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd", "scatter_add_rows", "rotary_fwd",
+           "rotary_bwd"]
 
 
 @jit
@@ -154,3 +155,25 @@ def scatter_add_rows(out, idx, rows):
         o, r = out[idx[i]], rows[i]
         for j in range(r.size):
             o[j] += r[j]
+
+
+@jit
+def rotary_fwd(x, c, s, row, out):
+    """``out = x * cos + rotate_half(x) * sin`` per row of ``x`` (N, D), tables (R, D), table row ``row[i]``."""
+    h = x.shape[1] // 2
+    for i in range(x.shape[0]):
+        xi, oi, ci, si = x[i], out[i], c[row[i]], s[row[i]]
+        for j in range(h):
+            oi[j] = xi[j] * ci[j] - xi[j + h] * si[j]
+            oi[j + h] = xi[j + h] * ci[j + h] + xi[j] * si[j + h]
+
+
+@jit
+def rotary_bwd(g, c, s, row, gx):
+    """The transpose of :func:`rotary_fwd`: ``rotate_half^T([g1, g2]) = [g2, -g1]``."""
+    h = g.shape[1] // 2
+    for i in range(g.shape[0]):
+        gi, oi, ci, si = g[i], gx[i], c[row[i]], s[row[i]]
+        for j in range(h):
+            oi[j] = gi[j] * ci[j] + gi[j + h] * si[j + h]
+            oi[j + h] = gi[j + h] * ci[j + h] - gi[j] * si[j]
