@@ -147,10 +147,6 @@ class Sigmoid(Function):
         return K.sigmoid_backward(s, g)
 
 
-def _sigmoid(xp, x):
-    return K.sigmoid_forward(x)
-
-
 class SiLU(Function):
     _fresh_grads = True
 
