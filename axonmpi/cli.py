@@ -26,6 +26,11 @@ def _cuda_aware_text() -> str:
     return "unknown" if v is None else f"{'yes' if v else 'no'} ({src})"
 
 
+def _kernels_text() -> str:
+    from axonmpi import kernels
+    return kernels.describe()
+
+
 def info_dict(world) -> dict:
     """Everything ``axonmpi info`` reports, as a dict (collective: every rank reports its GPUs).
 
@@ -50,7 +55,7 @@ def info_dict(world) -> dict:
         cuda = {"runtime": f"{v // 1000}.{v % 1000 // 10}", "driver": f"{d // 1000}.{d % 1000 // 10}"}
     me = {"rank": world.rank, "host": MPI.Get_processor_name(), "local_rank": world.local_rank,
           "device": str(world.device), "gpus_visible": backend.device_count(),
-          "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+          "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "kernels": _kernels_text()}
     ranks = axonmpi.gather_object(me)
     return {
         "axonmpi": axonmpi.__version__,
@@ -92,7 +97,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"numpy        {d['numpy']}")
     comp = d["compute"]
     print(f"compute      {comp['cpu']} ({comp['cores']} cores): BLAS {comp['blas']} ({comp['kernels'] or '?'} kernels, "
-          f"{comp['threads']} thread(s)); elementwise: NumPy ufuncs in place")
+          f"{comp['threads']} thread(s))")
+    paths = sorted({r["kernels"] for r in d["ranks"]})
+    print(f"kernels      {paths[0]}" + ("" if len(paths) == 1 else f" (ranks differ: {paths})"))
     for note in comp["notes"]:
         print(f"  note: {note}")
     print(f"mpi4py       {d['mpi4py']}   MPI {mpi['standard']}: {mpi['library']}")
@@ -110,7 +117,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.ranks:
         for r in d["ranks"]:
             print(f"  rank {r['rank']:>4}  host {r['host']}  local_rank {r['local_rank']}  device {r['device']}  "
-                  f"GPUs visible {r['gpus_visible']}  CUDA_VISIBLE_DEVICES={r['CUDA_VISIBLE_DEVICES']}")
+                  f"GPUs visible {r['gpus_visible']}  CUDA_VISIBLE_DEVICES={r['CUDA_VISIBLE_DEVICES']}  "
+                  f"kernels {r['kernels'].split(' ')[0]}")
     return 0
 
 

@@ -64,6 +64,9 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "a folder: write a Chrome/Perfetto timeline per rank there (trace_rank<r>.json); empty: no trace"),
     EnvVar("AXONMPI_LOG_LEVEL", "level", "INFO", "level of axonmpi loggers: " + ", ".join(_LOG_LEVELS)),
     EnvVar("AXONMPI_DISABLE_CUPY", "bool", "0", "use NumPy even where CuPy and a GPU are present"),
+    EnvVar("AXONMPI_KERNELS", "str", "",
+           "host kernel path: numba (fused loops, pip install axonmpi[fast]) or numpy (ufuncs in place); unset: "
+           "numba where it imports, else numpy"),
     EnvVar("AXONMPI_CUDA_AWARE", "tribool", "auto",
            "1/0: declare the MPI library CUDA-aware or not (CuPy buffers go to MPI directly, or are staged "
            "through pinned host memory); auto asks MPI (Query_cuda_support / MPIX_Query_cuda_support)"),

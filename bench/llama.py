@@ -27,6 +27,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# bench/ itself off the path: transformers imports the hub's ``kernels`` package, which bench/kernels.py would shadow
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import axonmpi  # noqa: E402
 import axonmpi.nn.functional as F  # noqa: E402

@@ -44,6 +44,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# bench/ itself off the path: transformers imports the hub's ``kernels`` package, which bench/kernels.py would shadow
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 WARMUP = 2
 CASES = ("gpt1", "tp", "tp_sp", "ddp", "fsdp", "pp_1f1b", "pp_zbh1", "cp", "moe", "gpt3d")
 RANKS = {"gpt1": (1,), "pp_1f1b": (2, 4), "pp_zbh1": (2, 4), "gpt3d": (4,)}   # the others: any

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..backend import get_array_module
 from .function import Function
-from .ops_nn import _sigmoid
+from .. import kernels as K
 from .tensor import Tensor
 
 __all__ = ["apply_rotary_emb", "rms_norm", "swiglu"]
@@ -23,19 +23,31 @@ class RMSNorm(Function):
     def forward(ctx, x, weight, ndims, eps):
         xp = get_array_module(x)
         axes = tuple(range(x.ndim - ndims, x.ndim))
+        ctx.axes = axes
+        m = int(np.prod(x.shape[x.ndim - ndims:]))
+        if x.dtype.kind == "f" and x.dtype.itemsize >= 4 and m and x.size and (weight is None or
+                                                                                weight.dtype == x.dtype):
+            out, ctx.state = K.rms_norm_forward(x.reshape(-1, m), weight, eps)
+            return out.reshape(x.shape)
+        ctx.state = None
         rstd = (x * x).mean(axis=axes, keepdims=True)
         rstd += eps
         rstd = 1.0 / xp.sqrt(rstd, out=rstd)
         xhat = x * rstd
         n = ctx.needs_input_grad
         ctx.save_for_backward(xhat, rstd, weight if n[0] else None)
-        ctx.axes = axes
         return xhat * weight if weight is not None else xhat.copy()
 
     @staticmethod
     def backward(ctx, g):
-        xhat, rstd, weight = ctx.saved_tensors
         n = ctx.needs_input_grad
+        if ctx.state is not None:
+            wshape = g.shape[g.ndim - len(ctx.axes):]
+            m = int(np.prod(wshape))
+            gx, gw = K.rms_norm_backward(g.reshape(-1, m), ctx.state, n[0], n[1])
+            return (None if gx is None else gx.reshape(g.shape), None if gw is None else gw.reshape(wshape),
+                    None, None)
+        xhat, rstd, weight = ctx.saved_tensors
         lead = tuple(range(g.ndim - len(ctx.axes)))
         gw = (g * xhat).sum(axis=lead) if n[1] else None
         gx = None
@@ -79,21 +91,13 @@ class Rotary(Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        h = x.shape[-1] // 2
-        out = x * cos
-        out[..., :h] -= x[..., h:] * sin[..., :h]
-        out[..., h:] += x[..., :h] * sin[..., h:]
         ctx.save_for_backward(cos, sin)
-        return out
+        return K.rotary_forward(x, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        h = g.shape[-1] // 2
-        gx = g * cos              # the transpose of the rotation: rotate_half^T([g1, g2]) = [g2, -g1]
-        gx[..., :h] += g[..., h:] * sin[..., h:]
-        gx[..., h:] -= g[..., :h] * sin[..., :h]
-        return gx, None, None
+        return K.rotary_backward(g, cos, sin), None, None
 
 
 def apply_rotary_emb(x, cos, sin) -> Tensor:
@@ -137,29 +141,14 @@ class SwiGLU(Function):
 
     @staticmethod
     def forward(ctx, gate, up):
-        xp = get_array_module(gate)
-        s = _sigmoid(xp, gate)
-        ctx.save_for_backward(gate, up, s)
-        act = gate * s
-        act *= up
-        return act
+        ctx.save_for_backward(gate, up)
+        return K.swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx, g):
-        gate, up, s = ctx.saved_tensors
+        gate, up = ctx.saved_tensors
         n = ctx.needs_input_grad
-        silu = gate * s
-        gu = g * silu if n[1] else None
-        gg = None
-        if n[0]:
-            # d silu / d gate = s * (1 + gate * (1 - s))
-            gg = 1 - s
-            gg *= gate
-            gg += 1
-            gg *= s
-            gg *= up
-            gg *= g
-        return gg, gu
+        return K.swiglu_backward(gate, up, g, n[0], n[1])
 
 
 def swiglu(gate, up) -> Tensor:

@@ -10,7 +10,7 @@ import numpy as np
 from ..backend import get_array_module, matmul as _bmm
 from .function import Function
 from ._util import _dim, _on_one_device, _shape, _unbroadcast
-from .special import erf
+from .. import kernels as K
 from .tensor import Tensor
 
 __all__ = [
@@ -122,16 +122,14 @@ class ReLU(Function):
 
     @staticmethod
     def forward(ctx, x):
-        xp = get_array_module(x)
-        out = xp.maximum(x, 0)
+        out = K.relu_forward(x)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (out,) = ctx.saved_tensors
-        gx = g * (out > 0)
-        return gx
+        return K.relu_backward(out, g)
 
 
 class Sigmoid(Function):
@@ -139,23 +137,14 @@ class Sigmoid(Function):
 
     @staticmethod
     def forward(ctx, x):
-        xp = get_array_module(x)
-        out = _sigmoid(xp, x)
+        out = K.sigmoid_forward(x)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (s,) = ctx.saved_tensors
-        return g * s * (1 - s)
-
-
-def _sigmoid(xp, x):
-    # 0.5 * (1 + tanh(x / 2)) is overflow-free and accurate for both signs
-    out = xp.tanh(x * 0.5)
-    out += 1
-    out *= 0.5
-    return out
+        return K.sigmoid_backward(s, g)
 
 
 class SiLU(Function):
@@ -163,15 +152,13 @@ class SiLU(Function):
 
     @staticmethod
     def forward(ctx, x):
-        xp = get_array_module(x)
-        s = _sigmoid(xp, x)
-        ctx.save_for_backward(x, s)
-        return x * s
+        ctx.save_for_backward(x)
+        return K.silu_forward(x)
 
     @staticmethod
     def backward(ctx, g):
-        x, s = ctx.saved_tensors
-        return g * (s * (1 + x * (1 - s)))
+        (x,) = ctx.saved_tensors
+        return K.silu_backward(x, g)
 
 
 class GELU(Function):
@@ -179,76 +166,19 @@ class GELU(Function):
 
     @staticmethod
     def forward(ctx, x, approximate):
-        xp = get_array_module(x)
-        ctx.save_for_backward(x)
         ctx.approximate = approximate
-        if approximate == "tanh":
-            if _inplace_ok(x):   # 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u))
-                out = _gelu_exp_neg2u(xp, x)
-                out += 1.0
-                xp.divide(x, out, out=out)
-                return out
-            t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
-            return 0.5 * x * (1 + t)
-        return 0.5 * x * (1 + erf(x * _INV_SQRT_2))
+        y = K.gelu_forward(x, approximate)
+        ctx.save_for_backward(x, y if approximate == "none" else None)
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        xp = get_array_module(x)
-        if ctx.approximate == "tanh":
-            if _inplace_ok(x) and g.dtype == x.dtype:
-                # with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)), u = k (x + c x^3), k = sqrt(2/pi),
-                # c = 0.044715: d = s (1 + (1 - s) 2 k x (1 + 3 c x^2)); three buffers, in place
-                sg = _gelu_exp_neg2u(xp, x)
-                sg += 1.0
-                xp.divide(1.0, sg, out=sg)
-                d = xp.multiply(x, x)
-                d *= 6.0 * 0.044715 * _SQRT_2_OVER_PI
-                d += 2.0 * _SQRT_2_OVER_PI
-                d *= x
-                d *= xp.subtract(1.0, sg)
-                d += 1.0
-                d *= sg
-                d *= g
-                return d, None
-            x2 = x * x
-            t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x2 * x))
-            d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * (_SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x2))
-        else:
-            cdf = 0.5 * (1 + erf(x * _INV_SQRT_2))
-            d = cdf + x * (_INV_SQRT_2PI * xp.exp(-0.5 * x * x))
-        return g * d, None
+        x, y = ctx.saved_tensors
+        return K.gelu_backward(x, g, ctx.approximate, y), None
 
 
-# [Note: elementwise] NumPy allocates a new array for every operator of an expression and makes a
-# pass over memory for each; a GELU written as one expression makes ~10 arrays of the hidden's size.
-# The kernels here allocate their output (and at most two scratch arrays) once and then update in
-# place (``out *= x``, ``xp.exp(e, out=e)``): the same arithmetic, fewer passes, no page faults of
-# fresh allocations. Python floats keep the array's dtype (float32 stays float32). The tanh GELU is
-# computed in its sigmoid form, ``0.5 x (1 + tanh u) = x / (1 + exp(-2u))``: one exp instead of a tanh
-# (30% faster here) and no cancellation in ``1 + tanh u`` left of 0. Dtypes without
-# NumPy loops for every ufunc (integers, ml_dtypes' bfloat16) take the plain expressions.
 def _inplace_ok(x) -> bool:
     return getattr(x, "dtype", None) is not None and x.dtype.kind == "f" and x.dtype.itemsize >= 4
-
-
-def _gelu_exp_neg2u(xp, x):
-    """``exp(-2 sqrt(2/pi) (x + 0.044715 x^3))`` as one new array (``inf`` far left of 0, where
-    GELU's sigmoid form ``x / (1 + exp(-2u))`` is -0 and its derivative 0, as they should be)."""
-    if xp is np:
-        with np.errstate(over="ignore"):
-            return _gelu_exp_neg2u_raw(xp, x)
-    return _gelu_exp_neg2u_raw(xp, x)
-
-
-def _gelu_exp_neg2u_raw(xp, x):
-    e = xp.multiply(x, x)
-    e *= -2.0 * 0.044715 * _SQRT_2_OVER_PI
-    e -= 2.0 * _SQRT_2_OVER_PI
-    e *= x
-    xp.exp(e, out=e)
-    return e
 
 
 def _no_inplace(name: str, inplace: bool) -> None:
@@ -290,36 +220,19 @@ class Softmax(Function):
 
     @staticmethod
     def forward(ctx, x, axis):
-        xp = get_array_module(x)
-        z = x - x.max(axis=axis, keepdims=True)
-        xp.exp(z, out=z)
-        z /= _sum_keep(xp, z, axis)
-        ctx.save_for_backward(z)
+        p = K.softmax_forward(x, axis)
+        ctx.save_for_backward(p)
         ctx.axis = axis
-        return z
+        return p
 
     @staticmethod
     def backward(ctx, g):
         (p,) = ctx.saved_tensors
-        xp = get_array_module(p)
-        gp = g * p
-        s = _sum_keep(xp, gp, ctx.axis)
-        if _inplace_ok(gp) and g.dtype == gp.dtype:   # (g - sum(g p)) p, in place
-            xp.subtract(g, s, out=gp)
-            gp *= p
-            return gp, None
-        gp -= p * s
-        return gp, None
+        return K.softmax_backward(p, g, ctx.axis), None
 
 
 def _sum_keep(xp, a, axis):
-    """``a.sum(axis=axis, keepdims=True)``; over the last axis of a float32/float64 C-contiguous array,
-    one BLAS matrix-vector product (a row sum of short rows is 2-3x faster there than NumPy's reduce)."""
-    n = a.shape[axis] if a.ndim else 1
-    if (a.ndim and axis in (-1, a.ndim - 1) and _inplace_ok(a) and a.flags.c_contiguous
-            and a.size and n > 1):
-        return (a.reshape(-1, n) @ xp.ones(n, a.dtype)).reshape(a.shape[:-1] + (1,))
-    return a.sum(axis=axis, keepdims=True)
+    return K.sum_keep(xp, a, axis)
 
 
 class LogSoftmax(Function):
@@ -327,9 +240,7 @@ class LogSoftmax(Function):
 
     @staticmethod
     def forward(ctx, x, axis):
-        xp = get_array_module(x)
-        z = x - x.max(axis=axis, keepdims=True)
-        z -= xp.log(xp.exp(z).sum(axis=axis, keepdims=True))
+        z = K.log_softmax_forward(x, axis)
         ctx.save_for_backward(z)
         ctx.axis = axis
         return z
@@ -337,8 +248,7 @@ class LogSoftmax(Function):
     @staticmethod
     def backward(ctx, g):
         (logp,) = ctx.saved_tensors
-        xp = get_array_module(g)
-        return g - xp.exp(logp) * g.sum(axis=ctx.axis, keepdims=True), None
+        return K.log_softmax_backward(logp, g, ctx.axis), None
 
 
 def _softmax_args(x, dim, axis, dtype):
@@ -520,9 +430,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 class LayerNorm(Function):
     """Fused layer normalization over the trailing ``ndims`` axes.
 
-    float32/float64 inputs take the row form: the trailing axes as one row of ``m`` elements, every
-    row sum a BLAS matrix-vector product (``x @ ones``; ``sum(g w xhat) = (g xhat) @ w``), every
-    elementwise step in place ([Note: elementwise]); other dtypes the axis form.
+    float32/float64 inputs take the row form (:func:`axonmpi.kernels.layer_norm_forward`: the trailing axes
+    as one row of ``m`` elements, one pass each way); other dtypes the axis form.
     """
 
     _fresh_grads = True
@@ -535,23 +444,8 @@ class LayerNorm(Function):
         n = ctx.needs_input_grad
         m = int(np.prod(x.shape[x.ndim - ndims:]))
         if _inplace_ok(x) and m > 0 and x.size and (weight is None or weight.dtype == x.dtype):
-            x2 = x.reshape(-1, m)
-            ones = xp.ones(m, x.dtype)
-            xc = x2 - (x2 @ ones)[:, None] * (1.0 / m)
-            var = _bmm(xc[:, None, :], xc[:, :, None]).reshape(-1)
-            var *= 1.0 / m
-            var += eps
-            rstd = xp.sqrt(var, out=var)
-            xp.divide(1.0, rstd, out=rstd)
-            xc *= rstd[:, None]                     # xhat
+            out, ctx.state = K.layer_norm_forward(x.reshape(-1, m), weight, bias, eps)
             ctx.rows = True
-            ctx.save_for_backward(xc, rstd, weight if n[0] else None)
-            if weight is not None:
-                out = xc * weight.reshape(-1)
-            else:
-                out = xc.copy()
-            if bias is not None:
-                out += bias.reshape(-1)
             return out.reshape(x.shape)
         ctx.rows = False
         mu = x.mean(axis=axes, keepdims=True)
@@ -568,32 +462,16 @@ class LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, g, ):
-        xhat, rstd, weight = ctx.saved_tensors
         n = ctx.needs_input_grad
         axes = ctx.axes
         if ctx.rows:
-            xp = get_array_module(g)
-            rows, m = xhat.shape
             shape = g.shape
-            g2 = g.reshape(rows, m).astype(xhat.dtype, copy=False)
             wshape = shape[len(shape) - len(axes):]
-            ones = xp.ones(rows, g2.dtype)
-            gb = (ones @ g2).reshape(wshape) if n[2] else None
-            gxh = g2 * xhat
-            gw = (ones @ gxh).reshape(wshape) if n[1] else None
-            if not n[0]:
-                return None, gw, gb, None, None
-            w = None if weight is None else weight.reshape(-1)
-            gh = g2 * w if w is not None else g2.copy()
-            m1 = gh @ xp.ones(m, g2.dtype)                              # sum(g w)
-            m2 = gxh @ w if w is not None else gxh @ xp.ones(m, g2.dtype)   # sum(g w xhat)
-            m1 *= 1.0 / m
-            m2 *= 1.0 / m
-            gh -= m1[:, None]
-            xp.multiply(xhat, m2[:, None], out=gxh)
-            gh -= gxh
-            gh *= rstd[:, None]
-            return gh.reshape(shape), gw, gb, None, None
+            m = int(np.prod(wshape))
+            gx, gw, gb = K.layer_norm_backward(g.reshape(-1, m), ctx.state, n[0], n[1], n[2])
+            return (None if gx is None else gx.reshape(shape), None if gw is None else gw.reshape(wshape),
+                    None if gb is None else gb.reshape(wshape), None, None)
+        xhat, rstd, weight = ctx.saved_tensors
         lead = tuple(range(g.ndim - len(axes)))
         gw = (g * xhat).sum(axis=lead) if n[1] else None
         gb = g.sum(axis=lead) if n[2] else None
@@ -634,28 +512,12 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
-        xp = get_array_module(g)
-        gw = xp.zeros(ctx.wshape, g.dtype)
-        _scatter_add_rows(xp, gw, idx.reshape(-1), g.reshape(-1, ctx.wshape[-1]))
-        if ctx.padding_idx is not None:
-            gw[ctx.padding_idx] = 0
-        return None, gw, None
+        return None, K.embedding_backward(idx, g, ctx.wshape[0], ctx.padding_idx), None
 
 
 def _scatter_add_rows(xp, out, idx, rows) -> None:
-    """``out[idx[i]] += rows[i]`` for every ``i``, repeated indices accumulating.
-
-    On the host: sort the indices (stable), sum each run of equal indices with ``add.reduceat``
-    and write each row once -- 2-4x faster than NumPy's ``add.at`` for a few thousand tokens.
-    CuPy's ``add.at`` is an atomic scatter, already fast.
-    """
-    if xp is not np or idx.size == 0:
-        xp.add.at(out, idx, rows)
-        return
-    order = np.argsort(idx, kind="stable")
-    sidx = idx[order]
-    starts = np.flatnonzero(np.concatenate(([True], sidx[1:] != sidx[:-1])))
-    out[sidx[starts]] += np.add.reduceat(rows[order], starts, axis=0)
+    """``out[idx[i]] += rows[i]`` for every ``i``, repeated indices accumulating (:func:`axonmpi.kernels.scatter_add_rows`)."""
+    K.scatter_add_rows(out, idx, rows)
 
 
 def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
@@ -785,27 +647,8 @@ class CrossEntropy(Function):
         xp = get_array_module(logits)
         c = logits.shape[-1]
         x = logits.reshape(-1, c)
-        t = target.reshape(-1)
-        valid = t != ignore_index
-        ts = xp.where(valid, t, 0)
-        rows = xp.arange(x.shape[0])
-        z = x - x.max(axis=1, keepdims=True)
-        zt = z[rows, ts]
-        eps = float(label_smoothing)
-        w = None if weight is None else xp.asarray(weight, dtype=x.dtype)
-        wt = valid.astype(x.dtype) if w is None else w[ts] * valid
-        if eps:
-            zsum = z.sum(axis=1) if w is None else z @ w
-            wsum = float(c) if w is None else w.sum()
-        xp.exp(z, out=z)
-        s = z.sum(axis=1)
-        lse = xp.log(s)
-        loss = (lse - zt) * wt
-        if eps:
-            loss = (1.0 - eps) * loss + (eps / c) * (wsum * lse - zsum) * valid
-        z /= s[:, None]  # softmax probabilities, kept for backward
-        ctx.save_for_backward(z, ts, valid, wt, w)
-        ctx.reduction, ctx.lshape, ctx.eps = reduction, logits.shape, eps
+        loss, wt, ctx.state = K.cross_entropy_forward(x, target.reshape(-1), ignore_index, weight, label_smoothing)
+        ctx.reduction, ctx.lshape = reduction, logits.shape
         if reduction == "none":
             return loss.reshape(target.shape)
         # 16-bit logits: sum and divide in float32 (as torch's autocast runs this loss), so that
@@ -815,35 +658,22 @@ class CrossEntropy(Function):
         if reduction == "sum":
             return total
         ctx.count = wt.sum(dtype=acc)
-        if not bool(ctx.count):  # every target ignored: NaN, as torch's 0/0 (without NumPy's warning)
+        if xp is np and not bool(ctx.count):  # every target ignored: NaN, as torch's 0/0 (without NumPy's warning)
             return xp.full((), xp.nan, dtype=total.dtype)
         return total / ctx.count
 
     @staticmethod
     def backward(ctx, g):
-        p, ts, valid, wt, w = ctx.saved_tensors
-        xp = get_array_module(p)
-        eps = ctx.eps
-        rows = xp.arange(p.shape[0])
-        c = p.shape[1]
-        if eps:
-            wsum = float(c) if w is None else w.sum()
-            a = (1.0 - eps) * wt + (eps / c) * wsum * valid
-            gx = p * a[:, None]
-            gx[rows, ts] -= (1.0 - eps) * wt
-            vf = valid.astype(p.dtype)
-            gx -= (eps / c) * (vf[:, None] if w is None else vf[:, None] * w[None, :])
-        else:
-            gx = p * wt[:, None]
-            gx[rows, ts] -= wt
+        xp = get_array_module(g)
         if ctx.reduction == "none":
-            gx *= g.reshape(-1, 1).astype(gx.dtype, copy=False)
+            scale = g.reshape(-1)
         elif ctx.reduction == "sum":
-            gx *= g
+            scale = g
         else:
             # every target ignored: the loss is NaN but torch's gradient is zero (no row counts)
             count = ctx.count
-            gx *= g / xp.where(count == 0, xp.ones_like(count), count)
+            scale = g / xp.where(count == 0, xp.ones_like(count), count)
+        gx = K.cross_entropy_backward(ctx.state, scale)
         return gx.reshape(ctx.lshape), None, None, None, None, None
 
 
@@ -884,7 +714,8 @@ def cross_entropy(input, target, weight=None, reduction: str = "mean", ignore_in
     if tuple(target.shape) != tuple(lshape[:-1]):
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits shape {tuple(lshape)}")
     c = lshape[-1]
-    _check_targets(target, c, ignore_index, "cross_entropy")
+    if get_array_module(target) is np:   # on a GPU no host sync: an out-of-range target gives a NaN loss there
+        _check_targets(target, c, ignore_index, "cross_entropy")
     if weight is not None:
         weight = weight.data if isinstance(weight, Tensor) else weight
         if tuple(getattr(weight, "shape", np.shape(weight))) != (c,):
