@@ -268,7 +268,7 @@ def test_model_plan_declarations_checked():
 
 # -- positions under context parallelism -------------------------------------------------------------------------
 def _cp_gpt(cls):
-    return lambda: cls(attn=lambda: nn.CausalSelfAttention(C, H, bias=True, dtype=D))
+    return lambda: cls(attn=lambda: nn.CausalSelfAttention(C, 4, bias=True, dtype=D))   # Ulysses x TP 2: 4 heads
 
 
 @pytest.mark.mpi(min_size=2)
