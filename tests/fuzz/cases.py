@@ -23,7 +23,7 @@ import axonmpi.nn as nn
 from axonmpi import Tensor
 
 __all__ = ["Case", "LayoutSpec", "ModelSpec", "build_model", "draw_case", "draw_layout", "draw_model",
-           "megatron_plan", "GB", "T"]
+           "megatron_plan", "model_plan", "GB", "T"]
 
 F64 = np.float64
 GB, T = 16, 8          # global batch rows and tokens per row
@@ -269,6 +269,13 @@ def module_names(spec: ModelSpec) -> List[Tuple[str, tuple]]:
         out.append((str(at), b))
         at += 1
     return out
+
+
+def model_plan(spec: ModelSpec) -> "axonmpi.parallel.ModelPlan":
+    """What the generated model declares: its own blocks compute each token from that token alone
+    (``parallelize`` refuses an undeclared module of the user's own in a sequence or context region)."""
+    from axonmpi.parallel import ModelPlan
+    return ModelPlan(token_local=(ResidualMLP, LlamaBlock, MoEBlock, FrozenScale, _Spare))
 
 
 def megatron_plan(spec: ModelSpec, layout: LayoutSpec) -> Dict[str, str]:

@@ -174,25 +174,24 @@ def _refuse(unknown, c: Composition) -> None:
 
 
 def _check_positions(module: Module, c: Composition) -> None:
-    """[Note: positions]: the modules numbered are the model (or an ``nn.Sequential``'s / a pipeline's top-level
-    layers) whose ``forward`` takes ``positions=``; a model with code of its own and none of them is refused."""
+    """[Note: positions]: positions are numbered where the model's input enters -- the model's ``forward``, or
+    the first layer of an ``nn.Sequential`` or of a pipeline's ``pipeline_layers()`` -- and the library gives them
+    to a ``forward`` that takes ``positions=``.  Code of the user's own there that takes none is refused (a
+    ``token_local`` module elsewhere numbers no positions by its contract, or takes ``positions=`` too)."""
     from .context import takes_positions
-    layers = [module]
-    if isinstance(module, Sequential):
-        layers += list(module)
+    path, first = "", module
+    if isinstance(module, Sequential) and len(module):
+        path, first = "0", module[0]
     elif c.pipeline is not None and callable(getattr(module, "pipeline_layers", None)):
-        layers += list(module.pipeline_layers())
-    if any(takes_positions(m) for m in layers):
+        layers = list(module.pipeline_layers())
+        path, first = ("pipeline_layers()[0]", layers[0]) if layers else ("", module)
+    cls = _forward_class(first)
+    if takes_positions(first) or cls is None or qualname(cls) in TOKEN_LOCAL | ATTENTION:
         return
-    own = [(q, m) for q, m in module.named_modules()
-           if _forward_class(m) is not None and qualname(_forward_class(m)) not in TOKEN_LOCAL | ATTENTION]
-    if not own:
-        return                     # the library's layers only: none numbers positions without taking them
-    first = layers[1] if len(layers) > 1 and c.pipeline is not None else module
     raise ValueError(
         f"rank {c.rank}: context_parallel={c.context!r} gives each rank its tokens of each sequence (ring: chunks "
-        f"r and 2P-1-r of 2P), but {describe('', module) if first is module else repr(type(first).__name__)}'s "
-        f"forward takes no positions=, so code that numbers positions itself (arange(0, t)) would number this "
-        f"rank's tokens 0..t-1. Take the global positions and use them when given (the library passes them):\n"
-        f"{_FIX_POSITIONS}\n(a model that numbers no positions: accept positions=None and ignore it; "
-        "docs/context_parallel.md, 'Positions')")
+        f"r and 2P-1-r of 2P), but {describe(path, first)} takes the model's input and its forward takes no "
+        f"positions=, so code that numbers positions itself (arange(0, t)) would number this rank's tokens 0..t-1. "
+        f"Take the global positions and use them when given (the library passes them):\n{_FIX_POSITIONS}\n"
+        "(a model that numbers no positions: accept positions=None and ignore it; docs/context_parallel.md, "
+        "'Positions')")
