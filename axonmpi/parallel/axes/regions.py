@@ -17,7 +17,8 @@ may mix tokens (``nn.Conv2d``, ``nn.Softmax``, ``nn.Flatten``) -- must be declar
   parameters' gradients are whole on every tensor rank.
 
 Anything else is refused at construction, naming every such module by its path and class (with its module path).
-Context parallelism also relies on positions: a model whose own code numbers positions must take ``positions=``
+Context parallelism (and sequence parallelism with no declared region, which cuts the model's input) also relies
+on positions: a model whose own code numbers positions must take ``positions=``
 (``forward(self, idx, positions=None)``) and use them when given -- refused otherwise ([Note: positions] in
 ``axes/context.py``).  ``docs/parallelize.md`` ("Modules in a sequence or context region") holds the contract.
 """
@@ -143,7 +144,7 @@ def check(module: Module, c: Composition) -> None:
                and not declared(q, m, plan.token_local)]
     if unknown:
         _refuse(unknown, c)
-    if c.cp:
+    if c.cp or (c.sp and not c.region_declared):     # the model's input itself cut along the sequence
         _check_positions(module, c)
 
 
@@ -188,9 +189,11 @@ def _check_positions(module: Module, c: Composition) -> None:
     cls = _forward_class(first)
     if takes_positions(first) or cls is None or qualname(cls) in TOKEN_LOCAL | ATTENTION:
         return
+    how = (f"context_parallel={c.context!r} gives each rank its tokens of each sequence (ring: chunks r and 2P-1-r "
+           "of 2P)" if c.cp else "sequence_parallel=True with no declared SequenceRegion gives each tensor rank its "
+           "shard of each sequence from the model's input on")
     raise ValueError(
-        f"rank {c.rank}: context_parallel={c.context!r} gives each rank its tokens of each sequence (ring: chunks "
-        f"r and 2P-1-r of 2P), but {describe(path, first)} takes the model's input and its forward takes no "
+        f"rank {c.rank}: {how}, but {describe(path, first)} takes the model's input and its forward takes no "
         f"positions=, so code that numbers positions itself (arange(0, t)) would number this rank's tokens 0..t-1. "
         f"Take the global positions and use them when given (the library passes them):\n{_FIX_POSITIONS}\n"
         "(a model that numbers no positions: accept positions=None and ignore it; docs/context_parallel.md, "
