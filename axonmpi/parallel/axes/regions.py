@@ -189,8 +189,8 @@ def _check_positions(module: Module, c: Composition) -> None:
     cls = _forward_class(first)
     if takes_positions(first) or cls is None or qualname(cls) in TOKEN_LOCAL | ATTENTION:
         return
-    how = (f"context_parallel={c.context!r} gives each rank its tokens of each sequence (ring: chunks r and 2P-1-r "
-           "of 2P)" if c.cp else "sequence_parallel=True with no declared SequenceRegion gives each tensor rank its "
+    split = "ring: chunks r and 2P-1-r of 2P" if str(c.context).lower().endswith("ring") else "the r-th of P chunks"
+    how = (f"context_parallel={c.context!r} gives each rank its tokens of each sequence ({split})" if c.cp else "sequence_parallel=True with no declared SequenceRegion gives each tensor rank its "
            "shard of each sequence from the model's input on")
     raise ValueError(
         f"rank {c.rank}: {how}, but {describe(path, first)} takes the model's input and its forward takes no "
