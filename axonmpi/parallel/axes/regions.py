@@ -77,7 +77,8 @@ def _forward_class(m: Module):
 
 
 def declared(path: str, m: Module, entries: Iterable) -> bool:
-    """Whether ``m`` (at ``path``) is one of ``entries``: classes (exactly its class) or ``named_modules()`` patterns."""
+    """Whether ``m`` (at ``path``) is one of ``entries``: classes (exactly its class) or ``named_modules()``
+    patterns."""
     return any(type(m) is e if isinstance(e, type) else fnmatch.fnmatchcase(path, str(e)) for e in entries)
 
 
@@ -190,8 +191,9 @@ def _check_positions(module: Module, c: Composition) -> None:
     if takes_positions(first) or cls is None or qualname(cls) in TOKEN_LOCAL | ATTENTION:
         return
     split = "ring: chunks r and 2P-1-r of 2P" if str(c.context).lower().endswith("ring") else "the r-th of P chunks"
-    how = (f"context_parallel={c.context!r} gives each rank its tokens of each sequence ({split})" if c.cp else "sequence_parallel=True with no declared SequenceRegion gives each tensor rank its "
-           "shard of each sequence from the model's input on")
+    how = (f"context_parallel={c.context!r} gives each rank its tokens of each sequence ({split})" if c.cp else
+           "sequence_parallel=True with no declared SequenceRegion gives each tensor rank its shard of each sequence "
+           "from the model's input on")
     raise ValueError(
         f"rank {c.rank}: {how}, but {describe(path, first)} takes the model's input and its forward takes no "
         f"positions=, so code that numbers positions itself (arange(0, t)) would number this rank's tokens 0..t-1. "
