@@ -124,8 +124,16 @@ class Embed(nn.Module):
         return self.wte(idx) + self.wpe(axonmpi.arange(0, idx.shape[1], dtype=axonmpi.long))
 
 
-def _sequential(attn=CausalSelfAttention):
-    return nn.Sequential(Embed(), nn.Dropout(0.0), Block(attn()), Block(attn()), LayerNorm(C),
+class EmbedPositions(Embed):
+    """The documented change: ``positions=None`` taken and used when given."""
+
+    def forward(self, idx, positions=None):
+        pos = positions if positions is not None else axonmpi.arange(0, idx.shape[1], dtype=axonmpi.long)
+        return self.wte(idx) + self.wpe(pos)
+
+
+def _sequential(attn=CausalSelfAttention, embed=Embed):
+    return nn.Sequential(embed(), nn.Dropout(0.0), Block(attn()), Block(attn()), LayerNorm(C),
                          nn.Linear(C, V, bias=False, dtype=D))
 
 
@@ -133,7 +141,7 @@ SP_PLAN = {"transformer.h.*.mlp.c_fc": "column", "transformer.h.*.mlp.c_proj": "
 SP_REGION = SequenceRegion(enter="transformer.drop", leave="lm_head", outside=("transformer.wte", "transformer.wpe"))
 PP_PLAN = {"*.mlp.c_fc": "column", "*.mlp.c_proj": "row", "5": "column_gather"}
 PP_REGION = SequenceRegion(enter="1", leave="5", outside=("0",))
-LOCAL = (GPT, PositionsGPT, Block, MLP, LayerNorm, Embed)
+LOCAL = (GPT, PositionsGPT, Block, MLP, LayerNorm, Embed, EmbedPositions)
 
 
 def _loss(out, y):
@@ -318,6 +326,29 @@ def test_positions_under_context_and_tensor_parallelism(world, algo):
                         model_plan=ModelPlan(token_local=LOCAL))
         worst = _parity(_cp_gpt(PositionsGPT), grid, context_parallel=algo, tensor_parallel=plan,
                         model_plan=ModelPlan(token_local=LOCAL))
+        assert worst <= TOL, worst
+    finally:
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_positions_under_context_parallelism_with_pipeline_and_fsdp(world, algo):
+    """CP 2 x PP 2 (an nn.Sequential whose first layer is the user's embedding) and CP 2 x FSDP 2."""
+    lib_attn = lambda: nn.CausalSelfAttention(C, 4, bias=True, dtype=D)     # noqa: E731
+    plan = ModelPlan(token_local=LOCAL)
+    grid = _grid(world, G_context=2, G_inter=2)
+    try:
+        pipe = dict(context_parallel=algo, model_plan=plan, pipeline=PipelinePlan(2, "1f1b", loss_fn=_loss))
+        with pytest.raises(ValueError, match=r"'0' \(test_conventions.Embed\).*takes no positions="):
+            parallelize(_sequential(lib_attn), grid=grid, **pipe)
+        worst = _parity(lambda: _sequential(lib_attn, EmbedPositions), grid, **pipe)
+        assert worst <= TOL, worst
+    finally:
+        grid.free()
+    grid = _grid(world, G_context=2)
+    try:
+        worst = _parity(_cp_gpt(PositionsGPT), grid, context_parallel=algo, data_parallel="fsdp", model_plan=plan)
         assert worst <= TOL, worst
     finally:
         grid.free()
