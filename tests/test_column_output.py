@@ -14,7 +14,7 @@ import axonmpi.nn as nn
 import axonmpi.nn.functional as F
 from axonmpi import Tensor
 from axonmpi.optim import SGD
-from axonmpi.parallel import full_state_dict, parallelize
+from axonmpi.parallel import ModelPlan, full_state_dict, parallelize
 
 D, H, C = 6, 12, 6
 
@@ -38,7 +38,7 @@ class Net(nn.Module):
         self.head = nn.Linear(D, C, dtype=np.float64)
         self.act = act
 
-    def forward(self, x):
+    def forward(self, x, positions=None):      # numbers no positions (sequence parallelism asks)
         y = self.head(self.blocks(self.embed(x)))
         return F.gelu(y) if self.act else y
 
@@ -101,7 +101,8 @@ def test_column_gather_keeps_the_serial_shape_and_trains_as_serial(world, sp):
         want = F.cross_entropy(ref(Tensor(x)), y)
         want.backward()
         pm = parallelize(_make(), grid=grid, tensor_parallel={**PLAN, "head": "column_gather"},
-                         sequence_parallel=sp, sequence_dim=1 if sp else 0)
+                         sequence_parallel=sp, sequence_dim=1 if sp else 0,
+                         model_plan=ModelPlan(token_local=(Net, Block)))
         xb, yb = pm.local_batch(x, y)
         before = {k: np.array(v, copy=True) for k, v in full_state_dict(pm).items()}
         opt = SGD(pm.parameters(), lr=1.0)

@@ -10,7 +10,7 @@ from axonmpi import Tensor
 from axonmpi.autograd import backward_depth, queue_callback
 from axonmpi.distributed.backends.counting import count_traffic
 from axonmpi.distributed.placement import placement_of
-from axonmpi.parallel import parallelize
+from axonmpi.parallel import ModelPlan, parallelize
 
 F64 = np.float64
 
@@ -29,7 +29,7 @@ class _Net(nn.Module):
             self.blocks.append(blk)
         self.head = nn.Linear(8, 4, dtype=F64)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):      # numbers no positions (sequence parallelism asks)
         h = self.inp(x)
         for b in self.blocks:
             h = h + b.proj(F.gelu(b.fc(b.ln(h))))
@@ -49,7 +49,8 @@ def test_sequence_parallel_sums_are_one_collective_per_bucket(world):
         serial = _Net()
         axonmpi.manual_seed(3)
         pm = parallelize(_Net(), grid=grid, tensor_parallel={"blocks.*.fc": "column", "blocks.*.proj": "row"},
-                         sequence_parallel=True, data_parallel=None if grid.G_data == 1 else "ddp")
+                         sequence_parallel=True, data_parallel=None if grid.G_data == 1 else "ddp",
+                         model_plan=ModelPlan(token_local=(_Net,)))
         partial = [p for p in pm.inner.parameters() if placement_of(p).partial_groups]
         assert len(partial) == 10
         rng = np.random.default_rng(0)

@@ -24,6 +24,9 @@ from harness import outcome  # noqa: E402
 
 FIXED_4 = list(range(0, 40))          # seeds, drawn for 4 ranks
 FIXED_8 = list(range(1000, 1012))     # seeds, drawn for 8 ranks (the N-D pass)
+# user-style seeds (tests/fuzz/user.py), drawn for 4 ranks: CP ring with the user's embedding taking positions= and a
+# shared gain; a pipeline with a class token and the user's attention
+FIXED_USER_4 = [100, 108]
 
 
 def _run(world, case: Case, want: str = "ok"):
@@ -38,6 +41,14 @@ def test_fuzz_case_at_4_ranks(world, seed):
     if world.world_size != 4:
         pytest.skip("the fixed cases are drawn for 4 ranks")
     _run(world, draw_case(seed, 4), "clean")
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("seed", FIXED_USER_4)
+def test_fuzz_user_style_case_at_4_ranks(world, seed):
+    if world.world_size != 4:
+        pytest.skip("the fixed cases are drawn for 4 ranks")
+    _run(world, draw_case(seed, 4, user_style=True), "clean")
 
 
 @pytest.mark.nd
@@ -57,6 +68,13 @@ def _model(first="embedding", blocks=(("mlp", 8, False, True),), tie=False, **kw
     return ModelSpec(**base)
 
 
+def _user(blocks, upos=True, **kw):
+    """A user-style model (tests/fuzz/user.py): the user's embedding (``upos``: taking ``positions=``)."""
+    return _model(blocks=tuple(blocks), upos=upos, **kw)
+
+
+OWN_ATTN = (("mlp", 8, True, True), ("uattn", 2, True, False), ("cls", True))          # declared whole_sequence
+OWN_ATTN_UNDECLARED = (("mlp", 8, True, True), ("uattn", 2, False, True))
 PP2_TP2 = (("G_inter", 2), ("G_intra_c", 2))
 DP2_PP2_TP2 = PP2_TP2                   # at 8 ranks G_data is 2
 TP2 = (("G_intra_c", 2),)
@@ -116,6 +134,21 @@ REGRESSIONS = {
                                         LayoutSpec((("G_inter", 2),), data="fsdp", sharding="hybrid_shard",
                                                    schedule="1f1b"),
                                         LayoutSpec((("G_inter", 2), ("G_intra_r", 2)), "axonn", schedule="zb-h1"), "ok"),
+    # issue 48: the user's own attention and class token under TP 2 + SP -- declared whole_sequence: equal serial;
+    # undeclared: refused naming the module; a user's own position numbering under SP (no declared region) and CP
+    "user_attention_cls_tp2_sp_declared": (4, _user(OWN_ATTN), LayoutSpec(TP2, "megatron", sequence_parallel=True),
+                                           LayoutSpec(), "ok"),
+    "user_attention_pp2_tp2_sp_declared": (4, _user(OWN_ATTN + (("shared",),)),
+                                           LayoutSpec(PP2_TP2, "megatron", sequence_parallel=True, schedule="1f1b"),
+                                           LayoutSpec(), "ok"),
+    "user_attention_tp2_sp_undeclared": (4, _user(OWN_ATTN_UNDECLARED),
+                                         LayoutSpec(TP2, "megatron", sequence_parallel=True), LayoutSpec(), "refused"),
+    "user_positions_tp2_sp_own": (4, _user((("mlp", 8, True, True),), upos=False),
+                                  LayoutSpec(TP2, "megatron", sequence_parallel=True), LayoutSpec(), "refused"),
+    "user_positions_cp2_ring_taken": (4, _user((("attn", 2, True), ("shared",))),
+                                      LayoutSpec((("G_context", 2),), context="ring"), LayoutSpec(), "ok"),
+    "user_positions_cp2_ulysses_own": (4, _user((("attn", 2, True),), upos=False),
+                                       LayoutSpec((("G_context", 2),), context="ulysses"), LayoutSpec(), "refused"),
     "sp_attention_outside_the_plan": (4, _model(first="linear", feat=5, width=6, blocks=(("attn", 3, True),
                                                                                       ("mlp", 16, True, False))),
                                       LayoutSpec(TP2, "megatron", sequence_parallel=True, data="fsdp"), LayoutSpec(),
@@ -130,6 +163,10 @@ def _regression(world, name):
     detail = _run(world, Case(0, model, layout, restore), want)
     if want == "refused" and name.startswith("unused"):
         assert "received no gradient" in detail and "freeze them" in detail, detail
+    if want == "refused" and name.startswith("user_attention"):
+        assert "'2.attn' (user.CausalSelfAttention)" in detail and "whole_sequence" in detail, detail
+    if want == "refused" and name.startswith("user_positions"):
+        assert "'0' (user.UserEmbedding)" in detail and "takes no positions=" in detail, detail
 
 
 @pytest.mark.mpi(min_size=4)

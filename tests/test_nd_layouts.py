@@ -20,7 +20,7 @@ import axonmpi.nn as nn
 import axonmpi.nn.functional as F
 from axonmpi import Tensor
 from axonmpi.optim import AdamW, ZeroRedundancyOptimizer, clip_grad_norm_
-from axonmpi.parallel import PipelinePlan, full_state_dict, parallelize
+from axonmpi.parallel import ModelPlan, PipelinePlan, full_state_dict, parallelize
 from axonmpi.parallel.grad_sync import data_reduction_group, mean_over
 
 pytestmark = pytest.mark.nd
@@ -291,7 +291,7 @@ def _build(world, layout, seed=7):
         opts.setdefault("data_parallel", "ddp")
     zero1 = opts.pop("zero1", False)
     axonmpi.manual_seed(seed)
-    pm = parallelize(MODELS[name](), grid=grid, **opts)
+    pm = parallelize(MODELS[name](), grid=grid, model_plan=ModelPlan(token_local=(MoEBlock,)), **opts)
     pm.zero1 = zero1
     return grid, pm
 

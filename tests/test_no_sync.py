@@ -23,7 +23,7 @@ from axonmpi import Tensor
 from axonmpi.distributed import all_gather_object
 from axonmpi.optim import AdamW
 from axonmpi.optim.clip import clip_grad_norm_
-from axonmpi.parallel import PipelinePlan, full_state_dict, no_sync, parallelize
+from axonmpi.parallel import ModelPlan, PipelinePlan, full_state_dict, no_sync, parallelize
 from axonmpi.parallel.grad_sync import data_reduction_group
 
 F64 = np.float64
@@ -127,7 +127,7 @@ def _accumulate(world, layout, make, sizes, opts):
         axonmpi.manual_seed(5)
         serial = make()
         axonmpi.manual_seed(5)
-        pm = parallelize(make(), grid=grid, **opts)
+        pm = parallelize(make(), grid=grid, model_plan=ModelPlan(token_local=(Block, MoENet)), **opts)
         piped = "pipeline" in opts
         data = data_reduction_group(grid)
         opt_s = AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1)

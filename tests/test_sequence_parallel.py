@@ -183,7 +183,7 @@ class _ResMLP(nn.Module):
         self.blocks = nn.ModuleList(_Block(8, 24) for _ in range(2))
         self.head = nn.Linear(8, 4, dtype=np.float64)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):      # numbers no positions (sequence parallelism asks)
         for b in self.blocks:
             x = b(self.inp(x) if b is self.blocks[0] else x)
         return self.head(x)
@@ -195,7 +195,7 @@ def test_parallelize_sequence_parallel_equals_serial(world, seq_dim):
     """2-D token rows (sequence_dim 0) or (batch, seq, features) (sequence_dim 1); replicated layers outside
     the plan (``inp``, ``head``) and the LayerNorms sum their gradients over the tensor group."""
     import axonmpi.nn.functional as F
-    from axonmpi.parallel import full_state_dict as pm_full, parallelize
+    from axonmpi.parallel import ModelPlan, full_state_dict as pm_full, parallelize
     tp = 2 if world.world_size % 2 == 0 else world.world_size
     grid = axonmpi.ProcessGrid(world, G_intra_c=tp)
     try:
@@ -207,7 +207,8 @@ def test_parallelize_sequence_parallel_equals_serial(world, seq_dim):
         serial = _ResMLP()
         axonmpi.manual_seed(4)
         pm = parallelize(_ResMLP(), grid=grid, tensor_parallel={"blocks.*.fc": "column", "blocks.*.proj": "row"},
-                         sequence_parallel=True, sequence_dim=seq_dim)
+                         sequence_parallel=True, sequence_dim=seq_dim,
+                         model_plan=ModelPlan(token_local=(_ResMLP, _Block)))
         from axonmpi.distributed.placement import placement_of as _pl
         assert _pl(pm.inner.blocks[0].ln.weight).partial_groups == (grid.intra_group,)   # summed by the finalize step
         from axonmpi.distributed.placement import placement_of

@@ -29,7 +29,7 @@ import numpy as np
 from ..distributed import get_grid
 from ..distributed.grid import ProcessGrid
 from ..nn.module import Module
-from .axes import checkpointing, context, data, experts, pipeline as pipeline_axis, tensor
+from .axes import checkpointing, context, data, experts, pipeline as pipeline_axis, regions, tensor
 from .axes.record import Composition
 from .module import ParallelModule, PipelinedModule
 from .plan import ModelPlan, PipelinePlan, SequenceRegion
@@ -114,6 +114,7 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                     checkpointing=activation_checkpointing, pipeline=pipeline,
                     model_plan=ModelPlan() if model_plan is None else model_plan)
     _check(module, c, expert_parallel)
+    regions.check(module, c)                                  # every module of a region known or declared
     tensor.apply(module, c)                                   # 1
     context.apply(module, c)                                  # 2
     experts.apply(module, c)                                  # 3

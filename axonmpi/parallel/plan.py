@@ -9,7 +9,7 @@ pipeline embedding) is given each token's global position under context parallel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 __all__ = ["ModelPlan", "PipelinePlan", "SequenceRegion"]
 
@@ -51,10 +51,38 @@ class ModelPlan:
         aux_loss: ``aux_loss(chunk) -> Tensor | None``: a pipeline chunk's auxiliary loss of its last forward
             (a MoE's router losses), added to its backward per micro-batch with weight ``1 / num_microbatches``
             (the default of :attr:`PipelinePlan.aux_loss`).
+        token_local: modules (classes, or fnmatch patterns on ``named_modules()``) in a sequence- or
+            context-parallel region whose own code computes each token's output from that token alone (a block
+            that calls its children, an MLP, a hand-written norm); their children are checked in turn.  Under
+            sequence and context parallelism every module that is not one of the library's attention or
+            token-local layers must be declared here or in ``whole_sequence``, or ``parallelize`` refuses it
+            ([Note: modules in a region] in ``parallel/axes/regions.py``; docs/parallelize.md).
+        whole_sequence: token-mixing modules (a user's own attention; classes or patterns): under sequence
+            parallelism each receives the whole sequence, gathered over the tensor group in order (its first
+            argument, the sequence on ``sequence_dim``), must return a tensor of the same sequence length, and
+            each rank keeps its shard of it; it runs whole on every tensor rank (its tensor-parallel layers, if
+            the plan names any inside it, see whole sequences; its parameters' gradients are whole there).  Not
+            built for context parallelism (``NotImplementedError`` at construction).
+
+    Example (a model written for PyTorch, its own ``CausalSelfAttention`` among its blocks)::
+
+        >>> ModelPlan(token_local=(GPT, Block, MLP, LayerNorm), whole_sequence=(CausalSelfAttention,))
     """
 
     sequence_region: Optional[SequenceRegion] = None
     aux_loss: Optional[Callable[[Any], Any]] = None
+    token_local: Tuple[Union[type, str], ...] = ()
+    whole_sequence: Tuple[Union[type, str], ...] = ()
+
+    def __post_init__(self):
+        for name in ("token_local", "whole_sequence"):
+            v = getattr(self, name)
+            v = (v,) if isinstance(v, (str, type)) else tuple(v)
+            bad = [e for e in v if not isinstance(e, (str, type))]
+            if bad:
+                raise TypeError(f"ModelPlan({name}=...): expected module classes or named_modules() patterns, "
+                                f"got {bad!r}")
+            object.__setattr__(self, name, v)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,13 @@ import axonmpi
 import axonmpi.nn as nn
 from axonmpi import Tensor
 
-__all__ = ["Case", "LayoutSpec", "ModelSpec", "build_model", "draw_case", "draw_layout", "draw_model",
-           "megatron_plan", "GB", "T"]
+try:
+    from . import user
+except ImportError:            # run as a script (tests/fuzz/run.py)
+    import user
+
+__all__ = ["Case", "LayoutSpec", "ModelSpec", "build_model", "draw_case", "draw_layout", "draw_model", "draw_user_model",
+           "megatron_plan", "model_plan", "GB", "T"]
 
 F64 = np.float64
 GB, T = 16, 8          # global batch rows and tokens per row
@@ -108,6 +113,8 @@ class ModelSpec:
     unused: bool
     ignore: bool                   # some targets are -100 (not counted)
     seed: int = 0
+    upos: Optional[bool] = None    # user-style: the first layer a user's embedding numbering positions (True:
+                                   # taking positions=; False: its own arange only); None: nn.Embedding
 
     @property
     def has(self) -> Dict[str, int]:
@@ -118,11 +125,12 @@ class ModelSpec:
 
     def layers(self) -> int:
         """Top-level layers (the pipeline cuts between them)."""
-        return (2 if self.first == "layernorm" else 1) + len(self.blocks) + (self.final_norm is not None) + 1
+        return ((2 if self.first == "layernorm" else 1) + len(self.blocks) + self.has.get("shared", 0)
+                + (self.final_norm is not None) + 1)
 
     def short(self) -> str:
         parts = [f"{self.first}(V{self.vocab} C{self.width}" + (f" F{self.feat}" if self.first != "embedding" else "")
-                 + ")"]
+                 + ("" if self.upos is None else f" user positions={self.upos}") + ")"]
         for b in self.blocks:
             parts.append(b[0] + ("" if len(b) == 1 else str(list(b[1:])).replace(" ", "")))
         if self.final_norm is not None:
@@ -186,7 +194,9 @@ def build_model(spec: ModelSpec) -> nn.Sequential:
     axonmpi.manual_seed(1000 + spec.seed)
     C, V = spec.width, spec.vocab
     layers: List[nn.Module] = []
-    if spec.first == "embedding":
+    if spec.first == "embedding" and spec.upos is not None:
+        layers.append((user.UserEmbeddingPositions if spec.upos else user.UserEmbedding)(V, T, C))
+    elif spec.first == "embedding":
         layers.append(nn.Embedding(V, C, dtype=F64))
     elif spec.first == "linear":
         layers.append(nn.Linear(spec.feat, C, dtype=F64))
@@ -209,6 +219,14 @@ def build_model(spec: ModelSpec) -> nn.Sequential:
             layers.append(nn.LayerNorm(C, elementwise_affine=b[1], dtype=F64))
         elif kind == "frozen":
             layers.append(FrozenScale(C))
+        elif kind == "uattn":
+            layers.append(user.OwnAttentionBlock(C, b[1], b[3]))
+        elif kind == "cls":
+            layers.append(user.ClsBlock(C))
+        elif kind == "shared":
+            layers += list(user.shared_gains(C))
+        elif kind == "scalar":
+            layers.append(user.Temperature())
         elif kind == "reuse":           # the first layer's weight used again (its shape allows: feat == width)
             if spec.first == "layernorm":
                 ln = nn.LayerNorm(C, dtype=F64)
@@ -224,7 +242,7 @@ def build_model(spec: ModelSpec) -> nn.Sequential:
         layers.append(nn.LayerNorm(C, elementwise_affine=spec.final_norm, dtype=F64))
     head = nn.Linear(C, V, bias=spec.head_bias, dtype=F64)
     if spec.tie:
-        head.weight = first.weight
+        head.weight = first.wte.weight if spec.upos is not None else first.weight
     layers.append(head)
     if unused_left:                      # no MLP block to hold it: a top-level module no forward reaches
         model = nn.Sequential(*layers)
@@ -267,8 +285,19 @@ def module_names(spec: ModelSpec) -> List[Tuple[str, tuple]]:
     out = []
     for b in spec.blocks:
         out.append((str(at), b))
-        at += 1
+        at += 2 if b[0] == "shared" else 1
     return out
+
+
+def model_plan(spec: ModelSpec) -> "axonmpi.parallel.ModelPlan":
+    """What the generated model declares: its own blocks compute each token from that token alone
+    (``parallelize`` refuses an undeclared module of the user's own in a sequence or context region)."""
+    from axonmpi.parallel import ModelPlan
+    whole = [f"{n}.attn" for n, b in module_names(spec) if b[0] == "uattn" and b[2]] + \
+        [n for n, b in module_names(spec) if b[0] == "cls" and b[1]]
+    return ModelPlan(token_local=(ResidualMLP, LlamaBlock, MoEBlock, FrozenScale, _Spare, user.OwnAttentionBlock,
+                                  user.Gain, user.Temperature, user.UserEmbedding, user.UserEmbeddingPositions),
+                     whole_sequence=tuple(whole))
 
 
 def megatron_plan(spec: ModelSpec, layout: LayoutSpec) -> Dict[str, str]:
@@ -289,7 +318,7 @@ def megatron_plan(spec: ModelSpec, layout: LayoutSpec) -> Dict[str, str]:
                 plan.update({f"{name}.mlp.gate_proj": "column", f"{name}.mlp.up_proj": "column",
                              f"{name}.mlp.down_proj": "row"})
     if layout.vocab_split:
-        if spec.first == "embedding":
+        if spec.first == "embedding" and spec.upos is None:
             plan["0"] = "vocab"
         plan[str(top_layers(spec) - 1)] = "column_gather"
     return plan
@@ -424,7 +453,7 @@ def valid(spec: ModelSpec, lay: LayoutSpec, world: int) -> bool:
                         return False
     if lay.sequence_parallel and T % tp:
         return False
-    if lay.vocab_split and spec.vocab % tp:
+    if lay.vocab_split and (spec.vocab % tp or spec.upos is not None):
         return False
     if lay.tensor == "megatron" and not megatron_plan(spec, lay):
         return False
@@ -435,10 +464,33 @@ def valid(spec: ModelSpec, lay: LayoutSpec, world: int) -> bool:
     return True
 
 
-def draw_case(seed: int, world: int) -> Case:
-    """The case of ``seed`` at ``world`` ranks (the same on every rank: a plain seeded generator)."""
-    rng = random.Random(seed)
+def draw_user_model(rng: random.Random, seed: int, with_0d: bool = False) -> ModelSpec:
+    """A model as a PyTorch user writes it (:mod:`user`): the library's model of ``seed`` with one or two blocks of
+    the user's own (their attention, a class token, a shared gain; ``with_0d``: a 0-d temperature) inserted, each
+    token-mixing one declared ``whole_sequence`` or not, and an embedding-first model's embedding the user's own
+    (numbering its positions, taking ``positions=`` or not)."""
     spec = draw_model(rng, seed)
+    blocks = list(spec.blocks)
+    kinds = ["uattn", "uattn", "cls", "shared"] + (["scalar"] if with_0d else [])
+    for _ in range(rng.choice([1, 1, 2])):
+        kind = rng.choice(kinds)
+        if kind == "uattn":
+            b = ("uattn", rng.choice([h for h in (1, 2, 4) if spec.width % h == 0]), rng.random() < 0.6,
+                 rng.random() < 0.5)
+        elif kind == "cls":
+            b = ("cls", rng.random() < 0.6)
+        else:
+            b = (kind,)
+        blocks.insert(rng.randrange(0, len(blocks) + 1), b)
+    upos = rng.choice([None, True, True, False]) if spec.first == "embedding" else None
+    return replace(spec, blocks=tuple(blocks), upos=upos)
+
+
+def draw_case(seed: int, world: int, user_style: bool = False, with_0d: bool = False) -> Case:
+    """The case of ``seed`` at ``world`` ranks (the same on every rank: a plain seeded generator); ``user_style``:
+    the model is drawn by :func:`draw_user_model`."""
+    rng = random.Random(seed)
+    spec = draw_user_model(rng, seed, with_0d) if user_style else draw_model(rng, seed)
     return Case(seed, spec, draw_layout(rng, spec, world), draw_layout(rng, spec, world))
 
 
@@ -448,7 +500,7 @@ def simpler_models(spec: ModelSpec):
         if spec.blocks[i][0] == "reuse" and len(spec.blocks) == 1:
             continue
         yield replace(spec, blocks=spec.blocks[:i] + spec.blocks[i + 1:])
-    for f, off in (("unused", False), ("ignore", False), ("head_bias", False), ("final_norm", None)):
+    for f, off in (("unused", False), ("ignore", False), ("head_bias", False), ("final_norm", None), ("upos", None)):
         if getattr(spec, f) != off:
             yield replace(spec, **{f: off})
     if spec.tie:

@@ -31,9 +31,9 @@ from axonmpi.parallel import UnusedParameterError
 from axonmpi.parallel.grad_sync import data_reduction_group
 
 try:
-    from .cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, module_names
+    from .cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, model_plan, module_names
 except ImportError:            # run as a script (tests/fuzz/run.py)
-    from cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, module_names
+    from cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, model_plan, module_names
 
 __all__ = ["Mismatch", "Refused", "run_case", "serial_run", "close"]
 
@@ -91,7 +91,7 @@ def serial_run(spec: ModelSpec):
 
 def options(spec: ModelSpec, lay: LayoutSpec, grid) -> Dict[str, Any]:
     """``parallelize``'s keyword arguments for ``lay``."""
-    opts: Dict[str, Any] = dict(grid=grid, data_parallel=lay.data)
+    opts: Dict[str, Any] = dict(grid=grid, data_parallel=lay.data, model_plan=model_plan(spec))
     if lay.tensor == "axonn":
         opts["tensor_parallel"] = "axonn"
     elif lay.tensor == "megatron":

@@ -52,6 +52,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-shrink", action="store_true", help="report failures as drawn")
     ap.add_argument("--no-checkpoint", action="store_true", help="skip the save / restore under a second layout")
     ap.add_argument("--stop", action="store_true", help="stop at the first failure")
+    ap.add_argument("--style", choices=("library", "user", "both"), default="both",
+                    help="models of the library's layers, written our way; models as PyTorch users write them "
+                         "(their own attention, class token, shared gain, own positions: tests/fuzz/user.py); or "
+                         "each seed both ways (default)")
+    ap.add_argument("--with-0d", action="store_true", help="user-style models may hold a 0-d parameter")
     args = ap.parse_args(argv)
     if args.cases < 1:
         ap.error(f"--cases {args.cases}: must be at least 1")
@@ -59,20 +64,21 @@ def main(argv=None) -> int:
     seeds = args.only if args.only else range(args.seed, args.seed + args.cases)
     counts, failed, reasons = collections.Counter(), [], collections.Counter()
     t0 = time.time()
-    for seed in seeds:
-        case = draw_case(seed, world.world_size)
+    styles = {"library": (False,), "user": (True,), "both": (False, True)}[args.style]
+    for seed, user_style in ((s, u) for s in seeds for u in styles):
+        case = draw_case(seed, world.world_size, user_style, args.with_0d)
         st, detail = outcome(world, case, checkpoint=not args.no_checkpoint)
         counts[st] += 1
         if world.rank == 0:
-            print(f"[{time.time() - t0:7.1f}s] seed {seed}: {st}" + (f" ({detail})" if st == "refused" else ""),
-                  flush=True)
+            print(f"[{time.time() - t0:7.1f}s] seed {seed}{' user' if user_style else ''}: {st}"
+                  + (f" ({detail})" if st == "refused" else ""), flush=True)
         if st == "refused":
             kind, _, msg = detail.partition(": ")
             msg = re.sub(r"^(\(rank \d+\) \w+: )?rank \d+: ", "", msg)
             reasons[kind + ": " + re.sub(r"'[^']*'|\[[^\]]*\]", "..", msg)[:100]] += 1
         if st == "failed":
             small, sdetail = (case, detail) if args.no_shrink else shrink(world, case, detail)
-            failed.append(seed)
+            failed.append(f"{seed}{' user' if user_style else ''}")
             if world.rank == 0:
                 print(f"FAILED {case.describe()}\n  {detail}", flush=True)
                 if small != case:

@@ -22,6 +22,7 @@ from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
 from ..swap import module_slots
 from .record import Composition
+from .regions import describe, qualname, whole_sequence_modules
 
 __all__ = ["apply", "STYLES"]
 
@@ -42,6 +43,7 @@ def apply(module: Module, c: Composition) -> None:
     if c.sp:
         _refuse_whole_sequence_layers(module, c)
         _enter_declared_region(module, c)
+        _gather_whole_sequences(module, c)
     _retie(module, tied, c.rank)
     if c.sp:
         c.partial = _sequence_parallel(module, c)
@@ -50,7 +52,10 @@ def apply(module: Module, c: Composition) -> None:
 def _refuse_whole_sequence_layers(module: Module, c: Composition) -> None:
     """Under sequence parallelism each rank runs the region on its tokens: an attention the plan leaves whole
     would attend within this rank's tokens only.  Refused, naming it and the fix."""
+    whole = [q for q, _ in whole_sequence_modules(module, c)]
     for q, m in module.named_modules():
+        if any(q == w or q.startswith(w + ".") for w in whole):
+            continue                        # declared: sees whole sequences
         if type(m) is GroupedQueryAttention and type(m.q_proj) is nn_layers.Linear:
             raise ValueError(
                 f"rank {c.rank}: sequence_parallel=True runs {q!r} ({m.n_head} query heads) on this rank's tokens of "
@@ -120,12 +125,21 @@ def _check_plan(module: Module, c: Composition) -> None:
     for parent, name, child, qname in module_slots(module):
         style = _style_of(c.tensor, qname)
         if style is not None and type(child) is not _TYPES[style]:
-            raise TypeError(f"rank {c.rank}: {qname!r} matches a {style!r} pattern but is a "
-                            f"{type(child).__name__}, not an nn.{_TYPES[style].__name__}")
+            raise TypeError(f"rank {c.rank}: {describe(qname, child)} matches the tensor-parallel plan's {style!r} "
+                            f"pattern, which takes an nn.{_TYPES[style].__name__} ({qualname(_TYPES[style])}); "
+                            f"{_style_fix(style)}")
         if style == "column_kv" and not (isinstance(parent, GroupedQueryAttention) and name in ("k_proj", "v_proj")):
             raise TypeError(f"rank {c.rank}: {qname!r} matches a 'column_kv' pattern, which splits the key/value heads "
                             f"of an nn.GroupedQueryAttention (its k_proj / v_proj); it is a {type(parent).__name__}'s "
                             f"{name!r}: use 'column'")
+
+
+def _style_fix(style: str) -> str:
+    if style == "attention":
+        return ("name its own projections instead ('column' for the query/key/value layer, 'row' for the output "
+                "one, if its code reads its head count from their widths), or leave it out of the plan; under "
+                "sequence parallelism declare it ModelPlan(whole_sequence=(...,)) (docs/parallelize.md)")
+    return f"match only nn.{_TYPES[style].__name__} modules with this pattern"
 
 
 def _megatron(module: Module, c: Composition) -> int:
@@ -137,12 +151,14 @@ def _megatron(module: Module, c: Composition) -> int:
     from ..split_output import refuse_split_outputs
     _check_plan(module, c)
     group, region = c.grid.intra_group, c.model_plan.sequence_region if c.sp else None
+    whole = [q for q, _ in whole_sequence_modules(module, c)] if c.sp else []
     columns, rows, n, kv_groups = {}, [], 0, {}
     for parent, name, child, qname in module_slots(module):
         style = _style_of(c.tensor, qname)
         if style is None:
             continue
-        outside = region is not None and any(fnmatch.fnmatchcase(qname, p) for p in region.outside)
+        outside = (region is not None and any(fnmatch.fnmatchcase(qname, p) for p in region.outside)) or \
+            any(qname == w or qname.startswith(w + ".") for w in whole)
         if style == "column_kv":
             new = _kv_layer(parent, child, c, kv_groups, outside=outside)
         else:
@@ -270,11 +286,38 @@ def _enter_declared_region(module: Module, c: Composition) -> None:
     c.enter, c.leave = new, leave
 
 
+def _gather_whole_sequences(module: Module, c: Composition) -> None:
+    """[Note: a declared whole-sequence module]  Each module the plan declares ``whole_sequence`` (a user's own
+    attention) gets its first argument gathered along the sequence over the tensor group (in order: the
+    sequence-parallel shards are contiguous) and returns this rank's shard of its output.  Every tensor rank runs
+    it on the same whole sequence, so the gradient reaching its output is whole there (the all-gather of the
+    shards' gradients) and its input's is split back (the gather's backward splits); its parameters' gradients
+    are whole on every tensor rank: left out of the partial sums (:func:`_outside`)."""
+    from ..tensor import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+    g, d = c.grid.intra_group, int(c.sequence_dim)
+    for q, m in whole_sequence_modules(module, c):
+        forward = m.forward
+
+        def whole(x, *args, _forward=forward, _q=q, **kwargs):
+            from ...autograd.tensor import Tensor
+            full = gather_from_sequence_parallel_region(x if isinstance(x, Tensor) else Tensor(x), g,
+                                                        tensor_parallel_output_grad=False, dim=d)
+            y = _forward(full, *args, **kwargs)
+            if not isinstance(y, Tensor) or y.ndim <= d or y.shape[d] != full.shape[d]:
+                raise ValueError(f"rank {c.rank}: {describe(_q, m)} is declared whole_sequence: it received "
+                                 f"{full.shape[d]} tokens along dimension {d} and must return one Tensor of the "
+                                 f"same length there, got {getattr(y, 'shape', type(y).__name__)}")
+            return scatter_to_sequence_parallel_region(y, g, dim=d)
+        object.__setattr__(m, "forward", whole)
+
+
 def _outside(module: Module, c: Composition) -> List[Module]:
-    """The modules a declared sequence region leaves outside (run on whole sequences before it)."""
+    """The modules run on whole sequences: a declared sequence region's ``outside`` (before it) and the modules the
+    plan declares ``whole_sequence`` (gathered for them)."""
     region = c.model_plan.sequence_region
-    return [] if region is None else [m for q, m in module.named_modules()
-                                      if any(fnmatch.fnmatchcase(q, p) for p in region.outside)]
+    out = [m for _, m in whole_sequence_modules(module, c)]
+    return out if region is None else out + [m for q, m in module.named_modules()
+                                             if any(fnmatch.fnmatchcase(q, p) for p in region.outside)]
 
 
 def _sequence_parallel(module: Module, c: Composition) -> List[object]:
