@@ -273,8 +273,8 @@ class Module:
             if k in state_dict:
                 v = state_dict[k]
                 shape = tuple(v.shape) if hasattr(v, "shape") else np.shape(v)
-                if tuple(shape) != tuple(t.shape):
-                    mismatched.append(f"{k}: checkpoint shape {tuple(shape)}, model shape {tuple(t.shape)}")
+                if tuple(shape) != tuple(t.data.shape):
+                    mismatched.append(f"{k}: checkpoint shape {tuple(shape)}, model shape {tuple(t.data.shape)}")
         errors = []
         if strict and missing:
             errors.append("missing keys: " + ", ".join(repr(k) for k in missing))
