@@ -6,7 +6,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ..nn.module import Module
 
-__all__ = ["module_slots", "swap_modules"]
+__all__ = ["keep_parameters", "mark_replaced", "module_slots", "swap_modules"]
 
 
 def module_slots(module: Module) -> List[Tuple[Module, str, Module, str]]:
@@ -45,3 +45,39 @@ def swap_modules(module: Module,
             setattr(parent, name, new)
             swapped.append((qname, new))
     return swapped
+
+
+def keep_parameters(new: Module, old: Module, adopted: set) -> None:
+    """The serial module's Parameter objects carry on in ``new``, its replacement ([Note: a parameter keeps its
+    identity] in ``nn/parameter.py``): each parameter of ``new`` named as one of ``old``'s hands its storage
+    (``.data``: this rank's piece), its placement and tags to ``old``'s object, which takes its place in ``new``.
+    So an optimizer built on the serial model before the swap holds the live parameters, and ``p.shape`` is
+    still the serial shape.  ``adopted`` (ids) collects the objects kept; one already kept (a weight tied
+    between two swapped modules) is not kept twice: the tie is re-made afterwards.
+    """
+    from ..nn.parameter import Parameter
+    olds = dict(old.named_parameters())
+    for qual, m in new.named_modules():
+        for name, p in list(m._parameters.items()):
+            q = None if p is None else olds.get(f"{qual}.{name}" if qual else name)
+            if q is None or q is p or id(q) in adopted or not isinstance(q, Parameter):
+                continue
+            q.__dict__.pop("_global_shape", None)
+            q.__dict__.pop("_replaced", None)
+            q.__dict__.update(p.__dict__)
+            q.data, q.grad = p.data, None
+            q.requires_grad = p.requires_grad
+            m._parameters[name] = q
+            adopted.add(id(q))
+
+
+def mark_replaced(before, module: Module, what: str) -> None:
+    """Mark every parameter of ``before`` that ``module`` no longer holds: an optimizer stepping one raises at its
+    first ``step()`` naming the fix, instead of training a tensor the model does not use."""
+    live = {id(p) for p in module.parameters()}
+    for p in before:
+        if id(p) not in live and hasattr(p, "__dict__"):
+            p.__dict__["_replaced"] = (
+                f"this parameter (serial shape {tuple(p.data.shape)}) was replaced by {what} and the model no longer "
+                "uses it; an optimizer built before the model was laid out holds it: build the optimizer from "
+                "pm.parameters() after parallelize")

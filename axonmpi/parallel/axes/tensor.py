@@ -11,7 +11,7 @@ finalize step sums its gradient there ([Note: partial gradients under sequence p
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from ...nn.attention import GroupedQueryAttention
 from ...nn.layers import Dropout
 from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
-from ..swap import module_slots
+from ..swap import keep_parameters, mark_replaced, module_slots
 from .record import Composition
 
 __all__ = ["apply", "STYLES"]
@@ -33,6 +33,7 @@ _TYPES = {"column": nn_layers.Linear, "column_gather": nn_layers.Linear, "column
 def apply(module: Module, c: Composition) -> None:
     """Swap the tensor-parallel layers in, re-tie shared weights, then lay sequence parallelism over the rest."""
     tied = _tied_slots(module)         # a swap copies weights into new Parameters: ties are re-made after
+    before = list(module.parameters())
     if c.axonn:
         _axonn(module, c)
     elif c.megatron:
@@ -43,6 +44,7 @@ def apply(module: Module, c: Composition) -> None:
         _refuse_whole_sequence_layers(module, c)
         _enter_declared_region(module, c)
     _retie(module, tied, c.rank)
+    mark_replaced(before, module, f"a tensor-parallel layer (parallelize tensor_parallel={c.tensor!r})")
     if c.sp:
         c.partial = _sequence_parallel(module, c)
 
@@ -65,9 +67,11 @@ def _refuse_whole_sequence_layers(module: Module, c: Composition) -> None:
                 "sequence_parallel")
 
 
-def copy_serial(new: Module, old: Module) -> None:
-    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard); a
-    :class:`~axonmpi.parallel.pipeline.LayerBuilder`'s stand-in (another pipeline rank's layer) stays one."""
+def copy_serial(new: Module, old: Module, adopted: Optional[set] = None) -> None:
+    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard), which
+    then holds the serial Parameter objects (:func:`~axonmpi.parallel.swap.keep_parameters`; ``adopted``: the ids
+    kept so far in this transform); a :class:`~axonmpi.parallel.pipeline.LayerBuilder`'s stand-in (another
+    pipeline rank's layer) stays one."""
     from ..pipeline.staged import is_stand_in, stand_in
     from ..tensor.state import load_full_state_dict
     if any(is_stand_in(p) for p in old.parameters()):
@@ -78,6 +82,7 @@ def copy_serial(new: Module, old: Module) -> None:
     for n, p in new.named_parameters():          # a frozen parameter stays frozen in its replacement
         if n in frozen:
             p.requires_grad = False
+    keep_parameters(new, old, set() if adopted is None else adopted)
 
 
 def _users(module: Module) -> Dict[int, int]:
@@ -97,13 +102,13 @@ def _axonn(module: Module, c: Composition) -> int:
     from ..intra_layer import Linear as Linear3D
     from ..tensor.groups import TensorParallelGroups
     groups = TensorParallelGroups.from_grid(c.grid)
-    users, n = _users(module), 0
+    users, n, adopted = _users(module), 0, set()
     for parent, name, child, _ in module_slots(module):
         if (type(child) is nn_layers.Linear and users.get(id(child.weight), 0) == 1
                 and is_parallelizable_linear(child.in_features, child.out_features, groups.sizes)):
             new = Linear3D(child.in_features, child.out_features, bias=child.bias is not None,
                            dtype=child.weight.dtype, groups=groups)
-            copy_serial(new, child)
+            copy_serial(new, child, adopted)
             setattr(parent, name, new)
             n += 1
     return n
@@ -137,7 +142,7 @@ def _megatron(module: Module, c: Composition) -> int:
     from ..split_output import refuse_split_outputs
     _check_plan(module, c)
     group, region = c.grid.intra_group, c.model_plan.sequence_region if c.sp else None
-    columns, rows, n, kv_groups = {}, [], 0, {}
+    columns, rows, n, kv_groups, adopted = {}, [], 0, {}, set()
     for parent, name, child, qname in module_slots(module):
         style = _style_of(c.tensor, qname)
         if style is None:
@@ -151,7 +156,7 @@ def _megatron(module: Module, c: Composition) -> int:
             columns[qname] = new
         if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group
             rows.append(new)
-        copy_serial(new, child)
+        copy_serial(new, child, adopted)
         setattr(parent, name, new)
         n += 1
     refuse_split_outputs(module, columns, rows, group)
@@ -230,10 +235,10 @@ def _retie(module: Module, tied, r: int) -> None:
         if all(p is first for p in params):
             continue
         shards = [tuple((s.kind, getattr(s, "dim", None)) for s in placement_of(p).shards) for p in params]
-        if any(tuple(p.shape) != tuple(first.shape) or sh != shards[0] for p, sh in zip(params, shards)):
+        if any(tuple(p.data.shape) != tuple(first.data.shape) or sh != shards[0] for p, sh in zip(params, shards)):
             names = [f"{q}.{name}" if q else name for q, name in slots]
             raise ValueError(f"rank {r}: {names} are one tied weight but the tensor-parallel plan lays them out "
-                             f"differently (local shapes {[tuple(p.shape) for p in params]}): split both the same "
+                             f"differently (local shapes {[tuple(p.data.shape) for p in params]}): split both the same "
                              "way (an embedding 'vocab' and its head 'column_gather') or neither")
         for (q, name), p in zip(slots[1:], params[1:]):
             setattr(mods[q], name, first)
