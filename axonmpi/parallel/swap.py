@@ -6,7 +6,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ..nn.module import Module
 
-__all__ = ["keep_parameters", "mark_replaced", "module_slots", "swap_modules"]
+__all__ = ["keep_class", "keep_parameters", "mark_replaced", "module_slots", "swap_modules"]
 
 
 def module_slots(module: Module) -> List[Tuple[Module, str, Module, str]]:
@@ -67,7 +67,7 @@ def keep_parameters(new: Module, old: Module, adopted: set) -> None:
             q.__dict__.update(p.__dict__)
             q.data, q.grad = p.data, None
             q.requires_grad = p.requires_grad
-            m._parameters[name] = q
+            setattr(m, name, q)
             adopted.add(id(q))
 
 
@@ -81,3 +81,25 @@ def mark_replaced(before, module: Module, what: str) -> None:
                 f"this parameter (serial shape {tuple(p.data.shape)}) was replaced by {what} and the model no longer "
                 "uses it; an optimizer built before the model was laid out holds it: build the optimizer from "
                 "pm.parameters() after parallelize")
+
+
+_KEPT_CLASSES = {}
+
+
+def keep_class(new: Module, old: Module) -> Module:
+    """``new`` (a strategy's replacement for ``old``) stays an instance of ``old``'s class, as DTensor's
+    ``parallelize_module`` keeps an ``nn.Linear`` one: its class becomes a subclass of both (the strategy's
+    first, so its forward and state run; named as the strategy's).  So ``isinstance(m, nn.Linear)`` in the
+    user's code (minGPT's param groups, init rules) sees the serial module kinds.  Returns ``new``."""
+    base = type(old)
+    if isinstance(new, base):
+        return new
+    key = (type(new), base)
+    cls = _KEPT_CLASSES.get(key)
+    if cls is None:
+        kind = type(new)
+        cls = _KEPT_CLASSES[key] = type(kind.__name__, (kind, base),
+                                       {"__module__": kind.__module__, "__doc__": kind.__doc__,
+                                        "__qualname__": kind.__qualname__})
+    new.__class__ = cls
+    return new

@@ -20,7 +20,7 @@ from ...nn.attention import GroupedQueryAttention
 from ...nn.layers import Dropout
 from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
-from ..swap import keep_parameters, mark_replaced, module_slots
+from ..swap import keep_class, keep_parameters, mark_replaced, module_slots
 from .record import Composition
 
 __all__ = ["apply", "STYLES"]
@@ -83,6 +83,8 @@ def copy_serial(new: Module, old: Module, adopted: Optional[set] = None) -> None
         if n in frozen:
             p.requires_grad = False
     keep_parameters(new, old, set() if adopted is None else adopted)
+    if isinstance(old, (nn_layers.Linear, nn_layers.Embedding)):    # still an nn.Linear / nn.Embedding
+        keep_class(new, old)
 
 
 def _users(module: Module) -> Dict[int, int]:
@@ -258,7 +260,7 @@ def _enter_declared_region(module: Module, c: Composition) -> None:
             raise ValueError(f"rank {c.rank}: the model plan's sequence region {what}s at {name!r}, which is not "
                              f"a module of the model (names: {[n for n in mods if n][:12]})")
     leave = mods[region.leave]
-    if not (type(leave) is ColumnParallelLinear and leave.gather_output):
+    if not (isinstance(leave, ColumnParallelLinear) and leave.gather_output):
         raise ValueError(f"rank {c.rank}: sequence parallelism leaves the region at {region.leave!r}: make it "
                          f"'column_gather' in the tensor-parallel plan (it is a {type(leave).__name__}; a tied head "
                          "with a 'vocab' embedding: split both)")
