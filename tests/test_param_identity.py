@@ -147,6 +147,19 @@ def _loss(logits, y):
     return F.cross_entropy(logits.view(-1, V), np.asarray(y).reshape(-1))
 
 
+def _serial_optimizer_state(rule):
+    model = _make()
+    opt = AdamW(RULES[rule](model), lr=1e-2, betas=(0.9, 0.95))
+    for s in range(STEPS):
+        x, y = _batch(s)
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: st for p, st in opt.state.items()}
+
+
 def _names(groups, model):
     ids = {id(p): n for n, p in model.named_parameters()}
     return [sorted(ids[id(p)] for p in g["params"]) for g in groups]
@@ -181,6 +194,7 @@ LAYOUTS = {   # name: (grid sizes, parallelize options)
     "fsdp_hybrid_shard": ({}, {"data_parallel": "fsdp", "sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 2}),
     "fsdp2_x_megatron2": ({"G_intra_c": 2}, {"data_parallel": "fsdp", "tensor_parallel": _MLP}),
     "megatron2": ({"G_intra_c": 2}, {"tensor_parallel": _MLP}),
+    "megatron2_vocab": ({"G_intra_c": 2}, {"tensor_parallel": {**_MLP, "wte": "vocab", "lm_head": "column_gather"}}),
     "axonn_2row": ({"G_intra_r": 2}, {"tensor_parallel": "axonn"}),
     "axonn_2col_2depth": ({"G_intra_c": 2, "G_intra_d": 2}, {"tensor_parallel": "axonn"}),
     "zero1": ({}, {}),
@@ -289,3 +303,37 @@ def test_replaced_parameter_raises_at_step():
     mark_replaced(list(lin.parameters()), holder, "a test transform")
     with pytest.raises(RuntimeError, match=r"build the optimizer from pm.parameters\(\) after parallelize"):
         opt.step()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", ["fsdp_full_shard", "fsdp2_x_megatron2", "pp2_fsdp2", "axonn_2row"])
+def test_optimizer_on_user_parameters_saves_and_loads(world, layout):
+    """The optimizer built from the user's parameters (under FSDP: the originals, stepping their pieces of the
+    flat chunks): its state under serial names equals the serial optimizer's, and loads back into a new one."""
+    if world.world_size != 4:
+        pytest.skip("the layouts are for 4 ranks")
+    want = _serial_optimizer_state("dim")
+    sizes, opts = LAYOUTS[layout]
+    grid = axonmpi.ProcessGrid(world, **sizes)
+    old, world.grid = world.grid, grid
+    try:
+        model = _make()
+        pm = parallelize(model, grid=grid, **opts)
+        opt = AdamW(by_dim(model), lr=1e-2, betas=(0.9, 0.95))
+        _train(pm, model, opt, world)
+        st = pm.sharded_state()
+        full = st.full_optim_state_dict(opt)["state"]
+        assert sorted(full) == sorted(want)
+        for n, w in want.items():
+            assert full[n]["step"] == w["step"]
+            for k in ("exp_avg", "exp_avg_sq"):
+                _close(full[n][k], w[k], f"{layout}: {n} {k}")
+        opt2 = AdamW(by_dim(model), lr=1e-2, betas=(0.9, 0.95))
+        pm.load_optim_state_dict(opt2, pm.optim_state_dict(opt))
+        again = pm.sharded_state().full_optim_state_dict(opt2)["state"]
+        for n, w in want.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                _close(again[n][k], w[k], f"{layout}: {n} {k} after loading")
+    finally:
+        world.grid = old
+        grid.free()

@@ -6,7 +6,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ..nn.module import Module
 
-__all__ = ["keep_class", "keep_parameters", "mark_replaced", "module_slots", "swap_modules"]
+__all__ = ["hand_over", "keep_class", "keep_parameters", "mark_replaced", "module_slots", "swap_modules"]
 
 
 def module_slots(module: Module) -> List[Tuple[Module, str, Module, str]]:
@@ -53,7 +53,8 @@ def keep_parameters(new: Module, old: Module, adopted: set) -> None:
     (``.data``: this rank's piece), its placement and tags to ``old``'s object, which takes its place in ``new``.
     So an optimizer built on the serial model before the swap holds the live parameters, and ``p.shape`` is
     still the serial shape.  ``adopted`` (ids) collects the objects kept; one already kept (a weight tied
-    between two swapped modules) is not kept twice: the tie is re-made afterwards.
+    between two swapped modules, listed in ``adopted`` beforehand) is not kept here: the tie is re-made
+    afterwards and the serial object then takes the tied one's place (``axes/tensor.py``'s ``_retie``).
     """
     from ..nn.parameter import Parameter
     olds = dict(old.named_parameters())
@@ -62,13 +63,19 @@ def keep_parameters(new: Module, old: Module, adopted: set) -> None:
             q = None if p is None else olds.get(f"{qual}.{name}" if qual else name)
             if q is None or q is p or id(q) in adopted or not isinstance(q, Parameter):
                 continue
-            q.__dict__.pop("_global_shape", None)
-            q.__dict__.pop("_replaced", None)
-            q.__dict__.update(p.__dict__)
-            q.data, q.grad = p.data, None
-            q.requires_grad = p.requires_grad
+            hand_over(p, q)
             setattr(m, name, q)
             adopted.add(id(q))
+
+
+def hand_over(new, old) -> None:
+    """``old`` (the serial Parameter object) takes ``new``'s storage, placement and tags; the caller puts
+    ``old`` where ``new`` was."""
+    old.__dict__.pop("_global_shape", None)
+    old.__dict__.pop("_replaced", None)
+    old.__dict__.update(new.__dict__)
+    old.data, old.grad = new.data, None
+    old.requires_grad = new.requires_grad
 
 
 def mark_replaced(before, module: Module, what: str) -> None:

@@ -20,7 +20,7 @@ from ...nn.attention import GroupedQueryAttention
 from ...nn.layers import Dropout
 from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
-from ..swap import keep_class, keep_parameters, mark_replaced, module_slots
+from ..swap import hand_over, keep_class, keep_parameters, mark_replaced, module_slots
 from .record import Composition
 
 __all__ = ["apply", "STYLES"]
@@ -34,16 +34,19 @@ def apply(module: Module, c: Composition) -> None:
     """Swap the tensor-parallel layers in, re-tie shared weights, then lay sequence parallelism over the rest."""
     tied = _tied_slots(module)         # a swap copies weights into new Parameters: ties are re-made after
     before = list(module.parameters())
+    mods = dict(module.named_modules())
+    shared = [getattr(mods[q], name) for q, name in (slots[0] for slots in tied)]
+    c_tied = {id(p) for p in shared}   # kept by the tie, after it is re-made (not by one of its swaps)
     if c.axonn:
-        _axonn(module, c)
+        _axonn(module, c, c_tied)
     elif c.megatron:
-        if _megatron(module, c) == 0:
+        if _megatron(module, c, c_tied) == 0:
             raise ValueError(f"rank {c.rank}: no module of the model matches the plan {c.tensor}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
     if c.sp:
         _refuse_whole_sequence_layers(module, c)
         _enter_declared_region(module, c)
-    _retie(module, tied, c.rank)
+    _retie(module, tied, c.rank, shared)
     mark_replaced(before, module, f"a tensor-parallel layer (parallelize tensor_parallel={c.tensor!r})")
     if c.sp:
         c.partial = _sequence_parallel(module, c)
@@ -96,7 +99,7 @@ def _users(module: Module) -> Dict[int, int]:
     return users
 
 
-def _axonn(module: Module, c: Composition) -> int:
+def _axonn(module: Module, c: Composition, tied_ids=()) -> int:
     """Every ``nn.Linear`` whose sizes divide over the grid (AxoNN's ``is_parallelizable_linear``) -> a 3-D
     ``intra_layer.Linear`` (easy mode); the others stay replicated, and so does a Linear whose weight another
     module shares (a head tied to the embedding: one Parameter, so its gradient keeps both uses)."""
@@ -104,7 +107,7 @@ def _axonn(module: Module, c: Composition) -> int:
     from ..intra_layer import Linear as Linear3D
     from ..tensor.groups import TensorParallelGroups
     groups = TensorParallelGroups.from_grid(c.grid)
-    users, n, adopted = _users(module), 0, set()
+    users, n, adopted = _users(module), 0, set(tied_ids)
     for parent, name, child, _ in module_slots(module):
         if (type(child) is nn_layers.Linear and users.get(id(child.weight), 0) == 1
                 and is_parallelizable_linear(child.in_features, child.out_features, groups.sizes)):
@@ -135,7 +138,7 @@ def _check_plan(module: Module, c: Composition) -> None:
                             f"{name!r}: use 'column'")
 
 
-def _megatron(module: Module, c: Composition) -> int:
+def _megatron(module: Module, c: Composition, tied_ids=()) -> int:
     """The modules the plan names -> Megatron column / row / vocab-parallel / head-split attention layers over
     the grid's tensor group; ``"column_gather"``: a column layer whose output is all-gathered (the serial width;
     under sequence parallelism cut back to this rank's sequence shard, unless it is the declared region's
@@ -144,7 +147,7 @@ def _megatron(module: Module, c: Composition) -> int:
     from ..split_output import refuse_split_outputs
     _check_plan(module, c)
     group, region = c.grid.intra_group, c.model_plan.sequence_region if c.sp else None
-    columns, rows, n, kv_groups, adopted = {}, [], 0, {}, set()
+    columns, rows, n, kv_groups, adopted = {}, [], 0, {}, set(tied_ids)
     for parent, name, child, qname in module_slots(module):
         style = _style_of(c.tensor, qname)
         if style is None:
@@ -225,7 +228,7 @@ def _tied_slots(module: Module) -> List[List[Tuple[str, str]]]:
     return [v for v in slots.values() if len(v) > 1]
 
 
-def _retie(module: Module, tied, r: int) -> None:
+def _retie(module: Module, tied, r: int, serial=None) -> None:
     """A weight the plan's layers hold twice (a ``"vocab"`` embedding and its ``"column_gather"`` head, both this
     rank's vocabulary rows) is one Parameter again (Megatron's tied embedding); a tie between a split and a
     replicated use raises, naming both."""
@@ -244,6 +247,12 @@ def _retie(module: Module, tied, r: int) -> None:
                              "way (an embedding 'vocab' and its head 'column_gather') or neither")
         for (q, name), p in zip(slots[1:], params[1:]):
             setattr(mods[q], name, first)
+    for slots, w in zip(tied, serial or ()):     # the serial object takes the tied one's place
+        p = getattr(mods[slots[0][0]], slots[0][1])
+        if p is not w and all(getattr(mods[q], name) is p for q, name in slots):
+            hand_over(p, w)
+            for q, name in slots:
+                setattr(mods[q], name, w)
 
 
 def _enter_declared_region(module: Module, c: Composition) -> None:
