@@ -327,6 +327,8 @@ class ShardedState:
                 st = {}
                 owner = getattr(q, "__dict__", {}).get("_local_owner")
                 f = owner[0] if owner is not None and self._is_flat(owner[0]) else None
+                if f is None and not self._is_flat(q) and names[0] not in self.owned:
+                    continue            # another pipeline stage's (an optimizer built on the whole model)
                 for k, v in next(s for s in sts if s).items():
                     if not _is_array(v):
                         st[k] = v
