@@ -364,7 +364,7 @@ def test_sync_gradients_with_a_pipeline_grid_reduces_replicas_within_the_stage(t
         assert g.replica == (grid.data_group, grid.intra_group) and g.replica_size == 2
         model = nn.Sequential(nn.Linear(2, 3, dtype="float64"), intra_layer.Linear(4, 2, bias=False, groups=g))
         for p in model.parameters():
-            p.grad = Tensor(np.full(p.shape, float(world.rank + 1), p.dtype))
+            p.grad = Tensor(np.full(p.data.shape, float(world.rank + 1), p.dtype))
         intra_layer.sync_gradients(model, mean=True, groups=g)
         stage = world.rank // 2                                  # inter coordinate: ranks {0,1} and {2,3}
         expect = (2 * stage + 1 + 2 * stage + 2) / 2
