@@ -314,6 +314,9 @@ class Module:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients: to ``None`` (default) or zero them in place."""
         for p in self.parameters():
+            owner = getattr(p, "__dict__", {}).get("_local_owner")
+            if owner is not None:        # its gradient is a piece of an FSDP flat chunk's (nn/parameter.py)
+                owner[0].zero_piece_grad(owner[1])
             if p.grad is None:
                 continue
             if set_to_none:
