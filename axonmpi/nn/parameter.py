@@ -7,8 +7,10 @@ the serial (global) shape, as FSDP2's DTensor parameters do.  ``.data`` is this 
 forward computes with); :meth:`Parameter.to_local` gives this rank's piece as a Tensor (FSDP: the parameter's
 elements in this rank's flat chunk, 1-D; tensor parallel: its shard), and the optimizers update that piece.  So
 param groups chosen by shape or name, ``p.numel()`` counts, and an optimizer built before the model was laid
-out behave as serially.  Transforms record the global shape with :func:`set_global_shape` and, where the piece
-the optimizer must step lives in another buffer (an FSDP flat chunk), an owner with ``piece(index)``.
+out behave as serially.  The global shape is recorded by ``distributed.placement.set_placement`` (a placement
+that cuts the parameter, with its ``full_shape``) and by FSDP's ``FlatParameter`` (the shape while the storage
+is released); where the piece the optimizer steps lives in another buffer (an FSDP flat chunk) the parameter
+names that owner, which gives ``piece(index)`` and ``zero_piece_grad(index)``.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any, Optional, Tuple
 
 from ..autograd.tensor import Tensor
 
-__all__ = ["Parameter", "local_arrays", "set_global_shape"]
+__all__ = ["Parameter", "local_arrays"]
 
 
 class Parameter(Tensor):
@@ -90,20 +92,6 @@ class Parameter(Tensor):
 
     def __repr__(self) -> str:
         return "Parameter containing:\n" + super().__repr__()
-
-
-def set_global_shape(p: Any, shape) -> Any:
-    """Record that ``p`` (a Parameter) is a piece of a serial parameter of ``shape``: ``p.shape`` reports it.
-
-    A shape equal to the local one records nothing.  Returns ``p``.
-    """
-    if isinstance(p, Parameter) and shape is not None:
-        shape = tuple(int(s) for s in shape)
-        if shape != tuple(p.data.shape):
-            p.__dict__["_global_shape"] = shape
-        else:
-            p.__dict__.pop("_global_shape", None)
-    return p
 
 
 def local_arrays(p: Any):
