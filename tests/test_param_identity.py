@@ -247,6 +247,8 @@ def test_user_param_groups_match_serial(world, layout, rule, when):
         assert got_names == serial_names, layout
         for (n, cls), (n2, m) in zip(serial_classes, model.named_modules()):
             assert n == n2 and isinstance(m, cls), f"{layout}: {n!r} is a {type(m).__name__}, not a {cls.__name__}"
+        assert [n for n, _ in pm.named_modules()] == [n for n, _ in serial_classes]     # the wrapper's: serial too
+        assert [m for _, m in pm.named_modules()][1:] == [m for _, m in model.named_modules()][1:]
         groups = RULES[rule](model)
         assert _names(groups, model) == want_groups
         if opt is None:
