@@ -317,7 +317,8 @@ ref = nn.Linear(5, 8, dtype="float64")
 ref2 = nn.Linear(8, 3, dtype="float64")
 fc = ColumnParallelLinear(5, 8, dtype="float64")                # no group: the grid's intra group
 proj = RowParallelLinear(8, 3, dtype="float64")
-assert fc.group is grid.intra_group and fc.weight.shape == (4, 5) and proj.weight.shape == (3, 4)
+assert fc.group is grid.intra_group and fc.weight.data.shape == (4, 5) and proj.weight.data.shape == (3, 4)
+assert fc.weight.shape == (8, 5) and proj.weight.shape == (3, 8)      # the serial shapes
 fc.load_state_dict(ref.state_dict()); proj.load_state_dict(ref2.state_dict())
 X = np.random.default_rng(1).standard_normal((3, 5))
 y = proj(fc(Tensor(X))).data
@@ -325,7 +326,7 @@ want = ref2(ref(Tensor(X))).data
 assert np.abs(y - want).max() <= 1e-12 * np.abs(want).max(), (y, want)
 with auto_parallelize():                                        # no groups: the grid's
     lin = nn.Linear(6, 4, dtype="float64")
-assert isinstance(lin, intra_layer.Linear) and lin.inner is grid.col_group and lin.weight.shape == (12,)
+assert isinstance(lin, intra_layer.Linear) and lin.inner is grid.col_group and lin.weight.data.shape == (12,) and lin.weight.shape == (4, 6)
 ref3 = nn.Linear(6, 4, dtype="float64")
 lin.load_state_dict(ref3.state_dict())
 X = np.random.default_rng(2).standard_normal((5, 6))
@@ -363,7 +364,7 @@ def test_sync_gradients_with_a_pipeline_grid_reduces_replicas_within_the_stage(t
         assert g.replica == (grid.data_group, grid.intra_group) and g.replica_size == 2
         model = nn.Sequential(nn.Linear(2, 3, dtype="float64"), intra_layer.Linear(4, 2, bias=False, groups=g))
         for p in model.parameters():
-            p.grad = Tensor(np.full(p.shape, float(world.rank + 1), p.dtype))
+            p.grad = Tensor(np.full(p.data.shape, float(world.rank + 1), p.dtype))
         intra_layer.sync_gradients(model, mean=True, groups=g)
         stage = world.rank // 2                                  # inter coordinate: ranks {0,1} and {2,3}
         expect = (2 * stage + 1 + 2 * stage + 2) / 2

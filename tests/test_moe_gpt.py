@@ -54,7 +54,7 @@ def test_hybrid_gpt_expert_parallel_equals_serial():
         ref = GPT(cfg, dtype=np.float64)
         axonmpi.manual_seed(0)
         hyb = HybridGPT(cfg, grid, dtype="float64", global_batch=2 * n, expert_parallel=ep)
-        assert hyb.model.blocks[0].mlp.experts.fc.weight.shape[0] == 2
+        assert hyb.model.blocks[0].mlp.experts.fc.weight.data.shape[0] == 2
         o_ref = axonmpi.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.1)
         o_hyb = axonmpi.optim.AdamW(hyb.parameters(), lr=0.02, weight_decay=0.1)
         for step in range(3):

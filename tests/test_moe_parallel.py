@@ -126,7 +126,7 @@ def test_expert_parallel_equals_serial(k):
         worst, pm, _, _ = _train(grid, E, k, ep=ep)
         if ep > 1:
             p = pm.inner.moe1.experts.fc.weight
-            assert p.shape[0] == E // ep
+            assert p.data.shape[0] == E // ep and p.shape[0] == E      # this rank's experts; the serial shape
         grid.free()
 
 
@@ -151,7 +151,7 @@ def test_fsdp_times_expert_parallel_equals_serial(strategy):
     ids = {id(p) for p in pm.parameters()}
     experts = axonmpi.parallel.moe.expert_parameters(pm.inner)
     assert experts and all(id(p) in ids for p in experts)           # the optimizer steps the experts too
-    assert pm.inner.moe1.experts.fc.weight.shape[0] == 2             # 4 experts over 2 expert ranks
+    assert pm.inner.moe1.experts.fc.weight.data.shape[0] == 2        # 4 experts over 2 expert ranks
     grid.free()
     grid = _grid(expert_parallel=2)
     worst, pm, serial, opt_p = _train(grid, 4, 2, ep=2, dp="fsdp", sharding_strategy=strategy,
@@ -188,7 +188,7 @@ def test_zero1_times_expert_parallel_equals_serial():
         assert eb and all(all(id(p) in experts for p in b.params) for b in eb)       # buckets of their own
         edg = grid.group_for("expert_data")
         assert all((b.group is edg if edg.size > 1 else b.group is None) for b in eb)
-        assert sum(b.hi - b.lo for b in eb) * edg.size >= sum(p.numel() for b in eb for p in b.params)
+        assert sum(b.hi - b.lo for b in eb) * edg.size >= sum(p.data.size for b in eb for p in b.params)
         grid.free()
 
 
@@ -207,7 +207,7 @@ def test_tensor_parallel_experts_equal_serial():
     if grid is None:
         pytest.skip("needs an even number of ranks")
     worst, pm, _, _ = _train(grid, 4, 2, tp="axonn", etp=True)
-    assert pm.inner.moe1.experts.fc.weight.shape == (4, 6, 8)      # hidden 12 over 2 tensor ranks
+    assert pm.inner.moe1.experts.fc.weight.data.shape == (4, 6, 8)   # hidden 12 over 2 tensor ranks
     grid.free()
 
 
@@ -221,7 +221,8 @@ def test_tensor_parallel_experts_times_expert_parallel_equal_serial():
     grid = _grid(G_intra_c=2, expert_parallel=2)
     worst, pm, _, _ = _train(grid, 4, 2, ep=2, tp="axonn", etp=True)
     fc = pm.inner.moe1.experts.fc
-    assert fc.weight.shape == (2, 6, 8) and fc.bias.shape == (2, 6)   # 4 experts over 2, hidden 12 over 2
+    assert fc.weight.data.shape == (2, 6, 8) and fc.bias.data.shape == (2, 6)   # 4 experts over 2, hidden 12 over 2
+    assert fc.weight.shape == (4, 12, 8) and fc.bias.shape == (4, 12)            # the serial shapes
     pl = axonmpi.distributed.placement_of(fc.weight)
     assert pl.shard_groups == (grid.group_for("expert"), grid.col_group) and pl.full_shape == (4, 12, 8)
     from axonmpi.parallel.moe import GatheredAllToAllDispatcher
@@ -387,7 +388,7 @@ def test_planner_bytes_equal_the_backend_counts_for_both_options():
     assert cnt == est.count_bytes == 8 * E
     tot = all_reduce(np.array([fwd, bwd, est.bytes_forward, est.bytes_backward]), group=w.default_group)
     assert tot[0] == tot[2] and tot[1] == tot[3]
-    assert est.expert_params == sum(p.numel() for p in moe.experts.parameters())
+    assert est.expert_params == sum(p.data.size for p in moe.experts.parameters())
     grid.free()
     # tensor-parallel experts over 2 ranks: exact on every rank
     if n % 2:
@@ -405,7 +406,7 @@ def test_planner_bytes_equal_the_backend_counts_for_both_options():
     est = moe_estimate(xb.shape[0], C, H, E, k, tensor_parallel=2, itemsize=8)
     assert fwd == est.bytes_forward == 2 * 2 * xb.shape[0] * C * 8
     assert bwd == est.bytes_backward
-    assert est.expert_params == sum(p.numel() for p in pm.inner[0].experts.parameters())
+    assert est.expert_params == sum(p.data.size for p in pm.inner[0].experts.parameters())
     assert {o.option for o in moe_options(64, 32, 128, 8, 2, 2)} == {"expert_parallel", "tensor_parallel_experts"}
     grid.free()
 
@@ -437,7 +438,7 @@ def test_planner_bytes_equal_the_backend_counts_for_ep_x_tensor_parallel_experts
     tot = all_reduce(np.array([fwd, bwd, est.bytes_forward, est.bytes_backward]), group=w.default_group)
     assert tot[0] == tot[2] and tot[1] == tot[3] and tot[0] > 0
     assert est.option == "expert_parallel_x_tensor_parallel_experts"
-    assert est.expert_params == sum(p.numel() for p in moe.experts.parameters())
+    assert est.expert_params == sum(p.data.size for p in moe.experts.parameters())
     grid.free()
 
 

@@ -144,6 +144,6 @@ def test_a_tie_split_one_way_only_is_refused(world):
             parallelize(_tied().build(), grid=grid, tensor_parallel={"4": "column_gather"}, data_parallel=None)
         pm = parallelize(_tied().build(), grid=grid, tensor_parallel={"0": "vocab", "4": "column_gather"},
                          data_parallel=None)
-        assert pm.inner[4].weight is pm.inner[0].weight and pm.inner[0].weight.shape == (V // 2, E)
+        assert pm.inner[4].weight is pm.inner[0].weight and pm.inner[0].weight.data.shape == (V // 2, E)
     finally:
         grid.free()

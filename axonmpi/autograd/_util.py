@@ -12,6 +12,13 @@ def _shape(a) -> tuple:
     return tuple(a.shape) if hasattr(a, "shape") else ()
 
 
+def _local_shape(a) -> tuple:
+    """The shape of ``a``'s array: a Tensor's ``.data`` (a cut parameter's local piece, not the serial shape it
+    reports, ``nn.Parameter``'s [Note: a parameter keeps its identity]), or ``a``'s own."""
+    d = a.data if hasattr(a, "grad_fn") else a
+    return tuple(d.shape) if hasattr(d, "shape") else ()
+
+
 def _unbroadcast(g, shape: tuple):
     """Sum ``g`` over the axes that broadcasting added or stretched to reach ``shape``."""
     if g.shape == shape:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import backend as _backend
 from ..backend import as_device, device_of, get_array_module
-from ._util import (_axes, _dim, _keep, _keepdim, _on_one_device, _shape,  # noqa: F401 - re-exported
+from ._util import (_axes, _dim, _keep, _keepdim, _local_shape, _on_one_device, _shape,  # noqa: F401 - re-exported
                     _unbroadcast)
 from .function import Function
 from .ops_math import (abs, clamp, clip, cos, exp, log, maximum, minimum, sin, sqrt,  # noqa: F401,A004
@@ -282,7 +282,7 @@ def reshape(a, *shape) -> Tensor:
 
 def flatten(a, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     """Flatten dimensions ``start_dim..end_dim`` into one."""
-    s = a.shape
+    s = _local_shape(a)
     nd = len(s)
     if nd == 0:
         return reshape(a, 1)
@@ -293,7 +293,7 @@ def flatten(a, start_dim: int = 0, end_dim: int = -1) -> Tensor:
 
 def unsqueeze(a, dim: int) -> Tensor:
     """Insert a size-1 axis at ``dim``."""
-    s = list(a.shape)
+    s = list(_local_shape(a))
     dim = dim % (len(s) + 1)
     s.insert(dim, 1)
     return reshape(a, tuple(s))
@@ -301,7 +301,7 @@ def unsqueeze(a, dim: int) -> Tensor:
 
 def squeeze(a, dim=None) -> Tensor:
     """Remove size-1 axes (all, or only those in ``dim``, an int or a tuple)."""
-    s = a.shape
+    s = _local_shape(a)
     if dim is None:
         new = tuple(x for x in s if x != 1)
     else:
@@ -313,21 +313,24 @@ def squeeze(a, dim=None) -> Tensor:
 def expand(a, *shape) -> Tensor:
     """Broadcast to ``shape`` (a read-only view; -1 keeps a dimension)."""
     shape = _shape_arg(shape)
-    lead = len(shape) - a.ndim
-    shape = tuple(a.shape[i - lead] if s == -1 else s for i, s in enumerate(shape))
+    local = _local_shape(a)
+    lead = len(shape) - len(local)
+    shape = tuple(local[i - lead] if s == -1 else s for i, s in enumerate(shape))
     return Expand.apply(a, shape)
 
 
 def permute(a, *dims) -> Tensor:
     """Reorder axes (``dims`` is a permutation)."""
     dims = _shape_arg(dims)
-    return Permute.apply(a, tuple(d % a.ndim for d in dims))
+    nd = len(_local_shape(a))
+    return Permute.apply(a, tuple(d % nd for d in dims))
 
 
 def transpose(a, dim0: int = -2, dim1: int = -1) -> Tensor:
     """Swap two axes."""
-    dims = list(range(a.ndim))
-    d0, d1 = dim0 % a.ndim, dim1 % a.ndim
+    nd = len(_local_shape(a))
+    dims = list(range(nd))
+    d0, d1 = dim0 % nd, dim1 % nd
     dims[d0], dims[d1] = dims[d1], dims[d0]
     return Permute.apply(a, tuple(dims))
 
@@ -448,14 +451,15 @@ def stack(tensors: Sequence[Tensor], dim: int = 0, *, axis: Optional[int] = None
 
 
 def _ndim(a) -> int:
-    return len(_shape(a))
+    return len(_local_shape(a))
 
 
 def split(a, split_size_or_sections: Union[int, Sequence[int]], dim: int = 0, *,
           axis: Optional[int] = None) -> Tuple[Tensor, ...]:
     """Split into chunks of ``split_size`` (last may be smaller) or of the given section sizes."""
-    (axis,) = _axes(_dim(dim, axis, 0), a.ndim)
-    n = a.shape[axis]
+    local = _local_shape(a)
+    (axis,) = _axes(_dim(dim, axis, 0), len(local))
+    n = local[axis]
     if isinstance(split_size_or_sections, (int, np.integer)):
         size = int(split_size_or_sections)
         if size <= 0:
@@ -475,7 +479,7 @@ def chunk(a, chunks: int, dim: int = 0, *, axis: Optional[int] = None) -> Tuple[
     if int(chunks) <= 0:
         raise ValueError(f"chunk expects a positive number of chunks, got {chunks}")
     d = _dim(dim, axis, 0)
-    n = a.shape[d]
+    n = _local_shape(a)[d]
     return split(a, _builtin_max(-(-n // int(chunks)), 1), d)
 
 

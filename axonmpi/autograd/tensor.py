@@ -394,14 +394,14 @@ class Tensor:
         default generator (``axonmpi.manual_seed``)."""
         from .. import random as _r
         self._check_inplace("normal_")
-        self.data[...] = to_device(_r.host_generator(generator).normal(mean, std, self.shape), self.device)
+        self.data[...] = to_device(_r.host_generator(generator).normal(mean, std, self.data.shape), self.device)
         return self
 
     def uniform_(self, a: float = 0.0, b: float = 1.0, *, generator=None):
         """Fill with uniform samples in ``[a, b)`` from ``generator`` or axonmpi's default generator."""
         from .. import random as _r
         self._check_inplace("uniform_")
-        self.data[...] = to_device(_r.host_generator(generator).uniform(a, b, self.shape), self.device)
+        self.data[...] = to_device(_r.host_generator(generator).uniform(a, b, self.data.shape), self.device)
         return self
 
     def __iadd__(self, o):
@@ -661,14 +661,15 @@ class Tensor:
 
     def t(self):
         """Transpose a tensor of at most 2 dims (PyTorch's ``t()``)."""
-        if self.ndim > 2:
+        nd = self.data.ndim
+        if nd > 2:
             raise ValueError(f"t() expects a tensor with <= 2 dims, got shape {self.shape}; use transpose")
-        return self if self.ndim < 2 else _ops().transpose(self, 0, 1)
+        return self if nd < 2 else _ops().transpose(self, 0, 1)
 
     @property
     def T(self):
         """All dims reversed."""
-        return _ops().permute(self, *reversed(range(self.ndim)))
+        return _ops().permute(self, *reversed(range(self.data.ndim)))
 
     def split(self, split_size_or_sections, dim=0, *, axis=None):
         return _ops().split(self, split_size_or_sections, dim, axis=axis)

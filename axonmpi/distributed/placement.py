@@ -233,7 +233,23 @@ def set_placement(param: Any, placement: Placement) -> Any:
     groups = [s.group for s in placement.shards if s.kind is not ShardKind.STAGE]
     param.is_tensor_parallel = bool(groups)
     param.process_group_for_norm_reduction = groups[0] if groups else None
+    _report_full_shape(param, placement)
     return param
+
+
+def _report_full_shape(param: Any, placement: Placement) -> None:
+    """A Parameter cut by its placement reports the serial ``full_shape`` as its ``shape`` (``nn.Parameter``'s
+    [Note: a parameter keeps its identity]); an FSDP flat chunk (``FLAT``) is the library's own buffer, not a
+    model parameter, and keeps its local shape."""
+    d = getattr(param, "__dict__", None)
+    full = placement.full_shape
+    if d is None or not callable(getattr(type(param), "to_local", None)) \
+            or any(s.kind is ShardKind.FLAT for s in placement.shards):
+        return
+    if full is not None and tuple(full) != tuple(param.data.shape):
+        d["_global_shape"] = tuple(int(n) for n in full)
+    else:
+        d.pop("_global_shape", None)
 
 
 def add_placement(param: Any, *, shard: Optional[Shard] = None, replica: Any = None, partial: Any = None,

@@ -54,20 +54,20 @@ def calculate_gain(nonlinearity: str, param=None) -> float:
 @no_grad()
 def uniform_(t: Tensor, a: float = 0.0, b: float = 1.0) -> Tensor:
     """Fill with U(a, b)."""
-    return _fill(t, default_generator().uniform(a, b, t.shape))
+    return _fill(t, default_generator().uniform(a, b, t.data.shape))
 
 
 @no_grad()
 def normal_(t: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
     """Fill with N(mean, std**2)."""
-    return _fill(t, default_generator().normal(mean, std, t.shape))
+    return _fill(t, default_generator().normal(mean, std, t.data.shape))
 
 
 @no_grad()
 def trunc_normal_(t: Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
     """Fill with N(mean, std**2) truncated to [a, b] (rejection sampling)."""
     gen = default_generator()
-    out = gen.normal(mean, std, t.shape)
+    out = gen.normal(mean, std, t.data.shape)
     bad = (out < a) | (out > b)
     while bad.any():
         out[bad] = gen.normal(mean, std, int(bad.sum()))

@@ -273,8 +273,8 @@ class Module:
             if k in state_dict:
                 v = state_dict[k]
                 shape = tuple(v.shape) if hasattr(v, "shape") else np.shape(v)
-                if tuple(shape) != tuple(t.shape):
-                    mismatched.append(f"{k}: checkpoint shape {tuple(shape)}, model shape {tuple(t.shape)}")
+                if tuple(shape) != tuple(t.data.shape):
+                    mismatched.append(f"{k}: checkpoint shape {tuple(shape)}, model shape {tuple(t.data.shape)}")
         errors = []
         if strict and missing:
             errors.append("missing keys: " + ", ".join(repr(k) for k in missing))
@@ -314,6 +314,9 @@ class Module:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients: to ``None`` (default) or zero them in place."""
         for p in self.parameters():
+            owner = getattr(p, "__dict__", {}).get("_local_owner")
+            if owner is not None:        # its gradient is a piece of an FSDP flat chunk's (nn/parameter.py)
+                owner[0].zero_piece_grad(owner[1])
             if p.grad is None:
                 continue
             if set_to_none:

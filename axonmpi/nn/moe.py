@@ -110,7 +110,7 @@ class ExpertLinear(Module):
 
     def pieces(self):
         """Per local expert ``(weight (out, in), bias (out,) or None)`` Tensors (one split node each)."""
-        n = self.weight.shape[0]
+        n = self.weight.data.shape[0]
         ws = ops.split(self.weight, 1, dim=0)
         bs = ops.split(self.bias, 1, dim=0) if self.bias is not None else (None,) * n
         return [(ops.reshape(w, w.shape[1:]), None if b is None else ops.reshape(b, b.shape[1:]))
@@ -138,8 +138,8 @@ class Experts(Module):
 
     def forward(self, x: Tensor, counts) -> Tensor:
         counts = [int(c) for c in counts]
-        if len(counts) != self.fc.weight.shape[0]:
-            raise ValueError(f"Experts: {len(counts)} counts for {self.fc.weight.shape[0]} local experts")
+        if len(counts) != self.fc.weight.data.shape[0]:
+            raise ValueError(f"Experts: {len(counts)} counts for {self.fc.weight.data.shape[0]} local experts")
         xs = ops.split(x, counts, dim=0) if len(counts) > 1 else (x,)
         ys = []
         for xi, (w1, b1), (w2, b2) in zip(xs, self.fc.pieces(), self.proj.pieces()):

@@ -5,6 +5,7 @@ import numbers
 from typing import Any, Dict, Iterable
 
 from ..backend import get_array_module
+from ..nn.parameter import local_arrays
 from .optimizer import Optimizer, state_dtype
 
 __all__ = ["Adadelta"]
@@ -53,9 +54,9 @@ class Adadelta(Optimizer):
         lr, rho, eps = group["lr"], group["rho"], group["eps"]
         wd, maximize = group["weight_decay"], group["maximize"]
         for p in group["params"]:
-            if p.grad is None:
+            pd, gd = local_arrays(p)      # this rank's piece ([Note: a parameter keeps its identity])
+            if gd is None:
                 continue
-            pd = p.data
             xp = get_array_module(pd)
             sd = state_dtype(pd.dtype)
             state = self.state.setdefault(p, {})
@@ -65,7 +66,7 @@ class Adadelta(Optimizer):
                 state["acc_delta"] = xp.zeros(pd.shape, dtype=sd)
             state["step"] += 1
             v, u = state["square_avg"], state["acc_delta"]
-            g = p.grad.data.astype(sd, copy=True)
+            g = gd.astype(sd, copy=True)
             if maximize:
                 g = -g
             if wd:

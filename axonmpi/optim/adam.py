@@ -6,6 +6,7 @@ import numbers
 from typing import Any, Dict, Iterable, Tuple
 
 from ..backend import get_array_module
+from ..nn.parameter import local_arrays
 from .optimizer import Optimizer, _effective_grad, state_dtype
 
 __all__ = ["Adam", "AdamW"]
@@ -64,9 +65,9 @@ class Adam(Optimizer):
         lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
         wd, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
         for p in group["params"]:
-            if p.grad is None:
+            pd, g = local_arrays(p)       # this rank's piece ([Note: a parameter keeps its identity])
+            if g is None:
                 continue
-            pd, g = p.data, p.grad.data
             xp = get_array_module(pd)
             state = self.state.get(p)
             if state is None:

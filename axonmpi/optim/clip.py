@@ -14,11 +14,25 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm", "shard_group_of"]
 Params = Union[Any, Iterable[Any]]
 
 
-def _grads(parameters: Params) -> List[Any]:
-    """Gradient arrays of the parameters that have one (a single Tensor is accepted)."""
+def _held(parameters: Params) -> List[Any]:
+    """The parameters as a list, each one held in another buffer (an original parameter inside an FSDP flat
+    chunk, [Note: a parameter keeps its identity]) replaced by that buffer, listed once: its gradient lives
+    there, with the buffer's placement."""
     if hasattr(parameters, "data") and hasattr(parameters, "grad"):
         parameters = [parameters]
-    return [p.grad.data for p in parameters if p.grad is not None]
+    out, seen = [], set()
+    for p in parameters:
+        owner = getattr(p, "__dict__", {}).get("_local_owner")
+        q = p if owner is None else owner[0]
+        if id(q) not in seen:
+            seen.add(id(q))
+            out.append(q)
+    return out
+
+
+def _grads(parameters: Params) -> List[Any]:
+    """Gradient arrays of the parameters that have one (a single Tensor is accepted)."""
+    return [p.grad.data for p in _held(parameters) if p.grad is not None]
 
 
 def _partial_norm(grads: List[Any], p: float) -> Any:
@@ -96,8 +110,7 @@ def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
     """
     from ..distributed.placement import Placement, Shard, ShardKind, placement_of
 
-    if hasattr(parameters, "data") and hasattr(parameters, "grad"):
-        parameters = [parameters]
+    parameters = _held(parameters)
     default = Placement(shards=(Shard(group, ShardKind.STAGE),)) if group is not None else None
     dranks = domain.ranks if domain is not None and domain.size > 1 else None
     local: List[Any] = []

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import numpy as np
 
 from ..backend import get_array_module, to_host
+from ..nn.parameter import local_arrays
 
 __all__ = ["Optimizer", "state_dtype"]
 
@@ -113,6 +114,9 @@ class Optimizer:
         """Drop all gradients (``set_to_none=True``) or zero the gradient arrays in place."""
         for group in self.param_groups:
             for p in group["params"]:
+                owner = getattr(p, "__dict__", {}).get("_local_owner")
+                if owner is not None:       # its gradient is a piece of another buffer (an FSDP flat chunk)
+                    owner[0].zero_piece_grad(owner[1])
                 if p.grad is None:
                     continue
                 if set_to_none:
@@ -227,14 +231,15 @@ class Optimizer:
             return int(np.asarray(to_host(value)).reshape(()))
         if not hasattr(value, "shape") or getattr(value, "ndim", 0) == 0:
             return value
-        if tuple(value.shape) != tuple(p.data.shape):
+        pd = local_arrays(p)[0]             # the piece the optimizer steps on this rank
+        if tuple(value.shape) != tuple(pd.shape):
             raise ValueError(f"state {key!r} has shape {tuple(value.shape)}, "
-                             f"its parameter {tuple(p.data.shape)}")
-        xp = get_array_module(p.data)
-        dt = state_dtype(p.data.dtype)
+                             f"its parameter's piece on this rank {tuple(pd.shape)}")
+        xp = get_array_module(pd)
+        dt = state_dtype(pd.dtype)
         if xp is np:
             return np.array(to_host(value), dtype=dt)  # always a private copy
-        with p.data.device:
+        with pd.device:
             return xp.array(value, dtype=dt)
 
     def __repr__(self) -> str:

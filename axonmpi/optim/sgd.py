@@ -5,6 +5,7 @@ import numbers
 from typing import Any, Dict, Iterable
 
 from ..backend import get_array_module
+from ..nn.parameter import local_arrays
 from .optimizer import Optimizer, _effective_grad, state_dtype
 
 __all__ = ["SGD"]
@@ -61,9 +62,9 @@ class SGD(Optimizer):
         lr, mu, damp = group["lr"], group["momentum"], group["dampening"]
         wd, nesterov, maximize = group["weight_decay"], group["nesterov"], group["maximize"]
         for p in group["params"]:
-            if p.grad is None:
+            pd, g = local_arrays(p)       # this rank's piece ([Note: a parameter keeps its identity])
+            if g is None:
                 continue
-            pd, g = p.data, p.grad.data
             xp = get_array_module(pd)
             buf, first = None, False
             if mu:

@@ -110,6 +110,11 @@ class FlatParameter(Parameter):
         self._gather: Optional[Work] = None   # an unshard in flight
         self._gather_token = None             # identifies it to its continuation
         self._bind(flat)
+        for i, p in enumerate(params):            # [Note: a parameter keeps its identity]
+            if isinstance(p, Parameter):
+                if "_global_shape" not in p.__dict__:     # its serial shape, while .data is released
+                    p.__dict__["_global_shape"] = tuple(layout.shapes[i])
+                p.__dict__["_local_owner"] = (self, i)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -156,6 +161,26 @@ class FlatParameter(Parameter):
                 p.grad = None
             self._full_grad = None
             self._grad_views = []
+
+    def _piece_bounds(self, i: int):
+        lo, hi = self.shard_range
+        o = self.layout.offsets[i]
+        a = min(max(lo, o), hi)
+        return a - lo, max(a, min(hi, o + self.layout.numels[i])) - lo
+
+    def piece(self, i: int):
+        """``(data, grad or None)``: parameter ``i``'s elements in this rank's chunk (1-D views, possibly
+        empty): what an optimizer built on the original parameters steps ([Note: a parameter keeps its
+        identity]; FSDP1's ``use_orig_params=True``: each piece gets its own parameter group's options)."""
+        a, b = self._piece_bounds(i)
+        g = self.grad
+        return self.data[a:b], (None if g is None else g.data[a:b])
+
+    def zero_piece_grad(self, i: int) -> None:
+        """Zero parameter ``i``'s elements of the chunk's gradient (an optimizer's ``zero_grad`` on it)."""
+        if self.grad is not None:
+            a, b = self._piece_bounds(i)
+            self.grad.data[a:b] = 0
 
     def segments(self) -> List[FlatSegment]:
         """Which parameter elements this rank's chunk holds (all of them before :meth:`shard`)."""

@@ -190,6 +190,26 @@ class ParallelModule(Module):
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
+    def named_modules(self, memo=None, prefix: str = ""):
+        """This module (as ``prefix``), then the model's modules under their serial names, as the model's own
+        ``named_modules()`` gives them (the DDP / FSDP wrapper left out; [Note: a parameter keeps its identity])."""
+        memo = set() if memo is None else memo
+        if id(self) in memo:
+            return
+        memo.add(id(self))
+        yield prefix, self
+        for n, m in self.inner.named_modules(memo, prefix):
+            if m is not self.inner:
+                yield n, m
+
+    def train(self, mode: bool = True) -> Module:
+        """Training mode on every module of the tree: the model's, the wrapper's and this one."""
+        for _, m in Module.named_modules(self):
+            m.__dict__["training"] = bool(mode)
+        for m in self.inner.modules():
+            m.__dict__["training"] = bool(mode)
+        return self
+
     # -- state: one form, by placements (parallel/state.py) -------------------------------------------
     def _flats(self) -> List[Any]:
         from ._flat import FlatParameter

@@ -200,7 +200,7 @@ class ShardedExpertLinear(_AxisSharded):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features="
-                f"{self.out_features}, local={tuple(self.weight.shape)}, "
+                f"{self.out_features}, local={tuple(self.weight.data.shape)}, "
                 f"groups={[list(g.ranks) for g, _ in self._levels]}")
 
 

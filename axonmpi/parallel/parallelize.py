@@ -34,6 +34,7 @@ from .axes.record import Composition
 from .module import ParallelModule, PipelinedModule
 from .plan import ModelPlan, PipelinePlan, SequenceRegion
 from .state import ShardedState
+from .swap import mark_replaced
 
 __all__ = ["ModelPlan", "ParallelModule", "PipelinePlan", "PipelinedModule", "SequenceRegion", "full_state_dict",
            "parallelize"]
@@ -115,9 +116,11 @@ def parallelize(module: Module, *, grid: Optional[ProcessGrid] = None,
                     model_plan=ModelPlan() if model_plan is None else model_plan)
     _check(module, c, expert_parallel)
     regions.check(module, c)                                  # every module of a region known or declared
+    before = list(module.parameters())
     tensor.apply(module, c)                                   # 1
     context.apply(module, c)                                  # 2
     experts.apply(module, c)                                  # 3
+    mark_replaced(before, module, "a layer parallelize swapped in")   # an optimizer holding one raises at step
     _record(module)
     if c.checkpointing not in (None, False) and not (c.pipeline is not None and c.checkpointing is True):
         checkpointing.apply(module, c.checkpointing, c.rank)  # 4 (a pipeline's True: each stage, in step 6)

@@ -262,7 +262,7 @@ class ShardedState:
             if st:
                 out[n] = {k: (_host(v) if _is_array(v) else v) for k, v in st.items()}
         for f in self.flats:
-            st = optimizer.state.get(f) or {}
+            st = optimizer.state.get(f) or _chunk_state(optimizer, f)
             names = self._flat_names(f)
             for k in sorted(st):
                 vals = self._flat_values(f, st[k], sharded) if _is_array(st[k]) else dict.fromkeys(names, st[k])
@@ -325,9 +325,20 @@ class ShardedState:
                 if not any(sts):
                     continue
                 st = {}
+                owner = getattr(q, "__dict__", {}).get("_local_owner")
+                f = owner[0] if owner is not None and self._is_flat(owner[0]) else None
+                if f is None and not self._is_flat(q) and names[0] not in self.owned:
+                    continue            # another pipeline stage's (an optimizer built on the whole model)
                 for k, v in next(s for s in sts if s).items():
                     if not _is_array(v):
                         st[k] = v
+                    elif f is not None:     # an original parameter inside an FSDP chunk: its piece of the chunk
+                        fnames = self._flat_names(f)
+                        out = np.zeros(f.data.shape, np.asarray(_host(getattr(v, "local", v))).dtype)
+                        self._into_flat(f, [(saved.get(n) or {}).get(k, np.zeros(self.full_shape(n)))
+                                            for n in fnames], out)
+                        a, b = f._piece_bounds(owner[1])
+                        st[k] = out[a:b]
                     elif self._is_flat(q):
                         out = np.zeros(q.data.shape, np.asarray(_host(getattr(v, "local", v))).dtype)
                         self._into_flat(q, [s.get(k, np.zeros(self.full_shape(n))) for n, s in zip(names, sts)], out)
@@ -391,6 +402,26 @@ class ShardedState:
                 i += 1
             groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
         optimizer.load_state_dict({"state": index, "param_groups": groups})
+
+
+def _chunk_state(optimizer, f) -> Dict[str, Any]:
+    """The state of an optimizer built on the original parameters of the FSDP flat ``f`` ([Note: a parameter
+    keeps its identity]) as one state of ``f``'s chunk: each original's moment in its piece of the chunk (zeros
+    where it has none), the scalars (``step``) of the first original that has state."""
+    out: Dict[str, Any] = {}
+    for i, q in enumerate(f.params):
+        st = optimizer.state.get(q)
+        if not st:
+            continue
+        a, b = f._piece_bounds(i)
+        for k, v in st.items():
+            if _is_array(v):
+                if k not in out:
+                    out[k] = np.zeros(f.data.shape, _host(v).dtype)
+                out[k][a:b] = _host(v)
+            else:
+                out.setdefault(k, v)
+    return out
 
 
 def _optimizer_keys(path: str) -> Dict[str, Dict[str, bool]]:

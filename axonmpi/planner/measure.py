@@ -161,7 +161,7 @@ def measure_kernels(width: int = 512, seq: int = 128, heads: int = 8, rows: int 
     flops = 3.0 * 2 * (2.0 * seqs * heads * seq * seq * hd)
     out["attn_flops"] = flops / seconds(fwd_bwd(lambda: ops.matmul(ops.matmul(q, k), v)))
     p = leaf(1 << 22)                      # beyond the caches, as a model's parameters are
-    p.grad = Tensor(rng.standard_normal(p.shape).astype(dt))
+    p.grad = Tensor(rng.standard_normal(p.data.shape).astype(dt))
     opt = AdamW([p], lr=1e-3, weight_decay=0.01)
 
     def step():

@@ -11,7 +11,7 @@ finalize step sums its gradient there ([Note: partial gradients under sequence p
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from ...nn.attention import GroupedQueryAttention
 from ...nn.layers import Dropout
 from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
-from ..swap import module_slots
+from ..swap import hand_over, keep_class, keep_parameters, mark_replaced, module_slots
 from .record import Composition
 from .regions import describe, qualname, whole_sequence_modules
 
@@ -34,17 +34,22 @@ _TYPES = {"column": nn_layers.Linear, "column_gather": nn_layers.Linear, "column
 def apply(module: Module, c: Composition) -> None:
     """Swap the tensor-parallel layers in, re-tie shared weights, then lay sequence parallelism over the rest."""
     tied = _tied_slots(module)         # a swap copies weights into new Parameters: ties are re-made after
+    before = list(module.parameters())
+    mods = dict(module.named_modules())
+    shared = [getattr(mods[q], name) for q, name in (slots[0] for slots in tied)]
+    c_tied = {id(p) for p in shared}   # kept by the tie, after it is re-made (not by one of its swaps)
     if c.axonn:
-        _axonn(module, c)
+        _axonn(module, c, c_tied)
     elif c.megatron:
-        if _megatron(module, c) == 0:
+        if _megatron(module, c, c_tied) == 0:
             raise ValueError(f"rank {c.rank}: no module of the model matches the plan {c.tensor}; names: "
                              f"{[n for n, _ in module.named_modules() if n][:20]}")
     if c.sp:
         _refuse_whole_sequence_layers(module, c)
         _enter_declared_region(module, c)
         _gather_whole_sequences(module, c)
-    _retie(module, tied, c.rank)
+    _retie(module, tied, c.rank, shared)
+    mark_replaced(before, module, f"a tensor-parallel layer (parallelize tensor_parallel={c.tensor!r})")
     if c.sp:
         c.partial = _sequence_parallel(module, c)
 
@@ -70,9 +75,11 @@ def _refuse_whole_sequence_layers(module: Module, c: Composition) -> None:
                 "sequence_parallel")
 
 
-def copy_serial(new: Module, old: Module) -> None:
-    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard); a
-    :class:`~axonmpi.parallel.pipeline.LayerBuilder`'s stand-in (another pipeline rank's layer) stays one."""
+def copy_serial(new: Module, old: Module, adopted: Optional[set] = None) -> None:
+    """Load the serial layer's weights into its tensor-parallel replacement (each rank keeps its shard), which
+    then holds the serial Parameter objects (:func:`~axonmpi.parallel.swap.keep_parameters`; ``adopted``: the ids
+    kept so far in this transform); a :class:`~axonmpi.parallel.pipeline.LayerBuilder`'s stand-in (another
+    pipeline rank's layer) stays one."""
     from ..pipeline.staged import is_stand_in, stand_in
     from ..tensor.state import load_full_state_dict
     if any(is_stand_in(p) for p in old.parameters()):
@@ -83,6 +90,9 @@ def copy_serial(new: Module, old: Module) -> None:
     for n, p in new.named_parameters():          # a frozen parameter stays frozen in its replacement
         if n in frozen:
             p.requires_grad = False
+    keep_parameters(new, old, set() if adopted is None else adopted)
+    if isinstance(old, (nn_layers.Linear, nn_layers.Embedding)):    # still an nn.Linear / nn.Embedding
+        keep_class(new, old)
 
 
 def _users(module: Module) -> Dict[int, int]:
@@ -94,7 +104,7 @@ def _users(module: Module) -> Dict[int, int]:
     return users
 
 
-def _axonn(module: Module, c: Composition) -> int:
+def _axonn(module: Module, c: Composition, tied_ids=()) -> int:
     """Every ``nn.Linear`` whose sizes divide over the grid (AxoNN's ``is_parallelizable_linear``) -> a 3-D
     ``intra_layer.Linear`` (easy mode); the others stay replicated, and so does a Linear whose weight another
     module shares (a head tied to the embedding: one Parameter, so its gradient keeps both uses)."""
@@ -102,13 +112,13 @@ def _axonn(module: Module, c: Composition) -> int:
     from ..intra_layer import Linear as Linear3D
     from ..tensor.groups import TensorParallelGroups
     groups = TensorParallelGroups.from_grid(c.grid)
-    users, n = _users(module), 0
+    users, n, adopted = _users(module), 0, set(tied_ids)
     for parent, name, child, _ in module_slots(module):
         if (type(child) is nn_layers.Linear and users.get(id(child.weight), 0) == 1
                 and is_parallelizable_linear(child.in_features, child.out_features, groups.sizes)):
             new = Linear3D(child.in_features, child.out_features, bias=child.bias is not None,
                            dtype=child.weight.dtype, groups=groups)
-            copy_serial(new, child)
+            copy_serial(new, child, adopted)
             setattr(parent, name, new)
             n += 1
     return n
@@ -142,7 +152,7 @@ def _style_fix(style: str) -> str:
     return f"match only nn.{_TYPES[style].__name__} modules with this pattern"
 
 
-def _megatron(module: Module, c: Composition) -> int:
+def _megatron(module: Module, c: Composition, tied_ids=()) -> int:
     """The modules the plan names -> Megatron column / row / vocab-parallel / head-split attention layers over
     the grid's tensor group; ``"column_gather"``: a column layer whose output is all-gathered (the serial width;
     under sequence parallelism cut back to this rank's sequence shard, unless it is the declared region's
@@ -152,7 +162,7 @@ def _megatron(module: Module, c: Composition) -> int:
     _check_plan(module, c)
     group, region = c.grid.intra_group, c.model_plan.sequence_region if c.sp else None
     whole = [q for q, _ in whole_sequence_modules(module, c)] if c.sp else []
-    columns, rows, n, kv_groups = {}, [], 0, {}
+    columns, rows, n, kv_groups, adopted = {}, [], 0, {}, set(tied_ids)
     for parent, name, child, qname in module_slots(module):
         style = _style_of(c.tensor, qname)
         if style is None:
@@ -167,7 +177,7 @@ def _megatron(module: Module, c: Composition) -> int:
             columns[qname] = new
         if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group
             rows.append(new)
-        copy_serial(new, child)
+        copy_serial(new, child, adopted)
         setattr(parent, name, new)
         n += 1
     refuse_split_outputs(module, columns, rows, group)
@@ -234,7 +244,7 @@ def _tied_slots(module: Module) -> List[List[Tuple[str, str]]]:
     return [v for v in slots.values() if len(v) > 1]
 
 
-def _retie(module: Module, tied, r: int) -> None:
+def _retie(module: Module, tied, r: int, serial=None) -> None:
     """A weight the plan's layers hold twice (a ``"vocab"`` embedding and its ``"column_gather"`` head, both this
     rank's vocabulary rows) is one Parameter again (Megatron's tied embedding); a tie between a split and a
     replicated use raises, naming both."""
@@ -246,13 +256,19 @@ def _retie(module: Module, tied, r: int) -> None:
         if all(p is first for p in params):
             continue
         shards = [tuple((s.kind, getattr(s, "dim", None)) for s in placement_of(p).shards) for p in params]
-        if any(tuple(p.shape) != tuple(first.shape) or sh != shards[0] for p, sh in zip(params, shards)):
+        if any(tuple(p.data.shape) != tuple(first.data.shape) or sh != shards[0] for p, sh in zip(params, shards)):
             names = [f"{q}.{name}" if q else name for q, name in slots]
             raise ValueError(f"rank {r}: {names} are one tied weight but the tensor-parallel plan lays them out "
-                             f"differently (local shapes {[tuple(p.shape) for p in params]}): split both the same "
+                             f"differently (local shapes {[tuple(p.data.shape) for p in params]}): split both the same "
                              "way (an embedding 'vocab' and its head 'column_gather') or neither")
         for (q, name), p in zip(slots[1:], params[1:]):
             setattr(mods[q], name, first)
+    for slots, w in zip(tied, serial or ()):     # the serial object takes the tied one's place
+        p = getattr(mods[slots[0][0]], slots[0][1])
+        if p is not w and all(getattr(mods[q], name) is p for q, name in slots):
+            hand_over(p, w)
+            for q, name in slots:
+                setattr(mods[q], name, w)
 
 
 def _enter_declared_region(module: Module, c: Composition) -> None:
@@ -269,7 +285,7 @@ def _enter_declared_region(module: Module, c: Composition) -> None:
             raise ValueError(f"rank {c.rank}: the model plan's sequence region {what}s at {name!r}, which is not "
                              f"a module of the model (names: {[n for n in mods if n][:12]})")
     leave = mods[region.leave]
-    if not (type(leave) is ColumnParallelLinear and leave.gather_output):
+    if not (isinstance(leave, ColumnParallelLinear) and leave.gather_output):
         raise ValueError(f"rank {c.rank}: sequence parallelism leaves the region at {region.leave!r}: make it "
                          f"'column_gather' in the tensor-parallel plan (it is a {type(leave).__name__}; a tied head "
                          "with a 'vocab' embedding: split both)")

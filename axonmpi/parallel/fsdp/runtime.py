@@ -144,7 +144,10 @@ class FullyShardedDataParallel(Module):
         device_id: PyTorch's: the device the module is moved to before sharding (an int is
             ``cuda:<int>``; ``"cpu"``, ``"cuda:1"``); None leaves it where it is.
         use_orig_params: PyTorch's ``False`` (``parameters()`` are the flat shards) is what this
-            FSDP does; ``True`` raises (per-parameter optimizer groups over flat shards are not built).
+            FSDP's ``parameters()`` give; ``True`` raises.  Its semantics are had from the wrapped model's own
+            parameters: they keep their serial names and shapes, and an optimizer built on them (before or after
+            wrapping, per-parameter groups included) steps their pieces of the flat chunks ([Note: a parameter
+            keeps its identity] in ``nn/parameter.py``).
         record_events: keep ``fsdp.events``: ``(kind, unit)`` for gather / prefetch / free /
             forward_start / forward_end / reduce / backward_end (for overlap tests).
 
@@ -194,8 +197,9 @@ class FullyShardedDataParallel(Module):
         if use_orig_params:
             raise NotImplementedError(
                 f"rank {get_world().rank}: FSDP(use_orig_params=True): this FSDP's parameters() are its flat "
-                "shards (PyTorch's use_orig_params=False); build the optimizer on fsdp.parameters() and leave "
-                "use_orig_params out (per-parameter groups such as no-weight-decay biases are not supported)")
+                "shards (PyTorch's use_orig_params=False); leave use_orig_params out and build per-parameter "
+                "groups (no-weight-decay biases) from the wrapped model's own parameters (module.named_parameters(): "
+                "serial names and shapes), or the optimizer on fsdp.parameters()")
         if device_id is not None:
             if isinstance(device_id, bool) or not isinstance(device_id, (int, str)):
                 raise TypeError(f"FSDP: device_id must be an int (a CUDA ordinal), a device string or None, got "

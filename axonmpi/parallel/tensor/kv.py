@@ -112,7 +112,7 @@ class ColumnParallelKVLinear(ColumnParallelLinear):
             self.bias = None if fb is None else self._replicated_head(fb, shard, replica)
         if self.bias is None:
             self.register_parameter("bias", None)
-        self.local_out_features = self.weight.shape[0]
+        self.local_out_features = self.weight.data.shape[0]
 
     @staticmethod
     def _replicated_head(full, shard: ProcessGroup, replica: ProcessGroup) -> Parameter:

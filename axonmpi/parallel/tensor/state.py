@@ -81,10 +81,10 @@ def load_full_state_dict(model: Module, state_dict: Mapping[str, Any], strict: b
         v = to_host(getattr(v, "data", v))
         if tuple(np.shape(v)) == tuple(pl.full_shape):
             sd[key] = placed.cut(v, pl)
-        elif tuple(np.shape(v)) != tuple(p.shape):
+        elif tuple(np.shape(v)) != tuple(p.data.shape):
             raise RuntimeError(
                 f"rank {_world_rank()}: {key!r} has shape {tuple(np.shape(v))}; expected the full shape "
-                f"{tuple(pl.full_shape)} or this rank's shard shape {tuple(p.shape)}")
+                f"{tuple(pl.full_shape)} or this rank's shard shape {tuple(p.data.shape)}")
     return Module.load_state_dict(model, sd, strict=strict)
 
 
@@ -203,7 +203,7 @@ class _TensorParallelModule(Module):
             return
         full = init_full(shape, np.dtype(p.dtype), init_fn, self._tp_init_groups())
         xp = get_array_module(p.data)
-        p.data[...] = xp.asarray(self.tp_shard(name, full)).reshape(p.shape)
+        p.data[...] = xp.asarray(self.tp_shard(name, full)).reshape(p.data.shape)
 
 
 _tp_entries = tp_entries   # the old name, for code written against it

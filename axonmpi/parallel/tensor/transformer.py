@@ -100,8 +100,8 @@ def parallelize_gpt(model: Module, group: Optional[ProcessGroup] = None, *, voca
 
     swap_modules(model, swap)
     if tied and vocab_parallel:     # both hold vocabulary rows chunk_bounds(V, p, rank): share one Parameter again
-        if model.lm_head.weight.shape != model.wte.weight.shape:
-            raise ValueError(f"rank {g.world.rank}: the tied head's shard {tuple(model.lm_head.weight.shape)} and the "
-                             f"embedding's {tuple(model.wte.weight.shape)} differ; cannot keep them tied")
+        if model.lm_head.weight.data.shape != model.wte.weight.data.shape:
+            raise ValueError(f"rank {g.world.rank}: the tied head's shard {tuple(model.lm_head.weight.data.shape)} and the "
+                             f"embedding's {tuple(model.wte.weight.data.shape)} differ; cannot keep them tied")
         model.lm_head.weight = model.wte.weight
     return model
