@@ -678,6 +678,15 @@ class Tensor:
 
     def __abs__(self): return _ops().abs(self)
 
+    def topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002
+        return _select().topk(self, k, dim, largest, sorted)
+
+    def tril(self, diagonal=0): return _select().tril(self, diagonal)
+    def triu(self, diagonal=0): return _select().triu(self, diagonal)
+
+    def multinomial(self, num_samples, replacement=False, *, generator=None):
+        return _select().multinomial(self, num_samples, replacement, generator=generator)
+
 
 _METHOD_DOCS = {
     "add": "``self + other``.", "sub": "``self - other``.", "mul": "``self * other``.",
@@ -706,6 +715,9 @@ _METHOD_DOCS = {
     "expand_as": "Broadcast to ``other.shape``.", "transpose": "Swap two dims.",
     "permute": "Reorder dims.", "split": "Split along ``dim`` (sizes or one size).",
     "chunk": "Split into ``chunks`` pieces along ``dim``.", "__abs__": "``abs(self)``.",
+    "topk": "``(values, indices)`` of the ``k`` largest along ``dim`` (see ``axonmpi.topk``).",
+    "tril": "Lower triangle of the last two dims.", "triu": "Upper triangle of the last two dims.",
+    "multinomial": "Sampled category indices per row of weights (see ``axonmpi.multinomial``).",
 }
 for _name, _doc in _METHOD_DOCS.items():
     getattr(Tensor, _name).__doc__ = _doc
@@ -746,6 +758,12 @@ def _nn():
     from . import ops_nn
 
     return ops_nn
+
+
+def _select():
+    from . import ops_select
+
+    return ops_select
 
 
 # -- constructors --------------------------------------------------------------------------
