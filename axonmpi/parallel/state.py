@@ -117,8 +117,7 @@ class ShardedState:
 
     def _empty(self, name: str, dtype):
         from ..distributed.sharding import ShardedArray
-        shape = self.full_shape(name)
-        return ShardedArray(np.empty((0,) + shape[1:], dtype), shape, (0,) * len(shape))
+        return ShardedArray.empty(self.full_shape(name), dtype)       # 0-d too (issue 48 item 4)
 
     # -- this rank's arrays ----------------------------------------------------------------------
     def _flat_names(self, f) -> List[str]:
