@@ -189,3 +189,111 @@ def test_an_unreadable_loss_with_other_negative_targets_is_refused_at_its_first_
         _close(_train(pm2, opt, _batches(-1)[:1]), want, "explicit ignore_index=-1 with a lambda")
     finally:
         grid.free()
+
+
+# -- item 4: 0-d, 1-d and odd-sized parameters on any stage save and load ----------------------------------------
+LAYOUTS = {"pp2": ({"G_inter": 2}, None), "pp2_other_cut": ({"G_inter": 2}, (2,)), "pp2_fsdp": ({"G_inter": 2}, None)}
+
+
+def _path(world, tmp_path_factory, name):
+    base = str(tmp_path_factory.mktemp(name)) if world.rank == 0 else None
+    return axonmpi.broadcast_object(base) + "/ckpt"
+
+
+def _build(world, layout, scalar_at_end):
+    sizes, cut = LAYOUTS[layout]
+    grid = _grid(world, sizes)
+    dp = "fsdp" if layout.endswith("fsdp") else "ddp"
+    pm = parallelize(_model(scalar_at_end), grid=grid, data_parallel=dp,
+                     pipeline=PipelinePlan(2, "1f1b", loss_fn=_FlatCE(ignore_index=-1), boundaries=cut))
+    return grid, pm
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("scalar_at_end", [True, False], ids=["scalar_last_stage", "scalar_first_stage"])
+@pytest.mark.parametrize("saved,loaded", [("pp2", "pp2_other_cut"), ("pp2_fsdp", "pp2"), ("pp2", None),
+                                          (None, "pp2_fsdp")],
+                         ids=["pp2->pp2_other_cut", "pp2_fsdp->pp2", "pp2->serial", "serial->pp2_fsdp"])
+def test_a_0d_parameter_on_one_stage_saves_and_loads_across_layouts(world, tmp_path_factory, scalar_at_end, saved,
+                                                                     loaded):
+    """Two steps under ``saved`` (None: the plain model in one process on every rank), ``training_state`` saved
+    with the checkpoint API; loaded under ``loaded`` (its own training_state the template; None: full arrays into
+    the plain model); the third step equals the serial run's (loss, clip norm, every parameter incl. the 0-d one).
+    Before: ``sharded_state_dict()`` raised ValueError about ShardedArray on the ranks of the other stage."""
+    make = functools.partial(_model, scalar_at_end)
+    batches = _batches(-1)
+    want, want_sd, _, _ = _serial(make, batches, -1)
+    path = _path(world, tmp_path_factory, "zero_d")
+    old = world.grid
+    if saved is None:
+        _, _, ref, ref_opt = _serial(make, batches, -1, steps=STEPS - 1)
+        state = axonmpi.checkpoint.training_state(ref, ref_opt, step=STEPS - 1)
+        axonmpi.checkpoint.save(path, state)
+    else:
+        grid, pm = _build(world, saved, scalar_at_end)
+        try:
+            world.grid = grid
+            opt = AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+            _train(pm, opt, batches[:STEPS - 1])
+            sd = pm.sharded_state_dict()
+            key = "6.t" if scalar_at_end else "1.t"
+            assert sd[key].global_shape == ()            # both stages list it; one holds it
+            axonmpi.checkpoint.save(path, axonmpi.checkpoint.training_state(pm, opt, step=STEPS - 1))
+        finally:
+            world.grid = old
+            grid.free()
+    if loaded is None:
+        full = axonmpi.checkpoint.load(path, None)
+        plain = make()
+        plain.load_state_dict(full["model"])
+        popt = AdamW(plain.parameters(), lr=1.0)
+        from axonmpi.parallel.state import ShardedState
+        ShardedState(plain).load_optim_state_dict(popt, full["optimizer"])
+        x, y = batches[STEPS - 1]
+        popt.zero_grad()
+        loss = _flat_ce(-1)(plain(x), y)
+        loss.backward()
+        got = [(float(loss.item()), float(clip_grad_norm_(plain.parameters(), MAX_NORM)))]
+        popt.step()
+        got_sd = plain.state_dict()
+    else:
+        grid, pm = _build(world, loaded, scalar_at_end)
+        try:
+            world.grid = grid
+            opt = AdamW(pm.parameters(), lr=1.0)
+            template = axonmpi.checkpoint.training_state(pm, opt, step=0)
+            meta = axonmpi.checkpoint.restore_training_state(axonmpi.checkpoint.load(path, template), pm, opt)
+            assert meta["step"] == STEPS - 1
+            got = _train(pm, opt, batches[STEPS - 1:])
+            got_sd = full_state_dict(pm)
+        finally:
+            world.grid = old
+            grid.free()
+    _close(got, want[STEPS - 1:], f"{saved} -> {loaded}")
+    for k, v in want_sd.items():
+        np.testing.assert_allclose(got_sd[k], v, rtol=TOL, atol=1e-13, err_msg=f"{saved} -> {loaded}: {k}")
+
+
+def test_an_empty_block_of_a_0d_array():
+    from axonmpi.checkpoint import ShardedArray
+    e = ShardedArray.empty((), np.float64)
+    assert e.is_empty and e.global_shape == () and e.local.shape == (0,) and e.dtype == np.float64
+    assert not ShardedArray(np.array(2.0), (), ()).is_empty
+    assert ShardedArray.empty((5, 3)).local.shape == (0, 3)
+
+
+def test_a_plain_optimizers_state_of_several_groups_is_refused_not_skipped():
+    from axonmpi.parallel.state import ShardedState
+    model = _model()
+    params = list(model.parameters())
+    opt = AdamW([{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}], lr=1e-2)
+    model(np.zeros((2, 3), np.int64)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="keyed by index.*2 parameter group"):
+        ShardedState(model).load_optim_state_dict(opt, opt.state_dict())
+    one = AdamW(model.parameters(), lr=1e-2)
+    one.step()
+    fresh = AdamW(model.parameters(), lr=1e-2)
+    ShardedState(model).load_optim_state_dict(fresh, one.state_dict())
+    for p in model.parameters():
+        np.testing.assert_array_equal(fresh.state[p]["exp_avg"], one.state[p]["exp_avg"])
