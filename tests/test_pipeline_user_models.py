@@ -297,3 +297,33 @@ def test_a_plain_optimizers_state_of_several_groups_is_refused_not_skipped():
     ShardedState(model).load_optim_state_dict(fresh, one.state_dict())
     for p in model.parameters():
         np.testing.assert_array_equal(fresh.state[p]["exp_avg"], one.state[p]["exp_avg"])
+
+
+# -- item 8: the refusals name the module, its class with its module path, the protocol and the fix ----------------
+class NoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_model_without_pipeline_layers_is_refused_naming_its_class_path_and_the_protocol():
+    from axonmpi.parallel.pipeline import split_points
+    with pytest.raises(TypeError, match=r"got a test_pipeline_user_models\.NoLayers.*def pipeline_layers\(self\)"
+                                        r".*'The pipeline_layers\(\) protocol'"):
+        split_points(NoLayers(), 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_vocabulary_the_tensor_group_cannot_split_is_refused_naming_the_layer(world):
+    if world.world_size % 2:
+        pytest.skip("needs an even number of ranks")
+    grid = _grid(world, {"G_intra_c": 2})
+    try:
+        with pytest.raises(ValueError, match=r"num_embeddings=7 .*layer '0', a axonmpi\.nn\.layers\.Embedding made "
+                                             r"'vocab'.*pad a vocabulary to a multiple of 2"):
+            parallelize(_model(), grid=grid, tensor_parallel={"0": "vocab"})
+    finally:
+        grid.free()
