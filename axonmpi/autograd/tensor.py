@@ -222,6 +222,13 @@ class Tensor:
     def __float__(self) -> float:
         return float(self.item())
 
+    def __index__(self) -> int:
+        """An integer tensor of one element as a Python int (a slice bound, a list index), as torch's."""
+        if self.data.size != 1 or self.dtype.kind not in "iub":
+            raise TypeError(f"only integer tensors of a single element can be converted to an index, got "
+                            f"dtype {self.dtype} shape {tuple(self.shape)}")
+        return int(self.data.reshape(()))
+
     def __int__(self) -> int:
         return int(self.item())
 
@@ -241,7 +248,7 @@ class Tensor:
         self._rg = False
         return self
 
-    def to(self, *args, device=None, dtype=None) -> "Tensor":
+    def to(self, *args, device=None, dtype=None, non_blocking: bool = False, copy: bool = False) -> "Tensor":
         """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes.
 
         Takes PyTorch's forms: ``to("cuda")``, ``to(np.float64)``, ``to("cpu", np.float32)``,
@@ -261,9 +268,13 @@ class Tensor:
         out = self
         if dtype is not None and np.dtype(dtype) != self.data.dtype:
             out = _ops().cast(out, np.dtype(dtype))
-        if device is not None and as_device(device) != out.device:
-            out = _ops().to_device(out, as_device(device))
-        return out
+        if device is not None and backend.to_target(device) != out.device:
+            out = _ops().to_device(out, backend.to_target(device))
+        return out.clone() if copy and out is self else out
+
+    def pin_memory(self) -> "Tensor":
+        """torch's ``pin_memory()``: the tensor itself (a host array is copied to the GPU from where it is)."""
+        return self
 
     def cpu(self) -> "Tensor":
         """This tensor on the host (differentiable; ``self`` if already there)."""
