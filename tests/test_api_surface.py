@@ -586,6 +586,7 @@ EXAMPLES.update({
                                                                                               "medium"),
 })
 TENSOR_EXAMPLES.update({
+    "pin_memory": lambda: (lambda t: t.pin_memory() is t)(Tensor([1.0])),
     "topk": lambda: Tensor([3.0, 1.0, 2.0]).topk(1, largest=False).values.tolist() == [1.0],
     "tril": lambda: Tensor(np.ones((2, 2))).tril(-1).tolist() == [[0.0, 0.0], [1.0, 0.0]],
     "triu": lambda: Tensor(np.ones((2, 2))).triu().tolist() == [[1.0, 1.0], [0.0, 1.0]],

@@ -214,3 +214,25 @@ def test_init_process_group_publishes_rank_variables():
             rank_env.publish_rank_env(w)
     finally:
         os.environ["RANK"] = saved
+
+
+@pytest.mark.serial
+def test_the_launchers_variables_give_torchruns():
+    from axonmpi.distributed.rank_env import launcher_variables
+    hydra = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert launcher_variables(hydra) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    ompi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert launcher_variables(ompi)["WORLD_SIZE"] == "2"
+    assert launcher_variables({"PMI_RANK": "0"}) == {}          # part of them: nothing
+
+
+@pytest.mark.serial
+def test_a_tensor_indexes_a_memmap_window_as_nanogpt_draws_it(tmp_path):
+    np.arange(40, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    data = np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r")
+    ix = torch_like.randint(len(data) - 8, (3,))
+    x = torch_like.stack([torch_like.from_numpy((data[i:i + 8]).astype(np.int64)) for i in ix])
+    assert tuple(x.shape) == (3, 8) and all(x.numpy()[k, 0] == int(ix[k]) for k in range(3))
+    with pytest.raises(TypeError, match="integer tensors of a single element"):
+        data[Tensor(np.array(1.5)):]

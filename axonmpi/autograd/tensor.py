@@ -281,10 +281,12 @@ class Tensor:
         return self.to("cpu")
 
     def cuda(self, device=None) -> "Tensor":
-        """This tensor on GPU ``device`` (an index or ``"cuda:i"``; default 0); needs CuPy."""
+        """This tensor on GPU ``device`` (an index or ``"cuda:i"``; default 0); needs CuPy (unlike ``.to("cuda")``,
+        it never falls back to the CPU)."""
         if device is None or isinstance(device, (int, np.integer)):
             device = f"cuda:{0 if device is None else int(device)}"
-        return self.to(device)
+        dev = as_device(device)
+        return self if dev == self.device else _ops().to_device(self, dev)
 
     def float(self) -> "Tensor":
         """Cast to float32 (differentiable)."""
