@@ -29,7 +29,7 @@ SRC = os.path.join(ROOT, "tests", "ported", "nanogpt")
 BLOCK = 32
 MODEL_ARGS = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, bias=False, vocab_size=None, dropout=0.0)
 ARGS = ["--dataset=stdlib_char", "--compile=False", "--device=cpu", "--dtype=float32", "--n_layer=2", "--n_head=2",
-        "--n_embd=32", f"--block_size={BLOCK}", "--batch_size=2", "--gradient_accumulation_steps=2",
+        "--n_embd=32", f"--block_size={BLOCK}", "--batch_size=2", "--gradient_accumulation_steps=4",
         "--eval_interval=20", "--eval_iters=2", "--log_interval=1", "--learning_rate=1e-3", "--warmup_iters=5",
         "--lr_decay_iters=20", "--min_lr=1e-4", "--always_save_checkpoint=True", "--init_from=resume",
         "--grad_clip=1.0", "--weight_decay=0.1"]
@@ -109,7 +109,7 @@ def runs(tmp_path_factory):
 @pytest.mark.serial
 def test_train_py_at_two_ranks_matches_torch_for_20_steps(runs):
     t_loss, t_w, o_loss, o_w, _, out = runs
-    assert "tokens per iteration will be: 128" in out          # its DDP branch: 2 ranks x 1 micro-step x 2 x 32
+    assert "tokens per iteration will be: 256" in out          # its DDP branch: 2 ranks x 2 micro-steps x 2 x 32
     assert sorted(o_loss) == list(range(21)), out[-2000:]
     for i in range(21):
         assert abs(o_loss[i] - t_loss[i]) <= 1.5e-4, (i, o_loss[i], t_loss[i])     # printed with 4 decimals

@@ -236,3 +236,21 @@ def test_a_tensor_indexes_a_memmap_window_as_nanogpt_draws_it(tmp_path):
     assert tuple(x.shape) == (3, 8) and all(x.numpy()[k, 0] == int(ix[k]) for k in range(3))
     with pytest.raises(TypeError, match="integer tensors of a single element"):
         data[Tensor(np.array(1.5)):]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_ddp_require_backward_grad_sync_as_nanogpt_sets_it(world):
+    """``model.require_backward_grad_sync = False`` for all micro-steps but the last: the accumulated local sum is
+    reduced once, as torch's DDP does."""
+    from axonmpi.parallel import DistributedDataParallel as DDP
+    axonmpi.manual_seed(0)
+    m = DDP(nn.Linear(3, 2, dtype=np.float64))
+    x = np.random.default_rng(world.rank).standard_normal((4, 3))
+    m.require_backward_grad_sync = False
+    m(x).sum().backward()
+    local = m.module.weight.grad.numpy().copy()
+    m.require_backward_grad_sync = True
+    m(x).sum().backward()
+    want = axonmpi.all_reduce_sum(2 * local) / world.world_size
+    np.testing.assert_allclose(m.module.weight.grad.numpy(), want, rtol=1e-12)
+    assert m.require_backward_grad_sync
