@@ -254,3 +254,23 @@ def test_ddp_require_backward_grad_sync_as_nanogpt_sets_it(world):
     want = axonmpi.all_reduce_sum(2 * local) / world.world_size
     np.testing.assert_allclose(m.module.weight.grad.numpy(), want, rtol=1e-12)
     assert m.require_backward_grad_sync
+
+
+@pytest.mark.serial
+def test_tf32_switch_sets_cupys_float32_compute_type(monkeypatch):
+    """On a GPU the switch is CuPy's compute type for float32 GEMMs (7: TF32, 1: default) and ``CUPY_TF32`` for a
+    CuPy imported later; checked here with a stand-in module recording the calls (no GPU on the test host)."""
+    import sys
+    import types
+    calls = []
+    linalg = types.SimpleNamespace(set_compute_type=lambda dt, ct: calls.append((np.dtype(dt), ct)))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(_core=types.SimpleNamespace(_routines_linalg=linalg)))
+    monkeypatch.setenv("CUPY_TF32", "0")
+    before = torch_like.get_float32_matmul_precision()
+    try:
+        torch_like.backends.cuda.matmul.allow_tf32 = True
+        assert calls[-1] == (np.dtype(np.float32), 7) and os.environ["CUPY_TF32"] == "1"
+        torch_like.set_float32_matmul_precision("highest")
+        assert calls[-1] == (np.dtype(np.float32), 1) and os.environ["CUPY_TF32"] == "0"
+    finally:
+        torch_like.set_float32_matmul_precision(before)
