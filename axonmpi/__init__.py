@@ -33,6 +33,8 @@ from . import cuda
 from .serialization import load, save
 from .distributed import (destroy_process_group, get_rank, get_world_size, init_process_group)  # noqa: F401
 from ._torch_names import *  # noqa: F401,F403  (torch.device, torch.float32, torch.argmax, ...: _torch_names.__all__)
+from .distributed.rank_env import publish_launcher_env as _publish_launcher_env
+_publish_launcher_env()    # RANK, WORLD_SIZE, LOCAL_RANK from mpiexec's variables, as torchrun sets them (docs/porting.md)
 
 # The layers above autograd load on first use (``axonmpi.nn``, ``axonmpi.DDP``, ``from axonmpi import
 # parallel``): a job that only needs the collectives starts in about half the time (0.45 s of CPU instead of

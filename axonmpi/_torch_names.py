@@ -12,6 +12,9 @@ import numpy as np
 from .autograd import Tensor, no_grad
 from .autograd import ops as _ops
 from .autograd import ops_nn as _nn
+from .autograd import ops_select as _select
+from . import backends
+from .backends import get_float32_matmul_precision, set_float32_matmul_precision
 from .backend import Device, is_floating
 
 __all__ = [
@@ -21,6 +24,8 @@ __all__ = [
     "sqrt", "abs", "tanh", "sigmoid", "relu", "softmax", "log_softmax", "matmul", "where", "clamp",
     "reshape", "squeeze", "unsqueeze", "transpose", "permute", "split", "chunk", "inference_mode",
     "get_default_dtype", "randint", "randperm", "eye", "linspace", "allclose", "equal",
+    "topk", "multinomial", "tril", "triu", "set_float32_matmul_precision", "get_float32_matmul_precision",
+    "backends",
 ]
 
 device = Device                     # torch.device("cuda", 1), torch.device("cpu"), torch.device(0)
@@ -47,6 +52,7 @@ squeeze, unsqueeze, transpose, permute, split, chunk = (_ops.squeeze, _ops.unsqu
                                                        _ops.split, _ops.chunk)
 sigmoid, relu, softmax, log_softmax = _nn.sigmoid, _nn.relu, _nn.softmax, _nn.log_softmax
 inference_mode = no_grad
+topk, multinomial, tril, triu = _select.topk, _select.multinomial, _select.tril, _select.triu
 
 
 def from_numpy(a: np.ndarray) -> Tensor:

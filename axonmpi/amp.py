@@ -8,7 +8,7 @@ import numpy as np
 from .backend import get_array_module
 from .distributed import ReduceOp, all_reduce, resolve_group
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "autocast"]
 
 
 class GradScaler:
@@ -179,3 +179,32 @@ class GradScaler:
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self._growth_tracker = int(state["_growth_tracker"])
+
+
+class autocast:
+    """``torch.amp.autocast`` / ``torch.autocast``: accepted as a no-op where it asks for float32 (or is disabled),
+    which is what it does on a CPU host running float32 code. Lower precisions are not built as an autocast here
+    (use a strategy's ``MixedPrecision``): ``dtype=torch.bfloat16`` / ``float16`` raises NotImplementedError.
+
+    Example:
+        >>> with autocast(device_type="cuda", dtype=np.float32):
+        ...     loss = model(x).sum()
+    """
+
+    def __init__(self, device_type: str = "cuda", dtype=None, enabled: bool = True, cache_enabled=None):
+        import numpy as np
+        self.device_type, self.enabled = device_type, bool(enabled)
+        self.dtype = None if dtype is None else np.dtype(dtype)
+        if self.enabled and self.dtype is not None and self.dtype != np.float32:
+            raise NotImplementedError(
+                f"autocast(dtype={self.dtype}) is not built: axonmpi computes in the parameters' dtype; run float32 "
+                "(nanoGPT: --dtype=float32) or use parallelize(..., mixed_precision=MixedPrecision(...))")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __call__(self, fn):
+        return fn

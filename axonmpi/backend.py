@@ -176,6 +176,25 @@ def index_device(index: int) -> Device:
     return Device("cuda", index % n) if n else Device("cpu")
 
 
+def to_target(device: Any) -> Device:
+    """The device a ``.to(device)`` call moves to: :func:`index_device` for an int, and for ``"cuda"`` /
+    ``"cuda:i"`` on a host where CuPy sees no GPU the CPU, with one warning per process (torch's scripts name
+    ``cuda:{LOCAL_RANK}`` in their DDP branch: it runs on a CPU cluster unchanged, as ``.to(rank)`` does).
+
+    Example:
+        >>> to_target("cuda:1")      # Device('cpu') without a GPU (warns once), Device('cuda:1') with one
+    """
+    if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        return index_device(int(device))
+    dev = Device(device) if not isinstance(device, Device) else device
+    if dev.type == "cuda" and not cupy_available():
+        import warnings             # Python's default filter shows it once per calling line
+        warnings.warn(f"axonmpi: {dev} asked for on a host where CuPy sees no GPU: running on the CPU",
+                      RuntimeWarning, stacklevel=3)
+        return Device("cpu")
+    return dev
+
+
 def device_of(a: Any) -> Device:
     """The device holding array ``a``."""
     if is_cupy_array(a):

@@ -15,7 +15,7 @@ import time
 from . import backend as _be
 
 __all__ = ["is_available", "device_count", "set_device", "current_device", "synchronize", "manual_seed",
-           "manual_seed_all", "Event", "memory_allocated", "max_memory_allocated", "empty_cache"]
+           "manual_seed_all", "Event", "memory_allocated", "max_memory_allocated", "empty_cache", "is_bf16_supported"]
 
 
 def is_available() -> bool:
@@ -106,3 +106,15 @@ class Event:
             end._ev.synchronize()
             return float(cp.cuda.get_elapsed_time(self._ev, end._ev))
         return (end._t - self._t) * 1000.0
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """torch's ``torch.cuda.is_bf16_supported``: False (axonmpi computes bfloat16 only under mixed precision)."""
+    return False
+
+
+def __getattr__(name: str):
+    if name == "amp":                     # torch.cuda.amp.GradScaler / autocast: axonmpi.amp's
+        from . import amp
+        return amp
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

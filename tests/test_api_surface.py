@@ -576,6 +576,21 @@ EXAMPLES.update({
     "axonmpi.Generator": lambda: (axonmpi.randn(3, generator=axonmpi.Generator().manual_seed(7)).tolist()
                                   == axonmpi.randn(3, generator=axonmpi.Generator().manual_seed(7)).tolist()),
     "axonmpi.nn.functional.one_hot": lambda: F.one_hot(Tensor([0, 2]), 3).tolist() == [[1, 0, 0], [0, 0, 1]],
+    "axonmpi.topk": lambda: axonmpi.topk(Tensor([[1.0, 5.0, 3.0]]), 2).indices.tolist() == [[1, 2]],
+    "axonmpi.tril": lambda: axonmpi.tril(axonmpi.ones(2, 2)).tolist() == [[1.0, 0.0], [1.0, 1.0]],
+    "axonmpi.triu": lambda: axonmpi.triu(axonmpi.ones(2, 2), diagonal=1).tolist() == [[0.0, 1.0], [0.0, 0.0]],
+    "axonmpi.multinomial": lambda: axonmpi.multinomial(Tensor([[0.0, 1.0]]), 2, replacement=True).tolist()
+    == [[1, 1]],
+    "axonmpi.set_float32_matmul_precision": lambda: axonmpi.set_float32_matmul_precision("highest") is None,
+    "axonmpi.get_float32_matmul_precision": lambda: axonmpi.get_float32_matmul_precision() in ("highest", "high",
+                                                                                              "medium"),
+})
+TENSOR_EXAMPLES.update({
+    "pin_memory": lambda: (lambda t: t.pin_memory() is t)(Tensor([1.0])),
+    "topk": lambda: Tensor([3.0, 1.0, 2.0]).topk(1, largest=False).values.tolist() == [1.0],
+    "tril": lambda: Tensor(np.ones((2, 2))).tril(-1).tolist() == [[0.0, 0.0], [1.0, 0.0]],
+    "triu": lambda: Tensor(np.ones((2, 2))).triu().tolist() == [[1.0, 1.0], [0.0, 1.0]],
+    "multinomial": lambda: Tensor([0.0, 0.0, 2.0]).multinomial(1).tolist() == [2],
 })
 EXAMPLES.update({f"Tensor.{k}": v for k, v in TENSOR_EXAMPLES.items()})
 

@@ -121,8 +121,8 @@ def test_to_device_does_not_recurse():
     if backend.cupy_available():
         assert x.to("cuda").device.type == "cuda"
     else:
-        with pytest.raises(RuntimeError, match="needs CuPy"):
-            x.to("cuda")
+        with pytest.warns(RuntimeWarning, match="no GPU: running on the CPU"):     # a GPU script on a CPU host
+            assert x.to("cuda").device.type == "cpu"
     y = _t(3)
     z = ops.to_device(y, "cpu")  # a recorded move, even to the same device
     assert z.grad_fn is not None and y.cpu() is y

@@ -222,6 +222,13 @@ class Tensor:
     def __float__(self) -> float:
         return float(self.item())
 
+    def __index__(self) -> int:
+        """An integer tensor of one element as a Python int (a slice bound, a list index), as torch's."""
+        if self.data.size != 1 or self.dtype.kind not in "iub":
+            raise TypeError(f"only integer tensors of a single element can be converted to an index, got "
+                            f"dtype {self.dtype} shape {tuple(self.shape)}")
+        return int(self.data.reshape(()))
+
     def __int__(self) -> int:
         return int(self.item())
 
@@ -241,7 +248,7 @@ class Tensor:
         self._rg = False
         return self
 
-    def to(self, *args, device=None, dtype=None) -> "Tensor":
+    def to(self, *args, device=None, dtype=None, non_blocking: bool = False, copy: bool = False) -> "Tensor":
         """Move to ``device`` and/or cast to ``dtype`` (differentiable); returns self if nothing changes.
 
         Takes PyTorch's forms: ``to("cuda")``, ``to(np.float64)``, ``to("cpu", np.float32)``,
@@ -261,19 +268,25 @@ class Tensor:
         out = self
         if dtype is not None and np.dtype(dtype) != self.data.dtype:
             out = _ops().cast(out, np.dtype(dtype))
-        if device is not None and as_device(device) != out.device:
-            out = _ops().to_device(out, as_device(device))
-        return out
+        if device is not None and backend.to_target(device) != out.device:
+            out = _ops().to_device(out, backend.to_target(device))
+        return out.clone() if copy and out is self else out
+
+    def pin_memory(self) -> "Tensor":
+        """torch's ``pin_memory()``: the tensor itself (a host array is copied to the GPU from where it is)."""
+        return self
 
     def cpu(self) -> "Tensor":
         """This tensor on the host (differentiable; ``self`` if already there)."""
         return self.to("cpu")
 
     def cuda(self, device=None) -> "Tensor":
-        """This tensor on GPU ``device`` (an index or ``"cuda:i"``; default 0); needs CuPy."""
+        """This tensor on GPU ``device`` (an index or ``"cuda:i"``; default 0); needs CuPy (unlike ``.to("cuda")``,
+        it never falls back to the CPU)."""
         if device is None or isinstance(device, (int, np.integer)):
             device = f"cuda:{0 if device is None else int(device)}"
-        return self.to(device)
+        dev = as_device(device)
+        return self if dev == self.device else _ops().to_device(self, dev)
 
     def float(self) -> "Tensor":
         """Cast to float32 (differentiable)."""
@@ -679,6 +692,15 @@ class Tensor:
 
     def __abs__(self): return _ops().abs(self)
 
+    def topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002
+        return _select().topk(self, k, dim, largest, sorted)
+
+    def tril(self, diagonal=0): return _select().tril(self, diagonal)
+    def triu(self, diagonal=0): return _select().triu(self, diagonal)
+
+    def multinomial(self, num_samples, replacement=False, *, generator=None):
+        return _select().multinomial(self, num_samples, replacement, generator=generator)
+
 
 _METHOD_DOCS = {
     "add": "``self + other``.", "sub": "``self - other``.", "mul": "``self * other``.",
@@ -707,6 +729,9 @@ _METHOD_DOCS = {
     "expand_as": "Broadcast to ``other.shape``.", "transpose": "Swap two dims.",
     "permute": "Reorder dims.", "split": "Split along ``dim`` (sizes or one size).",
     "chunk": "Split into ``chunks`` pieces along ``dim``.", "__abs__": "``abs(self)``.",
+    "topk": "``(values, indices)`` of the ``k`` largest along ``dim`` (see ``axonmpi.topk``).",
+    "tril": "Lower triangle of the last two dims.", "triu": "Upper triangle of the last two dims.",
+    "multinomial": "Sampled category indices per row of weights (see ``axonmpi.multinomial``).",
 }
 for _name, _doc in _METHOD_DOCS.items():
     getattr(Tensor, _name).__doc__ = _doc
@@ -747,6 +772,12 @@ def _nn():
     from . import ops_nn
 
     return ops_nn
+
+
+def _select():
+    from . import ops_select
+
+    return ops_select
 
 
 # -- constructors --------------------------------------------------------------------------

@@ -265,6 +265,8 @@ def _fill_one(reader: CheckpointReader, e: Entry, leaf: Any, cast: bool) -> Any:
         return reader.read(e.name)
     reshaped = None
     if isinstance(leaf, ShardedArray):
+        if leaf.is_empty:                                 # this rank holds none of it (another stage's)
+            return leaf
         target, off, shp = leaf.local, leaf.offsets, leaf.local_shape
         if tuple(leaf.global_shape) != tuple(e.shape):    # same elements, another shape (FSDP <-> TP/serial)
             reshaped = tuple(leaf.global_shape)

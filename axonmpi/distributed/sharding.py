@@ -122,12 +122,14 @@ class ShardedArray:
         gs = _as_shape(global_shape, "global_shape")
         off = _as_shape(offsets, "offsets")
         ls = tuple(int(v) for v in local.shape)
-        if not (len(gs) == len(off) == len(ls)):
+        if not gs and not off and ls == (0,):
+            ls = ()                     # a 0-d array's empty block (see ``empty``): holds none of it
+        elif not (len(gs) == len(off) == len(ls)):
             raise ValueError(
                 f"ShardedArray: local.ndim={len(ls)}, len(global_shape)={len(gs)} and "
                 f"len(offsets)={len(off)} must agree (local shape {ls}, global {gs}, offsets {off})"
             )
-        bad = [i for i in range(len(gs)) if off[i] + ls[i] > gs[i]]
+        bad = [i for i in range(len(gs)) if off[i] + ls[i] > gs[i]] if ls or gs else []
         if bad:
             raise ValueError(
                 f"ShardedArray: block of shape {ls} at offsets {off} does not fit in global shape {gs} "
@@ -196,6 +198,23 @@ class ShardedArray:
         return cls.from_chunks(local, full.shape, ax, rank=rank, parts=parts)
 
     @classmethod
+    def empty(cls, global_shape: Sequence[int], dtype: Any = np.float32) -> "ShardedArray":
+        """A block holding none of an array of ``global_shape`` (a rank that owns no piece of it, e.g. another
+        pipeline stage's parameter): its ``local`` has no element; for a 0-d array it is of shape ``(0,)``.
+
+        Example:
+            >>> ShardedArray.empty((), np.float64).is_empty, ShardedArray.empty((4, 3)).local.shape
+            (True, (0, 3))
+        """
+        gs = _as_shape(global_shape, "global_shape")
+        return cls(np.empty((0,) + gs[1:], dtype), gs, (0,) * len(gs))
+
+    @property
+    def is_empty(self) -> bool:
+        """True when this rank's block holds no element (nothing to write or read)."""
+        return int(self.local.size) == 0
+
+    @classmethod
     def zeros(cls, global_shape: Sequence[int], dtype: Any = np.float32, axis: int = 0, group=None, *,
               rank: Optional[int] = None, parts: Optional[int] = None) -> "ShardedArray":
         """A zero-filled chunk of ``global_shape`` along ``axis`` for this rank (e.g. a load template).
@@ -220,7 +239,7 @@ class ShardedArray:
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
-        """The shape of this rank's block."""
+        """The shape of this rank's block (a 0-d array's empty block: ``(0,)``)."""
         return tuple(int(v) for v in self.local.shape)
 
     @property

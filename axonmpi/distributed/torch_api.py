@@ -183,7 +183,9 @@ def init_process_group(backend=None, init_method: Optional[str] = None, timeout=
     NCCL where CuPy has it, and MPI with a warning otherwise (so a GPU script runs on a CPU
     cluster). ``timeout`` (a ``timedelta`` or seconds) is the watchdog's limit. A second call
     raises, as torch's does. A later ``axonmpi.init(G_intra_r=..., ...)`` (AxoNN's ``ax.init``)
-    lays its grid over this World.
+    lays its grid over this World. ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
+    ``MASTER_ADDR`` are then in ``os.environ`` as torchrun sets them (a value already there that disagrees
+    with the launch raises ValueError).
 
     Example:
         >>> import axonmpi.distributed as dist
@@ -210,6 +212,8 @@ def init_process_group(backend=None, init_method: Optional[str] = None, timeout=
                          f"{w.rank}; leave rank= out (the launcher decides)")
     if str(backend).lower() == "gloo" and w.rank == 0 and not getattr(w, "_noted_gloo", False):
         w._noted_gloo = True
+    from .rank_env import publish_rank_env
+    publish_rank_env(w)                 # RANK, LOCAL_RANK, WORLD_SIZE, ... as torchrun's (docs/porting.md)
     return None
 
 

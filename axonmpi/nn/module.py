@@ -11,7 +11,7 @@ from .. import trace as _trace
 
 from ..autograd.function import RemovableHandle
 from ..autograd.tensor import Tensor
-from ..backend import Device, as_device, get_array_module, is_floating, to_device, to_host
+from ..backend import Device, as_device, get_array_module, is_floating, to_device, to_host, to_target
 from .parameter import Parameter
 
 __all__ = ["IncompatibleKeys", "Module", "ModuleDict", "ModuleList", "Sequential"]
@@ -339,7 +339,7 @@ class Module:
         if device is not None and not isinstance(device, (str, Device, int, np.integer)):
             device, dtype = None, device                      # module.to(np.float64)
         if device is not None:
-            dev = as_device(device)
+            dev = to_target(device)             # "cuda:{LOCAL_RANK}" on a host without a GPU: the CPU
             self._apply_arrays(lambda a: to_device(a, dev))
         if dtype is not None:
             dt = np.dtype(dtype)

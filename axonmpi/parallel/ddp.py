@@ -604,6 +604,15 @@ class DistributedDataParallel(Module):
         :func:`axonmpi.parallel.no_sync` of this model."""
         return no_sync(self)
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch's DDP attribute (nanoGPT sets it per micro-step): False is :meth:`no_sync` until set True again."""
+        return self.grad_reducer.enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, on: bool) -> None:
+        self.grad_reducer.enabled = bool(on)
+
     def extra_repr(self) -> str:
         s = self.synchronizer
         return (f"group={self.group.name}(size={self.group.size}), buckets={len(s.buckets)}, "

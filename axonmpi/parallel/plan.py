@@ -14,6 +14,11 @@ from typing import Any, Callable, Optional, Tuple, Union
 __all__ = ["ModelPlan", "PipelinePlan", "SequenceRegion"]
 
 
+def _from_loss():
+    from .token_mean import FROM_LOSS      # token_mean imports autograd: loaded when a plan is made
+    return FROM_LOSS
+
+
 @dataclass(frozen=True)
 class SequenceRegion:
     """Where a model's sequence-parallel region is, when it is not the whole model.
@@ -105,6 +110,9 @@ class PipelinePlan:
         boundaries: explicit start indices of chunks 1 .. p v - 1 (else balanced ``split_by``).
         split_by: ``"params"`` or ``"layers"``.
         ignore_index: targets not counted (the loss is the mean over the counted targets of the global batch).
+            Default: the loss function's own (``nn.CrossEntropyLoss(ignore_index=-1)``, ``functools.partial(
+            F.cross_entropy, ignore_index=-1)``, -100 for ``F.cross_entropy``); a value given here that disagrees
+            with the loss function's is refused at construction (``Pipeline``'s ``ignore_index``).
         aux_loss: ``aux_loss(chunk) -> Tensor | None``, a chunk's auxiliary loss of its last forward, added to
             its backward per micro-batch (weight ``1 / num_microbatches``; :class:`~axonmpi.parallel.Pipeline`).
             Default: the model plan's (:attr:`ModelPlan.aux_loss`).
@@ -120,5 +128,5 @@ class PipelinePlan:
     loss_fn: Optional[Callable] = None
     boundaries: Optional[Tuple[int, ...]] = None
     split_by: str = "params"
-    ignore_index: Optional[int] = -100
+    ignore_index: Any = field(default_factory=lambda: _from_loss())
     aux_loss: Optional[Callable] = field(default=None)

@@ -117,8 +117,7 @@ class ShardedState:
 
     def _empty(self, name: str, dtype):
         from ..distributed.sharding import ShardedArray
-        shape = self.full_shape(name)
-        return ShardedArray(np.empty((0,) + shape[1:], dtype), shape, (0,) * len(shape))
+        return ShardedArray.empty(self.full_shape(name), dtype)       # 0-d too (issue 48 item 4)
 
     # -- this rank's arrays ----------------------------------------------------------------------
     def _flat_names(self, f) -> List[str]:
@@ -312,7 +311,10 @@ class ShardedState:
 
     def load_optim_state_dict(self, optimizer, state_dict: Dict[str, Any]) -> None:
         """Load either optimizer form saved under any layout into ``optimizer`` (built on this rank's parameters
-        or FSDP's flat ones; or a ZeRO-1 wrapper of them): each moment cut to its parameter's piece."""
+        or FSDP's flat ones; or a ZeRO-1 wrapper of them): each moment cut to its parameter's piece.  A plain
+        optimizer's own ``state_dict()`` (torch's form, keyed by index) of one parameter group is read by the
+        serial model's parameter order; of several groups it is refused (its indices name no parameter)."""
+        state_dict = self._by_name(state_dict)
         saved = state_dict["state"]
         if len(state_dict["param_groups"]) != len(optimizer.param_groups):
             raise ValueError(f"rank {self.rank}: the saved optimizer has {len(state_dict['param_groups'])} parameter "
@@ -350,6 +352,27 @@ class ShardedState:
             optimizer.load_param_states(per, state_dict["param_groups"])
         else:
             self._into_optimizer(optimizer, per, state_dict["param_groups"])
+
+    def _by_name(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """``state_dict`` under serial names: as it is when it is already, else a plain optimizer's index-keyed
+        form (``optimizer.state_dict()``, saved by ``training_state`` of a plain model) mapped by the serial
+        model's parameter order, which is its index order when it has one parameter group."""
+        groups = state_dict.get("param_groups") or []
+        indexed = [q for g in groups for q in (g.get("params") or []) if not isinstance(q, str)]
+        if not indexed:
+            return state_dict
+        names = list(self.named)
+        order = [int(q) for g in groups for q in g["params"]]
+        if len(groups) != 1 or sorted(order) != list(range(len(names))):
+            raise ValueError(
+                f"rank {self.rank}: the optimizer state is a plain optimizer's state_dict() (keyed by index) with "
+                f"{len(groups)} parameter group(s) of {len(order)} parameters; this model has {len(names)}, and "
+                "indices of several groups name no parameter. Save it under serial names instead: "
+                "ShardedState(model).optim_state_dict(optimizer) (or train under parallelize and save "
+                "training_state(pm, opt)), or load it into the plain model")
+        by_index = {str(k): v for k, v in state_dict["state"].items()}
+        state = OrderedDict((names[i], by_index[str(i)]) for i in order if str(i) in by_index)
+        return {"state": state, "param_groups": [{**groups[0], "params": [names[i] for i in order]}]}
 
     # -- checkpoint templates ---------------------------------------------------------------------
     def _zero_block(self, name: str, dtype):

@@ -16,7 +16,9 @@ same number of targets.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+import functools
+import inspect
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,7 +27,8 @@ from ..autograd.tensor import Tensor
 from ..backend import get_array_module, to_host
 from ..distributed import ReduceOp, all_reduce
 
-__all__ = ["global_count", "token_groups_size", "token_mean"]
+__all__ = ["FROM_LOSS", "check_counted_targets", "global_count", "loss_ignore_index", "resolve_ignore_index",
+           "token_groups_size", "token_mean"]
 
 
 def _groups(groups: Iterable) -> List:
@@ -123,3 +126,88 @@ def token_mean(loss_sum: Tensor, num_tokens: int, groups: Sequence = (), *, shar
     n = _check_count(num_tokens, rank)
     shards = token_groups_size(gs) if shards is None else int(shards)
     return _TokenMean.apply(loss_sum.reshape(()), tuple(gs), n, shards)
+
+
+# -- which targets a pipeline counts: one source ---------------------------------------------------
+class _FromLoss:
+    """``ignore_index`` left to the loss function (the default of ``Pipeline`` and ``PipelinePlan``)."""
+
+    def __repr__(self) -> str:
+        return "FROM_LOSS"
+
+
+#: the default ``ignore_index`` of ``Pipeline`` / ``PipelinePlan``: read it from ``loss_fn`` (see
+#: :func:`resolve_ignore_index`)
+FROM_LOSS = _FromLoss()
+_UNREAD = object()
+
+
+def loss_ignore_index(loss_fn: Optional[Callable]) -> Tuple[Any, str]:
+    """The ``ignore_index`` ``loss_fn`` applies, as ``(value, where it was read)``, or ``(_UNREAD, reason)`` when
+    it cannot be read.  Read: a loss module's ``ignore_index`` attribute (``nn.CrossEntropyLoss(ignore_index=-1)``,
+    ``nn.NLLLoss``), a ``functools.partial``'s keyword (``partial(F.cross_entropy, ignore_index=-1)``), or a
+    function's ``ignore_index`` parameter default (``F.cross_entropy``: -100).  ``None``: the pipeline's default
+    loss, ``F.cross_entropy`` (-100).  A lambda or another function has no readable value."""
+    if loss_fn is None:
+        return -100, "F.cross_entropy (the default loss)"
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__qualname__
+    if isinstance(loss_fn, functools.partial):
+        if "ignore_index" in loss_fn.keywords:
+            return loss_fn.keywords["ignore_index"], f"functools.partial({_name(loss_fn.func)}, ignore_index=...)"
+        return loss_ignore_index(loss_fn.func)
+    value = getattr(loss_fn, "ignore_index", _UNREAD)
+    if value is not _UNREAD and not callable(value):
+        return value, f"{type(loss_fn).__qualname__}.ignore_index"
+    if inspect.isfunction(loss_fn) or inspect.ismethod(loss_fn):
+        try:
+            param = inspect.signature(loss_fn).parameters.get("ignore_index")
+        except (TypeError, ValueError):
+            param = None
+        if param is not None and param.default is not inspect.Parameter.empty:
+            return param.default, f"{_name(loss_fn)}'s ignore_index default"
+    return _UNREAD, f"{name} (a function with no ignore_index the pipeline can read)"
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def resolve_ignore_index(loss_fn: Optional[Callable], ignore_index: Any, rank: int) -> Tuple[Optional[int], bool]:
+    """The target value a pipeline does not count, from its one source, and whether it was checked.
+
+    ``ignore_index=FROM_LOSS`` (the default) takes the loss function's (:func:`loss_ignore_index`); a loss whose
+    value cannot be read (a lambda) is counted with -100, ``F.cross_entropy``'s, and :func:`check_counted_targets`
+    refuses at the first step a negative target other than it (which only a loss ignoring it accepts).  An
+    explicit ``ignore_index`` (``None``: every target counts) must equal the loss's where that is readable.
+
+    Raises:
+        ValueError: naming both values and the fix, when ``ignore_index`` and the loss function's disagree.
+    """
+    read, where = loss_ignore_index(loss_fn)
+    if ignore_index is FROM_LOSS:
+        return (-100, False) if read is _UNREAD else (read, True)
+    if read is not _UNREAD and read != ignore_index:
+        raise ValueError(
+            f"rank {rank}: the pipeline was told ignore_index={ignore_index!r} but its loss function ignores "
+            f"{read!r} ({where}): the token count would disagree with the loss. Leave ignore_index out (it is read "
+            f"from the loss function) or give the loss the same ignore_index")
+    return ignore_index, read is not _UNREAD
+
+
+def check_counted_targets(targets, ignore_index: Optional[int], rank: int) -> None:
+    """Refuse integer targets holding a negative value other than ``ignore_index``: no class has it, so a loss
+    that accepted them ignores them, and the pipeline (told another value) would count them."""
+    t = to_host(targets)
+    if getattr(t, "dtype", np.dtype(float)).kind != "i" or not t.size:
+        return
+    mask = t < 0
+    if ignore_index is not None:
+        mask &= t != ignore_index
+    bad = t[mask]
+    if bad.size:
+        raise ValueError(
+            f"rank {rank}: the pipeline's targets hold {int(bad.flat[0])}, which it counts as a token "
+            f"(ignore_index={ignore_index!r}); no class has a negative index, so the loss function must be ignoring "
+            f"it and the token mean would be wrong. Give the loss function in a form the pipeline reads "
+            f"(nn.CrossEntropyLoss(ignore_index={int(bad.flat[0])}) or functools.partial(F.cross_entropy, "
+            f"ignore_index={int(bad.flat[0])})) or pass ignore_index={int(bad.flat[0])} to PipelinePlan / Pipeline")

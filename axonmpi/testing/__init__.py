@@ -15,11 +15,13 @@ __all__ = ["mpiexec_path", "mpiexec_env", "run_mpiexec"]
 # fails ("PMI_Init returned -1"). Every process a test spawns goes through mpiexec_env().
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_", "I_MPI_", "MPICH_INTERFACE",
                       "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+# torchrun's rank variables, which init_process_group publishes (distributed/rank_env.py): a child is a new launch
+_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
 
 def mpiexec_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The current environment minus the launcher's own variables (so a nested launch is clean)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _RANK_VARS}
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")

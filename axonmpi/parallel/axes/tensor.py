@@ -169,10 +169,15 @@ def _megatron(module: Module, c: Composition, tied_ids=()) -> int:
             continue
         outside = (region is not None and any(fnmatch.fnmatchcase(qname, p) for p in region.outside)) or \
             any(qname == w or qname.startswith(w + ".") for w in whole)
-        if style == "column_kv":
-            new = _kv_layer(parent, child, c, kv_groups, outside=outside)
-        else:
-            new = _layer(child, style, c, whole_out=region is not None and qname == region.leave, outside=outside)
+        try:
+            if style == "column_kv":
+                new = _kv_layer(parent, child, c, kv_groups, outside=outside)
+            else:
+                new = _layer(child, style, c, whole_out=region is not None and qname == region.leave, outside=outside)
+        except ValueError as e:             # a size the tensor group cannot split: name the layer (issue 48 item 8)
+            raise ValueError(f"{e} (layer {qname!r}, a {type(child).__module__}.{type(child).__qualname__} made "
+                             f"{style!r}: change its size, e.g. pad a vocabulary to a multiple of {group.size}, or "
+                             "leave it out of the tensor-parallel plan)") from e
         if style in ("column", "column_kv"):
             columns[qname] = new
         if style in ("row", "vocab", "attention"):      # outputs whole over the tensor group

@@ -26,7 +26,7 @@ from .schedules import (Action, ActionKind, PipelineSchedule, Schedule, _check_f
                         simulate)
 from .stage import PipelineStage
 from ..grad_sync import GradReducer, check_group, mean_over, no_sync, reduction_groups, sharded_within
-from ..token_mean import global_count, token_groups_size
+from ..token_mean import FROM_LOSS, check_counted_targets, global_count, resolve_ignore_index, token_groups_size
 
 __all__ = ["Pipeline", "PipelineMemoryStats", "PipelineTiming"]
 
@@ -177,11 +177,15 @@ class Pipeline:
         num_microbatches: micro-batches ``m`` per step (the batch may not divide evenly: the
             first ``B % m`` micro-batches take one more sample).
         loss_fn: ``loss_fn(output, target) -> scalar Tensor``, the mean over the micro-batch.
-        ignore_index: integer targets equal to it are not counted (cross_entropy's -100): each
-            micro-batch's mean loss is weighted by its number of counted targets (over the
-            data-parallel replicas too), so the result is the mean over every counted target
-            of the batch, as the serial model computes it.  ``None``, or float targets: weighted
-            by sample counts.
+        ignore_index: integer targets equal to it are not counted: each micro-batch's mean loss is
+            weighted by its number of counted targets (over the data-parallel replicas too), so the
+            result is the mean over every counted target of the batch, as the serial model computes
+            it.  Default: read from ``loss_fn`` (its one source: ``nn.CrossEntropyLoss(ignore_index=)``,
+            ``functools.partial(F.cross_entropy, ignore_index=)``, a function's default); a given value
+            that disagrees with the loss function's raises ValueError; a loss function whose value
+            cannot be read (a lambda) counts with -100 and refuses negative targets other than it
+            (:func:`~axonmpi.parallel.token_mean.resolve_ignore_index`).  ``None``, or float targets:
+            weighted by sample counts.
         group: the pipeline group (default: all ranks).
         virtual_stages: chunks per rank ``v`` (interleaved: any; ZBV: 2, the default for it; else 1;
             default: the number of chunks given, when more than one).
@@ -217,7 +221,7 @@ class Pipeline:
                  num_microbatches: Optional[int] = None, loss_fn: Optional[Callable] = None,
                  group: Optional[ProcessGroup] = None, virtual_stages: Optional[int] = None, *,
                  data_group: Optional[ProcessGroup] = None, track_memory: bool = True,
-                 ignore_index: Optional[int] = -100, token_groups: Sequence[ProcessGroup] = (),
+                 ignore_index: Any = FROM_LOSS, token_groups: Sequence[ProcessGroup] = (),
                  scatter_group: Optional[ProcessGroup] = None,
                  aux_loss: Optional[Callable[[Module], Optional[Tensor]]] = None):
         self.group = role_group("pipeline", group)
@@ -264,7 +268,7 @@ class Pipeline:
             self.stages[sid] = st
         self.loss_fn = loss_fn
         self.aux_loss = aux_loss
-        self.ignore_index = ignore_index
+        self.ignore_index, self._ignore_checked = resolve_ignore_index(loss_fn, ignore_index, r)
         self.data_group = _data_group(self.group, data_group)
         self._extra_token_groups = tuple(resolve_group(x) for x in token_groups)
         for st in self.stages.values():
@@ -352,6 +356,8 @@ class Pipeline:
         """
         if self.loss_fn is None:
             raise ValueError(f"rank {self.rank}: Pipeline.step needs loss_fn")
+        if not self._ignore_checked and targets is not None:     # a loss whose ignore_index could not be read
+            check_counted_targets(_raw(targets), self.ignore_index, self.rank)
         if not self._device_comm:
             self._reach_device_backend()
         if scaler is not None and not set(self.group.ranks) <= set(scaler.group.ranks):

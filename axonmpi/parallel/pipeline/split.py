@@ -24,11 +24,27 @@ def _layers(model: Module) -> List[Module]:
     children, or what a model with ``pipeline_layers()`` gives (the GPT: embedding, blocks, head)."""
     layers = getattr(model, "pipeline_layers", None)
     if callable(layers):
-        return list(layers())
+        out = list(layers())
+        bad = [f"{i}: {type(m).__name__}" for i, m in enumerate(out) if not isinstance(m, Module)]
+        if bad or not out:
+            raise TypeError(f"{_qual(model)}.pipeline_layers() must return a non-empty list of axonmpi.nn.Module "
+                            f"(each fed the previous one's output), got {bad or 'an empty list'} "
+                            "(docs/parallelize.md, 'The pipeline_layers() protocol')")
+        return out
     if isinstance(model, Sequential):
         return list(model)
-    raise TypeError(f"split_module cuts an axonmpi.nn.Sequential or a model with pipeline_layers() "
-                    f"(axonmpi.models.GPT), got {type(model).__name__}")
+    raise TypeError(
+        f"a pipeline cuts an axonmpi.nn.Sequential or a model with a pipeline_layers() method; got a {_qual(model)}, "
+        "which is neither. Add to it `def pipeline_layers(self): return [...]`: the model as an ordered list of its "
+        "own submodules (or small wrappers holding them), each called on the previous one's output, the first on "
+        "the model's input and the last giving what loss_fn(output, target) takes, so that every parameter belongs "
+        "to exactly one of them (docs/parallelize.md, 'The pipeline_layers() protocol', has an example); or pass "
+        "an nn.Sequential")
+
+
+def _qual(model) -> str:
+    """``package.module.Class``: two classes of one name are told apart."""
+    return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def _param_count(m: Module) -> int:
