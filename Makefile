@@ -13,7 +13,7 @@ NPS ?= 1 2 3 4
 NP1_SHARDS ?= 2
 # the N-D layouts (tests marked nd: three or more axes through parallelize) run in their own pass at these sizes
 ND_NPS ?= 8 16
-PYTEST_ARGS ?= -q
+PYTEST_ARGS ?= -q --durations=10
 DEMO_ARGS ?=
 RANKS ?= 4
 DEMO_DIR ?= checkpoints/gpt
