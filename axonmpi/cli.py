@@ -397,7 +397,8 @@ Every layout string printed is accepted by --layout; --json prints {"layouts": [
     sp.set_defaults(func=_cmd_plan)
     sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot; needs "
                                      "pip install 'axonmpi[plot]')")
-    sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")
+    sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json, or run "
+                    "folders (their metrics.jsonl: the trainer writes one into its --checkpoint-dir)")
     sp.add_argument("-o", "--output", default="metrics.png", help="the PNG to write")
     sp.set_defaults(func=_cmd_plot)
     sp = sub.add_parser("trace", help="flight records and timelines: analyze DIR (first divergence), merge DIR")
