@@ -923,7 +923,7 @@ def main(argv=None):
              "steps | %s, vocab %d, unigram entropy %.3f nats", hyb.recipe.name,
              sum(int(np.prod(q.shape)) for q in hyb.parameters()) / 1e6, n_params / 1e6, world.world_size, hyb.shards,
              args.global_batch // hyb.shards, args.block_size, data.unit, args.steps, data.describe,
-             data.vocab_size, h_unigram)
+             cfg.vocab_size, h_unigram)
     meter = Meter(args, world, cfg, n_params, log)
 
     bar = None
