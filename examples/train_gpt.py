@@ -883,6 +883,8 @@ def main(argv=None):
     axonmpi.manual_seed(hyb.dropout_seed(args.seed))  # one stream per row slice for dropout and sampling
 
     mgr, latest = open_checkpoints(args, world, log)
+    if mgr is not None and not args.no_save and world.rank == 0:      # the log lines go into the run folder too
+        log_to_run_folder(log, args.checkpoint_dir)
     step = 0
     if latest is not None:   # the newest intact checkpoint; ones failing verification are moved aside, saying so
         try:
@@ -897,8 +899,6 @@ def main(argv=None):
                  f", padded to {cfg.vocab_rows} rows for the layout" if getattr(cfg, "padded_vocab_size", None) else "")
         hf = None
     saving = mgr is not None and not args.no_save
-    if saving and world.rank == 0:      # the log lines go into the run folder too
-        log_to_run_folder(log, args.checkpoint_dir)
     log.info("%s", hyb.describe())
     preempt = ckpt.PreemptionHandler() if saving and not args.no_preemption_save else None
     last_saved = step
