@@ -70,7 +70,7 @@ test: install
 
 INTEROP_TESTS ?= tests/test_gpt2_interop.py tests/test_gpt2_layouts.py tests/test_safetensors.py tests/test_torch_surface.py \
 	tests/test_collectives_interop.py tests/test_llama_layers.py tests/test_llama_interop.py tests/test_llama.py \
-	tests/test_llama_recipe.py
+	tests/test_llama_recipe.py tests/test_finetune.py
 
 test-interop: install
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 transformers
