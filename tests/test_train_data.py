@@ -214,3 +214,38 @@ def test_a_pasted_layout_with_zero1_and_sequence_parallel_equals_one_process(tmp
     want, got = np.load(tmp_path / "one.npz"), np.load(tmp_path / "four.npz")
     for k in want.files:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_recipe_pads_unpadded_weights_on_load_and_is_a_training_state(world, tmp_path_factory):
+    """Megatron TP over every rank on a vocabulary of 97, padded to divide: the serial (unpadded, HF-shaped) weights
+    load into the padded recipe (zero rows appended; on main: "'wte.weight' has shape (97, 24); expected (98, 24)")
+    with the serial loss; ``checkpoint.training_state`` takes the recipe object (on main: TypeError)."""
+    import axonmpi
+    from axonmpi import checkpoint as ckpt
+    from axonmpi.models import GPT, GPTConfig
+    from axonmpi.models.gpt import padded_vocab_size
+    from axonmpi.optim import AdamW
+    from axonmpi.recipes import HybridGPT
+    n = world.world_size
+    grid = axonmpi.ProcessGrid(world, G_data=1, G_inter=1, G_intra_r=1, G_intra_c=n, G_intra_d=1)
+    shape = dict(vocab_size=97, block_size=8, n_layer=1, n_head=12, n_embd=24)
+    axonmpi.manual_seed(0)
+    serial = GPT(GPTConfig(**shape), dtype=np.float64)
+    pad = padded_vocab_size(97, 1, n)
+    hyb = HybridGPT(GPTConfig(**shape, padded_vocab_size=None if pad == 97 else pad), grid,
+                    tp_style="megatron" if n > 1 else "axonn", dtype="float64", global_batch=4)
+    hyb.load_full_state_dict(serial.state_dict())
+    full = hyb.full_state_dict()
+    assert full["wte.weight"].shape == (pad, 24)
+    for k, v in serial.state_dict().items():
+        np.testing.assert_array_equal(full[k][:v.shape[0]], v, err_msg=k)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 97, (4, 8)), rng.integers(0, 97, (4, 8))
+    want = float(serial(x, y)[1].item())
+    assert hyb.eval_loss(hyb.local_batch(x), hyb.local_batch(y)) == pytest.approx(want, rel=1e-12)
+    opt = AdamW(hyb.parameters(), lr=1e-3)
+    d = axonmpi.broadcast_object(str(tmp_path_factory.mktemp("recipe") / "ck") if world.rank == 0 else None)
+    ckpt.save(d, ckpt.training_state(hyb, opt, step=3))
+    loaded = ckpt.load(d, hyb.checkpoint_template(d), strict=False)
+    assert ckpt.restore_training_state(loaded, hyb, opt)["step"] == 3
