@@ -1,13 +1,21 @@
-"""Train a character-level GPT (or a Llama) on the Python standard library's own source code over MPI ranks.
+"""Train a GPT (or a Llama) over MPI ranks: by default character-level on the Python standard library's own source
+(download-free); on your token files with --data; from Hugging Face weights with --init-from hf:DIR.
 
-Run on 4 local ranks (what `make demo` does):
+Run on 4 local ranks (what `make demo` does; after `make install` the tools are in .venv/bin):
 
-    mpiexec -n 4 python examples/train_gpt.py
-    mpiexec -n 4 python examples/train_gpt.py --resume          # continue from the last checkpoint
-    mpiexec -n 4 python examples/train_gpt.py --G-inter 2 --G-intra-c 2     # pipeline x tensor parallel
-    mpiexec -n 4 python examples/train_gpt.py --context-parallel 2 --cp-algo ring   # 2 data x 2 sequence chunks
-    mpiexec -n 4 python examples/train_gpt.py --model llama --n-kv-head 1 --G-intra-c 4 --tp-style megatron \
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --resume     # continue from the last checkpoint
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --layout "tp=2,pp=2,dp=1"   # as `axonmpi plan` prints
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --G-inter 2 --G-intra-c 2   # pipeline x AxoNN tensor
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --context-parallel 2 --cp-algo ring
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --model llama --n-kv-head 1 --tp 4 \
         --sequence-parallel --checkpoint-dir checkpoints/llama   # a Llama: its key/value head on every tensor rank
+    .venv/bin/python examples/prepare_data.py input.txt --out data/mine           # your text -> token files
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --data data/mine --init-from hf:gpt2-dir \
+        --layout "tp=2,pp=2,dp=1" --checkpoint-dir runs/ft    # fine-tune (docs/finetune.md); ckpt export --format hf-gpt2
+
+`tp` means Megatron tensor parallelism everywhere (--tp, --layout, `axonmpi plan`); AxoNN's 3-D split is
+--G-intra-r/c/d with --tp-style axonn. A flag that does nothing in the chosen layout is refused.
 
 --model llama trains axonmpi.models.Llama (RMSNorm, rotary positions, grouped-query attention with --n-kv-head
 key/value heads, a SwiGLU MLP of --ffn-hidden) through the same recipe (axonmpi.recipes.llama; docs/llama.md):
@@ -23,7 +31,9 @@ one process on the whole batch computes) beside its moving average (EMA 0.9, ove
 after a --resume it starts again from the first resumed step, as the log says), labelled. Rank 0
 shows a progress bar (loss, loss_ema, tokens/s, ETA) when its stderr reaches a terminal, also
 through mpiexec (--progress / --no-progress force it), evaluates on held-out text, prints a generated
-sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps).
+sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps). Every log line, the bar
+and --metrics-json carry step time, tokens/s (this step's and averaged), MFU (with --peak-tflops or a detected GPU),
+peak memory, the data position and the time; the run folder (--checkpoint-dir) keeps train.log and metrics.jsonl.
 
 SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption; jobs/*.sbatch ask for
 SIGUSR1 120 s ahead) makes every rank stop at the next step boundary, save, and exit with code 75,
@@ -897,7 +907,7 @@ def main(argv=None):
         hyb.load_full_state_dict(hf.state_dict)
         log.info("--init-from %s: %s weights loaded (vocabulary %d%s)", args.init_from, hf.kind, cfg.vocab_size,
                  f", padded to {cfg.vocab_rows} rows for the layout" if getattr(cfg, "padded_vocab_size", None) else "")
-        hf = None
+    hf = None             # the serial copy of the weights is not kept
     saving = mgr is not None and not args.no_save
     log.info("%s", hyb.describe())
     preempt = ckpt.PreemptionHandler() if saving and not args.no_preemption_save else None

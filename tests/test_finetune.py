@@ -10,7 +10,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np

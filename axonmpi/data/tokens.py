@@ -19,7 +19,8 @@ import numpy as np
 
 from .dataset import Dataset, _check_index
 
-__all__ = ["TOKEN_DTYPES", "META_FILE", "TokenFileDataset", "read_token_meta", "token_files", "write_token_file"]
+__all__ = ["TOKEN_DTYPES", "META_FILE", "TokenFileDataset", "open_tokens", "read_token_meta", "token_files",
+           "write_token_file"]
 
 TOKEN_DTYPES = ("uint16", "uint32")
 META_FILE = "meta.json"
