@@ -801,12 +801,14 @@ class Meter:
     @staticmethod
     def short(row: dict) -> dict:
         """The bar's postfix fields."""
-        out = {"step_s": f"{row['step_s']:.2f}", "tok_s": f"{row['tokens_per_s_avg']:,.0f}"}
+        out = {"step_s": f"{row['step_s']:.2f}", "tok_s": f"{row['tokens_per_s_avg']:,.0f}",
+               "now": f"{row['tokens_per_s']:,.0f}"}
         if "mfu" in row:
             out["mfu"] = f"{100 * row['mfu']:.1f}%"
         out["rss"] = f"{row['host_peak_rss_gib']:.2f}G"
         if "device_gib" in row:
             out["gpu"] = f"{row['device_gib']:.1f}G"
+        out["data"] = f"e{row['epoch']}:{row['sample']}"
         return out
 
     @staticmethod

@@ -124,9 +124,11 @@ axonmpi_run_name() {
   fi
   if [[ -n "${SLURM_JOB_ID:-}" ]]; then     # this job's output into the run folder too (the submit folder keeps its copy)
     mkdir -p "$dir"
-    exec > >(tee -a "$dir/slurm-$SLURM_JOB_ID.out") 2>&1
-    AXONMPI_TEE_PID=$!
-    trap 'exec >&- 2>&-; wait "$AXONMPI_TEE_PID" 2>/dev/null || true' EXIT    # the copy is whole when the job ends
+    exec > >(tee -a "$dir/slurm-$SLURM_JOB_ID.out")
+    AXONMPI_TEE_PIDS=$!
+    exec 2> >(tee -a "$dir/slurm-$SLURM_JOB_ID.out" >&2)       # stdout and stderr stay two streams
+    AXONMPI_TEE_PIDS="$AXONMPI_TEE_PIDS $!"
+    trap 'exec >&- 2>&-; wait $AXONMPI_TEE_PIDS 2>/dev/null || true' EXIT    # the copy is whole when the job ends
   fi
   echo "$msg" >&2
 }
