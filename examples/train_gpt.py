@@ -728,10 +728,19 @@ def make_optimizer(args, hyb, grid):
 def log_to_run_folder(log, folder: str) -> None:
     """Rank 0's log lines also appended to ``folder/train.log`` (the run folder keeps its own log)."""
     os.makedirs(folder, exist_ok=True)
-    h = logging.FileHandler(os.path.join(folder, "train.log"), encoding="utf-8")
+    path = os.path.abspath(os.path.join(folder, "train.log"))
+    h = logging.FileHandler(path, encoding="utf-8")
+    h._run_folder = True
     h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"))
     log.addHandler(h)
     atexit.register(h.close)
+
+
+def detach_run_log(log) -> None:
+    """Close the run-folder log of an earlier ``main()`` in this process (tests call it more than once)."""
+    for h in [h for h in log.handlers if getattr(h, "_run_folder", False)]:
+        log.removeHandler(h)
+        h.close()
 
 
 def count_parameters(hyb) -> int:
@@ -833,6 +842,7 @@ def main(argv=None):
             axonmpi.log.exit0(f"impossible layout: {e}")
     grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
+    detach_run_log(log)
     if args.trace and axonmpi.trace.active() is None:
         axonmpi.trace.start(args.trace, world.rank)     # written when the run ends (or fails)
         atexit.register(axonmpi.trace.stop)
