@@ -13,7 +13,7 @@ NPS ?= 1 2 3 4
 NP1_SHARDS ?= 2
 # the N-D layouts (tests marked nd: three or more axes through parallelize) run in their own pass at these sizes
 ND_NPS ?= 8 16
-PYTEST_ARGS ?= -q
+PYTEST_ARGS ?= -q --durations=10
 DEMO_ARGS ?=
 RANKS ?= 4
 DEMO_DIR ?= checkpoints/gpt
@@ -70,7 +70,7 @@ test: install
 
 INTEROP_TESTS ?= tests/test_gpt2_interop.py tests/test_gpt2_layouts.py tests/test_safetensors.py tests/test_torch_surface.py \
 	tests/test_collectives_interop.py tests/test_llama_layers.py tests/test_llama_interop.py tests/test_llama.py \
-	tests/test_llama_recipe.py tests/test_nanogpt_ported.py tests/test_torch_select.py
+	tests/test_llama_recipe.py tests/test_nanogpt_ported.py tests/test_torch_select.py tests/test_finetune.py
 
 test-interop: install
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 transformers

@@ -344,7 +344,10 @@ Table 1 only; held out, Korthikanti 2022 reads 5.2% mean / 10.4% worst and Megat
 vs tensor x pipeline comparison (Table 2) 7.4% / 16.7%, picking the published winner at each GPU
 count (Table 1, fitted: 2.5% / 5.1%).  On a measured machine (--measure under mpiexec/srun, or
 --hardware cpu: this development machine's file) the same formulas take the rates measured there.
-Every layout string printed is accepted by --layout; --json prints {"layouts": [...]} (--top of them).""")
+Every layout string printed is accepted by --layout; --json prints {"layouts": [...]} (--top of them).
+Here, in examples/train_gpt.py and in its --layout, tp is Megatron tensor parallelism (train_gpt.py's --tp N =
+--G-intra-c N --tp-style megatron); AxoNN's 3-D split is row/col/depth. Paste a printed layout into
+examples/train_gpt.py --layout "..." to train under it.""")
     sp.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
     sp.add_argument("--layers", type=_positive_int, required=True, help="transformer blocks")
     sp.add_argument("--width", type=_positive_int, required=True, help="hidden size")
@@ -405,7 +408,8 @@ Every layout string printed is accepted by --layout; --json prints {"layouts": [
     sp.set_defaults(func=_cmd_plan)
     sp = sub.add_parser("plot", help="loss and tokens/s curves of --metrics-json files into a PNG (axonmpi.plot; needs "
                                      "pip install 'axonmpi[plot]')")
-    sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json")
+    sp.add_argument("files", nargs="+", help="JSON Lines files written by examples/train_gpt.py --metrics-json, or run "
+                    "folders (their metrics.jsonl: the trainer writes one into its --checkpoint-dir)")
     sp.add_argument("-o", "--output", default="metrics.png", help="the PNG to write")
     sp.set_defaults(func=_cmd_plot)
     sp = sub.add_parser("trace", help="flight records and timelines: analyze DIR (first divergence), merge DIR")

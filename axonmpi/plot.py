@@ -10,12 +10,15 @@ __all__ = ["load_metrics", "main", "plot_metrics"]
 
 
 def load_metrics(path: str) -> List[Dict[str, float]]:
-    """The rows of a JSON Lines metrics file (``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``).
+    """The rows of a JSON Lines metrics file (``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s`` ...), or of a
+    run folder's ``metrics.jsonl``.
 
     Example:
         >>> rows = load_metrics("metrics.json")          # doctest: +SKIP
     """
     rows = []
+    if os.path.isdir(path):           # a run folder: the metrics.jsonl examples/train_gpt.py writes there
+        path = os.path.join(path, "metrics.jsonl")
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -55,8 +58,9 @@ def plot_metrics(paths: Sequence[str], output: str = "metrics.png", labels: Opti
     for rows, label in zip(runs, labels):
         steps = [r["step"] for r in rows]
         ax_loss.plot(steps, [r["loss"] for r in rows], label=label)
-        if all("tokens_per_s" in r for r in rows):
-            ax_tok.plot(steps, [r["tokens_per_s"] for r in rows], label=label)
+        key = "tokens_per_s_avg" if all("tokens_per_s_avg" in r for r in rows) else "tokens_per_s"
+        if all(key in r for r in rows):
+            ax_tok.plot(steps, [r[key] for r in rows], label=label)
     ax_loss.set_xlabel("step"), ax_loss.set_ylabel("loss (mean over the global batch)")
     ax_tok.set_xlabel("step"), ax_tok.set_ylabel("tokens/s")
     ax_loss.legend(), ax_tok.legend()

@@ -1,13 +1,21 @@
-"""Train a character-level GPT (or a Llama) on the Python standard library's own source code over MPI ranks.
+"""Train a GPT (or a Llama) over MPI ranks: by default character-level on the Python standard library's own source
+(download-free); on your token files with --data; from Hugging Face weights with --init-from hf:DIR.
 
-Run on 4 local ranks (what `make demo` does):
+Run on 4 local ranks (what `make demo` does; after `make install` the tools are in .venv/bin):
 
-    mpiexec -n 4 python examples/train_gpt.py
-    mpiexec -n 4 python examples/train_gpt.py --resume          # continue from the last checkpoint
-    mpiexec -n 4 python examples/train_gpt.py --G-inter 2 --G-intra-c 2     # pipeline x tensor parallel
-    mpiexec -n 4 python examples/train_gpt.py --context-parallel 2 --cp-algo ring   # 2 data x 2 sequence chunks
-    mpiexec -n 4 python examples/train_gpt.py --model llama --n-kv-head 1 --G-intra-c 4 --tp-style megatron \
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --resume     # continue from the last checkpoint
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --layout "tp=2,pp=2,dp=1"   # as `axonmpi plan` prints
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --G-inter 2 --G-intra-c 2   # pipeline x AxoNN tensor
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --context-parallel 2 --cp-algo ring
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --model llama --n-kv-head 1 --tp 4 \
         --sequence-parallel --checkpoint-dir checkpoints/llama   # a Llama: its key/value head on every tensor rank
+    .venv/bin/python examples/prepare_data.py input.txt --out data/mine           # your text -> token files
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/train_gpt.py --data data/mine --init-from hf:gpt2-dir \
+        --layout "tp=2,pp=2,dp=1" --checkpoint-dir runs/ft    # fine-tune (docs/finetune.md); ckpt export --format hf-gpt2
+
+`tp` means Megatron tensor parallelism everywhere (--tp, --layout, `axonmpi plan`); AxoNN's 3-D split is
+--G-intra-r/c/d with --tp-style axonn. A flag that does nothing in the chosen layout is refused.
 
 --model llama trains axonmpi.models.Llama (RMSNorm, rotary positions, grouped-query attention with --n-kv-head
 key/value heads, a SwiGLU MLP of --ffn-hidden) through the same recipe (axonmpi.recipes.llama; docs/llama.md):
@@ -23,7 +31,9 @@ one process on the whole batch computes) beside its moving average (EMA 0.9, ove
 after a --resume it starts again from the first resumed step, as the log says), labelled. Rank 0
 shows a progress bar (loss, loss_ema, tokens/s, ETA) when its stderr reaches a terminal, also
 through mpiexec (--progress / --no-progress force it), evaluates on held-out text, prints a generated
-sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps).
+sample, and a sharded HDF5 checkpoint is written at the end (and every --save-every steps). Every log line, the bar
+and --metrics-json carry step time, tokens/s (this step's and averaged), MFU (with --peak-tflops or a detected GPU),
+peak memory, the data position and the time; the run folder (--checkpoint-dir) keeps train.log and metrics.jsonl.
 
 SIGTERM or SIGUSR1 (what Slurm sends before a time limit or a preemption; jobs/*.sbatch ask for
 SIGUSR1 120 s ahead) makes every rank stop at the next step boundary, save, and exit with code 75,
@@ -31,21 +41,27 @@ on which the job templates requeue the job; the requeued job's --auto-resume con
 """
 import argparse
 import atexit
+import datetime
 import json
+import logging
 import math
 import os
+import resource
 import sys
 import time
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import axonmpi  # noqa: E402
 from axonmpi import checkpoint as ckpt  # noqa: E402
-from axonmpi.data import CharDataset, CharTokenizer, load_stdlib_corpus, unigram_entropy  # noqa: E402
+from axonmpi.data import (CharDataset, CharTokenizer, TokenFileDataset, load_stdlib_corpus, read_token_meta,  # noqa: E402
+                          token_files, unigram_entropy)
+from axonmpi.data.tokens import open_tokens  # noqa: E402
 from axonmpi.models import GPTConfig, LlamaConfig  # noqa: E402
 from axonmpi.models.gpt import padded_vocab_size  # noqa: E402
-from axonmpi.optim import AdamW  # noqa: E402
+from axonmpi.optim import AdamW, ZeroRedundancyOptimizer  # noqa: E402
 from axonmpi.amp import GradScaler  # noqa: E402
 from axonmpi.finite import check_finite  # noqa: E402
 from axonmpi.parallel.fsdp import MixedPrecision  # noqa: E402
@@ -60,7 +76,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 # options that fix the model's shapes (or its vocabulary): a resume must use the saved values
 ARCH_OPTIONS = ("model", "n_layer", "n_head", "n_embd", "block_size", "corpus_bytes", "dtype", "moe_experts", "moe_top_k",
                 "moe_every", "tie_word_embeddings", "make_vocab_size_divisible_by", "n_kv_head", "ffn_hidden",
-                "rope_theta")
+                "rope_theta", "vocab_rows")
 # the flags only one model family reads
 LLAMA_ONLY = ("n_kv_head", "ffn_hidden", "rope_theta")
 # training options a --resume may change: applied from the resumed step on, one log line each (old -> new)
@@ -84,9 +100,15 @@ def parse_args(argv=None):
     g.add_argument("--block-size", type=int, default=64, help="context length in characters")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
-                   help="Megatron's vocabulary padding: wte / lm_head get the vocabulary rounded up to a multiple of "
-                        "N x G-intra-c (megatron) rows; the padding rows are masked out of the loss and the sampler, "
-                        "and exports write the real vocabulary (default: no padding)")
+                   help="Megatron's vocabulary padding (--model gpt): wte / lm_head get the vocabulary rounded up to a "
+                        "multiple of N x the Megatron tensor size (Megatron's default N is 128); the padding rows are "
+                        "masked out of the loss and the sampler, and exports write the real vocabulary (default: "
+                        "padded only when the tensor size does not divide it, to its next multiple)")
+    g.add_argument("--init-from", default=None, metavar="hf:DIR",
+                   help="fine-tune: start from a Hugging Face GPT-2 or Llama directory (config.json + safetensors, "
+                        "what save_pretrained writes; read locally, nothing is downloaded). The model's shape "
+                        "(--model, layers, heads, width, vocabulary, tie) is the directory's; --block-size must not "
+                        "exceed its positions. Used on a fresh start only: a resume reads its checkpoint")
     g.add_argument("--tie-word-embeddings", action="store_true",
                    help="GPT-2's tied head: lm_head.weight is wte.weight (with a pipeline: a copy on the first and "
                         "last stage, their gradients summed; with --sequence-parallel: split over the vocabulary: "
@@ -117,7 +139,22 @@ def parse_args(argv=None):
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm; 0 disables")
     g.add_argument("--seed", type=int, default=0, help="seed of init, data order and sampling")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameter dtype")
-    g = p.add_argument_group("layout (AxoNN's five sizes; their product is the number of ranks)")
+    g = p.add_argument_group(
+        "layout (AxoNN's five sizes; their product is the number of ranks). `tp` always means Megatron tensor "
+        "parallelism, here, in --layout and in `axonmpi plan`: --tp N is --G-intra-c N --tp-style megatron; "
+        "AxoNN's 3-D split is --G-intra-r/c/d with --tp-style axonn (the planner's row/col/depth)")
+    g.add_argument("--layout", default=None, metavar="SPEC",
+                   help="the layout as `axonmpi plan` prints it, pasted: \"tp=2,pp=2,dp=2,sp=1,zero=1,schedule=zbv\" "
+                        "(keys tp pp dp vp cp ep sp zero shard row col depth schedule cp_kind; tp: Megatron; "
+                        "row/col/depth: AxoNN; vp=2 is --schedule interleaved; zero=1: --zero 1, zero=2/3: --fsdp "
+                        "shard_grad_op/full_shard, shard=N: hybrid_shard). Replaces the size flags below, which "
+                        "may not be given with it")
+    g.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="Megatron tensor parallelism over N ranks (the planner's tp): --G-intra-c N --tp-style megatron")
+    g.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: ZeRO-1 (the planner's zero=1): AdamW's moments split over the data ranks "
+                        "(ZeroRedundancyOptimizer), gradients all-reduced as DDP; needs more than one data rank "
+                        "and no --fsdp (zero=2/3 are --fsdp shard_grad_op/full_shard)")
     g.add_argument("--G-data", type=int, default=None, help="data-parallel replicas (default: what the others leave)")
     g.add_argument("--G-inter", type=int, default=1, help="pipeline stages")
     g.add_argument("--G-intra-r", type=int, default=1, help="tensor parallel: rows of each weight (AxoNN)")
@@ -141,8 +178,10 @@ def parse_args(argv=None):
                         "parallel, MoE (router losses over the global tokens), FSDP and --tie-word-embeddings")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
-                        "ZBV with 2 chunks per rank in a V)")
-    g.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches per step")
+                        "ZBV with 2 chunks per rank in a V); another than 1f1b without a pipeline is refused")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline micro-batches per step (default 1; with --layout and a pipeline: one sequence "
+                        "per micro-batch, the planner's micro-batch 1); more than 1 without a pipeline is refused")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each pipeline chunk's (without a pipeline: each top-level layer's) activations "
                         "in backward")
@@ -166,6 +205,13 @@ def parse_args(argv=None):
     g.add_argument("--dump-params", default=None, metavar="PATH",
                    help="rank 0 writes the final full (serial-named) parameters to PATH (.npz)")
     g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, metavar="PATH",
+                   help="token files: a folder of train.bin / val.bin / meta.json (examples/prepare_data.py), or one "
+                        ".bin file (its last 10%% held out); nanoGPT's header-free uint16/uint32 ids, memory-mapped, "
+                        "windows of --block-size + 1 tokens every --block-size tokens (default: the standard "
+                        "library's source, characters)")
+    g.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None,
+                   help="with --data: the token width (default: meta.json's, else uint16 as nanoGPT)")
     g.add_argument("--corpus-bytes", type=int, default=1 << 20, help="bytes of standard-library source to train on")
     g.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final evaluation")
     g = p.add_argument_group("checkpoints")
@@ -194,10 +240,17 @@ def parse_args(argv=None):
                       help="force rank 0's progress bar, on stderr, even when it is a pipe (under mpiexec "
                            "it shows on the launcher's stderr)")
     g.add_argument("--log-every", type=int, default=25, help="a log line every N steps without a progress bar")
+    g.add_argument("--peak-tflops", type=float, default=None, metavar="TF",
+                   help="peak TFLOP/s of one rank's device, for the MFU in log lines, the bar and --metrics-json "
+                        "(default: the detected GPU's dense peak for the dtype; none on CPU: MFU not shown)")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
-                   help="one JSON line per step (step, loss, grad_norm, lr, tokens_per_s, and loss_scale "
-                        "with --mixed-precision fp16; with --moe-experts also aux_loss, z_loss, tokens_per_expert_min/mean/max and dropped_tokens); rank 0 writes. A fresh run starts the file anew; a resumed "
-                        "one keeps the rows up to the resumed step and appends")
+                   help="one JSON line per step (step, loss, grad_norm, lr, step_s, tokens_per_s (this step's), "
+                        "tokens_per_s_avg (over the last steps), mfu (with a peak), host_peak_rss_gib, "
+                        "device_gib (on a GPU), epoch, sample (global samples read this epoch), tokens (seen "
+                        "in all), time (UTC), and loss_scale with --mixed-precision fp16; with --moe-experts also "
+                        "aux_loss, z_loss, tokens_per_expert_min/mean/max and dropped_tokens); rank 0 writes. A "
+                        "fresh run starts the file anew; a resumed one keeps the rows up to the resumed step and "
+                        "appends. Default: metrics.jsonl in the --checkpoint-dir (the run folder) when saving")
     g.add_argument("--trace", default=None, metavar="DIR",
                    help="write a Chrome/Perfetto timeline per rank to DIR/trace_rank<r>.json (collectives, forward, "
                         "backward, FSDP, pipeline, checkpoints); merge with `axonmpi trace merge DIR`")
@@ -211,10 +264,83 @@ def parse_args(argv=None):
         p.error("--cpu-offload and --mixed-precision fp16 need --fsdp shard_grad_op|full_shard|hybrid_shard")
     if args.overwrite and (args.resume or args.auto_resume):
         p.error("--overwrite starts fresh; it cannot be combined with --resume/--auto-resume")
-    other = model_problem(args)
+    other = model_problem(args) or apply_layout(args) or layout_problem(args)
     if other:
         p.error(other)
+    if args.microbatches is None:
+        args.microbatches = 1
+    if args.init_from is not None and not args.init_from.startswith("hf:"):
+        p.error(f"--init-from {args.init_from}: expected hf:DIR (a Hugging Face GPT-2 or Llama directory)")
     return args
+
+
+# the flags --layout replaces, with their defaults (one given beside --layout is refused, naming it)
+LAYOUT_DEFAULTS = {"G_data": None, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1, "context_parallel": 1,
+                   "expert_parallel": 1, "tp": None, "tp_style": "axonn", "sequence_parallel": False,
+                   "schedule": "1f1b", "fsdp": "none", "zero": 0, "hybrid_shard_size": None, "cp_algo": "ring"}
+
+
+def apply_layout(args) -> "str | None":
+    """Write ``--tp`` and ``--layout`` (the planner's string) into the five sizes and their options; a problem as
+    one line (else None).  ``tp`` is Megatron's everywhere: ``--G-intra-c tp --tp-style megatron``."""
+    if args.layout is None:
+        if args.tp is not None:
+            if (args.G_intra_r, args.G_intra_c, args.G_intra_d) != (1, 1, 1):
+                return (f"--tp {args.tp} is --G-intra-c {args.tp} --tp-style megatron; it cannot be combined with "
+                        "--G-intra-r/--G-intra-c/--G-intra-d (AxoNN's split): give one of them")
+            args.G_intra_c, args.tp_style = args.tp, "megatron"
+        return None
+    given = [f"--{k.replace('_', '-')}" for k, d in LAYOUT_DEFAULTS.items() if getattr(args, k) != d]
+    if given:
+        return f"--layout {args.layout!r} gives the whole layout: leave out {' '.join(given)}"
+    from axonmpi.planner import ParallelLayout
+    try:
+        lay = ParallelLayout.parse(args.layout)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    said = f"--layout {args.layout!r}"
+    if lay.vp not in (1, 2):
+        return f"{said}: vp={lay.vp}; the trainer's interleaved schedule runs 2 chunks per rank (vp=2)"
+    if lay.tp_overlap or not lay.overlap or not lay.reduce_overlap:
+        return (f"{said}: overlap={lay.overlap}, reduce_overlap={lay.reduce_overlap}, tp_overlap={lay.tp_overlap} "
+                "are the planner's models of other runtimes; axonmpi always overlaps its gradient reductions "
+                "(overlap=1, reduce_overlap=1) and not its tensor-parallel all-reduces (tp_overlap=0): drop them")
+    if lay.zero == 2 and lay.shard and lay.shard != lay.dp:
+        return (f"{said}: zero=2 with shard={lay.shard}: FSDP's hybrid shard is ZeRO-3 inside each shard group; use "
+                "zero=3,shard=N")
+    args.G_data, args.G_inter, args.context_parallel, args.expert_parallel = lay.dp, lay.pp, lay.cp, lay.ep
+    args.cp_algo, args.sequence_parallel = lay.cp_kind, bool(lay.sp)
+    if lay.axonn > 1:
+        args.G_intra_r, args.G_intra_c, args.G_intra_d, args.tp_style = lay.row, lay.col, lay.depth, "axonn"
+    elif lay.tp > 1:
+        args.G_intra_c, args.tp_style = lay.tp, "megatron"
+    if lay.pp > 1:
+        args.schedule = lay.pipeline_schedule
+        if args.microbatches is None:        # the planner's micro-batch of 1 sequence
+            args.microbatches = max(1, args.global_batch // (lay.dp * lay.axonn))
+    if lay.zero == 1:
+        args.zero = 1
+    elif lay.zero >= 2:
+        hybrid = bool(lay.shard) and lay.shard != lay.dp
+        args.fsdp = "hybrid_shard" if hybrid else ("shard_grad_op" if lay.zero == 2 else "full_shard")
+        args.hybrid_shard_size = lay.shard if hybrid else None
+    return None
+
+
+def layout_problem(args) -> "str | None":
+    """A flag that does nothing in the chosen layout (one line naming it and why), else None."""
+    if args.schedule != "1f1b" and args.G_inter == 1:
+        return (f"--schedule {args.schedule} does nothing without a pipeline: add --G-inter N (pp=N in --layout) "
+                "or leave --schedule out")
+    if args.microbatches is not None and args.microbatches > 1 and args.G_inter == 1:
+        return (f"--microbatches {args.microbatches} does nothing without a pipeline (the whole batch is one "
+                "forward and backward): add --G-inter N or leave it out")
+    if args.cp_algo != "ring" and args.context_parallel == 1:
+        return f"--cp-algo {args.cp_algo} does nothing without --context-parallel N (N > 1)"
+    if args.zero and args.fsdp != "none":
+        return (f"--zero 1 with --fsdp {args.fsdp}: FSDP already shards the optimizer state (zero=2/3 are "
+                "--fsdp shard_grad_op/full_shard); give one")
+    return None
 
 
 def model_problem(args) -> "str | None":
@@ -232,7 +358,7 @@ def model_problem(args) -> "str | None":
 
 
 # counts and amounts that make no sense at zero or below (None: the option was left out)
-AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batch", "log_every", "keep_last",
+AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batch", "log_every", "keep_last", "tp",
               "n_kv_head", "ffn_hidden",
               "microbatches", "G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel",
               "expert_parallel", "hybrid_shard_size", "corpus_bytes", "eval_batches", "loss_scale_growth_interval",
@@ -240,7 +366,7 @@ AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batc
 AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
               "moe_experts": "0: dense", "seed": None, "grad_clip": "0: no clipping", "weight_decay": None,
               "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None}
-ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor", "rope_theta")
+ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor", "rope_theta", "peak_tflops")
 
 
 def count_problem(args) -> "str | None":
@@ -275,8 +401,12 @@ def config_mismatch(saved: dict, args) -> list:
     """``["--n-embd 64 vs saved 128", ...]`` for every shape-defining option that differs from the checkpoint."""
     out = []
     for name in ARCH_OPTIONS:
-        if name in saved and saved[name] != getattr(args, name):
-            out.append(f"--{name.replace('_', '-')} {getattr(args, name)} vs saved {saved[name]}")
+        if name in saved and saved[name] != getattr(args, name, None):
+            if name == "vocab_rows":     # padded for another tensor size
+                out.append(f"the vocabulary padded to {args.vocab_rows} rows for this layout vs {saved[name]} saved "
+                           "(pass --make-vocab-size-divisible-by N so that both tensor sizes pad alike)")
+            else:
+                out.append(f"--{name.replace('_', '-')} {getattr(args, name)} vs saved {saved[name]}")
     return out
 
 
@@ -338,7 +468,7 @@ def open_metrics(path, step, resumed, log):
 def evaluate(hyb, tokens, block, batches, batch, seed):
     """Mean loss on ``batches`` random global batches of windows of the held-out tokens."""
     rng = np.random.default_rng((seed, 99))
-    ds = CharDataset(tokens, block)
+    ds = TokenFileDataset(tokens, block, stride=1)      # every offset, read from the array or memory map
     hyb.model.eval()
     losses = []
     for _ in range(batches):
@@ -439,6 +569,268 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     return step
 
 
+class Data(NamedTuple):
+    """What the trainer reads: the training windows, the held-out tokens, how to show tokens as text."""
+    train: Any                     # a Dataset of (x, y) windows
+    val: Any                       # held-out token ids (an array or a memory map)
+    vocab_size: int
+    h_unigram: float               # entropy of the token frequencies: the loss of a context-free model
+    decode: Callable[[Any], str]
+    prompt: np.ndarray             # the generated sample's first tokens
+    unit: str                      # "chars" / "tokens"
+    describe: str
+
+
+def load_data(args) -> Data:
+    """``--data`` token files (memory-mapped; nanoGPT's layout) or, by default, the standard library's source as
+    characters (download-free)."""
+    if args.data is None:
+        text = load_stdlib_corpus(max_bytes=args.corpus_bytes)
+        tok = CharTokenizer(text)
+        ids = tok.encode(text)
+        split = int(0.9 * len(ids))
+        train, val = ids[:split], ids[split:]
+        return Data(CharDataset(train, args.block_size), val, tok.vocab_size, unigram_entropy(train), tok.decode,
+                    tok.encode("def "), "chars", f"{len(train)} train chars")
+    try:
+        train_path, val_path = token_files(args.data)
+        meta = read_token_meta(args.data)
+        tokens = open_tokens(train_path, args.data_dtype)
+        if val_path is not None:
+            val = open_tokens(val_path, args.data_dtype)
+        else:                       # one file: its last 10% held out, as the character corpus
+            split = int(0.9 * len(tokens))
+            tokens, val = tokens[:split], tokens[split:]
+        train = TokenFileDataset(tokens, args.block_size)
+        if len(val) <= args.block_size:
+            raise ValueError(f"--data {args.data}: {len(val)} held-out tokens cannot make one window of "
+                             f"--block-size {args.block_size} + 1")
+    except (OSError, ValueError) as e:
+        axonmpi.log.exit0(f"--data: {e}")
+    vocab = meta.get("vocab_size") or 1 + max(train.max_token(), int(np.max(val)))
+    head = np.asarray(tokens[:1 << 22])        # the unigram baseline from the first 4M tokens
+    return Data(train, val, int(vocab), unigram_entropy(head), _decoder(args.data, meta),
+                np.asarray(val[:4], dtype=np.int64), "tokens",
+                f"{len(tokens):,} train tokens ({tokens.dtype.name}, {meta.get('tokenizer', 'no meta.json')}) "
+                f"in {len(train):,} windows")
+
+
+def _decoder(path: str, meta: dict) -> Callable[[Any], str]:
+    """Token ids -> text with the tokenizer prepare_data.py recorded (bytes, or its copy of a HF tokenizer)."""
+    def ids_of(a):
+        return [int(i) for i in np.asarray(a.get() if hasattr(a, "get") else a).reshape(-1)]
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    saved = meta.get("tokenizer_path")
+    try:
+        if meta.get("tokenizer") == "bytes":
+            return lambda a: bytes(min(i, 255) for i in ids_of(a)).decode("utf-8", errors="replace")
+        if meta.get("tokenizer") == "tokenizer.json" and saved:
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(os.path.join(folder, saved))
+            return lambda a: tok.decode(ids_of(a))
+        if meta.get("tokenizer") == "transformers" and saved:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(os.path.join(folder, saved), local_files_only=True)
+            return lambda a: tok.decode(ids_of(a))
+    except (ImportError, OSError, ValueError):
+        pass
+    return lambda a: " ".join(map(str, ids_of(a)))       # no tokenizer to read: the ids
+
+
+class HFSource(NamedTuple):
+    kind: str                      # "gpt2" / "llama"
+    config: Any                    # GPTConfig keyword arguments (gpt2) or a LlamaConfig
+    state_dict: dict               # the serial model's names
+
+
+def read_init_from(args) -> HFSource:
+    """``--init-from hf:DIR``: the directory's config and weights (under our serial names); the model flags are
+    set to the directory's shape (logged), so checkpoints record what was trained."""
+    from axonmpi.models import GPT, Llama
+    from axonmpi.models.hf_files import CONFIG_FILE
+    d = args.init_from[3:]
+    path = os.path.join(d, CONFIG_FILE)
+    try:
+        with open(path) as f:
+            kind = json.load(f).get("model_type")
+        if kind == "gpt2":
+            from axonmpi.models import hf_gpt2
+            _, kw = hf_gpt2.read_directory(d)
+            model = GPT.from_hf(d, dtype=np.float64)
+            args.model, args.n_layer, args.n_head, args.n_embd = "gpt", kw["n_layer"], kw["n_head"], kw["n_embd"]
+            args.tie_word_embeddings = kw["tie_word_embeddings"]
+            config = dict(kw)
+        elif kind == "llama":
+            model = Llama.from_hf(d, dtype=np.float64)
+            config = model.config
+            args.model, args.n_layer, args.n_head, args.n_embd = "llama", config.n_layer, config.n_head, config.n_embd
+            args.n_kv_head, args.ffn_hidden, args.rope_theta = config.n_kv_head, config.intermediate_size, \
+                config.rope_theta
+            args.tie_word_embeddings = config.tie_word_embeddings
+        else:
+            raise ValueError(f"{path} has model_type={kind!r}; --init-from reads gpt2 and llama")
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        axonmpi.log.exit0(f"--init-from {args.init_from}: {e}")
+    if kind == "llama" and (args.dropout or args.moe_experts):
+        axonmpi.log.exit0(f"--init-from {args.init_from}: a Llama has no dropout and no MoE variant")
+    if args.moe_experts:
+        axonmpi.log.exit0(f"--init-from {args.init_from}: GPT-2 is dense; leave --moe-experts out")
+    return HFSource(kind, config, model.state_dict())
+
+
+def model_config(args, grid, data_vocab: int, hf: Optional[HFSource]):
+    """The GPTConfig / LlamaConfig: the flags' shape, or ``--init-from``'s; a GPT's vocabulary padded for the
+    Megatron tensor size (``--make-vocab-size-divisible-by``, else only as far as the tensor size needs)."""
+    vocab = data_vocab if hf is None else (hf.config["vocab_size"] if hf.kind == "gpt2" else hf.config.vocab_size)
+    if vocab < data_vocab:
+        raise ValueError(f"--init-from {args.init_from}: the model's vocabulary of {vocab} is smaller than the data's "
+                         f"{data_vocab}: tokenize with the model's tokenizer (examples/prepare_data.py --tokenizer)")
+    args.vocab_size = vocab          # saved with the config: exports write these rows only
+    tp = grid.G_intra_c if args.tp_style == "megatron" else 1
+    pad = padded_vocab_size(vocab, args.make_vocab_size_divisible_by or 1, tp)
+    pad = None if pad == vocab or args.model == "llama" else pad
+    args.vocab_rows = vocab if pad is None else pad
+    if hf is not None and hf.kind == "llama":
+        if args.block_size > hf.config.block_size:
+            raise ValueError(f"--block-size {args.block_size} exceeds {args.init_from}'s max_position_embeddings "
+                             f"{hf.config.block_size}")
+        return hf.config
+    if hf is not None:
+        if args.block_size > hf.config["block_size"]:
+            raise ValueError(f"--block-size {args.block_size} exceeds {args.init_from}'s n_positions "
+                             f"{hf.config['block_size']}")
+        return GPTConfig(**{**hf.config, "padded_vocab_size": pad, "dropout": args.dropout})
+    if args.model == "llama":
+        return LlamaConfig(vocab_size=vocab, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+                           n_kv_head=args.n_kv_head, intermediate_size=args.ffn_hidden, block_size=args.block_size,
+                           rope_theta=10000.0 if args.rope_theta is None else args.rope_theta,
+                           tie_word_embeddings=args.tie_word_embeddings)
+    cfg = GPTConfig(vocab_size=vocab, padded_vocab_size=pad, block_size=args.block_size,
+                    n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                    moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
+                    moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                    moe_z_loss_coeff=args.moe_z_loss_coeff, tie_word_embeddings=args.tie_word_embeddings)
+    return cfg
+
+
+def make_optimizer(args, hyb, grid):
+    """AdamW over this rank's parameters; with ``--zero 1`` its state split over the data replicas (ZeRO-1)."""
+    options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if not args.zero:
+        return AdamW(hyb.parameters(), **options)
+    from axonmpi.parallel.grad_sync import data_reduction_group
+    group = data_reduction_group(grid)
+    if group.size == 1:
+        axonmpi.log.exit0("--zero 1 does nothing with one data replica (dp=1): it splits the optimizer state over "
+                          "the data ranks; leave it out or add data parallelism")
+    return ZeroRedundancyOptimizer(hyb.parameters(), AdamW, group=group, **options)
+
+
+def log_to_run_folder(log, folder: str) -> None:
+    """Rank 0's log lines also appended to ``folder/train.log`` (the run folder keeps its own log)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.abspath(os.path.join(folder, "train.log"))
+    h = logging.FileHandler(path, encoding="utf-8")
+    h._run_folder = True
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"))
+    log.addHandler(h)
+    atexit.register(h.close)
+
+
+def detach_run_log(log) -> None:
+    """Close the run-folder log of an earlier ``main()`` in this process (tests call it more than once)."""
+    for h in [h for h in log.handlers if getattr(h, "_run_folder", False)]:
+        log.removeHandler(h)
+        h.close()
+
+
+def count_parameters(hyb) -> int:
+    """The serial model's parameter count (each rank's names with their full shapes, united over the ranks)."""
+    from axonmpi.distributed import all_gather_object
+    mine = {n: int(np.prod(hyb.full_shape(n))) for n in hyb.param_names}
+    every = {}
+    for d in all_gather_object(mine):
+        every.update(d)
+    return sum(every.values())
+
+
+# dense matrix peak TFLOP/s of one GPU by name: (float32 without TF32, bfloat16/float16 tensor cores)
+PEAK_TFLOPS = {"H200": (67.0, 989.0), "H100": (67.0, 989.0), "A100": (19.5, 312.0), "V100": (15.7, 125.0),
+               "MI250X": (47.9, 383.0), "MI300X": (163.4, 1307.0), "L40S": (91.6, 362.0)}
+
+
+def detect_peak_tflops(args) -> Optional[float]:
+    """``--peak-tflops``, else the GPU's datasheet peak for the compute dtype (``PEAK_TFLOPS``), else None (CPU)."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    from axonmpi import backend
+    if os.environ.get("AXONMPI_DEVICE", "cpu").startswith("cpu") or not backend.cupy_available():
+        return None
+    cp = backend.get_cupy()
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    half = args.mixed_precision in ("fp16", "bf16")
+    for key, (f32, f16) in PEAK_TFLOPS.items():
+        if key in name:
+            return f16 if half else f32
+    return None
+
+
+class Meter:
+    """Step time, tokens/s (this step's and a moving average), MFU, peak memory, data position and wall time:
+    the fields of every log line, the bar and ``--metrics-json``."""
+
+    def __init__(self, args, world, cfg, n_params: int, log):
+        self.tokens_per_step = args.global_batch * args.block_size
+        # nanoGPT's estimate (PaLM appendix B): 6 N per token for the matrices, 12 L C T for the attention scores
+        self.flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * args.block_size
+        peak = detect_peak_tflops(args)
+        self.peak = None if peak is None else peak * 1e12 * world.world_size
+        self.avg_dt = None
+        self.tokens = 0
+        self.replicas = None
+        if self.peak is None:
+            log.info("MFU not shown: no --peak-tflops and no GPU detected (pass the device's peak TFLOP/s per rank)")
+
+    def update(self, dt: float, step: int, sampler) -> dict:
+        """This step's numbers as a ``--metrics-json`` row's fields."""
+        self.avg_dt = dt if self.avg_dt is None else 0.9 * self.avg_dt + 0.1 * dt
+        row = {"step_s": dt, "tokens_per_s": self.tokens_per_step / max(dt, 1e-12),
+               "tokens_per_s_avg": self.tokens_per_step / max(self.avg_dt, 1e-12)}
+        if self.peak is not None:
+            row["mfu"] = self.flops_per_token * row["tokens_per_s_avg"] / self.peak
+        row["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB on Linux
+        dev = axonmpi.cuda.max_memory_allocated()
+        if dev:
+            row["device_gib"] = dev / 2 ** 30
+        row.update(epoch=sampler.epoch, sample=sampler.consumed * sampler.num_replicas,
+                   tokens=step * self.tokens_per_step,
+                   time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        return row
+
+    @staticmethod
+    def short(row: dict) -> dict:
+        """The bar's postfix fields."""
+        out = {"step_s": f"{row['step_s']:.2f}", "tok_s": f"{row['tokens_per_s_avg']:,.0f}",
+               "now": f"{row['tokens_per_s']:,.0f}"}
+        if "mfu" in row:
+            out["mfu"] = f"{100 * row['mfu']:.1f}%"
+        out["rss"] = f"{row['host_peak_rss_gib']:.2f}G"
+        if "device_gib" in row:
+            out["gpu"] = f"{row['device_gib']:.1f}G"
+        out["data"] = f"e{row['epoch']}:{row['sample']}"
+        return out
+
+    @staticmethod
+    def line(row: dict) -> str:
+        """The log line's tail."""
+        mfu = f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
+        dev = f", device {row['device_gib']:.2f} GiB" if "device_gib" in row else ""
+        return (f"{row['step_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s ({row['tokens_per_s_avg']:,.0f} "
+                f"averaged){mfu} | peak RSS {row['host_peak_rss_gib']:.2f} GiB{dev} | epoch {row['epoch']} sample "
+                f"{row['sample']}, {row['tokens']:,} tokens | {row['time']}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     sizes = dict(G_data=args.G_data, G_inter=args.G_inter, G_intra_r=args.G_intra_r, G_intra_c=args.G_intra_c,
@@ -451,6 +843,7 @@ def main(argv=None):
             axonmpi.log.exit0(f"impossible layout: {e}")
     grid = axonmpi.get_grid()
     log = axonmpi.get_logger("train_gpt", rank0_only=True)
+    detach_run_log(log)
     if args.trace and axonmpi.trace.active() is None:
         axonmpi.trace.start(args.trace, world.rank)     # written when the run ends (or fails)
         atexit.register(axonmpi.trace.stop)
@@ -461,13 +854,9 @@ def main(argv=None):
                           f"(e.g. --global-batch {max(n, args.global_batch // n * n)})")
     dtype = np.dtype(args.dtype)
 
-    text = load_stdlib_corpus(max_bytes=args.corpus_bytes)
-    tok = CharTokenizer(text)
-    data = tok.encode(text)
-    split = int(0.9 * len(data))
-    train_tokens, val_tokens = data[:split], data[split:]
-    h_unigram = unigram_entropy(train_tokens)
-    train_ds = CharDataset(train_tokens, args.block_size)
+    data = load_data(args)
+    train_ds, val_tokens, h_unigram = data.train, data.val, data.h_unigram
+    hf = read_init_from(args) if args.init_from else None
     if args.expert_parallel > 1 and (not args.moe_experts or grid.G_data % args.expert_parallel
                                      or args.moe_experts % args.expert_parallel):
         axonmpi.log.exit0(f"--expert-parallel {args.expert_parallel} needs --moe-experts and must divide both "
@@ -475,23 +864,7 @@ def main(argv=None):
     if grid.expert_parallel != args.expert_parallel:      # the expert groups are built with a grid, at its init
         grid = axonmpi.ProcessGrid(world, **grid.sizes, expert_parallel=args.expert_parallel)
     try:
-        args.vocab_size = tok.vocab_size          # saved with the config: exports write these rows only
-        pad = None
-        if args.make_vocab_size_divisible_by is not None:
-            tp = grid.G_intra_c if args.tp_style == "megatron" else 1
-            pad = padded_vocab_size(tok.vocab_size, args.make_vocab_size_divisible_by, tp)
-            pad = None if pad == tok.vocab_size else pad
-        if args.model == "llama":
-            cfg = LlamaConfig(vocab_size=tok.vocab_size, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
-                              n_kv_head=args.n_kv_head, intermediate_size=args.ffn_hidden, block_size=args.block_size,
-                              rope_theta=10000.0 if args.rope_theta is None else args.rope_theta,
-                              tie_word_embeddings=args.tie_word_embeddings)
-        else:
-            cfg = GPTConfig(vocab_size=tok.vocab_size, padded_vocab_size=pad, block_size=args.block_size,
-                            n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
-                            moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
-                            moe_capacity_factor=args.moe_capacity_factor, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-                            moe_z_loss_coeff=args.moe_z_loss_coeff, tie_word_embeddings=args.tie_word_embeddings)
+        cfg = model_config(args, grid, data.vocab_size, hf)
     except ValueError as e:
         axonmpi.log.exit0(str(e))
     try:
@@ -526,13 +899,15 @@ def main(argv=None):
         axonmpi.log.exit0(str(e))
     scaler = (GradScaler(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
               if args.mixed_precision == "fp16" else None)
-    opt = AdamW(hyb.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    opt = make_optimizer(args, hyb, grid)
     model, opt_state = hyb.checkpoint_state(opt)
     sched = LinearWarmupCosine(opt, warmup_steps=min(args.warmup, args.steps // 2), total_steps=max(args.steps, 1),
                                min_lr=args.lr * 0.1)
     axonmpi.manual_seed(hyb.dropout_seed(args.seed))  # one stream per row slice for dropout and sampling
 
     mgr, latest = open_checkpoints(args, world, log)
+    if mgr is not None and not args.no_save and world.rank == 0:      # the log lines go into the run folder too
+        log_to_run_folder(log, args.checkpoint_dir)
     step = 0
     if latest is not None:   # the newest intact checkpoint; ones failing verification are moved aside, saying so
         try:
@@ -541,6 +916,11 @@ def main(argv=None):
         except ckpt.CheckpointError as e:   # every checkpoint damaged, or one that does not fit: never step 0
             axonmpi.log.exit0(f"{'--resume' if args.resume else '--auto-resume'}: {e}", code=1)
         step = 0 if found is None else found[1]
+    elif hf is not None:       # a fresh fine-tune: the Hugging Face weights, the vocabulary padded for this layout
+        hyb.load_full_state_dict(hf.state_dict)
+        log.info("--init-from %s: %s weights loaded (vocabulary %d%s)", args.init_from, hf.kind, cfg.vocab_size,
+                 f", padded to {cfg.vocab_rows} rows for the layout" if getattr(cfg, "padded_vocab_size", None) else "")
+    hf = None             # the serial copy of the weights is not kept
     saving = mgr is not None and not args.no_save
     log.info("%s", hyb.describe())
     preempt = ckpt.PreemptionHandler() if saving and not args.no_preemption_save else None
@@ -561,11 +941,13 @@ def main(argv=None):
                  "being written in the background to" if async_save else "saved to", path, step)
         return path
 
-    log.info("%s (rank 0 trains %.2fM parameters) | %d ranks, %d row slices x %d sequences x %d chars | %d steps | "
-             "%d train chars, vocab %d, unigram entropy %.3f nats", hyb.recipe.name,
-             sum(int(np.prod(q.shape)) for q in hyb.parameters()) / 1e6, world.world_size, hyb.shards,
-             args.global_batch // hyb.shards, args.block_size, args.steps, len(train_tokens),
-             tok.vocab_size, h_unigram)
+    n_params = count_parameters(hyb)
+    log.info("%s (rank 0 trains %.2fM parameters of %.2fM) | %d ranks, %d row slices x %d sequences x %d %s | %d "
+             "steps | %s, vocab %d, unigram entropy %.3f nats", hyb.recipe.name,
+             sum(int(np.prod(q.shape)) for q in hyb.parameters()) / 1e6, n_params / 1e6, world.world_size, hyb.shards,
+             args.global_batch // hyb.shards, args.block_size, data.unit, args.steps, data.describe,
+             cfg.vocab_size, h_unigram)
+    meter = Meter(args, world, cfg, n_params, log)
 
     bar = None
     # rank 0's bar where its stderr reaches a terminal, also through mpiexec (the launcher's stderr); never
@@ -576,10 +958,11 @@ def main(argv=None):
         # rank 0's stderr, which mpiexec/srun forward to the launcher's stderr unbuffered
         bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                    file=sys.stderr, mininterval=0.5, disable=False)
+    if args.metrics_json is None and saving:         # the run folder keeps its metrics: axonmpi plot RUN_FOLDER
+        args.metrics_json = os.path.join(args.checkpoint_dir, "metrics.jsonl")
     metrics = (open_metrics(args.metrics_json, step, latest is not None, log)
                if (args.metrics_json and world.rank == 0) else None)
     start_step = step
-    tokens_per_step = args.global_batch * args.block_size
     t0, t_last, loss_ema, lval = time.perf_counter(), time.perf_counter(), None, None
     it = None
     while step < args.steps:
@@ -610,9 +993,9 @@ def main(argv=None):
         if math.isfinite(lval) or loss_ema is None:   # a step the scaler skipped keeps the average (no scaler: raised)
             loss_ema = lval if loss_ema is None or not math.isfinite(loss_ema) else 0.9 * loss_ema + 0.1 * lval
         now = time.perf_counter()
-        tok_s = tokens_per_step / max(now - t_last, 1e-9)
+        stats = meter.update(now - t_last, step, sampler)
         if metrics is not None:
-            row = {"step": step, "loss": lval, "grad_norm": float(grad_norm), "lr": lr, "tokens_per_s": tok_s}
+            row = {"step": step, "loss": lval, "grad_norm": float(grad_norm), "lr": lr, **stats}
             if scaler is not None:
                 row["loss_scale"] = scaler.get_scale()     # after this step's update
             if args.moe_experts:      # global batch: aux_loss, z_loss, tokens_per_expert_{min,mean,max}, dropped_tokens
@@ -620,12 +1003,12 @@ def main(argv=None):
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
         if bar is not None:     # loss: this step's (the global batch's mean); loss_ema: its moving average
-            bar.set_postfix(loss=f"{lval:.3f}", loss_ema=f"{loss_ema:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}",
+            bar.set_postfix(loss=f"{lval:.3f}", loss_ema=f"{loss_ema:.3f}", lr=f"{lr:.1e}", **meter.short(stats),
                             refresh=False)
             bar.update(1)
         elif step % args.log_every == 0 or step == args.steps:
-            log.info("step %d/%d loss %.4f (moving average %.4f) lr %.2e %.0f tokens/s", step, args.steps, lval,
-                     loss_ema, lr, tok_s)
+            log.info("step %d/%d loss %.4f (moving average %.4f) lr %.2e | %s", step, args.steps, lval,
+                     loss_ema, lr, meter.line(stats))
         t_last = now
         if saving and args.save_every and step % args.save_every == 0 and step < args.steps:
             save(step, async_save=args.async_save)
@@ -648,7 +1031,7 @@ def main(argv=None):
              "loss %.3f vs unigram entropy %.3f nats (%s)", step, step - start_step, elapsed,
              "n/a" if lval is None else f"{lval:.4f}", "n/a" if loss_ema is None else f"{loss_ema:.4f}", val,
              h_unigram,
-             "learned structure beyond character frequencies" if val < h_unigram else "not yet below unigram")
+             f"learned structure beyond {data.unit[:-1]} frequencies" if val < h_unigram else "not yet below unigram")
     if saving and step > start_step:
         save(step)
     if mgr is not None:
@@ -664,11 +1047,10 @@ def main(argv=None):
                  "--fsdp none)")
     elif args.sample_chars > 0 and (world.rank == 0 or args.expert_parallel > 1):
         # expert parallel: every rank runs the generation (its forwards dispatch tokens to the others)
-        prompt = "def "
-        idx = tok.encode(prompt)[None, :]
+        idx = data.prompt[None, :]
         out = hyb.generate(idx, args.sample_chars, temperature=0.8, top_k=20)
         if world.rank == 0:
-            print("---- sample ----\n" + tok.decode(out[0]) + "\n----------------", flush=True)
+            print("---- sample ----\n" + data.decode(out[0]) + "\n----------------", flush=True)
     axonmpi.barrier()
 
 

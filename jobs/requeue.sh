@@ -70,34 +70,67 @@ axonmpi_command() {
   AXONMPI_CMD+=("${words[@]}" "$@")
 }
 
-# axonmpi_run_name SCRIPT [ARGS...]: sets and exports RUN_NAME, the experiment's name and so its checkpoint folder
-# ($AXONMPI_SCRATCH/axonmpi/$RUN_NAME). Default: <job name>-<8 hex digits of the SHA-256 of the script's path,
-# SCRIPT_ARGS, the arguments given to sbatch and NAME=value of every variable named in AXONMPI_EXPERIMENT_VARS>.
-# Each template names there the variables that pick its layout and precision (the number of ranks, G_INTER ...,
-# FSDP, MIXED_PRECISION ...), so a sweep (G_INTER=2 then G_INTER=4, same script) gives each point its own folder,
-# a requeued job (same everything) resumes its own run, and --auto-resume never continues another experiment.
+# axonmpi_run_name SCRIPT [ARGS...]: sets and exports RUN_NAME, the experiment's name and so its run folder
+# ($AXONMPI_SCRATCH/axonmpi/$RUN_NAME: checkpoints, train.log, metrics.jsonl and this job's Slurm output).
+# Default: <job name>-<8 hex digits of the SHA-256 of the script's path, SCRIPT_ARGS, the arguments given to sbatch
+# and NAME=value of every variable named in AXONMPI_EXPERIMENT_VARS>, leaving out what only says how long or how
+# wide a run is: --steps N (a resubmission with more steps continues the run) and a --layout's dp=N (more nodes
+# continue it too; checkpoints reshard on load). Each template names in AXONMPI_EXPERIMENT_VARS the variables that
+# pick its layout and precision (G_INTER ..., FSDP, MIXED_PRECISION ...; not the task count), so a sweep (G_INTER=2
+# then G_INTER=4, same script) gives each point its own folder, a requeued or resubmitted job (more steps, more
+# nodes) resumes its own run, and --auto-resume never continues another experiment.
 # RUN_NAME=name chooses it (resubmit with the same RUN_NAME to continue a run under changed arguments or layout).
-# Says which, what went into the name, and whether it resumes.
+# Its first line says which, what went into the name, and whether it resumes or starts a NEW run folder.
+axonmpi_name_words() {   # AXONMPI_NAME_WORDS: the words minus --steps N / --steps=N, a --layout's dp=N removed
+  local skip=0 layout=0 a
+  AXONMPI_NAME_WORDS=()
+  for a in "$@"; do
+    if (( skip )); then skip=0; continue; fi
+    if (( layout )); then a=$(printf '%s' "$a" | sed -E 's/(^|,)dp=[0-9]+//; s/^,//'); layout=0; fi
+    case "$a" in
+      --steps) skip=1; continue ;;
+      --steps=*) continue ;;
+      --layout) layout=1 ;;
+      --layout=*) a=$(printf '%s' "$a" | sed -E 's/([=,])dp=[0-9]+,?/\1/; s/,$//') ;;
+    esac
+    AXONMPI_NAME_WORDS+=("$a")
+  done
+}
 axonmpi_run_name() {
-  local how key var vars=()
+  local how key var vars=() words=()
   for var in ${AXONMPI_EXPERIMENT_VARS:-}; do vars+=("$var=${!var:-}"); done
   if [[ -n "${RUN_NAME:-}" ]]; then
     how="set by RUN_NAME"
   else
-    key=$(printf '%s\0' "$@" "SCRIPT_ARGS=${SCRIPT_ARGS:-}" "${vars[@]}" | sha256sum | cut -c1-8)
+    if [[ -n "${SCRIPT_ARGS:-}" ]]; then
+      mapfile -d '' words < <(printf '%s' "$SCRIPT_ARGS" | xargs -r printf '%s\0') || {
+        echo "error: SCRIPT_ARGS=$SCRIPT_ARGS: unbalanced quotes" >&2; exit 2; }
+    fi
+    axonmpi_name_words "$@" "SCRIPT_ARGS" "${words[@]}"
+    key=$(printf '%s\0' "${AXONMPI_NAME_WORDS[@]}" "${vars[@]}" | sha256sum | cut -c1-8)
     RUN_NAME="${SLURM_JOB_NAME:-axonmpi}-$key"
-    how="job name + hash of the script, its arguments${vars[*]:+ and ${vars[*]}}; RUN_NAME=... to choose"
+    how="job name + hash of the script, its arguments but --steps${vars[*]:+ and ${vars[*]}}; RUN_NAME=... to choose"
   fi
   case "$RUN_NAME" in
     */*|.|..|-*) echo "error: RUN_NAME=$RUN_NAME: one folder name (no '/', not '.', '..' or starting with '-')" >&2; exit 2 ;;
   esac
   export RUN_NAME
-  local dir="$AXONMPI_SCRATCH/axonmpi/$RUN_NAME"
+  local dir="$AXONMPI_SCRATCH/axonmpi/$RUN_NAME" others msg
   if [[ -d "$dir" ]] && [[ -n "$(ls -A "$dir" 2>/dev/null)" ]]; then
-    echo "axonmpi: run $RUN_NAME ($how): $dir holds a run (this job requeued, or the same script, arguments and layout submitted again): --auto-resume continues it; set RUN_NAME=<new name> for a fresh experiment" >&2
+    msg="axonmpi: run $RUN_NAME ($how): $dir holds a run (this job requeued, or the same script, arguments and layout submitted again): --auto-resume continues it; set RUN_NAME=<new name> for a fresh experiment"
   else
-    echo "axonmpi: run $RUN_NAME ($how): new checkpoint folder $dir" >&2
+    others=$(cd "$AXONMPI_SCRATCH/axonmpi" 2>/dev/null && ls -d "${SLURM_JOB_NAME:-axonmpi}"-* 2>/dev/null | grep -vx "$RUN_NAME" | tr '\n' ' ' || true)
+    msg="axonmpi: NEW run $RUN_NAME ($how): new checkpoint folder $dir${others:+; to continue one of the other runs of this job name ($others) resubmit with RUN_NAME=<its name>}"
   fi
+  if [[ -n "${SLURM_JOB_ID:-}" ]]; then     # this job's output into the run folder too (the submit folder keeps its copy)
+    mkdir -p "$dir"
+    exec > >(tee -a "$dir/slurm-$SLURM_JOB_ID.out")
+    AXONMPI_TEE_PIDS=$!
+    exec 2> >(tee -a "$dir/slurm-$SLURM_JOB_ID.out" >&2)       # stdout and stderr stay two streams
+    AXONMPI_TEE_PIDS="$AXONMPI_TEE_PIDS $!"
+    trap 'exec >&- 2>&-; wait $AXONMPI_TEE_PIDS 2>/dev/null || true' EXIT    # the copy is whole when the job ends
+  fi
+  echo "$msg" >&2
 }
 
 # axonmpi_run_once COMMAND...: run srun in the background, forward SIGUSR1/SIGTERM to it, requeue on exit 75.

@@ -1,7 +1,9 @@
-"""Every ```python block in README.md and docs/*.md runs: one process, or N ranks when it starts with `# mpiexec -n N`.
+"""Every ```python block in README.md and docs/*.md runs: one process, or N ranks when it starts with `# mpiexec -n N`;
+every ```bash block runs too, all of one file's in order in one folder (a walk-through: its commands as printed,
+from a folder that looks like a clone after ``make install``: the repository's files and ``.venv``).
 
 Every fenced block either runs here or is marked not runnable with its reason: the line directly above it
-reads ``<!-- norun: why -->`` (GPU- or cluster-only snippets, output, diagrams, signatures).
+reads ``<!-- norun: why -->`` (GPU- or cluster-only snippets, long runs, installs, output, diagrams, signatures).
 ``test_every_block_runs_or_says_why`` holds every block, in any language, to that; a bare
 ``<!-- norun -->`` (no reason) fails it. Files are discovered when the tests are
 collected, so new docs are covered without editing this file. Each block runs in its own
@@ -24,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NORUN = re.compile(r"^<!-- norun: (\S.*\S) -->$")
 _MPIEXEC = re.compile(r"#\s*mpiexec\s+-n\s+(\d+)\b")
 _TIMEOUT = 120
+_SHELL = ("bash", "sh", "shell")
+_SHELL_TIMEOUT = 300
 
 
 class Block(NamedTuple):
@@ -61,6 +65,29 @@ def extract_blocks(text: str, path: str = "<doc>") -> List[Block]:
     return blocks
 
 
+def extract_shell_blocks(text: str, path: str = "<doc>") -> List[Block]:
+    """The runnable ```bash blocks of a Markdown text (norun-marked ones left out), in order.
+
+    Example:
+        >>> [b.code for b in extract_shell_blocks("```bash\\nls\\n```\\n<!-- norun: x -->\\n```bash\\nrm -r /\\n```\\n")]
+        ['ls\\n']
+    """
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        fence = re.match(r"^(\s*)(```+|~~~+)\s*(\w*)", lines[i])
+        if not fence:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence.group(2)):
+            j += 1
+        prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        if fence.group(3).lower() in _SHELL and not prev.startswith("<!-- norun"):
+            blocks.append(Block(path, i + 1, "\n".join(lines[i + 1:j]) + "\n", 0))
+        i = j + 1
+    return blocks
+
+
 def _doc_files() -> List[str]:
     return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
@@ -74,6 +101,19 @@ def _all_blocks() -> List[Block]:
 
 
 BLOCKS = _all_blocks()
+
+
+def _shell_walks():
+    out = {}
+    for f in _doc_files():
+        with open(f, encoding="utf-8") as fh:
+            got = extract_shell_blocks(fh.read(), os.path.relpath(f, ROOT))
+        if got:
+            out[os.path.relpath(f, ROOT)] = got
+    return out
+
+
+WALKS = _shell_walks()
 
 
 def test_extractor_follows_the_convention():
@@ -99,14 +139,16 @@ def _unmarked(text: str) -> List[str]:
         while j < len(lines) and not lines[j].strip().startswith(fence.group(2)):
             j += 1
         prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
-        if not NORUN.match(prev) and (fence.group(3).lower() not in ("python", "py") or prev.startswith("<!-- norun")):
+        runs = fence.group(3).lower() in ("python", "py") + _SHELL
+        if not NORUN.match(prev) and (not runs or prev.startswith("<!-- norun")):
             bad.append(f"line {i + 1} ({fence.group(3) or 'no language'})")
         i = j + 1
     return bad
 
 
 def test_every_block_runs_or_says_why():
-    assert _unmarked("```bash\nls\n```\n<!-- norun -->\n```python\nx\n```\n") == ["line 1 (bash)", "line 5 (python)"]
+    assert _unmarked("```text\nls\n```\n<!-- norun -->\n```python\nx\n```\n```bash\nls\n```\n") == \
+        ["line 1 (text)", "line 5 (python)"]
     bad = {}
     for f in _doc_files():
         with open(f, encoding="utf-8") as fh:
@@ -142,3 +184,21 @@ def test_doc_block_runs(block, tmp_path):
                            env=mpiexec_env(), cwd=str(tmp_path))
     assert r.returncode == 0, (f"{block.path}:{block.line} failed ({block.ranks or 1} process(es)), "
                                f"exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("path", sorted(WALKS))
+def test_doc_shell_blocks_run_as_printed(path, tmp_path):
+    """A file's unmarked ```bash blocks, in order, with ``bash -eo pipefail``, in one folder holding the repository's
+    files and ``.venv`` (this Python's environment): the commands a reader pastes after ``make install``."""
+    if any("transformers" in b.code for b in WALKS[path]):
+        pytest.importorskip("transformers")
+    for name in os.listdir(ROOT):
+        if name not in (".git", ".venv") and not name.startswith(".test"):
+            os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    os.symlink(sys.prefix, tmp_path / ".venv")
+    for b in WALKS[path]:
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", b.code], capture_output=True, text=True,
+                           timeout=_SHELL_TIMEOUT, env=mpiexec_env(), cwd=str(tmp_path))
+        assert r.returncode == 0, (f"{b.path}:{b.line} failed, exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}"
+                                   f"\n--- stderr\n{r.stderr[-3000:]}")

@@ -113,9 +113,10 @@ def test_template_command_line_and_per_experiment_folder(slurm, template):
     assert re.fullmatch(re.escape(str(slurm.scratch)) + rf"/axonmpi/{re.escape(name)}-[0-9a-f]{{8}}", ckpt), ckpt
     assert f"python {SCRIPT} --checkpoint-dir {ckpt} --auto-resume --no-progress" in line and line.endswith("--steps 7")
     out = (slurm.tmp / f"{name}-4242.out").read_text()
-    assert f"new checkpoint folder {ckpt}" in out, out
-    r, log2 = slurm(template, "--steps", "8")                # another experiment, same job name: another folder
-    assert r.returncode == 0 and _ckpt(_train_line(log2)) != ckpt
+    assert f"new checkpoint folder {ckpt}" in out and "NEW run" in out, out
+    assert f"new checkpoint folder {ckpt}" in open(os.path.join(ckpt, "slurm-4242.out")).read()  # a copy in the run
+    r, log2 = slurm(template, "--steps", "8")                # a longer run of the same experiment: the same folder
+    assert r.returncode == 0 and _ckpt(_train_line(log2)) == ckpt
     r, log3 = slurm(template, "--steps", "7")                # the same script and arguments: the same run, said so
     assert r.returncode == 0 and _ckpt(_train_line(log3)) == ckpt
     assert "holds a run" in (slurm.tmp / f"{name}-4242.out").read_text()
@@ -189,3 +190,25 @@ def test_a_layout_sweep_gives_each_point_its_own_folder(slurm, template):
     r, log = slurm(template, "--steps", "5", **SWEEPS[template][1])         # the same point again: its own run
     assert _ckpt(_train_line(log)) == folders[1]
     assert "holds a run" in (slurm.tmp / f"{name}-4242.out").read_text()
+
+
+@pytest.mark.serial
+def test_run_name_leaves_out_steps_and_the_data_parallel_size(tmp_path):
+    """--steps N and a --layout's dp=N (what grows with the node count) are not part of the run name; the task
+    count is in no template's AXONMPI_EXPERIMENT_VARS; another learning rate is another run."""
+    def name(*args, **env):
+        cmd = 'source jobs/requeue.sh; axonmpi_run_name "$@" 2>/dev/null; echo "$RUN_NAME"'
+        r = subprocess.run(["bash", "-c", cmd, "bash", "train.py", *args], capture_output=True, text=True, cwd=ROOT,
+                           env=mpiexec_env({"AXONMPI_SCRATCH": str(tmp_path), "SLURM_JOB_NAME": "j", **env}),
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+    base = name("--steps", "5", "--layout", "tp=2,pp=2,dp=4", "--lr", "1e-3")
+    assert base.startswith("j-") and len(base) == 10
+    assert name("--steps", "10", "--layout", "tp=2,pp=2,dp=8", "--lr", "1e-3", SLURM_NTASKS="32") == base
+    assert name("--steps=7", "--layout=tp=2,pp=2,dp=2", "--lr", "1e-3") == name("--layout=tp=2,pp=2", "--lr", "1e-3")
+    assert name("--steps", "5", "--layout", "tp=2,pp=2,dp=4", "--lr", "2e-3") != base
+    assert name("--steps", "5", "--layout", "tp=4,pp=1,dp=4", "--lr", "1e-3") != base
+    for t in TEMPLATES:
+        line = next(ln for ln in open(os.path.join(ROOT, "jobs", t)) if ln.startswith("AXONMPI_EXPERIMENT_VARS="))
+        assert "NTASKS" not in line and "G_DATA" not in line, (t, line)

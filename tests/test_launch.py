@@ -46,12 +46,23 @@ def test_limit_threads_unit(monkeypatch):
 
 
 @pytest.mark.parametrize("var", ["SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
-def test_launcher_mismatch_warns_with_the_fix(monkeypatch, var):
+def test_launcher_mismatch_is_an_error_under_a_launcher(monkeypatch, var):
+    """srun / mpiexec started 4 processes, MPI sees 1: an error naming the fix; an allocation's SLURM_NTASKS alone
+    (a batch script's own Python) or AXONMPI_ALLOW_LAUNCHER_MISMATCH=1: a warning."""
     for v, _ in launch._SIZE_VARS:
         monkeypatch.delenv(v, raising=False)
+    monkeypatch.delenv("AXONMPI_ALLOW_LAUNCHER_MISMATCH", raising=False)
     monkeypatch.setenv(var, "4")
-    with pytest.warns(launch.LauncherMismatchWarning, match=rf"started 4 processes \({var}=4\).*--mpi=pmix.*mpi4py"):
-        launch.check_launcher(1)
+    want = rf"started 4 processes \({var}=4\).*--mpi=pmix.*mpi4py"
+    if var == "SLURM_NTASKS":
+        with pytest.warns(launch.LauncherMismatchWarning, match=want):
+            launch.check_launcher(1)
+    else:
+        with pytest.raises(launch.LauncherMismatchError, match=want):
+            launch.check_launcher(1)
+        monkeypatch.setenv("AXONMPI_ALLOW_LAUNCHER_MISMATCH", "1")
+        with pytest.warns(launch.LauncherMismatchWarning, match=want):
+            launch.check_launcher(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert launch.check_launcher(4) is None  # consistent
@@ -60,12 +71,15 @@ def test_launcher_mismatch_warns_with_the_fix(monkeypatch, var):
 
 
 @pytest.mark.serial
-def test_init_warns_under_fake_srun():
+def test_init_refuses_a_fake_srun_and_warns_in_an_allocation():
     env = mpiexec_env({"SLURM_NTASKS": "4"})
     r = subprocess.run([sys.executable, "-c", "import axonmpi; axonmpi.init()"], capture_output=True, text=True,
                        env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "LauncherMismatchWarning" in r.stderr and "SLURM_NTASKS=4" in r.stderr
+    r = subprocess.run([sys.executable, "-c", "import axonmpi; axonmpi.init()"], capture_output=True, text=True,
+                       env={**env, "SLURM_STEP_NUM_TASKS": "4"}, timeout=60)
+    assert r.returncode != 0 and "LauncherMismatchError" in r.stderr and "SLURM_STEP_NUM_TASKS=4" in r.stderr
 
 
 _FAULTS = ("import resource, sys, numpy as np{init}\n"

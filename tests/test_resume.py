@@ -129,7 +129,8 @@ def test_resume_with_more_steps_extends_the_schedule(tmp_path):
     _gpt("--steps", 9, "--checkpoint-dir", d, "--resume", "--metrics-json", m)
     rows = [json.loads(x) for x in open(m)]
     assert [r["step"] for r in rows] == [7, 8, 9]
-    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_s"}
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "step_s", "tokens_per_s", "tokens_per_s_avg",
+                            "host_peak_rss_gib", "epoch", "sample", "tokens", "time"}
     opt = AdamW([axonmpi.Tensor(np.zeros(1), requires_grad=True)], lr=3e-3)
     want = LinearWarmupCosine(opt, warmup_steps=2, total_steps=9, min_lr=3e-4)
     expect = [want.lr_at(3e-3, t) for t in (6, 7, 8)]      # lr used by steps 7, 8, 9 of a 9-step schedule

@@ -27,13 +27,22 @@ def _load_state_dict(obj: Any, sd: Any, what: str, strict: bool) -> None:
         obj.load_state_dict(sd)
 
 
+def _unwrap(model, optimizer):
+    """A recipe object (``HybridGPT``: it has ``checkpoint_state(optimizer)``) stands for the model and optimizer it
+    names; anything else is returned as it is."""
+    if model is not None and not hasattr(model, "state_dict") and callable(getattr(model, "checkpoint_state", None)):
+        return model.checkpoint_state(optimizer)
+    return model, optimizer
+
+
 def training_state(model=None, optimizer=None, scheduler=None, sampler=None, *, rng: bool = True,
                    step: Optional[int] = None, epoch: Optional[int] = None, extra: Optional[dict] = None,
                    group=None) -> Dict[str, Any]:
     """The full training state as a checkpoint ``state`` dict (collective when ``rng=True``).
 
     Every object is duck-typed: anything with ``state_dict()`` works (a module, an optimizer,
-    an LR scheduler, a sampler or data loader).  Sharded state stays sharded, under the serial
+    an LR scheduler, a sampler or data loader); a recipe object such as ``HybridGPT`` (no ``state_dict()``, a
+    ``checkpoint_state(optimizer)``) stands for the model and optimizer it lays out.  Sharded state stays sharded, under the serial
     parameter names: an FSDP model gives its ``sharded_state_dict()`` and ``optim_state_dict(optimizer)``
     (each rank's blocks of the flattened parameters and optimizer moments, nothing gathered), a
     ``ZeroRedundancyOptimizer`` its ``sharded_state_dict()``.  Load with this rank's
@@ -50,6 +59,7 @@ def training_state(model=None, optimizer=None, scheduler=None, sampler=None, *, 
         >>> mgr.save(step, training_state(model, opt, sampler=loader.sampler, step=step))
     """
     from ..distributed import all_gather_object, resolve_group
+    model, optimizer = _unwrap(model, optimizer)
     state: Dict[str, Any] = {}
     sharded_model = model is not None and callable(getattr(model, "optim_state_dict", None))
     sharded_opt = optimizer is not None and callable(getattr(optimizer, "sharded_state_dict", None))
@@ -101,6 +111,7 @@ def restore_training_state(loaded: Dict[str, Any], model=None, optimizer=None, s
     if not isinstance(loaded, dict):
         raise TypeError(f"restore_training_state: loaded must be the dict that load()/load_latest() returned, "
                         f"got {type(loaded).__name__}")
+    model, optimizer = _unwrap(model, optimizer)
     for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("sampler", sampler)):
         if obj is None:
             continue

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 from .. import env as _env
 
-__all__ = ["THREAD_VARS", "LauncherMismatchWarning", "limit_threads", "keep_freed_memory", "launcher_world_size",
+__all__ = ["THREAD_VARS", "LauncherMismatchError", "LauncherMismatchWarning", "limit_threads", "keep_freed_memory", "launcher_world_size",
            "check_launcher", "apply_launch_defaults", "mpiexec_path"]
 
 #: variables a user sets to choose the BLAS/OpenMP thread count; any of them set means "leave it alone"
@@ -27,7 +27,13 @@ _SIZE_VARS = (
 
 
 class LauncherMismatchWarning(RuntimeWarning):
-    """The launcher started several processes but MPI gave this one a world of one."""
+    """An allocation (``SLURM_NTASKS``) holds several tasks but MPI gave this process a world of one: a batch
+    script's own Python (not started by ``srun``) is one process by design, so this only warns."""
+
+
+class LauncherMismatchError(RuntimeError):
+    """A launcher (``srun``, ``mpiexec``/``mpirun``) started several processes but MPI gave this one a world of
+    one: every process would train alone as rank 0, so ``init()`` stops."""
 
 
 def limit_threads(local_size: int, rank: int) -> Optional[int]:
@@ -121,16 +127,23 @@ def launcher_world_size() -> Optional[Tuple[int, str, str]]:
 
 
 def check_launcher(world_size: int) -> Optional[str]:
-    """Warn loudly (:class:`LauncherMismatchWarning`) when a launcher started N > 1 processes but MPI sees one.
+    """Refuse a launch where a launcher started N > 1 processes but MPI sees one.
 
     That happens when mpi4py is built against another MPI than the launcher's: every process
-    then runs as an independent rank 0, all writing into the same folders.
+    then runs as an independent rank 0, all writing into the same folders.  Under a launcher
+    (``srun``'s ``SLURM_STEP_NUM_TASKS``, ``mpiexec``'s ``PMI_SIZE`` ...) it raises
+    :class:`LauncherMismatchError`; with only an allocation's ``SLURM_NTASKS`` (a batch script's
+    own Python, one process by design) it warns (:class:`LauncherMismatchWarning`).
+    ``AXONMPI_ALLOW_LAUNCHER_MISMATCH=1`` turns the error into the warning.
 
     Args:
         world_size: the size of ``MPI.COMM_WORLD`` this process sees.
 
     Returns:
         The warning text, or None when the launch looks consistent.
+
+    Raises:
+        LauncherMismatchError: a launcher started several processes and MPI gives this one a world of 1.
     """
     found = launcher_world_size()
     if world_size != 1 or found is None or found[0] <= 1:
@@ -143,6 +156,8 @@ def check_launcher(world_size: int) -> Optional[str]:
            "the MPI that mpi4py was built with (`python -c 'import mpi4py; print(mpi4py.get_config())'`), "
            "or rebuild mpi4py against the system MPI: "
            "`module load <mpi>; pip install --force-reinstall --no-binary=mpi4py mpi4py` (docs/cluster.md)")
+    if var != "SLURM_NTASKS" and os.environ.get("AXONMPI_ALLOW_LAUNCHER_MISMATCH", "") != "1":
+        raise LauncherMismatchError(msg + "; AXONMPI_ALLOW_LAUNCHER_MISMATCH=1 runs anyway")
     warnings.warn(msg, LauncherMismatchWarning, stacklevel=3)
     return msg
 

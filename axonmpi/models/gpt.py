@@ -377,6 +377,20 @@ class GPT(Module):
 
     # -- Hugging Face GPT-2 ---------------------------------------------------------------------
     @classmethod
+    def from_hf(cls, source, n_head: Optional[int] = None, *, dtype=None, device=None, dropout: float = 0.0) -> "GPT":
+        """:meth:`from_hf_gpt2` under the name :meth:`Llama.from_hf <axonmpi.models.Llama.from_hf>` has: a
+        transformers GPT-2 directory (``config.json`` + ``model.safetensors``) or a ``GPT2LMHeadModel`` state dict.
+
+        Example:
+            >>> gpt = GPT.from_hf("gpt2-dir")          # what GPT2LMHeadModel.save_pretrained wrote
+        """
+        return cls.from_hf_gpt2(source, n_head, dtype=dtype, device=device, dropout=dropout)
+
+    def save_hf(self, directory, max_shard_size="5GB", dtype=None) -> list:
+        """:meth:`save_hf_gpt2` under :meth:`Llama.save_hf <axonmpi.models.Llama.save_hf>`'s name."""
+        return self.save_hf_gpt2(directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    @classmethod
     def from_hf_gpt2(cls, state_dict, n_head: Optional[int] = None, *, dtype=None, device=None,
                      dropout: float = 0.0) -> "GPT":
         """A GPT holding Hugging Face GPT-2 weights (``GPT2LMHeadModel`` or ``GPT2Model`` state dict,

@@ -206,8 +206,10 @@ class HybridGPT:
         return self.pm.state_dict()
 
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
-        """Load a full (serial-named) state dict, or one read into :meth:`checkpoint_template`'s blocks."""
-        self.pm.load_state_dict(state_dict, strict=strict)
+        """Load a full (serial-named) state dict, or one read into :meth:`checkpoint_template`'s blocks.  A
+        vocabulary array with fewer rows than this model's padded vocabulary (``GPTConfig(padded_vocab_size=...)``:
+        Hugging Face weights, an unpadded export) gets zero padding rows, which the masked logits never use."""
+        self.pm.load_state_dict(pad_vocab_rows(state_dict, self.config, self.full_shape), strict=strict)
 
     def full_shape(self, name: str) -> tuple:
         """The serial model's shape of parameter ``name`` (its placement's)."""
@@ -240,6 +242,28 @@ class HybridGPT:
                 (f" + FSDP {self.sharding.name} stage shards" if self.sharding is not None else "")
         return (f"{self.layout} | tp-style {self.style.value if self.style else 'none'} | {how} | batch in "
                 f"{self.shards} row slices | rank {self.grid.world.rank} holds {len(self.param_names)} parameter tensors")
+
+
+VOCAB_KEYS = ("wte.weight", "lm_head.weight", "model.embed_tokens.weight")
+
+
+def pad_vocab_rows(state_dict, config, full_shape) -> Dict[str, Any]:
+    """``state_dict`` with each vocabulary array (``wte`` / ``lm_head`` / ``embed_tokens``) of ``config.vocab_size``
+    rows padded with zero rows to ``full_shape(name)`` (the padded vocabulary); other entries as they are."""
+    out = dict(state_dict)
+    for k in VOCAB_KEYS:
+        v = out.get(k)
+        if v is None or hasattr(v, "global_shape") or not hasattr(v, "shape"):
+            continue
+        try:
+            want = tuple(full_shape(k))
+        except KeyError:             # not on this rank's pipeline stage
+            continue
+        if tuple(v.shape) != want and v.shape[0] == config.vocab_size and tuple(v.shape[1:]) == want[1:] \
+                and want[0] > v.shape[0]:
+            v = np.asarray(v)
+            out[k] = np.concatenate([v, np.zeros((want[0] - v.shape[0],) + v.shape[1:], v.dtype)])
+    return out
 
 
 def gpt_model_plan(config: GPTConfig) -> ModelPlan:
