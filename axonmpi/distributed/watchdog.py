@@ -107,6 +107,7 @@ LISTEN_S = 0.1         # the monitor looks for questions (and exited ranks) this
 ANSWER_S = 2.0         # how long the reporting rank waits for the others' answers
 EXIT_GRACE_S = 1.0     # a call involving an exited rank gets this long to complete anyway
 PEEK_S = 1.0           # a call blocked this long: ask the ranks it waits for what they are doing (then 2, 4, .. s)
+QUIET_S = 5.0          # a peer that used the group this recently is still at work there (no tag verdict yet)
 PEEK_MAX_S = 30.0      # the longest pause between two such questions about one call
 _ASK, _STATE, _EXIT, _PEEK, _PEEKED = 1, 2, 3, 4, 5
 
@@ -520,6 +521,13 @@ class Watchdog:
                 return (f"world rank {peer} waits in {f[_OP]} {'from' if f[_OP] == 'recv' else 'to'} this rank too "
                         f"(tag {f[_TAG]} at {_where(f)}): each waits for the other")
         if e[_OP] == "recv":
+            # a peer still busy on this group (a call finished or started on it within QUIET_S) may yet send the
+            # tag: an interleaved pipeline sends its chunks' tags in turn, and a slow step (a first JIT compile)
+            # must not read as a mismatch
+            ages = [f[_T1] for k, f in st.get("last", {}).items() if k == key and f[_T1] is not None]
+            ages += [f[_T0] for f in st.get("flight", []) if (f[_GROUP], f[_RANKS]) == key and f[_OP] != _FINAL]
+            if ages and min(ages) < QUIET_S:
+                return None
             sent = [f for f in st["sends"].get((e[_GROUP], e[_RANKS], self.rank), [])]
             tags = sorted({f[_TAG] for f in sent})
             if sent and e[_TAG] not in tags:
