@@ -72,7 +72,14 @@ def extract_shell_blocks(text: str, path: str = "<doc>") -> List[Block]:
         >>> [b.code for b in extract_shell_blocks("```bash\\nls\\n```\\n<!-- norun: x -->\\n```bash\\nrm -r /\\n```\\n")]
         ['ls\\n']
     """
-    blocks, lines, i = [], text.splitlines(), 0
+    lines = text.splitlines()
+    return [Block(path, i + 1, "\n".join(lines[i + 1:j]) + "\n", 0) for i, j, lang, prev in _fences(lines)
+            if lang.lower() in _SHELL and not prev.startswith("<!-- norun")]
+
+
+def _fences(lines: List[str]):
+    """Each fenced block of ``lines``: (opening line index, closing line index, language, the line before it)."""
+    i = 0
     while i < len(lines):
         fence = re.match(r"^(\s*)(```+|~~~+)\s*(\w*)", lines[i])
         if not fence:
@@ -81,11 +88,8 @@ def extract_shell_blocks(text: str, path: str = "<doc>") -> List[Block]:
         j = i + 1
         while j < len(lines) and not lines[j].strip().startswith(fence.group(2)):
             j += 1
-        prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
-        if fence.group(3).lower() in _SHELL and not prev.startswith("<!-- norun"):
-            blocks.append(Block(path, i + 1, "\n".join(lines[i + 1:j]) + "\n", 0))
+        yield i, j, fence.group(3), next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         i = j + 1
-    return blocks
 
 
 def _doc_files() -> List[str]:
@@ -129,20 +133,11 @@ def test_blocks_found():
 
 def _unmarked(text: str) -> List[str]:
     """The fenced blocks of a Markdown text that neither run here (python) nor carry ``<!-- norun: why -->``."""
-    bad, lines, i = [], text.splitlines(), 0
-    while i < len(lines):
-        fence = re.match(r"^(\s*)(```+|~~~+)\s*(\w*)", lines[i])
-        if not fence:
-            i += 1
-            continue
-        j = i + 1
-        while j < len(lines) and not lines[j].strip().startswith(fence.group(2)):
-            j += 1
-        prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
-        runs = fence.group(3).lower() in ("python", "py") + _SHELL
+    bad = []
+    for i, _, lang, prev in _fences(text.splitlines()):
+        runs = lang.lower() in ("python", "py") + _SHELL
         if not NORUN.match(prev) and (not runs or prev.startswith("<!-- norun")):
-            bad.append(f"line {i + 1} ({fence.group(3) or 'no language'})")
-        i = j + 1
+            bad.append(f"line {i + 1} ({lang or 'no language'})")
     return bad
 
 

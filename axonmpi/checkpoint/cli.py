@@ -16,20 +16,13 @@ import numpy as np
 
 from .format import META_GROUP, CheckpointError
 from .index import write_entry_view
+from .space import human as _size
 from .read import CheckpointReader, resolve_path
 from .manager import list_run_folder, run_folder_rows
 from .safetensors_io import create_temporary, export_safetensors
 
 __all__ = ["add_subparser", "add_commands", "main", "inspect", "verify", "consolidate", "export",
            "create_temporary", "check_output"]
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _step(r: CheckpointReader):

@@ -47,7 +47,7 @@ def human(n: int) -> str:
     """``n`` bytes as B, KiB, MiB, GiB or TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
 
