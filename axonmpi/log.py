@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 from . import env as _env
 
-__all__ = ["get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0", "run_main",
+__all__ = ["human", "get_logger", "print0", "print_rank", "RankFilter", "rank0_parser", "exit0", "run_main",
            "stderr_is_terminal", "set_rank", "rank_info"]
 
 _FORMAT = "%(asctime)s [rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: %(message)s"
@@ -209,3 +209,12 @@ def run_main(func: "Callable[..., Optional[int]]", *args: Any, traceback: bool =
         kind = "" if isinstance(e, (OSError, ValueError, KeyError, RuntimeError)) else f"{type(e).__name__}: "
         sys.stderr.write(f"error: {kind}{text}\n")
         return 1
+
+
+def human(n: int) -> str:
+    """``n`` bytes as B, KiB, MiB, GiB or TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -16,7 +16,7 @@ import numpy as np
 
 from .format import META_GROUP, CheckpointError
 from .index import write_entry_view
-from .space import human as _size
+from ..log import human as _size
 from .read import CheckpointReader, resolve_path
 from .manager import list_run_folder, run_folder_rows
 from .safetensors_io import create_temporary, export_safetensors

@@ -27,10 +27,11 @@ from typing import Dict, List, Set
 
 import numpy as np
 
+from ..log import human
 from .format import Entry, Piece
 from .plan import WritePlan
 
-__all__ = ["checkpoint_bytes", "shard_bytes", "index_bytes", "human"]
+__all__ = ["checkpoint_bytes", "shard_bytes", "index_bytes"]
 
 FILE = 2048
 DATASET = 400
@@ -43,13 +44,6 @@ ROOT_ATTRS = 2048      # ... and as HDF5 attributes of the index's root group (a
 _WIDE = 10 ** 12       # a byte offset or file size as wide as a save writes it in the manifest
 
 
-def human(n: int) -> str:
-    """``n`` bytes as B, KiB, MiB, GiB or TiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _names(paths: List[str]) -> int:

@@ -41,7 +41,8 @@ from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_NAME, CheckpointError, Pi
 from .index import write_index
 from .plan import WritePlan, assign, check_plans, host_array, plan_state
 from .read import is_checkpoint
-from .space import DATASET, FILE, checkpoint_bytes, human, index_bytes, shard_bytes
+from ..log import human
+from .space import DATASET, FILE, checkpoint_bytes, index_bytes, shard_bytes
 
 __all__ = ["save"]
 

@@ -118,7 +118,7 @@ def describe(phases: List[Dict[str, Any]], age: float = 0.0) -> str:
     the state was taken)."""
     if not phases:
         return ""
-    from ..checkpoint.space import human
+    from ..log import human
     inner = phases[-1]
     text = "in " + " > ".join(p["name"] for p in phases)
     detail = next((p["detail"] for p in reversed(phases) if p["detail"]), "")
