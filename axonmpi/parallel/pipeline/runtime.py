@@ -94,7 +94,9 @@ def _graph_bytes(roots: Sequence[Tensor], exclude: set) -> int:
             continue
         seen_nodes.add(id(fn))
         saved = getattr(fn, "_saved", None) or ()
-        extra = [v for v in getattr(fn, "__dict__", {}).values() if hasattr(v, "nbytes") and hasattr(v, "dtype")]
+        extra = [a for v in getattr(fn, "__dict__", {}).values()     # arrays kept as attributes, or in a tuple
+                 for a in (v if isinstance(v, (tuple, list)) else (v,))  # (a kernel's state: ctx.state = (..))
+                 if hasattr(a, "nbytes") and hasattr(a, "dtype")]
         for a in list(saved) + extra:
             if a is None or not hasattr(a, "nbytes"):
                 continue
