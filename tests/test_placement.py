@@ -214,7 +214,7 @@ def test_fsdp_adamw_training_state_saves_sharded_blocks_and_resumes(world, tmp_p
 def _grads(module, seed):
     rng = np.random.default_rng(seed)
     for p in module.parameters():
-        p.grad = Tensor(rng.standard_normal(p.shape))
+        p.grad = Tensor(rng.standard_normal(p.data.shape))
 
 
 def _serial_norm(parts):
