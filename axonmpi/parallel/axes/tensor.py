@@ -20,7 +20,7 @@ from ...nn.attention import GroupedQueryAttention
 from ...nn.layers import Dropout
 from ...nn.module import Module
 from ...nn.transformer import CausalSelfAttention
-from ..swap import hand_over, keep_class, keep_parameters, mark_replaced, module_slots
+from ..swap import hand_over, keep_class, keep_parameters, module_slots
 from .record import Composition
 from .regions import describe, qualname, whole_sequence_modules
 
@@ -34,7 +34,6 @@ _TYPES = {"column": nn_layers.Linear, "column_gather": nn_layers.Linear, "column
 def apply(module: Module, c: Composition) -> None:
     """Swap the tensor-parallel layers in, re-tie shared weights, then lay sequence parallelism over the rest."""
     tied = _tied_slots(module)         # a swap copies weights into new Parameters: ties are re-made after
-    before = list(module.parameters())
     mods = dict(module.named_modules())
     shared = [getattr(mods[q], name) for q, name in (slots[0] for slots in tied)]
     c_tied = {id(p) for p in shared}   # kept by the tie, after it is re-made (not by one of its swaps)
@@ -49,7 +48,6 @@ def apply(module: Module, c: Composition) -> None:
         _enter_declared_region(module, c)
         _gather_whole_sequences(module, c)
     _retie(module, tied, c.rank, shared)
-    mark_replaced(before, module, f"a tensor-parallel layer (parallelize tensor_parallel={c.tensor!r})")
     if c.sp:
         c.partial = _sequence_parallel(module, c)
 
