@@ -1,6 +1,8 @@
 # axonmpi — two commands for a new machine with python3 and pip:
 #   make demo   installs into .venv, then trains the char GPT with DDP on RANKS (default 4) local ranks
-#   make test   installs, then runs the whole test suite at 1, 2, 3 and 4 ranks, and the N-D layouts at 8 and 16
+#   make test   installs, then runs the test suite at 1, 2, 3 and 4 ranks, and the N-D layouts at 8 and 16
+#               (under 10 minutes on 2 cores: tests marked `slow` -- whose behaviour a faster test also covers --
+#               wait for `make test-all`, which runs every test in the same passes)
 # (--capture=sys: pytest captures sys.stdout / sys.stderr, not file descriptor 2, so a report a rank ends the job
 # on -- the watchdog's -- reaches the terminal even though the process is killed)
 PYTHON ?= python3
@@ -14,6 +16,10 @@ NP1_SHARDS ?= 2
 # the N-D layouts (tests marked nd: three or more axes through parallelize) run in their own pass at these sizes
 ND_NPS ?= 8 16
 PYTEST_ARGS ?= -q --durations=10
+# make test leaves out the tests marked slow (each covered faster by another test); make test-all runs them too
+TEST_MARK ?= not slow
+MARK_ARG = $(if $(TEST_MARK),-m "$(TEST_MARK)",)
+ND_MARK_ARG = -m "nd$(if $(TEST_MARK), and ($(TEST_MARK)),)"
 DEMO_ARGS ?=
 RANKS ?= 4
 DEMO_DIR ?= checkpoints/gpt
@@ -21,11 +27,12 @@ export PYTHONUNBUFFERED := 1
 # a new demo replaces the last demo's checkpoints; DEMO_ARGS="--resume --steps 600" continues them
 DEMO_FRESH := $(if $(findstring resume,$(DEMO_ARGS)),,--overwrite)
 
-.PHONY: install test test-interop test-gpu demo bench fuzz clean help
+.PHONY: install test test-all test-interop test-gpu demo bench fuzz clean help
 
 help:
 	@echo "make demo   - install into $(VENV) and run the main job (DDP char-GPT) on RANKS=$(RANKS) local ranks"
-	@echo "make test   - install and run the suite under mpiexec -n N for N in $(NPS)"
+	@echo "make test   - install and run the suite under mpiexec -n N for N in $(NPS) (and -m nd at $(ND_NPS)), without the tests marked slow"
+	@echo "make test-all - the same passes with every test, the slow ones included"
 	@echo "make test-interop - install torch (CPU) and transformers into $(VENV), then run the tests against them"
 	@echo "make test-gpu - run every @pytest.mark.gpu test in tests/ at 1..number-of-GPUs ranks (NCCL, CuPy; skipped without a GPU)"
 	@echo "make bench  - run the benchmarks in bench/ beside the anchors in ../shared/anchors"
@@ -45,11 +52,11 @@ test: install
 	  for k in $$(seq 1 $$(($$shards - 1))); do \
 	    OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
 	    $(MPIEXEC) -n 1 $(PY) -m pytest --with-mpi -p no:cacheprovider --capture=sys --shard $$k/$$shards \
-	      $(PYTEST_ARGS) > .test-logs/np1-shard$$k.out 2>&1 & echo $$! > .test-logs/np1-shard$$k.pid; \
+	      $(MARK_ARG) $(PYTEST_ARGS) > .test-logs/np1-shard$$k.out 2>&1 & echo $$! > .test-logs/np1-shard$$k.pid; \
 	  done; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
 	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider --capture=sys --shard 0/$$shards \
-	    $(PYTEST_ARGS) || status=$$?; \
+	    $(MARK_ARG) $(PYTEST_ARGS) || status=$$?; \
 	  for k in $$(seq 1 $$(($$shards - 1))); do \
 	    wait $$(cat .test-logs/np1-shard$$k.pid) || status=$$?; \
 	    echo "=== the 1-rank pass, shard $$k of $$shards (run beside the one above) ==="; cat .test-logs/np1-shard$$k.out; \
@@ -61,12 +68,15 @@ test: install
 	for n in $(ND_NPS); do \
 	  echo "=== N-D layouts: pytest -m nd --with-mpi on $$n ranks ==="; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
-	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider --capture=sys -m nd $(PYTEST_ARGS) tests/test_nd_layouts.py tests/test_recipe_layouts.py tests/test_no_sync.py tests/test_sharded_state.py tests/test_fuzz.py \
+	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider --capture=sys $(ND_MARK_ARG) $(PYTEST_ARGS) tests/test_nd_layouts.py tests/test_recipe_layouts.py tests/test_no_sync.py tests/test_sharded_state.py tests/test_fuzz.py \
 	    tests/test_llama_nd.py || { \
 	    status=$$?; echo "*** the $$n-rank N-D run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
 	done; echo "=== all passes green: $(NPS) rank(s), N-D layouts at $(ND_NPS) ==="
+
+test-all:
+	$(MAKE) test TEST_MARK=
 
 INTEROP_TESTS ?= tests/test_gpt2_interop.py tests/test_gpt2_layouts.py tests/test_safetensors.py tests/test_torch_surface.py \
 	tests/test_collectives_interop.py tests/test_llama_layers.py tests/test_llama_interop.py tests/test_llama.py \
