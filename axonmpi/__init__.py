@@ -56,6 +56,10 @@ _NAMES = {
 
 def __getattr__(name: str):
     import importlib
+    if name == "bfloat16":          # torch.bfloat16; ml_dtypes is imported on first use (it takes seconds)
+        from ._torch_names import _bfloat16
+        value = globals()[name] = _bfloat16()
+        return value
     if name in _NAMES:
         value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
         globals()[name] = value
@@ -66,4 +70,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | _SUBMODULES | set(_NAMES))
+    return sorted(set(globals()) | _SUBMODULES | set(_NAMES) | {"bfloat16"})

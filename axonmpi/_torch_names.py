@@ -19,7 +19,7 @@ from .backend import Device, is_floating
 
 __all__ = [
     "device", "dtype", "float32", "float", "float64", "double", "float16", "half", "int64", "long", "int32",
-    "int", "int8", "uint8", "bool", "bfloat16", "argmax", "argmin", "flatten", "cat", "concat", "stack",
+    "int", "int8", "uint8", "bool", "argmax", "argmin", "flatten", "cat", "concat", "stack",
     "from_numpy", "as_tensor", "is_tensor", "is_floating_point", "numel", "sum", "mean", "max", "min", "exp",
     "sqrt", "abs", "tanh", "sigmoid", "relu", "softmax", "log_softmax", "matmul", "where", "clamp",
     "reshape", "squeeze", "unsqueeze", "transpose", "permute", "split", "chunk", "inference_mode",
@@ -38,11 +38,6 @@ int32 = int = np.int32              # noqa: A001
 int8 = np.int8
 uint8 = np.uint8
 bool = np.bool_                     # noqa: A001
-try:
-    import ml_dtypes as _ml
-    bfloat16 = np.dtype(_ml.bfloat16).type
-except ImportError:                 # pragma: no cover
-    bfloat16 = None
 
 argmax, argmin, flatten, cat, concat, stack = _ops.argmax, _ops.argmin, _ops.flatten, _ops.cat, _ops.concat, _ops.stack
 sum, mean, max, min = _ops.sum, _ops.mean, _ops.max, _ops.min     # noqa: A001
@@ -126,3 +121,20 @@ def allclose(a, b, rtol: "float" = 1e-05, atol: "float" = 1e-08, equal_nan: "boo
 def equal(a, b) -> "bool":
     raw = lambda x: x.data if isinstance(x, Tensor) else x   # noqa: E731
     return builtins.bool(np.array_equal(raw(a), raw(b)))
+
+
+def _bfloat16():
+    """ml_dtypes' bfloat16 scalar type, or None without ml_dtypes. Looked up on first use (``axonmpi.bfloat16``):
+    importing ml_dtypes costs seconds, which every rank of every job would otherwise pay at ``import axonmpi``."""
+    try:
+        import ml_dtypes
+    except ImportError:             # pragma: no cover
+        return None
+    return np.dtype(ml_dtypes.bfloat16).type
+
+
+def __getattr__(name: str):
+    if name == "bfloat16":
+        value = globals()["bfloat16"] = _bfloat16()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
