@@ -24,6 +24,9 @@ DEMO_ARGS ?=
 RANKS ?= 4
 DEMO_DIR ?= checkpoints/gpt
 export PYTHONUNBUFFERED := 1
+# every rank of every job compiles axonmpi's sources again when .pyc files may not be written (and pytest rewrites
+# every test module again): a shell that sets PYTHONDONTWRITEBYTECODE made the suite twice as slow
+unexport PYTHONDONTWRITEBYTECODE
 # a new demo replaces the last demo's checkpoints; DEMO_ARGS="--resume --steps 600" continues them
 DEMO_FRESH := $(if $(findstring resume,$(DEMO_ARGS)),,--overwrite)
 
