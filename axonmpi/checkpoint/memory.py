@@ -306,7 +306,7 @@ class MemoryCheckpointer:
                            self.comm.Isend([slot.body[:need], MPI.BYTE], dest=self.buddy,
                                            tag=_TAG_BIG if big else _TAG_BODY), head]
 
-    def _complete(self) -> None:
+    def _complete(self, commit: bool = True) -> None:
         """Complete the exchange in flight: the ward's copy is received and marked complete, our send done."""
         if self._recv is not None:
             hreq, hdr, breq, k = self._recv
@@ -324,7 +324,8 @@ class MemoryCheckpointer:
             else:
                 breq.Wait()
                 w = self._wards[k]
-            w.commit(step, nbytes, nmeta, world, owner)
+            if commit:
+                w.commit(step, nbytes, nmeta, world, owner)
         if self._sends:
             MPI.Request.Waitall(self._sends[:2])
             self._sends = []
@@ -332,6 +333,16 @@ class MemoryCheckpointer:
     def wait(self) -> None:
         """Complete the copies in flight (the exchange with the buddy)."""
         self._complete()
+
+    def abandon(self) -> None:
+        """What a job that dies leaves (in-process tests of a lost node): the transfers in flight finish, the received
+        copy is not marked complete, the slots are unmapped (collective with the buddy and ward)."""
+        self._complete(commit=False)
+        for s in self._own + self._wards:
+            if s is not None:
+                s.close()
+        self._own, self._wards = [None, None], [None, None]
+        self.comm.Free()
 
     # -- finding and loading -------------------------------------------------------------------------------
     def _folders(self) -> List[str]:
