@@ -43,6 +43,8 @@ def _run(world, d, layout, extra=(), kill_at=None, monkeypatch=None):
                 raise _Killed(step)
         monkeypatch.setattr(memory.MemoryCheckpointer, "save", dying)
     os.makedirs(d, exist_ok=True)
+    if "--layout" in layout:
+        axonmpi.distributed.destroy()        # the trainer makes the World with its grid
     try:
         train_gpt.main(TINY + list(layout) + ["--checkpoint-dir", d, "--steps", str(STEPS), "--global-batch", "4",
                                               "--metrics-json", os.path.join(d, "m.jsonl")] + list(extra))
@@ -65,6 +67,14 @@ def _lose_node(world, d, node, nodes_of):
         key = open(os.path.join(d, ".axonmpi-run-key")).read().strip()
         shutil.rmtree(os.path.join(os.environ["AXONMPI_MEMORY_DIR"], f"axonmpi-{key}", f"node{node}"))
     axonmpi.barrier()
+
+
+@pytest.fixture
+def fresh_world():
+    """The layouts take their own grid: the World is made again by the trainer, and as it was after the test."""
+    yield
+    axonmpi.distributed.destroy()
+    axonmpi.init()
 
 
 def _check(world, tmp_path_factory, monkeypatch, layout):
@@ -100,7 +110,8 @@ def _check(world, tmp_path_factory, monkeypatch, layout):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "pp-tp"])
-def test_a_lost_node_costs_at_most_one_step_and_the_losses_are_bitwise(world, tmp_path_factory, monkeypatch, layout):
+def test_a_lost_node_costs_at_most_one_step_and_the_losses_are_bitwise(world, tmp_path_factory, monkeypatch, layout,
+                                                                      fresh_world):
     if world.world_size != 4:
         pytest.skip("4 ranks: two nodes of two")
     _check(world, tmp_path_factory, monkeypatch, layout)
@@ -109,7 +120,7 @@ def test_a_lost_node_costs_at_most_one_step_and_the_losses_are_bitwise(world, tm
 @pytest.mark.nd
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "pp-tp-dp"])
-def test_a_lost_node_at_8_ranks(world, tmp_path_factory, monkeypatch, layout):
+def test_a_lost_node_at_8_ranks(world, tmp_path_factory, monkeypatch, layout, fresh_world):
     if world.world_size != 8:
         pytest.skip("8 ranks: two nodes of four")
     _check(world, tmp_path_factory, monkeypatch, layout)
