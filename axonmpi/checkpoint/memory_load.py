@@ -50,6 +50,7 @@ class MemoryCopy:
         self.mem, self.step, self.world_size, self.serve = mem, int(step), int(world_size), serve
         self._maps: Dict[int, Tuple[mmap.mmap, np.ndarray]] = {}
         self._info: Optional[Dict[int, dict]] = None
+        self._own_rng = False
 
     def __str__(self) -> str:
         here = sum(1 for o, (r, _) in self.serve.items() if r == o)
@@ -120,6 +121,7 @@ class MemoryCopy:
             rng = json.dumps([values[o]["_axonmpi_own_rng"][1] for o in range(self.world_size)])
             for o in range(self.world_size):
                 values[o]["rng"] = (("rng",), rng)
+            self._own_rng = True
         for o in range(self.world_size):
             values[o].pop("_axonmpi_own_rng", None)
         return entries, values
@@ -152,7 +154,8 @@ class MemoryCopy:
         missing = [key_name(k) for k, v in tmpl if key_name(k) not in saved
                    and not (key_name(k) in wild and any(s.startswith(key_name(k) + "/") for s in saved))
                    and not (v is None and key_name(k) in ("meta/step", "meta/epoch"))]
-        extra = sorted(n for n in saved if n not in names and not under_wild(n))
+        extra = sorted(n for n in saved if n not in names and not under_wild(n)
+                       and not (n == "rng" and self._own_rng))        # each rank's own RNG, kept by save
         if strict and (missing or extra):
             raise CheckpointMismatchError(
                 f"rank {rank}: the memory copy of step {self.step} does not fit the template: missing from it: "
