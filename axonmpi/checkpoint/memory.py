@@ -200,7 +200,7 @@ class MemoryCheckpointer:
         self._cap_ward = 0               # the body capacity we hold for our ward
         self._sends: list = []
         self._recv = None                # (header request, header array, body request or None, slot index)
-        self.last_source: Optional[str] = None
+        self._first = True               # the first save says how long a restart took (log_restart_time)
 
     # -- saving --------------------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -283,6 +283,9 @@ class MemoryCheckpointer:
         slot.body[nbytes:need] = np.frombuffer(meta, np.uint8)
         slot.commit(step, nbytes, len(meta), self.size, self.rank)
         self._exchange(slot, step, nbytes, len(meta))
+        if self._first:
+            self._first = False
+            log_restart_time(None, f"the first step after it (step {step}) is done")
 
     def _exchange(self, slot: _Slot, step: int, nbytes: int, nmeta: int) -> None:
         """Post the non-blocking send of ``slot`` to the buddy and the receive of the ward's into our older slot."""
@@ -485,13 +488,16 @@ def pick_source(mgr, mem: Optional[MemoryCheckpointer], log=None):
     return src
 
 
-def log_restart_time(log) -> None:
-    """Say how long the restart took since the failed job step (``AXONMPI_FAILED_AT``, set by jobs/requeue.sh)."""
+def log_restart_time(log, what: str = "resuming") -> None:
+    """Say how long the restart took since the failed job step (``AXONMPI_FAILED_AT``, set by jobs/requeue.sh):
+    at the resume and after the first new step (``MemoryCheckpointer.save``)."""
     import time
+    from ..log import get_logger
     failed = os.environ.get("AXONMPI_FAILED_AT")
     if failed:
         try:
-            log.info("restart %s inside the allocation: %.1f s from the failed job step to this resume",
-                     os.environ.get("AXONMPI_RESTART", "?"), time.time() - float(failed))
+            (log or get_logger(__name__, rank0_only=True)).info(
+                "restart %s inside the allocation: %s %.1f s after the failed job step",
+                os.environ.get("AXONMPI_RESTART", "?"), what, time.time() - float(failed))
         except ValueError:
             pass
