@@ -112,6 +112,15 @@ def read_header(path: str) -> Optional[np.ndarray]:
     return h
 
 
+def _walk(d: dict, parents: tuple):
+    """``flatten`` without its key checks (made by the first save of a layout)."""
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _walk(v, parents + (k,))
+        else:
+            yield parents + (k,), v
+
+
 class _Slot:
     """One slot file mapped into memory: header + body (arrays, then the values pickle)."""
 
@@ -138,8 +147,8 @@ class _Slot:
         self.header[0] = _MAGIC
         self.header[1] = -1
 
-    def commit(self, step: int, arrays: int, values: int, world: int, owner: int) -> None:
-        self.header[2:8] = (arrays, values, world, owner, self.capacity, 0)
+    def commit(self, step: int, arrays: int, values: int, world: int, owner: int, index: int) -> None:
+        self.header[2:8] = (arrays, values, world, owner, self.capacity, index)
         self.header[1] = step                 # last: the slot is complete
 
     def close(self) -> None:
@@ -230,7 +239,7 @@ class MemoryCheckpointer:
         return 0 if steps[0] <= steps[1] else 1
 
     def _make_layout(self, arrays: list) -> tuple:
-        sig = tuple((keys, str(a.dtype), tuple(a.shape)) for keys, a, _ in arrays)
+        sig = [(keys, a.dtype, a.shape) for keys, a, _ in arrays]
         if self._layout is not None and self._layout[0] == sig:
             return self._layout
         places, index, off = [], [], 0
@@ -243,7 +252,7 @@ class MemoryCheckpointer:
             else:
                 index.append((keys, "array", str(a.dtype), tuple(a.shape), tuple(a.shape), (0,) * a.ndim, None, off))
             off += -(-n // _ALIGN) * _ALIGN
-        self._layout = (sig, places, off, index, id(sig))
+        self._layout = (sig, places, off, pickle.dumps(index, protocol=5), id(sig))
         return self._layout
 
     def save(self, step: int, state: dict) -> None:
@@ -254,7 +263,7 @@ class MemoryCheckpointer:
         self._complete()
         step = int(step)
         arrays, values = [], []
-        for keys, leaf in flatten(state, self.rank):
+        for keys, leaf in (_walk(state, ()) if self._layout is not None else flatten(state, self.rank)):
             a = _array_of(leaf)
             if a is None:
                 values.append((keys, leaf))
@@ -264,8 +273,8 @@ class MemoryCheckpointer:
             from .. import random as _random
             values.append(((_OWN_RNG,), _random.get_rng_state()))
         sig, places, nbytes, index, lid = self._make_layout(arrays)
-        meta = pickle.dumps({"run_id": self.run_id, "owner": self.rank, "step": step, "world_size": self.size,
-                             "index": index, "values": values}, protocol=5)
+        meta = index + pickle.dumps({"run_id": self.run_id, "owner": self.rank, "step": step,
+                                     "world_size": self.size, "values": values}, protocol=5)
         need = nbytes + len(meta)
         k = self._older(self._own, self.rank)
         cap = self._own[k].capacity if self._own[k] is not None else 0
@@ -281,7 +290,7 @@ class MemoryCheckpointer:
             else:
                 a.get(out=view)
         slot.body[nbytes:need] = np.frombuffer(meta, np.uint8)
-        slot.commit(step, nbytes, len(meta), self.size, self.rank)
+        slot.commit(step, nbytes, len(meta), self.size, self.rank, len(index))
         self._exchange(slot, step, nbytes, len(meta))
         if self._first:
             self._first = False
@@ -291,7 +300,7 @@ class MemoryCheckpointer:
         """Post the non-blocking send of ``slot`` to the buddy and the receive of the ward's into our older slot."""
         if self.ward is not None:
             k = self._older(self._wards, self.ward)
-            hdr = np.zeros(8, np.int64)
+            hdr = np.zeros(9, np.int64)
             hreq = self.comm.Irecv([hdr, MPI.INT64_T], source=self.ward, tag=_TAG_HDR)
             breq = None
             if self._cap_ward:
@@ -304,7 +313,8 @@ class MemoryCheckpointer:
             big = need > self._cap_sent
             if big:
                 self._cap_sent = slot.capacity
-            head = np.array([step, nbytes, nmeta, self.size, self.rank, self._cap_sent, need, int(big)], np.int64)
+            head = np.array([step, nbytes, nmeta, self.size, self.rank, self._cap_sent, need, int(big),
+                             len(self._layout[3])], np.int64)
             self._sends = [self.comm.Isend([head, MPI.INT64_T], dest=self.buddy, tag=_TAG_HDR),
                            self.comm.Isend([slot.body[:need], MPI.BYTE], dest=self.buddy,
                                            tag=_TAG_BIG if big else _TAG_BODY), head]
@@ -315,7 +325,7 @@ class MemoryCheckpointer:
             hreq, hdr, breq, k = self._recv
             self._recv = None
             hreq.Wait()
-            step, nbytes, nmeta, world, owner, cap, need, big = (int(v) for v in hdr)
+            step, nbytes, nmeta, world, owner, cap, need, big, nindex = (int(v) for v in hdr)
             if big:
                 if breq is not None:
                     breq.Cancel()
@@ -328,7 +338,7 @@ class MemoryCheckpointer:
                 breq.Wait()
                 w = self._wards[k]
             if commit:
-                w.commit(step, nbytes, nmeta, world, owner)
+                w.commit(step, nbytes, nmeta, world, owner, nindex)
         if self._sends:
             MPI.Request.Waitall(self._sends[:2])
             self._sends = []

@@ -10,6 +10,7 @@ fills them; values are the saved ones; ``rng`` is rebuilt from every saved rank'
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import pickle
 from typing import Any, Dict, List, Optional, Tuple
@@ -35,7 +36,7 @@ def _box_and(ao, ash, bo, bsh) -> Optional[Tuple[tuple, tuple]]:
 
 
 def _vol(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)
 
 
 def _rel(box_off, off, shape) -> tuple:
@@ -70,7 +71,9 @@ class MemoryCopy:
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 h = np.frombuffer(mm, np.int64, 8)
                 body = np.frombuffer(mm, np.uint8, offset=64)
-                doc = pickle.loads(body[int(h[2]):int(h[2]) + int(h[3])])
+                a, n, ni = int(h[2]), int(h[3]), int(h[7])
+                doc = pickle.loads(body[a + ni:a + n])
+                doc["index"] = pickle.loads(body[a:a + ni])
                 if (doc["run_id"], doc["owner"], doc["step"]) != (self.mem.run_id, o, self.step) or int(h[1]) != self.step:
                     raise CheckpointError(f"{path} holds run {doc['run_id']} rank {doc['owner']} step {doc['step']}, "
                                           f"not run {self.mem.run_id} rank {o} step {self.step} (overwritten?)")
@@ -111,11 +114,16 @@ class MemoryCopy:
         info = self._open()
         entries: Dict[str, dict] = {}
         values: Dict[int, Dict[str, Tuple[tuple, Any]]] = {}
+        names: Dict[tuple, str] = {}
         for o in range(self.world_size):
             for keys, kind, dt, shape, gshape, offs, view, byte in info[o]["index"]:
-                e = entries.setdefault(key_name(keys), {"keys": keys, "dtype": dt, "gshape": gshape, "view": view,
-                                                       "pieces": []})
+                name = names.get(keys)
+                if name is None:
+                    name = names[keys] = key_name(keys)
+                e = entries.setdefault(name, {"keys": keys, "dtype": dt, "gshape": gshape, "view": view,
+                                                       "pieces": [], "by_owner": {}})
                 e["pieces"].append((o, offs, shape, byte))
+                e["by_owner"][o] = e["pieces"][-1]
             values[o] = {key_name(k): (k, v) for k, v in info[o]["values"]}
         if "rng" not in values[0] and all("_axonmpi_own_rng" in values[o] for o in range(self.world_size)):
             rng = json.dumps([values[o]["_axonmpi_own_rng"][1] for o in range(self.world_size)])
@@ -135,8 +143,13 @@ class MemoryCopy:
         tmpl = flatten(state, rank) if state is not None else [
             (e["keys"], None) for e in entries.values()] + [(k, None) for k, _ in vals.values()]
         items, needs = self._needs(tmpl, entries, vals, strict)
-        wanted = self.mem.comm.allgather([(n, off, shp) for n, off, shp, _ in needs])
-        self._move(self._plan(wanted, entries), wanted, needs, entries)
+        mine = self._own_pieces(needs, entries)
+        if all(self.mem.comm.allgather(mine is not None)):     # the same layout: every rank copies its own slot
+            for (name, off, shp, fix), o in zip(needs, mine):
+                fix["buf"][...] = self._piece(entries, name, o, off, shp)
+        else:
+            wanted = self.mem.comm.allgather([(n, off, shp) for n, off, shp, _ in needs])
+            self._move(self._plan(wanted, entries), wanted, needs, entries)
         for fix in [n[3] for n in needs]:
             fix["done"](fix)
         return unflatten([(k, v() if callable(v) else v) for k, v in items])
@@ -228,6 +241,24 @@ class MemoryCopy:
         needs.append((name, box_off, box_shp, {"buf": np.empty(box_shp, dt), "done": done}))
         return leaf
 
+    def _own_pieces(self, needs, entries) -> Optional[List[int]]:
+        """The owner whose slot this rank serves with exactly each needed box (its own rank's when it saved one), or
+        None when some box needs another rank's pieces."""
+        me = self.mem.rank
+        mine = [o for o, (r, _) in self.serve.items() if r == me]
+        out = []
+        for name, off, shp, _ in needs:
+            hit = None
+            for o in ([me] if me in mine else []) + mine:
+                p = entries[name]["by_owner"].get(o)
+                if p is not None and tuple(p[1]) == tuple(off) and tuple(p[2]) == tuple(shp):
+                    hit = o
+                    break
+            if hit is None:
+                return None
+            out.append(hit)
+        return out
+
     def _plan(self, wanted: List[list], entries) -> List[Tuple[int, int, int, int, tuple, tuple]]:
         """``[(requester, need index, server, owner, offsets, shape)]``: the pieces that cover every box, each
         taken from the requester's own rank where it serves one (the same plan on every rank)."""
@@ -257,7 +288,7 @@ class MemoryCopy:
     def _piece(self, entries, name: str, owner: int, off, shp) -> np.ndarray:
         """The saved values of ``name`` in the box ``off:off+shp``, a view of ``owner``'s mapped slot."""
         e = entries[name]
-        _, poff, pshp, byte = next(p for p in e["pieces"] if p[0] == owner)
+        _, poff, pshp, byte = e["by_owner"][owner]
         dt = np.dtype(e["dtype"])
         a = self._maps[owner][1][byte:byte + _vol(pshp) * dt.itemsize].view(dt).reshape(pshp)
         return a[_rel(poff, off, shp)]
