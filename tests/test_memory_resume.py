@@ -46,7 +46,8 @@ def _run(world, d, layout, extra=(), kill_at=None, monkeypatch=None):
     if "--layout" in layout:
         axonmpi.distributed.destroy()        # the trainer makes the World with its grid
     try:
-        train_gpt.main(TINY + list(layout) + ["--checkpoint-dir", d, "--steps", str(STEPS), "--global-batch", "4",
+        train_gpt.main(TINY + list(layout) + ["--checkpoint-dir", d, "--steps", str(STEPS),
+                                              "--global-batch", str(world.world_size),
                                               "--metrics-json", os.path.join(d, "m.jsonl")] + list(extra))
     except _Killed:
         pass
