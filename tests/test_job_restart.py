@@ -44,7 +44,8 @@ def slurm(tmp_path):
         log.write_text("")
         (tmp_path / "stub.log.count").unlink(missing_ok=True)
         e = mpiexec_env({"PATH": f"{bin_}:{os.environ['PATH']}", "STUB_LOG": str(log), "SCRIPT": SCRIPT,
-                         "AXONMPI_SCRATCH": str(tmp_path / "scratch"), "AXONMPI_SITE": os.path.join(ROOT, "jobs", "site.sh"),
+                         "AXONMPI_SCRATCH": str(tmp_path / "scratch"),
+                         "AXONMPI_SITE": os.path.join(ROOT, "jobs", "site.sh"),
                          **env})
         for k in [k for k in e if k.startswith("SLURM_")]:
             del e[k]
@@ -102,4 +103,5 @@ def test_the_time_from_the_failure_to_the_first_new_step_is_logged(world, tmp_pa
     monkeypatch.setenv("AXONMPI_FAILED_AT", str(time.time() - 2.0))
     lines = []
     memory.log_restart_time(type("L", (), {"info": lambda self, m, *a: lines.append(m % a)})())
-    assert lines and lines[0].startswith("restart ? inside the allocation: resuming ") and "s after the failed" in lines[0]
+    assert lines and lines[0].startswith("restart ? inside the allocation: resuming "), lines
+    assert "s after the failed job step" in lines[0]

@@ -95,7 +95,8 @@ def test_a_lost_node_resumes_from_its_buddies_bitwise_and_two_lost_buddies_fall_
     m3, opt3 = _model(9, kind)
     mem3 = MemoryCheckpointer(key, root=shm)
     said = []
-    log = type("Log", (), {"info": lambda self, m, *a: said.append(m % a), "warning": lambda self, m, *a: said.append(m % a)})()
+    log = type("Log", (), {"info": lambda self, m, *a: said.append(m % a),
+                           "warning": lambda self, m, *a: said.append(m % a)})()
     out, source = resume(mgr, mem3, training_state(m3, opt3), log=log)
     assert source == "hdf5 step 2", source
     assert any("no step is complete in node memory" in x and "falling back to the HDF5" in x for x in said), said

@@ -43,7 +43,7 @@ from mpi4py import MPI
 
 from .. import backend as _be
 from ..distributed.sharding import ShardedArray
-from .format import CheckpointError, flatten
+from .format import flatten
 
 __all__ = ["MemoryCheckpointer", "resume", "run_key", "node_layout"]
 

@@ -74,7 +74,7 @@ class MemoryCopy:
                 a, n, ni = int(h[2]), int(h[3]), int(h[7])
                 doc = pickle.loads(body[a + ni:a + n])
                 doc["index"] = pickle.loads(body[a:a + ni])
-                if (doc["run_id"], doc["owner"], doc["step"]) != (self.mem.run_id, o, self.step) or int(h[1]) != self.step:
+                if (doc["run_id"], doc["owner"], doc["step"], int(h[1])) != (self.mem.run_id, o, self.step, self.step):
                     raise CheckpointError(f"{path} holds run {doc['run_id']} rank {doc['owner']} step {doc['step']}, "
                                           f"not run {self.mem.run_id} rank {o} step {self.step} (overwritten?)")
                 self._maps[o] = (mm, body)
