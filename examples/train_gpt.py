@@ -373,7 +373,7 @@ AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batc
               "make_vocab_size_divisible_by")
 AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
               "moe_experts": "0: dense", "seed": None, "grad_clip": "0: no clipping", "weight_decay": None,
-              "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None}
+              "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None, "memory_checkpoint_every": "0: off"}
 ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor", "rope_theta", "peak_tflops")
 
 

@@ -102,6 +102,8 @@ def test_a_lost_node_resumes_from_its_buddies_bitwise_and_two_lost_buddies_fall_
     assert any("no step is complete in node memory" in x and "falling back to the HDF5" in x for x in said), said
     assert "resumed from HDF5: step 2" in said[-1], said
     assert restore_training_state(out, m3, opt3)["step"] == 2
+    m4, opt4 = _model(11, kind)                                       # the manager's own entry: the same choice
+    assert mgr.load_latest(training_state(m4, opt4), memory=mem3)["meta"]["step"] == 2
     mem3.close()
     assert not os.path.exists(mem3.root) or not os.listdir(mem3.root)
     mgr.release()

@@ -451,10 +451,11 @@ class MemoryCheckpointer:
         self.comm.Free()
 
 
-def resume(mgr, mem: Optional[MemoryCheckpointer], state: dict, log=None) -> Tuple[Optional[dict], str]:
+def resume(mgr, mem: Optional[MemoryCheckpointer], state: dict, log=None, **kw) -> Tuple[Optional[dict], str]:
     """Restore ``state`` from memory when every rank's copy of a step at least as new as ``mgr``'s newest HDF5
     checkpoint is there, else from that checkpoint (collective). Returns ``(loaded state or None, "memory step N" |
-    "hdf5 step N" | "none")``; logs which."""
+    "hdf5 step N" | "none")``; logs which. Keyword arguments go to ``mgr.load_latest``. Also
+    ``mgr.load_latest(state, memory=mem)``."""
     from ..log import get_logger
     log = log or get_logger(__name__)
     log_restart_time(log)
@@ -466,7 +467,7 @@ def resume(mgr, mem: Optional[MemoryCheckpointer], state: dict, log=None) -> Tup
         log.info("resumed from memory: step %d (%s)", step, src)
         mem.discard_after(step)
         return out, f"memory step {step}"
-    out = mgr.load_latest(state)
+    out = mgr.load_latest(state, **kw)
     if out is None:
         return None, "none"
     step = (out.get("meta") or {}).get("step")
