@@ -42,6 +42,7 @@ on which the job templates requeue the job; the requeued job's --auto-resume con
 import argparse
 import atexit
 import datetime
+import functools
 import json
 import logging
 import math
@@ -227,6 +228,13 @@ def parse_args(argv=None):
     g.add_argument("--async-save", action="store_true",
                    help="--save-every checkpoints are written in a background thread while training goes on "
                         "(a copy of the state in host memory; the next save or the end waits for it)")
+    g.add_argument("--memory-checkpoint-every", type=int, metavar="N",
+                   default=int(os.environ.get("AXONMPI_MEMORY_CHECKPOINT_EVERY") or 0),
+                   help="every N steps a copy of the state in node memory (AXONMPI_MEMORY_DIR, /dev/shm), sent to a "
+                        "buddy rank on another node; --auto-resume takes the newest step complete in memory when it is "
+                        "at least as new as the newest checkpoint (a lost node costs one step); removed at a clean end. "
+                        "0: off (default; AXONMPI_MEMORY_CHECKPOINT_EVERY sets it, the jobs/ templates to 1). "
+                        "docs/checkpoints.md")
     g.add_argument("--no-preemption-save", action="store_true",
                    help="do not catch SIGTERM/SIGUSR1 (by default they make every rank save at the next step "
                         "and exit with code 75, which the job templates requeue)")
@@ -365,7 +373,7 @@ AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batc
               "make_vocab_size_divisible_by")
 AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
               "moe_experts": "0: dense", "seed": None, "grad_clip": "0: no clipping", "weight_decay": None,
-              "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None}
+              "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None, "memory_checkpoint_every": "0: off"}
 ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor", "rope_theta", "peak_tflops")
 
 
@@ -515,10 +523,36 @@ def open_checkpoints(args, world, log):
     return mgr, (mgr.path_for(steps[-1]) if resuming and steps else None)
 
 
+def open_memory_checkpoints(args, mgr, log):
+    """[memory checkpoints] (issue 53) The MemoryCheckpointer of --memory-checkpoint-every N (None: off), and the
+    copy in node memory to resume from (None: the HDF5 checkpoint, or a fresh start), saying which."""
+    from axonmpi.checkpoint import memory
+    if not args.memory_checkpoint_every or mgr is None or args.no_save:
+        return None, None
+    resuming = args.resume or args.auto_resume
+    mem = memory.MemoryCheckpointer(memory.run_key(args.checkpoint_dir, new=not resuming),
+                                    every=args.memory_checkpoint_every, fresh=not resuming)
+    if resuming:
+        memory.log_restart_time(log)
+    return mem, (memory.pick_source(mgr, mem, log) if resuming else None)
+
+
+def checkpoint_extra(args, cfg, hyb, scaler) -> dict:
+    """What a checkpoint keeps beside the state: the options, the layout, the loss scaler's state."""
+    config = dict(vars(args))
+    if args.model == "llama":     # the Llama's own fields too: ckpt export --format hf-llama reads them
+        config["llama"] = cfg.to_dict()
+    extra = {"config": config, "layout": hyb.layout_record()}
+    if scaler is not None:
+        extra["scaler"] = scaler.state_dict()       # the loss scale and growth count continue on --resume
+    return extra
+
+
 def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     """Restore the run saved at ``path`` (and the loss scaler's state with --mixed-precision fp16); check its
     config first; extend the LR schedule to ``--steps``."""
-    extra = ckpt.load(path, {"extra": {}}, strict=False).get("extra") or {}
+    load = path.load if hasattr(path, "load") else functools.partial(ckpt.load, path)   # a path or a memory copy
+    extra = load({"extra": {}}, strict=False).get("extra") or {}
     saved = extra.get("config") or {}
     diff = config_mismatch(saved, args)
     if diff:
@@ -528,7 +562,7 @@ def resume(path, args, world, log, model, opt, sched, sampler, scaler=None):
     if fixed:
         axonmpi.log.exit0(f"{path}: a resume cannot change {'; '.join(fixed)}. Pass the saved values to resume, "
                           "or start a new run in another --checkpoint-dir")
-    loaded = ckpt.load(path, model.sharded_state().checkpoint_template(path))   # each rank reads only its blocks
+    loaded = load(model.sharded_state().checkpoint_template(path))   # each rank reads only its blocks
     meta = ckpt.restore_training_state(loaded, model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     step = int(meta["step"])
     log.info("resumed at step %d; the logged moving average starts again from this run's first step", step)
@@ -909,13 +943,20 @@ def main(argv=None):
     if mgr is not None and not args.no_save and world.rank == 0:      # the log lines go into the run folder too
         log_to_run_folder(log, args.checkpoint_dir)
     step = 0
-    if latest is not None:   # the newest intact checkpoint; ones failing verification are moved aside, saying so
+    mem, in_memory = open_memory_checkpoints(args, mgr, log)     # [memory checkpoints]
+    if in_memory is not None:     # the newest step complete in node memory (own node or buddy): a lost node costs a step
+        step = resume(in_memory, args, world, log, model, opt_state, sched, sampler, scaler)
+        in_memory.close()
+        latest = in_memory
+    elif latest is not None:   # the newest intact checkpoint; ones failing verification are moved aside, saying so
         try:
             found = mgr.load_newest_intact(
                 lambda path: resume(path, args, world, log, model, opt_state, sched, sampler, scaler))
         except ckpt.CheckpointError as e:   # every checkpoint damaged, or one that does not fit: never step 0
             axonmpi.log.exit0(f"{'--resume' if args.resume else '--auto-resume'}: {e}", code=1)
         step = 0 if found is None else found[1]
+    if mem is not None and latest is not None:
+        mem.discard_after(step)    # copies newer than the resumed step belong to a lost future
     elif hf is not None:       # a fresh fine-tune: the Hugging Face weights, the vocabulary padded for this layout
         hyb.load_full_state_dict(hf.state_dict)
         log.info("--init-from %s: %s weights loaded (vocabulary %d%s)", args.init_from, hf.kind, cfg.vocab_size,
@@ -927,12 +968,7 @@ def main(argv=None):
     last_saved = step
 
     def save(step, async_save=False):
-        config = dict(vars(args))
-        if args.model == "llama":     # the Llama's own fields too: ckpt export --format hf-llama reads them
-            config["llama"] = cfg.to_dict()
-        extra = {"config": config, "layout": hyb.layout_record()}
-        if scaler is not None:
-            extra["scaler"] = scaler.state_dict()       # the loss scale and growth count continue on --resume
+        extra = checkpoint_extra(args, cfg, hyb, scaler)
         nonlocal last_saved
         path = mgr.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step, extra=extra),
                         async_save=async_save)
@@ -1012,6 +1048,9 @@ def main(argv=None):
         t_last = now
         if saving and args.save_every and step % args.save_every == 0 and step < args.steps:
             save(step, async_save=args.async_save)
+        if mem is not None and mem.should_save(step):   # [memory checkpoints] copy into node memory, send to the buddy
+            mem.save(step, ckpt.training_state(model, opt_state, sched, sampler, step=step, rng=False,
+                                               extra=checkpoint_extra(args, cfg, hyb, scaler)))
         if preempt is not None and preempt.should_stop():   # one 1-byte all-reduce per step
             t_stop = time.perf_counter()
             mgr.wait()              # a background save in flight completes first
@@ -1019,6 +1058,8 @@ def main(argv=None):
                 save(step)
             if metrics is not None:
                 metrics.close()
+            if mem is not None:
+                mem.close()         # saved to the checkpoint: the memory copies go
             preempt.exit(f"saved step {step} of {args.steps} in {time.perf_counter() - t_stop:.1f} s")
     if bar is not None:
         bar.close()
@@ -1036,6 +1077,8 @@ def main(argv=None):
         save(step)
     if mgr is not None:
         mgr.release()   # waits for a background save
+    if mem is not None:
+        mem.close()         # a clean end: this run's memory copies go
     if preempt is not None:
         preempt.close()
     if args.dump_params:

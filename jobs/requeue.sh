@@ -67,7 +67,14 @@ axonmpi_command() {
   fi
   AXONMPI_CMD=(python "$script")
   if axonmpi_wants_flags "$script"; then AXONMPI_CMD+=("${flags[@]}"); fi
-  AXONMPI_CMD+=("${words[@]}" "$@")
+  AXONMPI_CMD+=("${words[@]}")
+  while (( $# )); do      # --spare-nodes K is the template's (SPARE_NODES), not the script's
+    case "$1" in
+      --spare-nodes) SPARE_NODES=${2:-}; shift 2 || shift ;;
+      --spare-nodes=*) SPARE_NODES=${1#*=}; shift ;;
+      *) AXONMPI_CMD+=("$1"); shift ;;
+    esac
+  done
 }
 
 # axonmpi_run_name SCRIPT [ARGS...]: sets and exports RUN_NAME, the experiment's name and so its run folder
@@ -88,8 +95,8 @@ axonmpi_name_words() {   # AXONMPI_NAME_WORDS: the words minus --steps N / --ste
     if (( skip )); then skip=0; continue; fi
     if (( layout )); then a=$(printf '%s' "$a" | sed -E 's/(^|,)dp=[0-9]+//; s/^,//'); layout=0; fi
     case "$a" in
-      --steps) skip=1; continue ;;
-      --steps=*) continue ;;
+      --steps|--spare-nodes) skip=1; continue ;;
+      --steps=*|--spare-nodes=*) continue ;;
       --layout) layout=1 ;;
       --layout=*) a=$(printf '%s' "$a" | sed -E 's/([=,])dp=[0-9]+,?/\1/; s/,$//') ;;
     esac
@@ -148,14 +155,54 @@ axonmpi_ready() {   # true when SLURM_NTASKS ranks have written their file
 # restart said with the failure's exit code; AXONMPI_RESTART (the restart's number) and AXONMPI_FAILED_AT (epoch
 # seconds of the failure) are exported to it, so the script can say how long the restart took. Out of restarts,
 # the failure is the job's exit code (no requeue: a failure that repeats would requeue for ever).
+# In-memory checkpoints (docs/checkpoints.md): the training step keeps a copy of its state every
+# AXONMPI_MEMORY_CHECKPOINT_EVERY steps (default here 1; 0 turns them off) in node memory under AXONMPI_MEMORY_DIR
+# (default here /dev/shm/axonmpi-slurm-<job id>), sent to a buddy node, so a restart loses at most a step; the
+# folder is removed on every node when the job gives up (a clean end removes it from the script).
+# Spare nodes (SPARE_NODES=K, or --spare-nodes K after the template): ask sbatch for K nodes more than the run
+# uses; each job step runs on the first N-K nodes Slurm reports healthy (sinfo), so a restart after a lost node
+# takes a spare one. With too few healthy nodes left the job is requeued (scontrol requeue).
+export AXONMPI_MEMORY_CHECKPOINT_EVERY=${AXONMPI_MEMORY_CHECKPOINT_EVERY:-1}
+export AXONMPI_MEMORY_DIR=${AXONMPI_MEMORY_DIR:-/dev/shm/axonmpi-slurm-${SLURM_JOB_ID:-$$}}
+axonmpi_pick_nodes() {   # sets AXONMPI_SRUN_NODES (srun options: N-K healthy nodes); false when too few are left
+  local spare=${SPARE_NODES:-0} all=() healthy=() node st n per
+  AXONMPI_SRUN_NODES=()
+  [[ "$spare" =~ ^[0-9]+$ ]] || { echo "error: SPARE_NODES=$spare: expected a number of nodes >= 0" >&2; exit 2; }
+  (( spare > 0 )) || return 0
+  mapfile -t all < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set: not inside a Slurm job}")
+  n=$(( ${#all[@]} - spare ))
+  (( n >= 1 )) || { echo "error: SPARE_NODES=$spare leaves no node of the ${#all[@]} in the job (sbatch --nodes=N+$spare)" >&2; exit 2; }
+  per=$(( ${SLURM_NTASKS:-${#all[@]}} / ${#all[@]} ))
+  for node in "${all[@]}"; do
+    st=$(sinfo -h -n "$node" -o %T 2>/dev/null | head -1)
+    case "$st" in
+      down*|drain*|fail*|*'*') echo "axonmpi: $(date +%T) node $node is ${st}: left out of the job step" >&2 ;;
+      *) healthy+=("$node") ;;
+    esac
+  done
+  (( ${#healthy[@]} >= n )) || return 1
+  AXONMPI_SRUN_NODES=(--nodes="$n" --ntasks="$(( n * per ))" --nodelist="$(IFS=,; echo "${healthy[*]:0:$n}")")
+  echo "axonmpi: $(date +%T) job step on ${AXONMPI_SRUN_NODES[2]#--nodelist=} ($n of ${#all[@]} nodes, $spare spare)" >&2
+}
 axonmpi_run() {
-  local rc tries=0 max=${AXONMPI_RESTARTS:-2}
+  local rc tries=0 max=${AXONMPI_RESTARTS:-2} cmd
   [[ " $* " == *" --auto-resume "* ]] || max=0      # a command that does not resume would start over
   while :; do
-    rc=0; axonmpi_run_once "$@" || rc=$?
+    rc=0
+    if ! axonmpi_pick_nodes; then
+      echo "axonmpi: $(date +%T) fewer than the job step's nodes are healthy (SPARE_NODES=${SPARE_NODES:-0} used up): requeueing job ${SLURM_JOB_ID:-?}" >&2
+      scontrol requeue "${SLURM_JOB_ID:?SLURM_JOB_ID is not set: not inside a Slurm job}"
+      exit 0
+    fi
+    cmd=("$@")
+    [[ "${1:-}" == srun ]] && cmd=(srun "${AXONMPI_SRUN_NODES[@]}" "${@:2}")
+    axonmpi_run_once "${cmd[@]}" || rc=$?
     (( rc == 0 )) && return 0
     if (( tries >= max )); then
       (( tries )) && echo "axonmpi: $(date +%T) the job step failed again (exit $rc) after $tries restart(s) inside the allocation (AXONMPI_RESTARTS=$max): giving up" >&2
+      if [[ "${1:-}" == srun && "$AXONMPI_MEMORY_DIR" == */axonmpi-slurm-* ]]; then   # the memory copies go
+        srun --ntasks-per-node=1 --nodes="${SLURM_JOB_NUM_NODES:-1}" rm -rf "$AXONMPI_MEMORY_DIR" || true
+      fi
       return "$rc"
     fi
     tries=$((tries + 1))

@@ -254,8 +254,12 @@ class CheckpointManager:
         found = [(int(m.group(1)), n) for n in os.listdir(self.directory) for m in [pat.match(n)] if m]
         return [os.path.join(self.directory, n) for _, n in sorted(found)]
 
-    def load_latest(self, state: Optional[dict] = None, *, fallback: bool = True, **kw) -> Optional[dict]:
+    def load_latest(self, state: Optional[dict] = None, *, fallback: bool = True, memory=None, **kw) -> Optional[dict]:
         """Load the newest intact checkpoint (collective); None only when the folder holds no checkpoint.
+
+        With ``memory`` (a :class:`~axonmpi.checkpoint.memory.MemoryCheckpointer`), the newest step complete in
+        node memory is loaded instead when it is at least as new (resharded like a checkpoint; the log says
+        which source and step: :func:`axonmpi.checkpoint.memory.resume`).
 
         With ``fallback`` (default), a checkpoint that fails to load is verified (every block
         against its checksum, as ``axonmpi ckpt verify`` does). Only one that fails verification is
@@ -268,6 +272,9 @@ class CheckpointManager:
         so a run never restarts from step 0 silently. Keyword arguments go to
         :func:`axonmpi.checkpoint.load` (``cast=True`` converts dtypes).
         """
+        if memory is not None:
+            from .memory import resume
+            return resume(self, memory, state, fallback=fallback, **kw)[0]
         out = self.load_newest_intact(lambda path: load(path, state, self.group, **kw), fallback=fallback)
         return None if out is None else out[1]
 

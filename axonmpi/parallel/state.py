@@ -401,8 +401,9 @@ class ShardedState:
         model = self.sharded_state_dict()
         if path is not None:
             g = resolve_group(group)
-            keys = _optimizer_keys(path) if g.rank == 0 else None
-            keys = broadcast_object(keys, group=g)
+            if g.rank == 0:     # a checkpoint's path, or an in-memory copy (checkpoint.memory_load.MemoryCopy)
+                keys = path.optimizer_keys() if hasattr(path, "optimizer_keys") else _optimizer_keys(path)
+            keys = broadcast_object(keys if g.rank == 0 else None, group=g)
             if keys:
                 state = OrderedDict()
                 for n, p in self.named.items():
