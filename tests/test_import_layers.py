@@ -7,6 +7,7 @@ imported ``checkpoint.preemption`` while ``log.py`` and ``trace.py`` imported ``
 18-file circle through ``checkpoint``).
 """
 import ast
+import functools
 import os
 
 import pytest
@@ -58,6 +59,13 @@ def _targets(mod, path, node, mods):
 
 
 def _graph():
+    """module -> {imported module: line}; parsed once per test run (every test reads the same tree), a fresh copy
+    each call so a test may change its own."""
+    return {mod: dict(deps) for mod, deps in _parsed().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed():
     mods = _modules()
     graph = {}
     for mod, path in mods.items():
