@@ -12,6 +12,7 @@ temporary directory with the repository on ``PYTHONPATH``.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ _MPIEXEC = re.compile(r"#\s*mpiexec\s+-n\s+(\d+)\b")
 _TIMEOUT = 120
 _SHELL = ("bash", "sh", "shell")
 _SHELL_TIMEOUT = 300
+_BATCH_TIMEOUT = 600
 
 
 class Block(NamedTuple):
@@ -167,16 +169,58 @@ def test_grid_md_shows_inits_signature():
     assert " ".join(shown.split()) == "axonmpi.init(" + ", ".join(params) + ")"
 
 
+def _script(block: Block, folder) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / (re.sub(r"\W", "_", block.path) + f"_L{block.line}.py")
+    script.write_text(block.code, encoding="utf-8")
+    return str(script)
+
+
+def _run_alone(block: Block, folder):
+    script = _script(block, folder)
+    if block.ranks:
+        return run_mpiexec([script], n=block.ranks, timeout=_TIMEOUT, cwd=str(folder))
+    return subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=_TIMEOUT,
+                          env=mpiexec_env(), cwd=str(folder))
+
+
+@pytest.fixture(scope="session")
+def batched_blocks(request, tmp_path_factory):
+    """The blocks this session runs, grouped by rank count and run in one job per group (tests/doc_batch.py):
+    ``{block id: True}`` for each block that passed there on every rank. Blocks not reported ok run alone."""
+    chosen = [it.callspec.params["block"] for it in request.session.items
+              if it.originalname == "test_doc_block_runs" and hasattr(it, "callspec")]
+    root = tmp_path_factory.mktemp("doc_batches")
+    passed = {}
+    for ranks in sorted({b.ranks for b in chosen}):
+        plan = [{"id": f"{b.path}:{b.line}", "script": _script(b, root / f"{ranks}" / f"b{i}"),
+                 "cwd": str(root / f"{ranks}" / f"b{i}")} for i, b in enumerate(chosen) if b.ranks == ranks]
+        plan_path, results = root / f"plan{ranks}.json", root / f"results{ranks}.jsonl"
+        plan_path.write_text(json.dumps(plan), encoding="utf-8")
+        runner = [os.path.join(ROOT, "tests", "doc_batch.py"), str(plan_path), str(results)]
+        try:
+            if ranks:
+                run_mpiexec(runner, n=ranks, timeout=_BATCH_TIMEOUT, cwd=str(root))
+            else:
+                subprocess.run([sys.executable, *runner], capture_output=True, text=True, timeout=_BATCH_TIMEOUT,
+                               env=mpiexec_env(), cwd=str(root))
+        except subprocess.TimeoutExpired:
+            pass                                    # the blocks it did not report run alone
+        if results.exists():
+            for line in results.read_text(encoding="utf-8").splitlines():
+                row = json.loads(line)
+                passed[row["id"]] = passed.get(row["id"], True) and row["ok"]
+    return passed
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.path}:{b.line}" for b in BLOCKS])
-def test_doc_block_runs(block, tmp_path):
-    script = tmp_path / (re.sub(r"\W", "_", block.path) + f"_L{block.line}.py")
-    script.write_text(block.code, encoding="utf-8")
-    if block.ranks:
-        r = run_mpiexec([str(script)], n=block.ranks, timeout=_TIMEOUT, cwd=str(tmp_path))
-    else:
-        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=_TIMEOUT,
-                           env=mpiexec_env(), cwd=str(tmp_path))
+def test_doc_block_runs(block, tmp_path, batched_blocks):
+    """Each block passes in its rank count's batch job, or else run alone (which decides: a block may depend on
+    a fresh process, e.g. a first ``init`` with its own grid)."""
+    if batched_blocks.get(f"{block.path}:{block.line}"):
+        return
+    r = _run_alone(block, tmp_path)
     assert r.returncode == 0, (f"{block.path}:{block.line} failed ({block.ranks or 1} process(es)), "
                                f"exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
 

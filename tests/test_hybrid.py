@@ -47,6 +47,15 @@ LAYOUTS = [
 ]
 
 
+# make test runs the trainer at one layout of each kind (data x pipeline, Megatron TP, AxoNN's 2-D tensor grid,
+# FSDP, FSDP x TP, zero bubble x TP); the others are marked slow (make test-all): each layout's arithmetic is
+# checked in process, faster, by test_hybrid_gpt_in_process_equals_serial, tests/test_nd_layouts.py and
+# tests/test_recipe_layouts.py, and this file checks the trainer's flags reach it
+FAST_LAYOUTS = {0, 1, 5, 11, 16, 25}
+LAYOUT_PARAMS = [pytest.param(sizes, extra, marks=() if i in FAST_LAYOUTS else pytest.mark.slow)
+                 for i, (sizes, extra) in enumerate(LAYOUTS)]
+
+
 def _run(tmp, name, sizes=None, extra=()):
     from axonmpi.testing import mpiexec_env, run_mpiexec
     metrics, params = str(tmp / f"{name}.jsonl"), str(tmp / f"{name}.npz")
@@ -70,7 +79,7 @@ def serial(tmp_path_factory):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("sizes,extra", LAYOUTS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+@pytest.mark.parametrize("sizes,extra", LAYOUT_PARAMS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
                          else "-".join(a.strip("-") for a in v) or "default")
 def test_layout_matches_one_process(sizes, extra, serial, tmp_path):
     ref_rows, ref_params, _ = serial
@@ -123,6 +132,7 @@ def _check_link(metrics, k, last, ref, mgr, total=8):
     return rows
 
 
+@pytest.mark.slow  # covered faster: resharding on load: tests/test_nd_layouts.py, test_sharded_state.py; the trainer's resume under another layout: test_context_parallel.py, test_train_llama_cli.py
 @pytest.mark.serial
 def test_checkpoint_reshards_across_four_layouts(tmp_path):
     """TP2 x PP2 (Megatron) -> DP4 -> AxoNN (2,1,2) -> serial: each run resumes the last one's checkpoint;
@@ -200,6 +210,7 @@ def test_impossible_layouts_are_refused_naming_the_sizes(n, flags, needles, tmp_
     assert "step 1" not in r.stderr                     # refused before any work
 
 
+@pytest.mark.slow  # covered faster: FSDP x TP checkpoints across layouts: tests/test_sharded_state.py and test_fsdp_checkpoint.py, in process
 @pytest.mark.serial
 def test_checkpoint_chain_fsdp_tp_serial_fsdp(tmp_path):
     """FSDP full_shard at 4 ranks -> FSDP x Megatron TP 2 (2,1,1,2,1) -> FSDP x AxoNN depth 2 (2,1,1,1,2) ->
@@ -263,7 +274,8 @@ def test_checkpoint_chain_fsdp_tp_serial_fsdp(tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("n,layout", [(2, []), (4, ["--G-inter", "2", "--microbatches", "2"])],
+@pytest.mark.parametrize("n,layout", [(2, []), pytest.param(4, ["--G-inter", "2", "--microbatches", "2"],
+                                                              marks=pytest.mark.slow)],
                          ids=["fsdp2", "fsdp2_pp2"])
 def test_fsdp_fp16_mixed_precision_trains(tmp_path, n, layout):
     """--fsdp full_shard --mixed-precision fp16 (float16 compute, float32 reduction, loss scaling) learns:
@@ -285,7 +297,7 @@ def test_fsdp_fp16_mixed_precision_trains(tmp_path, n, layout):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("fsdp", ["none", "full_shard"])
+@pytest.mark.parametrize("fsdp", ["none", pytest.param("full_shard", marks=pytest.mark.slow)])
 def test_bf16_mixed_precision_trains_like_float32(tmp_path, fsdp):
     """Issue 21: --mixed-precision bf16 (bfloat16 compute, float32 reduction and master weights) with DDP
     (--fsdp none: FSDP no_shard) and FSDP trains 20 steps with every loss within 2e-2 of float32's."""
@@ -306,6 +318,7 @@ def test_bf16_mixed_precision_trains_like_float32(tmp_path, fsdp):
     assert np.abs(out["bf16"] - out["fp32"]).max() < 2e-2, (out["bf16"], out["fp32"])
 
 
+@pytest.mark.slow  # covered faster: the scaler's state across a resume: tests/test_amp.py::test_grad_scaler_state_dict_resumes_the_same_schedule
 @pytest.mark.serial
 def test_fp16_resume_continues_with_the_saved_loss_scale(tmp_path):
     """--mixed-precision fp16 checkpoints hold the GradScaler's state (scale, growth tracker): a run resumed
