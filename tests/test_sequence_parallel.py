@@ -129,7 +129,8 @@ def test_gpt_sequence_parallel_through_parallelize_trains_as_serial(world, megat
     serial = GPT(CFG, dtype="float64")
     axonmpi.manual_seed(21)
     model = megatron_gpt(CFG, sp=True)                      # the serial values, each rank its shard
-    assert isinstance(model.inner.drop, SequenceParallelDropout) and model.inner.blocks[0].mlp.fc.sequence_parallel
+    assert model.inner.blocks[0].mlp.fc.sequence_parallel
+    assert isinstance(model.inner.drop, SequenceParallelDropout) or g.size == 1   # one rank: no region to enter
     worst = 0.0
     opts = [AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (serial, model)]
     for x, y in batches:
