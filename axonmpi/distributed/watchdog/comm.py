@@ -12,8 +12,9 @@ from mpi4py import MPI
 
 from ... import trace as _trace
 from .check import _Checks
-from .record import (_BLK, _FILE, _IDX, _INSIDE, _OUTSIDE, _M64, _NO_ROOT, _OP, _PEER, _PKG, _SEQ, _T1, _VARIES,  # noqa: F401
-                     _a2a_term, _clock, _getframe, _mop, _public, _where)
+# _NO_ROOT, _VARIES, _mop, _IN_PLACE, _n, _dt, _dn: names the generated calls use (wrappers.py)
+from .record import (_BLK, _FILE, _IDX, _INSIDE, _OUTSIDE, _M64, _NO_ROOT, _OP, _PEER, _PKG, _SEQ,  # noqa: F401
+                     _T1, _VARIES, _a2a_term, _clock, _getframe, _mop, _public, _where)
 from .wrappers import methods as _methods
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ class _Handshake:
             if r != self.rank:
                 self._post(msg, r, _EXIT)
         self._expected_notices = self.size - 1
-        self._settle_checks()          # after the announcement: a rank waiting for a call this one never made hears of it
+        self._settle_checks()   # after the announcement: a rank waiting for a call this one never made hears of it
         bad = self._finish()
         if bad:
             sys.stdout.flush()

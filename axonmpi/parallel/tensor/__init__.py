@@ -31,6 +31,6 @@ _GONE = {"parallelize_gpt": "axonmpi.parallel.parallelize(model, tensor_parallel
 
 def __getattr__(name: str):
     if name in _GONE:
-        raise AttributeError(f"axonmpi.parallel.tensor.{name} is gone: parallelize is the one composer; use {_GONE[name]} "
-                             "(docs/tensor_parallel.md)")
+        raise AttributeError(f"axonmpi.parallel.tensor.{name} is gone: parallelize is the one composer; "
+                             f"use {_GONE[name]} (docs/tensor_parallel.md)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
