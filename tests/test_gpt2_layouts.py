@@ -4,7 +4,8 @@ Weights under GPT-2's names (``transformer.h.{i}.attn.c_attn.weight`` ..., Conv1
 ``lm_head``) come from ``GPT.to_hf_gpt2()`` of a randomised GPT (no torch needed), or from
 transformers' ``GPT2LMHeadModel`` built from a small random ``GPT2Config`` (skips without
 torch/transformers). ``GPT.from_hf_gpt2`` loads them into the serial model, then into each layout:
-``parallelize(tensor_parallel="axonn")`` (AxoNN 3-D, easy mode), ``parallelize_gpt`` (Megatron 1-D),
+``parallelize(tensor_parallel="axonn")`` (AxoNN 3-D, easy mode), ``parallelize`` with the recipe's Megatron plan
+(1-D, vocabulary split),
 and ``HybridGPT`` (Megatron, AxoNN, pipeline) through ``load_full_state_dict``. Logits agree to
 1e-10 relative in float64; against transformers' own logits too.
 """
@@ -16,7 +17,7 @@ from axonmpi import Tensor
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.parallel import parallelize
 from axonmpi.recipes import HybridGPT
-from axonmpi.parallel.tensor import parallelize_gpt
+from axonmpi.recipes.gpt import gpt_plan
 
 TOL = 1e-10
 V, T, B, H = 64, 8, 12, 4         # vocabulary, context, batch, heads: width 32 and 64 tokens split over 1, 2, 4
@@ -83,7 +84,7 @@ def _divides(p, *sizes):
     return all(s % p == 0 for s in sizes)
 
 
-LAYOUTS = ["parallelize_axonn_col", "parallelize_axonn_row_depth", "parallelize_gpt_megatron",
+LAYOUTS = ["parallelize_axonn_col", "parallelize_axonn_row_depth", "parallelize_megatron",
            "hybrid_megatron", "hybrid_axonn", "hybrid_pipeline"]
 
 
@@ -133,15 +134,19 @@ def test_hf_gpt2_weights_give_the_serial_logits_in_every_layout(world, source, l
             loss.backward()                   # the hooks sum over the tensor block, / number of batch shards
             _close(model.wte.weight.grad.numpy(), wte_grad, f"{layout} wte gradient")
             _close(model.wpe.weight.grad.numpy(), wpe_grad, f"{layout} wpe gradient")
-        elif layout == "parallelize_gpt_megatron":
+        elif layout == "parallelize_megatron":
             if not _divides(p, H, V):
                 pytest.skip(f"heads and vocabulary do not split over {p} ranks")
-            model = parallelize_gpt(GPT.from_hf_gpt2(sd, n_head=H), group=world.default_group)
+            grid = axonmpi.ProcessGrid(world, G_intra_c=p)
+            gpt = GPT.from_hf_gpt2(sd, n_head=H)
+            pm = parallelize(gpt, grid=grid, tensor_parallel=gpt_plan(gpt.config, sequence_parallel=True),
+                             data_parallel=None)    # wte and lm_head split over the vocabulary (tied: one Parameter)
+            model = pm.inner
             assert (model.lm_head.weight is model.wte.weight) == tied
             with axonmpi.no_grad():
-                got = model(Tensor(x))[0].numpy()
+                got = pm(Tensor(x))[0].numpy()
             _close(got, want, f"{layout} rank {world.rank}")
-            _, loss = model(Tensor(x), y)
+            _, loss = pm(Tensor(x), y)
             loss.backward()
             _close(float(loss.item()), loss_ref, f"{layout} loss")
             rows = axonmpi.all_gather(model.wte.weight.grad.numpy())       # vocabulary rows in rank order

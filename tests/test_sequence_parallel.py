@@ -7,9 +7,10 @@ import axonmpi
 from axonmpi import Tensor, nn
 from axonmpi.models import GPT, GPTConfig
 from axonmpi.optim import AdamW, clip_grad_norm_
+from axonmpi.parallel import full_state_dict as pm_full_state_dict
 from axonmpi.parallel.tensor import (
-    ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, full_state_dict,
-    gather_from_sequence_parallel_region, load_full_state_dict, parallelize_gpt,
+    ColumnParallelLinear, RowParallelLinear, SequenceParallelDropout, SequenceParallelLayerNorm, full_state_dict,
+    gather_from_sequence_parallel_region, load_full_state_dict,
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
 )
 
@@ -99,8 +100,26 @@ def test_column_row_layernorm_parity_forward_backward(world):
 CFG = GPTConfig(vocab_size=24, block_size=12, n_layer=2, n_head=12, n_embd=24)
 
 
+@pytest.fixture
+def megatron_gpt(world):
+    """``megatron_gpt(cfg, sp)``: a GPT through ``parallelize`` with the recipe's Megatron plan over every rank
+    (heads, MLP and vocabulary split; the GPT's own sequence region with ``sp``); its grids are freed after."""
+    from axonmpi.parallel import parallelize
+    from axonmpi.recipes.gpt import gpt_model_plan, gpt_plan
+    grids = []
+
+    def make(cfg, sp=False):
+        grids.append(axonmpi.ProcessGrid(world, G_intra_c=world.world_size))
+        return parallelize(GPT(cfg, dtype="float64"), grid=grids[-1], tensor_parallel=gpt_plan(cfg, sp),
+                           sequence_parallel=sp, model_plan=gpt_model_plan(cfg), data_parallel=None)
+
+    yield make
+    for grid in reversed(grids):
+        grid.free()
+
+
 @pytest.mark.mpi(min_size=1)
-def test_parallelize_gpt_sequence_parallel_trains_as_serial(world):
+def test_gpt_sequence_parallel_through_parallelize_trains_as_serial(world, megatron_gpt):
     g = world.default_group
     if CFG.block_size % g.size or CFG.n_head % g.size:
         pytest.skip("sizes do not divide")
@@ -108,11 +127,10 @@ def test_parallelize_gpt_sequence_parallel_trains_as_serial(world):
     batches = [(rng.integers(0, 24, (3, 12)), rng.integers(0, 24, (3, 12))) for _ in range(3)]
     axonmpi.manual_seed(21)
     serial = GPT(CFG, dtype="float64")
-    init = serial.state_dict()
     axonmpi.manual_seed(21)
-    model = parallelize_gpt(GPT(CFG, dtype="float64"), group=g, sequence_parallel=True)
-    load_full_state_dict(model, init)
-    assert isinstance(model.blocks[0].ln_1, SequenceParallelLayerNorm) and model.blocks[0].mlp.fc.sequence_parallel
+    model = megatron_gpt(CFG, sp=True)                      # the serial values, each rank its shard
+    assert model.inner.blocks[0].mlp.fc.sequence_parallel
+    assert isinstance(model.inner.drop, SequenceParallelDropout) or g.size == 1   # one rank: no region to enter
     worst = 0.0
     opts = [AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (serial, model)]
     for x, y in batches:
@@ -127,14 +145,14 @@ def test_parallelize_gpt_sequence_parallel_trains_as_serial(world):
         assert out[0][2] == out[1][2]                       # lm_head all-gathers the sequence
         assert out[0][1] > 0.05                             # clipping is active
         worst = max(worst, _rel(out[1][0], out[0][0]), _rel(out[1][1], out[0][1]))
-    final = full_state_dict(model)
+    final = pm_full_state_dict(model)
     for k, v in serial.state_dict().items():
         worst = max(worst, _rel(final[k], v))
     assert worst <= TOL, worst
 
 
 @pytest.mark.mpi(min_size=2)
-def test_activation_bytes_outside_the_matmuls_drop_by_the_tensor_size(world):
+def test_activation_bytes_outside_the_matmuls_drop_by_the_tensor_size(world, megatron_gpt):
     """Measured: the bytes of every LayerNorm input and of every block's output (the residual stream)."""
     g = world.default_group
     cfg = GPTConfig(vocab_size=24, block_size=4 * g.size, n_layer=2, n_head=2 * g.size, n_embd=8 * g.size)
@@ -154,9 +172,9 @@ def test_activation_bytes_outside_the_matmuls_drop_by_the_tensor_size(world):
     axonmpi.manual_seed(1)
     measure(GPT(cfg, dtype="float64"), "serial")
     axonmpi.manual_seed(1)
-    measure(parallelize_gpt(GPT(cfg, dtype="float64"), group=g), "tp")
+    measure(megatron_gpt(cfg).inner, "tp")
     axonmpi.manual_seed(1)
-    measure(parallelize_gpt(GPT(cfg, dtype="float64"), group=g, sequence_parallel=True), "sp")
+    measure(megatron_gpt(cfg, sp=True).inner, "sp")
     assert seen["serial"].keys() == seen["sp"].keys() and len(seen["sp"]) == 3 * cfg.n_layer + 1
     for k, b in seen["serial"].items():
         assert seen["tp"][k] == b                          # tensor parallel alone: whole activations
@@ -164,12 +182,10 @@ def test_activation_bytes_outside_the_matmuls_drop_by_the_tensor_size(world):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_sequence_parallel_needs_vocab_parallel_and_divisible_lengths(world):
+def test_sequence_parallel_needs_divisible_lengths(world, megatron_gpt):
     g = world.default_group
-    with pytest.raises(ValueError, match="needs vocab_parallel=True"):
-        parallelize_gpt(GPT(CFG, dtype="float64"), group=g, vocab_parallel=False, sequence_parallel=True)
     cfg = GPTConfig(vocab_size=24, block_size=4 * g.size + 1, n_layer=1, n_head=g.size, n_embd=4 * g.size)
-    model = parallelize_gpt(GPT(cfg, dtype="float64"), group=g, sequence_parallel=True)
+    model = megatron_gpt(cfg, sp=True)
     with pytest.raises(ValueError, match=rf"rank {world.rank}: sequence parallelism splits dimension -2 \(the sequence, "
                                          rf"length {4 * g.size + 1}\)"):
         model(np.zeros((1, 4 * g.size + 1), dtype=np.int64))

@@ -12,9 +12,9 @@ from axonmpi.optim import AdamW
 from axonmpi.optim import clip_grad_norm_ as serial_clip
 from axonmpi.parallel import auto_parallelize, intra_layer
 from axonmpi.parallel.auto_parallelize import is_parallelizable_linear
-from axonmpi.parallel.tensor import (
-    TensorParallelGroups, full_state_dict, load_full_state_dict, parallelize_gpt,
-)
+from axonmpi.parallel import parallelize
+from axonmpi.parallel.tensor import TensorParallelGroups, full_state_dict, load_full_state_dict
+from axonmpi.recipes.gpt import gpt_plan
 
 STEPS = 5
 RTOL = 1e-10
@@ -149,11 +149,10 @@ def test_megatron_gpt_training_parity(G_tp, use_ddp, tp_grid):
     per_rank = 2
     batches = _data("gpt", per_rank * dp.size, seed=1)
     init, ref_losses, ref_final = _serial("gpt", batches)
-    model = parallelize_gpt(_build("gpt"), group=tp)
-    load_full_state_dict(model, init)
-    inner = model
-    if use_ddp:                      # DDP over the data group; TP params are reduced over data only
-        model = axonmpi.DDP(model, group=dp)
+    # the recipe's Megatron plan through parallelize; with DDP over the data group (TP params reduced over data only)
+    model = parallelize(_build("gpt"), grid=grid, tensor_parallel=gpt_plan(CFG), data_parallel="ddp" if use_ddp else None)
+    inner = model.inner
+    assert tp.size == G_tp and full_state_dict(inner).keys() == init.keys()
     lo, hi = dp.rank * per_rank, (dp.rank + 1) * per_rank
     local = [(x[lo:hi], y[lo:hi]) for x, y in batches]
 
@@ -196,8 +195,9 @@ def test_auto_parallelize_hook_is_scoped_and_follows_axonn_rule(tp_grid):
 
 @pytest.mark.mpi(min_size=2)
 def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_factory, tp_grid):
-    """Megatron TP over rank pairs saves ShardedArray blocks; a serial model loads them; then a 3-D
-    auto-parallelized model ((2,1,2) at 4 ranks, (3,1,1) at 3, (2,1,1) at 2) loads the serial checkpoint."""
+    """Megatron TP over rank pairs (``parallelize`` with the recipe's plan) saves ShardedArray blocks; a serial
+    model loads them; then a 3-D auto-parallelized model ((2,1,2) at 4 ranks, (3,1,1) at 3, (2,1,1) at 2) loads
+    the serial checkpoint."""
     from axonmpi import checkpoint
     from axonmpi.distributed import broadcast_object
     from axonmpi.parallel.tensor import load_sharded_state_dict, sharded_state_dict
@@ -207,11 +207,12 @@ def test_sharded_checkpoint_reshards_tp_to_serial_and_serial_to_3d(tmp_path_fact
     for p in serial.parameters():                   # distinct values everywhere (not the N(0, .02) init)
         p.data[...] = np.random.default_rng(p.data.size).standard_normal(p.shape)
     ref = serial.state_dict()
-    pairs = world.split(world.rank // 2, name="tp-pairs")          # 3 ranks: [0, 1] and [2]
-    tp = parallelize_gpt(_build("gpt"), group=pairs)
+    pairs = tp_grid(G_intra_c=2 if world.world_size % 2 == 0 else 1)   # Megatron over rank pairs (3 ranks: none)
+    tp = parallelize(_build("gpt"), grid=pairs, tensor_parallel=gpt_plan(CFG), data_parallel=None).inner
     load_full_state_dict(tp, ref)
-    sub = world.split(0 if world.rank < 2 else None, name="first-pair")   # one TP pair saves and reloads
-    if world.rank < 2:
+    first = pairs.intra_group.ranks if 0 in pairs.intra_group.ranks else None
+    sub = world.split(0 if first is not None else None, name="first-pair")   # one TP group saves and reloads
+    if first is not None:
         checkpoint.save(path + "/tp", {"model": sharded_state_dict(tp)}, group=sub)
         back = checkpoint.load(path + "/tp", group=sub)["model"]
         for k, v in ref.items():

@@ -6,10 +6,8 @@ shard, so the functions here walk any model: a model built from TP layers loads 
 and saves one, and gives ``ShardedArray`` blocks for sharded checkpoints (through
 :class:`~axonmpi.parallel.state.ShardedState`).
 
-A TP module (``_TensorParallelModule``) answers, per parameter name, from the placement:
-    ``tp_full_shape(name)``: the full shape (``None``: not cut);
-    ``tp_shard(name, full)`` / ``tp_gather(name, local)``: cut a full host array / gather the pieces;
-    ``tp_block(name, local)`` / ``tp_unblock(name, block)``: a piece as a checkpoint block and back.
+A TP module (``_TensorParallelModule``) only records placements; every conversion between a full array, a
+shard and a checkpoint block is :mod:`axonmpi.parallel.placed`'s (the same one ``ShardedState`` uses).
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ def tp_entries(model: Module):
     """(key, module, local name, parameter) for every parameter of a TP module inside ``model``.
 
     Example:
-        >>> {key: m.tp_full_shape(name) for key, m, name, _ in tp_entries(model)}
+        >>> {key: placement_of(p).full_shape for key, m, name, p in tp_entries(model)}
     """
     for prefix, m in model.named_modules():
         if isinstance(m, _TensorParallelModule):
@@ -129,8 +127,8 @@ def init_full(shape, dtype, init_fn, groups) -> np.ndarray:
 
 class _TensorParallelModule(Module):
     """Base of TP layers: ``state_dict(full=...)``, ``load_state_dict`` of full or sharded entries,
-    ``sharded_state_dict()``.  The ``tp_*`` methods read each parameter's placement (its cuts
-    and full shape, :mod:`axonmpi.parallel.placed`): a layer only records placements."""
+    ``sharded_state_dict()``, read from each parameter's placement (its cuts and full shape,
+    :mod:`axonmpi.parallel.placed`): a layer only records placements."""
 
     def _tp_placement(self, name: str):
         """The placement of parameter ``name`` when it is cut (has cuts and a full shape), else ``None``."""
@@ -141,26 +139,6 @@ class _TensorParallelModule(Module):
     def _tp_full_shape(self, name: str) -> Optional[tuple]:
         pl = self._tp_placement(name)
         return None if pl is None else tuple(pl.full_shape)
-
-    def tp_full_shape(self, name: str) -> Optional[tuple]:
-        """The serial shape of parameter ``name`` (``None``: not sharded)."""
-        return self._tp_full_shape(name)
-
-    def tp_shard(self, name: str, full):
-        """This rank's shard of parameter ``name`` cut from its full serial array."""
-        return placed.cut(full, self._tp_placement(name))
-
-    def tp_gather(self, name: str, local):
-        """The full serial array of parameter ``name`` from every rank's ``local`` shard (collective)."""
-        return placed.gather(local, self._tp_placement(name))
-
-    def tp_block(self, name: str, local):
-        """``local`` (this rank's shard of ``name``, or an array shaped like it) as a ``ShardedArray`` block."""
-        return placed.block(local, self._tp_placement(name))
-
-    def tp_unblock(self, name: str, block):
-        """The shard of ``name`` from a block read by ``checkpoint.load`` into :meth:`tp_block`'s form."""
-        return placed.unblock(block, self._tp_placement(name))
 
     def state_dict(self, full: bool = False) -> "OrderedDict[str, np.ndarray]":
         """This layer's state: shards (default) or, with ``full=True``, full serial arrays (collective)."""
@@ -203,7 +181,4 @@ class _TensorParallelModule(Module):
             return
         full = init_full(shape, np.dtype(p.dtype), init_fn, self._tp_init_groups())
         xp = get_array_module(p.data)
-        p.data[...] = xp.asarray(self.tp_shard(name, full)).reshape(p.data.shape)
-
-
-_tp_entries = tp_entries   # the old name, for code written against it
+        p.data[...] = xp.asarray(placed.cut(full, self._tp_placement(name))).reshape(p.data.shape)
