@@ -136,6 +136,48 @@ def test_compile_api():
     assert [c(1), c(2), c(3)] == [2, 3, 4] and c.reason is None     # no autograd at all: nothing to replay
 
 
+def test_no_host_syncs_in_a_captured_step():
+    """Embedding ids, cross-entropy targets and its mean divisor are checked by array ops in a captured step: the
+    step reads no array value into Python; the loss is read when logged.  (Clipping still reads its norm:
+    clip_grad_norm_ returns a float.)"""
+    from axonmpi.graphs.count import CountedArray, counting
+    m = _gpt()
+    opt = AdamW(m.parameters(), lr=1e-2)
+
+    def step(x, y):
+        opt.zero_grad()
+        _, loss = m(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+    c = axonmpi.compile(step)
+    x, y = _batches(1)[0]
+    c(x, y)
+    c(x, y)
+    with counting(m, opt) as k:
+        step(x.view(CountedArray), y.view(CountedArray))
+        assert k.host_syncs >= 3, dict(k.syncs)          # eager: the host checks read values
+        k.reset()
+        loss = c(x.view(CountedArray), y.view(CountedArray))
+        assert k.host_syncs == 0 and k.total > 100, dict(k.syncs)
+        float(loss.data)                                  # logging the loss: the one read
+        assert dict(k.syncs) == {"float": 1}
+    assert c.replays == 1 and c.reason is None
+
+
+def test_out_of_range_ids_in_a_captured_step_give_nan():
+    m = _gpt()
+    c = axonmpi.compile(_stepper(m))
+    for x, y in _batches(2):
+        c(x, y)
+    x, y = _batches(1, seed=5)[0]
+    y[0, 0] = -1                     # would wrap around as a NumPy index
+    assert np.isnan(c(x, y).item()) and c.replays == 1
+    x[0, 0] = CFG.vocab_size         # past the table
+    with pytest.raises(IndexError, match="out of range"):
+        m(x, y % CFG.vocab_size)     # eager: the host check names it
+
+
 class _FakePipelined:
     pipeline, _stages = object(), ()
 
