@@ -105,6 +105,8 @@ def cpu_bench(a) -> int:
         except ImportError as e:
             print(f"(no PyTorch column: {e})")
     data = {k: (tb if k == "torch eager" else batches) for k in sides}
+    if a.count_only:
+        a.steps, a.warmup = 1, 2
     for i in range(max(a.warmup, 2)):
         for k, f in sides.items():
             f(*data[k][i % 4])
@@ -125,7 +127,8 @@ def cpu_bench(a) -> int:
     print(f"GPT {a.n_layer} layers x {a.n_head} heads x {a.n_embd} wide, vocab {a.vocab}, {a.batch} x {a.block_size} "
           f"tokens, {params / 1e6:.2f}M parameters, {a.precision}, AdamW + clipping; one process, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {a.steps} steps, sides "
-          f"interleaved; torch: {torch_kind or 'not run'}; kernels: axonmpi.graphs.count (NumPy path), torch ATen ops")
+          f"interleaved{' (--count-only: one step, times not meaningful)' if a.count_only else ''}; torch: "
+          f"{torch_kind or 'not run'}; kernels: axonmpi.graphs.count (NumPy path), torch ATen ops")
     print(f"{'':16} {'host ms/step':>12} {'cpu ms/step':>12} {'/ ' + ref:>18} {'kernels/step':>13}")
     base = float(np.median(wall[ref]))
     for k in sides:

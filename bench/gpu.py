@@ -15,7 +15,7 @@ counted by :mod:`axonmpi.graphs.count` (every NumPy operation on the step's arra
 launches for the NumPy/CuPy path) and, for torch, by a dispatch mode counting ATen ops.
 
     python bench/gpu.py --cpu --preset overhead # 12 layers x 12 heads at width 48, 16 tokens, batch 1
-    python bench/gpu.py --cpu --preset gpt2 --block-size 64 --batch 1 --steps 3   # GPT-2 124M: kernels per step
+    python bench/gpu.py --cpu --preset gpt2 --block-size 64 --batch 1 --count-only  # GPT-2 124M: kernels per step
     python bench/gpu.py                         # 1 .. all GPUs of this node
     python bench/gpu.py --ranks 1 --preset gpt2 --precision bf16 --profile prof.txt   # 124M, MFU, host split
     python bench/gpu.py --ranks 1 4 --n-layer 8 --n-embd 512 --batch 32
@@ -50,6 +50,10 @@ def parse(argv=None):
     ap.add_argument("--cpu", action="store_true", help="no GPU: host ms and kernels per step, eager vs replay vs "
                                                        "torch eager, on this CPU (one process)")
     ap.add_argument("--no-torch", action="store_true", help="--cpu without the PyTorch column")
+    ap.add_argument("--count-only", action="store_true", help="--cpu: kernels per step only, no timed steps "
+                                                              "(GPT-2 124M on a CPU)")
+    ap.add_argument("--compile", action="store_true", help="GPU: run the step through axonmpi.compile (a CUDA "
+                                                           "graph where the step can be captured; the reason if not)")
     ap.add_argument("--ranks", type=int, nargs="*", default=None, help="rank counts (default 1 .. GPUs)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="char",
                     help="model shape: char (examples/train_gpt.py) or gpt2 (124M, context 1024)")
@@ -181,6 +185,9 @@ def worker(a) -> int:
         opt.step()
         return loss
 
+    compiled = None
+    if a.compile:
+        compiled = step = axonmpi.compile(step, warmup=max(a.warmup - 1, 0))
     times = []
     for i in range(a.warmup + a.steps):
         stream.synchronize()
@@ -207,6 +214,8 @@ def worker(a) -> int:
               f"pool_gib={pool.total_bytes() / 2**30:.2f} gpu={name.replace(' ', '_')}", flush=True)
         if split:
             print(f"PROFILE {split}", flush=True)
+        if compiled is not None:
+            print(f"COMPILE kind={compiled.kind} replays={compiled.replays} reason={compiled.reason}", flush=True)
     return 0
 
 
@@ -251,9 +260,10 @@ def main(argv=None) -> int:
         eff = tps / (base * k / ranks[0]) if base else float("nan")
         print(f"{k:>5} {float(f['ms_per_step']):9.2f} {tps:11.0f} {float(f['tflops']):8.2f} "
               f"{float(f['mfu']) * 100:5.1f}% {eff:10.2f}  {f['gpu']}", flush=True)
-        prof = next((ln for ln in res.stdout.splitlines() if ln.startswith("PROFILE")), None)
-        if prof:
-            print(f"      {prof}", flush=True)
+        for tag in ("PROFILE", "COMPILE"):
+            extra = next((ln for ln in res.stdout.splitlines() if ln.startswith(tag)), None)
+            if extra:
+                print(f"      {extra}", flush=True)
     return 0
 
 
