@@ -52,8 +52,10 @@ def parse(argv=None):
     ap.add_argument("--no-torch", action="store_true", help="--cpu without the PyTorch column")
     ap.add_argument("--count-only", action="store_true", help="--cpu: kernels per step only, no timed steps "
                                                               "(GPT-2 124M on a CPU)")
-    ap.add_argument("--compile", action="store_true", help="GPU: run the step through axonmpi.compile (a CUDA "
-                                                           "graph where the step can be captured; the reason if not)")
+    ap.add_argument("--compile", action="store_true", help="GPU: run the step through axonmpi.compile (the static "
+                                                           "replay; the reason if the step cannot be captured)")
+    ap.add_argument("--cuda-graph", action="store_true", help="with --compile: a CUDA graph (AdamW's host step "
+                                                              "count makes the capture refuse or the update stale)")
     ap.add_argument("--ranks", type=int, nargs="*", default=None, help="rank counts (default 1 .. GPUs)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="char",
                     help="model shape: char (examples/train_gpt.py) or gpt2 (124M, context 1024)")
@@ -187,7 +189,7 @@ def worker(a) -> int:
 
     compiled = None
     if a.compile:
-        compiled = step = axonmpi.compile(step, warmup=max(a.warmup - 1, 0))
+        compiled = step = axonmpi.compile(step, warmup=max(a.warmup - 1, 0), cuda_graph=a.cuda_graph)
     times = []
     for i in range(a.warmup + a.steps):
         stream.synchronize()

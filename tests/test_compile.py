@@ -192,6 +192,7 @@ def test_capture_decision():
     c = axonmpi.compile(_FakePipelined().step, warmup=0)
     assert c(1, 2) == 0.0 and c.status == "eager" and "pipeline" in c.reason
     assert decide_capture(lambda: 0, device_type="cuda").kind is CaptureKind.EAGER        # no stream capture
+    assert decide_capture(lambda: 0, device_type="cuda", cuda_graph=False).kind is CaptureKind.STATIC
     d = decide_capture(lambda: 0, device_type="cuda", cupy_graphs=True, collective_backends=["nccl", "mpi"])
     assert d.kind is CaptureKind.EAGER and "MPI" in d.reason
     d = decide_capture(lambda: 0, device_type="cuda", cupy_graphs=True, host_scalars=["AdamW step count"])

@@ -4,7 +4,8 @@
 The step (a function that runs forward, backward, clipping and the optimizer) runs eagerly ``warmup`` times,
 then once recorded, then replayed.  On CPU the replay is :mod:`axonmpi.autograd.replay`'s: the step's Python
 runs again, checked op by op against the record, and its backward passes run from static plans: bitwise the
-eager step.  On a GPU the step is captured into a CUDA graph (:mod:`axonmpi.graphs.cuda`).  A step that cannot
+eager step (on CuPy arrays too).  With ``cuda_graph=True`` a GPU step is captured into a CUDA graph
+(:mod:`axonmpi.graphs.cuda`).  A step that cannot
 be captured (a pipeline schedule, MPI collectives under a CUDA graph, ops that differ from the record:
 data-dependent shapes or control flow) runs eagerly; the reason is logged once and kept in ``.reason``.
 """
@@ -41,12 +42,12 @@ class CompiledStep:
         replays: how many calls ran as replays.
     """
 
-    def __init__(self, fn: Callable, warmup: int = 1):
+    def __init__(self, fn: Callable, warmup: int = 1, cuda_graph: bool = False):
         if not callable(fn):
             raise TypeError(f"axonmpi.compile: expected a callable step function, got {type(fn).__name__}")
         if int(warmup) < 0:
             raise ValueError(f"axonmpi.compile: warmup must be >= 0, got {warmup}")
-        self.fn, self.warmup = fn, int(warmup)
+        self.fn, self.warmup, self.cuda_graph = fn, int(warmup), bool(cuda_graph)
         self.calls = self.replays = 0
         self.kind: Optional[CaptureKind] = None
         self.reason: Optional[str] = None
@@ -96,7 +97,8 @@ class CompiledStep:
                 w = get_world()
                 backends = ("nccl",) if getattr(w, "device", None) is not None and \
                     getattr(w.device, "type", "cpu") == "cuda" and _nccl_on(w) else ("mpi",)
-        d = decide_capture(self.fn, device_type=device, collective_backends=backends, cupy_graphs=cupy_graphs)
+        d = decide_capture(self.fn, device_type=device, cuda_graph=self.cuda_graph, collective_backends=backends,
+                           cupy_graphs=cupy_graphs)
         self.kind = d.kind
         if d.kind is CaptureKind.EAGER:
             self._eager(d.reason)
@@ -124,13 +126,13 @@ def _nccl_on(world) -> bool:
 
 
 def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, warmup: int = 1,
-            fullgraph: bool = False, dynamic: Optional[bool] = None, backend: Any = None, options: Any = None,
-            disable: bool = False):
+            cuda_graph: bool = False, fullgraph: bool = False, dynamic: Optional[bool] = None, backend: Any = None,
+            options: Any = None, disable: bool = False):
     """Record a training step once after warm-up and replay it (``torch.compile(mode="reduce-overhead")``-like).
 
     Compile the *step* (forward, backward, clipping, optimizer): on CPU its backward passes then run from a
-    static plan without the autograd engine's bookkeeping, bitwise equal to the eager step; on a GPU the step
-    becomes one CUDA graph.  A step that cannot be captured runs eagerly and says why once (logged, and in
+    static plan without the autograd engine's bookkeeping, bitwise equal to the eager step, and so on a GPU by
+    default; with ``cuda_graph=True`` the GPU step becomes one CUDA graph.  A step that cannot be captured runs eagerly and says why once (logged, and in
     ``.reason``).  A :class:`~axonmpi.nn.Module` passed here (nanoGPT's ``model = torch.compile(model)``) is
     returned as it is: its forward alone has no backward to replay.
 
@@ -138,6 +140,9 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, war
         model: the step function (or a Module, returned unchanged); left out, a decorator is returned.
         mode: ``None``, ``"default"`` or ``"reduce-overhead"`` (the same here); others raise NotImplementedError.
         warmup: eager calls before the capture (lazy state: optimizer moments, NCCL communicators).
+        cuda_graph: on CuPy arrays, capture a CUDA graph (:mod:`axonmpi.graphs.cuda`): only for a step that reads
+            no host value that changes per step (an optimizer whose step count and learning rate live on the
+            device); the graph replays the captured kernels with the captured scalars.
         fullgraph, dynamic, backend, options: torch's; accepted for ported code, not used.
         disable: True returns ``model`` unchanged.
 
@@ -157,8 +162,8 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, war
         raise NotImplementedError(f"axonmpi.compile(mode={mode!r}) is not built: modes {_MODES} record the step "
                                   "once and replay it (no kernel autotuning)")
     if model is None:
-        return lambda fn: compile(fn, mode=mode, warmup=warmup, disable=disable)
+        return lambda fn: compile(fn, mode=mode, warmup=warmup, cuda_graph=cuda_graph, disable=disable)
     from ..nn.module import Module
     if disable or isinstance(model, Module):
         return model
-    return CompiledStep(model, warmup=warmup)
+    return CompiledStep(model, warmup=warmup, cuda_graph=cuda_graph)

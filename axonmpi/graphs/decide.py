@@ -29,14 +29,17 @@ def _pipeline_owner(fn: Callable) -> Any:
     return owner if owner is not None and hasattr(owner, "pipeline") and hasattr(owner, "_stages") else None
 
 
-def decide_capture(fn: Callable, *, device_type: str = "cpu", collective_backends: Sequence[str] = (),
-                   cupy_graphs: bool = False, host_scalars: Sequence[str] = ()) -> CaptureDecision:
+def decide_capture(fn: Callable, *, device_type: str = "cpu", cuda_graph: bool = True,
+                   collective_backends: Sequence[str] = (), cupy_graphs: bool = False,
+                   host_scalars: Sequence[str] = ()) -> CaptureDecision:
     """Decide, before the first capture, how ``fn`` will run (pure logic: no device, no MPI).
 
     Args:
         fn: the step function (a pipelined model's ``pm.step`` is refused: its schedule needs the host between
             micro-batches).
         device_type: ``"cpu"`` (NumPy arrays) or ``"cuda"`` (CuPy arrays).
+        cuda_graph: on a GPU, capture a CUDA graph (the caller vouches that the step reads no host value that
+            changes per step); False: the static schedule, as on CPU (exact whatever the step reads).
         collective_backends: the backends of the groups the step's collectives use (``"mpi"``, ``"nccl"``); a
             CUDA graph can hold NCCL calls, never MPI ones.
         cupy_graphs: CuPy here can capture a stream (``cupy.cuda.Stream.begin_capture``, CuPy >= 10).
@@ -59,6 +62,8 @@ def decide_capture(fn: Callable, *, device_type: str = "cpu", collective_backend
         return CaptureDecision(CaptureKind.STATIC)
     if device_type != "cuda":
         raise ValueError(f"decide_capture: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if not cuda_graph:
+        return CaptureDecision(CaptureKind.STATIC)
     if not cupy_graphs:
         return CaptureDecision(CaptureKind.EAGER, "this CuPy cannot capture a stream into a CUDA graph "
                                                   "(cupy.cuda.Stream.begin_capture needs CuPy >= 10)")
