@@ -276,6 +276,8 @@ def _run_plan(plan: _Plan, nodes, leaves, roots, retain_graph: bool, record: boo
                                 for r, s in zip(results, targets))
                 if record or flags is None:
                     flags = step[3] = _classify(results, incoming, type(fn)._fresh_grads)
+                elif any(g is not None and g.base is not None for g, f in zip(results, flags) if f):
+                    flags = _classify(results, incoming, True)   # a view kept as owned: decide again, as eager
                 del incoming
                 for s, g, own in zip(targets, results, flags):
                     if g is not None:
