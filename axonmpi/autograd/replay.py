@@ -1,4 +1,4 @@
-"""Capture and replay of a step's autograd bookkeeping: the graph recorded once, every later backward run from a static plan.
+"""Capture and replay of a step's autograd bookkeeping: the graph recorded once, later backwards from static plans.
 
 [Note: what a replay skips, and why it stays exact]
 A recorded step (:meth:`Tape.begin` with ``RECORD``) runs eagerly; every op ``Function.apply`` records is noted
@@ -117,7 +117,7 @@ class Tape:
         self.nodes, self.mode, self.leaves, self._leaf_ord = [], None, [], {}
 
     def _leaf(self, leaf) -> int:
-        """The place of ``leaf`` among this step's leaves (a parameter, or a leaf the step made: same place each step)."""
+        """The place of ``leaf`` among this step's leaves (a parameter, or a leaf the step made: the same each step)."""
         o = self._leaf_ord.get(id(leaf))
         if o is None:
             o = self._leaf_ord[id(leaf)] = len(self.leaves)

@@ -1,4 +1,4 @@
-"""``axonmpi.compile``: a training step recorded once after warm-up and replayed (static schedule on CPU, CUDA graph on GPU).
+"""``axonmpi.compile``: a training step recorded once after warm-up and replayed (static schedule, or a CUDA graph).
 
 [Note: what compile does] (torch.compile(mode="reduce-overhead")'s idea, Chainer's static_graph, for our engine.)
 The step (a function that runs forward, backward, clipping and the optimizer) runs eagerly ``warmup`` times,
@@ -132,9 +132,9 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, war
 
     Compile the *step* (forward, backward, clipping, optimizer): on CPU its backward passes then run from a
     static plan without the autograd engine's bookkeeping, bitwise equal to the eager step, and so on a GPU by
-    default; with ``cuda_graph=True`` the GPU step becomes one CUDA graph.  A step that cannot be captured runs eagerly and says why once (logged, and in
-    ``.reason``).  A :class:`~axonmpi.nn.Module` passed here (nanoGPT's ``model = torch.compile(model)``) is
-    returned as it is: its forward alone has no backward to replay.
+    default; with ``cuda_graph=True`` the GPU step becomes one CUDA graph.  A step that cannot be captured runs
+    eagerly and says why once (logged, and in ``.reason``).  A :class:`~axonmpi.nn.Module` passed here
+    (nanoGPT's ``model = torch.compile(model)``) is returned as it is: its forward alone has no backward to replay.
 
     Args:
         model: the step function (or a Module, returned unchanged); left out, a decorator is returned.

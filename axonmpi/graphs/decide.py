@@ -1,4 +1,4 @@
-"""Whether a training step can be captured, and how: a static schedule on CPU, a CUDA graph on a GPU, or eager (and why)."""
+"""Whether a training step can be captured, and how: a static schedule, a CUDA graph on a GPU, or eager (and why)."""
 from __future__ import annotations
 
 import enum
