@@ -97,6 +97,7 @@ class Tape:
 
     # -- per step ------------------------------------------------------------------------------
     def begin(self, mode: str) -> None:
+        """Start a step: ``RECORD`` (a new record) or ``REPLAY`` (checked against the record)."""
         if mode not in (RECORD, REPLAY):
             raise ValueError(f"Tape mode must be {RECORD!r} or {REPLAY!r}, got {mode!r}")
         if mode == REPLAY and (self.reason is not None or not self.sig):
