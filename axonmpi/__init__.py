@@ -43,7 +43,7 @@ _publish_launcher_env()    # RANK, WORLD_SIZE, LOCAL_RANK from mpiexec's variabl
 # classes from where torch keeps them (torch.utils.data, torch.nn.parallel, torch.distributed.fsdp,
 # torch.distributed.device_mesh, torch.distributed.tensor, torch.multiprocessing).
 _SUBMODULES = frozenset({
-    "amp", "checkpoint", "cli", "data", "interop", "intra_layer", "models", "multiprocessing", "nn", "optim",
+    "amp", "checkpoint", "cli", "data", "graphs", "interop", "intra_layer", "models", "multiprocessing", "nn", "optim",
     "parallel", "plan", "planner", "plot", "recipes", "testing", "utils",
 })
 _NAMES = {
@@ -51,6 +51,7 @@ _NAMES = {
     "FSDP": "parallel", "CPUOffload": "parallel", "FullyShardedDataParallel": "parallel",
     "MixedPrecision": "parallel", "ShardingStrategy": "parallel",
     "DistributedSampler": "data.distributed", "create_dataloader": "data.distributed",
+    "compile": "graphs",
 }
 
 

@@ -5,8 +5,17 @@ For each rank count in --ranks (default 1 .. number of GPUs) this launches
 char-GPT shape of examples/train_gpt.py (sizes below) on random tokens with a fixed local batch
 per GPU (weak scaling), and prints ms/step (median of the timed steps, the device synchronized
 at each step's end), tokens/s over all GPUs, TFLOP/s and MFU per GPU and the scaling efficiency against one GPU.
-Without CuPy, NCCL or a GPU it stops with a message (exit status 2).
+Without CuPy, NCCL or a GPU it stops with a message (exit status 2), unless ``--cpu``.
 
+``--cpu`` (no GPU needed, one process): the host side of the same step on this machine's CPU, so every change
+is measured before a GPU is lent: host ms per step and array operations ("kernels") per step of axonmpi's
+eager step and of its replay (``axonmpi.compile``), beside PyTorch eager (transformers' ``GPT2LMHeadModel`` of
+the same shape, AdamW, clipping) in the same invocation, its steps interleaved with ours. Kernels per step are
+counted by :mod:`axonmpi.graphs.count` (every NumPy operation on the step's arrays: the kernels a GPU
+launches for the NumPy/CuPy path) and, for torch, by a dispatch mode counting ATen ops.
+
+    python bench/gpu.py --cpu --preset overhead # 12 layers x 12 heads at width 48, 16 tokens, batch 1
+    python bench/gpu.py --cpu --preset gpt2 --block-size 64 --batch 1 --count-only  # GPT-2 124M: kernels per step
     python bench/gpu.py                         # 1 .. all GPUs of this node
     python bench/gpu.py --ranks 1 --preset gpt2 --precision bf16 --profile prof.txt   # 124M, MFU, host split
     python bench/gpu.py --ranks 1 4 --n-layer 8 --n-embd 512 --batch 32
@@ -27,6 +36,7 @@ sys.path.insert(0, ROOT)
 PRESETS = {  # name: (n_layer, n_head, n_embd, block_size, vocab, batch)
     "char": (6, 6, 384, 256, 96, 16),          # examples/train_gpt.py's shape
     "gpt2": (12, 12, 768, 1024, 50304, 8),     # GPT-2 small (124M), vocabulary padded to a multiple of 64
+    "overhead": (12, 12, 48, 16, 96, 1),       # GPT-2 small's depth and heads at width 48: the host-bound step
 }
 # dense peak FLOP/s of one GPU by (name fragment, precision); MFU is measured rate over these
 PEAKS = {("H100", "fp32"): 66.9e12, ("H100", "tf32"): 494.7e12, ("H100", "bf16"): 989.4e12,
@@ -37,6 +47,15 @@ PEAKS = {("H100", "fp32"): 66.9e12, ("H100", "tf32"): 494.7e12, ("H100", "bf16")
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help="one run under mpiexec (prints one result line)")
+    ap.add_argument("--cpu", action="store_true", help="no GPU: host ms and kernels per step, eager vs replay vs "
+                                                       "torch eager, on this CPU (one process)")
+    ap.add_argument("--no-torch", action="store_true", help="--cpu without the PyTorch column")
+    ap.add_argument("--count-only", action="store_true", help="--cpu: kernels per step only, no timed steps "
+                                                              "(GPT-2 124M on a CPU)")
+    ap.add_argument("--compile", action="store_true", help="GPU: run the step through axonmpi.compile (the static "
+                                                           "replay; the reason if the step cannot be captured)")
+    ap.add_argument("--cuda-graph", action="store_true", help="with --compile: a CUDA graph (AdamW's host step "
+                                                              "count makes the capture refuse or the update stale)")
     ap.add_argument("--ranks", type=int, nargs="*", default=None, help="rank counts (default 1 .. GPUs)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="char",
                     help="model shape: char (examples/train_gpt.py) or gpt2 (124M, context 1024)")
@@ -113,7 +132,8 @@ def no_gpu_reason():
     try:
         import cupy  # noqa: F401
     except Exception as e:
-        return f"CuPy is not installed ({type(e).__name__}: {e}); pip install 'axonmpi[cuda12]'"
+        return (f"CuPy is not installed ({type(e).__name__}: {e}); pip install 'axonmpi[cuda12]' (or measure the "
+                "host side on this CPU: bench/gpu.py --cpu)")
     if not backend.cupy_available():
         return "CuPy sees no CUDA GPU on this machine (run it on a GPU node)"
     from axonmpi.distributed.backends import nccl_available
@@ -167,6 +187,9 @@ def worker(a) -> int:
         opt.step()
         return loss
 
+    compiled = None
+    if a.compile:
+        compiled = step = axonmpi.compile(step, warmup=max(a.warmup - 1, 0), cuda_graph=a.cuda_graph)
     times = []
     for i in range(a.warmup + a.steps):
         stream.synchronize()
@@ -193,11 +216,22 @@ def worker(a) -> int:
               f"pool_gib={pool.total_bytes() / 2**30:.2f} gpu={name.replace(' ', '_')}", flush=True)
         if split:
             print(f"PROFILE {split}", flush=True)
+        if compiled is not None:
+            print(f"COMPILE kind={compiled.kind} replays={compiled.replays} reason={compiled.reason}", flush=True)
     return 0
 
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.cpu:
+        import importlib.util
+        here = os.path.dirname(os.path.abspath(__file__))
+        # bench/ itself off the path: transformers imports the hub's ``kernels``, which bench/kernels.py would shadow
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+        spec = importlib.util.spec_from_file_location("_gpu_cpu", os.path.join(here, "_gpu_cpu.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.cpu_bench(a)
     if a.worker:
         return worker(a)
     reason = no_gpu_reason()
@@ -228,9 +262,10 @@ def main(argv=None) -> int:
         eff = tps / (base * k / ranks[0]) if base else float("nan")
         print(f"{k:>5} {float(f['ms_per_step']):9.2f} {tps:11.0f} {float(f['tflops']):8.2f} "
               f"{float(f['mfu']) * 100:5.1f}% {eff:10.2f}  {f['gpu']}", flush=True)
-        prof = next((ln for ln in res.stdout.splitlines() if ln.startswith("PROFILE")), None)
-        if prof:
-            print(f"      {prof}", flush=True)
+        for tag in ("PROFILE", "COMPILE"):
+            extra = next((ln for ln in res.stdout.splitlines() if ln.startswith(tag)), None)
+            if extra:
+                print(f"      {extra}", flush=True)
     return 0
 
 

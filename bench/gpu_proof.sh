@@ -4,6 +4,8 @@
 #
 #   bash bench/gpu_proof.sh [LOGDIR]            # logs and tables under LOGDIR (default gpu-proof-logs/)
 #   STAGES="env tests bench" TEST_RANKS="1 2 4" PRECISIONS="fp32 bf16" bash bench/gpu_proof.sh
+#   STAGES="... cpu_bench" adds the host-side bench on the node's CPU (bench/gpu.py --cpu, beside torch);
+#   the bench stage also runs COMPILE_PRECISIONS (default bf16) with --compile (axonmpi.compile: a CUDA graph)
 #   CPU_CHECKS=0 GPU_TESTS="tests/test_gpu_parity.py ..." narrow the tests stage when device time is short
 #
 # Without .venv (a node with no registry), WHEELS=DIR installs mpi4py, mpich and pytest-mpi from wheels
@@ -75,6 +77,18 @@ if stage bench; then
     note "bench/gpu.py gpt2 $prec: exit $? $(grep -E '^ +1 ' "$LOG/bench_gpt2_$prec.txt" | head -1)"
     cat "$LOG/bench_gpt2_$prec.txt"
   done
+  # the same step captured (axonmpi.compile: a CUDA graph where it can be, else eager with the reason printed)
+  for prec in ${COMPILE_PRECISIONS:-bf16}; do
+    timeout ${BENCH_LIMIT:-150} $PY bench/gpu.py --ranks 1 --preset gpt2 --precision "$prec" --steps 10 --warmup 3 \
+      --compile > "$LOG/bench_gpt2_${prec}_compile.txt" 2>&1
+    note "bench/gpu.py gpt2 $prec --compile: exit $? $(grep -E '^ +1 |COMPILE' "$LOG/bench_gpt2_${prec}_compile.txt" | tr '\n' ' ')"
+    cat "$LOG/bench_gpt2_${prec}_compile.txt"
+  done
+fi
+if stage cpu_bench; then      # the host side on this node's CPU, beside torch (no GPU used)
+  timeout ${BENCH_LIMIT:-150} $PY bench/gpu.py --cpu --preset overhead --steps 20 > "$LOG/bench_cpu_overhead.txt" 2>&1
+  note "bench/gpu.py --cpu --preset overhead: exit $?"
+  cat "$LOG/bench_cpu_overhead.txt"
 fi
 echo "=================== summary"
 printf '%s\n' "${summary[@]}"

@@ -581,6 +581,7 @@ EXAMPLES.update({
     "axonmpi.triu": lambda: axonmpi.triu(axonmpi.ones(2, 2), diagonal=1).tolist() == [[0.0, 1.0], [0.0, 0.0]],
     "axonmpi.multinomial": lambda: axonmpi.multinomial(Tensor([[0.0, 1.0]]), 2, replacement=True).tolist()
     == [[1, 1]],
+    "axonmpi.compile": lambda: [axonmpi.compile(lambda a: a + 1)(i) for i in range(3)] == [1, 2, 3],
     "axonmpi.set_float32_matmul_precision": lambda: axonmpi.set_float32_matmul_precision("highest") is None,
     "axonmpi.get_float32_matmul_precision": lambda: axonmpi.get_float32_matmul_precision() in ("highest", "high",
                                                                                               "medium"),

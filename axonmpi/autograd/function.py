@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import trace as _trace
 from ..backend import get_array_module
+from . import replay as _replay
 from .grad_mode import is_grad_enabled, no_grad
 from .tensor import Tensor
 
@@ -61,7 +62,7 @@ class Function:
     """
 
     __slots__ = ("_edges", "_saved", "needs_input_grad", "_seq", "_n_out", "_out_meta",
-                 "_out_hooks", "_freed", "__dict__", "__weakref__")
+                 "_out_hooks", "_freed", "_tix", "__dict__", "__weakref__")
 
     _fresh_grads = False  # True: backward returns only new arrays or views of its grad_outputs
 
@@ -121,10 +122,15 @@ class Function:
             ctx._n_out = len(out)
             xp = get_array_module(*out)
             ctx._out_meta = tuple((o.shape, o.dtype, xp) for o in out)
-            return tuple(Tensor._wrap_out(o, ctx, i) for i, o in enumerate(out))
-        ctx._n_out = 1
-        ctx._out_meta = None
-        return Tensor._wrap_out(out, ctx, 0)
+            wrapped = tuple(Tensor._wrap_out(o, ctx, i) for i, o in enumerate(out))
+        else:
+            ctx._n_out = 1
+            ctx._out_meta = None
+            wrapped = Tensor._wrap_out(out, ctx, 0)
+        tape = _replay.active_tape()
+        if tape is not None:             # a step being recorded or replayed ([Note: what a replay skips])
+            tape.add(ctx, out)
+        return wrapped
 
     def _release(self) -> None:
         self._saved = None
@@ -264,8 +270,16 @@ def _incoming(fn: "Function", pending: Dict[Any, list]):
     """The gradient entries ``[array, owned]`` of ``fn``'s outputs, taken from ``pending`` (zeros where
     none arrived) after ``fn``'s output hooks; ``None`` when no gradient reached ``fn`` at all."""
     fid = id(fn)
-    entries = [pending.pop((fid, k), None) for k in range(fn._n_out)]
-    if all(e is None for e in entries):
+    return _out_grads(fn, [pending.pop((fid, k), None) for k in range(fn._n_out)])
+
+
+def _out_grads(fn: "Function", entries: List[Any]):
+    """``entries`` (one ``[array, owned]`` or None per output of ``fn``) with zeros where none arrived, after
+    ``fn``'s output hooks; ``None`` when no gradient reached ``fn`` at all."""
+    for e in entries:
+        if e is not None:
+            break
+    else:
         return None
     incoming = []
     for k, entry in enumerate(entries):
@@ -317,7 +331,11 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
         stack = _ENGINE.callbacks = []
     stack.append([])
     try:
-        _backward(tensors, grad_tensors, retain_graph)
+        tape = _replay.active_tape()
+        if tape is None:
+            _backward(tensors, grad_tensors, retain_graph)
+        else:                            # a recorded or replayed step: its plan ([Note: what a replay skips])
+            tape.backward(_backward, tensors, grad_tensors, retain_graph)
         queued = stack[-1]
         while queued:
             queued.pop(0)()
@@ -325,21 +343,13 @@ def backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
         stack.pop()
 
 
-def _backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
-              retain_graph: bool = False) -> None:
-    """Accumulate gradients of ``tensors`` (weighted by ``grad_tensors``) into the graph's leaves.
-
-    Nodes run once each in decreasing creation order (a topological order), with the sum of
-    their upstream gradients.  A leaf's gradient is accumulated, and its post-accumulate hooks
-    fire, right after the last node that contributes to it has run.  Saved arrays are released
-    unless ``retain_graph``.
-    """
+def _backward_roots(tensors, grad_tensors) -> List[Tuple[Tensor, Any, bool]]:
+    """``(tensor, gradient array, owned)`` per root of a backward pass (ones for a one-element tensor)."""
     if isinstance(tensors, Tensor):
         tensors = [tensors]
     if grad_tensors is None or isinstance(grad_tensors, Tensor):
         grad_tensors = [grad_tensors] * len(tensors) if grad_tensors is None else [grad_tensors]
-    pending: Dict[Any, list] = {}
-    roots = []
+    out = []
     for t, g in zip(tensors, grad_tensors):
         if not t.requires_grad:
             raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
@@ -353,13 +363,30 @@ def _backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
             g, owned = _to_array(g, xp), False
             if tuple(g.shape) != tuple(t.data.shape):
                 raise ValueError(f"grad shape {tuple(g.shape)} does not match tensor shape {tuple(t.shape)}")
+        out.append((t, g, owned))
+    return out
+
+
+def _backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Any] = None,
+              retain_graph: bool = False) -> None:
+    """Accumulate gradients of ``tensors`` (weighted by ``grad_tensors``) into the graph's leaves.
+
+    Nodes run once each in decreasing creation order (a topological order), with the sum of
+    their upstream gradients.  A leaf's gradient is accumulated, and its post-accumulate hooks
+    fire, right after the last node that contributes to it has run.  Saved arrays are released
+    unless ``retain_graph``.
+    """
+    pending: Dict[Any, list] = {}
+    roots = []
+    for t, g, owned in _backward_roots(tensors, grad_tensors):
         if t.grad_fn is None:
             roots.append((t, g, owned))
         else:
             _accumulate(pending, (id(t.grad_fn), t._out_idx), g, owned)
+    if isinstance(tensors, Tensor):
+        tensors = [tensors]
 
     order = _graph_order(tensors)
-
     last, finalize_at = _leaf_schedule(order)
 
     for t, g, owned in roots:  # a leaf passed directly to backward

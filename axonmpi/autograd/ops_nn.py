@@ -8,6 +8,7 @@ from typing import Sequence, Union
 import numpy as np
 
 from ..backend import get_array_module, matmul as _bmm
+from . import replay as _replay
 from .function import Function
 from ._util import _dim, _on_one_device, _shape, _unbroadcast
 from .. import kernels as K
@@ -504,15 +505,18 @@ class Embedding(Function):
     _fresh_grads = True
 
     @staticmethod
-    def forward(ctx, idx, weight, padding_idx=None):
+    def forward(ctx, idx, weight, padding_idx=None, bad=None):
         ctx.save_for_backward(idx)
         ctx.wshape, ctx.padding_idx = weight.shape, padding_idx
-        return weight[idx]
+        out = weight[idx]
+        if bad is not None:          # indices out of range (checked on the device): their rows are NaN
+            get_array_module(out).copyto(out, np.nan, where=bad[..., None])
+        return out
 
     @staticmethod
     def backward(ctx, g):
         (idx,) = ctx.saved_tensors
-        return None, K.embedding_backward(idx, g, ctx.wshape[0], ctx.padding_idx), None
+        return None, K.embedding_backward(idx, g, ctx.wshape[0], ctx.padding_idx), None, None
 
 
 def _scatter_add_rows(xp, out, idx, rows) -> None:
@@ -540,7 +544,13 @@ def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
         raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}")
     w = weight.data if isinstance(weight, Tensor) else weight
     n = w.shape[0]
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+    bad = None
+    if checks_on_device(get_array_module(w)):       # no host sync: out-of-range ids give NaN rows
+        idx = _on_one_device((w, idx), (False, False), ("embedding: weight", "embedding: indices"))[1]
+        xp = get_array_module(idx)
+        bad = (idx < 0) | (idx >= n)
+        idx = xp.where(bad, 0, idx)
+    elif idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
         raise IndexError(f"embedding index out of range: indices span [{int(idx.min())}, {int(idx.max())}] "
                          f"for a table of {n} rows (expected 0..{n - 1}; negative ids do not wrap, as in torch)")
     idx = _on_one_device((w, idx), (False, False), ("embedding: weight", "embedding: indices"))[1]
@@ -548,7 +558,14 @@ def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
         if not -n <= int(padding_idx) < n:
             raise ValueError(f"embedding padding_idx={padding_idx} out of range for {n} rows")
         padding_idx = int(padding_idx) % n
-    return Embedding.apply(idx, weight, padding_idx)
+    return Embedding.apply(idx, weight, padding_idx, bad)
+
+
+def checks_on_device(xp) -> bool:
+    """Whether input checks (indices in range, targets in range) run as array ops instead of host reads: on a
+    GPU (no host sync), and in a captured step on any device (``axonmpi.compile``); a failed check then gives
+    NaN (the loss read when logged shows it) instead of an ``IndexError``."""
+    return xp is not np or _replay.active_tape() is not None
 
 
 class Dropout(Function):
@@ -658,7 +675,9 @@ class CrossEntropy(Function):
         if reduction == "sum":
             return total
         ctx.count = wt.sum(dtype=acc)
-        if xp is np and not bool(ctx.count):  # every target ignored: NaN, as torch's 0/0 (without NumPy's warning)
+        if checks_on_device(xp):     # 0/NaN: NaN without a host read (or NumPy's warning) when every target is ignored
+            return total / xp.where(ctx.count == 0, xp.asarray(xp.nan, ctx.count.dtype), ctx.count)
+        if not bool(ctx.count):      # every target ignored: NaN, as torch's 0/0 (without NumPy's warning)
             return xp.full((), xp.nan, dtype=total.dtype)
         return total / ctx.count
 
@@ -714,14 +733,24 @@ def cross_entropy(input, target, weight=None, reduction: str = "mean", ignore_in
     if tuple(target.shape) != tuple(lshape[:-1]):
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits shape {tuple(lshape)}")
     c = lshape[-1]
-    if get_array_module(target) is np:   # on a GPU no host sync: an out-of-range target gives a NaN loss there
+    poison = None
+    if checks_on_device(get_array_module(logits.data if isinstance(logits, Tensor) else logits)):
+        xp = get_array_module(target)   # no host sync: an out-of-range target gives a NaN loss
+        if xp is np:                    # (the CuPy kernel does the same itself)
+            bad = ((target < 0) | (target >= c)) & (target != ignore_index)
+            target = np.where(bad, 0, target)
+            poison = np.where(bad if reduction == "none" else bad.any(), np.nan, 0.0)
+    elif get_array_module(target) is np:
         _check_targets(target, c, ignore_index, "cross_entropy")
     if weight is not None:
         weight = weight.data if isinstance(weight, Tensor) else weight
         if tuple(getattr(weight, "shape", np.shape(weight))) != (c,):
             raise ValueError(f"cross_entropy weight must have shape ({c},) (one per class), "
                              f"got {tuple(np.shape(weight))}")
-    return CrossEntropy.apply(logits, target, reduction, ignore_index, weight, float(label_smoothing))
+    out = CrossEntropy.apply(logits, target, reduction, ignore_index, weight, float(label_smoothing))
+    if poison is not None:
+        out = out + Tensor._wrap(poison.astype(out.data.dtype))
+    return out
 
 
 def _check_targets(target, num_classes: int, ignore_index: int, where: str, rank: str = "") -> None:
