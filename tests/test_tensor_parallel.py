@@ -331,8 +331,6 @@ def test_vocab_parallel_embedding_keeps_padding_idx():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.xfail(strict=True, reason="parallelize's 'vocab' swap (parallel/axes/tensor.py:203) drops the "
-                   "Embedding's padding_idx (parallelize_gpt kept it, issue 21); fix: padding_idx=child.padding_idx")
 def test_parallelize_vocab_plan_keeps_padding_idx():
     """The GPT's ``wte`` under ``parallelize``'s ``"vocab"`` plan keeps padding_idx: no gradient in that row."""
     from axonmpi.models import GPT, GPTConfig

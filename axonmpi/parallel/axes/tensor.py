@@ -201,7 +201,8 @@ def _layer(child: Module, style: str, c: Composition, *, whole_out: bool, outsid
                                        partial_grads=True)
     if style == "vocab":
         return VocabParallelEmbedding(child.num_embeddings, child.embedding_dim, group=group,
-                                      dtype=child.weight.dtype, **seq)
+                                      dtype=child.weight.dtype, padding_idx=getattr(child, "padding_idx", None),
+                                      **seq)
     if style == "row":
         return RowParallelLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                  input_is_parallel=True, group=group, dtype=child.weight.dtype, partial_grads=True,
