@@ -15,6 +15,24 @@ def _gpt(*args):
     return subprocess.run([sys.executable, GPT, *args], capture_output=True, text=True, timeout=120, env=mpiexec_env())
 
 
+def _trainer():
+    """examples/train_gpt.py as a module (its ``parse_args`` checks every flag before anything starts)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_gpt_flags", GPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.serial
+def test_train_gpt_refuses_a_bad_count_as_a_command_in_one_line():
+    """As a command: exit 2, one line on stderr (the in-process test below checks each flag's message)."""
+    r = _gpt("--save-every", "-1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["train_gpt.py: error: --save-every must be >= 0 (0: only at the end), "
+                                             "got -1"], r.stderr
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("flag,value,says", [
     ("--save-every", "-1", "--save-every must be >= 0 (0: only at the end), got -1"),      # on main: saved every step
@@ -29,11 +47,13 @@ def _gpt(*args):
     ("--G-data", "0", "--G-data must be a whole number >= 1, got 0"),
     ("--corpus-bytes", "-1", "--corpus-bytes must be a whole number >= 1, got -1"),
 ])
-def test_train_gpt_refuses_a_count_that_makes_no_sense_in_one_line(flag, value, says):
-    r = _gpt(flag, value)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert lines == [f"train_gpt.py: error: {says}"], r.stderr
+def test_train_gpt_refuses_a_count_that_makes_no_sense_in_one_line(flag, value, says, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [GPT])
+    with pytest.raises(SystemExit) as e:
+        _trainer().parse_args([flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"train_gpt.py: error: {says}"], err
 
 
 @pytest.mark.serial
@@ -48,9 +68,14 @@ def test_train_gpt_refuses_a_count_that_makes_no_sense_in_one_line(flag, value, 
     (["ckpt", "export", "a", "b", "--max-shard-size=-5GB"], "argument --max-shard-size: max_shard_size '-5GB'"),
     (["ckpt", "export", "a", "b", "--max-shard-size", "0"], "argument --max-shard-size: max_shard_size '0' must be"),
 ])
-def test_the_cli_refuses_a_count_that_makes_no_sense_naming_the_flag(args, says):
-    r = subprocess.run([sys.executable, "-m", "axonmpi", *args], capture_output=True, text=True, timeout=120,
-                       env=mpiexec_env())
-    assert r.returncode in (1, 2), r.stderr
-    assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert len([ln for ln in r.stderr.splitlines() if "error" in ln]) == 1, r.stderr
+def test_the_cli_refuses_a_count_that_makes_no_sense_naming_the_flag(args, says, capsys):
+    """In process (``axonmpi.cli.main``: what ``python -m axonmpi`` runs; test_examples_cli runs it as a command)."""
+    from axonmpi.cli import main
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code in (1, 2), err
+    assert says in err and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if "error" in ln]) == 1, err
