@@ -201,11 +201,14 @@ def _same(rows, params, ref_rows, ref_params, steps=(1, 2, 3, 4, 5)):
 @pytest.mark.serial
 @pytest.mark.parametrize("n,flags", [
     (2, ["--context-parallel", "2", "--cp-algo", "ring"]),
-    (2, ["--context-parallel", "2", "--cp-algo", "ulysses"]),
-    (3, ["--context-parallel", "3", "--cp-algo", "ring"]),
-    (4, ["--context-parallel", "2", "--cp-algo", "ring", "--G-data", "2"]),
+    # the others only in make test-all: parallelize's context-parallel parity tests in this file and
+    # tests/test_nd_layouts.py cover each layout in process; these check the trainer's flags reach it
+    pytest.param(2, ["--context-parallel", "2", "--cp-algo", "ulysses"], marks=pytest.mark.slow),
+    pytest.param(3, ["--context-parallel", "3", "--cp-algo", "ring"], marks=pytest.mark.slow),
+    pytest.param(4, ["--context-parallel", "2", "--cp-algo", "ring", "--G-data", "2"], marks=pytest.mark.slow),
     (4, ["--context-parallel", "2", "--cp-algo", "ulysses", "--G-data", "2"]),
-    (4, ["--G-intra-c", "2", "--G-data", "2", "--tp-style", "megatron", "--sequence-parallel"]),   # item 4, via HybridGPT
+    pytest.param(4, ["--G-intra-c", "2", "--G-data", "2", "--tp-style", "megatron", "--sequence-parallel"],
+                 marks=pytest.mark.slow),   # item 4, via HybridGPT
     (4, ["--context-parallel", "2", "--cp-algo", "ring", "--G-inter", "2", "--microbatches", "2"]),  # CP x pipeline
 ], ids=lambda v: v if isinstance(v, int) else "-".join(a.strip("-") for a in v))
 def test_train_gpt_context_parallel_equals_one_process(n, flags, serial_run, tmp_path):
@@ -214,6 +217,7 @@ def test_train_gpt_context_parallel_equals_one_process(n, flags, serial_run, tmp
     assert ("G_context=" in r.stdout) == ("--context-parallel" in flags)
 
 
+@pytest.mark.slow  # resharding across layouts: tests/test_nd_layouts.py in process; the trainer's resume: test_resume.py
 @pytest.mark.serial
 def test_train_gpt_context_parallel_checkpoint_loads_under_other_layouts(serial_run, tmp_path):
     """Saved at step 3 under ring CP 2; resumed under one process and under 2 data x Ulysses CP 2: steps 4, 5

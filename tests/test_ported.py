@@ -27,6 +27,9 @@ PORTED = os.path.join(ROOT, "tests", "ported")
 SHIM = os.path.join(PORTED, "torch_cpu")
 BEGIN, END = "# --- IMPORTS (PyTorch", "# --- IMPORTS end ---"
 TUTORIALS = ["ddp_tutorial.py", "fsdp_tutorial.py", "dist_tuto.py", "tp_example.py"]
+# every tutorial at 2 and 4 ranks in make test; the 1-rank runs (each a 2- and 4-rank case's degenerate form)
+# only in make test-all
+RANKS = [pytest.param(1, marks=pytest.mark.slow), 2, 4]
 # one write per process at exit: the ranks' lines do not interleave mid-line
 QUIET = {"PYTHONUNBUFFERED": "", "OMP_NUM_THREADS": "1"}
 
@@ -136,7 +139,7 @@ def _ddp_lines(out, n):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", RANKS)
 def test_ddp_tutorial(n, tmp_path, tmp_path_factory):
     out = _ours("ddp_tutorial.py", n, tmp_path, env={"CKPT_DIR": str(tmp_path)})
     assert out.count("Running basic DDP example on rank") == n
@@ -163,7 +166,7 @@ def _fsdp_checks(out):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", RANKS)
 def test_fsdp_tutorial(n, tmp_path, tmp_path_factory):
     out = _ours("fsdp_tutorial.py", n, tmp_path, FSDP_ARGS)
     train, test = _fsdp_checks(out)
@@ -210,7 +213,7 @@ def _dist_checks(out, n):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", RANKS)
 def test_dist_tuto(n, tmp_path, tmp_path_factory):
     _dist_checks(_ours("dist_tuto.py", n, tmp_path), n)
     _dist_checks(_theirs("dist_tuto.py", tmp_path_factory), 2)
@@ -232,7 +235,7 @@ def _tp_sums(out, n):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", RANKS)
 def test_tp_example(n, tmp_path, tmp_path_factory):
     ours = _tp_sums(_ours("tp_example.py", n, tmp_path), n)
     if n == 1:
@@ -284,7 +287,7 @@ def _axonn_under_torch(tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", RANKS)
 def test_axonn_guide(n, tmp_path):
     r = run_mpiexec([os.path.join(PORTED, "axonn_guide.py")], n=n, timeout=600, cwd=str(tmp_path),
                     env={"AXONN_GRID": AXONN_GRIDS[n]})
