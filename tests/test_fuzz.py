@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuz
 from cases import Case, LayoutSpec, ModelSpec, draw_case  # noqa: E402
 from harness import outcome  # noqa: E402
 
+# make test runs the first 20 of the 4-rank seeds and 6 of the 8-rank ones; make test-all every seed
 FIXED_4 = list(range(0, 40))          # seeds, drawn for 4 ranks
 FIXED_8 = list(range(1000, 1012))     # seeds, drawn for 8 ranks (the N-D pass)
 # user-style seeds (tests/fuzz/user.py), drawn for 4 ranks: CP ring with the user's embedding taking positions= and a
@@ -36,7 +37,7 @@ def _run(world, case: Case, want: str = "ok"):
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("seed", FIXED_4)
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s >= 20 else s for s in FIXED_4])
 def test_fuzz_case_at_4_ranks(world, seed):
     if world.world_size != 4:
         pytest.skip("the fixed cases are drawn for 4 ranks")
@@ -53,7 +54,7 @@ def test_fuzz_user_style_case_at_4_ranks(world, seed):
 
 @pytest.mark.nd
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("seed", FIXED_8)
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s >= 1006 else s for s in FIXED_8])
 def test_fuzz_case_at_8_ranks(world, seed):
     if world.world_size != 8:
         pytest.skip("the fixed cases are drawn for 8 ranks")
