@@ -5,7 +5,12 @@ file from ``examples/prepare_data.py``.  The first step's loss is transformers' 
 came in whole, the GPT's vocabulary padded to 258 rows for the layout); the checkpoint exports with ``axonmpi ckpt
 export --format hf-gpt2 / hf-llama`` to 257 rows, and transformers' ``from_pretrained`` of the export gives the
 logits of the trained weights.  (The 8-rank TP2 x PP2 x DP2 run is docs/finetune.md's command; at ~40 s on the
-2-core development machine it is not part of the N-D pass.)"""
+2-core development machine it is not part of the N-D pass.)
+
+``test_finetune_md_as_written`` (slow) runs docs/finetune.md's shell blocks as printed, in order, in a folder that
+looks like a clone after ``make install``: the 4-rank walk and section 5, a GPT-2 and a Llama fine-tuned under
+TP2 x PP2 x DP2 at 8 ranks, each resubmitted with ``--steps`` doubled into the same run folder, exported and
+compared with transformers' logits."""
 import contextlib
 import io
 import json
@@ -80,7 +85,7 @@ def test_finetune_from_hf_under_tp2_pp2_and_export(kind, tmp_path):
     path = ckpt.CheckpointManager(ck).latest()
     saved = ckpt.load(path)["model"]
     emb = "wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
-    assert saved[emb].shape[0] == (V + 1 if kind == "gpt2" else V)         # the GPT padded for tp=2
+    assert saved[emb].shape[0] == V + 1                                     # padded for tp=2 (both models)
     out = str(tmp_path / "export")
     with contextlib.redirect_stdout(io.StringIO()):
         assert ckpt_cli.main(["export", path, out, "--format", f"hf-{kind}"], formats=EXPORT_FORMATS) == 0
@@ -97,3 +102,54 @@ def test_finetune_from_hf_under_tp2_pp2_and_export(kind, tmp_path):
     with torch.no_grad():
         theirs = back(torch.from_numpy(x)).logits.numpy()
     np.testing.assert_allclose(ours(x)[0].numpy(), theirs, rtol=tol, atol=tol)
+
+
+def _finetune_md_blocks():
+    """docs/finetune.md's bash blocks in order: the unmarked ones and those whose norun reason names this file."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_docs import _SHELL, _fences
+    path = os.path.join(ROOT, "docs", "finetune.md")
+    lines = open(path, encoding="utf-8").read().splitlines()
+    return [(i + 1, "\n".join(lines[i + 1:j]) + "\n") for i, j, lang, prev in _fences(lines)
+            if lang.lower() in _SHELL and (not prev.startswith("<!-- norun") or "tests/test_finetune.py" in prev)]
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_finetune_md_as_written(tmp_path):
+    """docs/finetune.md, every shell block as printed: text tokenized; a tiny HF GPT-2 and a tiny HF Llama (vocabulary
+    257, padded to 258 for tp=2) fine-tuned from ``--init-from hf:DIR`` under TP2 x PP2 x DP2 at 8 ranks; each
+    resubmitted with ``--steps`` doubled continues in its run folder (steps 5-8 after 1-4, the resumed step named
+    in the log); exported and loaded in transformers with the logits of axonmpi's model of the export."""
+    import subprocess
+    import time
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from axonmpi.testing import mpiexec_env
+    for name in os.listdir(ROOT):
+        if name not in (".git", ".venv") and not name.startswith(".test"):
+            os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    os.symlink(sys.prefix, tmp_path / ".venv")
+    blocks, said, took = _finetune_md_blocks(), [], []
+    assert any("mpiexec -n 8" in code and "tp=2,pp=2,dp=2" in code for _, code in blocks)
+    for line, code in blocks:
+        t0 = time.perf_counter()
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", code], capture_output=True, text=True, timeout=1200,
+                           env=mpiexec_env(), cwd=str(tmp_path))
+        took.append((line, round(time.perf_counter() - t0, 1)))
+        assert r.returncode == 0, (f"docs/finetune.md:{line} failed, exit {r.returncode}\n--- stdout\n"
+                                   f"{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
+        said.append(r.stdout + r.stderr)
+    print("docs/finetune.md blocks (line, seconds):", took)
+    for model in ("gpt2", "llama"):
+        run = tmp_path / "ft" / f"{model}-run8"
+        rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
+        assert [x["step"] for x in rows] == list(range(1, 9)), model        # one folder, steps 1-4 then 5-8
+        assert sorted(p.name for p in run.glob("step-*")) == ["step-00000004", "step-00000008"], model
+        first = open(tmp_path / "ft" / f"{model}-run8-4.log").read()
+        assert f"weights loaded (vocabulary {V}, padded to {V + 1} rows for the layout)" in first, first[-2000:]
+        again = open(tmp_path / "ft" / f"{model}-run8-8.log").read()
+        assert "LR schedule extended from 4 to 8 steps" in again and "weights loaded" not in again, again[-2000:]
+    out = "".join(said)
+    for model in ("gpt2", "llama"):
+        assert f"{model} vocabulary {V} | max |logit difference|" in out

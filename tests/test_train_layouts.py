@@ -35,31 +35,39 @@ COMMON = ["--n-embd", "32", "--n-head", "4", "--block-size", str(SEQ), "--global
           "--corpus-bytes", "6000", "--make-vocab-size-divisible-by", "8"]
 
 
-def planner_layouts(world: int) -> dict:
-    """``{label: model}``: every layout string the planner ranks for ``world`` ranks (first model that gives it)."""
+def planner_pairs(world: int) -> set:
+    """``{(label, model)}``: every layout string the planner ranks for ``world`` ranks, with each model giving it."""
     from axonmpi.planner import TrainConfig, TransformerConfig
     from axonmpi.planner.hardware import load_hardware
     from axonmpi.planner.search import search
     train = TrainConfig(GLOBAL_BATCH, 1, "fp32", "none", dropout=False)
-    out = {}
+    out = set()
     for hw in ("cpu", "dgx-a100"):
         for name, (shape, _) in MODELS.items():
             for e in search(TransformerConfig(**shape), train, world, load_hardware(hw), memory_limit=float("inf"),
                             max_cp=world):
-                out.setdefault(e.layout.label(), name)
+                out.add((e.layout.label(), name))
     return out
 
 
-def cover(labels: dict) -> dict:
-    """A few labels holding every ``key=value`` pair of ``labels`` (greedy set cover), with their models."""
-    def pairs(label, model):
-        return {(model, "")} | set(label.split(","))
-    todo = set().union(*(pairs(x, m) for x, m in labels.items())) if labels else set()
+def planner_layouts(world: int) -> dict:
+    """``{label: model}``: every string once, with the first of ``MODELS`` that gives it."""
+    out = {}
+    for label, model in sorted(planner_pairs(world), key=lambda p: (p[0], list(MODELS).index(p[1]))):
+        out.setdefault(label, model)
+    return out
+
+
+def cover(pairs: set) -> dict:
+    """A few ``{label: model}`` holding every ``key=value`` the planner prints and every model (greedy set cover)."""
+    def items(p):
+        return {"model=" + p[1]} | set(p[0].split(","))
+    todo = set().union(*map(items, pairs)) if pairs else set()
     out = {}
     while todo:
-        best = max(labels, key=lambda x: (len(pairs(x, labels[x]) & todo), -len(x)))
-        out[best] = labels[best]
-        todo -= pairs(best, labels[best])
+        best = max(sorted(pairs), key=lambda p: (len(items(p) & todo), -len(p[0])))
+        out[best[0]] = best[1]
+        todo -= items(best)
     return out
 
 
@@ -101,7 +109,7 @@ def test_the_planners_strings_cover_every_axis():
 def test_a_representative_subset_runs(world, tmp_path):
     """Every key=value pair the planner prints at this world size, in a few labels (14 at 4 ranks), runs one step;
     for each model (GPT, Llama, MoE GPT) its own pairs.  4 ranks in ``make test``; 2 and 8 in ``make test-all``."""
-    _run_all(world, cover(planner_layouts(world)), tmp_path)
+    _run_all(world, cover(planner_pairs(world)), tmp_path)
 
 
 @pytest.mark.slow
