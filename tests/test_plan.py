@@ -260,7 +260,8 @@ def test_plan_and_plot_commands(tmp_path):
     r = _cli(*SMALL, "--top", "3")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "step s" in lines[1] and len(lines) == 5 and lines[2].split()[0] == "1"
+    assert "step s" in lines[1] and len(lines) == 6 and lines[2].split()[0] == "1"
+    assert lines[5].startswith("kernels assumed:")
     from axonmpi.testing import run_mpiexec
     saved = tmp_path / "cpu.json"
     r = run_mpiexec(["-m", "axonmpi", "plan", "--world", "2", "--layers", "2", "--width", "64", "--seq", "8",
