@@ -102,8 +102,9 @@ def parse_args(argv=None):
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="Megatron's vocabulary padding (GPT and Llama): the embedding and lm_head get the "
-                        "vocabulary rounded up to a multiple of N x the Megatron tensor size (Megatron's default N is 128); the padding rows are "
-                        "masked out of the loss and the sampler, and exports write the real vocabulary (default: "
+                        "vocabulary rounded up to a multiple of N x the Megatron tensor size (Megatron's default N "
+                        "is 128); the padding rows are masked out of the loss and the sampler, and exports write "
+                        "the real vocabulary (default: "
                         "padded only when the tensor size does not divide it, to its next multiple)")
     g.add_argument("--init-from", default=None, metavar="hf:DIR",
                    help="fine-tune: start from a Hugging Face GPT-2 or Llama directory (config.json + safetensors, "

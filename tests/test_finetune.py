@@ -121,8 +121,10 @@ def test_finetune_md_as_written(tmp_path):
     257, padded to 258 for tp=2) fine-tuned from ``--init-from hf:DIR`` under TP2 x PP2 x DP2 at 8 ranks; each
     resubmitted with ``--steps`` doubled continues in its run folder (steps 5-8 after 1-4, the resumed step named
     in the log); exported and loaded in transformers with the logits of axonmpi's model of the export."""
+    import faulthandler
     import subprocess
     import time
+    faulthandler.dump_traceback_later(3600, exit=True)     # the conftest watchdog's 180 s, stretched for this walk
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from axonmpi.testing import mpiexec_env
@@ -153,3 +155,36 @@ def test_finetune_md_as_written(tmp_path):
     out = "".join(said)
     for model in ("gpt2", "llama"):
         assert f"{model} vocabulary {V} | max |logit difference|" in out
+
+
+def test_a_padded_llama_equals_the_unpadded_one(tmp_path):
+    """``LlamaConfig(padded_vocab_size=...)``: the padding rows' logits are masked, so loss and gradients equal the
+    unpadded model's (the padding rows get none); ``to_hf`` / ``save_hf`` write the real vocabulary; the Megatron plan
+    splits the padded vocabulary over the tensor group where the real one does not divide."""
+    from axonmpi.models import Llama, LlamaConfig
+    from axonmpi.recipes.llama import llama_layout_errors, llama_plan
+    shape = dict(vocab_size=V, n_embd=16, n_layer=1, n_head=4, n_kv_head=2, intermediate_size=32)
+    plain, padded = LlamaConfig(**shape), LlamaConfig(**shape, padded_vocab_size=V + 3)
+    a, b = Llama(plain, dtype=np.float64), Llama(padded, dtype=np.float64)
+    sd = a.state_dict()
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        sd[k] = np.concatenate([sd[k], np.ones((3, 16))])          # the padding rows' values never matter
+    b.load_state_dict(sd)
+    x = np.random.default_rng(0).integers(0, V, (2, 8))
+    (la, loss_a), (lb, loss_b) = a(x, x), b(x, x)
+    assert lb.shape == (2, 8, V + 3) and float(loss_b.item()) == pytest.approx(float(loss_a.item()), rel=1e-13)
+    loss_a.backward()
+    loss_b.backward()
+    ga, gb = a.lm_head.weight.grad.numpy(), b.lm_head.weight.grad.numpy()
+    np.testing.assert_allclose(gb[:V], ga, rtol=1e-12, atol=1e-15)
+    assert not gb[V:].any()
+    assert b.to_hf()["lm_head.weight"].shape == (V, 16)
+    b.save_hf(str(tmp_path / "hf"))
+    back = Llama.from_hf(str(tmp_path / "hf"), dtype=np.float64)
+    assert back.config.vocab_size == V and back.config.padded_vocab_size is None
+    np.testing.assert_allclose(back(x)[0].numpy(), la.numpy(), rtol=1e-12, atol=1e-13)
+    assert "model.embed_tokens" not in llama_plan(plain, 2) and llama_plan(padded, 2)["model.embed_tokens"] == "vocab"
+    assert llama_layout_errors(padded, 2, sequence_parallel=True) == []
+    assert "pad it with --make-vocab-size-divisible-by" in llama_layout_errors(plain, 2, sequence_parallel=True)[0]
+    with pytest.raises(ValueError, match="padded_vocab_size must be None or an int >= vocab_size"):
+        LlamaConfig(**shape, padded_vocab_size=V - 1)

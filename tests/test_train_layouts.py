@@ -77,11 +77,13 @@ def _argv(label: str, model: str) -> list:
 
 def _run_all(world: int, labels: dict, tmp_path) -> None:
     """Run ``labels`` (one step each) in one ``mpiexec -n world`` and fail naming every label that did not run."""
+    import faulthandler
     from axonmpi.testing import run_mpiexec
+    faulthandler.dump_traceback_later(60 + 30 * len(labels), exit=True)   # the conftest watchdog, per layout run
     todo, done = str(tmp_path / f"todo{world}.json"), str(tmp_path / f"done{world}.json")
     with open(todo, "w") as f:
         json.dump([[x, m] for x, m in sorted(labels.items())], f)
-    r = run_mpiexec([os.path.abspath(__file__), todo, done], n=world, timeout=1800, cwd=str(tmp_path))
+    r = run_mpiexec([os.path.abspath(__file__), todo, done], n=world, timeout=30 * len(labels), cwd=str(tmp_path))
     results = json.load(open(done)) if os.path.exists(done) else {}
     bad = {x: results.get(x, "not reached") for x in labels if results.get(x) != "ok"}
     assert r.returncode == 0 and not bad, (f"{len(bad)} of {len(labels)} layouts at {world} ranks did not run: "
