@@ -249,8 +249,8 @@ def parse_args(argv=None):
                         "(default: the detected GPU's dense peak for the dtype; none on CPU: MFU not shown)")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
                    help="one JSON line per step (step, loss, grad_norm, lr, step_s, tokens_per_s (this step's), "
-                        "tokens_per_s_avg (over the last steps), mfu (with a peak), host_peak_rss_gib, "
-                        "device_gib (on a GPU), epoch, sample (global samples read this epoch), tokens (seen "
+                        "tokens_per_s_avg (a moving average, the first step left out), mfu (with a peak), "
+                        "host_peak_rss_gib, device_gib (on a GPU), epoch, sample (global samples read this epoch), tokens (seen "
                         "in all), time (UTC), and loss_scale with --mixed-precision fp16; with --moe-experts also "
                         "aux_loss, z_loss, tokens_per_expert_min/mean/max and dropped_tokens); rank 0 writes. A "
                         "fresh run starts the file anew; a resumed one keeps the rows up to the resumed step and "
@@ -792,6 +792,7 @@ class Meter:
         peak = detect_peak_tflops(args)
         self.peak = None if peak is None else peak * 1e12 * world.world_size
         self.avg_dt = None
+        self.steps_seen = 0
         self.tokens = 0
         self.replicas = None
         if self.peak is None:
@@ -799,7 +800,13 @@ class Meter:
 
     def update(self, dt: float, step: int, sampler) -> dict:
         """This step's numbers as a ``--metrics-json`` row's fields."""
-        self.avg_dt = dt if self.avg_dt is None else 0.9 * self.avg_dt + 0.1 * dt
+        # the average (EMA 0.9) leaves out a run's first step (start-up: first calls, caches, the pipeline's warm-up),
+        # which would weigh on it for tens of steps
+        self.steps_seen += 1
+        if self.steps_seen == 2 or self.avg_dt is None:
+            self.avg_dt = dt
+        else:
+            self.avg_dt = 0.9 * self.avg_dt + 0.1 * dt
         row = {"step_s": dt, "tokens_per_s": self.tokens_per_step / max(dt, 1e-12),
                "tokens_per_s_avg": self.tokens_per_step / max(self.avg_dt, 1e-12)}
         if self.peak is not None:

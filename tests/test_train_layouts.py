@@ -5,7 +5,9 @@ The strings are the planner's own (``planner.search.search``, what ``axonmpi pla
 for a dense GPT of 8 and 6 layers (``vp`` = 2, 4 and 3), a Llama (grouped-query, gated MLP) and a MoE GPT of 4
 experts (``ep``), on this machine's measured description (``--hardware cpu``: 4 ranks per node, so 8 ranks span
 two nodes and hybrid shard appears) and on the default datasheet machine (``dgx-a100``: 8 per node, ``tp=8``),
-with context parallelism up to the world (``--max-cp``) and AxoNN's row x col x depth.  Each string is run for one
+with context parallelism up to the world (``--max-cp``) and AxoNN's row x col x depth.  (``axonmpi plan --overlap 0``
+adds ``overlap=0`` to every string: a model of runtimes that reduce gradients after the backward, which the trainer
+refuses naming it, since axonmpi always overlaps them: ``tests/test_train_data.py``.)  Each string is run for one
 step of a tiny model of the shape the planner was given; the runs of one world size share one ``mpiexec`` (this
 file is also the script each rank runs: ``train_gpt.main`` in a loop).
 
