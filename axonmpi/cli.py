@@ -268,6 +268,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"micro-batch {train.micro_batch}, {train.precision}, recompute {train.recompute}; memory limit "
           f"{(limit or hw.memory_bytes) / 2 ** 30:.0f} GiB" + (f"; {note}" if note else ""))
     print(format_table(ests, top=args.top))
+    from axonmpi.planner import kernels_assumed
+    print(kernels_assumed(hw))
     if args.moe_experts:
         _print_moe_plan(args, hw)
     return 0

@@ -41,6 +41,7 @@ on which the job templates requeue the job; the requeued job's --auto-resume con
 """
 import argparse
 import atexit
+import dataclasses
 import datetime
 import functools
 import json
@@ -86,7 +87,7 @@ APPLIED_ON_RESUME = ("lr", "warmup", "weight_decay", "grad_clip", "dropout", "gl
 FIXED_ON_RESUME = {"seed": "the data order and the random streams continue from the checkpoint's, so a new seed "
                            "would not take effect"}
 LAYOUT_OPTIONS = ("G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel", "cp_algo", "tp_style",
-                  "sequence_parallel", "schedule", "microbatches", "fsdp", "expert_parallel")
+                  "sequence_parallel", "schedule", "virtual_stages", "microbatches", "fsdp", "expert_parallel")
 
 
 def parse_args(argv=None):
@@ -101,9 +102,10 @@ def parse_args(argv=None):
     g.add_argument("--block-size", type=int, default=64, help="context length in characters")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
-                   help="Megatron's vocabulary padding (--model gpt): wte / lm_head get the vocabulary rounded up to a "
-                        "multiple of N x the Megatron tensor size (Megatron's default N is 128); the padding rows are "
-                        "masked out of the loss and the sampler, and exports write the real vocabulary (default: "
+                   help="Megatron's vocabulary padding (GPT and Llama): the embedding and lm_head get the "
+                        "vocabulary rounded up to a multiple of N x the Megatron tensor size (Megatron's default N "
+                        "is 128); the padding rows are masked out of the loss and the sampler, and exports write "
+                        "the real vocabulary (default: "
                         "padded only when the tensor size does not divide it, to its next multiple)")
     g.add_argument("--init-from", default=None, metavar="hf:DIR",
                    help="fine-tune: start from a Hugging Face GPT-2 or Llama directory (config.json + safetensors, "
@@ -147,8 +149,8 @@ def parse_args(argv=None):
     g.add_argument("--layout", default=None, metavar="SPEC",
                    help="the layout as `axonmpi plan` prints it, pasted: \"tp=2,pp=2,dp=2,sp=1,zero=1,schedule=zbv\" "
                         "(keys tp pp dp vp cp ep sp zero shard row col depth schedule cp_kind; tp: Megatron; "
-                        "row/col/depth: AxoNN; vp=2 is --schedule interleaved; zero=1: --zero 1, zero=2/3: --fsdp "
-                        "shard_grad_op/full_shard, shard=N: hybrid_shard). Replaces the size flags below, which "
+                        "row/col/depth: AxoNN; vp=V is --schedule interleaved --virtual-stages V; zero=1: --zero 1, "
+                        "zero=2/3: --fsdp shard_grad_op/full_shard, shard=N: hybrid_shard). Replaces the size flags below, which "
                         "may not be given with it")
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="Megatron tensor parallelism over N ranks (the planner's tp): --G-intra-c N --tp-style megatron")
@@ -180,6 +182,8 @@ def parse_args(argv=None):
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b",
                    help="pipeline schedule (interleaved: 2 virtual stages per rank; zb-h1, zbv: zero bubble, "
                         "ZBV with 2 chunks per rank in a V); another than 1f1b without a pipeline is refused")
+    g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="with --schedule interleaved: model chunks per pipeline rank (the planner's vp; default 2)")
     g.add_argument("--microbatches", type=int, default=None,
                    help="pipeline micro-batches per step (default 1; with --layout and a pipeline: one sequence "
                         "per micro-batch, the planner's micro-batch 1); more than 1 without a pipeline is refused")
@@ -253,8 +257,8 @@ def parse_args(argv=None):
                         "(default: the detected GPU's dense peak for the dtype; none on CPU: MFU not shown)")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
                    help="one JSON line per step (step, loss, grad_norm, lr, step_s, tokens_per_s (this step's), "
-                        "tokens_per_s_avg (over the last steps), mfu (with a peak), host_peak_rss_gib, "
-                        "device_gib (on a GPU), epoch, sample (global samples read this epoch), tokens (seen "
+                        "tokens_per_s_avg (a moving average, the first step left out), mfu (with a peak), "
+                        "host_peak_rss_gib, device_gib (on a GPU), epoch, sample (global samples read this epoch), tokens (seen "
                         "in all), time (UTC), and loss_scale with --mixed-precision fp16; with --moe-experts also "
                         "aux_loss, z_loss, tokens_per_expert_min/mean/max and dropped_tokens); rank 0 writes. A "
                         "fresh run starts the file anew; a resumed one keeps the rows up to the resumed step and "
@@ -285,7 +289,7 @@ def parse_args(argv=None):
 # the flags --layout replaces, with their defaults (one given beside --layout is refused, naming it)
 LAYOUT_DEFAULTS = {"G_data": None, "G_inter": 1, "G_intra_r": 1, "G_intra_c": 1, "G_intra_d": 1, "context_parallel": 1,
                    "expert_parallel": 1, "tp": None, "tp_style": "axonn", "sequence_parallel": False,
-                   "schedule": "1f1b", "fsdp": "none", "zero": 0, "hybrid_shard_size": None, "cp_algo": "ring"}
+                   "schedule": "1f1b", "virtual_stages": None, "fsdp": "none", "zero": 0, "hybrid_shard_size": None, "cp_algo": "ring"}
 
 
 def apply_layout(args) -> "str | None":
@@ -307,8 +311,6 @@ def apply_layout(args) -> "str | None":
     except (ValueError, TypeError) as e:
         return str(e)
     said = f"--layout {args.layout!r}"
-    if lay.vp not in (1, 2):
-        return f"{said}: vp={lay.vp}; the trainer's interleaved schedule runs 2 chunks per rank (vp=2)"
     if lay.tp_overlap or not lay.overlap or not lay.reduce_overlap:
         return (f"{said}: overlap={lay.overlap}, reduce_overlap={lay.reduce_overlap}, tp_overlap={lay.tp_overlap} "
                 "are the planner's models of other runtimes; axonmpi always overlaps its gradient reductions "
@@ -324,6 +326,8 @@ def apply_layout(args) -> "str | None":
         args.G_intra_c, args.tp_style = lay.tp, "megatron"
     if lay.pp > 1:
         args.schedule = lay.pipeline_schedule
+        if args.schedule == "interleaved":
+            args.virtual_stages = lay.vp
         if args.microbatches is None:        # the planner's micro-batch of 1 sequence
             args.microbatches = max(1, args.global_batch // (lay.dp * lay.axonn))
     if lay.zero == 1:
@@ -340,6 +344,9 @@ def layout_problem(args) -> "str | None":
     if args.schedule != "1f1b" and args.G_inter == 1:
         return (f"--schedule {args.schedule} does nothing without a pipeline: add --G-inter N (pp=N in --layout) "
                 "or leave --schedule out")
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        return (f"--virtual-stages {args.virtual_stages} does nothing with --schedule {args.schedule}: it is the "
+                "interleaved schedule's chunks per rank (ZBV runs 2)")
     if args.microbatches is not None and args.microbatches > 1 and args.G_inter == 1:
         return (f"--microbatches {args.microbatches} does nothing without a pipeline (the whole batch is one "
                 "forward and backward): add --G-inter N or leave it out")
@@ -357,8 +364,6 @@ def model_problem(args) -> "str | None":
         given = [n for n in LLAMA_ONLY if getattr(args, n) is not None]
         return (f"--{given[0].replace('_', '-')} is a Llama option: add --model llama" if given else None)
     for name, off, why in (("moe_experts", 0, "the Llama recipe has no MoE variant yet (docs/llama.md)"),
-                           ("make_vocab_size_divisible_by", None, "the Llama splits its vocabulary where it divides "
-                                                                  "(G-intra-c must divide it under --sequence-parallel)"),
                            ("dropout", 0.0, "the Llama has no dropout")):
         if getattr(args, name) != off:
             return f"--{name.replace('_', '-')} {getattr(args, name)} with --model llama: {why}"
@@ -368,7 +373,7 @@ def model_problem(args) -> "str | None":
 # counts and amounts that make no sense at zero or below (None: the option was left out)
 AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batch", "log_every", "keep_last", "tp",
               "n_kv_head", "ffn_hidden",
-              "microbatches", "G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel",
+              "microbatches", "virtual_stages", "G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel",
               "expert_parallel", "hybrid_shard_size", "corpus_bytes", "eval_batches", "loss_scale_growth_interval",
               "make_vocab_size_divisible_by")
 AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
@@ -713,7 +718,7 @@ def read_init_from(args) -> HFSource:
 
 
 def model_config(args, grid, data_vocab: int, hf: Optional[HFSource]):
-    """The GPTConfig / LlamaConfig: the flags' shape, or ``--init-from``'s; a GPT's vocabulary padded for the
+    """The GPTConfig / LlamaConfig: the flags' shape, or ``--init-from``'s; the vocabulary padded for the
     Megatron tensor size (``--make-vocab-size-divisible-by``, else only as far as the tensor size needs)."""
     vocab = data_vocab if hf is None else (hf.config["vocab_size"] if hf.kind == "gpt2" else hf.config.vocab_size)
     if vocab < data_vocab:
@@ -722,13 +727,13 @@ def model_config(args, grid, data_vocab: int, hf: Optional[HFSource]):
     args.vocab_size = vocab          # saved with the config: exports write these rows only
     tp = grid.G_intra_c if args.tp_style == "megatron" else 1
     pad = padded_vocab_size(vocab, args.make_vocab_size_divisible_by or 1, tp)
-    pad = None if pad == vocab or args.model == "llama" else pad
+    pad = None if pad == vocab else pad
     args.vocab_rows = vocab if pad is None else pad
     if hf is not None and hf.kind == "llama":
         if args.block_size > hf.config.block_size:
             raise ValueError(f"--block-size {args.block_size} exceeds {args.init_from}'s max_position_embeddings "
                              f"{hf.config.block_size}")
-        return hf.config
+        return dataclasses.replace(hf.config, padded_vocab_size=pad)
     if hf is not None:
         if args.block_size > hf.config["block_size"]:
             raise ValueError(f"--block-size {args.block_size} exceeds {args.init_from}'s n_positions "
@@ -738,7 +743,7 @@ def model_config(args, grid, data_vocab: int, hf: Optional[HFSource]):
         return LlamaConfig(vocab_size=vocab, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                            n_kv_head=args.n_kv_head, intermediate_size=args.ffn_hidden, block_size=args.block_size,
                            rope_theta=10000.0 if args.rope_theta is None else args.rope_theta,
-                           tie_word_embeddings=args.tie_word_embeddings)
+                           tie_word_embeddings=args.tie_word_embeddings, padded_vocab_size=pad)
     cfg = GPTConfig(vocab_size=vocab, padded_vocab_size=pad, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
                     moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
@@ -821,6 +826,7 @@ class Meter:
         peak = detect_peak_tflops(args)
         self.peak = None if peak is None else peak * 1e12 * world.world_size
         self.avg_dt = None
+        self.steps_seen = 0
         self.tokens = 0
         self.replicas = None
         if self.peak is None:
@@ -828,7 +834,13 @@ class Meter:
 
     def update(self, dt: float, step: int, sampler) -> dict:
         """This step's numbers as a ``--metrics-json`` row's fields."""
-        self.avg_dt = dt if self.avg_dt is None else 0.9 * self.avg_dt + 0.1 * dt
+        # the average (EMA 0.9) leaves out a run's first step (start-up: first calls, caches, the pipeline's warm-up),
+        # which would weigh on it for tens of steps
+        self.steps_seen += 1
+        if self.steps_seen == 2 or self.avg_dt is None:
+            self.avg_dt = dt
+        else:
+            self.avg_dt = 0.9 * self.avg_dt + 0.1 * dt
         row = {"step_s": dt, "tokens_per_s": self.tokens_per_step / max(dt, 1e-12),
                "tokens_per_s_avg": self.tokens_per_step / max(self.avg_dt, 1e-12)}
         if self.peak is not None:
@@ -904,7 +916,7 @@ def main(argv=None):
     try:
         check_layout(cfg, Layout.from_grid(grid), global_batch=args.global_batch, num_microbatches=args.microbatches,
                      schedule=args.schedule, tp_style=args.tp_style, world_size=world.world_size,
-                     sequence_parallel=args.sequence_parallel)
+                     sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages)
     except ValueError as e:
         axonmpi.log.exit0(str(e))
     chunks = 2 * args.context_parallel if args.cp_algo == "ring" else args.context_parallel
@@ -928,7 +940,8 @@ def main(argv=None):
                         cpu_offload="full" if args.cpu_offload else None,
                         mixed_precision=_mixed_precision(args.mixed_precision),
                         hybrid_shard_size=args.hybrid_shard_size, cp_algo=args.cp_algo,
-                        sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel)
+                        sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
+                        virtual_stages=args.virtual_stages)
     except (NotImplementedError, ValueError) as e:     # a combination not built, found the same way on every rank
         axonmpi.log.exit0(str(e))
     scaler = (GradScaler(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)

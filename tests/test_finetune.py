@@ -5,7 +5,12 @@ file from ``examples/prepare_data.py``.  The first step's loss is transformers' 
 came in whole, the GPT's vocabulary padded to 258 rows for the layout); the checkpoint exports with ``axonmpi ckpt
 export --format hf-gpt2 / hf-llama`` to 257 rows, and transformers' ``from_pretrained`` of the export gives the
 logits of the trained weights.  (The 8-rank TP2 x PP2 x DP2 run is docs/finetune.md's command; at ~40 s on the
-2-core development machine it is not part of the N-D pass.)"""
+2-core development machine it is not part of the N-D pass.)
+
+``test_finetune_md_as_written`` (slow) runs docs/finetune.md's shell blocks as printed, in order, in a folder that
+looks like a clone after ``make install``: the 4-rank walk and section 5, a GPT-2 and a Llama fine-tuned under
+TP2 x PP2 x DP2 at 8 ranks, each resubmitted with ``--steps`` doubled into the same run folder, exported and
+compared with transformers' logits."""
 import contextlib
 import io
 import json
@@ -80,7 +85,7 @@ def test_finetune_from_hf_under_tp2_pp2_and_export(kind, tmp_path):
     path = ckpt.CheckpointManager(ck).latest()
     saved = ckpt.load(path)["model"]
     emb = "wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
-    assert saved[emb].shape[0] == (V + 1 if kind == "gpt2" else V)         # the GPT padded for tp=2
+    assert saved[emb].shape[0] == V + 1                                     # padded for tp=2 (both models)
     out = str(tmp_path / "export")
     with contextlib.redirect_stdout(io.StringIO()):
         assert ckpt_cli.main(["export", path, out, "--format", f"hf-{kind}"], formats=EXPORT_FORMATS) == 0
@@ -97,3 +102,89 @@ def test_finetune_from_hf_under_tp2_pp2_and_export(kind, tmp_path):
     with torch.no_grad():
         theirs = back(torch.from_numpy(x)).logits.numpy()
     np.testing.assert_allclose(ours(x)[0].numpy(), theirs, rtol=tol, atol=tol)
+
+
+def _finetune_md_blocks():
+    """docs/finetune.md's bash blocks in order: the unmarked ones and those whose norun reason names this file."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_docs import _SHELL, _fences
+    path = os.path.join(ROOT, "docs", "finetune.md")
+    lines = open(path, encoding="utf-8").read().splitlines()
+    return [(i + 1, "\n".join(lines[i + 1:j]) + "\n") for i, j, lang, prev in _fences(lines)
+            if lang.lower() in _SHELL and (not prev.startswith("<!-- norun") or "tests/test_finetune.py" in prev)]
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_finetune_md_as_written(tmp_path):
+    """docs/finetune.md, every shell block as printed: text tokenized; a tiny HF GPT-2 and a tiny HF Llama (vocabulary
+    257, padded to 258 for tp=2) fine-tuned from ``--init-from hf:DIR`` under TP2 x PP2 x DP2 at 8 ranks; each
+    resubmitted with ``--steps`` doubled continues in its run folder (steps 5-8 after 1-4, the resumed step named
+    in the log); exported and loaded in transformers with the logits of axonmpi's model of the export."""
+    import faulthandler
+    import subprocess
+    import time
+    faulthandler.dump_traceback_later(3600, exit=True)     # the conftest watchdog's 180 s, stretched for this walk
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from axonmpi.testing import mpiexec_env
+    for name in os.listdir(ROOT):
+        if name not in (".git", ".venv") and not name.startswith(".test"):
+            os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    os.symlink(sys.prefix, tmp_path / ".venv")
+    blocks, said, took = _finetune_md_blocks(), [], []
+    assert any("mpiexec -n 8" in code and "tp=2,pp=2,dp=2" in code for _, code in blocks)
+    for line, code in blocks:
+        t0 = time.perf_counter()
+        r = subprocess.run(["bash", "-eo", "pipefail", "-c", code], capture_output=True, text=True, timeout=1200,
+                           env=mpiexec_env(), cwd=str(tmp_path))
+        took.append((line, round(time.perf_counter() - t0, 1)))
+        assert r.returncode == 0, (f"docs/finetune.md:{line} failed, exit {r.returncode}\n--- stdout\n"
+                                   f"{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
+        said.append(r.stdout + r.stderr)
+    print("docs/finetune.md blocks (line, seconds):", took)
+    for model in ("gpt2", "llama"):
+        run = tmp_path / "ft" / f"{model}-run8"
+        rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
+        assert [x["step"] for x in rows] == list(range(1, 9)), model        # one folder, steps 1-4 then 5-8
+        assert sorted(p.name for p in run.glob("step-*")) == ["step-00000004", "step-00000008"], model
+        first = open(tmp_path / "ft" / f"{model}-run8-4.log").read()
+        assert f"weights loaded (vocabulary {V}, padded to {V + 1} rows for the layout)" in first, first[-2000:]
+        again = open(tmp_path / "ft" / f"{model}-run8-8.log").read()
+        assert "LR schedule extended from 4 to 8 steps" in again and "weights loaded" not in again, again[-2000:]
+    out = "".join(said)
+    for model in ("gpt2", "llama"):
+        assert f"{model} vocabulary {V} | max |logit difference|" in out
+
+
+def test_a_padded_llama_equals_the_unpadded_one(tmp_path):
+    """``LlamaConfig(padded_vocab_size=...)``: the padding rows' logits are masked, so loss and gradients equal the
+    unpadded model's (the padding rows get none); ``to_hf`` / ``save_hf`` write the real vocabulary; the Megatron plan
+    splits the padded vocabulary over the tensor group where the real one does not divide."""
+    from axonmpi.models import Llama, LlamaConfig
+    from axonmpi.recipes.llama import llama_layout_errors, llama_plan
+    shape = dict(vocab_size=V, n_embd=16, n_layer=1, n_head=4, n_kv_head=2, intermediate_size=32)
+    plain, padded = LlamaConfig(**shape), LlamaConfig(**shape, padded_vocab_size=V + 3)
+    a, b = Llama(plain, dtype=np.float64), Llama(padded, dtype=np.float64)
+    sd = a.state_dict()
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        sd[k] = np.concatenate([sd[k], np.ones((3, 16))])          # the padding rows' values never matter
+    b.load_state_dict(sd)
+    x = np.random.default_rng(0).integers(0, V, (2, 8))
+    (la, loss_a), (lb, loss_b) = a(x, x), b(x, x)
+    assert lb.shape == (2, 8, V + 3) and float(loss_b.item()) == pytest.approx(float(loss_a.item()), rel=1e-13)
+    loss_a.backward()
+    loss_b.backward()
+    ga, gb = a.lm_head.weight.grad.numpy(), b.lm_head.weight.grad.numpy()
+    np.testing.assert_allclose(gb[:V], ga, rtol=1e-12, atol=1e-15)
+    assert not gb[V:].any()
+    assert b.to_hf()["lm_head.weight"].shape == (V, 16)
+    b.save_hf(str(tmp_path / "hf"))
+    back = Llama.from_hf(str(tmp_path / "hf"), dtype=np.float64)
+    assert back.config.vocab_size == V and back.config.padded_vocab_size is None
+    np.testing.assert_allclose(back(x)[0].numpy(), la.numpy(), rtol=1e-12, atol=1e-13)
+    assert "model.embed_tokens" not in llama_plan(plain, 2) and llama_plan(padded, 2)["model.embed_tokens"] == "vocab"
+    assert llama_layout_errors(padded, 2, sequence_parallel=True) == []
+    assert "pad it with --make-vocab-size-divisible-by" in llama_layout_errors(plain, 2, sequence_parallel=True)[0]
+    with pytest.raises(ValueError, match="padded_vocab_size must be None or an int >= vocab_size"):
+        LlamaConfig(**shape, padded_vocab_size=V - 1)

@@ -223,7 +223,7 @@ def test_every_layout_the_plan_prints_is_accepted_by_layout(capsys):
         assert main(args + ["--json"]) == 0
         lays = json.loads(capsys.readouterr().out)["layouts"]
         assert main(args) == 0
-        table = [line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]]
+        table = [line.split()[1] for line in capsys.readouterr().out.splitlines()[2:] if line.split()[0].isdigit()]
         assert table == [x["label"] for x in lays] and any("schedule=zbv" in x for x in table)
         for x in lays:
             assert main(args + ["--json", "--layout", x["label"]]) == 0, x["label"]
@@ -260,7 +260,8 @@ def test_plan_and_plot_commands(tmp_path):
     r = _cli(*SMALL, "--top", "3")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "step s" in lines[1] and len(lines) == 5 and lines[2].split()[0] == "1"
+    assert "step s" in lines[1] and len(lines) == 6 and lines[2].split()[0] == "1"
+    assert lines[5].startswith("kernels assumed:")
     from axonmpi.testing import run_mpiexec
     saved = tmp_path / "cpu.json"
     r = run_mpiexec(["-m", "axonmpi", "plan", "--world", "2", "--layers", "2", "--width", "64", "--seq", "8",
@@ -312,3 +313,16 @@ def test_slurm_3d_gpu_binds_one_gpu_per_task_and_checks_the_sizes(slurm_env):
     r = subprocess.run(["bash", job], capture_output=True, text=True, timeout=60,
                        env={**env, "G_INTER": "1", "G_INTRA_C": "8", "PLAN_ARGS": ""})
     assert r.returncode == 0 and "tensor group (8 ranks) does not divide the 4 tasks per node" in r.stderr, r.stderr
+
+
+def test_the_datasheet_output_says_what_kernels_its_presets_assume(capsys):
+    """A datasheet machine's table ends with the kernels its fitted efficiencies assume (Megatron-LM's, with the
+    fitted fractions) and where axonmpi's own GPU speed is; a measured machine's says its rates are measured."""
+    from axonmpi.cli import main
+    from axonmpi.planner import FITTED
+    assert main(SMALL[:-2] + ["--hardware", "dgx-h100", "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("kernels assumed: Megatron-LM's (cuBLAS GEMMs reaching up to "
+                              f"{FITTED.gemm_max:.0%} of the datasheet peak") and "docs/gpu.md" in out[-1], out
+    assert main(SMALL[:-2] + ["--hardware", "cpu", "--top", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("kernels assumed: the rates measured on cpu")

@@ -169,7 +169,7 @@ def test_every_layout_the_planner_prints_is_taken_by_the_trainer():
     (["--cp-algo", "ulysses"], "--cp-algo ulysses does nothing without --context-parallel"),
     (["--layout", "tp=2,pp=1,dp=2", "--G-inter", "2"], "gives the whole layout: leave out --G-inter"),
     (["--layout", "tp=2,pp=2,dp=1,overlap=0"], "planner's models of other runtimes"),
-    (["--layout", "tp=2,pp=2,dp=1,vp=3,schedule=interleaved"], "runs 2 chunks per rank"),
+    (["--G-inter", "2", "--virtual-stages", "3"], "--virtual-stages 3 does nothing with --schedule 1f1b"),
     (["--layout", "tp=2,pp=2,dp=bad"], "dp='bad' is not a whole number"),
     (["--tp", "2", "--G-intra-c", "2"], "--tp 2 is --G-intra-c 2 --tp-style megatron"),
     (["--zero", "1", "--fsdp", "full_shard"], "FSDP already shards the optimizer state"),

@@ -73,6 +73,10 @@ def test_rank0_bar_under_mpiexec_when_its_stderr_is_a_terminal(tmp_path):
     code, term = _run_on_a_terminal(base, 2, str(tmp_path))
     assert code == 0, term[-3000:]
     assert "train:" in term and "3/3" in term and "loss_ema=" in term, term[-3000:]
+    # the bar's fields (issue 52): step time, tokens/s averaged and this step's, peak RSS, the data position; the
+    # elapsed time and ETA are tqdm's own (MFU and the GPU's memory only with a peak / on a GPU)
+    for field in ("step_s=", "tok_s=", "now=", "rss=", "data=e0:"):
+        assert field in term, (field, term[-3000:])
     assert term.count("train:   0%") == 1, "one bar: rank 0's"
     code, term = _run_on_a_terminal(base + ["--no-progress"], 2, str(tmp_path))
     assert code == 0 and "train:" not in term and "step 3/3 loss" in term, term[-3000:]

@@ -20,6 +20,7 @@ from ..nn.module import Module, ModuleList
 from ..nn.normalization import RMSNorm
 from ..nn.rotary import RotaryEmbedding, check_rope_scaling
 from ..nn.transformer import SwiGLU
+from .gpt import mask_padded_vocab
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig", "LlamaDecoderLayer", "LlamaEmbedding", "LlamaHead", "LlamaModel",
            "init_llama_weights", "llama_hidden_size"]
@@ -62,6 +63,11 @@ class LlamaConfig:
         attention_bias, mlp_bias: biases in the attention / MLP projections (Llama: none).
         attention_dropout: dropout on the attention weights in training mode.
         initializer_range: standard deviation of the normal init of Linear and Embedding weights.
+        padded_vocab_size: rows of ``embed_tokens`` and ``lm_head`` when more than ``vocab_size`` (Megatron's padded
+            vocabulary, so that it divides over the tensor group; :func:`~axonmpi.models.gpt.padded_vocab_size`).
+            The padding rows are never a token: their logits are masked out (softmax gives them exactly 0, so the
+            loss and its gradients equal the unpadded model's), and :meth:`Llama.to_hf` / exports write the first
+            ``vocab_size`` rows. ``None``: no padding.
     """
 
     vocab_size: int
@@ -80,6 +86,12 @@ class LlamaConfig:
     mlp_bias: bool = False
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
+    padded_vocab_size: Optional[int] = None
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of ``embed_tokens`` / ``lm_head``: ``padded_vocab_size`` when set, else ``vocab_size``."""
+        return self.padded_vocab_size or self.vocab_size
 
     def __post_init__(self):
         for name in ("vocab_size", "n_embd", "n_layer", "n_head", "block_size"):
@@ -107,6 +119,10 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.rms_norm_eps must be >= 0, got {self.rms_norm_eps!r}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"LlamaConfig.attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
+        p = self.padded_vocab_size
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < self.vocab_size):
+            raise ValueError(f"LlamaConfig.padded_vocab_size must be None or an int >= vocab_size={self.vocab_size}, "
+                             f"got {p!r}")
         scaling = check_rope_scaling(self.rope_scaling, "LlamaConfig.rope_scaling")
         for name, v in (("n_kv_head", int(kv)), ("head_dim", int(hd)), ("intermediate_size", int(hidden)),
                         ("rope_theta", float(self.rope_theta)), ("rope_scaling", scaling),
@@ -171,7 +187,7 @@ class LlamaModel(Module):
     def __init__(self, config: LlamaConfig, dtype=None, device=None):
         super().__init__()
         c = config
-        self.embed_tokens = Embedding(c.vocab_size, c.n_embd, dtype=dtype, device=device)
+        self.embed_tokens = Embedding(c.vocab_rows, c.n_embd, dtype=dtype, device=device)
         self.layers = ModuleList(LlamaDecoderLayer(c, dtype=dtype, device=device) for _ in range(c.n_layer))
         self.norm = RMSNorm(c.n_embd, eps=c.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -220,14 +236,21 @@ class LlamaBlock(Module):
 
 
 class LlamaHead(Module):
-    """The Llama's output end as a pipeline layer: the final ``norm``, then ``lm_head``."""
+    """The Llama's output end as a pipeline layer: the final ``norm``, then ``lm_head`` (a padded vocabulary's
+    padding columns masked out)."""
 
-    def __init__(self, norm: Module, lm_head: Module):
+    def __init__(self, norm: Module, lm_head: Module, vocab_size: Optional[int] = None):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
+        self.vocab_size = vocab_size        # set when the head's rows are padded (LlamaConfig.padded_vocab_size)
 
     def forward(self, x):
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        return logits if self.vocab_size is None else mask_padded_vocab(logits, self.vocab_size)
+
+
+def _padded(c: LlamaConfig) -> Optional[int]:
+    return c.vocab_size if c.padded_vocab_size is not None else None
 
 
 class Llama(Module):
@@ -256,7 +279,7 @@ class Llama(Module):
             raise TypeError(f"Llama expects a LlamaConfig, got {type(config).__name__}")
         self.config = config
         self.model = LlamaModel(config, dtype=dtype)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.n_embd, config.vocab_rows, bias=False, dtype=dtype)
         self.init_weights()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -275,12 +298,12 @@ class Llama(Module):
         in the same order), not yet through :func:`init_llama_weights`."""
         c = config
         if i == 0:
-            return LlamaEmbedding(Embedding(c.vocab_size, c.n_embd, dtype=dtype))
+            return LlamaEmbedding(Embedding(c.vocab_rows, c.n_embd, dtype=dtype))
         if i <= c.n_layer:
             return LlamaBlock(LlamaDecoderLayer(c, dtype=dtype),
                               RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling))
         return LlamaHead(RMSNorm(c.n_embd, eps=c.rms_norm_eps, dtype=dtype),
-                         Linear(c.n_embd, c.vocab_size, bias=False, dtype=dtype))
+                         Linear(c.n_embd, c.vocab_rows, bias=False, dtype=dtype), _padded(c))
 
     @classmethod
     def from_pipeline_layers(cls, config: LlamaConfig, layers: list) -> "Llama":
@@ -303,7 +326,7 @@ class Llama(Module):
         :func:`~axonmpi.parallel.pipeline.split_module` cuts); each block computes its rotary tables."""
         m = self.model
         return [LlamaEmbedding(m.embed_tokens), *(LlamaBlock(layer, m.rotary_emb) for layer in m.layers),
-                LlamaHead(m.norm, self.lm_head)]
+                LlamaHead(m.norm, self.lm_head, _padded(self.config))]
 
     def forward(self, idx, targets=None, positions=None) -> Tuple[Tensor, Optional[Tensor]]:
         """Logits (B, T, vocab) for token ids ``idx`` (B, T), and the mean cross-entropy if ``targets``
@@ -326,6 +349,8 @@ class Llama(Module):
                 raise ValueError(f"Llama.forward: positions of shape {tuple(positions.shape)} do not match idx of "
                                  f"shape {tuple(idx.shape)} (expected ({T},) or (batch, {T}))")
         logits = self.lm_head(self.model(idx, positions))
+        if self.config.padded_vocab_size is not None:
+            logits = mask_padded_vocab(logits, self.config.vocab_size)
         loss = None
         if targets is not None:
             targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
@@ -362,8 +387,12 @@ class Llama(Module):
 
     def to_hf(self) -> "OrderedDict[str, np.ndarray]":
         """The weights under transformers ``LlamaForCausalLM`` names (host NumPy arrays; the names are
-        this model's own, ``lm_head.weight`` included when tied)."""
-        return OrderedDict(self.state_dict())
+        this model's own, ``lm_head.weight`` included when tied; a padded vocabulary's first ``vocab_size`` rows)."""
+        sd = OrderedDict(self.state_dict())
+        if self.config.padded_vocab_size is not None:
+            for k in ("model.embed_tokens.weight", "lm_head.weight"):
+                sd[k] = sd[k][:self.config.vocab_size]
+        return sd
 
     def hf_config(self) -> Dict[str, Any]:
         """transformers' ``config.json`` for this model (``transformers.LlamaConfig(**model.hf_config())``)."""

@@ -11,10 +11,10 @@ Modules: :mod:`.hardware` (machines as data), :mod:`.measure` (measure this allo
 experts, per layer), :mod:`.calibration` (the fitted constants) and :mod:`.published` (the runs they are
 fitted on and checked against).
 """
-from .calibration import FITTED, FITTED_ON, Calibration
+from .calibration import FITTED, FITTED_ON, Calibration, kernels_assumed
 from .estimate import PlanEstimate, check_layout, estimate_layout, model_flops
 from .hardware import HardwareSpec, hardware_names, load_hardware
 from .model import ParallelLayout, TrainConfig, TransformerConfig
 
-__all__ = ["Calibration", "FITTED", "FITTED_ON", "PlanEstimate", "check_layout", "estimate_layout", "model_flops",
+__all__ = ["Calibration", "FITTED", "FITTED_ON", "kernels_assumed", "PlanEstimate", "check_layout", "estimate_layout", "model_flops",
            "HardwareSpec", "hardware_names", "load_hardware", "ParallelLayout", "TrainConfig", "TransformerConfig"]

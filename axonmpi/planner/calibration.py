@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Calibration", "FITTED", "FITTED_ON"]
+__all__ = ["Calibration", "FITTED", "FITTED_ON", "kernels_assumed"]
 
 #: The rows the constants were fitted on (published.TABLE1's labels).
 FITTED_ON = ("1.7B", "3.6B", "7.5B", "18.4B", "39.1B", "76.1B", "145.6B", "310.1B", "529.6B", "1008B")
@@ -47,3 +47,18 @@ class Calibration:
 #: ``k`` cards for its ``k`` ranks on a node, and DDP's gradient copies were counted.  ``gemm_half_gflop``
 #: ended at the edge of the grid (2 GFLOP).  Held out: Korthikanti 2022 and Megatron 2021 Table 2.
 FITTED = Calibration()
+
+
+def kernels_assumed(hw, cal: Calibration = FITTED) -> str:
+    """One line for ``axonmpi plan``: the kernels a datasheet machine's prediction assumes (a measured machine's:
+    the rates measured there).  The fitted efficiencies are Megatron-LM's on its published runs (cuBLAS GEMMs,
+    fused element-wise kernels, overlapped NCCL collectives), so a datasheet prediction is what a runtime of that
+    class reaches, not axonmpi's own GPU step (host-bound: docs/gpu.md, docs/performance.md)."""
+    if hw.is_measured:
+        return (f"kernels assumed: the rates measured on {hw.name} (axonmpi's own GEMM, attention core and "
+                "element-wise kernels, timed by `axonmpi plan --measure`)")
+    return (f"kernels assumed: Megatron-LM's (cuBLAS GEMMs reaching up to {cal.gemm_max:.0%} of the datasheet peak, "
+            f"fused element-wise kernels at {cal.memory:.0%} of memory bandwidth, overlapped NCCL collectives at "
+            f"{cal.link:.0%} of the link), fitted on its published runs (planner/calibration.py); axonmpi's own GPU "
+            "step is host-bound (2.7-11% MFU on an H200, docs/gpu.md): for axonmpi's speed pass --tflops with its "
+            "measured rate, or plan a CPU allocation with --measure")

@@ -22,7 +22,7 @@ from ..parallel.ddp import DistributedDataParallel
 from ..parallel.fsdp import ShardingStrategy
 from ..parallel.parallelize import ModelPlan, PipelinePlan, SequenceRegion, parallelize
 from ..parallel.pipeline import LayerBuilder
-from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout
+from .gpt_layout import TPStyle, _schedule, _style, batch_shards, check_layout, virtual_stage_count
 
 __all__ = ["HybridGPT", "Layout", "ModelRecipe", "TPStyle", "batch_shards", "check_layout", "gpt_layers",
            "gpt_model_plan", "gpt_plan", "recipe_for"]
@@ -85,7 +85,8 @@ class HybridGPT:
             summed), or a ``LlamaConfig`` (``recipes/llama.py``: key/value heads replicated when fewer than the
             tensor size, rotary tables at each token's global position).
         grid: the process grid (default: ``axonmpi.get_grid()``).  tp_style: ``"megatron"`` or ``"axonn"``.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (2 virtual stages), ``"zb-h1"`` or ``"zbv"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages`` chunks per rank, default 2),
+            ``"zb-h1"`` or ``"zbv"``.
         num_microbatches, global_batch: per step.  activation_checkpointing: each pipeline chunk (no pipeline:
             each block) recomputed in backward.  dtype: parameter dtype.
         fsdp: ``None``/``"none"`` or a ``ShardingStrategy`` (or its name): FSDP over data (x context) instead of
@@ -108,7 +109,7 @@ class HybridGPT:
                  schedule="1f1b", num_microbatches: int = 1, activation_checkpointing: bool = False,
                  dtype="float32", global_batch: int, fsdp=None, cpu_offload=None, mixed_precision=None,
                  hybrid_shard_size: Optional[int] = None, cp_algo="ring", sequence_parallel: bool = False,
-                 expert_parallel: Optional[int] = None):
+                 expert_parallel: Optional[int] = None, virtual_stages: Optional[int] = None):
         g = self.grid = get_grid() if grid is None else grid
         self.layout, piped = Layout.from_grid(g), g.G_inter > 1
         self.sharding = None if fsdp is None or fsdp == "none" else ShardingStrategy.coerce(fsdp)
@@ -131,10 +132,10 @@ class HybridGPT:
         self.num_microbatches, self.global_batch = int(num_microbatches), int(global_batch)
         check_layout(config, self.layout, global_batch=global_batch, num_microbatches=num_microbatches,
                      schedule=schedule, tp_style=tp_style, world_size=g.world.world_size,
-                     sequence_parallel=self.sequence_parallel)
+                     sequence_parallel=self.sequence_parallel, virtual_stages=virtual_stages)
         tp = {TPStyle.AXONN: "axonn",
               TPStyle.MEGATRON: recipe.plan(self.layout.G_intra_c, self.sequence_parallel)}.get(self.style)
-        vs = 2 if self.schedule.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
+        vs = virtual_stage_count(self.schedule, virtual_stages)
         self.pm = pm = parallelize(
             # a MoE GPT's constructor draws its experts after every block: built whole on every rank
             recipe.layers(self.dtype) if piped and recipe.layers is not None else recipe.build(self.dtype), grid=g,

@@ -41,9 +41,20 @@ def batch_shards(layout: Layout, tp_style="axonn") -> int:
     return layout.G_data
 
 
+def virtual_stage_count(schedule, virtual_stages: Optional[int] = None) -> int:
+    """Chunks per pipeline rank: ``virtual_stages`` (default 2) for the interleaved schedule, 2 for ZBV, else 1."""
+    name = _schedule(schedule).name
+    if name == "INTERLEAVED_ONE_F_ONE_B":
+        return 2 if virtual_stages is None else int(virtual_stages)
+    if virtual_stages not in (None, 1) and not (name == "ZBV" and virtual_stages == 2):
+        raise ValueError(f"virtual_stages={virtual_stages} needs the interleaved schedule (ZBV runs 2, the others 1), "
+                         f"got schedule={name.lower()}")
+    return 2 if name == "ZBV" else 1
+
+
 def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_microbatches: int = 1,
                  schedule="1f1b", tp_style="axonn", world_size: Optional[int] = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, virtual_stages: Optional[int] = None) -> None:
     """Refuse a layout the GPT (or a Llama: a ``LlamaConfig``) cannot run on, before any work: a ``ValueError``
     naming every size that does not fit (e.g. ``n_head=4 does not divide by G_intra_c=3``).
 
@@ -51,6 +62,8 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
         >>> check_layout(GPTConfig(vocab_size=16, n_layer=1), Layout(G_inter=4), global_batch=8)
         Traceback (most recent call last):
         ValueError: ...the GPT has 3 pipeline layers (embedding, 1 blocks, head) but G_inter=4 ...
+
+    ``virtual_stages``: the interleaved schedule's chunks per rank (default 2; ZBV always runs 2).
     """
     style, sched = _style(tp_style), _schedule(schedule)
     errs: List[str] = []
@@ -77,7 +90,7 @@ def check_layout(config: GPTConfig, layout: Layout, *, global_batch: int, num_mi
                         f"{-(-config.vocab_rows // c) * c} rows, the padding masked out of the loss; "
                         "GPTConfig(padded_vocab_size=...))")
     n_layers = config.n_layer + 2
-    v = 2 if sched.name in ("INTERLEAVED_ONE_F_ONE_B", "ZBV") else 1
+    v = virtual_stage_count(sched, virtual_stages)
     if layout.G_inter * v > n_layers:
         name = "GPT" if isinstance(config, GPTConfig) else type(config).__name__.replace("Config", "")
         errs.append(f"the {name} has {n_layers} pipeline layers (embedding, {config.n_layer} blocks, head) but "

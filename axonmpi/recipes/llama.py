@@ -6,7 +6,8 @@
   MLP columns), ``k_proj`` / ``v_proj`` ``"column_kv"`` (key/value heads split over the tensor group, or, when
   there are fewer than its ranks, each rank's head replicated over the ranks sharing it: Megatron's rule,
   [Note: replicated key/value heads]), ``o_proj`` / ``down_proj`` row-parallel; the embedding
-  vocabulary-parallel and ``lm_head`` gathered where the vocabulary divides (always under sequence parallelism);
+  vocabulary-parallel and ``lm_head`` gathered where the vocabulary (its padded rows,
+  ``LlamaConfig.padded_vocab_size``) divides (always under sequence parallelism);
 * :func:`llama_model_plan`: the sequence-parallel region starts at the embedding's output (scattered over the
   tensor group; the embedding itself runs on whole sequences, outside) and ends at the gathered ``lm_head``;
   the RMSNorms run inside on sequence shards.  The rotary tables cover the whole sequence (the attention's
@@ -39,7 +40,7 @@ def llama_plan(config: LlamaConfig, tp: int, sequence_parallel: bool = False) ->
     plan = {layer + "self_attn.q_proj": "column", layer + "self_attn.k_proj": "column_kv",
             layer + "self_attn.v_proj": "column_kv", layer + "self_attn.o_proj": "row",
             layer + "mlp.gate_proj": "column", layer + "mlp.up_proj": "column", layer + "mlp.down_proj": "row"}
-    if config.vocab_size % int(tp) == 0 or sequence_parallel:
+    if config.vocab_rows % int(tp) == 0 or sequence_parallel:
         # tied: one Parameter of this rank's vocabulary rows (Megatron's tied embedding)
         plan.update({"model.embed_tokens": "vocab", "lm_head": "column_gather"})
     return plan
@@ -80,7 +81,8 @@ def llama_layout_errors(config: LlamaConfig, tp: int, sequence_parallel: bool = 
                     f"replicated over G_intra_c / n_kv_head ranks, Megatron's rule)")
     if config.intermediate_size % c:
         errs.append(f"intermediate_size={config.intermediate_size} (the SwiGLU width) does not divide by G_intra_c={c}")
-    if sequence_parallel and config.vocab_size % c:
-        errs.append(f"vocab_size={config.vocab_size} does not divide by G_intra_c={c}: sequence parallelism leaves its "
-                    "region at the vocabulary-parallel lm_head")
+    if sequence_parallel and config.vocab_rows % c:
+        errs.append(f"vocab_size={config.vocab_rows} does not divide by G_intra_c={c}: sequence parallelism leaves its "
+                    f"region at the vocabulary-parallel lm_head; pad it with --make-vocab-size-divisible-by N "
+                    f"(N=1 gives {-(-config.vocab_rows // c) * c} rows; LlamaConfig(padded_vocab_size=...))")
     return errs
