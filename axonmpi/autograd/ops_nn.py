@@ -303,19 +303,11 @@ class ScaledDotProductAttention(Function):
         for r0, r1 in blocks:
             end = min(S, r1) if is_causal else S
             s = _bmm(q[..., r0:r1, :], xp.swapaxes(k[..., :end, :], -1, -2))
-            s *= scale
-            if is_causal and end > r0 + 1:   # top-left aligned, as torch: query i sees keys 0..i
-                _copyto(xp, s, -np.inf, xp.arange(end)[None, :] > xp.arange(r0, r1)[:, None])
-            if mask is not None:
-                if mask.dtype == np.bool_:
-                    _copyto(xp, s, -np.inf, ~mask)
-                elif xp.broadcast_shapes(s.shape, mask.shape) == s.shape:
-                    s += mask
-                else:
-                    s = s + mask
-            s -= s.max(axis=-1, keepdims=True)
-            xp.exp(s, out=s)
-            s /= _sum_keep(xp, s, -1)
+            if mask is not None and xp.broadcast_shapes(s.shape, mask.shape) != s.shape:
+                s = xp.broadcast_to(s, xp.broadcast_shapes(s.shape, mask.shape)).copy()
+            # top-left aligned, as torch: query i sees keys 0..i (mask, scale and softmax in one pass)
+            ncols = K.causal_lengths(xp, r0, r1, end) if is_causal else None
+            s = K.masked_softmax_forward(s, scale, ncols, mask)
             if dropout_p:
                 from ..random import generator_for
                 dt = s.dtype if s.dtype.kind == "f" or s.dtype.name == "bfloat16" else np.dtype(np.float32)
@@ -360,10 +352,7 @@ class ScaledDotProductAttention(Function):
             dp = _bmm(gi, xp.swapaxes(v[..., :end, :], -1, -2))
             if keep is not None:
                 dp *= keep
-            t = dp * p                                   # softmax backward: p (dp - sum(dp p))
-            dp -= _sum_keep(xp, t, -1)
-            dp *= p
-            dp *= ctx.scale
+            dp = K.masked_softmax_backward(p, dp, ctx.scale)   # scale p (dp - sum(dp p)), in place
             if n[0]:
                 dq = _bmm(dp, k[..., :end, :])
                 if one:
@@ -378,13 +367,6 @@ class ScaledDotProductAttention(Function):
                     gk[..., :end, :] += dk
         return (None if gq is None else _unbroadcast(gq, q.shape), None if gk is None else _unbroadcast(gk, k.shape),
                 None if gv is None else _unbroadcast(gv, v.shape), None, None, None, None)
-
-
-def _copyto(xp, dst, value, where) -> None:
-    if xp is np:
-        np.copyto(dst, value, where=where)
-    else:
-        dst[...] = xp.where(where, xp.asarray(value, dtype=dst.dtype), dst)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,  # noqa: C901

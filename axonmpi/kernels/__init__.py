@@ -8,6 +8,8 @@ autograd ops call these functions; nothing above this layer branches on the devi
 from __future__ import annotations
 
 from ._select import host_path, numba_available, use_numba
+from .attention import (causal_lengths, exp_minus_lse, lse_softmax_backward, masked_softmax_backward,
+                        masked_softmax_forward, online_softmax_block, prefix_lengths)
 from .activations import (erf_float32, exp_backward, exp_forward, gelu_backward, gelu_forward, relu_backward,
                           relu_forward, sigmoid_backward, sigmoid_forward, silu_backward, silu_forward,
                           swiglu_backward, swiglu_forward, tanh_backward, tanh_forward)
@@ -25,7 +27,9 @@ __all__ = ["host_path", "numba_available", "use_numba", "describe",
            "layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward",
            "rotary_backward", "rotary_forward",
            "cross_entropy_backward", "cross_entropy_forward", "log_softmax_backward", "log_softmax_forward",
-           "softmax_backward", "softmax_forward", "sum_keep"]
+           "softmax_backward", "softmax_forward", "sum_keep",
+           "causal_lengths", "exp_minus_lse", "lse_softmax_backward", "masked_softmax_backward",
+           "masked_softmax_forward", "online_softmax_block", "prefix_lengths"]
 
 
 def describe() -> str:
