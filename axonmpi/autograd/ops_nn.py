@@ -291,11 +291,13 @@ class ScaledDotProductAttention(Function):
     _fresh_grads = True
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, stack=1):
         xp = get_array_module(q)
         L, S = q.shape[-2], k.shape[-2]
         rows = 128 if L >= 512 else 64
-        if is_causal and not dropout_p and L >= 2 * rows:
+        if stack > 1:   # [Note: stacked query groups] rows are ``stack`` copies of the L/stack positions
+            blocks = [(0, L)]
+        elif is_causal and not dropout_p and L >= 2 * rows:
             blocks = [(r0, min(r0 + rows, L)) for r0 in range(0, L, rows)]
         else:
             blocks = [(0, L)]
@@ -307,6 +309,8 @@ class ScaledDotProductAttention(Function):
                 s = xp.broadcast_to(s, xp.broadcast_shapes(s.shape, mask.shape)).copy()
             # top-left aligned, as torch: query i sees keys 0..i (mask, scale and softmax in one pass)
             ncols = K.causal_lengths(xp, r0, r1, end) if is_causal else None
+            if is_causal and stack > 1:
+                ncols = xp.tile(K.causal_lengths(xp, 0, L // stack, S), stack)
             s = K.masked_softmax_forward(s, scale, ncols, mask)
             if dropout_p:
                 from ..random import generator_for
@@ -366,7 +370,7 @@ class ScaledDotProductAttention(Function):
                 else:
                     gk[..., :end, :] += dk
         return (None if gq is None else _unbroadcast(gq, q.shape), None if gk is None else _unbroadcast(gk, k.shape),
-                None if gv is None else _unbroadcast(gv, v.shape), None, None, None, None)
+                None if gv is None else _unbroadcast(gv, v.shape), None, None, None, None, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,  # noqa: C901
@@ -405,7 +409,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         mask = _on_one_device((query.data if isinstance(query, Tensor) else query, mask), (False, False),
                               ("scaled_dot_product_attention: query", "scaled_dot_product_attention: attn_mask"))[1]
     sc = float(1.0 / math.sqrt(e) if scale is None else scale)
-    return ScaledDotProductAttention.apply(query, key, value, mask, bool(is_causal), sc, float(dropout_p))
+    return ScaledDotProductAttention.apply(query, key, value, mask, bool(is_causal), sc, float(dropout_p), 1)
+
+
+def grouped_causal_attention(query, key, value, groups: int, dropout_p: float = 0.0, scale=None) -> Tensor:
+    """Causal attention with grouped key/value heads, the ``groups`` query heads of each key/value head stacked
+    along time: ``query`` (..., groups * T, E), ``key`` / ``value`` (..., T, E) -> (..., groups * T, Ev).
+
+    [Note: stacked query groups] Row ``r * T + t`` is query head ``r`` of the group at position ``t``: it sees keys
+    ``0..t``. One product per key/value head (keys and values are not repeated); the masked softmax stops at each
+    row's last key. Attention dropout draws as :func:`dropout` on the (..., groups * T, T) probabilities would.
+
+    Example:
+        >>> y = grouped_causal_attention(q, k, v, groups=4)     # q (B, Hk, 4 T, D), k / v (B, Hk, T, D)
+    """
+    if query.shape[-2] != groups * key.shape[-2] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"grouped_causal_attention: query {tuple(query.shape)} must stack groups={groups} blocks of "
+                         f"the key/value length {key.shape[-2]} (key {tuple(key.shape)}, value {tuple(value.shape)})")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"grouped_causal_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    sc = float(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+    return ScaledDotProductAttention.apply(query, key, value, None, True, sc, float(dropout_p), int(groups))
 
 
 # -- layer norm ----------------------------------------------------------------------------
