@@ -14,7 +14,8 @@ from .. import kernels as K
 from .tensor import Tensor
 
 __all__ = [
-    "DtypeMismatchError", "dtype_mismatch", "dtype_refused", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax",
+    "DtypeMismatchError", "dtype_mismatch", "dtype_refused", "cross_entropy", "dropout", "dropout_add", "embedding", "gelu",
+    "grouped_causal_attention", "layer_norm", "linear", "log_softmax",
     "masked_fill", "mse_loss", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax",
 ]
 
@@ -557,24 +558,46 @@ def embedding(input, weight, padding_idx=None) -> Tensor:  # noqa: A002
     return Embedding.apply(idx, weight, padding_idx)
 
 
+def _uniform(x):
+    """Uniform draws in [0, 1) for dropout on ``x`` (float32 for 16- and 32-bit inputs, float64 for float64)."""
+    from ..random import generator_for
+
+    xp = get_array_module(x)
+    dtype = x.dtype if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else np.dtype(np.float32)
+    return generator_for(xp).random(x.shape, dtype=np.float32 if dtype.itemsize <= 4 else np.float64)
+
+
 class Dropout(Function):
     _fresh_grads = True
 
     @staticmethod
     def forward(ctx, x, p):
-        from ..random import generator_for
-
-        xp = get_array_module(x)
-        dtype = x.dtype if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else np.dtype(np.float32)
-        keep = generator_for(xp).random(x.shape, dtype=np.float32 if dtype.itemsize <= 4 else np.float64) >= p
-        mask = keep.astype(dtype)
-        mask *= 1.0 / (1.0 - p)
-        ctx.save_for_backward(mask)
-        return x * mask
+        y, keep = K.dropout_forward(x, _uniform(x), p)
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.saved_tensors[0], None
+        return K.dropout_backward(g, ctx.saved_tensors[0], ctx.p), None
+
+
+class DropoutAdd(Function):
+    """``residual + dropout(x)`` in one pass each way (the mask drawn as :class:`Dropout` draws it)."""
+
+    _fresh_grads = True
+
+    @staticmethod
+    def forward(ctx, x, residual, p):
+        y, keep = K.dropout_forward(x, _uniform(x), p, residual=residual)
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        n = ctx.needs_input_grad
+        return (K.dropout_backward(g, ctx.saved_tensors[0], ctx.p) if n[0] else None), (g if n[1] else None), None
 
 
 def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:  # noqa: A002
@@ -592,6 +615,26 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     if p == 1.0:
         return x * 0.0
     return Dropout.apply(x, p)
+
+
+def dropout_add(input, residual, p: float = 0.5, training: bool = True) -> Tensor:  # noqa: A002
+    """``residual + dropout(input, p, training)`` as one op: one pass forward, one backward (the mask is the one
+    :func:`dropout` would draw, so the two forms give the same values under the same seed).
+
+    Example:
+        >>> x = dropout_add(proj(h), x, p=0.1, training=model.training)     # a transformer block's residual
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if not training or p == 0.0:
+        return residual + input
+    if p == 1.0:
+        return residual + input * 0.0
+    if not isinstance(input, Tensor):
+        input = Tensor(input)
+    if tuple(getattr(residual, "shape", ())) != tuple(input.shape):
+        return residual + Dropout.apply(input, p)     # broadcasting residuals: the two-op form
+    return DropoutAdd.apply(input, residual, p)
 
 
 class MaskedFill(Function):

@@ -13,6 +13,7 @@ from .attention import (causal_lengths, exp_minus_lse, lse_softmax_backward, mas
 from .activations import (erf_float32, exp_backward, exp_forward, gelu_backward, gelu_forward, relu_backward,
                           relu_forward, sigmoid_backward, sigmoid_forward, silu_backward, silu_forward,
                           swiglu_backward, swiglu_forward, tanh_backward, tanh_forward)
+from .dropout import dropout_backward, dropout_forward
 from .embedding import embedding_backward, scatter_add_rows
 from .norms import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
 from .rotary import rotary_backward, rotary_forward
@@ -23,7 +24,7 @@ __all__ = ["host_path", "numba_available", "use_numba", "describe",
            "erf_float32", "exp_backward", "exp_forward", "gelu_backward", "gelu_forward", "relu_backward",
            "relu_forward", "sigmoid_backward", "sigmoid_forward", "silu_backward", "silu_forward",
            "swiglu_backward", "swiglu_forward", "tanh_backward", "tanh_forward",
-           "embedding_backward", "scatter_add_rows",
+           "dropout_backward", "dropout_forward", "embedding_backward", "scatter_add_rows",
            "layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward",
            "rotary_backward", "rotary_forward",
            "cross_entropy_backward", "cross_entropy_forward", "log_softmax_backward", "log_softmax_forward",

@@ -1,0 +1,165 @@
+"""The kernel layer's fused ops (issue 49): masked softmax, ring attention's online-softmax block, dropout and
+residual add + dropout. NumPy and numba (where it imports) agree with a float64 reference and each other; backwards
+against finite differences; torch parity where torch is installed."""
+import math
+
+import numpy as np
+import pytest
+
+import axonmpi
+import axonmpi.nn.functional as F
+from axonmpi import Tensor, kernels as K
+from axonmpi.autograd import ops_nn
+from axonmpi.autograd.gradcheck import gradcheck
+
+PATHS = ["numpy"] + (["numba"] if K.numba_available() else [])
+TOL = {np.float64: 1e-12, np.float32: 3e-6}
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    monkeypatch.setenv("AXONMPI_KERNELS", request.param)
+    return request.param
+
+
+def _ref_softmax(s, scale, ncols):
+    s = s.astype(np.float64) * scale
+    L, S = s.shape[-2:]
+    s = np.where(np.arange(S)[None, :] < np.asarray(ncols)[:, None], s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_masked_softmax_against_reference(path, dtype):
+    rng = np.random.default_rng(0)
+    s = (rng.standard_normal((2, 3, 7, 9)) * 3).astype(dtype)
+    ncols = np.array([1, 2, 3, 9, 5, 6, 7])
+    want = _ref_softmax(s, 0.3, ncols)
+    p = K.masked_softmax_forward(s.copy(), 0.3, ncols)
+    assert p.dtype == dtype
+    np.testing.assert_allclose(p, want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert (p[..., 0, 1:] == 0).all()
+    g = rng.standard_normal(s.shape).astype(dtype)
+    gx = K.masked_softmax_backward(p, g.copy(), 0.3)
+    w64 = want
+    gw = 0.3 * w64 * (g - (g * w64).sum(-1, keepdims=True))
+    np.testing.assert_allclose(gx, gw, rtol=10 * TOL[dtype], atol=10 * TOL[dtype])
+    full = K.masked_softmax_forward(s.copy(), 1.0)           # no mask: the plain softmax
+    np.testing.assert_allclose(full, K.softmax_forward(s), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_masked_softmax_row_without_keys_is_nan(path):
+    s = np.zeros((1, 2, 3))
+    with np.errstate(invalid="ignore"):
+        p = K.masked_softmax_forward(s, 1.0, np.array([0, 3]))
+    assert np.isnan(p[0, 0]).all() and np.allclose(p[0, 1], 1 / 3)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_online_softmax_block_merges_to_the_whole_softmax(path, dtype):
+    """Two key blocks merged by the online softmax = the softmax over all keys (ring attention's forward), and the
+    probabilities again from the log-sum-exp with their gradient (its backward)."""
+    rng = np.random.default_rng(1)
+    R, T, S1, S2, D = 3, 6, 5, 4, 2
+    s1, s2 = (rng.standard_normal((R, T, n)).astype(dtype) for n in (S1, S2))
+    v1, v2 = (rng.standard_normal((R, n, D)).astype(dtype) for n in (S1, S2))
+    n1, n2 = np.full(T, S1), np.array([0, 0, 1, 2, 3, 4])   # the second block: a causal prefix, rows 0-1 see none
+    m = np.full((R, T), -np.inf, dtype)
+    lsum = np.zeros((R, T), dtype)
+    o = np.zeros((R, T, D), dtype)
+    for s, v, n, q0 in ((s1, v1, n1, 0), (s2, v2, n2, 2)):
+        e = s[:, q0:].copy()
+        alpha = K.online_softmax_block(e, 0.5, n[q0:], m, lsum, q0)
+        o[:, q0:] = o[:, q0:] * alpha[..., None] + e @ v
+    out = o / lsum[..., None]
+    both = np.concatenate([s1, s2], -1)
+    ncols = np.concatenate([np.full((T, S1), True), np.arange(S2)[None, :] < n2[:, None]], -1)
+    sc = np.where(ncols, both.astype(np.float64) * 0.5, -np.inf)
+    pw = np.exp(sc - sc.max(-1, keepdims=True))
+    pw /= pw.sum(-1, keepdims=True)
+    tol = 10 * TOL[dtype]
+    np.testing.assert_allclose(out, pw @ np.concatenate([v1, v2], 1), rtol=tol, atol=tol)
+    lse = m + np.log(lsum)
+    p2 = K.exp_minus_lse(s2[:, 2:].copy(), 0.5, n2[2:], lse, 2)
+    np.testing.assert_allclose(p2, pw[:, 2:, S1:], rtol=tol, atol=tol)
+    dp = rng.standard_normal(p2.shape).astype(dtype)
+    delta = rng.standard_normal((R, T)).astype(dtype)
+    got = K.lse_softmax_backward(p2, dp.copy(), delta, 2, 0.5)
+    np.testing.assert_allclose(got, 0.5 * p2 * (dp - delta[:, 2:, None]), rtol=tol, atol=tol)
+
+
+def test_numpy_and_numba_masked_softmax_agree_float32(monkeypatch):
+    if not K.numba_available():
+        pytest.skip("numba not installed")
+    s = (np.random.default_rng(2).standard_normal((4, 33, 65)) * 4).astype(np.float32)
+    n = np.minimum(np.arange(1, 34), 65)
+    out = {}
+    for p in PATHS:
+        monkeypatch.setenv("AXONMPI_KERNELS", p)
+        out[p] = K.masked_softmax_forward(s.copy(), 0.125, n)
+    np.testing.assert_allclose(out["numba"], out["numpy"], rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_grouped_causal_attention_equals_repeated_heads(path, groups):
+    rng = np.random.default_rng(3)
+    B, Hk, T, D = 2, 2, 5, 4
+    q = Tensor(rng.standard_normal((B, Hk, groups * T, D)), requires_grad=True)
+    k, v = (Tensor(rng.standard_normal((B, Hk, T, D)), requires_grad=True) for _ in range(2))
+    y = ops_nn.grouped_causal_attention(q, k, v, groups)
+    qh = q.data.reshape(B, Hk, groups, T, D)
+    s = np.einsum("bhgtd,bhsd->bhgts", qh, k.data) / math.sqrt(D)
+    s = np.where(np.triu(np.ones((T, T), bool), 1), -np.inf, s)
+    pr = np.exp(s - s.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    want = np.einsum("bhgts,bhsd->bhgtd", pr, v.data).reshape(y.shape)
+    np.testing.assert_allclose(y.data, want, rtol=1e-12, atol=1e-13)
+    assert gradcheck(lambda a, b, c: ops_nn.grouped_causal_attention(a, b, c, groups), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_dropout_kernel_equals_the_mask_product(path, dtype):
+    rng = np.random.default_rng(4)
+    x, res = (rng.standard_normal((37, 19)).astype(dtype) for _ in range(2))
+    r = rng.random(x.shape, dtype=np.float32 if dtype == np.float32 else np.float64)
+    mask = (r >= 0.3).astype(dtype)
+    mask *= 1.0 / 0.7
+    y, keep = K.dropout_forward(x, r, 0.3)
+    assert y.dtype == dtype and keep.dtype == np.bool_
+    np.testing.assert_array_equal(y, x * mask)                    # bitwise: the old Dropout's values
+    ya, keep2 = K.dropout_forward(x, r, 0.3, residual=res)
+    np.testing.assert_array_equal(ya, res + x * mask)
+    np.testing.assert_array_equal(keep, keep2)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    np.testing.assert_array_equal(K.dropout_backward(g, keep, 0.3), g * mask)
+
+
+def test_dropout_add_is_residual_plus_dropout_and_gradchecks(path):
+    rng = np.random.default_rng(5)
+    x = Tensor(rng.standard_normal((4, 6)), requires_grad=True)
+    res = Tensor(rng.standard_normal((4, 6)), requires_grad=True)
+    axonmpi.manual_seed(11)
+    y = F.dropout_add(x, res, 0.4)
+    axonmpi.manual_seed(11)
+    want = res.data + F.dropout(Tensor(x.data), 0.4).data
+    np.testing.assert_array_equal(y.data, want)
+    g = rng.standard_normal((4, 6))
+    y.backward(Tensor(g))
+    np.testing.assert_array_equal(res.grad.data, g)
+    np.testing.assert_array_equal(x.grad.data, g * (want - res.data != 0) / 0.6)
+    def f(a, b):
+        axonmpi.manual_seed(12)
+        return F.dropout_add(a, b, 0.4)
+    assert gradcheck(f, (x, res))
+    np.testing.assert_array_equal(F.dropout_add(x, res, 0.4, training=False).data, x.data + res.data)
+
+
+def test_dropout_add_matches_torch_statistics():
+    torch = pytest.importorskip("torch")
+    x = np.ones((200, 500), np.float32)
+    y = F.dropout_add(Tensor(x), Tensor(np.zeros_like(x)), 0.25).data
+    ty = torch.nn.functional.dropout(torch.from_numpy(x), 0.25).numpy()
+    # same rule as torch: kept elements scaled by 1 / (1 - p) (rounded in float32), the kept fraction near 1 - p
+    assert set(np.unique(y)) <= {0.0, np.float32(1 / 0.75)} and set(np.unique(ty)) <= {0.0, np.float32(1 / 0.75)}
+    assert abs((y != 0).mean() - 0.75) < 0.01 and abs((ty != 0).mean() - 0.75) < 0.01
