@@ -163,3 +163,100 @@ def test_dropout_add_matches_torch_statistics():
     # same rule as torch: kept elements scaled by 1 / (1 - p) (rounded in float32), the kept fraction near 1 - p
     assert set(np.unique(y)) <= {0.0, np.float32(1 / 0.75)} and set(np.unique(ty)) <= {0.0, np.float32(1 / 0.75)}
     assert abs((y != 0).mean() - 0.75) < 0.01 and abs((ty != 0).mean() - 0.75) < 0.01
+
+
+# -- Adam / AdamW in one pass --------------------------------------------------------------------------------------
+def _adam_reference(p, g, m, v, vm, lr, b1, b2, eps, wd, t, decoupled, maximize):
+    """The optimizer's update before the kernel layer (in-place ufuncs), for bitwise parity."""
+    xp = np
+    s = np.empty_like(m)
+    if decoupled and wd:
+        p *= 1.0 - lr * wd
+    gg = g
+    if maximize or (wd and not decoupled):
+        gg = -g if maximize else g.copy()
+        if wd and not decoupled:
+            gg += p * wd
+    xp.multiply(gg, 1.0 - b1, out=s)
+    m *= b1
+    m += s
+    xp.multiply(gg, gg, out=s)
+    s *= 1.0 - b2
+    v *= b2
+    v += s
+    if vm is not None:
+        xp.maximum(vm, v, out=vm)
+    xp.sqrt(v if vm is None else vm, out=s)
+    s /= math.sqrt(1.0 - b2 ** t)
+    s += eps
+    xp.divide(m, s, out=s)
+    s *= lr / (1.0 - b1 ** t)
+    p -= s
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("opts", [dict(decoupled=True, maximize=False, ams=False),
+                                  dict(decoupled=False, maximize=True, ams=True),
+                                  dict(decoupled=True, maximize=False, ams=True)])
+def test_adam_update_is_bitwise_the_ufunc_form(path, dtype, opts):
+    rng = np.random.default_rng(7)
+    n = 70000 + 13                                  # more than one NumPy piece
+    p0 = rng.standard_normal(n).astype(dtype)
+    p, pr = p0.copy(), p0.copy()
+    m, v, mr, vr = (np.zeros(n, dtype) for _ in range(4))
+    vm, vmr = (np.zeros(n, dtype), np.zeros(n, dtype)) if opts["ams"] else (None, None)
+    for t in (1, 2, 3):
+        g = rng.standard_normal(n).astype(dtype)
+        c = K.adam_coefficients(1e-2, (0.9, 0.95), 1e-8, 0.1, t, opts["decoupled"])
+        K.adam_update(p, g, m, v, c, maximize=opts["maximize"], vmax=vm)
+        _adam_reference(pr, g, mr, vr, vmr, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, opts["decoupled"], opts["maximize"])
+    np.testing.assert_array_equal(p, pr)
+    np.testing.assert_array_equal(m, mr)
+    np.testing.assert_array_equal(v, vr)
+
+
+@pytest.mark.parametrize("low", ["float16", "bfloat16"])
+def test_adamw_writes_the_low_precision_copy_in_the_same_pass(path, low):
+    from axonmpi.nn import Parameter
+    from axonmpi.optim import AdamW
+    if low == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        low = ml_dtypes.bfloat16
+    rng = np.random.default_rng(8)
+    w = Parameter(rng.standard_normal((5, 7)).astype(np.float32))
+    w.low_precision_copy = np.zeros((5, 7), low)
+    opt = AdamW([w], lr=0.1)
+    w.grad = Tensor(rng.standard_normal((5, 7)).astype(np.float32))
+    opt.step()
+    np.testing.assert_array_equal(w.low_precision_copy.view(np.uint16), w.data.astype(low).view(np.uint16))
+    # rounding of every float32 class: normals, ties, half subnormals, overflow, inf, NaN
+    x = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 10.0 ** rng.integers(-9, 6, 4000),
+                        np.array([65504, 65520, 1e6, -np.inf, np.inf, 6e-8, 3e-8, 1e-45, 0.0, -0.0])]).astype(np.float32)
+    if K.host_path() == "numba":
+        from axonmpi.kernels import _optim_nb
+        conv = _optim_nb.f32_to_f16_bits if np.dtype(low) == np.float16 else _optim_nb.f32_to_bf16_bits
+        got = np.array([conv(a) for a in x], np.uint16)
+        with np.errstate(over="ignore"):
+            np.testing.assert_array_equal(got, x.astype(low).view(np.uint16))
+    w.low_precision_copy = np.zeros((3,), np.float16)
+    with pytest.raises(ValueError, match="low_precision_copy"):
+        opt.step()
+
+
+def test_adamw_matches_torch():
+    torch = pytest.importorskip("torch")
+    from axonmpi.nn import Parameter
+    from axonmpi.optim import AdamW
+    rng = np.random.default_rng(9)
+    w0 = rng.standard_normal((40, 30))
+    w = Parameter(w0.copy())
+    tw = torch.tensor(w0.copy(), requires_grad=True)
+    opt = AdamW([w], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    topt = torch.optim.AdamW([tw], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(4):
+        g = rng.standard_normal(w0.shape)
+        w.grad = Tensor(g.copy())
+        tw.grad = torch.tensor(g)
+        opt.step()
+        topt.step()
+    np.testing.assert_allclose(w.data, tw.detach().numpy(), rtol=1e-12, atol=1e-14)
