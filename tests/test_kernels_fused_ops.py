@@ -260,3 +260,52 @@ def test_adamw_matches_torch():
         opt.step()
         topt.step()
     np.testing.assert_allclose(w.data, tw.detach().numpy(), rtol=1e-12, atol=1e-14)
+
+
+# -- gradient norm and clip without a host sync ----------------------------------------------------------------------
+def _model(r, g, pair, dtype):
+    from axonmpi.nn import Parameter
+    def p(grad, group="unset"):
+        q = Parameter(np.zeros(len(grad) if grad is not None else 1, dtype))
+        if grad is not None:
+            q.grad = Tensor(np.asarray(grad, dtype))
+        if group != "unset":
+            q.shard_group = group
+        return q
+    return [p([1.0, -2.5], None), p(np.full(r + 1, 2.0 * (r + 1) + 0.1), g), p([0.3 * (r + 1)]),
+            p(None if r == 0 else [1.7], g), p(np.linspace(-1, 1, 7) * (r + 2), pair)]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_clip_grad_norm_array_equals_clip_grad_norm(world, norm_type, dtype):
+    """Sharded, replicated and gradient-less parameters over 1..4 ranks: the array form's norm and clipped
+    gradients are the float form's, bit for bit (max_norm 0.5 clips; 1e9 does not)."""
+    from axonmpi.optim import clip_grad_norm_, clip_grad_norm_array_, grad_norm, grad_norm_array
+    g = world.default_group
+    r = g.rank
+    pair = world.split(r // 2, key=r)
+    for max_norm in (0.5, 1e9):
+        a, b = _model(r, g, pair, dtype), _model(r, g, pair, dtype)
+        want = clip_grad_norm_(a, max_norm, norm_type, group=g)
+        got = clip_grad_norm_array_(b, max_norm, norm_type, group=g)
+        assert isinstance(got, np.ndarray) and got.shape == () and got.dtype == np.float64
+        assert float(got) == pytest.approx(want, rel=1e-15)
+        for pa, pb in zip(a, b):
+            if pa.grad is None:
+                assert pb.grad is None
+            else:
+                np.testing.assert_array_equal(pb.grad.data, pa.grad.data)
+        assert float(grad_norm_array(b, norm_type, group=g)) == pytest.approx(grad_norm(a, norm_type, group=g),
+                                                                               rel=1e-15)
+
+
+def test_clip_grad_norm_array_nan_propagates():
+    from axonmpi.nn import Parameter
+    from axonmpi.optim import clip_grad_norm_array_
+    w = Parameter(np.zeros(3))
+    w.grad = Tensor(np.array([1.0, np.nan, 2.0]))
+    for p in (2.0, math.inf):
+        assert np.isnan(clip_grad_norm_array_([w], 1.0, p))
+    assert np.isnan(w.grad.data).all()
