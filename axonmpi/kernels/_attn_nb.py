@@ -2,66 +2,88 @@
 
 Scores are ``(R, L, S)`` C-contiguous (R: batch x heads); row ``i`` of every ``L`` sees its first ``ncols[i]``
 keys (a prefix: causal masks and the ring's global positions are both prefixes), the rest are 0 in the output.
+The row helpers take the whole (contiguous) row and the prefix length: a slice ``row[:n]`` is typed as a strided
+array by numba, and its loops do not vectorize (10x slower).
 """
 from __future__ import annotations
 
 import math
 
-from ._nb import jit, jit_reduce, rdot, rmax, rsum
-from ._rows_nb import _exp_shift
+from ._nb import FASTMATH, fexp, jit, jit_reduce, rdot
+from numba import njit
 
 __all__ = ["masked_softmax_fwd", "softmax_bwd_scaled", "online_block", "exp_minus_lse", "lse_grad"]
 
+_REDUCE = dict(cache=True, fastmath=set(FASTMATH | {"reassoc", "nnan"}), nogil=True, error_model="numpy")
+
+
+@njit(**_REDUCE)
+def _max_n(a, n):
+    m = a[0]
+    for j in range(1, n):
+        m = a[j] if a[j] > m else m
+    return m
+
+
+@njit(cache=True, fastmath=set(FASTMATH | {"reassoc"}), nogil=True, error_model="numpy")
+def _sum_n(a, n):
+    s = a.dtype.type(0)
+    for j in range(n):
+        s += a[j]
+    return s
+
 
 @jit
-def _scale_into(x, scale, out):
-    for j in range(x.size):
-        out[j] = x[j] * scale
+def _exp_shift_n(a, shift, n):
+    # [Note: numba inlining] (``_rows_nb``): the loop over the inlined exp stays alone in its function. In place
+    # through one argument: with an input and an output that may alias LLVM checks the overlap at run time and,
+    # for the same row, takes its scalar loop
+    for j in range(n):
+        a[j] = fexp(a[j] - shift)
 
 
 @jit
-def _zero(out):
-    z = out.dtype.type(0)
-    for j in range(out.size):
-        out[j] = z
-
-
-@jit
-def _times(out, c):
-    for j in range(out.size):
+def _times_n(out, c, n):
+    for j in range(n):
         out[j] *= c
 
 
 @jit
-def masked_softmax_fwd(s, scale, ncols, out):
-    """``out[b, i, :n] = softmax(s[b, i, :n] * scale)``, ``out[b, i, n:] = 0`` with ``n = ncols[i]`` (``out`` may be ``s``)."""
+def _zero_from(out, n):
+    z = out.dtype.type(0)
+    for j in range(n, out.size):
+        out[j] = z
+
+
+@jit
+def masked_softmax_fwd(s, scale, ncols):
+    """In place: ``s[b, i, :n] = softmax(s[b, i, :n] * scale)``, ``s[b, i, n:] = 0`` with ``n = ncols[i]``."""
     sc = s.dtype.type(scale)
     one = s.dtype.type(1)
     for b in range(s.shape[0]):
         for i in range(s.shape[1]):
             n = ncols[i]
-            o = out[b, i]
+            o = s[b, i]
             if n <= 0:                               # no key: NaN, as torch's softmax of an all -inf row
                 for j in range(o.size):
                     o[j] = s.dtype.type(math.nan)
                 continue
-            h = o[:n]
-            _scale_into(s[b, i, :n], sc, h)
-            _exp_shift(h, rmax(h), h)
-            _times(h, one / rsum(h))
-            _zero(o[n:])
+            _times_n(o, sc, n)
+            _exp_shift_n(o, _max_n(o, n), n)
+            _times_n(o, one / _sum_n(o, n), n)
+            _zero_from(o, n)
 
 
 @jit_reduce
-def softmax_bwd_scaled(p, g, scale, gx):
-    """``gx = scale * p * (g - sum(g p))`` per row (``gx`` may be ``g``)."""
+def softmax_bwd_scaled(p, g, scale):
+    """In place: ``g = scale * p * (g - sum(g p))`` per row."""
     sc = p.dtype.type(scale)
     for b in range(p.shape[0]):
         for i in range(p.shape[1]):
-            pi, gi, oi = p[b, i], g[b, i], gx[b, i]
+            pi, gi = p[b, i], g[b, i]
             d = rdot(pi, gi)
             for j in range(pi.size):
-                oi[j] = sc * pi[j] * (gi[j] - d)
+                gi[j] = sc * pi[j] * (gi[j] - d)
 
 
 @jit
@@ -76,18 +98,17 @@ def online_block(s, scale, ncols, m, lsum, q0, alpha):
             row = s[b, i]
             if n <= 0:
                 alpha[b, i] = s.dtype.type(1)
-                _zero(row)
+                _zero_from(row, 0)
                 continue
-            h = row[:n]
-            _times(h, sc)
+            _times_n(row, sc, n)
             mo = m[b, q0 + i]
-            mx = rmax(h)
+            mx = _max_n(row, n)
             mn = mx if mx > mo else mo
-            _exp_shift(h, mn, h)
-            _zero(row[n:])
+            _exp_shift_n(row, mn, n)
+            _zero_from(row, n)
             a = s.dtype.type(math.exp(mo - mn))
             alpha[b, i] = a
-            lsum[b, q0 + i] = lsum[b, q0 + i] * a + rsum(h)
+            lsum[b, q0 + i] = lsum[b, q0 + i] * a + _sum_n(row, n)
             m[b, q0 + i] = mn
 
 
@@ -99,10 +120,9 @@ def exp_minus_lse(s, scale, ncols, lse, q0):
         for i in range(s.shape[1]):
             n = ncols[i]
             row = s[b, i]
-            h = row[:n]
-            _times(h, sc)
-            _exp_shift(h, lse[b, q0 + i], h)
-            _zero(row[n:])
+            _times_n(row, sc, n)
+            _exp_shift_n(row, lse[b, q0 + i], n)
+            _zero_from(row, n)
 
 
 @jit_reduce

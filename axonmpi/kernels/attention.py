@@ -77,8 +77,7 @@ def masked_softmax_forward(s, scale: float, ncols=None, mask=None):
     L, S = s.shape[-2:]
     if xp is np and mask is None and _nb_ok(s):
         n = np.full(L, S, np.int64) if ncols is None else np.ascontiguousarray(ncols, dtype=np.int64)
-        s3 = _as3(s)
-        _nb().masked_softmax_fwd(s3, scale, n, s3)
+        _nb().masked_softmax_fwd(_as3(s), scale, n)
         return s
     if ncols is not None or xp is np:
         _mask_scale(xp, s, scale, ncols)
@@ -104,8 +103,7 @@ def masked_softmax_backward(p, g, scale: float):
     xp = get_array_module(p)
     g = g.astype(p.dtype, copy=False)
     if xp is np and _nb_ok(p, g) and p.shape == g.shape:
-        g3 = _as3(g)
-        _nb().softmax_bwd_scaled(_as3(p), g3, scale, g3)
+        _nb().softmax_bwd_scaled(_as3(p), _as3(g), scale)
         return g
     from .softmax import sum_keep
     t = g * p
