@@ -309,3 +309,40 @@ def test_clip_grad_norm_array_nan_propagates():
     for p in (2.0, math.inf):
         assert np.isnan(clip_grad_norm_array_([w], 1.0, p))
     assert np.isnan(w.grad.data).all()
+
+
+@pytest.mark.gpu
+def test_fused_ops_cupy_equal_the_numpy_reference(monkeypatch):
+    from axonmpi.backend import get_cupy
+    cp = get_cupy()
+    if cp is None:
+        pytest.skip("needs CuPy and a CUDA device")
+    monkeypatch.setenv("AXONMPI_KERNELS", "numpy")
+    rng = np.random.default_rng(10)
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 3e-6)):
+        s = rng.standard_normal((3, 9, 11)).astype(dtype)
+        n = np.minimum(np.arange(1, 10), 11)
+        p = K.masked_softmax_forward(s.copy(), 0.7, n)
+        pd = K.masked_softmax_forward(cp.asarray(s), 0.7, cp.asarray(n))
+        np.testing.assert_allclose(cp.asnumpy(pd), p, rtol=tol, atol=tol)
+        g = rng.standard_normal(s.shape).astype(dtype)
+        np.testing.assert_allclose(cp.asnumpy(K.masked_softmax_backward(pd, cp.asarray(g), 0.7)),
+                                   K.masked_softmax_backward(p, g.copy(), 0.7), rtol=tol, atol=tol)
+        x, res = (rng.standard_normal((33, 17)).astype(dtype) for _ in range(2))
+        r = rng.random(x.shape, dtype=np.float32 if dtype == np.float32 else np.float64)
+        y, keep = K.dropout_forward(x, r, 0.2, residual=res)
+        yd, keepd = K.dropout_forward(cp.asarray(x), cp.asarray(r), 0.2, residual=cp.asarray(res))
+        np.testing.assert_allclose(cp.asnumpy(yd), y, rtol=tol, atol=tol)
+        np.testing.assert_array_equal(cp.asnumpy(keepd), keep)
+        np.testing.assert_allclose(cp.asnumpy(K.dropout_backward(cp.asarray(x), keepd, 0.2)),
+                                   K.dropout_backward(x, keep, 0.2), rtol=tol, atol=tol)
+        p0, g0 = rng.standard_normal(1000).astype(dtype), rng.standard_normal(1000).astype(dtype)
+        host = [p0.copy(), g0, np.zeros_like(p0), np.zeros_like(p0)]
+        dev = [cp.asarray(a) for a in host]
+        for t in (1, 2):
+            K.adam_update(*host, K.adam_coefficients(1e-2, (0.9, 0.99), 1e-8, 0.1, t, True))
+            K.adam_update(*dev, K.adam_coefficients(1e-2, (0.9, 0.99), 1e-8, 0.1, t, True, cp))
+        np.testing.assert_allclose(cp.asnumpy(dev[0]), host[0], rtol=10 * tol, atol=10 * tol)
+        total = K.grad_norm_partial([dev[1]], 2.0) ** 0.5
+        K.clip_by_total_norm_([dev[1]], total, 0.5)
+        np.testing.assert_allclose(float(cp.linalg.norm(dev[1])), 0.5, rtol=1e-5)

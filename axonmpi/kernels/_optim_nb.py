@@ -10,7 +10,7 @@ from numba.extending import intrinsic
 
 from ._nb import jit_exact
 
-__all__ = ["adam_step", "f32_to_bf16_bits", "f32_to_f16_bits"]
+__all__ = ["adam_step", "adamw_plain", "f32_to_bf16_bits", "f32_to_f16_bits"]
 
 
 @intrinsic
@@ -58,6 +58,20 @@ def f32_to_f16_bits(x):
     if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000):
         sig += np.uint32(0x1000)
     return np.uint16(h_sgn + h_exp + (sig >> np.uint32(13)))
+
+
+@jit_exact
+def adamw_plain(p, g, m, v, decay, b1, omb1, b2, omb2, step_size, bc2, eps, sgn):
+    """The common case without a branch in the loop (so that it vectorizes): no L2 term, no AMSGrad, no low copy;
+    ``sgn`` is -1 (maximize: ``-g`` exactly) or 1."""
+    for i in range(p.size):
+        pi = p[i] * decay
+        ge = g[i] * sgn
+        mi = m[i] * b1 + ge * omb1
+        vi = v[i] * b2 + (ge * ge) * omb2
+        m[i] = mi
+        v[i] = vi
+        p[i] = pi - (mi / (np.sqrt(vi) / bc2 + eps)) * step_size
 
 
 @jit_exact

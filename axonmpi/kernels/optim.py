@@ -104,7 +104,11 @@ def adam_update(p, g, m, v, coef, *, maximize: bool = False, vmax=None, low=None
     if p.size and _numba_ok(p, g, m, v, vmax, low):
         t = p.dtype.type
         dummy = np.empty(1, p.dtype)
-        from ._optim_nb import adam_step
+        from ._optim_nb import adam_step, adamw_plain
+        if vmax is None and low is None and c[L2] == 0.0:
+            adamw_plain(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+                        *(t(c[k]) for k in (DECAY, B1, OMB1, B2, OMB2, STEP_SIZE, BC2, EPS)), t(-1 if maximize else 1))
+            return
         adam_step(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
                   dummy if vmax is None else vmax.reshape(-1),
                   np.empty(1, np.uint16) if low is None else low.reshape(-1).view(np.uint16),
