@@ -130,7 +130,7 @@ CASES = {
          [_t(2, 2, 4, 3), _t(2, 2, 4, 3), _t(2, 2, 4, 5)]),
         ("sdpa_causal_blocks", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
          [_t(1, 130, 3), _t(1, 129, 3), _t(2, 1, 129, 2)]),
-        ("grouped_causal_stacked", lambda q, k, v: ops_nn.grouped_causal_attention(q, k, v, 2),
+        ("grouped_causal_stacked", lambda q, k, v: F.grouped_causal_attention(q, k, v, 2),
          [_t(1, 2, 6, 3), _t(1, 2, 3, 3), _t(1, 2, 3, 2)]),
         ("sdpa_bool_mask_scale", lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, attn_mask=np.array([[True, False, True], [True, True, False]]), scale=0.7),
