@@ -107,6 +107,7 @@ def _race_median(fns: dict, repeats: int) -> dict:
 def _op_table(torch):
     """(name, axonmpi fn, input shapes, torch fn, integer-input maker) at the issue's shapes."""
     import axonmpi.nn.functional as F
+    from axonmpi.autograd import ops_nn
     tf = torch.nn.functional if torch else None
     e = (1024, 1024)
     idx = np.random.default_rng(1).integers(0, 512, 1024)
@@ -138,6 +139,12 @@ def _op_table(torch):
          tf.linear if tf else None),
         ("causal sdpa (8, 4, 128, 64)", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
          [(8, 4, 128, 64)] * 3, lambda q, k, v: tf.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        ("dropout p=0.1", lambda x: F.dropout(x, 0.1), [e], lambda x: tf.dropout(x, 0.1)),
+        ("residual + dropout p=0.1", lambda x, r: F.dropout_add(x, r, 0.1), [e, e], lambda x, r: r + tf.dropout(x, 0.1)),
+        ("gqa causal (4, 8/2 heads, 128, 32)", lambda q, k, v: ops_nn.grouped_causal_attention(q, k, v, 4),
+         [(4, 2, 512, 32), (4, 2, 128, 32), (4, 2, 128, 32)],
+         lambda q, k, v: tf.scaled_dot_product_attention(q.reshape(4, 8, 128, 32), k, v, is_causal=True,
+                                                         enable_gqa=True).reshape(4, 2, 512, 32)),
     ]
     return ops
 
@@ -181,6 +188,46 @@ def kernels(repeats: int, torch, only=None) -> None:
         print(f"{'geometric mean over ' + str(len(ratios)) + ' ops':<58}{gm:>7.2f}   (worst {max(ratios):.2f})")
 
 
+def _gpt_shapes():
+    """The parameter shapes of bench/vs_torch.py's GPT (4 layers x 256, vocab 96, 128 positions): 3.2 M."""
+    c = 256
+    shapes = [(96, c), (128, c)]
+    for _ in range(4):
+        shapes += [(c,), (c,), (3 * c, c), (3 * c,), (c, c), (c,), (c,), (c,), (4 * c, c), (4 * c,), (c, 4 * c), (c,)]
+    return shapes + [(c,), (c,)]
+
+
+def optimizer(repeats: int, torch) -> None:
+    """AdamW's step and the gradient clip over the GPT's parameters, beside torch's (its defaults: foreach)."""
+    from axonmpi import Tensor
+    from axonmpi.nn import Parameter
+    from axonmpi.optim import AdamW, clip_grad_norm_, clip_grad_norm_array_
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in _gpt_shapes()]
+    grads = [rng.standard_normal(s).astype(np.float32) * 1e-3 for s in _gpt_shapes()]
+    ours = [Parameter(a.copy()) for a in arrays]
+    for p, g in zip(ours, grads):
+        p.grad = Tensor(g.copy())
+    opt = AdamW(ours, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    fns = {"ours adamw": opt.step, "ours clip": lambda: clip_grad_norm_(ours, 1e9),
+           "ours clip (array, no host sync)": lambda: clip_grad_norm_array_(ours, 1e9)}
+    if torch:
+        theirs = [torch.tensor(a, requires_grad=True) for a in arrays]
+        for p, g in zip(theirs, grads):
+            p.grad = torch.from_numpy(g.copy())
+        topt = torch.optim.AdamW(theirs, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        fns.update({"torch adamw": topt.step,
+                    "torch clip": lambda: torch.nn.utils.clip_grad_norm_(theirs, 1e9)})
+    best = _race_median(fns, repeats)
+    n = sum(a.size for a in arrays)
+    print(f"\noptimizer over the GPT's {len(arrays)} parameters ({n / 1e6:.1f} M), float32, CPU ms (median of {repeats})")
+    print(f"{'op':<40}{'axonmpi':>9}{'torch':>9}{'ratio':>7}")
+    for name, ours_k, torch_k in (("AdamW step", "ours adamw", "torch adamw"), ("clip_grad_norm_", "ours clip", "torch clip"),
+                                  ("clip_grad_norm_array_ (no host sync)", "ours clip (array, no host sync)", "torch clip")):
+        tt = best.get(torch_k)
+        print(f"{name:<40}{1e3 * best[ours_k]:>9.2f}" + (f"{1e3 * tt:>9.2f}{best[ours_k] / tt:>7.2f}" if tt else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
@@ -196,6 +243,8 @@ def main() -> None:
     if not args.skip_gemm:
         gemm(args.repeats, torch)
     kernels(args.repeats, torch, args.only)
+    if not args.only:
+        optimizer(args.repeats, torch)
 
 
 if __name__ == "__main__":

@@ -167,22 +167,27 @@ def _table(steps, repeats, title, pairs=False):
     for f in steps.values():
         f()                                    # warm up (allocations, BLAS, CUDA kernels)
     times = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
     for _ in range(repeats):                  # interleaved: the load on the machine hits every side alike
         for k, f in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             f()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
     print(f"\n{title}; {repeats} interleaved repeats, load average {os.getloadavg()[0]:.1f}")
     names = list(steps)
-    base = {k: min(times[names[0]]) for k in names}
+    first = {k: names[0] for k in names}
     if pairs:   # each fused op against the composed one after it
-        base = {k: min(times[names[i - i % 2]]) for i, k in enumerate(names)}
-    print(f"{'':28s} {'min ms':>10s} {'median ms':>10s} {'ratio':>8s}")
+        first = {k: names[i - i % 2] for i, k in enumerate(names)}
+    print(f"{'':28s} {'min ms':>10s} {'median ms':>10s} {'ratio':>8s} {'CPU ms':>10s} {'CPU ratio':>10s}")
     for k in names:
-        v = sorted(times[k])
-        ratio = base[k] / v[0]
-        print(f"{k:28s} {1e3 * v[0]:10.2f} {1e3 * v[len(v) // 2]:10.2f} {ratio:8.2f}")
-    print("ratio: the first row of each group's time / this row's (below 1: the first row is faster)")
+        v, c = sorted(times[k]), sorted(cpu[k])
+        ratio = min(times[first[k]]) / v[0]
+        cmed = float(np.median(c))
+        cratio = float(np.median(cpu[first[k]])) / cmed
+        print(f"{k:28s} {1e3 * v[0]:10.2f} {1e3 * v[len(v) // 2]:10.2f} {ratio:8.2f} {1e3 * cmed:10.2f} {cratio:10.2f}")
+    print("ratio: the first row of each group's time / this row's (below 1: the first row is faster); CPU: "
+          "process time, median (one thread each: steadier than wall time on a shared machine)")
 
 
 def main():

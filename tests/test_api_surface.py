@@ -272,6 +272,7 @@ EXAMPLES = {
     "axonmpi.nn.functional.cross_entropy": lambda: _backward_ok(F.cross_entropy(_x(2, 3), [0, 2])),
     "axonmpi.nn.functional.div": lambda: _close(F.div(X, 2.0), X.numpy() / 2),
     "axonmpi.nn.functional.dropout": lambda: F.dropout(X, 0.5, training=False) is X,
+    "axonmpi.nn.functional.dropout_add": lambda: _close(F.dropout_add(X, X, 0.5, training=False), 2 * X.numpy()),
     "axonmpi.nn.functional.embedding": lambda: _close(F.embedding(IDX, W), W.numpy()[IDX]),
     "axonmpi.nn.functional.exp": lambda: _close(F.exp(X), np.exp(X.numpy())),
     "axonmpi.nn.functional.expand": lambda: F.expand(_x(1, 3), 4, 3).shape == (4, 3),
@@ -363,6 +364,9 @@ EXAMPLES = {
     "axonmpi.optim.clip_grad_norm_": lambda: optim.clip_grad_norm_(_grads([3.0, 4.0]), 1.0) == pytest.approx(5.0),
     "axonmpi.optim.clip_grad_value_": lambda: optim.clip_grad_value_(_grads([3.0]), 1.0) is None,
     "axonmpi.optim.grad_norm": lambda: optim.grad_norm(_grads([3.0], [4.0])) == pytest.approx(5.0),
+    "axonmpi.optim.grad_norm_array": lambda: float(optim.grad_norm_array(_grads([3.0], [4.0]))) == pytest.approx(5.0),
+    "axonmpi.optim.clip_grad_norm_array_": lambda: float(optim.clip_grad_norm_array_(_grads([3.0, 4.0]), 1.0))
+    == pytest.approx(5.0),
 }
 
 # Tensor members: "Tensor.name" -> a small call on X (2, 3 float64, requires grad)

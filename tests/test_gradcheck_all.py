@@ -38,6 +38,11 @@ def _dropout(a):
     return F.dropout(a, 0.3)
 
 
+def _dropout_add(a, r):
+    axonmpi.manual_seed(3)
+    return F.dropout_add(a, r, 0.3)
+
+
 _TARGET = _int(1, -100, 0, 2)
 _ANGLE = np.arange(3)[:, None, None] * np.array([1.0, 0.3, 0.05, 1.0, 0.3, 0.05])   # (T, 1, head_dim)
 _COS, _SIN = np.cos(_ANGLE), np.sin(_ANGLE)
@@ -125,6 +130,8 @@ CASES = {
          [_t(2, 2, 4, 3), _t(2, 2, 4, 3), _t(2, 2, 4, 5)]),
         ("sdpa_causal_blocks", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
          [_t(1, 130, 3), _t(1, 129, 3), _t(2, 1, 129, 2)]),
+        ("grouped_causal_stacked", lambda q, k, v: F.grouped_causal_attention(q, k, v, 2),
+         [_t(1, 2, 6, 3), _t(1, 2, 3, 3), _t(1, 2, 3, 2)]),
         ("sdpa_bool_mask_scale", lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, attn_mask=np.array([[True, False, True], [True, True, False]]), scale=0.7),
          [_t(3, 2, 4), _t(3, 3, 4), _t(3, 3, 2)]),
@@ -137,6 +144,7 @@ CASES = {
     "ops_llama.SwiGLU": [("swiglu", F_llama.swiglu, [_t(3, 4), _t(3, 4)])],
     "ops_nn.Embedding": [("embedding", lambda w: F.embedding([[1, 1], [0, 3]], w), [_t(4, 3)])],
     "ops_nn.Dropout": [("dropout", _dropout, [_t(4, 5)])],
+    "ops_nn.DropoutAdd": [("dropout_add", _dropout_add, [_t(4, 5), _t(4, 5)])],
     "ops_nn.MaskedFill": [("masked_fill_method", lambda a: a.masked_fill(Tensor(np.array([True, False, True])), -2.0),
                            [_t(2, 3)])],
     "ops_nn.CrossEntropy": [("cross_entropy", lambda a: F.cross_entropy(a, _TARGET), [_t(4, 3)]),

@@ -15,7 +15,8 @@ from .. import kernels as K
 from .tensor import Tensor
 
 __all__ = [
-    "DtypeMismatchError", "dtype_mismatch", "dtype_refused", "cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax",
+    "DtypeMismatchError", "dtype_mismatch", "dtype_refused", "cross_entropy", "dropout", "dropout_add", "embedding", "gelu",
+    "grouped_causal_attention", "layer_norm", "linear", "log_softmax",
     "masked_fill", "mse_loss", "relu", "scaled_dot_product_attention", "sigmoid", "silu", "softmax",
 ]
 
@@ -292,11 +293,13 @@ class ScaledDotProductAttention(Function):
     _fresh_grads = True
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p):
+    def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, stack=1):
         xp = get_array_module(q)
         L, S = q.shape[-2], k.shape[-2]
         rows = 128 if L >= 512 else 64
-        if is_causal and not dropout_p and L >= 2 * rows:
+        if stack > 1:   # [Note: stacked query groups] rows are ``stack`` copies of the L/stack positions
+            blocks = [(0, L)]
+        elif is_causal and not dropout_p and L >= 2 * rows:
             blocks = [(r0, min(r0 + rows, L)) for r0 in range(0, L, rows)]
         else:
             blocks = [(0, L)]
@@ -304,19 +307,13 @@ class ScaledDotProductAttention(Function):
         for r0, r1 in blocks:
             end = min(S, r1) if is_causal else S
             s = _bmm(q[..., r0:r1, :], xp.swapaxes(k[..., :end, :], -1, -2))
-            s *= scale
-            if is_causal and end > r0 + 1:   # top-left aligned, as torch: query i sees keys 0..i
-                _copyto(xp, s, -np.inf, xp.arange(end)[None, :] > xp.arange(r0, r1)[:, None])
-            if mask is not None:
-                if mask.dtype == np.bool_:
-                    _copyto(xp, s, -np.inf, ~mask)
-                elif xp.broadcast_shapes(s.shape, mask.shape) == s.shape:
-                    s += mask
-                else:
-                    s = s + mask
-            s -= s.max(axis=-1, keepdims=True)
-            xp.exp(s, out=s)
-            s /= _sum_keep(xp, s, -1)
+            if mask is not None and xp.broadcast_shapes(s.shape, mask.shape) != s.shape:
+                s = xp.broadcast_to(s, xp.broadcast_shapes(s.shape, mask.shape)).copy()
+            # top-left aligned, as torch: query i sees keys 0..i (mask, scale and softmax in one pass)
+            ncols = K.causal_lengths(xp, r0, r1, end) if is_causal else None
+            if is_causal and stack > 1:
+                ncols = xp.tile(K.causal_lengths(xp, 0, L // stack, S), stack)
+            s = K.masked_softmax_forward(s, scale, ncols, mask)
             if dropout_p:
                 from ..random import generator_for
                 dt = s.dtype if s.dtype.kind == "f" or s.dtype.name == "bfloat16" else np.dtype(np.float32)
@@ -361,10 +358,7 @@ class ScaledDotProductAttention(Function):
             dp = _bmm(gi, xp.swapaxes(v[..., :end, :], -1, -2))
             if keep is not None:
                 dp *= keep
-            t = dp * p                                   # softmax backward: p (dp - sum(dp p))
-            dp -= _sum_keep(xp, t, -1)
-            dp *= p
-            dp *= ctx.scale
+            dp = K.masked_softmax_backward(p, dp, ctx.scale)   # scale p (dp - sum(dp p)), in place
             if n[0]:
                 dq = _bmm(dp, k[..., :end, :])
                 if one:
@@ -378,14 +372,7 @@ class ScaledDotProductAttention(Function):
                 else:
                     gk[..., :end, :] += dk
         return (None if gq is None else _unbroadcast(gq, q.shape), None if gk is None else _unbroadcast(gk, k.shape),
-                None if gv is None else _unbroadcast(gv, v.shape), None, None, None, None)
-
-
-def _copyto(xp, dst, value, where) -> None:
-    if xp is np:
-        np.copyto(dst, value, where=where)
-    else:
-        dst[...] = xp.where(where, xp.asarray(value, dtype=dst.dtype), dst)
+                None if gv is None else _unbroadcast(gv, v.shape), None, None, None, None, None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,  # noqa: C901
@@ -424,7 +411,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         mask = _on_one_device((query.data if isinstance(query, Tensor) else query, mask), (False, False),
                               ("scaled_dot_product_attention: query", "scaled_dot_product_attention: attn_mask"))[1]
     sc = float(1.0 / math.sqrt(e) if scale is None else scale)
-    return ScaledDotProductAttention.apply(query, key, value, mask, bool(is_causal), sc, float(dropout_p))
+    return ScaledDotProductAttention.apply(query, key, value, mask, bool(is_causal), sc, float(dropout_p), 1)
+
+
+def grouped_causal_attention(query, key, value, groups: int, dropout_p: float = 0.0, scale=None) -> Tensor:
+    """Causal attention with grouped key/value heads, the ``groups`` query heads of each key/value head stacked
+    along time: ``query`` (..., groups * T, E), ``key`` / ``value`` (..., T, E) -> (..., groups * T, Ev).
+
+    [Note: stacked query groups] Row ``r * T + t`` is query head ``r`` of the group at position ``t``: it sees keys
+    ``0..t``. One product per key/value head (keys and values are not repeated); the masked softmax stops at each
+    row's last key. Attention dropout draws as :func:`dropout` on the (..., groups * T, T) probabilities would.
+
+    Example:
+        >>> y = grouped_causal_attention(q, k, v, groups=4)     # q (B, Hk, 4 T, D), k / v (B, Hk, T, D)
+    """
+    if query.shape[-2] != groups * key.shape[-2] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"grouped_causal_attention: query {tuple(query.shape)} must stack groups={groups} blocks of "
+                         f"the key/value length {key.shape[-2]} (key {tuple(key.shape)}, value {tuple(value.shape)})")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"grouped_causal_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    sc = float(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+    return ScaledDotProductAttention.apply(query, key, value, None, True, sc, float(dropout_p), int(groups))
 
 
 # -- layer norm ----------------------------------------------------------------------------
@@ -568,24 +575,46 @@ def checks_on_device(xp) -> bool:
     return xp is not np or _replay.active_tape() is not None
 
 
+def _uniform(x):
+    """Uniform draws in [0, 1) for dropout on ``x`` (float32 for 16- and 32-bit inputs, float64 for float64)."""
+    from ..random import generator_for
+
+    xp = get_array_module(x)
+    dtype = x.dtype if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else np.dtype(np.float32)
+    return generator_for(xp).random(x.shape, dtype=np.float32 if dtype.itemsize <= 4 else np.float64)
+
+
 class Dropout(Function):
     _fresh_grads = True
 
     @staticmethod
     def forward(ctx, x, p):
-        from ..random import generator_for
-
-        xp = get_array_module(x)
-        dtype = x.dtype if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else np.dtype(np.float32)
-        keep = generator_for(xp).random(x.shape, dtype=np.float32 if dtype.itemsize <= 4 else np.float64) >= p
-        mask = keep.astype(dtype)
-        mask *= 1.0 / (1.0 - p)
-        ctx.save_for_backward(mask)
-        return x * mask
+        y, keep = K.dropout_forward(x, _uniform(x), p)
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.saved_tensors[0], None
+        return K.dropout_backward(g, ctx.saved_tensors[0], ctx.p), None
+
+
+class DropoutAdd(Function):
+    """``residual + dropout(x)`` in one pass each way (the mask drawn as :class:`Dropout` draws it)."""
+
+    _fresh_grads = True
+
+    @staticmethod
+    def forward(ctx, x, residual, p):
+        y, keep = K.dropout_forward(x, _uniform(x), p, residual=residual)
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        n = ctx.needs_input_grad
+        return (K.dropout_backward(g, ctx.saved_tensors[0], ctx.p) if n[0] else None), (g if n[1] else None), None
 
 
 def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:  # noqa: A002
@@ -603,6 +632,26 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     if p == 1.0:
         return x * 0.0
     return Dropout.apply(x, p)
+
+
+def dropout_add(input, residual, p: float = 0.5, training: bool = True) -> Tensor:  # noqa: A002
+    """``residual + dropout(input, p, training)`` as one op: one pass forward, one backward (the mask is the one
+    :func:`dropout` would draw, so the two forms give the same values under the same seed).
+
+    Example:
+        >>> x = dropout_add(proj(h), x, p=0.1, training=model.training)     # a transformer block's residual
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if not training or p == 0.0:
+        return residual + input
+    if p == 1.0:
+        return residual + input * 0.0
+    if not isinstance(input, Tensor):
+        input = Tensor(input)
+    if tuple(getattr(residual, "shape", ())) != tuple(input.shape):
+        return residual + Dropout.apply(input, p)     # broadcasting residuals: the two-op form
+    return DropoutAdd.apply(input, residual, p)
 
 
 class MaskedFill(Function):

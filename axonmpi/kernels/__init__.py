@@ -8,11 +8,15 @@ autograd ops call these functions; nothing above this layer branches on the devi
 from __future__ import annotations
 
 from ._select import host_path, numba_available, use_numba
+from .attention import (causal_lengths, exp_minus_lse, lse_softmax_backward, masked_softmax_backward,
+                        masked_softmax_forward, online_softmax_block, prefix_lengths)
 from .activations import (erf_float32, exp_backward, exp_forward, gelu_backward, gelu_forward, relu_backward,
                           relu_forward, sigmoid_backward, sigmoid_forward, silu_backward, silu_forward,
                           swiglu_backward, swiglu_forward, tanh_backward, tanh_forward)
-from .embedding import embedding_backward, scatter_add_rows
+from .dropout import dropout_backward, dropout_forward
+from .embedding import embedding_backward, permute_rows_backward, permute_rows_forward, scatter_add_rows
 from .norms import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
+from .optim import adam_coefficients, adam_update, clip_by_total_norm_, grad_norm_partial
 from .rotary import rotary_backward, rotary_forward
 from .softmax import (cross_entropy_backward, cross_entropy_forward, log_softmax_backward, log_softmax_forward,
                       softmax_backward, softmax_forward, sum_keep)
@@ -21,11 +25,15 @@ __all__ = ["host_path", "numba_available", "use_numba", "describe",
            "erf_float32", "exp_backward", "exp_forward", "gelu_backward", "gelu_forward", "relu_backward",
            "relu_forward", "sigmoid_backward", "sigmoid_forward", "silu_backward", "silu_forward",
            "swiglu_backward", "swiglu_forward", "tanh_backward", "tanh_forward",
-           "embedding_backward", "scatter_add_rows",
+           "dropout_backward", "dropout_forward", "embedding_backward", "permute_rows_backward",
+           "permute_rows_forward", "scatter_add_rows",
            "layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward",
+           "adam_coefficients", "adam_update", "clip_by_total_norm_", "grad_norm_partial",
            "rotary_backward", "rotary_forward",
            "cross_entropy_backward", "cross_entropy_forward", "log_softmax_backward", "log_softmax_forward",
-           "softmax_backward", "softmax_forward", "sum_keep"]
+           "softmax_backward", "softmax_forward", "sum_keep",
+           "causal_lengths", "exp_minus_lse", "lse_softmax_backward", "masked_softmax_backward",
+           "masked_softmax_forward", "online_softmax_block", "prefix_lengths"]
 
 
 def describe() -> str:

@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["FASTMATH", "jit", "jit_reduce", "fexp", "ferf", "ftanh", "fsigmoid", "rmax", "rsum", "rdot"]
+__all__ = ["FASTMATH", "jit", "jit_exact", "jit_reduce", "fexp", "ferf", "ftanh", "fsigmoid", "rmax", "rsum", "rdot"]
 
 # no "reassoc" (it would fold the round-to-nearest trick (v + 1.5*2**23) - 1.5*2**23 away), no "nnan"/"ninf":
 # NaN and inf propagate as in torch (GradScaler finds overflowed gradients by them)
@@ -29,6 +29,13 @@ def jit(fn):
     """``numba.njit`` with the flags every kernel uses: cached on disk, compiled on first call, fast math, NumPy's
     error model (a float division by zero gives inf, no Python check: the check would stop the loop vectorizing)."""
     return njit(cache=True, fastmath=set(FASTMATH), nogil=True, error_model="numpy")(fn)
+
+
+def jit_exact(fn):
+    """:func:`jit` without fast math: IEEE rounding of every operation in source order (no FMA contraction, no
+    reciprocal for a division), so that a loop gives bit for bit what the NumPy ufuncs it replaces give (dropout,
+    the optimizers' updates)."""
+    return njit(cache=True, nogil=True, error_model="numpy")(fn)
 
 
 def jit_reduce(fn):

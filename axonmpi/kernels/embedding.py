@@ -1,4 +1,4 @@
-"""Embedding backward: the rows of the output gradient scatter-added into the table's gradient."""
+"""Row scatters and gathers: embedding backward (rows scatter-added into the table's gradient), row permutations."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import numpy as np
 from ..backend import get_array_module
 from ._select import use_numba
 
-__all__ = ["embedding_backward", "scatter_add_rows"]
+__all__ = ["embedding_backward", "scatter_add_rows", "permute_rows_forward", "permute_rows_backward"]
 
 
 def scatter_add_rows(out, idx, rows) -> None:
@@ -38,3 +38,16 @@ def embedding_backward(idx, g, num_rows: int, padding_idx=None):
     if padding_idx is not None:
         gw[padding_idx] = 0
     return gw
+
+
+def permute_rows_forward(x, perm):
+    """``x[perm]`` for a permutation ``perm`` of the rows of ``x`` (one gather)."""
+    xp = get_array_module(x)
+    return xp.take(x, perm, axis=0)
+
+
+def permute_rows_backward(g, inverse):
+    """The gradient of :func:`permute_rows_forward`: ``g[inverse]`` with ``inverse = argsort(perm)`` (a gather:
+    no scatter-add, no sort, since each row is read exactly once)."""
+    xp = get_array_module(g)
+    return xp.take(g, inverse, axis=0)

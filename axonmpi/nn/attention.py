@@ -21,7 +21,6 @@ import numpy as np
 
 from ..autograd import ops, ops_llama, ops_nn
 from ..autograd.tensor import Tensor
-from ..backend import get_array_module
 from .layers import Dropout, Linear
 from .module import Module
 
@@ -103,16 +102,10 @@ class GroupedQueryAttention(Module):
         rep = nh // nkv
         # the rep query heads of each key/value head stacked along time: (B, nkv, rep * T, hd)
         q = ops.reshape(ops.permute(ops.reshape(q, B, T, nkv, rep, hd), 0, 2, 3, 1, 4), B, nkv, rep * T, hd)
-        q = q * (1.0 / math.sqrt(hd))
-        k = ops.permute(k, 0, 2, 3, 1)                                  # (B, nkv, hd, T)
+        k = ops.permute(k, 0, 2, 1, 3)                                  # (B, nkv, T, hd)
         v = ops.permute(v, 0, 2, 1, 3)                                  # (B, nkv, T, hd)
-        att = ops.matmul(q, k)                                          # (B, nkv, rep * T, T)
-        xp = get_array_module(x.data)
-        future = xp.triu(xp.ones((T, T), dtype=bool), k=1)
-        if rep > 1:
-            future = xp.tile(future, (rep, 1))
-        att = self.attn_dropout(ops_nn.softmax(ops_nn.masked_fill(att, future, -np.inf), -1))
-        y = ops.matmul(att, v)                                          # (B, nkv, rep * T, hd)
+        p = self.attn_dropout.p if self.attn_dropout.training else 0.0
+        y = ops_nn.grouped_causal_attention(q, k, v, rep, dropout_p=p, scale=1.0 / math.sqrt(hd))
         y = ops.reshape(ops.permute(ops.reshape(y, B, nkv, rep, T, hd), 0, 3, 1, 2, 4), B, T, nh * hd)
         return self.o_proj(y)
 

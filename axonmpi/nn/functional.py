@@ -10,7 +10,7 @@ from ..autograd.ops import (MinMax, abs, add, amax, amin, argmax, argmin, cat, c
 from .conv import conv2d, max_pool2d
 from .loss import (binary_cross_entropy, binary_cross_entropy_with_logits, l1_loss, nll_loss,
                    smooth_l1_loss)
-from ..autograd.ops_nn import (cross_entropy, dropout, embedding, gelu, layer_norm, linear,
+from ..autograd.ops_nn import (cross_entropy, dropout, dropout_add, embedding, gelu, layer_norm, linear,
                                log_softmax, masked_fill, mse_loss, relu, scaled_dot_product_attention, sigmoid,
                                silu, softmax)
 
@@ -44,7 +44,7 @@ def one_hot(tensor, num_classes: int = -1):
 
 __all__ = [
     "conv2d", "max_pool2d", "one_hot", "MinMax", "abs", "add", "amax", "amin", "argmax", "argmin", "cat", "chunk", "clamp", "clip",
-    "concat", "cos", "cross_entropy", "div", "dropout", "embedding", "exp", "expand", "flatten",
+    "concat", "cos", "cross_entropy", "div", "dropout", "dropout_add", "embedding", "exp", "expand", "flatten",
     "gelu", "layer_norm", "linear", "log", "log_softmax", "masked_fill", "matmul", "max", "maximum",
     "mean", "min", "minimum", "mse_loss", "mul", "neg", "permute", "pow", "relu", "reshape",
     "scaled_dot_product_attention", "sigmoid",

@@ -1,7 +1,7 @@
 """Optimizers (SGD, Adam, AdamW, Adadelta), learning-rate schedulers and gradient clipping."""
 from .adadelta import Adadelta
 from .adam import Adam, AdamW
-from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
+from .clip import clip_grad_norm_, clip_grad_norm_array_, clip_grad_value_, grad_norm, grad_norm_array
 from . import lr_scheduler
 from .lr_scheduler import (ChainedScheduler, ConstantLR, CosineAnnealingLR, CosineAnnealingWarmRestarts,
                            ExponentialLR, LambdaLR, LinearLR, LinearWarmupCosine, LRScheduler, MultiStepLR,
@@ -33,7 +33,9 @@ __all__ = [
     "StepLR",
     "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
+    "clip_grad_norm_array_",
     "clip_grad_value_",
     "grad_norm",
+    "grad_norm_array",
     "lr_scheduler",
 ]

@@ -1,13 +1,16 @@
-"""Adam and AdamW with PyTorch's update rules, done in place over cache-sized pieces."""
+"""Adam and AdamW with PyTorch's update rules: one fused pass per parameter (``kernels.adam_update``)."""
 from __future__ import annotations
 
 import math
 import numbers
 from typing import Any, Dict, Iterable, Tuple
 
+import numpy as np
+
+from .. import kernels as K
 from ..backend import get_array_module
 from ..nn.parameter import local_arrays
-from .optimizer import Optimizer, _effective_grad, state_dtype
+from .optimizer import _HOST_CHUNK, Optimizer, state_dtype
 
 __all__ = ["Adam", "AdamW"]
 
@@ -64,6 +67,7 @@ class Adam(Optimizer):
     def _update_group(self, group: Dict[str, Any]) -> None:
         lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
         wd, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
+        coefs = {}
         for p in group["params"]:
             pd, g = local_arrays(p)       # this rank's piece ([Note: a parameter keeps its identity])
             if g is None:
@@ -74,31 +78,15 @@ class Adam(Optimizer):
                 state = self.state[p] = self._init_state(pd, amsgrad)
             state["step"] += 1
             t = state["step"]
-            step_size = lr / (1.0 - b1 ** t)
-            bc2_sqrt = math.sqrt(1.0 - b2 ** t)
             vmax = state.get("max_exp_avg_sq") if amsgrad else None
             if amsgrad and vmax is None:  # amsgrad switched on after the state was made
                 vmax = state["max_exp_avg_sq"] = xp.zeros(pd.shape, dtype=state_dtype(pd.dtype))
-            arrays = [pd, g, state["exp_avg"], state["exp_avg_sq"], vmax]
-            for pp, gg, m, v, vm, s, gs in self._chunks(arrays, 2):
-                if self._decoupled and wd:
-                    pp *= 1.0 - lr * wd
-                gg = _effective_grad(xp, gg, pp, gs, s, maximize, 0.0 if self._decoupled else wd)
-                xp.multiply(gg, 1.0 - b1, out=s)
-                m *= b1
-                m += s
-                xp.multiply(gg, gg, out=s)
-                s *= 1.0 - b2
-                v *= b2
-                v += s
-                if vm is not None:
-                    xp.maximum(vm, v, out=vm)
-                xp.sqrt(v if vm is None else vm, out=s)
-                s /= bc2_sqrt
-                s += eps
-                xp.divide(m, s, out=s)
-                s *= step_size
-                pp -= s
+            key = (t, xp is np)
+            if key not in coefs:          # the step's scalars, once per step count and device kind
+                coefs[key] = K.adam_coefficients(lr, (b1, b2), eps, wd, t, self._decoupled, xp)
+            n = min(pd.size, _HOST_CHUNK)
+            K.adam_update(pd, g, state["exp_avg"], state["exp_avg_sq"], coefs[key], maximize=maximize, vmax=vmax,
+                          low=_low_copy(p, pd), scratch=self._scratch(pd, n, 2) if xp is np and n else None)
 
     @staticmethod
     def _init_state(pd: Any, amsgrad: bool) -> Dict[str, Any]:
@@ -108,6 +96,21 @@ class Adam(Optimizer):
         state = {"step": 0}
         state.update((k, xp.zeros(pd.shape, dtype=dt)) for k in names)
         return state
+
+
+def _low_copy(p, pd):
+    """The parameter's lower-precision working copy the update writes in the same pass, or None.
+
+    A strategy that computes in 16 bits from float32 master weights sets ``p.low_precision_copy`` to an array
+    of the local piece's shape in the compute dtype; the optimizer then refreshes it with every step (no
+    separate cast pass before the next forward)."""
+    low = getattr(p, "__dict__", {}).get("low_precision_copy")
+    if low is None:
+        return None
+    if tuple(low.shape) != tuple(pd.shape) or get_array_module(low) is not get_array_module(pd):
+        raise ValueError(f"low_precision_copy of shape {tuple(low.shape)} on {type(low).__module__} does not match "
+                         f"the parameter's local piece {tuple(pd.shape)}: give an array of that shape on its device")
+    return low
 
 
 class AdamW(Adam):

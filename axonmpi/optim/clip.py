@@ -9,7 +9,8 @@ import numpy as np
 
 from ..backend import get_array_module
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm", "shard_group_of"]
+__all__ = ["clip_grad_norm_", "clip_grad_norm_array_", "clip_grad_value_", "grad_norm", "grad_norm_array",
+           "shard_group_of"]
 
 Params = Union[Any, Iterable[Any]]
 
@@ -33,27 +34,6 @@ def _held(parameters: Params) -> List[Any]:
 def _grads(parameters: Params) -> List[Any]:
     """Gradient arrays of the parameters that have one (a single Tensor is accepted)."""
     return [p.grad.data for p in _held(parameters) if p.grad is not None]
-
-
-def _partial_norm(grads: List[Any], p: float) -> Any:
-    """sum(|g|^p) over all grads (max(|g|) for p = inf) as a float64 0-d array on the grads' device."""
-    xp = get_array_module(grads[0])
-    parts = []
-    for g in grads:
-        if g.dtype.itemsize < 4 and g.dtype.kind == "f":
-            g = g.astype(np.float32)  # 16-bit sums overflow and lose precision
-        if p == math.inf:
-            part = xp.abs(g).max() if g.size else xp.zeros((), g.dtype)
-        elif p == 2.0:
-            flat = g.reshape(-1)
-            part = xp.vdot(flat, flat)  # one pass, no temporaries
-        elif p == 1.0:
-            part = xp.abs(g).sum()
-        else:
-            part = (xp.abs(g) ** p).sum()
-        parts.append(xp.asarray(part, dtype=np.float64))
-    stacked = xp.stack(parts)
-    return stacked.max() if p == math.inf else stacked.sum()
 
 
 _UNSET = object()
@@ -150,45 +130,35 @@ def _plan(parameters: Params, group: Optional[Any], domain: Optional[Any]):
     return local, staged, list(outer.values())
 
 
-def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] = None) -> float:
-    """Total ``norm_type``-norm of all gradients of a model whose parameters may be partly sharded.
+def _power_sum(parameters: Params, p: float, group: Optional[Any]):
+    """``sum |g|^p`` over every gradient element of the global model (``max |g|`` for inf) as a 0-d float64 array
+    on the parameters' device: partial sums per placement, reduced over the groups that split them, nothing read
+    back to the host (a MAX reduction sends "is NaN" beside the value: MPI's MAX drops a NaN)."""
+    from .. import kernels as K
 
-    Each gradient element of the global model counts exactly once, read from the parameters'
-    placements (:func:`~axonmpi.distributed.placement_of`): sharded parts summed (max for inf)
-    over the groups that shard them, replicated ones counted once -- never over replicas.
-    See :func:`clip_grad_norm_` for ``group``.
-
-    Example:
-        >>> grad_norm(model.parameters())          # the 2-norm of all gradients as one vector
-    """
-    p = float(norm_type)
-    if not (p > 0):
-        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
     inf = p == math.inf
     domain = _domain(group)
     local, staged, outer = _plan(parameters, group, domain)
-
-    def part(grads):
-        return float(_partial_norm(grads, p)) if grads else 0.0
+    held = _held(parameters)
+    xp = get_array_module(held[0].data) if held else np
 
     def add(a, b):
-        return _nan_max(a, b) if inf else a + b
+        return xp.maximum(a, b) if inf else a + b      # maximum propagates NaN from either side
 
-    total = part(local)
-    across = part(staged)          # summed over the domain below
+    total = K.grad_norm_partial(local, p, xp)
+    across = K.grad_norm_partial(staged, p, xp)        # summed over the domain below
     if outer or domain is not None:
         from ..distributed import ReduceOp, all_reduce
 
-        op = ReduceOp.MAX if inf else ReduceOp.SUM
-        def reduce(value: float, g) -> float:
-            if inf:  # MPI's MAX drops a NaN (as Python's max does): send "is NaN" beside the value
-                nan = math.isnan(value)
-                r = all_reduce(np.array([0.0 if nan else value, float(nan)]), op, g)
-                return math.nan if r[1] > 0 else float(r[0])
-            return float(all_reduce(np.array([value]), op, g)[0])
+        def reduce(value, g):
+            if inf:
+                nan = xp.isnan(value)
+                r = all_reduce(xp.stack([xp.where(nan, 0.0, value), nan.astype(np.float64)]), ReduceOp.MAX, g)
+                return xp.where(r[1] > 0, xp.nan, r[0])
+            return all_reduce(value.reshape(1), ReduceOp.SUM, g)[0]
 
         for groups, on_domain, grads in outer:
-            value = part(grads)
+            value = K.grad_norm_partial(grads, p, xp)
             for g in groups:
                 value = reduce(value, g)
             if on_domain:
@@ -197,13 +167,67 @@ def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] =
                 total = add(total, value)
         if domain is not None and domain.size > 1:   # every rank of the domain, with parameters or not
             across = reduce(across, domain)
-    total = add(total, across)
-    return total if inf else total ** (1.0 / p)
+    return add(total, across)
 
 
-def _nan_max(a: float, b: float) -> float:
-    """``max`` that propagates NaN from either side (Python's drops it from the second)."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+def _norm_type(norm_type: float) -> float:
+    p = float(norm_type)
+    if not (p > 0):
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+    return p
+
+
+def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] = None) -> float:
+    """Total ``norm_type``-norm of all gradients of a model whose parameters may be partly sharded.
+
+    Each gradient element of the global model counts exactly once, read from the parameters'
+    placements (:func:`~axonmpi.distributed.placement_of`): sharded parts summed (max for inf)
+    over the groups that shard them, replicated ones counted once -- never over replicas.
+    See :func:`clip_grad_norm_` for ``group``; :func:`grad_norm_array` gives it without a host read.
+
+    Example:
+        >>> grad_norm(model.parameters())          # the 2-norm of all gradients as one vector
+    """
+    p = _norm_type(norm_type)
+    total = float(_power_sum(parameters, p, group))
+    return total if p == math.inf else total ** (1.0 / p)
+
+
+def grad_norm_array(parameters: Params, norm_type: float = 2.0, group: Optional[Any] = None):
+    """:func:`grad_norm` as a 0-d float64 array on the gradients' device, with no host sync (a step that logs it
+    reads it when it logs; a captured step keeps it on the device).
+
+    Example:
+        >>> norm = grad_norm_array(model.parameters())     # float(norm) only when logged
+    """
+    p = _norm_type(norm_type)
+    total = _power_sum(parameters, p, group)
+    xp = get_array_module(total)
+    if p != math.inf:
+        total = xp.sqrt(total) if p == 2.0 else total ** (1.0 / p)
+    return xp.asarray(total, dtype=np.float64)       # a 0-d array (NumPy's ufuncs give scalars)
+
+
+def clip_grad_norm_array_(parameters: Params, max_norm: float, norm_type: float = 2.0, *,
+                          group: Optional[Any] = None):
+    """:func:`clip_grad_norm_` without a host sync: the norm computed and reduced on the gradients' device, the
+    gradients scaled by ``min(max_norm / (norm + 1e-6), 1)`` as an array operation (a NaN norm makes them NaN,
+    as torch's), the norm returned as a 0-d float64 array. ``error_if_nonfinite`` is not offered (it needs the
+    host to look at the norm): check ``float(norm)`` where the step is logged.
+
+    Example:
+        >>> norm = clip_grad_norm_array_(model.parameters(), 1.0)
+        >>> opt.step()                                         # no host round trip in between
+    """
+    from .. import kernels as K
+
+    if not isinstance(max_norm, numbers.Real) or not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
+    if not isinstance(parameters, (list, tuple)) and not hasattr(parameters, "grad"):
+        parameters = list(parameters)  # a generator is read twice
+    total = grad_norm_array(parameters, norm_type, group)
+    K.clip_by_total_norm_(_grads(parameters), total, float(max_norm))
+    return total
 
 
 def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,

@@ -62,7 +62,9 @@ from typing import Optional
 
 import numpy as np
 
+from .. import kernels as K
 from ..autograd import ops
+from ..autograd.function import Function
 from ..autograd.tensor import Tensor
 from ..backend import get_array_module
 from ..distributed import get_grid
@@ -116,10 +118,29 @@ class AllToAllDispatcher:
                                for l in range(local) for s in range(p)] or [np.zeros(0, np.int64)])
         xp = get_array_module(rows.data)
         identity = bool(np.all(perm == np.arange(perm.size)))
-        xl = xr if identity else ops.getitem(xr, xp.asarray(perm))  # expert-major
-        yl = experts(xl, rcm.sum(0))
-        yr = yl if identity else ops.getitem(yl, xp.asarray(np.argsort(perm, kind="stable")))
+        if identity:
+            return all_to_all_along(experts(xr, rcm.sum(0)), g, 0, 0, recv, send)
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(perm.size)
+        perm, inv = xp.asarray(perm), xp.asarray(inv)
+        xl = _PermuteRows.apply(xr, perm, inv)                      # expert-major
+        yr = _PermuteRows.apply(experts(xl, rcm.sum(0)), inv, perm)  # back to source-major
         return all_to_all_along(yr, g, 0, 0, recv, send)
+
+
+class _PermuteRows(Function):
+    """``x[perm]`` for a row permutation; backward the inverse gather (kernel layer: no scatter-add, no sort)."""
+
+    _fresh_grads = True
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.inverse = inverse
+        return K.permute_rows_forward(x, perm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return K.permute_rows_backward(g, ctx.inverse), None, None
 
 
 class GatherDispatcher:

@@ -4,11 +4,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import numpy as np
-
 from ...autograd import ops, ops_nn
 from ...autograd.tensor import Tensor
-from ...backend import get_array_module
 from ...distributed import ProcessGroup, role_group
 from ...nn.layers import Dropout, Linear
 from ...nn.module import Module
@@ -21,11 +18,7 @@ __all__ = ["ContextParallelAttention"]
 
 def _causal(q, k, v, hd):
     """Serial causal attention on whole sequences: q, k, v ``(B, h, T, hd)`` -> ``(B, h, T, hd)``."""
-    T = q.shape[2]
-    att = ops.matmul(q, ops.permute(k, 0, 1, 3, 2)) * (1.0 / math.sqrt(hd))
-    xp = get_array_module(q.data)
-    att = ops_nn.masked_fill(att, xp.triu(xp.ones((T, T), dtype=bool), k=1), -np.inf)
-    return ops.matmul(ops_nn.softmax(att, -1), v)
+    return ops_nn.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd))
 
 
 class ContextParallelAttention(Module):

@@ -7,18 +7,14 @@ rank's queries and keys before any exchange, with the tables of their global pos
 ``RotaryEmbedding`` of the positions ``parallelize`` gives a module taking ``positions=``:
 ``axes/context.number_positions``), so a key block that travels round the ring, or a head shard that an
 all-to-all assembles, carries keys already rotated at their own positions -- exactly the serial model's keys.
-The causal mask is by global position too (the ring's ``_scores``; Ulysses' whole sequence in order).
+The causal mask is by global position too (the ring's ``kernels.prefix_lengths``; Ulysses' whole sequence in order).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
-
-import numpy as np
 
 from ...autograd import ops, ops_llama, ops_nn
 from ...autograd.tensor import Tensor
-from ...backend import get_array_module
 from ...distributed import ProcessGroup, role_group
 from ...nn.layers import Linear
 from ...nn.module import Module
@@ -35,14 +31,7 @@ def grouped_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     group are stacked along time (one product per key/value head; keys and values are not repeated)."""
     B, H, T, D = q.shape
     Hk = k.shape[1]
-    g = H // Hk
-    qs = ops.reshape(q, B, Hk, g * T, D) * (1.0 / math.sqrt(D))
-    att = ops.matmul(qs, ops.permute(k, 0, 1, 3, 2))                       # (B, Hk, g T, T)
-    xp = get_array_module(q.data)
-    future = xp.triu(xp.ones((T, T), dtype=bool), k=1)
-    if g > 1:
-        future = xp.tile(future, (g, 1))
-    y = ops.matmul(ops_nn.softmax(ops_nn.masked_fill(att, future, -np.inf), -1), v)
+    y = ops_nn.grouped_causal_attention(ops.reshape(q, B, Hk, (H // Hk) * T, D), k, v, H // Hk)
     return ops.reshape(y, B, H, T, D)
 
 

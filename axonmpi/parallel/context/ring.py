@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from ... import kernels as K
 from ...autograd.function import Function
 from ...autograd.tensor import Tensor
 from ...backend import get_array_module
@@ -43,13 +44,9 @@ def _visible(qpos, kpos):
     return q0, k1
 
 
-def _scores(q, k, qpos, kpos, scale):
-    xp = get_array_module(q)
-    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
-    future = kpos[None, :] > qpos[:, None]
-    if future.any():
-        s = xp.where(future, -xp.inf, s)
-    return s
+def _sum_groups(a):
+    """Sum over the query-head group axis (2) of ``(B, Hk, G, T, D)``, kept: the key/value heads' gradient."""
+    return a if a.shape[2] == 1 else a.sum(axis=2, keepdims=True)
 
 
 def _exchange(buf_send, shape, dtype, group, tag, xp):
@@ -79,6 +76,8 @@ class _RingAttention(Function):
         q = q.reshape(B, Hk, H // Hk, T, D)
         m = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
         lsum = xp.zeros(q.shape[:-1], dtype=q.dtype)
+        R = B * H
+        m2, l2 = m.reshape(R, T), lsum.reshape(R, T)      # views: the kernel layer's (rows, queries) form
         o = xp.zeros(q.shape, dtype=q.dtype)
         kv = xp.ascontiguousarray(xp.stack([k, v])[:, :, :, None])          # (2, B, Hk, 1, T, D)
         for s in range(p):
@@ -90,21 +89,22 @@ class _RingAttention(Function):
             kpos = pos[owner]
             q0, k1 = _visible(qpos, kpos)
             if q0 < T and k1 > 0:
-                sc = _scores(q[..., q0:, :], kv[0][..., :k1, :], qpos[q0:], kpos[:k1], scale)
-                mb = m[..., q0:]
-                m_new = xp.maximum(mb, sc.max(axis=-1))
-                alpha = xp.exp(mb - m_new)
-                e = xp.exp(sc - m_new[..., None])
-                lsum[..., q0:] = lsum[..., q0:] * alpha + e.sum(axis=-1)
-                o[..., q0:, :] = o[..., q0:, :] * alpha[..., None] + xp.matmul(e, kv[1][..., :k1, :])
-                m[..., q0:] = m_new
+                e = xp.matmul(q[..., q0:, :], xp.swapaxes(kv[0][..., :k1, :], -1, -2))
+                alpha = K.online_softmax_block(e.reshape((R,) + e.shape[-2:]), scale,
+                                               K.prefix_lengths(qpos[q0:], kpos[:k1]), m2, l2, q0)
+                ob = o[..., q0:, :]
+                ob *= alpha.reshape(e.shape[:-1] + (1,))
+                ob += xp.matmul(e, kv[1][..., :k1, :])
             if pending is not None:
                 nxt, wr, ws = pending
                 wr.wait()
                 ws.wait()
                 kv = nxt
-        out = o / lsum[..., None]
-        ctx.save_for_backward(q, k, v, out, m + xp.log(lsum))
+        out = o
+        out /= lsum[..., None]
+        xp.log(lsum, out=lsum)
+        lsum += m
+        ctx.save_for_backward(q, k, v, out, lsum)         # lsum is now the log-sum-exp
         ctx.group, ctx.layout, ctx.scale = group, layout, scale
         return out.reshape(B, H, T, D)
 
@@ -119,6 +119,8 @@ class _RingAttention(Function):
         B, Hk, G, T, D = q.shape
         dout = dout.reshape(q.shape)
         delta = (dout * out).sum(axis=-1)
+        R = B * Hk * G
+        lse2, delta2 = lse.reshape(R, T), delta.reshape(R, T)
         dq = xp.zeros_like(q)
         kv = xp.ascontiguousarray(xp.stack([k, v])[:, :, :, None])
         dkv = xp.zeros_like(kv)
@@ -132,12 +134,16 @@ class _RingAttention(Function):
             q0, k1 = _visible(qpos, kpos)
             if q0 < T and k1 > 0:
                 kb, vb, qb = kv[0][..., :k1, :], kv[1][..., :k1, :], q[..., q0:, :]
-                pr = xp.exp(_scores(qb, kb, qpos[q0:], kpos[:k1], scale) - lse[..., q0:, None])
+                ncols = K.prefix_lengths(qpos[q0:], kpos[:k1])
+                pr = xp.matmul(qb, xp.swapaxes(kb, -1, -2))
+                rows = (R,) + pr.shape[-2:]
+                K.exp_minus_lse(pr.reshape(rows), scale, ncols, lse2, q0)
                 do = dout[..., q0:, :]
-                dkv[1][..., :k1, :] += xp.matmul(xp.swapaxes(pr, -1, -2), do).sum(axis=2, keepdims=True)
-                ds = pr * (xp.matmul(do, xp.swapaxes(vb, -1, -2)) - delta[..., q0:, None])
-                dq[..., q0:, :] += xp.matmul(ds, kb) * scale
-                dkv[0][..., :k1, :] += xp.matmul(xp.swapaxes(ds, -1, -2), qb).sum(axis=2, keepdims=True) * scale
+                dkv[1][..., :k1, :] += _sum_groups(xp.matmul(xp.swapaxes(pr, -1, -2), do))
+                ds = xp.matmul(do, xp.swapaxes(vb, -1, -2))
+                K.lse_softmax_backward(pr.reshape(rows), ds.reshape(rows), delta2, q0, scale)   # scale included
+                dq[..., q0:, :] += xp.matmul(ds, kb)
+                dkv[0][..., :k1, :] += _sum_groups(xp.matmul(xp.swapaxes(ds, -1, -2), qb))
             if p == 1:
                 break
             # this block's gradient goes on with it (after the last step: home to its owner, r + 1)

@@ -1,0 +1,218 @@
+"""Optimizer and gradient kernels: the Adam / AdamW update in one pass, the gradient norm and the clip without a
+host sync.
+
+:func:`adam_update` is ``torch.optim.Adam``'s / ``AdamW``'s update rule over one parameter's (or one flat
+buffer's) elements: the decay, the moments, the bias corrections and the step in one loop (numba, exact IEEE
+arithmetic: bit for bit the NumPy form's result), in cache-sized pieces of in-place ufuncs (NumPy), or in one
+``ElementwiseKernel`` (CuPy). Its scalars come in one float64 array (:func:`adam_coefficients`): on a GPU the
+kernel reads them from device memory, so a captured step replays with new values written there. A lower-precision
+working copy of the parameter (``low``) is written in the same pass.
+
+:func:`grad_norm_partial` sums ``|g|^p`` (max for inf) over gradients as a 0-d float64 array on their device;
+:func:`clip_by_total_norm_` scales them by ``min(max_norm / (total + 1e-6), 1)`` as an array operation: nothing
+is read back to the host.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import get_array_module
+from . import _cupy
+from ._select import use_numba
+
+__all__ = ["adam_coefficients", "adam_update", "grad_norm_partial", "clip_by_total_norm_"]
+
+# NumPy form: pieces of 64 Ki elements (256 KiB float32), so a piece's dozen passes stay in a 1 MiB L2
+_CHUNK = 1 << 16
+# coefficient slots
+DECAY, L2, B1, OMB1, B2, OMB2, STEP_SIZE, BC2, EPS = range(9)
+
+
+def adam_coefficients(lr: float, betas, eps: float, weight_decay: float, step: int, decoupled: bool, xp=np):
+    """The update's scalars for step ``step`` (1-based) as a float64 array of 9 (``xp``'s module).
+
+    ``[decay, l2, beta1, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1^t), sqrt(1 - beta2^t), eps]``: AdamW
+    decays the parameter by ``decay = 1 - lr * weight_decay``; Adam adds ``l2 = weight_decay`` times it to the
+    gradient.
+    """
+    b1, b2 = betas
+    decay = 1.0 - lr * weight_decay if decoupled and weight_decay else 1.0
+    l2 = 0.0 if decoupled else float(weight_decay)
+    c = [decay, l2, b1, 1.0 - b1, b2, 1.0 - b2, lr / (1.0 - b1 ** step), math.sqrt(1.0 - b2 ** step), eps]
+    return xp.asarray(np.array(c, dtype=np.float64))
+
+
+_cupy.define("axonmpi_adam_step", "elementwise", in_params="G g, raw float64 c, int32 flags",
+             out_params="P p, S m, S v", body="""
+    S pi = (S)p * (S)c[0];
+    S ge = (flags & 1) ? -(S)g : (S)g;
+    if (c[1] != 0) ge = ge + pi * (S)c[1];
+    S mi = m * (S)c[2] + ge * (S)c[3];
+    S vi = v * (S)c[4] + ge * ge * (S)c[5];
+    m = mi; v = vi;
+    p = (P)(pi - mi / (sqrt(vi) / (S)c[7] + (S)c[8]) * (S)c[6]);""")
+_cupy.define("axonmpi_adam_step_amsgrad", "elementwise", in_params="G g, raw float64 c, int32 flags",
+             out_params="P p, S m, S v, S vm", body="""
+    S pi = (S)p * (S)c[0];
+    S ge = (flags & 1) ? -(S)g : (S)g;
+    if (c[1] != 0) ge = ge + pi * (S)c[1];
+    S mi = m * (S)c[2] + ge * (S)c[3];
+    S vi = v * (S)c[4] + ge * ge * (S)c[5];
+    m = mi; v = vi;
+    S a = vm; a = (a != a || vi != vi) ? a + vi : (vi > a ? vi : a); vm = a;
+    p = (P)(pi - mi / (sqrt(a) / (S)c[7] + (S)c[8]) * (S)c[6]);""")
+
+
+def _low_kind(p, low) -> int:
+    """0: no copy; 1: float16; 2: bfloat16 (written by the numba loop from float32 parameters); -1: another form."""
+    if low is None:
+        return 0
+    if p.dtype != np.float32 or not isinstance(low, np.ndarray) or not low.flags.c_contiguous:
+        return -1
+    return 1 if low.dtype == np.float16 else 2 if low.dtype.name == "bfloat16" else -1
+
+
+def _numba_ok(p, g, m, v, vm, low) -> bool:
+    arrays = (p, g, m, v) + (() if vm is None else (vm,))
+    return use_numba(*arrays) and all(a.flags.c_contiguous for a in arrays) and _low_kind(p, low) >= 0
+
+
+def adam_update(p, g, m, v, coef, *, maximize: bool = False, vmax=None, low=None, scratch=None) -> None:
+    """One Adam / AdamW step over the elements of ``p`` in place (``m``, ``v``, ``vmax`` too); ``coef`` from
+    :func:`adam_coefficients`. ``low``: an array of ``p``'s shape in a lower precision, set to the updated ``p``
+    in the same pass (a mixed-precision working copy). ``scratch``: two reusable 1-D buffers of at least
+    ``min(p.size, 65536)`` elements in the state dtype for the NumPy form (allocated when left out).
+
+    Example:
+        >>> c = adam_coefficients(1e-3, (0.9, 0.999), 1e-8, 0.01, step=1, decoupled=True)
+        >>> adam_update(w, dw, m, v, c)
+    """
+    xp = get_array_module(p)
+    if xp is not np:
+        flags = xp.int32(1 if maximize else 0)
+        c = xp.asarray(coef, dtype=np.float64)
+        if vmax is None:
+            _cupy.kernel("axonmpi_adam_step")(g, c, flags, p, m, v)
+        else:
+            _cupy.kernel("axonmpi_adam_step_amsgrad")(g, c, flags, p, m, v, vmax)
+        if low is not None:
+            low[...] = p.astype(low.dtype)
+        return
+    c = [float(x) for x in np.asarray(coef)]
+    if p.size and _numba_ok(p, g, m, v, vmax, low):
+        t = p.dtype.type
+        dummy = np.empty(1, p.dtype)
+        from ._optim_nb import adam_step, adamw_plain
+        if vmax is None and low is None and c[L2] == 0.0:
+            adamw_plain(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+                        *(t(c[k]) for k in (DECAY, B1, OMB1, B2, OMB2, STEP_SIZE, BC2, EPS)), t(-1 if maximize else 1))
+            return
+        adam_step(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+                  dummy if vmax is None else vmax.reshape(-1),
+                  np.empty(1, np.uint16) if low is None else low.reshape(-1).view(np.uint16),
+                  *(t(x) for x in c), bool(maximize), vmax is not None, _low_kind(p, low))
+        return
+    _adam_numpy(p, g, m, v, vmax, c, maximize, scratch)
+    if low is not None:
+        low[...] = p.astype(low.dtype)
+
+
+def _pieces(arrays, scratch, dtype):
+    """``[pieces of arrays..., scratch pieces...]`` over ``arrays[0]``'s elements (strided arrays: one piece)."""
+    first = arrays[0]
+    n = first.size
+    flat = all(a is None or a.flags.c_contiguous for a in arrays)
+    size = min(_CHUNK, n) if flat else n
+    if scratch is None or scratch[0].size < size:
+        scratch = [np.empty(size, dtype) for _ in range(2)]
+    if not flat:
+        yield list(arrays) + [b[:n].reshape(first.shape) for b in scratch]
+        return
+    flats = [None if a is None else a.reshape(-1) for a in arrays]
+    for i in range(0, n, size):
+        j = min(i + size, n)
+        yield [None if f is None else f[i:j] for f in flats] + [b[:j - i] for b in scratch]
+
+
+def _adam_numpy(p, g, m, v, vmax, c, maximize, scratch) -> None:
+    decay, l2, b1, omb1, b2, omb2, step_size, bc2, eps = c
+    for pp, gg, mm, vv, vm, s, gs in _pieces([p, g, m, v, vmax], scratch, m.dtype):
+        if decay != 1.0:
+            pp *= decay
+        if maximize or l2 or gg.dtype != gs.dtype:     # (-g) + l2 p, in the state dtype (PyTorch's order)
+            if maximize:
+                np.negative(gg, out=gs)
+            else:
+                gs[...] = gg
+            if l2:
+                np.multiply(pp, l2, out=s)
+                gs += s
+            gg = gs
+        np.multiply(gg, omb1, out=s)
+        mm *= b1
+        mm += s
+        np.multiply(gg, gg, out=s)
+        s *= omb2
+        vv *= b2
+        vv += s
+        if vm is not None:
+            np.maximum(vm, vv, out=vm)
+        np.sqrt(vv if vm is None else vm, out=s)
+        s /= bc2
+        s += eps
+        np.divide(mm, s, out=s)
+        s *= step_size
+        pp -= s
+
+
+# -- gradient norm and clip ------------------------------------------------------------------------------------------
+_cupy.define("axonmpi_clip_scale", "elementwise", in_params="raw float64 coef", out_params="T g", body="""
+    typedef typename acc_t<T>::type A;
+    double c = coef[0]; c = (c != c || c < 1.0) ? c : 1.0;
+    g = (T)((A)g * (A)c);""")
+
+
+def grad_norm_partial(grads, p: float, xp=None):
+    """``sum(|g|^p)`` over every element of ``grads`` (``max |g|`` for ``p = inf``) as a 0-d float64 array on the
+    gradients' device (``xp``'s when ``grads`` is empty): 16-bit gradients summed in float32, each gradient one pass
+    (``vdot`` for p = 2)."""
+    if not grads:
+        return (xp or np).zeros((), np.float64)
+    xp = get_array_module(grads[0])
+    parts = []
+    for g in grads:
+        if g.dtype.itemsize < 4 and g.dtype.kind == "f":
+            g = g.astype(np.float32)  # 16-bit sums overflow and lose precision
+        if p == math.inf:
+            part = xp.abs(g).max() if g.size else xp.zeros((), g.dtype)
+        elif p == 2.0:
+            flat = g.reshape(-1)
+            part = xp.vdot(flat, flat)  # one pass, no temporaries
+        elif p == 1.0:
+            part = xp.abs(g).sum()
+        else:
+            part = (xp.abs(g) ** p).sum()
+        parts.append(xp.asarray(part, dtype=np.float64))
+    stacked = xp.stack(parts)
+    return stacked.max() if p == math.inf else stacked.sum()
+
+
+def clip_by_total_norm_(grads, total, max_norm: float):
+    """Scale every gradient in place by ``min(max_norm / (total + 1e-6), 1)`` (``total`` a 0-d array: no host
+    read; a NaN total makes the gradients NaN, as torch's). Returns the factor as a 0-d float64 array.
+
+    The factor is rounded to each gradient's dtype before the product (as a Python float factor would be), so
+    the results equal :func:`axonmpi.optim.clip_grad_norm_`'s bit for bit."""
+    xp = get_array_module(total)
+    coef = max_norm / (total + 1e-6)
+    if xp is np:
+        coef = np.where(coef >= 1.0, 1.0, coef)     # NaN stays NaN
+        for g in grads:
+            g *= coef.astype(g.dtype)
+        return coef
+    coef = xp.asarray(coef, dtype=np.float64).reshape(1)
+    for g in grads:
+        _cupy.kernel("axonmpi_clip_scale")(coef, g)
+    return xp.where(coef[0] >= 1.0, 1.0, coef[0])
