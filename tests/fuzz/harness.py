@@ -11,7 +11,9 @@ the global batch and under the case's layout (``parallelize``), and checks, each
   second layout (another grid, another seed's weights), whose third step equals the serial third step.
 
 A refusal at construction (``NotImplementedError`` or ``ValueError`` from ``parallelize``, the same on every
-rank) is a clean outcome, reported with its reason; anything else that differs or raises is a failure.
+rank) is a clean outcome, reported with its reason; so is an optimizer built before ``parallelize`` (user-style
+cases) that holds a parameter a layer replaced, when it raises at its first use naming the fix ("build the optimizer
+from pm.parameters() after parallelize"); anything else that differs or raises is a failure.
 """
 from __future__ import annotations
 
@@ -310,6 +312,11 @@ def run_case(world, case: Case, checkpoint: bool = True) -> str:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _names_fix(msg: str) -> bool:
+    """Whether an error tells the user to build the optimizer from ``pm.parameters()`` after ``parallelize``."""
+    return "build the optimizer from pm.parameters() after parallelize" in msg or "build it on pm.parameters()" in msg
+
+
 def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[str]]:
     """``(status, detail)`` agreed by every rank: ``("ok", None)``, ``("refused", reason)`` or
     ``("failed", "rank r: error")`` (collective)."""
@@ -322,6 +329,12 @@ def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[s
         status, detail = "refused", str(e).splitlines()[0]
     except UnusedParameterError as e:       # refused at the first step, the same under every layout
         status, detail = "refused", "UnusedParameterError: " + str(e).split(": ", 1)[1]
+    except (RuntimeError, ValueError) as e:
+        if not (case.model.opt_before and _names_fix(str(e))):
+            status = "failed"
+            detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))
+        else:       # an optimizer built before parallelize holds a parameter a layer replaced: loud, naming the fix
+            status, detail = "refused", f"optimizer built before parallelize: {type(e).__name__}: {str(e)[:160]}"
     except Exception as e:   # noqa: BLE001 - every error is a finding
         status = "failed"
         detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))
