@@ -42,6 +42,12 @@ from .optimizer import Optimizer
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
+def _moment(key: str, v: Any) -> bool:
+    """Whether a per-parameter state entry is an array shaped like its parameter (a moment; 0-d for a 0-d
+    parameter), not a scalar such as ``step``."""
+    return key != "step" and hasattr(v, "shape")
+
+
 class _Bucket:
     """One flat buffer: the parameters of one group and dtype, and this rank's chunk of them."""
 
@@ -387,14 +393,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             for i, p in enumerate(b.params):
                 ps = states.get(id(p))
                 b.counts[i] = int(ps.get("step", 0)) if ps else 0
-            arrays = sorted({k for p in b.params for k, v in (states.get(id(p)) or {}).items()
-                             if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0})
+            arrays = sorted({k for p in b.params for k, v in (states.get(id(p)) or {}).items() if _moment(k, v)})
             for key in arrays if any(b.counts) else ():
                 st[key] = xp.zeros(b.hi - b.lo, dtype=b.shard.data.dtype)
             for s in b.segments:
                 ps = states.get(id(b.params[s.index]))
                 for key, v in (ps or {}).items():
-                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                    if _moment(key, v):          # a 0-d parameter's moment is one element of the chunk
                         if key not in st:
                             st[key] = xp.zeros(b.hi - b.lo, dtype=b.shard.data.dtype)
                         s.in_chunk(st[key])[...] = xp.asarray(np.asarray(v).reshape(-1)[s.param_start:s.param_stop])
