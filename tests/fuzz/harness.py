@@ -334,7 +334,7 @@ def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[s
             status = "failed"
             detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))
         else:       # an optimizer built before parallelize holds a parameter a layer replaced: loud, naming the fix
-            status, detail = "refused", f"optimizer built before parallelize: {type(e).__name__}: {str(e)[:160]}"
+            status, detail = "refused", f"optimizer built before parallelize: {type(e).__name__}: {e}"
     except Exception as e:   # noqa: BLE001 - every error is a finding
         status = "failed"
         detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))
