@@ -249,7 +249,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         optimizer built before ``parallelize``): its step would update arrays the model no longer reads."""
         for g in self.param_groups:       # a parameter a layout replaced (built before parallelize): say so
             for p in g["params"]:
-                why = getattr(p, "__dict__", {}).get("_replaced")
+                d = getattr(p, "__dict__", {})
+                why = d.get("_replaced") or d.get("_other_stage")
                 if why is not None:
                     raise RuntimeError(f"ZeroRedundancyOptimizer (rank {rank}): {why}")
         for b in self.buckets:

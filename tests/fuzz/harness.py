@@ -123,6 +123,9 @@ def generate_refusal(lay: LayoutSpec) -> Optional[str]:
         return "a pipelined model runs by micro-batches (pm.step); generate with a plain model loaded from pm.state_dict()"
     if lay.context:
         return "context parallelism takes this rank's part of each sequence; generate with a plain model"
+    if lay.expert_parallel > 1:
+        return ("expert parallelism routes the expert group's tokens together: the same prompt on every rank fills "
+                "an expert's capacity twice; generate with a plain model")
     if lay.sequence_parallel:
         return "sequence parallelism splits the sequence over the tensor group; generate with a plain model"
     return None
@@ -177,7 +180,10 @@ def build(spec: ModelSpec, lay: LayoutSpec, grid, seed_shift: int = 0):
     model = build_model(replace(spec, seed=spec.seed + seed_shift) if seed_shift else spec)
 
     def make_optimizer():
-        params = _groups(spec, model) if spec.groups or spec.opt_before else list(pm.parameters())
+        if pm is model:       # before parallelize: the user's model, every parameter
+            params = _groups(spec, model)
+        else:                 # after: the wrapper's (serial names; under a pipeline this rank's stages' only)
+            params = param_groups(pm, spec.groups, LR, WD) if spec.groups else list(pm.parameters())
         if lay.zero1:
             return ZeroRedundancyOptimizer(params, AdamW, group=data_reduction_group(grid), lr=LR, weight_decay=WD)
         return AdamW(params, lr=LR, weight_decay=WD)
