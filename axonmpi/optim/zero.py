@@ -42,6 +42,12 @@ from .optimizer import Optimizer
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
+def _moment(key: str, v: Any) -> bool:
+    """Whether a per-parameter state entry is an array shaped like its parameter (a moment; 0-d for a 0-d
+    parameter), not a scalar such as ``step``."""
+    return key != "step" and hasattr(v, "shape")
+
+
 class _Bucket:
     """One flat buffer: the parameters of one group and dtype, and this rank's chunk of them."""
 
@@ -238,6 +244,24 @@ class ZeroRedundancyOptimizer(Optimizer):
                 if k != "params":
                     ig[k] = v
 
+    def _check_live(self, rank: int) -> None:
+        """Raise naming the fix when a parameter was replaced or re-laid out since this optimizer was built (an
+        optimizer built before ``parallelize``): its step would update arrays the model no longer reads."""
+        for g in self.param_groups:       # a parameter a layout replaced (built before parallelize): say so
+            for p in g["params"]:
+                d = getattr(p, "__dict__", {})
+                why = d.get("_replaced") or d.get("_other_stage")
+                if why is not None:
+                    raise RuntimeError(f"ZeroRedundancyOptimizer (rank {rank}): {why}")
+        for b in self.buckets:
+            for i, (p, shape) in enumerate(zip(b.params, b.layout.shapes)):
+                if tuple(p.data.shape) != tuple(shape):
+                    raise RuntimeError(
+                        f"ZeroRedundancyOptimizer (rank {rank}): parameter {b.indices[i]} holds an array of shape "
+                        f"{tuple(p.data.shape)}, {tuple(shape)} when this optimizer was built: a layout changed its "
+                        "storage since (an optimizer built before the model was laid out): build the optimizer "
+                        "from pm.parameters() after parallelize")
+
     def step(self, closure=None):
         """Step this rank's chunk with the wrapped optimizer, then all-gather the updated parameters."""
         loss = None
@@ -245,8 +269,9 @@ class ZeroRedundancyOptimizer(Optimizer):
             from ..autograd.grad_mode import enable_grad
             with enable_grad():
                 loss = closure()
-        self._sync_options()
         rank = self.process_group.world.rank
+        self._check_live(rank)
+        self._sync_options()
         for b, options in zip(self.buckets, self.optim.param_groups):
             b.refresh()
             b.plan_passes(options, rank)
@@ -359,6 +384,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def load_param_states(self, states: Dict[int, Dict[str, Any]], param_groups=None) -> None:
         """Load :meth:`param_states`' form (``{id(parameter): {key: array shaped like it, or scalar}}``, e.g. read
         under another layout): each rank keeps its chunk; ``param_groups``: saved options to restore."""
+        self._check_live(self.process_group.world.rank)
         if param_groups is not None:
             for g, sg in zip(self.param_groups, param_groups):
                 g.update({k: copy.deepcopy(v) for k, v in sg.items() if k != "params"})
@@ -368,14 +394,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             for i, p in enumerate(b.params):
                 ps = states.get(id(p))
                 b.counts[i] = int(ps.get("step", 0)) if ps else 0
-            arrays = sorted({k for p in b.params for k, v in (states.get(id(p)) or {}).items()
-                             if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0})
+            arrays = sorted({k for p in b.params for k, v in (states.get(id(p)) or {}).items() if _moment(k, v)})
             for key in arrays if any(b.counts) else ():
                 st[key] = xp.zeros(b.hi - b.lo, dtype=b.shard.data.dtype)
             for s in b.segments:
                 ps = states.get(id(b.params[s.index]))
                 for key, v in (ps or {}).items():
-                    if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                    if _moment(key, v):          # a 0-d parameter's moment is one element of the chunk
                         if key not in st:
                             st[key] = xp.zeros(b.hi - b.lo, dtype=b.shard.data.dtype)
                         s.in_chunk(st[key])[...] = xp.asarray(np.asarray(v).reshape(-1)[s.param_start:s.param_stop])

@@ -115,6 +115,10 @@ class ModelSpec:
     seed: int = 0
     upos: Optional[bool] = None    # user-style: the first layer a user's embedding numbering positions (True:
                                    # taking positions=; False: its own arange only); None: nn.Embedding
+    ignore_index: int = -100       # the loss's ignore_index (user-style: -1 too, nanoGPT's), the value of ignored targets
+    groups: Optional[str] = None   # user-style param groups: "dim" (nanoGPT's p.dim() >= 2) | "name" (minGPT's rule)
+    opt_before: bool = False       # user-style: the optimizer built from the model before parallelize (nanoGPT's order)
+    generate: bool = False         # user-style: a greedy generate loop after training (embedding-first models)
 
     @property
     def has(self) -> Dict[str, int]:
@@ -136,7 +140,10 @@ class ModelSpec:
         if self.final_norm is not None:
             parts.append(f"ln(affine={self.final_norm})")
         parts.append(f"head(bias={self.head_bias}{', tied' if self.tie else ''})")
-        flags = [f for f, on in (("unused", self.unused), ("ignore", self.ignore)) if on]
+        flags = [f for f, on in (("unused", self.unused), ("ignore", self.ignore), ("opt_before", self.opt_before),
+                                 ("generate", self.generate)) if on]
+        flags += [f"ignore_index={self.ignore_index}"] if self.ignore_index != -100 else []
+        flags += [f"groups by {self.groups}"] if self.groups else []
         return " -> ".join(parts) + (f" [{', '.join(flags)}]" if flags else "")
 
 
@@ -275,7 +282,7 @@ def batch(spec: ModelSpec, step: int):
         x = rng.standard_normal((GB, T, spec.feat))
     y = rng.integers(0, spec.vocab, (GB, T))
     if spec.ignore:
-        y[rng.random((GB, T)) < 0.2] = -100
+        y[rng.random((GB, T)) < 0.2] = spec.ignore_index
     return x, y
 
 
@@ -483,7 +490,10 @@ def draw_user_model(rng: random.Random, seed: int, with_0d: bool = False) -> Mod
             b = (kind,)
         blocks.insert(rng.randrange(0, len(blocks) + 1), b)
     upos = rng.choice([None, True, True, False]) if spec.first == "embedding" else None
-    return replace(spec, blocks=tuple(blocks), upos=upos)
+    more = random.Random(7 * seed + 1)      # its own stream: the layouts drawn after stay those of earlier runs
+    return replace(spec, blocks=tuple(blocks), upos=upos, ignore_index=more.choice([-100, -1]),
+                   groups=more.choice([None, "dim", "name"]), opt_before=more.random() < 0.4,
+                   generate=spec.first == "embedding" and more.random() < 0.5)
 
 
 def draw_case(seed: int, world: int, user_style: bool = False, with_0d: bool = False) -> Case:
@@ -500,7 +510,8 @@ def simpler_models(spec: ModelSpec):
         if spec.blocks[i][0] == "reuse" and len(spec.blocks) == 1:
             continue
         yield replace(spec, blocks=spec.blocks[:i] + spec.blocks[i + 1:])
-    for f, off in (("unused", False), ("ignore", False), ("head_bias", False), ("final_norm", None), ("upos", None)):
+    for f, off in (("unused", False), ("ignore", False), ("head_bias", False), ("final_norm", None), ("upos", None),
+                   ("opt_before", False), ("groups", None), ("generate", False), ("ignore_index", -100)):
         if getattr(spec, f) != off:
             yield replace(spec, **{f: off})
     if spec.tie:

@@ -11,10 +11,13 @@ the global batch and under the case's layout (``parallelize``), and checks, each
   second layout (another grid, another seed's weights), whose third step equals the serial third step.
 
 A refusal at construction (``NotImplementedError`` or ``ValueError`` from ``parallelize``, the same on every
-rank) is a clean outcome, reported with its reason; anything else that differs or raises is a failure.
+rank) is a clean outcome, reported with its reason; so is an optimizer built before ``parallelize`` (user-style
+cases) that holds a parameter a layer replaced, when it raises at its first use naming the fix ("build the optimizer
+from pm.parameters() after parallelize"); anything else that differs or raises is a failure.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -31,9 +34,13 @@ from axonmpi.parallel import UnusedParameterError
 from axonmpi.parallel.grad_sync import data_reduction_group
 
 try:
-    from .cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, model_plan, module_names
+    from .cases import T, Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, model_plan, module_names
 except ImportError:            # run as a script (tests/fuzz/run.py)
-    from cases import Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, model_plan, module_names
+    from cases import T, Case, LayoutSpec, ModelSpec, batch, build_model, megatron_plan, model_plan, module_names
+try:
+    from .user import generate, param_groups
+except ImportError:            # run as a script
+    from user import generate, param_groups
 
 __all__ = ["Mismatch", "Refused", "run_case", "serial_run", "close"]
 
@@ -75,18 +82,62 @@ def serial_run(spec: ModelSpec):
     """``[(loss, clip norm, state dict after the step)]`` of the serial model over ``STEPS`` steps (cached)."""
     if spec not in _SERIAL:
         model = build_model(spec)
-        opt = AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        opt = AdamW(_groups(spec, model), lr=LR, weight_decay=WD)
         out = []
         for s in range(STEPS):
             x, y = batch(spec, s)
             opt.zero_grad()
-            loss = F.cross_entropy(model(_inputs(spec, x)), y, ignore_index=-100)
+            loss = F.cross_entropy(model(_inputs(spec, x)), y, ignore_index=spec.ignore_index)
             loss.backward()
             norm = float(clip_grad_norm_(model.parameters(), MAX_NORM))
             opt.step()
             out.append((float(loss.data), norm, {k: np.array(v, copy=True) for k, v in model.state_dict().items()}))
         _SERIAL[spec] = out
     return _SERIAL[spec]
+
+
+def _groups(spec: ModelSpec, model):
+    """What the optimizer is built on: the user's param groups of ``model`` (its own object), or its parameters."""
+    return param_groups(model, spec.groups, LR, WD) if spec.groups else list(model.parameters())
+
+
+def _prompt(spec: ModelSpec):
+    return np.random.default_rng(spec.seed).integers(0, spec.vocab, (2, T // 2))
+
+
+_GENERATED: Dict[ModelSpec, Tuple[np.ndarray, np.ndarray]] = {}
+
+
+def serial_generate(spec: ModelSpec):
+    """The serial model's greedy generate after the last step (cached)."""
+    if spec not in _GENERATED:
+        model = build_model(spec)
+        model.load_state_dict(serial_run(spec)[-1][2])
+        _GENERATED[spec] = generate(model, axonmpi.tensor(_prompt(spec)), T - T // 2)
+    return _GENERATED[spec]
+
+
+def generate_refusal(lay: LayoutSpec) -> Optional[str]:
+    """Why ``pm(idx)`` on whole sequences is not the user's generate loop under ``lay`` (None: it is)."""
+    if lay.schedule:
+        return "a pipelined model runs by micro-batches (pm.step); generate with a plain model loaded from pm.state_dict()"
+    if lay.context:
+        return "context parallelism takes this rank's part of each sequence; generate with a plain model"
+    if lay.expert_parallel > 1:
+        return ("expert parallelism routes the expert group's tokens together: the same prompt on every rank fills "
+                "an expert's capacity twice; generate with a plain model")
+    if lay.sequence_parallel:
+        return "sequence parallelism splits the sequence over the tensor group; generate with a plain model"
+    return None
+
+
+def check_generate(world, spec: ModelSpec, lay: LayoutSpec, pm) -> None:
+    """The user's generate loop through ``pm`` (every rank the same prompt) equals the serial model's."""
+    want_idx, want_logits = serial_generate(spec)
+    got_idx, got_logits = generate(pm, axonmpi.tensor(_prompt(spec)), T - T // 2)
+    agreed(world, close, got_logits, want_logits, "generate: last logits")
+    if not np.array_equal(got_idx, want_idx):
+        raise Mismatch(f"generate: tokens {got_idx.tolist()}, serial {want_idx.tolist()}")
 
 
 def options(spec: ModelSpec, lay: LayoutSpec, grid) -> Dict[str, Any]:
@@ -113,7 +164,8 @@ def options(spec: ModelSpec, lay: LayoutSpec, grid) -> Dict[str, Any]:
         names = [n for n, _ in module_names(spec)][::2]
         opts["activation_checkpointing"] = names or True
     if lay.schedule:
-        opts["pipeline"] = PipelinePlan(num_microbatches=lay.microbatches, schedule=lay.schedule,
+        loss = None if spec.ignore_index == -100 else functools.partial(F.cross_entropy, ignore_index=spec.ignore_index)
+        opts["pipeline"] = PipelinePlan(num_microbatches=lay.microbatches, schedule=lay.schedule, loss_fn=loss,
                                         virtual_stages=2 if lay.schedule == "interleaved" else None)
     return opts
 
@@ -126,16 +178,23 @@ def build(spec: ModelSpec, lay: LayoutSpec, grid, seed_shift: int = 0):
     """``(pm, optimizer)`` of ``spec`` under ``lay``; ``Refused`` when ``parallelize`` refuses it."""
     from dataclasses import replace
     model = build_model(replace(spec, seed=spec.seed + seed_shift) if seed_shift else spec)
+
+    def make_optimizer():
+        if pm is model:       # before parallelize: the user's model, every parameter
+            params = _groups(spec, model)
+        else:                 # after: the wrapper's (serial names; under a pipeline this rank's stages' only)
+            params = param_groups(pm, spec.groups, LR, WD) if spec.groups else list(pm.parameters())
+        if lay.zero1:
+            return ZeroRedundancyOptimizer(params, AdamW, group=data_reduction_group(grid), lr=LR, weight_decay=WD)
+        return AdamW(params, lr=LR, weight_decay=WD)
+
+    pm = model
+    opt = make_optimizer() if spec.opt_before else None     # nanoGPT's train.py order: optimizer, then wrap
     try:
         pm = parallelize(model, **options(spec, lay, grid))
     except (NotImplementedError, ValueError) as e:
         raise Refused(f"{type(e).__name__}: {e}") from e
-    if lay.zero1:
-        opt = ZeroRedundancyOptimizer(pm.parameters(), AdamW, group=data_reduction_group(grid), lr=LR,
-                                      weight_decay=WD)
-    else:
-        opt = AdamW(pm.parameters(), lr=LR, weight_decay=WD)
-    return pm, opt
+    return pm, (opt if opt is not None else make_optimizer())
 
 
 def train_step(spec: ModelSpec, pm, opt, s: int) -> Tuple[float, float]:
@@ -147,8 +206,8 @@ def train_step(spec: ModelSpec, pm, opt, s: int) -> Tuple[float, float]:
         loss = float(pm.step(xb, yb))
     else:
         out = pm(_inputs(spec, xb))
-        lsum = F.cross_entropy(out, yb, ignore_index=-100, reduction="sum")
-        lm = pm.token_mean(lsum, int((np.asarray(yb) != -100).sum()))
+        lsum = F.cross_entropy(out, yb, ignore_index=spec.ignore_index, reduction="sum")
+        lm = pm.token_mean(lsum, int((np.asarray(yb) != spec.ignore_index).sum()))
         lm.backward()
         loss = float(lm.item())
     norm = float(clip_grad_norm_(pm.parameters(), MAX_NORM))
@@ -226,6 +285,8 @@ def run_case(world, case: Case, checkpoint: bool = True) -> str:
             got = pm.state_dict()
             agreed(world, check_values, got, want[-1][2], f"after {STEPS} steps")
             check_strict(world, pm, want[-1][2], "state dict round trip")
+            if spec.generate and generate_refusal(case.layout) is None:
+                check_generate(world, spec, case.layout, pm)
         finally:
             world.grid = old
             grid.free()
@@ -257,6 +318,11 @@ def run_case(world, case: Case, checkpoint: bool = True) -> str:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _names_fix(msg: str) -> bool:
+    """Whether an error tells the user to build the optimizer from ``pm.parameters()`` after ``parallelize``."""
+    return "build the optimizer from pm.parameters() after parallelize" in msg or "build it on pm.parameters()" in msg
+
+
 def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[str]]:
     """``(status, detail)`` agreed by every rank: ``("ok", None)``, ``("refused", reason)`` or
     ``("failed", "rank r: error")`` (collective)."""
@@ -269,6 +335,12 @@ def outcome(world, case: Case, checkpoint: bool = True) -> Tuple[str, Optional[s
         status, detail = "refused", str(e).splitlines()[0]
     except UnusedParameterError as e:       # refused at the first step, the same under every layout
         status, detail = "refused", "UnusedParameterError: " + str(e).split(": ", 1)[1]
+    except (RuntimeError, ValueError) as e:
+        if not (case.model.opt_before and _names_fix(str(e))):
+            status = "failed"
+            detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))
+        else:       # an optimizer built before parallelize holds a parameter a layer replaced: loud, naming the fix
+            status, detail = "refused", f"optimizer built before parallelize: {type(e).__name__}: {e}"
     except Exception as e:   # noqa: BLE001 - every error is a finding
         status = "failed"
         detail = f"rank {world.rank}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=-4))

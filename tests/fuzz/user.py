@@ -8,6 +8,10 @@
   class token's row dropped again (ViT's shape, kept causal-free): token-mixing, declared or not.
 * ``("shared",)``: two gain blocks holding one ``Parameter`` (a gain shared by two blocks).
 * ``("scalar",)`` (``--with-0d``): a 0-d learnable temperature.
+* param groups chosen as users choose them (:func:`param_groups`): nanoGPT's ``p.dim() >= 2`` decayed, or minGPT's
+  "Linear weights decay; biases, norms, embeddings, class tokens, gains and temperatures do not", each group with
+  its own weight decay and learning rate; the optimizer built from the user's model before ``parallelize`` or after.
+* a greedy ``generate`` loop (nanoGPT's, ``top_k=1``) after training, through ``pm`` in ``eval()`` under ``no_grad``.
 * the first layer ``UserEmbedding``: token and position embeddings, the positions numbered by its own
   ``arange`` (``takes`` False) or taken as ``positions=`` when given (``takes`` True, the documented change).
 
@@ -22,7 +26,7 @@ import axonmpi
 import axonmpi.nn as nn
 import axonmpi.nn.functional as F
 
-__all__ = ["CausalSelfAttention", "ClsBlock", "Gain", "OwnAttentionBlock", "Temperature", "UserEmbedding",
+__all__ = ["param_groups", "generate", "CausalSelfAttention", "ClsBlock", "Gain", "OwnAttentionBlock", "Temperature", "UserEmbedding",
            "UserEmbeddingPositions", "USER_KINDS"]
 
 F64 = np.float64
@@ -121,3 +125,43 @@ class UserEmbeddingPositions(UserEmbedding):
     def forward(self, idx, positions=None):
         pos = positions if positions is not None else axonmpi.arange(0, idx.shape[1], dtype=axonmpi.long)
         return self.wte(idx) + self.wpe(pos)
+
+
+def param_groups(model, rule: str, lr: float, wd: float):
+    """The user's optimizer groups of ``model`` (its own object, serial names and shapes under any layout):
+    ``"dim"``: nanoGPT's ``configure_optimizers`` (every trainable tensor with ``dim() >= 2`` decayed);
+    ``"name"``: minGPT's (weights of ``nn.Linear`` decayed; biases and the parameters of norms, embeddings and the
+    user's own modules not).  The undecayed group takes twice the learning rate (each group's options apply)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if rule == "dim":
+        decay = {id(p) for _, p in params if p.dim() >= 2}
+    elif rule == "name":
+        decay = set()
+        for _, m in model.named_modules():
+            for pn, p in m.named_parameters(recurse=False):
+                if pn.endswith("weight") and isinstance(m, nn.Linear) and not isinstance(m, nn.Embedding):
+                    decay.add(id(p))
+        for _, m in model.named_modules():       # a weight an Embedding shares with a Linear head: the Embedding's
+            if isinstance(m, (nn.Embedding, nn.LayerNorm)):
+                decay -= {id(p) for p in m.parameters(recurse=False)}
+    else:
+        raise ValueError(f"param_groups: rule {rule!r}, expected 'dim' or 'name'")
+    return [{"params": [p for _, p in params if id(p) in decay], "weight_decay": wd},
+            {"params": [p for _, p in params if id(p) not in decay], "weight_decay": 0.0, "lr": 2 * lr}]
+
+
+def generate(model, idx, steps: int):
+    """nanoGPT's ``generate`` with ``top_k=1`` (greedy): ``steps`` tokens appended to ``idx``; returns the tokens and
+    the last step's logits (host arrays)."""
+    model.eval()
+    logits = None
+    with axonmpi.no_grad():
+        for _ in range(steps):
+            out = model(idx)
+            logits = out[:, -1, :]
+            v, _ = axonmpi.topk(logits, 1)
+            probs = F.softmax(logits.masked_fill(logits < v[:, [-1]], -float("inf")), dim=-1)
+            nxt = axonmpi.argmax(probs, dim=-1, keepdim=True)
+            idx = axonmpi.cat([idx, nxt], dim=1)
+    model.train()
+    return np.asarray(idx.numpy()), np.asarray(logits.numpy())

@@ -58,6 +58,13 @@ def apply(module: Module, c: Composition):
     pm = PipelinedModule(module, c, pipe, stages)
     flats = pm._flats()
     mine = {id(q) for st in stages for q in st.body.parameters()}
+    for q in module.parameters():     # another stage's: an optimizer that partitions its parameters (ZeRO-1) refuses
+        if id(q) not in mine:         # it at its first step (a plain one skips it: it never gets a gradient here)
+            q.__dict__["_other_stage"] = (
+                f"rank {c.rank}: this parameter (serial shape {tuple(q.shape)}) is on another pipeline stage; an "
+                "optimizer that partitions its parameters over the data group must hold this rank's stages' only: "
+                "build the optimizer from pm.parameters() after parallelize (param groups: from "
+                "pm.named_parameters())")
     pm.grad_reducer.before_run(UnusedCheck([(n, q) for n, q in module.named_parameters() if id(q) in mine], grid))
     if flats or tied:
         pm.grad_reducer.before_run(lambda: _before_entries(flats, tied, replicate, pm._mixed_precision))

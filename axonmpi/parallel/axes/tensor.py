@@ -91,6 +91,10 @@ def copy_serial(new: Module, old: Module, adopted: Optional[set] = None) -> None
     keep_parameters(new, old, set() if adopted is None else adopted)
     if isinstance(old, (nn_layers.Linear, nn_layers.Embedding)):    # still an nn.Linear / nn.Embedding
         keep_class(new, old)
+    subs = dict(new.named_modules())
+    for name, sub in old.named_modules():       # an attention's qkv / proj: still nn.Linear (minGPT's groups)
+        if name and name in subs and isinstance(sub, (nn_layers.Linear, nn_layers.Embedding)):
+            keep_class(subs[name], sub)
 
 
 def _users(module: Module) -> Dict[int, int]:
