@@ -16,7 +16,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .record import (_API, _FINAL, _GROUP, _IDX, _OP, _PEEK, _PEER, _RANKS, _SEQ, _SIG, _T0, _T1, _TAG, ANSWER_S,
-                     PEEK_MAX_S, PEEK_S, QUIET_S, _by_call, _call_text, _desc, _full, _where)
+                     PEEK_MAX_S, PEEK_S, QUIET_S, IDLE_QUIET_S, _by_call, _call_text, _desc, _full, _where)
 
 __all__: List[str] = []   # private to the watchdog package
 
@@ -196,7 +196,10 @@ class _Diagnosis:
             # must not read as a mismatch
             ages = [f[_T1] for k, f in st.get("last", {}).items() if k == key and f[_T1] is not None]
             ages += [f[_T0] for f in st.get("flight", []) if (f[_GROUP], f[_RANKS]) == key and f[_OP] != _FINAL]
-            if ages and min(ages) < QUIET_S:
+            # a peer in no call is computing and may send the tag when it is done: a long stage under load took
+            # over 5 s and was ended as a mismatch; it gets IDLE_QUIET_S (a peer blocked elsewhere cannot send)
+            quiet = QUIET_S if st.get("blocked") else IDLE_QUIET_S
+            if ages and min(ages) < quiet:
                 return None
             sent = [f for f in st["sends"].get((e[_GROUP], e[_RANKS], self.rank), [])]
             tags = sorted({f[_TAG] for f in sent})
