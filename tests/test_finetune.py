@@ -124,7 +124,7 @@ def test_finetune_md_as_written(tmp_path):
     import faulthandler
     import subprocess
     import time
-    faulthandler.dump_traceback_later(3600, exit=True)     # the conftest watchdog's 180 s, stretched for this walk
+    faulthandler.dump_traceback_later(3600, exit=True, file=sys.__stderr__)     # the conftest watchdog's 180 s, stretched for this walk
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from axonmpi.testing import mpiexec_env

@@ -64,7 +64,8 @@ def test_the_plan_command_json_contract(capsys):
     assert len(lays) > 10 and times == sorted(times) and max(x["memory_gib"] for x in lays) <= 80
     assert main(small[:1] + small[2:] + ["--top", "3"]) == 0          # the table
     text = capsys.readouterr().out
-    assert "step s" in text and "TF/s" in text and len(text.splitlines()) == 5
+    assert "step s" in text and "TF/s" in text and len(text.splitlines()) == 6       # + the kernels-assumed line
+    assert text.splitlines()[-1].startswith("kernels assumed"), text
 
 
 @pytest.mark.serial

@@ -81,7 +81,7 @@ def _run_all(world: int, labels: dict, tmp_path) -> None:
     """Run ``labels`` (one step each) in one ``mpiexec -n world`` and fail naming every label that did not run."""
     import faulthandler
     from axonmpi.testing import run_mpiexec
-    faulthandler.dump_traceback_later(60 + 30 * len(labels), exit=True)   # the conftest watchdog, per layout run
+    faulthandler.dump_traceback_later(60 + 30 * len(labels), exit=True, file=sys.__stderr__)   # per layout run
     todo, done = str(tmp_path / f"todo{world}.json"), str(tmp_path / f"done{world}.json")
     with open(todo, "w") as f:
         json.dump([[x, m] for x, m in sorted(labels.items())], f)

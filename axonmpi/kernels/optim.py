@@ -123,6 +123,8 @@ def _pieces(arrays, scratch, dtype):
     """``[pieces of arrays..., scratch pieces...]`` over ``arrays[0]``'s elements (strided arrays: one piece)."""
     first = arrays[0]
     n = first.size
+    if n == 0:                  # a rank's empty piece of a sharded parameter (FSDP): nothing to update
+        return
     flat = all(a is None or a.flags.c_contiguous for a in arrays)
     size = min(_CHUNK, n) if flat else n
     if scratch is None or scratch[0].size < size:
