@@ -89,9 +89,10 @@ def pytest_runtest_call(item):
         faulthandler.cancel_dump_traceback_later()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def world():
-    """The axonmpi World of this test run (all ranks of mpiexec)."""
+    """The axonmpi World of this test run (all ranks of mpiexec): the current one, so a test that destroys the World
+    and makes it again (the trainer in process makes its own grid) leaves the next test a live World."""
     import axonmpi
 
     return axonmpi.init()
