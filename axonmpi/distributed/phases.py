@@ -145,8 +145,17 @@ def late(wd, e, idx: int, t0: float, now: float) -> bool:
         return False
     if len(wd.deadlines) > 64:
         wd.deadlines.clear()
-    answers = wd._ask_states(wd._peers(e))
+    want = wd._peers(e)
+    answers = wd._ask_states(want)
     left = [x for x in (_alive(st.get("phases") or [], 0.0, wd.timeout) for st in answers.values()) if x]
+    if not left and set(want) - set(answers):
+        # a rank that did not answer within ANSWER_S may be starved, not dead (a loaded node: a healthy slow save
+        # was ended so): ask once more after another deadline before the verdict
+        asked = wd.__dict__.setdefault("_unanswered", {})
+        if asked.get(idx, 0) < 1:
+            asked[idx] = asked.get(idx, 0) + 1
+            wd.deadlines[idx] = now + wd.timeout
+            return False
     if not left:
         return True
     wd.deadlines[idx] = now + max(left)

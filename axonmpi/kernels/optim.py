@@ -44,24 +44,19 @@ def adam_coefficients(lr: float, betas, eps: float, weight_decay: float, step: i
     return xp.asarray(np.array(c, dtype=np.float64))
 
 
+# both Adam kernels: decoupled decay, (-g) + l2 p, the moments (c: adam_coefficients' order)
+_ADAM_MOMENTS = """
+    S pi = (S)p * (S)c[0];
+    S ge = (flags & 1) ? -(S)g : (S)g;
+    if (c[1] != 0) ge = ge + pi * (S)c[1];
+    S mi = m * (S)c[2] + ge * (S)c[3];
+    S vi = v * (S)c[4] + ge * ge * (S)c[5];
+    m = mi; v = vi;
+"""
 _cupy.define("axonmpi_adam_step", "elementwise", in_params="G g, raw float64 c, int32 flags",
-             out_params="P p, S m, S v", body="""
-    S pi = (S)p * (S)c[0];
-    S ge = (flags & 1) ? -(S)g : (S)g;
-    if (c[1] != 0) ge = ge + pi * (S)c[1];
-    S mi = m * (S)c[2] + ge * (S)c[3];
-    S vi = v * (S)c[4] + ge * ge * (S)c[5];
-    m = mi; v = vi;
-    p = (P)(pi - mi / (sqrt(vi) / (S)c[7] + (S)c[8]) * (S)c[6]);""")
+             out_params="P p, S m, S v", body=_ADAM_MOMENTS + """    p = (P)(pi - mi / (sqrt(vi) / (S)c[7] + (S)c[8]) * (S)c[6]);""")
 _cupy.define("axonmpi_adam_step_amsgrad", "elementwise", in_params="G g, raw float64 c, int32 flags",
-             out_params="P p, S m, S v, S vm", body="""
-    S pi = (S)p * (S)c[0];
-    S ge = (flags & 1) ? -(S)g : (S)g;
-    if (c[1] != 0) ge = ge + pi * (S)c[1];
-    S mi = m * (S)c[2] + ge * (S)c[3];
-    S vi = v * (S)c[4] + ge * ge * (S)c[5];
-    m = mi; v = vi;
-    S a = vm; a = (a != a || vi != vi) ? a + vi : (vi > a ? vi : a); vm = a;
+             out_params="P p, S m, S v, S vm", body=_ADAM_MOMENTS + """    S a = vm; a = (a != a || vi != vi) ? a + vi : (vi > a ? vi : a); vm = a;
     p = (P)(pi - mi / (sqrt(a) / (S)c[7] + (S)c[8]) * (S)c[6]);""")
 
 
