@@ -70,6 +70,18 @@ def _lose_node(world, d, node, nodes_of):
     axonmpi.barrier()
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """The trainer in process installs its preemption handlers: the next tests get the process' own back."""
+    import signal
+    names = [getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP") if hasattr(signal, n)]
+    saved = {s: signal.getsignal(s) for s in names}
+    yield
+    for s, h in saved.items():
+        if h is not None:
+            signal.signal(s, h)
+
+
 @pytest.fixture
 def fresh_world():
     """The layouts take their own grid: the World is made again by the trainer, and as it was after the test."""
