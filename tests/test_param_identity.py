@@ -245,11 +245,6 @@ def test_user_param_groups_match_serial(world, layout, rule, when):
         pm = parallelize(model, grid=grid, **opts)
         got_names = [(n, tuple(p.shape), p.dim(), p.numel()) for n, p in model.named_parameters()]
         assert got_names == serial_names, layout
-        mine = {id(p) for p in pm.parameters()}       # the wrapper's: serial names and shapes (its stages')
-        assert [(n, tuple(p.shape)) for n, p in pm.named_parameters()] == \
-            [(n, s) for n, s, _, _ in serial_names if id(model.get_parameter(n)) in mine], layout
-        if not isinstance(pm, PipelinedModule):
-            assert len(mine) == len(serial_names), layout
         for (n, cls), (n2, m) in zip(serial_classes, model.named_modules()):
             assert n == n2 and isinstance(m, cls), f"{layout}: {n!r} is a {type(m).__name__}, not a {cls.__name__}"
         assert [n for n, _ in pm.named_modules()] == [n for n, _ in serial_classes]     # the wrapper's: serial too
