@@ -332,7 +332,7 @@ class ShardedState:
                 if f is None and not self._is_flat(q) and names[0] not in self.owned:
                     continue            # another pipeline stage's (an optimizer built on the whole model)
                 for k, v in next(s for s in sts if s).items():
-                    if not _is_array(v):
+                    if not (_is_array(v) or (k != "step" and hasattr(v, "shape"))):    # a 0-d moment is one
                         st[k] = v
                     elif f is not None:     # an original parameter inside an FSDP chunk: its piece of the chunk
                         fnames = self._flat_names(f)
