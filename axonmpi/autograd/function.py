@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -193,14 +193,19 @@ def _to_array(g, xp):
 
 
 def _accumulate(pending: Dict[Any, list], key, g, owned: bool) -> None:
-    entry = pending.get(key)
+    pending[key] = _merged(pending.get(key), g, owned)
+
+
+def _merged(entry: Optional[list], g, owned: bool) -> list:
+    """A pending gradient ``[array, owned]`` plus ``g`` (in place when the array is this engine's own)."""
     if entry is None:
-        pending[key] = [g, owned]
-    elif entry[1] and entry[0].shape == g.shape and entry[0].dtype == g.dtype:
+        return [g, owned]
+    if entry[1] and entry[0].shape == g.shape and entry[0].dtype == g.dtype:
         entry[0] += g
     else:
         entry[0] = entry[0] + g
         entry[1] = True
+    return entry
 
 
 def _finalize_leaf(leaf: Tensor, g, owned: bool) -> None:

@@ -295,11 +295,5 @@ def _run_plan(plan: _Plan, nodes, leaves, roots, retain_graph: bool, record: boo
 
 def _add(pending: List[Any], s: int, g, owned: bool) -> None:
     """The eager engine's ``_accumulate`` over a slot."""
-    entry = pending[s]
-    if entry is None:
-        pending[s] = [g, owned]
-    elif entry[1] and entry[0].shape == g.shape and entry[0].dtype == g.dtype:
-        entry[0] += g
-    else:
-        entry[0] = entry[0] + g
-        entry[1] = True
+    from .function import _merged      # function imports this module
+    pending[s] = _merged(pending[s], g, owned)
