@@ -25,7 +25,8 @@ ANSWER_S = 2.0         # how long the reporting rank waits for the others' answe
 EXIT_GRACE_S = 1.0     # a call involving an exited rank gets this long to complete anyway
 PEEK_S = 1.0           # a call blocked this long: ask the ranks it waits for what they are doing (then 2, 4, .. s)
 QUIET_S = 5.0          # a peer that used the group this recently is still at work there (no tag verdict yet)
-IDLE_QUIET_S = 30.0    # the same for a peer blocked in no call (computing: a pipeline stage's long forward)
+# the same for a peer blocked in no call (computing: a pipeline stage's long forward); AXONMPI_WATCHDOG_IDLE_QUIET_S
+IDLE_QUIET_S = float(os.environ.get("AXONMPI_WATCHDOG_IDLE_QUIET_S", "30"))
 PEEK_MAX_S = 30.0      # the longest pause between two such questions about one call
 _ASK, _STATE, _EXIT, _PEEK, _PEEKED = 1, 2, 3, 4, 5
 
