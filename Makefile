@@ -16,7 +16,7 @@ NP1_SHARDS ?= 2
 # the N-D layouts (tests marked nd: three or more axes through parallelize) run in their own pass at these sizes;
 # make test-all adds 16 ranks (the same layouts with the data dimension doubled; every layout runs at 8)
 ND_NPS ?= 8
-PYTEST_ARGS ?= -q --durations=10
+PYTEST_ARGS ?= -q
 # make test leaves out the tests marked slow (each covered faster by another test); make test-all runs them too
 TEST_MARK ?= not slow
 MARK_ARG = $(if $(TEST_MARK),-m "$(TEST_MARK)",)
@@ -77,7 +77,7 @@ test: install
 	    status=$$?; echo "*** the $$n-rank N-D run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \
-	done; echo "=== all passes green: $(NPS) rank(s), N-D layouts at $(ND_NPS) ==="
+	done; $(PY) tests/slowest.py .test-logs 10; echo "=== all passes green: $(NPS) rank(s), N-D layouts at $(ND_NPS) ==="
 
 test-all:
 	$(MAKE) test TEST_MARK= ND_NPS="8 16"

@@ -89,6 +89,22 @@ def pytest_runtest_call(item):
         faulthandler.cancel_dump_traceback_later()
 
 
+_TIMES: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup + call + teardown time (rank 0): ``make test`` prints the ten slowest of all passes."""
+    if _RANK == 0 and not report.skipped:
+        _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    logdir = os.path.join(str(session.config.rootpath), ".test-logs")
+    if _RANK == 0 and _TIMES and os.path.isdir(logdir):
+        with open(os.path.join(logdir, f"durations-np{_SIZE}-{os.getpid()}.tsv"), "w", encoding="utf-8") as f:
+            f.writelines(f"{t:.2f}\t{_SIZE}\t{n}\n" for n, t in _TIMES.items())
+
+
 @pytest.fixture
 def world():
     """The axonmpi World of this test run (all ranks of mpiexec): the current one, so a test that destroys the World
