@@ -90,19 +90,22 @@ def pytest_runtest_call(item):
 
 
 _TIMES: dict = {}
+_SKIPPED: set = set()
 
 
 def pytest_runtest_logreport(report):
     """Each test's setup + call + teardown time (rank 0): ``make test`` prints the ten slowest of all passes."""
-    if _RANK == 0 and not report.skipped:
+    if _RANK == 0:
         _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+        if report.skipped:
+            _SKIPPED.add(report.nodeid)
 
 
 def pytest_sessionfinish(session):
     logdir = os.path.join(str(session.config.rootpath), ".test-logs")
     if _RANK == 0 and _TIMES and os.path.isdir(logdir):
         with open(os.path.join(logdir, f"durations-np{_SIZE}-{os.getpid()}.tsv"), "w", encoding="utf-8") as f:
-            f.writelines(f"{t:.2f}\t{_SIZE}\t{n}\n" for n, t in _TIMES.items())
+            f.writelines(f"{t:.2f}\t{_SIZE}\t{n}\n" for n, t in _TIMES.items() if n not in _SKIPPED)
 
 
 @pytest.fixture
