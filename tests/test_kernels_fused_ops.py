@@ -215,6 +215,38 @@ def test_adam_update_is_bitwise_the_ufunc_form(path, dtype, opts):
     np.testing.assert_array_equal(v, vr)
 
 
+@pytest.mark.parametrize("opts", [dict(decoupled=True, maximize=False, ams=False, low=False),
+                                  dict(decoupled=False, maximize=True, ams=True, low=False),
+                                  dict(decoupled=True, maximize=False, ams=True, low=True)])
+def test_adam_update_multi_is_bitwise_one_update_per_parameter(path, opts):
+    """One multi-tensor pass over a group equals one adam_update per parameter, bit for bit (arrays the fused loop
+    does not take, a strided one and an empty one, go through adam_update in the same call)."""
+    rng = np.random.default_rng(11)
+    shapes = [(5, 7), (13,), (1,), (3, 4, 2), (0,), (6, 4)]
+    ps = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    ps[-1] = np.asfortranarray(ps[-1])                          # strided: the per-parameter form
+    ref = [p.copy(order="K") for p in ps]
+    st = [[np.zeros(p.shape, np.float32) for _ in range(3)] for p in ps]
+    sr = [[np.zeros(p.shape, np.float32) for _ in range(3)] for p in ps]
+    lows = [np.zeros(p.shape, np.float16) for p in ps] if opts["low"] else None
+    lr_ = [np.zeros(p.shape, np.float16) for p in ps] if opts["low"] else [None] * len(ps)
+    for t in (1, 2, 3):
+        gs = [rng.standard_normal(p.shape).astype(np.float32) for p in ps]
+        c = K.adam_coefficients(1e-2, (0.9, 0.95), 1e-8, 0.1, t, opts["decoupled"])
+        K.adam_update_multi(ps, gs, [s[0] for s in st], [s[1] for s in st], c, maximize=opts["maximize"],
+                            vmaxs=[s[2] for s in st] if opts["ams"] else None, lows=lows)
+        for i, p in enumerate(ref):
+            K.adam_update(p, gs[i], sr[i][0], sr[i][1], c, maximize=opts["maximize"],
+                          vmax=sr[i][2] if opts["ams"] else None, low=lr_[i])
+    for i in range(len(ps)):
+        np.testing.assert_array_equal(ps[i], ref[i])
+        np.testing.assert_array_equal(st[i][0], sr[i][0])
+        np.testing.assert_array_equal(st[i][1], sr[i][1])
+        if opts["low"]:
+            np.testing.assert_array_equal(lows[i], lr_[i])
+            np.testing.assert_array_equal(lows[i], ps[i].astype(np.float16))
+
+
 @pytest.mark.parametrize("low", ["float16", "bfloat16"])
 def test_adamw_writes_the_low_precision_copy_in_the_same_pass(path, low):
     from axonmpi.nn import Parameter

@@ -22,7 +22,7 @@ from ..backend import get_array_module
 from . import _cupy
 from ._select import use_numba
 
-__all__ = ["adam_coefficients", "adam_update", "grad_norm_partial", "clip_by_total_norm_"]
+__all__ = ["adam_coefficients", "adam_update", "adam_update_multi", "grad_norm_partial", "clip_by_total_norm_"]
 
 # NumPy form: pieces of 64 Ki elements (256 KiB float32), so a piece's dozen passes stay in a 1 MiB L2
 _CHUNK = 1 << 16
@@ -112,6 +112,58 @@ def adam_update(p, g, m, v, coef, *, maximize: bool = False, vmax=None, low=None
     _adam_numpy(p, g, m, v, vmax, c, maximize, scratch)
     if low is not None:
         low[...] = p.astype(low.dtype)
+
+
+def _address(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def adam_update_multi(ps, gs, ms, vs, coef, *, maximize: bool = False, vmaxs=None, lows=None, scratch=None) -> None:
+    """:func:`adam_update` over several parameters with the same scalars (one parameter group's, one step count):
+    on the numba path one call for all of them (a multi-tensor pass: the arrays' addresses in one table, each
+    parameter's loop the single-parameter loop, so every value is bit for bit :func:`adam_update`'s); elsewhere,
+    and for arrays the numba loop does not take, one :func:`adam_update` each. ``vmaxs`` / ``lows``: lists beside
+    ``ps`` (entries None where absent) or None. ``scratch(p)``: the NumPy form's buffers for ``p`` (or None).
+
+    Example:
+        >>> c = adam_coefficients(1e-3, (0.9, 0.999), 1e-8, 0.01, step=1, decoupled=True)
+        >>> adam_update_multi([w1, w2], [dw1, dw2], [m1, m2], [v1, v2], c)
+    """
+    n = len(ps)
+    vmaxs = vmaxs or [None] * n
+    lows = lows or [None] * n
+    batch, rest = [], []
+    if n > 1 and use_numba(ps[0]):
+        ams = vmaxs[0] is not None
+        kind = _low_kind(ps[0], lows[0])
+        dt = ps[0].dtype
+        for i in range(n):
+            p, vm, low = ps[i], vmaxs[i], lows[i]
+            ok = (p.size and p.dtype == dt and (vm is not None) == ams and _low_kind(p, low) == kind
+                  and _numba_ok(p, gs[i], ms[i], vs[i], vm, low))
+            (batch if ok else rest).append(i)
+    else:
+        rest = list(range(n))
+    if len(batch) == 1:
+        rest, batch = batch + rest, []
+    if batch:
+        c = [float(x) for x in np.asarray(coef)]
+        t = ps[batch[0]].dtype.type
+        sizes = np.array([ps[i].size for i in batch], np.int64)
+        from ._optim_nb import adam_step_multi, adamw_plain_multi
+        if not ams and kind == 0 and c[L2] == 0.0:
+            addr = np.array([[_address(a[i]) for i in batch] for a in (ps, gs, ms, vs)], np.int64)
+            adamw_plain_multi(addr, sizes, ps[batch[0]], *(t(c[k]) for k in (DECAY, B1, OMB1, B2, OMB2, STEP_SIZE,
+                                                                                  BC2, EPS)), t(-1 if maximize else 1))
+        else:
+            zero = [0] * len(batch)
+            addr = np.array([[_address(a[i]) for i in batch] for a in (ps, gs, ms, vs)]
+                            + [[_address(vmaxs[i]) for i in batch] if ams else zero,
+                               [_address(lows[i]) for i in batch] if kind else zero], np.int64)
+            adam_step_multi(addr, sizes, ps[batch[0]], *(t(x) for x in c), bool(maximize), ams, kind)
+    for i in rest:
+        adam_update(ps[i], gs[i], ms[i], vs[i], coef, maximize=maximize, vmax=vmaxs[i], low=lows[i],
+                    scratch=None if scratch is None else scratch(ps[i]))
 
 
 def _pieces(arrays, scratch, dtype):

@@ -1,4 +1,4 @@
-"""Adam and AdamW with PyTorch's update rules: one fused pass per parameter (``kernels.adam_update``)."""
+"""Adam and AdamW with PyTorch's update rules: one fused pass per parameter group (``kernels.adam_update_multi``)."""
 from __future__ import annotations
 
 import math
@@ -67,26 +67,34 @@ class Adam(Optimizer):
     def _update_group(self, group: Dict[str, Any]) -> None:
         lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
         wd, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
-        coefs = {}
+        batches: Dict[Any, list] = {}     # the group's parameters by step count and device kind: one pass each
         for p in group["params"]:
             pd, g = local_arrays(p)       # this rank's piece ([Note: a parameter keeps its identity])
             if g is None:
                 continue
-            xp = get_array_module(pd)
             state = self.state.get(p)
             if state is None:
                 state = self.state[p] = self._init_state(pd, amsgrad)
             state["step"] += 1
-            t = state["step"]
             vmax = state.get("max_exp_avg_sq") if amsgrad else None
             if amsgrad and vmax is None:  # amsgrad switched on after the state was made
-                vmax = state["max_exp_avg_sq"] = xp.zeros(pd.shape, dtype=state_dtype(pd.dtype))
-            key = (t, xp is np)
-            if key not in coefs:          # the step's scalars, once per step count and device kind
-                coefs[key] = K.adam_coefficients(lr, (b1, b2), eps, wd, t, self._decoupled, xp)
-            n = min(pd.size, _HOST_CHUNK)
-            K.adam_update(pd, g, state["exp_avg"], state["exp_avg_sq"], coefs[key], maximize=maximize, vmax=vmax,
-                          low=_low_copy(p, pd), scratch=self._scratch(pd, n, 2) if xp is np and n else None)
+                vmax = state["max_exp_avg_sq"] = get_array_module(pd).zeros(pd.shape, dtype=state_dtype(pd.dtype))
+            key = (state["step"], type(pd))
+            b = batches.get(key)
+            if b is None:
+                b = batches[key] = ([], [], [], [], [], [])
+            for lst, a in zip(b, (pd, g, state["exp_avg"], state["exp_avg_sq"], vmax, _low_copy(p, pd))):
+                lst.append(a)
+        for (t, _kind), (ps, gs, ms, vs, vmaxs, lows) in batches.items():
+            xp = get_array_module(ps[0])
+            coef = K.adam_coefficients(lr, (b1, b2), eps, wd, t, self._decoupled, xp)
+            K.adam_update_multi(ps, gs, ms, vs, coef, maximize=maximize, vmaxs=vmaxs if amsgrad else None,
+                                lows=lows if any(x is not None for x in lows) else None,
+                                scratch=self._host_scratch if xp is np else None)
+
+    def _host_scratch(self, pd: Any):
+        n = min(pd.size, _HOST_CHUNK)
+        return self._scratch(pd, n, 2) if n else None
 
     @staticmethod
     def _init_state(pd: Any, amsgrad: bool) -> Dict[str, Any]:
