@@ -67,7 +67,7 @@ class Adam(Optimizer):
     def _update_group(self, group: Dict[str, Any]) -> None:
         lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
         wd, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
-        batches: Dict[Any, list] = {}     # the group's parameters by step count and device kind: one pass each
+        ps, gs, ms, vs, vmaxs, lows, steps = [], [], [], [], [], [], []
         for p in group["params"]:
             pd, g = local_arrays(p)       # this rank's piece ([Note: a parameter keeps its identity])
             if g is None:
@@ -75,22 +75,31 @@ class Adam(Optimizer):
             state = self.state.get(p)
             if state is None:
                 state = self.state[p] = self._init_state(pd, amsgrad)
-            state["step"] += 1
+            t = state["step"] = state["step"] + 1
             vmax = state.get("max_exp_avg_sq") if amsgrad else None
             if amsgrad and vmax is None:  # amsgrad switched on after the state was made
                 vmax = state["max_exp_avg_sq"] = get_array_module(pd).zeros(pd.shape, dtype=state_dtype(pd.dtype))
-            key = (state["step"], type(pd))
-            b = batches.get(key)
-            if b is None:
-                b = batches[key] = ([], [], [], [], [], [])
-            for lst, a in zip(b, (pd, g, state["exp_avg"], state["exp_avg_sq"], vmax, _low_copy(p, pd))):
-                lst.append(a)
-        for (t, _kind), (ps, gs, ms, vs, vmaxs, lows) in batches.items():
-            xp = get_array_module(ps[0])
-            coef = K.adam_coefficients(lr, (b1, b2), eps, wd, t, self._decoupled, xp)
-            K.adam_update_multi(ps, gs, ms, vs, coef, maximize=maximize, vmaxs=vmaxs if amsgrad else None,
-                                lows=lows if any(x is not None for x in lows) else None,
-                                scratch=self._host_scratch if xp is np else None)
+            ps.append(pd)
+            gs.append(g)
+            ms.append(state["exp_avg"])
+            vs.append(state["exp_avg_sq"])
+            vmaxs.append(vmax)
+            lows.append(_low_copy(p, pd))
+            steps.append((t, type(pd)))
+        if not ps:
+            return
+        first = steps[0]
+        keys = [first] if steps.count(first) == len(steps) else list(dict.fromkeys(steps))
+        for key in keys:                  # one pass per step count and array kind (one in a plain run)
+            idx = range(len(ps)) if len(keys) == 1 else [i for i, k in enumerate(steps) if k == key]
+            pick = (lambda a: a) if len(keys) == 1 else (lambda a: [a[i] for i in idx])
+            xp = get_array_module(ps[idx[0]])
+            coef = K.adam_coefficients(lr, (b1, b2), eps, wd, key[0], self._decoupled, xp)
+            K.adam_update_multi(pick(ps), pick(gs), pick(ms), pick(vs), coef, maximize=maximize,
+                                vmaxs=pick(vmaxs) if amsgrad else None,
+                                lows=pick(lows) if any(x is not None for x in lows) else None,
+                                scratch=self._host_scratch if xp is np else None,
+                                cache=self.__dict__.setdefault("_address_cache", {}) if xp is np else None)
 
     def _host_scratch(self, pd: Any):
         n = min(pd.size, _HOST_CHUNK)
@@ -112,7 +121,8 @@ def _low_copy(p, pd):
     A strategy that computes in 16 bits from float32 master weights sets ``p.low_precision_copy`` to an array
     of the local piece's shape in the compute dtype; the optimizer then refreshes it with every step (no
     separate cast pass before the next forward)."""
-    low = getattr(p, "__dict__", {}).get("low_precision_copy")
+    d = getattr(p, "__dict__", None)
+    low = d.get("low_precision_copy") if d else None
     if low is None:
         return None
     if tuple(low.shape) != tuple(pd.shape) or get_array_module(low) is not get_array_module(pd):
