@@ -255,6 +255,10 @@ def grad_norm_partial(grads, p: float, xp=None):
     if not grads:
         return (xp or np).zeros((), np.float64)
     xp = get_array_module(grads[0])
+    if p == 2.0 and all(type(g) is np.ndarray and g.dtype.char in "fd" for g in grads):
+        # the host's common case: each gradient's vdot as a Python float (exact in float64), summed as below
+        parts = [float(np.vdot(f, f)) for f in (g.reshape(-1) for g in grads)]
+        return np.array(parts, np.float64).sum().reshape(())
     parts = []
     for g in grads:
         if g.dtype.itemsize < 4 and g.dtype.kind == "f":
