@@ -6,7 +6,8 @@ buffer's) elements: the decay, the moments, the bias corrections and the step in
 arithmetic: bit for bit the NumPy form's result), in cache-sized pieces of in-place ufuncs (NumPy), or in one
 ``ElementwiseKernel`` (CuPy). Its scalars come in one float64 array (:func:`adam_coefficients`): on a GPU the
 kernel reads them from device memory, so a captured step replays with new values written there. A lower-precision
-working copy of the parameter (``low``) is written in the same pass.
+working copy of the parameter (``low``) is written in the same pass. :func:`adam_update_multi` runs it over a whole
+parameter group in one numba call (a multi-tensor pass over a table of the arrays' addresses).
 
 :func:`grad_norm_partial` sums ``|g|^p`` (max for inf) over gradients as a 0-d float64 array on their device;
 :func:`clip_by_total_norm_` scales them by ``min(max_norm / (total + 1e-6), 1)`` as an array operation: nothing
