@@ -261,6 +261,8 @@ _CUDA_TYPES = {"bfloat16": 14, "float16": 2}     # cudaDataType: CUDA_R_16BF, CU
 def matmul(a: Any, b: Any) -> Any:
     """``a @ b`` (NumPy's rules); on CuPy a batched bfloat16 / float16 product through cuBLAS' strided-batched
     GEMM ([Note: batched bf16 matmul on CuPy])."""
+    if type(a) is np.ndarray:       # the host: NumPy's own product (the hot path: no dtype name lookup)
+        return a @ b
     name = getattr(getattr(a, "dtype", None), "name", "")
     if name not in _CUDA_TYPES or not is_cupy_array(a) or (a.ndim <= 2 and b.ndim <= 2) or a.ndim < 2 \
             or b.ndim < 2 or getattr(b.dtype, "name", "") != name:

@@ -229,6 +229,46 @@ def test_vocab_parallel_cross_entropy_ignore_index_and_label_smoothing():
                 vocab_parallel_cross_entropy(lp, t, g)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_vocab_parallel_cross_entropy_in_a_captured_step_reads_nothing_and_equals_eager():
+    """In a captured step (as on a GPU) the target check, the mean's count and the backward's row pick are array
+    ops: no host read; the loss and gradient equal the eager ones bit for bit; a bad target gives a NaN loss."""
+    from axonmpi.autograd.replay import RECORD, Tape, use_tape
+    from axonmpi.graphs.count import CountedArray, counting
+    for g in _groups():
+        V = 3 * g.size
+        logits = _rng(11).standard_normal((2, 5, V))
+        ids = _rng(12).integers(0, V, (2, 5))
+        ids[1, :2] = -100
+        for eps in (0.0, 0.1):
+            for red in ("mean", "sum", "none"):
+                out = []
+                for captured in (False, True):
+                    lp = Tensor(np.ascontiguousarray(logits[..., _sl(V, g)]), requires_grad=True)
+                    with counting() as c:
+                        if captured:
+                            with use_tape(Tape(), RECORD):
+                                loss = vocab_parallel_cross_entropy(lp, ids.view(CountedArray), g, reduction=red,
+                                                                    label_smoothing=eps)
+                                (loss if red != "none" else loss.sum()).backward()
+                            assert c.host_syncs == 0, dict(c.syncs)
+                        else:
+                            loss = vocab_parallel_cross_entropy(lp, ids, g, reduction=red, label_smoothing=eps)
+                            (loss if red != "none" else loss.sum()).backward()
+                    out.append((np.asarray(loss.data).copy(), lp.grad.data.copy()))
+                np.testing.assert_array_equal(out[0][0], out[1][0])
+                np.testing.assert_array_equal(out[0][1], out[1][1])
+        t = ids.copy()
+        t[0, 3] = V
+        lp = Tensor(np.ascontiguousarray(logits[..., _sl(V, g)]), requires_grad=True)
+        with use_tape(Tape(), RECORD):
+            loss = vocab_parallel_cross_entropy(lp, t, g)
+        assert np.isnan(loss.item())
+        with use_tape(Tape(), RECORD):
+            loss = vocab_parallel_cross_entropy(lp, np.full((2, 5), -100), g)
+        assert np.isnan(loss.item())
+
+
 @pytest.mark.mpi(min_size=2)
 def test_vocab_parallel_cross_entropy_refuses_uneven_shards():
     """V = 2P+1 split 3,2,2,...: start = rank * width was silently wrong (rel. error ~0.2)."""

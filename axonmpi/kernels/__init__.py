@@ -16,7 +16,7 @@ from .activations import (erf_float32, exp_backward, exp_forward, gelu_backward,
 from .dropout import dropout_backward, dropout_forward
 from .embedding import embedding_backward, permute_rows_backward, permute_rows_forward, scatter_add_rows
 from .norms import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
-from .optim import adam_coefficients, adam_update, clip_by_total_norm_, grad_norm_partial
+from .optim import adam_coefficients, adam_update, adam_update_multi, clip_by_total_norm_, grad_norm_partial
 from .rotary import rotary_backward, rotary_forward
 from .softmax import (cross_entropy_backward, cross_entropy_forward, log_softmax_backward, log_softmax_forward,
                       softmax_backward, softmax_forward, sum_keep)
@@ -28,7 +28,7 @@ __all__ = ["host_path", "numba_available", "use_numba", "describe",
            "dropout_backward", "dropout_forward", "embedding_backward", "permute_rows_backward",
            "permute_rows_forward", "scatter_add_rows",
            "layer_norm_backward", "layer_norm_forward", "rms_norm_backward", "rms_norm_forward",
-           "adam_coefficients", "adam_update", "clip_by_total_norm_", "grad_norm_partial",
+           "adam_coefficients", "adam_update", "adam_update_multi", "clip_by_total_norm_", "grad_norm_partial",
            "rotary_backward", "rotary_forward",
            "cross_entropy_backward", "cross_entropy_forward", "log_softmax_backward", "log_softmax_forward",
            "softmax_backward", "softmax_forward", "sum_keep",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from llvmlite import ir
-from numba import types
+from numba import carray, types
 from numba.extending import intrinsic
 
 from ._nb import jit_exact
 
-__all__ = ["adam_step", "adamw_plain", "f32_to_bf16_bits", "f32_to_f16_bits"]
+__all__ = ["adam_step", "adam_step_multi", "adamw_plain", "adamw_plain_multi", "f32_to_bf16_bits", "f32_to_f16_bits"]
 
 
 @intrinsic
@@ -102,3 +102,49 @@ def adam_step(p, g, m, v, vm, low, decay, l2, b1, omb1, b2, omb2, step_size, bc2
             low[i] = f32_to_f16_bits(pi)
         elif low_kind == 2:
             low[i] = f32_to_bf16_bits(pi)
+
+
+@intrinsic
+def _ptr_like(typingctx, addr, like):
+    """The address ``addr`` (an int64) as a pointer to ``like``'s element type (LLVM ``inttoptr``)."""
+    sig = types.CPointer(like.dtype)(addr, like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+    return sig, codegen
+
+
+@intrinsic
+def _u16_ptr(typingctx, addr):
+    """The address ``addr`` (an int64) as a ``uint16*``."""
+    sig = types.CPointer(types.uint16)(addr)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+    return sig, codegen
+
+
+@jit_exact
+def adamw_plain_multi(addr, sizes, like, decay, b1, omb1, b2, omb2, step_size, bc2, eps, sgn):
+    """:func:`adamw_plain` over many parameters in one call: ``addr`` (4, n) int64 holds the addresses of each
+    parameter's ``p, g, m, v`` (contiguous, ``like``'s dtype), ``sizes`` (n,) their element counts."""
+    for j in range(sizes.size):
+        n = sizes[j]
+        adamw_plain(carray(_ptr_like(addr[0, j], like), n), carray(_ptr_like(addr[1, j], like), n),
+                    carray(_ptr_like(addr[2, j], like), n), carray(_ptr_like(addr[3, j], like), n),
+                    decay, b1, omb1, b2, omb2, step_size, bc2, eps, sgn)
+
+
+@jit_exact
+def adam_step_multi(addr, sizes, like, decay, l2, b1, omb1, b2, omb2, step_size, bc2, eps, neg, ams, low_kind):
+    """:func:`adam_step` over many parameters in one call: ``addr`` (6, n) int64 holds the addresses of each
+    parameter's ``p, g, m, v, vm, low`` (``vm`` read only with ``ams``, ``low`` (uint16 bits) only with
+    ``low_kind`` > 0), ``sizes`` (n,) their element counts."""
+    for j in range(sizes.size):
+        n = sizes[j]
+        nv = n if ams else 1
+        nl = n if low_kind > 0 else 1
+        adam_step(carray(_ptr_like(addr[0, j], like), n), carray(_ptr_like(addr[1, j], like), n),
+                  carray(_ptr_like(addr[2, j], like), n), carray(_ptr_like(addr[3, j], like), n),
+                  carray(_ptr_like(addr[4, j], like), nv), carray(_u16_ptr(addr[5, j]), nl),
+                  decay, l2, b1, omb1, b2, omb2, step_size, bc2, eps, neg, ams, low_kind)

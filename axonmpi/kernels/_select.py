@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def host_path() -> str:
         >>> host_path() in ("numba", "numpy")
         True
     """
-    return _path_from_env(_env.get_str("AXONMPI_KERNELS"))
+    return _path_from_env(os.environ.get("AXONMPI_KERNELS", ""))     # env.get_str's value, without its layers
 
 
 def use_numba(*arrays) -> bool:

@@ -6,7 +6,8 @@ buffer's) elements: the decay, the moments, the bias corrections and the step in
 arithmetic: bit for bit the NumPy form's result), in cache-sized pieces of in-place ufuncs (NumPy), or in one
 ``ElementwiseKernel`` (CuPy). Its scalars come in one float64 array (:func:`adam_coefficients`): on a GPU the
 kernel reads them from device memory, so a captured step replays with new values written there. A lower-precision
-working copy of the parameter (``low``) is written in the same pass.
+working copy of the parameter (``low``) is written in the same pass. :func:`adam_update_multi` runs it over a whole
+parameter group in one numba call (a multi-tensor pass over a table of the arrays' addresses).
 
 :func:`grad_norm_partial` sums ``|g|^p`` (max for inf) over gradients as a 0-d float64 array on their device;
 :func:`clip_by_total_norm_` scales them by ``min(max_norm / (total + 1e-6), 1)`` as an array operation: nothing
@@ -15,14 +16,15 @@ is read back to the host.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
 from ..backend import get_array_module
 from . import _cupy
-from ._select import use_numba
+from ._select import host_path, use_numba
 
-__all__ = ["adam_coefficients", "adam_update", "grad_norm_partial", "clip_by_total_norm_"]
+__all__ = ["adam_coefficients", "adam_update", "adam_update_multi", "grad_norm_partial", "clip_by_total_norm_"]
 
 # NumPy form: pieces of 64 Ki elements (256 KiB float32), so a piece's dozen passes stay in a 1 MiB L2
 _CHUNK = 1 << 16
@@ -114,6 +116,82 @@ def adam_update(p, g, m, v, coef, *, maximize: bool = False, vmax=None, low=None
         low[...] = p.astype(low.dtype)
 
 
+def _fits(dt, arrays) -> bool:
+    """Every array a plain C-contiguous NumPy array of dtype ``dt`` (what the multi-tensor loop takes)."""
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype != dt or not a.flags.c_contiguous:
+            return False
+    return True
+
+
+def _addresses(arrays, cache) -> list:
+    """The arrays' data addresses; ``cache`` (a dict, or None) keeps those of arrays that live across steps (by a
+    weak reference: a replaced array is not kept alive, and a new one at a reused ``id`` is told apart)."""
+    if cache is None:
+        return [a.ctypes.data for a in arrays]
+    out = []
+    for a in arrays:
+        e = cache.get(id(a))
+        if e is None or e[0]() is not a:
+            e = cache[id(a)] = (weakref.ref(a), a.ctypes.data)
+        out.append(e[1])
+    return out
+
+
+def adam_update_multi(ps, gs, ms, vs, coef, *, maximize: bool = False, vmaxs=None, lows=None, scratch=None,
+                      cache=None) -> None:
+    """:func:`adam_update` over several parameters with the same scalars (one parameter group's, one step count):
+    on the numba path one call for all of them (a multi-tensor pass: the arrays' addresses in one table, each
+    parameter's loop the single-parameter loop, so every value is bit for bit :func:`adam_update`'s); elsewhere,
+    and for arrays the numba loop does not take, one :func:`adam_update` each. ``vmaxs`` / ``lows``: lists beside
+    ``ps`` (entries None where absent) or None. ``scratch(p)``: the NumPy form's buffers for ``p`` (or None).
+    ``cache``: a dict the caller keeps between steps (the addresses of the parameters and their moments).
+
+    Example:
+        >>> c = adam_coefficients(1e-3, (0.9, 0.999), 1e-8, 0.01, step=1, decoupled=True)
+        >>> adam_update_multi([w1, w2], [dw1, dw2], [m1, m2], [v1, v2], c)
+    """
+    n = len(ps)
+    vmaxs = vmaxs or [None] * n
+    lows = lows or [None] * n
+    batch, rest = [], []
+    dt = ps[0].dtype if n else None
+    if n > 1 and type(ps[0]) is np.ndarray and dt.char in "fd" and host_path() == "numba":
+        ams = vmaxs[0] is not None
+        kind = _low_kind(ps[0], lows[0])
+        for i in range(n):
+            p, vm, low = ps[i], vmaxs[i], lows[i]
+            ok = (p.size and (vm is not None) == ams and _low_kind(p, low) == kind and kind >= 0
+                  and _fits(dt, (p, gs[i], ms[i], vs[i]) if vm is None else (p, gs[i], ms[i], vs[i], vm)))
+            (batch if ok else rest).append(i)
+    else:
+        rest = list(range(n))
+    if len(batch) == 1:
+        rest, batch = batch + rest, []
+    if batch:
+        c = [float(x) for x in np.asarray(coef)]
+        t = dt.type
+        if cache is not None and len(cache) > 16 * n:      # many arrays replaced since (state loads): start again
+            cache.clear()
+        sizes = np.array([ps[i].size for i in batch], np.int64)
+        table = [_addresses([a[i] for i in batch], cache) for a in (ps, ms, vs)]
+        table.insert(1, _addresses([gs[i] for i in batch], None))
+        from ._optim_nb import adam_step_multi, adamw_plain_multi
+        if not ams and kind == 0 and c[L2] == 0.0:
+            adamw_plain_multi(np.array(table, np.int64), sizes, ps[batch[0]],
+                              *(t(c[k]) for k in (DECAY, B1, OMB1, B2, OMB2, STEP_SIZE, BC2, EPS)),
+                              t(-1 if maximize else 1))
+        else:
+            zero = [0] * len(batch)
+            table.append(_addresses([vmaxs[i] for i in batch], cache) if ams else zero)
+            table.append(_addresses([lows[i] for i in batch], cache) if kind else zero)
+            adam_step_multi(np.array(table, np.int64), sizes, ps[batch[0]], *(t(x) for x in c), bool(maximize),
+                            ams, kind)
+    for i in rest:
+        adam_update(ps[i], gs[i], ms[i], vs[i], coef, maximize=maximize, vmax=vmaxs[i], low=lows[i],
+                    scratch=None if scratch is None else scratch(ps[i]))
+
+
 def _pieces(arrays, scratch, dtype):
     """``[pieces of arrays..., scratch pieces...]`` over ``arrays[0]``'s elements (strided arrays: one piece)."""
     first = arrays[0]
@@ -178,6 +256,10 @@ def grad_norm_partial(grads, p: float, xp=None):
     if not grads:
         return (xp or np).zeros((), np.float64)
     xp = get_array_module(grads[0])
+    if p == 2.0 and all(type(g) is np.ndarray and g.dtype.char in "fd" for g in grads):
+        # the host's common case: each gradient's vdot as a Python float (exact in float64), summed as below
+        parts = [float(np.vdot(f, f)) for f in (g.reshape(-1) for g in grads)]
+        return np.array(parts, np.float64).sum().reshape(())
     parts = []
     for g in grads:
         if g.dtype.itemsize < 4 and g.dtype.kind == "f":

@@ -35,7 +35,9 @@ class CausalSelfAttention(Module):
         self.attn_dropout = Dropout(dropout)
         self.resid_dropout = Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    _fuses_residual = True     # forward(x, residual=r) gives r + resid_dropout(out) in one op (TransformerBlock)
+
+    def forward(self, x: Tensor, residual: Tensor = None) -> Tensor:
         B, T, C = x.shape
         nh, hd = self.n_head, C // self.n_head
         q, k, v = ops.split(self.qkv(x), C, axis=2)
@@ -46,7 +48,7 @@ class CausalSelfAttention(Module):
         p = self.attn_dropout.p if self.attn_dropout.training else 0.0
         y = ops_nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hd)
         y = ops.reshape(ops.permute(y, 0, 2, 1, 3), B, T, C)
-        return self.resid_dropout(self.proj(y))
+        return _dropped(self.resid_dropout, self.proj(y), residual)
 
     def extra_repr(self) -> str:
         return f"n_embd={self.n_embd}, n_head={self.n_head}"
@@ -64,8 +66,27 @@ class MLP(Module):
         self.proj = Linear(hidden, n_embd, bias=bias, dtype=dtype, device=device)
         self.dropout = Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.proj(self.act(self.fc(x))))
+    _fuses_residual = True     # forward(x, residual=r) gives r + dropout(out) in one op (TransformerBlock)
+
+    def forward(self, x: Tensor, residual: Tensor = None) -> Tensor:
+        return _dropped(self.dropout, self.proj(self.act(self.fc(x))), residual)
+
+
+def _dropped(drop: Dropout, out: Tensor, residual) -> Tensor:
+    """``drop(out)``, or ``residual + drop(out)`` as one op (``F.dropout_add``: one pass each way, the same mask
+    and values as the two-op form) when a residual is given."""
+    if residual is None:
+        return drop(out)
+    return ops_nn.dropout_add(out, residual, drop.p, drop.training)
+
+
+def _residual(sub: Module, h: Tensor, x: Tensor) -> Tensor:
+    """``x + sub(h)``; the output dropout of ``sub`` fused with the add where ``sub``'s class offers it (a class
+    a transform swapped in, a subclass, or a module with forward hooks, which must see ``sub``'s own output,
+    takes the two-op form)."""
+    if type(sub).__dict__.get("_fuses_residual") and not sub._forward_hooks:
+        return sub(h, residual=x)
+    return x + sub(h)
 
 
 class TransformerBlock(Module):
@@ -80,8 +101,8 @@ class TransformerBlock(Module):
         self.mlp = MLP(n_embd, dropout=dropout, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = _residual(self.attn, self.ln_1(x), x)
+        return _residual(self.mlp, self.ln_2(x), x)
 
 
 class SwiGLU(Module):

@@ -1,4 +1,4 @@
-"""Adam and AdamW with PyTorch's update rules: one fused pass per parameter (``kernels.adam_update``)."""
+"""Adam and AdamW with PyTorch's update rules: one fused pass per parameter group (``kernels.adam_update_multi``)."""
 from __future__ import annotations
 
 import math
@@ -67,26 +67,43 @@ class Adam(Optimizer):
     def _update_group(self, group: Dict[str, Any]) -> None:
         lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
         wd, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
-        coefs = {}
+        ps, gs, ms, vs, vmaxs, lows, steps = [], [], [], [], [], [], []
         for p in group["params"]:
             pd, g = local_arrays(p)       # this rank's piece ([Note: a parameter keeps its identity])
             if g is None:
                 continue
-            xp = get_array_module(pd)
             state = self.state.get(p)
             if state is None:
                 state = self.state[p] = self._init_state(pd, amsgrad)
-            state["step"] += 1
-            t = state["step"]
+            t = state["step"] = state["step"] + 1
             vmax = state.get("max_exp_avg_sq") if amsgrad else None
             if amsgrad and vmax is None:  # amsgrad switched on after the state was made
-                vmax = state["max_exp_avg_sq"] = xp.zeros(pd.shape, dtype=state_dtype(pd.dtype))
-            key = (t, xp is np)
-            if key not in coefs:          # the step's scalars, once per step count and device kind
-                coefs[key] = K.adam_coefficients(lr, (b1, b2), eps, wd, t, self._decoupled, xp)
-            n = min(pd.size, _HOST_CHUNK)
-            K.adam_update(pd, g, state["exp_avg"], state["exp_avg_sq"], coefs[key], maximize=maximize, vmax=vmax,
-                          low=_low_copy(p, pd), scratch=self._scratch(pd, n, 2) if xp is np and n else None)
+                vmax = state["max_exp_avg_sq"] = get_array_module(pd).zeros(pd.shape, dtype=state_dtype(pd.dtype))
+            ps.append(pd)
+            gs.append(g)
+            ms.append(state["exp_avg"])
+            vs.append(state["exp_avg_sq"])
+            vmaxs.append(vmax)
+            lows.append(_low_copy(p, pd))
+            steps.append((t, type(pd)))
+        if not ps:
+            return
+        first = steps[0]
+        keys = [first] if steps.count(first) == len(steps) else list(dict.fromkeys(steps))
+        for key in keys:                  # one pass per step count and array kind (one in a plain run)
+            idx = range(len(ps)) if len(keys) == 1 else [i for i, k in enumerate(steps) if k == key]
+            pick = (lambda a: a) if len(keys) == 1 else (lambda a: [a[i] for i in idx])
+            xp = get_array_module(ps[idx[0]])
+            coef = K.adam_coefficients(lr, (b1, b2), eps, wd, key[0], self._decoupled, xp)
+            K.adam_update_multi(pick(ps), pick(gs), pick(ms), pick(vs), coef, maximize=maximize,
+                                vmaxs=pick(vmaxs) if amsgrad else None,
+                                lows=pick(lows) if any(x is not None for x in lows) else None,
+                                scratch=self._host_scratch if xp is np else None,
+                                cache=self.__dict__.setdefault("_address_cache", {}) if xp is np else None)
+
+    def _host_scratch(self, pd: Any):
+        n = min(pd.size, _HOST_CHUNK)
+        return self._scratch(pd, n, 2) if n else None
 
     @staticmethod
     def _init_state(pd: Any, amsgrad: bool) -> Dict[str, Any]:
@@ -104,7 +121,8 @@ def _low_copy(p, pd):
     A strategy that computes in 16 bits from float32 master weights sets ``p.low_precision_copy`` to an array
     of the local piece's shape in the compute dtype; the optimizer then refreshes it with every step (no
     separate cast pass before the next forward)."""
-    low = getattr(p, "__dict__", {}).get("low_precision_copy")
+    d = getattr(p, "__dict__", None)
+    low = d.get("low_precision_copy") if d else None
     if low is None:
         return None
     if tuple(low.shape) != tuple(pd.shape) or get_array_module(low) is not get_array_module(pd):

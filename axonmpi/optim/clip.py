@@ -15,15 +15,22 @@ __all__ = ["clip_grad_norm_", "clip_grad_norm_array_", "clip_grad_value_", "grad
 Params = Union[Any, Iterable[Any]]
 
 
+class _Held(list):
+    """What :func:`_held` returned (a second call gives it back as it is)."""
+
+
 def _held(parameters: Params) -> List[Any]:
     """The parameters as a list, each one held in another buffer (an original parameter inside an FSDP flat
     chunk, [Note: a parameter keeps its identity]) replaced by that buffer, listed once: its gradient lives
     there, with the buffer's placement."""
+    if type(parameters) is _Held:
+        return parameters
     if hasattr(parameters, "data") and hasattr(parameters, "grad"):
         parameters = [parameters]
-    out, seen = [], set()
+    out, seen = _Held(), set()
     for p in parameters:
-        owner = getattr(p, "__dict__", {}).get("_local_owner")
+        d = getattr(p, "__dict__", None)
+        owner = d.get("_local_owner") if d else None
         q = p if owner is None else owner[0]
         if id(q) not in seen:
             seen.add(id(q))
@@ -189,7 +196,7 @@ def grad_norm(parameters: Params, norm_type: float = 2.0, group: Optional[Any] =
         >>> grad_norm(model.parameters())          # the 2-norm of all gradients as one vector
     """
     p = _norm_type(norm_type)
-    total = float(_power_sum(parameters, p, group))
+    total = float(_power_sum(_held(parameters), p, group))
     return total if p == math.inf else total ** (1.0 / p)
 
 
@@ -201,7 +208,7 @@ def grad_norm_array(parameters: Params, norm_type: float = 2.0, group: Optional[
         >>> norm = grad_norm_array(model.parameters())     # float(norm) only when logged
     """
     p = _norm_type(norm_type)
-    total = _power_sum(parameters, p, group)
+    total = _power_sum(_held(parameters), p, group)
     xp = get_array_module(total)
     if p != math.inf:
         total = xp.sqrt(total) if p == 2.0 else total ** (1.0 / p)
@@ -225,6 +232,7 @@ def clip_grad_norm_array_(parameters: Params, max_norm: float, norm_type: float 
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
     if not isinstance(parameters, (list, tuple)) and not hasattr(parameters, "grad"):
         parameters = list(parameters)  # a generator is read twice
+    parameters = _held(parameters)
     total = grad_norm_array(parameters, norm_type, group)
     K.clip_by_total_norm_(_grads(parameters), total, float(max_norm))
     return total
@@ -281,6 +289,7 @@ def clip_grad_norm_(parameters: Params, max_norm: float, norm_type: float = 2.0,
         raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
     if not isinstance(parameters, (list, tuple)) and not hasattr(parameters, "grad"):
         parameters = list(parameters)  # a generator is read twice
+    parameters = _held(parameters)
     total = grad_norm(parameters, norm_type, group)
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(

@@ -335,7 +335,11 @@ class _VocabParallelCrossEntropy(Function):
                     f"vocabulary to a multiple of the group size {group.size} (Megatron's "
                     "make-vocab-size-divisible-by)")
         vocab = v * group.size
-        _check_targets(t, vocab, ignore_index, "vocab_parallel_cross_entropy", f"rank {group.world.rank}: ")
+        bad = None
+        if ops_nn.checks_on_device(xp):  # no host read: an out-of-range target gives a NaN loss (as cross_entropy)
+            bad = ((t < 0) | (t >= vocab)) & (t != ignore_index)
+        else:
+            _check_targets(t, vocab, ignore_index, "vocab_parallel_cross_entropy", f"rank {group.world.rank}: ")
         start = group.rank * v
         valid = t != ignore_index
         z = z - m[:, None]
@@ -355,6 +359,8 @@ class _VocabParallelCrossEntropy(Function):
         if eps:  # torch: (1-e) * nll + e/V * sum_c -log p_c, with sum_c -log p_c = V lse - sum_c z_c
             loss = (1.0 - eps) * loss + (eps / vocab) * (vocab * lse - sums[2])
         loss = loss * valid
+        if bad is not None:             # such a target is in no rank's shard: only its loss needs marking
+            loss = xp.where(bad, xp.asarray(np.nan, loss.dtype), loss)
         z /= s[:, None]
         ctx.save_for_backward(z, t - start, mine & valid, valid)
         ctx.reduction, ctx.shape, ctx.eps, ctx.vocab = reduction, logits.shape, eps, vocab
@@ -363,6 +369,10 @@ class _VocabParallelCrossEntropy(Function):
         total = loss.sum()
         if reduction == "sum":
             return total
+        if bad is not None:             # the count stays an array: every target ignored gives 0/0 = NaN, as torch's
+            count = valid.sum().astype(total.dtype)
+            ctx.count = xp.maximum(count, 1)
+            return total / xp.where(count == 0, xp.asarray(np.nan, total.dtype), count)
         ctx.count = int(valid.sum())
         if not ctx.count:  # every target ignored: NaN, as torch's 0/0
             return xp.full((), xp.nan, dtype=total.dtype)
@@ -373,14 +383,18 @@ class _VocabParallelCrossEntropy(Function):
         p, tl, hit, valid = ctx.saved_tensors
         xp = get_array_module(p)
         gx = p * valid[:, None]
-        rows = xp.arange(p.shape[0])[hit]
-        gx[rows, tl[hit]] -= 1.0 - ctx.eps
+        if xp is np and not ops_nn.checks_on_device(xp):
+            rows = xp.arange(p.shape[0])[hit]
+            gx[rows, tl[hit]] -= 1.0 - ctx.eps
+        else:                           # no data-dependent shape (a host read on a GPU): every row, 0 where missed
+            rows = xp.arange(p.shape[0])
+            gx[rows, xp.where(hit, tl, 0)] -= (1.0 - ctx.eps) * hit.astype(gx.dtype)
         if ctx.eps:
             gx -= (ctx.eps / ctx.vocab) * valid[:, None]
         if ctx.reduction == "none":
             gx *= g.reshape(-1, 1)
         else:
-            gx *= g if ctx.reduction == "sum" else g / max(ctx.count, 1)
+            gx *= g if ctx.reduction == "sum" else g / (max(ctx.count, 1) if isinstance(ctx.count, int) else ctx.count)
         return gx.reshape(ctx.shape), None, None, None, None, None
 
 
