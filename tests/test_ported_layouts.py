@@ -104,7 +104,7 @@ for _m in ("nanogpt", "mingpt"):
 for _l in ("cp2_ring", "cp2_ulysses"):
     REFUSED[("vit", _l)] = (ValueError, r"context parallelism .*Attention\)")
 for _l in ("megatron2_sp", "pp2_megatron2_sp_1f1b", "fsdp2_pp2_megatron2_sp_interleaved"):
-    REFUSED[("vit", _l)] = (ValueError, r"sequence parallelism .*VisionTransformer\).*Declare each")
+    REFUSED[("vit", _l)] = (ValueError, r"sequence parallelism .*(VisionTransformer|PatchEmbed)\).*Declare each")
 
 
 def _optimizer(name, model, layout):

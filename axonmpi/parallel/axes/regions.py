@@ -113,8 +113,18 @@ def _region(module: Module, c: Composition) -> List[Tuple[str, Module]]:
         enter = mods.get(region.enter)
         if region.enter and enter is not None and qualname(type(enter)) != _NN + "layers.Dropout":
             skip.append(region.enter)
-    return [(q, m) for q, m in module.named_modules()
+    return [(q, m) for q, m in list(module.named_modules()) + _pipeline_wrappers(module, c)
             if not any(_under(q, s) for s in skip) and not (q == "" and c.pipeline is not None)]
+
+
+def _pipeline_wrappers(module: Module, c: Composition) -> List[Tuple[str, Module]]:
+    """The layers a model's ``pipeline_layers()`` makes that are not among its modules (wrappers such as a ViT's
+    ``PatchEmbed`` or a GPT's embedding-plus-positions step): the pipeline runs their ``forward`` on each stage, so
+    they are in the region too, named ``pipeline_layers()[i]``."""
+    if c.pipeline is None or not callable(getattr(module, "pipeline_layers", None)):
+        return []
+    own = {id(m) for m in module.modules()}
+    return [(f"pipeline_layers()[{i}]", m) for i, m in enumerate(module.pipeline_layers()) if id(m) not in own]
 
 
 def _axes(c: Composition) -> str:
