@@ -92,8 +92,8 @@ LAYOUTS = {
     "dp2_pp2_megatron2_1f1b": (8, {"G_inter": 2, "G_intra_c": 2}, _and(_tp(), _pp("1f1b"))),
     "fsdp2_pp2_megatron2_sp_interleaved": (8, {"G_inter": 2, "G_intra_c": 2},
                                            _and(_fsdp("FULL_SHARD"), _tp(sp=True), _pp("interleaved", v=2))),
-    "zero1_pp2_axonn2_zbv": (8, {"G_inter": 2, "G_intra_r": 2}, _and(_axonn, _pp("zbv"))),
-    "fsdp2_megatron2_sp_axonn": (8, {"G_intra_c": 2, "G_intra_d": 2}, _and(_fsdp("FULL_SHARD"), _axonn)),
+    "zero1_pp2_axonn2_zbv": (8, {"G_inter": 2, "G_intra_r": 2}, _and(_axonn, _pp("zbv", n=2))),
+    "fsdp2_axonn_2col_2depth": (8, {"G_intra_c": 2, "G_intra_d": 2}, _and(_fsdp("FULL_SHARD"), _axonn)),
 }
 
 # (model, layout): (exception type, a regex its message must match) -- refused at construction
@@ -107,11 +107,15 @@ for _l in ("megatron2_sp", "pp2_megatron2_sp_1f1b", "fsdp2_pp2_megatron2_sp_inte
     REFUSED[("vit", _l)] = (ValueError, r"sequence parallelism .*(VisionTransformer|PatchEmbed)\).*Declare each")
 
 
-def _optimizer(name, model, layout):
+def _optimizer(name, model, layout, pm):
     opt = pc.optimizer(name, model)
-    if layout.startswith("zero1"):            # ZeRO-1 over the file's own param groups
-        return ZeroRedundancyOptimizer(opt.param_groups, AdamW, lr=pc.LR, betas=pc.BETAS)
-    return opt
+    if not layout.startswith("zero1"):
+        return opt
+    groups = opt.param_groups                 # ZeRO-1 over the file's own param groups
+    if "pp" in layout:   # this stage's parameters of them (all of them: RuntimeError at the first step, naming it)
+        mine = {id(p) for p in pm.parameters()}
+        groups = [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in groups]
+    return ZeroRedundancyOptimizer(groups, AdamW, lr=pc.LR, betas=pc.BETAS)
 
 
 def _run(world, name, layout):
@@ -131,7 +135,7 @@ def _run(world, name, layout):
                 parallelize(model, grid=grid, **opts)
             return None
         pm = parallelize(model, grid=grid, **opts)
-        opt = _optimizer(name, model, layout)
+        opt = _optimizer(name, model, layout, pm)
         worst = 0.0
         for s in range(STEPS):
             x, y = pc.batch(name, s)
