@@ -145,11 +145,11 @@ def check(module: Module, c: Composition) -> None:
     if not (c.sp or c.cp):
         return
     plan = c.model_plan
-    if c.cp and plan.whole_sequence:
+    if c.cp and c.sp and plan.whole_sequence:
         raise NotImplementedError(
-            f"rank {c.rank}: ModelPlan(whole_sequence={plan.whole_sequence!r}) is built for sequence parallelism "
-            f"only; under context_parallel={c.context!r} a token-mixing module must be nn.CausalSelfAttention or "
-            "nn.GroupedQueryAttention (split by ring / Ulysses), or drop context_parallel")
+            f"rank {c.rank}: ModelPlan(whole_sequence={plan.whole_sequence!r}) is built for sequence parallelism or "
+            f"context parallelism, not both at once (context_parallel={c.context!r} with sequence_parallel=True): "
+            "drop one, or use nn.CausalSelfAttention / nn.GroupedQueryAttention, which both split")
     unknown = [(q, m) for q, m in _region(module, c)
                if _forward_class(m) is not None and qualname(_forward_class(m)) not in TOKEN_LOCAL | ATTENTION
                and not declared(q, m, plan.token_local)]
@@ -169,9 +169,11 @@ def _refuse(unknown, c: Composition) -> None:
             (mixing if any(w in (n + q).lower() for w in ("att", "conv", "pool", "mix")) else classes).append(n)
     tup = lambda xs: "(" + ", ".join(xs) + ("," if len(xs) == 1 else "") + ")"
     if c.cp:
-        eg = f"ModelPlan(token_local={tup(classes or mixing)})"
-        how = ("token_local for those whose own code treats each token on its own; under context parallelism "
-               "attention must be nn.CausalSelfAttention or nn.GroupedQueryAttention (ring / Ulysses split it)")
+        eg = "ModelPlan(" + ", ".join(([f"token_local={tup(classes)}"] if classes else []) +
+                                      ([f"whole_sequence={tup(mixing)}"] if mixing else [])) + ")"
+        how = ("token_local for those whose own code treats each token on its own, whole_sequence for those that "
+               "mix tokens (their own attention: each rank then gathers the whole sequence for it); or use "
+               "nn.CausalSelfAttention / nn.GroupedQueryAttention, which ring / Ulysses split")
     else:
         eg = "ModelPlan(" + ", ".join(([f"token_local={tup(classes)}"] if classes else []) +
                                       ([f"whole_sequence={tup(mixing)}"] if mixing else [])) + ")"
