@@ -202,3 +202,17 @@ def sequence_plan(name: str):
     # (a PatchEmbed made inside forward, so no named module's output is the token sequence a SequenceRegion could
     # enter at): it mixes tokens and is not declared token_local.  Refused, naming it.
     return ModelPlan(token_local=(mod.Block, mod.Mlp), whole_sequence=(mod.Attention,))
+
+
+def context_plan(name: str):
+    """``ModelPlan`` for context parallelism: the files' own modules declared (their attention ``whole_sequence``:
+    gathered whole on every context rank).  The GPTs are still refused: their ``forward`` numbers its own
+    positions and takes no ``positions=``; the ViT's ``forward`` concatenates the class token (not declared)."""
+    from axonmpi.parallel import ModelPlan
+    mod = load(name)
+    if name == "nanogpt":
+        return ModelPlan(token_local=(mod.GPT, mod.Block, mod.MLP, mod.LayerNorm),
+                         whole_sequence=(mod.CausalSelfAttention,))
+    if name == "mingpt":
+        return ModelPlan(token_local=(mod.GPT, mod.Block, mod.NewGELU), whole_sequence=(mod.CausalSelfAttention,))
+    return ModelPlan(token_local=(mod.Block, mod.Mlp), whole_sequence=(mod.Attention,))

@@ -63,7 +63,7 @@ def _and(*parts):
 
 _none = lambda name: {}
 _axonn = lambda name: {"tensor_parallel": "axonn"}
-_cp = lambda algo: (lambda name: {"context_parallel": algo})
+_cp = lambda algo: (lambda name: {"context_parallel": algo, "model_plan": pc.context_plan(name)})
 
 # name: (ranks, grid sizes, options(model name) -> parallelize's keywords)
 LAYOUTS = {
@@ -100,9 +100,10 @@ LAYOUTS = {
 REFUSED = {}
 for _m in ("nanogpt", "mingpt"):
     for _l in ("cp2_ring", "cp2_ulysses"):
-        REFUSED[(_m, _l)] = (ValueError, r"context parallelism .* runs .*CausalSelfAttention\).*Declare each")
+        REFUSED[(_m, _l)] = (ValueError, r"context_parallel=.*'' \(ported_\w+_axonmpi.GPT\) takes the model's "
+                                         r"input and its forward takes no positions=")
 for _l in ("cp2_ring", "cp2_ulysses"):
-    REFUSED[("vit", _l)] = (ValueError, r"context parallelism .*Attention\)")
+    REFUSED[("vit", _l)] = (ValueError, r"context parallelism .*'' \(ported_vit_axonmpi.VisionTransformer\)")
 for _l in ("megatron2_sp", "pp2_megatron2_sp_1f1b", "fsdp2_pp2_megatron2_sp_interleaved"):
     REFUSED[("vit", _l)] = (ValueError, r"sequence parallelism .*(VisionTransformer|PatchEmbed)\).*Declare each")
 

@@ -14,7 +14,9 @@ may mix tokens (``nn.Conv2d``, ``nn.Softmax``, ``nn.Flatten``) -- must be declar
   norm written by hand); its children are checked in their turn.
 * ``whole_sequence``: it mixes tokens (the user's attention): under sequence parallelism it receives the whole
   sequence (gathered over the tensor group, in order) and each rank keeps its shard of its output; its
-  parameters' gradients are whole on every tensor rank.
+  parameters' gradients are whole on every tensor rank.  Under context parallelism it receives the whole sequence
+  gathered over the context group in order ([Note: a declared whole-sequence module under context parallelism]
+  in ``axes/context.py``); not under both at once.
 
 Anything else is refused at construction, naming every such module by its path and class (with its module path).
 Context parallelism (and sequence parallelism with no declared region, which cuts the model's input) also relies
