@@ -197,7 +197,8 @@ def sequence_plan(name: str):
     if name == "mingpt":
         return ModelPlan(sequence_region=SequenceRegion(enter="transformer.drop", leave="lm_head",
                                                         outside=("transformer.wte", "transformer.wpe")),
-                         token_local=(mod.GPT, mod.Block, mod.NewGELU, _GPTEmbed, _GPTHead), whole_sequence=(mod.CausalSelfAttention,))
+                         token_local=(mod.GPT, mod.Block, mod.NewGELU, _GPTEmbed, _GPTHead),
+                         whole_sequence=(mod.CausalSelfAttention,))
     # The ViT's own forward concatenates the class token and adds the positions by column before its first block
     # (a PatchEmbed made inside forward, so no named module's output is the token sequence a SequenceRegion could
     # enter at): it mixes tokens and is not declared token_local.  Refused, naming it.

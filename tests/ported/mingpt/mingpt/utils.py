@@ -1,5 +1,6 @@
-# karpathy/minGPT mingpt/utils.py at commit 37baab71b9abea1b76ab957409a1cc2fbfba8a26, MIT licence (Copyright (c) 2020 Andrej Karpathy;
-# the full text in ../LICENSE). Only the import lines differ from the published file (the rule of docs/porting.md).
+# karpathy/minGPT mingpt/utils.py at commit 37baab71b9abea1b76ab957409a1cc2fbfba8a26, MIT licence
+# (Copyright (c) 2020 Andrej Karpathy; the full text in ../LICENSE). Only the import lines differ from the
+# published file (the rule of docs/porting.md).
 
 import os
 import sys
