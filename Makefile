@@ -73,7 +73,7 @@ test: install
 	  echo "=== N-D layouts: pytest -m nd --with-mpi on $$n ranks ==="; \
 	  OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} \
 	  $(MPIEXEC) -n $$n $(PY) -m pytest --with-mpi -p no:cacheprovider --capture=sys $(ND_MARK_ARG) $(PYTEST_ARGS) tests/test_nd_layouts.py tests/test_recipe_layouts.py tests/test_no_sync.py tests/test_sharded_state.py tests/test_fuzz.py tests/test_memory_resume.py \
-	    tests/test_llama_nd.py || { \
+	    tests/test_llama_nd.py tests/test_ported_layouts.py || { \
 	    status=$$?; echo "*** the $$n-rank N-D run failed (exit $$status); reports of the other ranks:"; \
 	    for f in .test-logs/np$$n-rank*.log; do [ -f $$f ] && { echo "--- $$f"; cat $$f; }; done; \
 	    exit $$status; }; \

@@ -24,7 +24,8 @@ __all__ = [
     "sqrt", "abs", "tanh", "sigmoid", "relu", "softmax", "log_softmax", "matmul", "where", "clamp",
     "reshape", "squeeze", "unsqueeze", "transpose", "permute", "split", "chunk", "inference_mode",
     "get_default_dtype", "randint", "randperm", "eye", "linspace", "allclose", "equal",
-    "topk", "multinomial", "tril", "triu", "set_float32_matmul_precision", "get_float32_matmul_precision",
+    "topk", "multinomial", "tril", "triu", "pow", "sin", "cos", "maximum", "minimum",
+    "set_float32_matmul_precision", "get_float32_matmul_precision",
     "backends",
 ]
 
@@ -48,6 +49,8 @@ squeeze, unsqueeze, transpose, permute, split, chunk = (_ops.squeeze, _ops.unsqu
 sigmoid, relu, softmax, log_softmax = _nn.sigmoid, _nn.relu, _nn.softmax, _nn.log_softmax
 inference_mode = no_grad
 topk, multinomial, tril, triu = _select.topk, _select.multinomial, _select.tril, _select.triu
+# minGPT's NewGELU calls torch.pow
+pow, sin, cos, maximum, minimum = _ops.pow, _ops.sin, _ops.cos, _ops.maximum, _ops.minimum   # noqa: A001
 
 
 def from_numpy(a: np.ndarray) -> Tensor:

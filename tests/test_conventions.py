@@ -352,3 +352,54 @@ def test_positions_under_context_parallelism_with_pipeline_and_fsdp(world, algo)
         assert worst <= TOL, worst
     finally:
         grid.free()
+
+
+# -- a declared whole-sequence module under context parallelism (issue 48: was NotImplementedError) -----------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("manual", [False, True])
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_declared_whole_sequence_attention_under_context_parallelism(world, algo, manual):
+    """The user's own attention declared ``whole_sequence``: each rank gathers the whole sequence for it (ring: its
+    chunks put back in order) and keeps its tokens of the output; with positions taken, CP 2 equals serial."""
+    grid = _grid(world, G_context=2)
+    plan = ModelPlan(token_local=LOCAL, whole_sequence=(CausalSelfAttention,))
+    try:
+        with pytest.raises(ValueError, match=r"context parallelism .*'transformer.h.0.attn' "
+                                             r"\(test_conventions.CausalSelfAttention\).*whole_sequence="):
+            parallelize(PositionsGPT(lambda: CausalSelfAttention(manual)), grid=grid, context_parallel=algo,
+                        model_plan=ModelPlan(token_local=LOCAL))
+        worst = _parity(lambda: PositionsGPT(lambda: CausalSelfAttention(manual)), grid, context_parallel=algo,
+                        model_plan=plan)
+        assert worst <= TOL, worst
+    finally:
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_declared_whole_sequence_under_context_parallelism_with_pipeline_and_fsdp(world, algo):
+    """CP 2 x PP 2 (the user's own attention in an nn.Sequential, its first layer taking positions) and CP 2 x FSDP 2;
+    sequence and context parallelism at once with a whole_sequence module is refused, naming both."""
+    plan = ModelPlan(token_local=LOCAL, whole_sequence=(CausalSelfAttention,))
+    grid = _grid(world, G_context=2, G_inter=2)
+    try:
+        pipe = dict(context_parallel=algo, model_plan=plan, pipeline=PipelinePlan(2, "1f1b", loss_fn=_loss))
+        worst = _parity(lambda: _sequential(CausalSelfAttention, EmbedPositions), grid, **pipe)
+        assert worst <= TOL, worst
+    finally:
+        grid.free()
+    grid = _grid(world, G_context=2)
+    try:
+        worst = _parity(lambda: PositionsGPT(CausalSelfAttention), grid, context_parallel=algo,
+                        data_parallel="fsdp", model_plan=plan)
+        assert worst <= TOL, worst
+    finally:
+        grid.free()
+    grid = _grid(world, G_context=2, G_intra_c=2)
+    try:
+        with pytest.raises(NotImplementedError, match="not both at once"):
+            parallelize(PositionsGPT(CausalSelfAttention), grid=grid, context_parallel=algo, sequence_parallel=True,
+                        tensor_parallel=SP_PLAN, model_plan=ModelPlan(sequence_region=SP_REGION, token_local=LOCAL,
+                                                                      whole_sequence=(CausalSelfAttention,)))
+    finally:
+        grid.free()

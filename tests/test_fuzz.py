@@ -142,6 +142,13 @@ REGRESSIONS = {
     "user_attention_pp2_tp2_sp_declared": (4, _user(OWN_ATTN + (("shared",),)),
                                            LayoutSpec(PP2_TP2, "megatron", sequence_parallel=True, schedule="1f1b"),
                                            LayoutSpec(), "ok"),
+    # the same declared attention and class token under context parallelism (was NotImplementedError): each rank
+    # gathers the whole sequence for them in order
+    "user_attention_cls_cp2_ring_declared": (4, _user(OWN_ATTN), LayoutSpec((("G_context", 2),), context="ring"),
+                                             LayoutSpec(), "ok"),
+    "user_attention_cls_cp2_ulysses_declared": (4, _user(OWN_ATTN + (("shared",),)),
+                                                LayoutSpec((("G_context", 2),), context="ulysses", data="fsdp"),
+                                                LayoutSpec(), "ok"),
     "user_attention_tp2_sp_undeclared": (4, _user(OWN_ATTN_UNDECLARED),
                                          LayoutSpec(TP2, "megatron", sequence_parallel=True), LayoutSpec(), "refused"),
     "user_positions_tp2_sp_own": (4, _user((("mlp", 8, True, True),), upos=False),

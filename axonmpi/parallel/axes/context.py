@@ -35,7 +35,7 @@ def apply(module: Module, c: Composition) -> None:
     if not c.cp:
         return
     from ...distributed.placement import add_placement
-    c.attention = _swap_attention(module, c)
+    c.attention = _swap_attention(module, c) + _gather_whole_sequences(module, c)
     for p in module.parameters():
         add_placement(p, replica=c.grid.context_group)
 
@@ -66,10 +66,66 @@ def _swap_attention(module: Module, c: Composition) -> List[Any]:
             continue
         setattr(parent, name, new)
         layers.append(new)
-    if not layers:
+    if not layers and not c.model_plan.whole_sequence:
         raise ValueError(f"rank {r}: context_parallel={algo.value!r} found no nn.CausalSelfAttention or "
-                         "nn.GroupedQueryAttention in the model")
+                         "nn.GroupedQueryAttention in the model, and the model plan declares no whole_sequence "
+                         "module (a token-mixing module of the user's own)")
     return layers
+
+
+class _WholeSequenceState:
+    """What :func:`whole_sequences` and ``pm.local_tokens`` set on every context-parallel layer, for the declared
+    whole-sequence modules: whether context parallelism is on, and the whole sequence's length."""
+
+    def __init__(self):
+        self.context_enabled, self.seq_len = True, None
+
+
+def _gather_whole_sequences(module: Module, c: Composition) -> List[Any]:
+    """[Note: a declared whole-sequence module under context parallelism]  Each module the plan declares
+    ``whole_sequence`` (the user's own attention) gets its first argument all-gathered along the sequence over the
+    context group and put in sequence order (ring: each rank's chunks ``r`` and ``2P-1-r``), runs on the whole
+    sequence, and returns this rank's tokens of its output.  The gather's backward sums the gradients every rank's
+    tokens sent back (reduce-scatter: each rank's loss reaches every token through the module); the module's
+    parameters' gradients are this rank's loss's, averaged over data x context with every other parameter's."""
+    from .regions import describe, whole_sequence_modules
+    mods = whole_sequence_modules(module, c)
+    if not mods:
+        return []
+    state = _WholeSequenceState()
+    for q, m in mods:
+        object.__setattr__(m, "forward", _whole(m.forward, describe(q, m), c, state))
+    return [state]
+
+
+def _whole(forward, what: str, c: Composition, state: _WholeSequenceState):
+    import numpy as np
+    from ...autograd.tensor import Tensor
+    from ..context.layout import ContextLayout, CPAlgo
+    from ..tensor import gather_from_sequence_parallel_region
+    g, algo, d = c.grid.context_group, CPAlgo.coerce(c.context), int(c.sequence_dim)
+
+    def whole(x, *args, **kwargs):
+        if not state.context_enabled:
+            return forward(x, *args, **kwargs)
+        x = x if isinstance(x, Tensor) else Tensor(x)
+        t = int(x.shape[d])
+        layout = ContextLayout(int(state.seq_len or t * g.size), g.size, algo)
+        if any(layout.local_len(r) != t for r in range(g.size)):
+            raise ValueError(f"rank {c.rank}: {what} is declared whole_sequence under context_parallel="
+                             f"{algo.value!r}: it gathers every rank's {t} tokens, so the sequence ({layout.seq_len} "
+                             f"tokens) must split evenly over the {g.size} context ranks (a multiple of "
+                             f"{2 * g.size if algo is CPAlgo.RING else g.size})")
+        full = gather_from_sequence_parallel_region(x, g, tensor_parallel_output_grad=True, dim=d)
+        order = np.argsort(np.concatenate([layout.positions(r) for r in range(g.size)]), kind="stable")
+        lead = (slice(None),) * d
+        y = forward(full[lead + (order,)], *args, **kwargs)
+        if not isinstance(y, Tensor) or y.ndim <= d or y.shape[d] != layout.seq_len:
+            raise ValueError(f"rank {c.rank}: {what} is declared whole_sequence: it received {layout.seq_len} "
+                             f"tokens along dimension {d} and must return one Tensor of the same length there, got "
+                             f"{getattr(y, 'shape', type(y).__name__)}")
+        return y[lead + (layout.positions(g.rank),)]
+    return whole
 
 
 def _no_dropout(qname: str, drop: float, r: int) -> None:

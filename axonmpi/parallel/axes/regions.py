@@ -14,7 +14,9 @@ may mix tokens (``nn.Conv2d``, ``nn.Softmax``, ``nn.Flatten``) -- must be declar
   norm written by hand); its children are checked in their turn.
 * ``whole_sequence``: it mixes tokens (the user's attention): under sequence parallelism it receives the whole
   sequence (gathered over the tensor group, in order) and each rank keeps its shard of its output; its
-  parameters' gradients are whole on every tensor rank.
+  parameters' gradients are whole on every tensor rank.  Under context parallelism it receives the whole sequence
+  gathered over the context group in order ([Note: a declared whole-sequence module under context parallelism]
+  in ``axes/context.py``); not under both at once.
 
 Anything else is refused at construction, naming every such module by its path and class (with its module path).
 Context parallelism (and sequence parallelism with no declared region, which cuts the model's input) also relies
@@ -113,8 +115,18 @@ def _region(module: Module, c: Composition) -> List[Tuple[str, Module]]:
         enter = mods.get(region.enter)
         if region.enter and enter is not None and qualname(type(enter)) != _NN + "layers.Dropout":
             skip.append(region.enter)
-    return [(q, m) for q, m in module.named_modules()
+    return [(q, m) for q, m in list(module.named_modules()) + _pipeline_wrappers(module, c)
             if not any(_under(q, s) for s in skip) and not (q == "" and c.pipeline is not None)]
+
+
+def _pipeline_wrappers(module: Module, c: Composition) -> List[Tuple[str, Module]]:
+    """The layers a model's ``pipeline_layers()`` makes that are not among its modules (wrappers such as a ViT's
+    ``PatchEmbed`` or a GPT's embedding-plus-positions step): the pipeline runs their ``forward`` on each stage, so
+    they are in the region too, named ``pipeline_layers()[i]``."""
+    if c.pipeline is None or not callable(getattr(module, "pipeline_layers", None)):
+        return []
+    own = {id(m) for m in module.modules()}
+    return [(f"pipeline_layers()[{i}]", m) for i, m in enumerate(module.pipeline_layers()) if id(m) not in own]
 
 
 def _axes(c: Composition) -> str:
@@ -135,11 +147,11 @@ def check(module: Module, c: Composition) -> None:
     if not (c.sp or c.cp):
         return
     plan = c.model_plan
-    if c.cp and plan.whole_sequence:
+    if c.cp and c.sp and plan.whole_sequence:
         raise NotImplementedError(
-            f"rank {c.rank}: ModelPlan(whole_sequence={plan.whole_sequence!r}) is built for sequence parallelism "
-            f"only; under context_parallel={c.context!r} a token-mixing module must be nn.CausalSelfAttention or "
-            "nn.GroupedQueryAttention (split by ring / Ulysses), or drop context_parallel")
+            f"rank {c.rank}: ModelPlan(whole_sequence={plan.whole_sequence!r}) is built for sequence parallelism or "
+            f"context parallelism, not both at once (context_parallel={c.context!r} with sequence_parallel=True): "
+            "drop one, or use nn.CausalSelfAttention / nn.GroupedQueryAttention, which both split")
     unknown = [(q, m) for q, m in _region(module, c)
                if _forward_class(m) is not None and qualname(_forward_class(m)) not in TOKEN_LOCAL | ATTENTION
                and not declared(q, m, plan.token_local)]
@@ -159,9 +171,11 @@ def _refuse(unknown, c: Composition) -> None:
             (mixing if any(w in (n + q).lower() for w in ("att", "conv", "pool", "mix")) else classes).append(n)
     tup = lambda xs: "(" + ", ".join(xs) + ("," if len(xs) == 1 else "") + ")"
     if c.cp:
-        eg = f"ModelPlan(token_local={tup(classes or mixing)})"
-        how = ("token_local for those whose own code treats each token on its own; under context parallelism "
-               "attention must be nn.CausalSelfAttention or nn.GroupedQueryAttention (ring / Ulysses split it)")
+        eg = "ModelPlan(" + ", ".join(([f"token_local={tup(classes)}"] if classes else []) +
+                                      ([f"whole_sequence={tup(mixing)}"] if mixing else [])) + ")"
+        how = ("token_local for those whose own code treats each token on its own, whole_sequence for those that "
+               "mix tokens (their own attention: each rank then gathers the whole sequence for it); or use "
+               "nn.CausalSelfAttention / nn.GroupedQueryAttention, which ring / Ulysses split")
     else:
         eg = "ModelPlan(" + ", ".join(([f"token_local={tup(classes)}"] if classes else []) +
                                       ([f"whole_sequence={tup(mixing)}"] if mixing else [])) + ")"
