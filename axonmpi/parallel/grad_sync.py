@@ -164,6 +164,7 @@ class GradReducer:
         self._handles: List[Any] = []
         self._enabled = True
         self._queued = False
+        self._pending: Any = None
         for part in parts:
             self.add_part(part)
 
@@ -234,12 +235,32 @@ class GradReducer:
         """Run the after-backward entries (nothing inside :func:`no_sync`): one flat array per (groups, scale,
         dtype), summed over each group, times the scale (one MEAN where that is all it is).  Collective over
         the groups, in the same order on every rank (the entries' order)."""
-        if not self._enabled:
+        self.start()
+        self.wait()
+
+    def start(self) -> None:
+        """Launch :meth:`run`'s reductions without waiting (each bucket's first group non-blocking) and return:
+        the caller computes on while they travel, then calls :meth:`wait` (a pipeline launches a stage's
+        reduction when its last micro-batch's backward is done, [Note: overlapped stage reductions]).  The
+        gradients must not change until :meth:`wait`.  A second ``start`` before ``wait`` does nothing."""
+        if not self._enabled or self._pending is not None:
             return
         for fn in self._first:
             fn()
-        if not self._after:
-            return
+        self._pending = [_Launched(groups, scale, grads) for groups, scale, grads in self._buckets()]
+
+    def wait(self) -> None:
+        """Complete what :meth:`start` launched: the gradients hold the reduced values after it."""
+        pending, self._pending = self._pending, None
+        for b in pending or ():
+            b.finish()
+
+    @property
+    def started(self) -> bool:
+        """True between :meth:`start` and :meth:`wait`."""
+        return self._pending is not None
+
+    def _buckets(self) -> List[Tuple[Tuple[Any, ...], float, List[Any]]]:
         buckets: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], float, List[Any]]] = {}
         for grad_of, groups_of, scale in self._after:
             g = grad_of()
@@ -247,16 +268,7 @@ class GradReducer:
             if g is not None and (groups or scale != 1.0):
                 key = (tuple(id(x) for x in groups), scale, str(g.dtype))
                 buckets.setdefault(key, (groups, scale, []))[2].append(g)
-        for groups, scale, grads in buckets.values():
-            flat = get_array_module(grads[0]).concatenate([x.reshape(-1) for x in grads])
-            if len(groups) == 1 and scale == 1.0 / groups[0].size:
-                all_reduce(flat, ReduceOp.MEAN, groups[0], out=flat)       # plain data parallel: one mean
-            else:
-                reduce_gradient(flat, groups, scale)
-            at = 0
-            for x in grads:
-                x[...] = flat[at:at + x.size].reshape(x.shape)
-                at += x.size
+        return list(buckets.values())
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -276,6 +288,31 @@ class GradReducer:
     def __repr__(self) -> str:
         return (f"GradReducer({self.name!r}, hooked={len(self._handles)}, after_backward={len(self._after)}, "
                 f"parts={[getattr(p, 'name', type(p).__name__) for p in self.parts]}, enabled={self._enabled})")
+
+
+class _Launched:
+    """One bucket of :meth:`GradReducer.start`: its gradients copied into one flat array, the sum over its first
+    group in flight; :meth:`finish` waits, runs the other groups, scales, and copies the result back."""
+
+    __slots__ = ("groups", "scale", "grads", "flat", "work", "mean")
+
+    def __init__(self, groups: Tuple[Any, ...], scale: float, grads: List[Any]):
+        self.groups, self.scale, self.grads = groups, scale, grads
+        self.flat = get_array_module(grads[0]).concatenate([x.reshape(-1) for x in grads])
+        self.mean = len(groups) == 1 and scale == 1.0 / groups[0].size        # plain data parallel: one mean
+        self.work = all_reduce(self.flat, ReduceOp.MEAN if self.mean else ReduceOp.SUM, groups[0],
+                               out=self.flat, async_op=True) if groups else None
+
+    def finish(self) -> None:
+        flat = self.flat
+        if self.work is not None:
+            self.work.wait()
+        if not self.mean:
+            reduce_gradient(flat, self.groups[1:], self.scale)
+        at = 0
+        for x in self.grads:
+            x[...] = flat[at:at + x.size].reshape(x.shape)
+            at += x.size
 
 
 def _live(groups: Sequence[Any]) -> Tuple[Any, ...]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -42,6 +42,9 @@ class PipelineTiming:
         weight_seconds / weight_count: the same for BACKWARD_WEIGHT actions (zero-bubble schedules).
         span_seconds: from the start of the first compute action to the end of the last (the
             zero-bubble paper's bubble is ``span_seconds - busy_seconds``).
+        reduce_seconds: the data-parallel reduction's time this rank spent outside the schedule's compute: its
+            launches during the schedule and its wait after it ([Note: overlapped stage reductions]); with
+            ``Pipeline.overlap = False`` the whole blocking reduction after the schedule.
     """
 
     step_seconds: float
@@ -52,6 +55,7 @@ class PipelineTiming:
     weight_seconds: float = 0.0
     weight_count: int = 0
     span_seconds: float = 0.0
+    reduce_seconds: float = 0.0
 
     @property
     def busy_seconds(self) -> float:
@@ -165,9 +169,11 @@ class Pipeline:
     not depend on the schedule or on how many pipeline ranks run it, and recomputation
     (activation checkpointing) sees the same masks.
 
-    Data parallel: with ``data_group``, after the last backward each stage's gradients are
-    averaged over ``data_group`` (the ranks holding the same stage for other data), and the
-    returned loss is averaged there too, so replicas stay identical. Every stage parameter records
+    Data parallel: with ``data_group``, each stage's gradients are averaged over ``data_group`` (the
+    ranks holding the same stage for other data), launched as soon as the stage's last backward of the
+    step is done and waited for after the schedule ([Note: overlapped stage reductions]; ``overlap = False``
+    reduces them all after the schedule instead), and the returned loss is averaged there too, so replicas
+    stay identical. Every stage parameter records
     the pipeline group in its placement (a ``STAGE`` shard), so ``clip_grad_norm_(params, max_norm)``
     gives the norm of the whole model on every rank (pass ``group=`` for a pipeline group that is
     not the grid's: every rank of it takes part, with parameters or not).
@@ -212,6 +218,10 @@ class Pipeline:
             (times a scaler's scale), so the gradients are those of the LM loss plus the mean over the
             micro-batches of their auxiliary losses (Megatron's rule); the returned loss stays the LM loss.
             See [Note: auxiliary losses in a pipeline].
+
+    Attributes:
+        overlap: True (default): each stage's data-parallel reduction is launched when its last backward of the
+            step is done; False: every stage's is run after the schedule (a bench's blocking baseline).
 
     Example:
         >>> chunks = split_module(model, num_stages=world.world_size)
@@ -294,6 +304,7 @@ class Pipeline:
         self._predicted_rank = sim.peak_activations[r]
         self._stats: Optional[PipelineMemoryStats] = None
         self._timing: Optional[PipelineTiming] = None
+        self.overlap = True
         self.grad_reducer = self._make_reducer()
 
     # -- public ----------------------------------------------------------------------------------
@@ -366,10 +377,14 @@ class Pipeline:
             raise ValueError(f"rank {self.rank}: the GradScaler's inf check is agreed over {scaler.group.name} "
                              f"{list(scaler.group.ranks)}, which leaves out pipeline ranks of {list(self.group.ranks)}: "
                              "stages would step apart; use GradScaler(group=None) (every rank)")
+        for red in self._stage_reducers.values():      # a step that raised left its launches: complete them
+            red.wait()
         sizes = self._agree_sizes(inputs, targets)
         scale = 1.0 if scaler is None else float(scaler.get_scale())
         loss = self._run(self.schedule_actions(), sizes, inputs, targets, train=True, scale=scale)
+        t0 = time.perf_counter()
         self._reduce_data_parallel()
+        self._timing = replace(self._timing, reduce_seconds=self._timing.reduce_seconds + time.perf_counter() - t0)
         self._step += 1
         return loss
 
@@ -436,20 +451,30 @@ class Pipeline:
     def _make_reducer(self) -> GradReducer:
         """Each stage's gradients summed over the groups of the gradient-sync table (its data group, and
         the batch groups of a stage that declares ``batch_groups``, e.g. ``parallelize``'s AxoNN easy
-        mode), divided by the number of batch shards: the gradient of the mean loss over the batch.  Run
-        after the step's last backward; FSDP's flat shards (``ShardKind.FLAT``) are their owner's."""
+        mode), divided by the number of batch shards: the gradient of the mean loss over the batch.  One
+        reducer per stage, launched after the stage's last backward ([Note: overlapped stage reductions]);
+        the pipeline's reducer completes them (its parts: :func:`no_sync` switches them with it).  FSDP's
+        flat shards (``ShardKind.FLAT``) are their owner's."""
         g = self.data_group
-        red = GradReducer("pipeline")
+        owner = _grad_owner(self.stages, self.schedule_actions())
+        self._stage_reducers: Dict[int, GradReducer] = {}
         for sid in sorted(self.stages):
             mod = self.stages[sid].module
+            red = self._stage_reducers[sid] = GradReducer(f"pipeline stage {sid}")
             batch = tuple(getattr(mod, "batch_groups", ()))
             n = (g.size if g is not None else 1) * int(np.prod([b.size for b in batch]))
             if n > 1:
-                params = [q for q in self.stages[sid].parameters()
-                          if not any(s.kind is ShardKind.FLAT for s in placement_of(q).shards)]
+                params = [q for q in self.stages[sid].parameters() if owner.get(id(q)) == sid
+                          and not any(s.kind is ShardKind.FLAT for s in placement_of(q).shards)]
                 red.after_backward(params, lambda q, batch=batch, depth=getattr(mod, "depth_group", None):
                                    reduction_groups(q, g, batch, depth), 1.0 / n)
+        red = GradReducer("pipeline", parts=list(self._stage_reducers.values()))
+        red.before_run(lambda: [self._stage_reducers[sid].run() for sid in sorted(self._stage_reducers)])
         return red
+
+    def _start_stage_reduction(self, sid: int) -> None:
+        """The stage's last backward of the step is done: launch its data-parallel reduction."""
+        self._stage_reducers[sid].start()
 
     def no_sync(self):
         """Steps inside leave each stage's gradients unreduced (accumulated locally); the first step outside
@@ -480,9 +505,36 @@ class Pipeline:
             self._stats = ex.memory_stats()
             self._timing = ex.timing
             self._executed = ex.executed      # what ran, in order (tests compare it with the schedule)
+            self._launches = ex.launches      # after which action each stage's reduction was launched
         self._posted = ex.posted              # receives in posting order, and sends in sending order:
         self._sent = ex.sent                  # tests check that each pair's sequences agree ([Note: p2p order])
         return value
+
+
+# [Note: overlapped stage reductions]
+# A stage's gradients are final once its last backward action of the step has run (BACKWARD, or the last
+# BACKWARD_WEIGHT of a zero-bubble schedule), while the schedule still runs other stages' micro-batches (the
+# earlier stages' backwards on other ranks, this rank's other chunks): the executor launches that stage's
+# data-parallel reduction right then, non-blocking (Megatron's overlap of the DP reduction with the last
+# micro-batch's backward), and the step waits for every stage's after the schedule.  Every rank of a data group
+# runs the same action list, so they launch the same reductions in the same order.  A parameter two chunks of
+# one rank share (a weight tied across ZBV's V) belongs to the chunk whose last backward runs later
+# (:func:`_grad_owner`): its gradient is final only then.  The transfers of the schedule and MPI's progress
+# inside them move the reductions along; ``timing().reduce_seconds`` is what stays exposed.
+def _last_backward(acts: Sequence[Action]) -> Dict[int, int]:
+    """Per stage, the index in ``acts`` of its last action that adds to its parameters' gradients."""
+    grads = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    return {a.stage: k for k, a in enumerate(acts) if a.kind in grads}
+
+
+def _grad_owner(stages: Dict[int, PipelineStage], acts: Sequence[Action]) -> Dict[int, int]:
+    """``id(param) -> stage``: the stage of this rank whose last backward comes last among those holding it."""
+    last = _last_backward(acts)
+    owner: Dict[int, int] = {}
+    for sid in sorted(stages, key=lambda s: last.get(s, -1)):
+        for q in stages[sid].parameters():
+            owner[id(q)] = sid
+    return owner
 
 
 def _stage_index(m) -> Optional[Tuple[int, int]]:
@@ -804,6 +856,9 @@ class _Executor:
         count = {k: 0 for k in compute}
         first = last = None
         computes = [k for k, a in enumerate(acts) if a.kind in compute]
+        last_grad = _last_backward(acts) if self.train else {}
+        launched = 0.0
+        self.launches: List[Tuple[int, int]] = []      # (action index, stage) of each stage reduction's launch
         nxt = {computes[j]: (computes[j + 1] if j + 1 < len(computes) else n) for j in range(len(computes))}
         self.executed: List[Action] = []
         for k, a in enumerate(acts):
@@ -829,13 +884,17 @@ class _Executor:
                     _trace._ACTIVE.events.append((f"pipeline {a}", "pipeline", t0, last,
                                                   {"stage": a.stage, "microbatch": a.microbatch}))
                 count[kind] += 1
+                if self.pipe.overlap and last_grad.get(a.stage) == k:   # [Note: overlapped stage reductions]
+                    self.pipe._start_stage_reduction(a.stage)
+                    self.launches.append((k, a.stage))
+                    launched += time.perf_counter() - last
         for w in self.sends:
             w.wait()
         self.sends = []
         B, I, W = ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
         self.timing = PipelineTiming(time.perf_counter() - t_start, spent[ActionKind.FORWARD], spent[B] + spent[I],
                                      count[ActionKind.FORWARD], count[B] + count[I], spent[W], count[W],
-                                     0.0 if first is None else last - first)
+                                     0.0 if first is None else last - first, launched)
         if not self.train and self.targets is None:
             if self.pipe.last_stage not in self.pipe.stages:
                 return None
