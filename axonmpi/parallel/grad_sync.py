@@ -159,12 +159,17 @@ class GradReducer:
     def __init__(self, name: str = "", parts: Sequence[Any] = ()):
         self.name = name
         self.parts: List[Any] = []
-        self._after: List[Tuple[Callable[[], Any], Callable[[], Tuple[Any, ...]], float]] = []
+        # (gradient, groups, scale, the parameter or None for an FSDP segment) of each entry
+        self._after: List[Tuple[Callable[[], Any], Callable[[], Tuple[Any, ...]], float, Any]] = []
         self._first: List[Callable[[], None]] = []
         self._handles: List[Any] = []
         self._enabled = True
         self._queued = False
         self._pending: Any = None
+        self._round: Any = None        # the buckets launched as they fill in this backward ([Note: buckets ...])
+        self._listening = False
+        self.defer = False             # True: nothing launches during backward (activation checkpointing)
+        self._arm_listen = False
         for part in parts:
             self.add_part(part)
 
@@ -193,7 +198,7 @@ class GradReducer:
         for p in params:       # the groups are read at run time: placements may still be added after this
             if p.requires_grad:
                 self._after.append((lambda p=p: None if p.grad is None else p.grad.data,
-                                    lambda p=p: _live(groups_of(p)), scale))
+                                    lambda p=p: _live(groups_of(p)), scale, p))
 
     def after_backward_segments(self, flats: Iterable[Any], groups_of: Callable[[Any], Sequence[Any]],
                                 scale: float = 1.0) -> None:
@@ -205,26 +210,36 @@ class GradReducer:
                 groups = _live(groups_of(f.params[seg.index]))
                 if groups or scale != 1.0:
                     self._after.append((lambda f=f, seg=seg: None if f.grad is None else seg.in_chunk(f.grad.data),
-                                        lambda groups=groups: groups, scale))
+                                        lambda groups=groups: groups, scale, None))
 
     def before_run(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` first in every :meth:`run` (a pipeline stage's FSDP reduce-scatter, before the entries
         that read its shard)."""
         self._first.append(fn)
 
-    def arm(self, params: Iterable[Any]) -> None:
+    def arm(self, params: Iterable[Any], as_ready: bool = True) -> None:
         """Run :meth:`run` once at the end of every backward pass that gives one of ``params`` a gradient
         (``autograd.queue_callback`` from its post-accumulate-grad hook): ``loss.backward()`` returns with every
-        entry reduced, as a model without after-backward entries does."""
+        entry reduced, as a model without after-backward entries does.  ``as_ready``: the buckets are launched
+        during the backward as they fill ([Note: buckets launched as they fill]); False where another executor
+        reduces the same gradients during backward (DDP rebinds ``.grad`` to its bucket, FSDP reduce-scatters):
+        the entries then run after it, at the end of the pass."""
+        self._arm_listen = bool(as_ready)
         for p in params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._queue))
 
-    def _queue(self, _param) -> None:
-        if self._queued or not self._enabled:
+    def _queue(self, param) -> None:
+        if not self._enabled:
+            return
+        if self._queued:
+            self._ready(param)
             return
         from ..autograd import queue_callback
         self._queued = True
+        if self._arm_listen:
+            self.listen()
+            self._ready(param)
 
         def finalize():
             self._queued = False
@@ -242,12 +257,28 @@ class GradReducer:
         """Launch :meth:`run`'s reductions without waiting (each bucket's first group non-blocking) and return:
         the caller computes on while they travel, then calls :meth:`wait` (a pipeline launches a stage's
         reduction when its last micro-batch's backward is done, [Note: overlapped stage reductions]).  The
-        gradients must not change until :meth:`wait`.  A second ``start`` before ``wait`` does nothing."""
+        buckets a backward already launched as they filled ([Note: buckets launched as they fill]) are not
+        launched again.  The gradients must not change until :meth:`wait`.  A second ``start`` before ``wait``
+        does nothing."""
+        rnd, self._round, self._listening = self._round, None, False
         if not self._enabled or self._pending is not None:
+            if rnd is not None:                 # (switched off mid-round) complete what was launched
+                for b in rnd.launched:
+                    b.finish()
             return
-        for fn in self._first:
-            fn()
-        self._pending = [_Launched(groups, scale, grads) for groups, scale, grads in self._buckets()]
+        try:
+            for fn in self._first:
+                fn()
+        except BaseException:
+            for b in rnd.launched if rnd is not None else ():   # no request is dropped ([Note: no request ...])
+                b.finish()
+            raise
+        if rnd is None:
+            self._pending = [_Launched(groups, scale, grads) for groups, scale, grads in self._buckets()]
+            return
+        rnd.launch_all()
+        rest = [e for i, e in enumerate(self._after) if i not in rnd.planned]
+        self._pending = rnd.launched + [_Launched(groups, scale, grads) for groups, scale, grads in self._buckets(rest)]
 
     def wait(self) -> None:
         """Complete what :meth:`start` launched: the gradients hold the reduced values after it."""
@@ -255,14 +286,41 @@ class GradReducer:
         for b in pending or ():
             b.finish()
 
+    def launch_as_ready(self, params: Iterable[Any]) -> None:
+        """[Note: buckets launched as they fill]  Hook ``params`` (those among the entries) so that, in a backward
+        this reducer listens to (:meth:`listen`; every backward under :meth:`arm`), the entries are bucketed as
+        DDP buckets them -- reverse entry order (about the order backward finishes them), per (groups, scale,
+        dtype), up to :attr:`bucket_bytes` each -- and each bucket's reduction is launched as soon as all its
+        parameters' gradients of this backward are final and every bucket before it was launched (the same order
+        on every rank of a group, whatever order the hooks fire in).  :meth:`start` launches the rest: buckets not
+        filled, FSDP segments, parameters without a gradient."""
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._ready))
+
+    bucket_bytes = 4 << 20
+    """The largest bucket launched during backward (bytes); small buckets start sooner, large ones cost fewer calls."""
+
+    def listen(self) -> None:
+        """The next backward is the last before :meth:`start`: launch its buckets as they fill (nothing inside
+        :func:`no_sync`, while a reduction is pending, or with :attr:`defer`)."""
+        if self._enabled and self._pending is None and not self.defer and self._round is None:
+            self._round = _Round(self._after, self.bucket_bytes)
+            self._listening = True
+
+    def _ready(self, p) -> None:
+        if not self._listening:
+            return
+        self._round.ready(p)
+
     @property
     def started(self) -> bool:
         """True between :meth:`start` and :meth:`wait`."""
         return self._pending is not None
 
-    def _buckets(self) -> List[Tuple[Tuple[Any, ...], float, List[Any]]]:
+    def _buckets(self, entries=None) -> List[Tuple[Tuple[Any, ...], float, List[Any]]]:
         buckets: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], float, List[Any]]] = {}
-        for grad_of, groups_of, scale in self._after:
+        for grad_of, groups_of, scale, _ in self._after if entries is None else entries:
             g = grad_of()
             groups = groups_of() if g is not None else ()
             if g is not None and (groups or scale != 1.0):
@@ -288,6 +346,70 @@ class GradReducer:
     def __repr__(self) -> str:
         return (f"GradReducer({self.name!r}, hooked={len(self._handles)}, after_backward={len(self._after)}, "
                 f"parts={[getattr(p, 'name', type(p).__name__) for p in self.parts]}, enabled={self._enabled})")
+
+
+class _Round:
+    """One backward's buckets launched as they fill ([Note: buckets launched as they fill])."""
+
+    def __init__(self, entries, cap: int):
+        self.planned = set()
+        open_: Dict[Tuple[Any, ...], List[int]] = {}
+        closed: List[Tuple[int, Tuple[Any, ...], float, List[int]]] = []     # (last position, groups, scale, entries)
+        sizes: Dict[Tuple[Any, ...], int] = {}
+        for pos, i in enumerate(reversed(range(len(entries)))):
+            _, groups_of, scale, p = entries[i]
+            if p is None:
+                continue
+            groups = groups_of()
+            if not groups and scale == 1.0:
+                continue
+            key = (tuple(id(x) for x in groups), scale, str(p.data.dtype))
+            open_.setdefault(key, []).append(i)
+            sizes[key] = sizes.get(key, 0) + p.data.nbytes
+            self.planned.add(i)
+            if sizes[key] >= cap:
+                closed.append((pos, groups, scale, open_.pop(key)))
+                sizes[key] = 0
+        n = len(entries)
+        for key, idx in open_.items():
+            closed.append((n + len(closed), entries[idx[0]][1](), entries[idx[0]][2], idx))
+        closed.sort(key=lambda b: b[0])
+        self.entries = entries
+        self.buckets = [(groups, scale, idx) for _, groups, scale, idx in closed]
+        self.where = {id(entries[i][3]): k for k, (_, _, idx) in enumerate(self.buckets) for i in idx}
+        self.waiting = [len(idx) for _, _, idx in self.buckets]
+        self.next = 0
+        self.seen = set()
+        self.launched: List[_Launched] = []
+
+    def ready(self, p) -> None:
+        k = self.where.get(id(p))
+        if k is None:
+            return
+        if id(p) in self.seen:
+            raise RuntimeError(
+                f"parameter of shape {tuple(p.shape)} received a second gradient in one backward (an inner backward "
+                "of activation checkpointing, or a hook fired early) after its bucket may have been launched; set "
+                "the reducer's defer = True (parallelize does under activation checkpointing; a Pipeline: "
+                "pipe.overlap_buckets = False)")
+        self.seen.add(id(p))
+        self.waiting[k] -= 1
+        while self.next < len(self.buckets) and self.waiting[self.next] <= 0:
+            self._launch(self.next)
+        for b in self.launched:      # MPI moves a request along only inside MPI calls: test them (DDP's poke)
+            if b.work is not None and not b.work.is_completed():
+                break
+
+    def _launch(self, k: int) -> None:
+        groups, scale, idx = self.buckets[k]
+        grads = [g for g in (self.entries[i][0]() for i in idx) if g is not None]
+        if grads:
+            self.launched.append(_Launched(groups, scale, grads))
+        self.next = k + 1
+
+    def launch_all(self) -> None:
+        while self.next < len(self.buckets):
+            self._launch(self.next)
 
 
 class _Launched:

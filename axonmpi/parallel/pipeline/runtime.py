@@ -222,6 +222,10 @@ class Pipeline:
     Attributes:
         overlap: True (default): each stage's data-parallel reduction is launched when its last backward of the
             step is done; False: every stage's is run after the schedule (a bench's blocking baseline).
+        overlap_buckets: True (default, with ``overlap``): during that last backward, each bucket of the stage's
+            gradients is launched as soon as it is final ([Note: buckets launched as they fill]); False: the whole
+            stage after its last backward (needed where a gradient hook fires before the gradient is final: a
+            parameter used in two activation-checkpointed regions; ``parallelize`` sets it under checkpointing).
 
     Example:
         >>> chunks = split_module(model, num_stages=world.world_size)
@@ -305,6 +309,7 @@ class Pipeline:
         self._stats: Optional[PipelineMemoryStats] = None
         self._timing: Optional[PipelineTiming] = None
         self.overlap = True
+        self.overlap_buckets = True
         self.grad_reducer = self._make_reducer()
 
     # -- public ----------------------------------------------------------------------------------
@@ -468,9 +473,15 @@ class Pipeline:
                           and not any(s.kind is ShardKind.FLAT for s in placement_of(q).shards)]
                 red.after_backward(params, lambda q, batch=batch, depth=getattr(mod, "depth_group", None):
                                    reduction_groups(q, g, batch, depth), 1.0 / n)
+                red.launch_as_ready(params)
         red = GradReducer("pipeline", parts=list(self._stage_reducers.values()))
         red.before_run(lambda: [self._stage_reducers[sid].run() for sid in sorted(self._stage_reducers)])
         return red
+
+    def _listen(self, sid: int) -> None:
+        """The stage's last backward of the step begins: its buckets launch as they fill."""
+        if self.overlap_buckets:
+            self._stage_reducers[sid].listen()
 
     def _start_stage_reduction(self, sid: int) -> None:
         """The stage's last backward of the step is done: launch its data-parallel reduction."""
@@ -520,7 +531,9 @@ class Pipeline:
 # runs the same action list, so they launch the same reductions in the same order.  A parameter two chunks of
 # one rank share (a weight tied across ZBV's V) belongs to the chunk whose last backward runs later
 # (:func:`_grad_owner`): its gradient is final only then.  The transfers of the schedule and MPI's progress
-# inside them move the reductions along; ``timing().reduce_seconds`` is what stays exposed.
+# inside them move the reductions along; ``timing().reduce_seconds`` is what stays exposed.  During that last
+# backward the stage's buckets already launch as they fill (``GradReducer.listen``, [Note: buckets launched as they
+# fill] in grad_sync.py): the reduction overlaps the last micro-batch's backward, as Megatron's DDP does.
 def _last_backward(acts: Sequence[Action]) -> Dict[int, int]:
     """Per stage, the index in ``acts`` of its last action that adds to its parameters' gradients."""
     grads = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
@@ -876,6 +889,8 @@ class _Executor:
                 self.sends = [w for w in self.sends if not w.is_completed()]
                 t0 = time.perf_counter()
                 first = t0 if first is None else first
+                if self.pipe.overlap and last_grad.get(a.stage) == k:
+                    self.pipe._listen(a.stage)
                 with enable_grad() if self.train else no_grad():
                     compute[kind](a)
                 last = time.perf_counter()
