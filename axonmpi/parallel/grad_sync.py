@@ -39,7 +39,8 @@ attribute ``sequence_parallel``); the sums are linear, so their order with the d
 reductions they run are its entries or its parts.  An *entry* is a gradient array, the groups the table gives
 for its parameter, and a scale (``1 / batch shards``); the entries run after backward, bucketed into one flat
 array per (groups, scale, dtype): at the end of the backward pass (:meth:`GradReducer.arm`, queued with
-``autograd.queue_callback``: ``loss.backward()`` returns reduced gradients), or when the owner calls
+``autograd.queue_callback``: ``loss.backward()`` returns reduced gradients; the buckets already launched during
+the backward as they fill, [Note: buckets launched as they fill]), or when the owner calls
 :meth:`GradReducer.run` (a pipeline after its last micro-batch; FSDP's chunk segments after its reduce-scatter).
 ``parallelize``'s one is the model's finalize step (:mod:`axonmpi.parallel.finalize`).  A *part* is an executor that keeps
 its own collective: DDP's bucketed all-reduce overlapped with backward (``GradientSynchronizer``), FSDP's
@@ -77,8 +78,8 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
     """The groups (of more than one rank) ``param``'s gradient is summed over, by the table above.
 
     Args:
-        param: a parameter (its :func:`placement_of` is read, and AxoNN's
-            ``needs_depth_parallel_gradient_sync`` tag of 3-D biases).
+        param: a parameter (its :func:`placement_of` is read, and nothing else: a 3-D bias is known by its
+            placement's replica over ``depth``; AxoNN's tags are read only through :func:`placement_of`).
         data: the data-parallel group.
         batch: the extra groups that split the batch rows inside a tensor-parallel block.
         depth: the depth group of AxoNN's layers (for their biases).
@@ -88,13 +89,14 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
         ['data_group', 'intra_group']
     """
     pl = placement_of(param)
-    if getattr(param, "needs_depth_parallel_gradient_sync", False):
-        out = [data, depth]
-    elif sharded_within(param, data):       # an expert: its expert-data replicas, and the batch groups (its
+    if sharded_within(param, data):         # an expert: its expert-data replicas, and the batch groups (its
         split = {getattr(s.group, "ranks", None) for s in pl.shards}          # gradient is of this rank's rows;
         out = [r for r in pl.replica_groups if _inside(r, data)] + \
             [b for b in batch if getattr(b, "ranks", 0) not in split]         # not one that splits it)
-    elif any(s.kind is not ShardKind.STAGE for s in pl.shards) or getattr(param, "is_tensor_parallel", False):
+    elif depth is not None and depth.size > 1 and any(r is depth or getattr(r, "ranks", None) == depth.ranks
+                                                      for r in pl.replica_groups):
+        out = [data, depth]                 # an AxoNN 3-D bias: its placement replicates it over depth
+    elif any(s.kind is not ShardKind.STAGE for s in pl.shards):
         out = [data]
     else:
         out = [data, *batch]
