@@ -61,7 +61,8 @@ def test_sequence_parallel_sums_are_one_collective_per_bucket(world):
         loss = F.cross_entropy(out, yb)
         with count_traffic() as c:
             loss.backward()
-        reductions = c.calls(group=grid.intra_group.name, method="allreduce")
+        # blocking, or launched during backward as the bucket fills (GradReducer.arm(as_ready=True))
+        reductions = sum(c.calls(group=grid.intra_group.name, method=m) for m in ("allreduce", "iallreduce"))
         assert reductions == 1, f"{reductions} all-reduces over the tensor group: one per bucket expected"
         got = axonmpi.parallel.ShardedState(pm.inner)
         for n, p in serial.named_parameters():
