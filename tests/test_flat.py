@@ -194,7 +194,10 @@ def test_reduce_grad_closed_form(world, n, dtype):
     j = np.arange(lo + 1, hi + 1)
     np.testing.assert_allclose(flat.grad.data, j * (k + 1) / 2, rtol=1e-6)
     assert flat.grad.data.dtype == dtype and flat.grad.data.shape == (hi - lo,)
-    assert all(p.grad is None for p in ps) and flat.full_grad is None   # full gradient freed
+    assert flat.full_grad is None                               # full gradient freed; each p.grad views
+    for i, p in enumerate(ps):                                  # its elements of the chunk's (use_orig_params)
+        a, b = flat._piece_bounds(i)
+        assert p.grad.data.shape == (b - a,) and (a == b or np.shares_memory(p.grad.data, flat.grad.data))
     for p in ps:                                                # a second backward accumulates
         p.grad = Tensor(np.ones(p.data.shape, dtype))
     work = flat.reduce_grad(axonmpi.ReduceOp.SUM, async_op=True, reduce_dtype=np.float64)

@@ -30,7 +30,7 @@ from test_nd_layouts import LAYOUTS, MAX_NORM, STEPS, _at_16, _batch, _build, _c
 pytestmark = pytest.mark.nd
 
 def _flats(pm):
-    return [p for p in pm.parameters() if isinstance(p, FlatParameter)]
+    return pm.flat_parameters()
 
 
 @pytest.mark.mpi(min_size=8)

@@ -207,6 +207,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         from ..distributed.placement import check_group
         flat = [q for g in groups for q in ((g["params"] if not isinstance(g["params"], Tensor) else [g["params"]])
                                             if isinstance(g, dict) else [g])]
+        held = [i for i, q in enumerate(flat) if "_local_owner" in getattr(q, "__dict__", {})]
+        if held:        # an FSDP original: its storage is a piece of a flat chunk FSDP already shards
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {self.process_group.rank}): parameters {held[:6]} are "
+                             "held in FSDP flat chunks, whose optimizer state FSDP already shards; build a plain "
+                             "optimizer on pm.parameters() (each steps its piece of the chunk), or this one on "
+                             "pm.flat_parameters()")
         owners = {id(q): _state_group(q, self.process_group) for q in flat}
         check_group([(f"#{i} (shape {tuple(q.shape)})", q) for i, q in enumerate(flat)
                      if owners[id(q)] is self.process_group], self.process_group, "ZeroRedundancyOptimizer")

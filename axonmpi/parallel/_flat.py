@@ -12,6 +12,16 @@ place (chunk ``i`` moves left by ``max(0, i - n % k)``), so the full buffer is i
 ``n`` elements and needs no second allocation; gradient reduce-scatter does the inverse
 expansion in place before the call. A buffer handed to a non-blocking call is referenced by
 its :class:`Work` and not touched until it completes.
+
+[Note: the originals' gradients are views of the chunk]
+Once :meth:`reduce_grad` has put this rank's chunk of the reduced gradient in ``self.grad``, each original
+parameter's ``.grad`` is a 1-D view of its elements in that chunk (possibly empty), as FSDP1's
+``use_orig_params=True`` does (``_use_sharded_grad_views``).  So whatever a user does to ``p.grad`` in place (a
+``GradScaler``'s ``unscale_``, ``p.grad.mul_(...)``, clipping) lands in the chunk the optimizer steps and
+:func:`~axonmpi.optim.clip.clip_grad_norm_` reads, and each element is touched once.  The original still reports
+its serial ``shape`` / ``dim()`` (param groups by rule); :meth:`piece` is the same view.  The views are dropped
+(``.grad`` ``None``; the chunk keeps the sum) before the next backward can accumulate into the originals: on a
+gather with autograd on (:meth:`unshard`), and in :meth:`bind_grads` / the packing of :meth:`reduce_grad`.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import numpy as np
 
 from .. import trace as _trace
 from ..autograd import Tensor
+from ..autograd.grad_mode import is_grad_enabled
 from ..backend import as_device, device_of, get_array_module, to_device, to_host
 from ..distributed import ReduceOp, Work, all_gather, broadcast, chunk_bounds, reduce_scatter, resolve_group
 from ..distributed.placement import Cut, Placement, Shard, ShardKind
@@ -107,6 +118,7 @@ class FlatParameter(Parameter):
         self._full = flat           # the full flat buffer (n elements) while unsharded
         self._full_grad = None      # the flat gradient buffer behind the params' .grad views
         self._grad_views: List[Any] = []
+        self._piece_grads: List[Any] = []    # the originals' .grad while they view the chunk's gradient
         self._gather: Optional[Work] = None   # an unshard in flight
         self._gather_token = None             # identifies it to its continuation
         self._bind(flat)
@@ -176,6 +188,30 @@ class FlatParameter(Parameter):
         g = self.grad
         return self.data[a:b], (None if g is None else g.data[a:b])
 
+    def _use_piece_grads(self) -> None:
+        """Point every trainable original's ``.grad`` at its elements of ``self.grad`` (1-D views; all ``None``
+        without one): [Note: the originals' gradients are views of the chunk]."""
+        self._piece_grads = []
+        g = self.grad
+        for i, p in enumerate(self.params):
+            if g is None or not p.requires_grad:
+                p.grad = None
+                continue
+            a, b = self._piece_bounds(i)
+            p.grad = Tensor._wrap(g.data[a:b])
+            self._piece_grads.append(p.grad)
+
+    def _drop_piece_grads(self) -> None:
+        """The originals' ``.grad`` that still view the chunk become ``None`` (the chunk keeps the gradient), so
+        a backward accumulates full-shaped gradients into them again."""
+        if not self._piece_grads:
+            return
+        views = {id(t) for t in self._piece_grads}
+        self._piece_grads = []
+        for p in self.params:
+            if p.grad is not None and id(p.grad) in views:
+                p.grad = None
+
     def zero_piece_grad(self, i: int) -> None:
         """Zero parameter ``i``'s elements of the chunk's gradient (an optimizer's ``zero_grad`` on it)."""
         if self.grad is not None:
@@ -222,6 +258,8 @@ class FlatParameter(Parameter):
         elif self.grad is not None:
             self.grad = Tensor(self.grad.data[lo:hi].copy())
         self._release()
+        if self.grad is not None:
+            self._use_piece_grads()
         return self
 
     def _require_sharded(self, what: str) -> None:
@@ -255,6 +293,8 @@ class FlatParameter(Parameter):
         refreshed; after the shard changed, e.g. an optimizer step, :meth:`reshard` first).
         """
         self._require_sharded("unshard")
+        if self._piece_grads and is_grad_enabled():    # a forward that a backward may follow
+            self._drop_piece_grads()
         dev = device_of(self._shard) if device is None else as_device(device)
         want = self._shard.dtype if dtype is None else np.dtype(dtype)
         if self._gather is not None:                      # already in flight: same handle
@@ -347,15 +387,19 @@ class FlatParameter(Parameter):
         self.data = self._shard[:c]
         if self.grad is not None:
             self.grad.data = to_device(self.grad.data, dev)
+            if self._piece_grads:
+                self._use_piece_grads()
         return self
 
     # -- gradients -----------------------------------------------------------------------------
     def bind_grads(self):
         """Make every parameter's ``.grad`` a view of one flat gradient buffer; return it.
 
-        Existing gradients are copied in (missing ones are zeros). Backward then accumulates
-        straight into the buffer. Idempotent while the views are bound.
+        Existing gradients are copied in (missing ones are zeros; views of the chunk's gradient are
+        dropped first). Backward then accumulates straight into the buffer. Idempotent while the views
+        are bound.
         """
+        self._drop_piece_grads()
         if self._full_grad is not None and all(
                 p.grad is not None and p.grad.data is v for p, v in zip(self.params, self._grad_views)):
             return self._full_grad
@@ -384,6 +428,7 @@ class FlatParameter(Parameter):
         ``scale`` on the way when given (``None`` gradients count as zero). Afterwards every
         parameter's ``.grad`` is ``None``.
         """
+        self._drop_piece_grads()
         views = self._grad_views
         scaled = False
         if self._full_grad is not None and all(
@@ -454,6 +499,7 @@ class FlatParameter(Parameter):
                 self.grad = Tensor(part.astype(self.data.dtype, copy=part.dtype != self.data.dtype))
             else:
                 self.grad.data += part
+            self._use_piece_grads()         # [Note: the originals' gradients are views of the chunk]
             return self.grad
 
         if k == 1:                  # a group of one: the mean (and the sum) is the buffer itself

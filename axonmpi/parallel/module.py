@@ -173,22 +173,20 @@ class ParallelModule(Module):
         return token_mean(loss_sum, num_tokens, self.token_groups(), shards=shards)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True):
-        """The wrapper's parameters (FSDP: its flat shards), then the trainable ones it left out (FSDP x EP's
-        experts, split over their own group): what the optimizer steps."""
-        seen = set()
-        for n, p in self.module.named_parameters(prefix, recurse):
-            seen.add(id(p))
-            yield n, p
-        if self.module is self.inner:
-            return
-        in_flat = {id(q) for f in self._flats() for q in f.params}
-        for n, p in self.inner.named_parameters(prefix, recurse):
-            if id(p) not in seen and id(p) not in in_flat and p.requires_grad:
-                yield n, p
+        """The model's own parameters under their serial names and shapes, as ``model.named_parameters()`` gives
+        them, in every layout (under FSDP the originals, each stepping its piece of the flat chunk: FSDP1's
+        ``use_orig_params=True``; [Note: a parameter keeps its identity]).  The flat chunks themselves are
+        :meth:`flat_parameters`."""
+        yield from self.inner.named_parameters(prefix, recurse)
 
     def parameters(self, recurse: bool = True):
         for _, p in self.named_parameters(recurse=recurse):
             yield p
+
+    def flat_parameters(self) -> List[Any]:
+        """FSDP's flat chunks (``FlatParameter``; empty without FSDP): what FSDP's own ``optim_state_dict``
+        reads, for an optimizer that steps whole chunks."""
+        return self._flats()
 
     def named_modules(self, memo=None, prefix: str = ""):
         """This module (as ``prefix``), then the model's modules under their serial names, as the model's own
@@ -339,18 +337,17 @@ class PipelinedModule(ParallelModule):
             return self.pipeline.eval_step(inputs, targets)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True):
-        """This rank's stages' parameters under serial names (FSDP: their flat shards, ``stage<k>.flat``)."""
+        """This rank's stages' parameters under their serial names and shapes (under FSDP the originals, each
+        stepping its piece of its stage's flat chunk), each once."""
         mine = {id(p) for p in self.pipeline.parameters()}
+        mine |= {id(q) for f in self._flats() for q in f.params}
         for n, p in self.inner.named_parameters(prefix, recurse):
             if id(p) in mine:
                 yield n, p
-        for k, st in enumerate(self._stages):
-            if st.flat is not None:
-                yield f"{prefix}stage{k}.flat", st.flat
 
     def parameters(self, recurse: bool = True):
         """This rank's stages' parameters, each once (a weight tied between two chunks of this rank: ZBV's V)."""
-        return list({id(p): p for p in self.pipeline.parameters()}.values())
+        return [p for _, p in self.named_parameters(recurse=recurse)]
 
     def sharded_state(self) -> ShardedState:
         """This rank's stages' state (their FSDP flat chunks included), joined with the other stages' over the

@@ -146,7 +146,7 @@ class HybridGPT:
             activation_checkpointing=(True if piped else recipe.blocks) if activation_checkpointing else None,
             model_plan=recipe.model_plan, **opts)
         self.shards, self.shard_index = pm.batch_shards
-        self.model, self._params, self.pipe = pm.inner, _stepped(pm), pm.pipeline if piped else None
+        self.model, self._params, self.pipe = pm.inner, list(pm.parameters()), pm.pipeline if piped else None
         self.local_loss = None     # this rank's loss sum of the last forward (None under a pipeline)
         # DDP: the model whole on every rank of its data (x context) group (train_gpt samples from it)
         self.ddp = pm.module if isinstance(pm.module, DistributedDataParallel) and tp is None else None
@@ -301,11 +301,3 @@ def gpt_layers(config: GPTConfig, dtype=None) -> LayerBuilder:
                         lambda layers: GPT.from_pipeline_layers(config, layers),
                         tie if config.tie_word_embeddings else None)
 
-
-def _stepped(pm) -> List[Any]:
-    """What the recipe's optimizer, clipping and loss scaler work on: FSDP's flat chunks whole, then every other
-    parameter (``pm.parameters()`` gives the model's own parameters, each stepping its piece of a chunk; a
-    GradScaler's in-place unscale must reach the chunks' gradients the recipe's clip reads)."""
-    flats = list(pm.flat_parameters()) if hasattr(pm, "flat_parameters") else []
-    in_flat = {id(q) for f in flats for q in getattr(f, "params", ())}
-    return [p for p in pm.parameters() if id(p) not in in_flat] + flats

@@ -46,11 +46,13 @@ def measure(fsdp, optimizer, peak_gathered: int) -> FSDPMemoryStats:
             grads += int(f.grad.data.nbytes)
         if f.full_grad is not None:         # the parameters' .grad are views of it
             grads += int(f.full_grad.nbytes)
-        else:                               # unsharded gradients not yet packed (e.g. under no_sync)
-            grads += sum(int(p.grad.data.nbytes) for p in f.params if p.grad is not None)
+        else:               # unsharded gradients not yet packed (e.g. under no_sync); not views of f.grad
+            views = {id(t) for t in f._piece_grads}
+            grads += sum(int(p.grad.data.nbytes) for p in f.params
+                         if p.grad is not None and id(p.grad) not in views)
     for _, p in getattr(fsdp, "_frozen", ()):       # frozen parameters: replicated, whole on every rank
         params += int(p.data.nbytes) + int(getattr(fsdp._frozen_master.get(id(p)), "nbytes", 0))
-    opt = optimizer_state_bytes(optimizer, flats)
+    opt = optimizer_state_bytes(optimizer, flats + [q for f in flats for q in f.params])  # on chunks or originals
     gathered = fsdp._gathered_bytes()
     base = params + grads + opt
     return FSDPMemoryStats(
