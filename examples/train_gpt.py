@@ -788,7 +788,7 @@ def detach_run_log(log) -> None:
 def count_parameters(hyb) -> int:
     """The serial model's parameter count (each rank's names with their full shapes, united over the ranks)."""
     from axonmpi.distributed import all_gather_object
-    mine = {n: int(np.prod(hyb.full_shape(n))) for n in hyb.param_names}
+    mine = {n: int(np.prod(shape)) for n, shape in hyb.full_shapes().items()}
     every = {}
     for d in all_gather_object(mine):
         every.update(d)
