@@ -218,7 +218,8 @@ def parse_args(argv=None):
     g.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None,
                    help="with --data: the token width (default: meta.json's, else uint16 as nanoGPT)")
     g.add_argument("--corpus-bytes", type=int, default=1 << 20, help="bytes of standard-library source to train on")
-    g.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final evaluation")
+    g.add_argument("--eval-batches", type=int, default=8,
+                   help="held-out batches for the final evaluation (0: none, no held-out loss in the summary)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default="checkpoints/gpt", help="where checkpoints go")
     g.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
@@ -374,11 +375,12 @@ def model_problem(args) -> "str | None":
 AT_LEAST_1 = ("n_layer", "n_head", "n_embd", "block_size", "steps", "global_batch", "log_every", "keep_last", "tp",
               "n_kv_head", "ffn_hidden",
               "microbatches", "virtual_stages", "G_data", "G_inter", "G_intra_r", "G_intra_c", "G_intra_d", "context_parallel",
-              "expert_parallel", "hybrid_shard_size", "corpus_bytes", "eval_batches", "loss_scale_growth_interval",
+              "expert_parallel", "hybrid_shard_size", "corpus_bytes", "loss_scale_growth_interval",
               "make_vocab_size_divisible_by")
 AT_LEAST_0 = {"save_every": "0: only at the end", "warmup": "0: none", "sample_chars": "0: none",
               "moe_experts": "0: dense", "seed": None, "grad_clip": "0: no clipping", "weight_decay": None,
-              "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None, "memory_checkpoint_every": "0: off"}
+              "moe_aux_loss_coeff": None, "moe_z_loss_coeff": None, "memory_checkpoint_every": "0: off",
+              "eval_batches": "0: no final evaluation"}
 ABOVE_0 = ("lr", "init_loss_scale", "moe_capacity_factor", "rope_theta", "peak_tflops")
 
 
@@ -786,7 +788,7 @@ def detach_run_log(log) -> None:
 def count_parameters(hyb) -> int:
     """The serial model's parameter count (each rank's names with their full shapes, united over the ranks)."""
     from axonmpi.distributed import all_gather_object
-    mine = {n: int(np.prod(hyb.full_shape(n))) for n in hyb.param_names}
+    mine = {n: int(np.prod(shape)) for n, shape in hyb.full_shapes().items()}
     every = {}
     for d in all_gather_object(mine):
         every.update(d)
@@ -1080,12 +1082,15 @@ def main(argv=None):
         metrics.close()
     elapsed = time.perf_counter() - t0
 
-    val = evaluate(hyb, val_tokens, args.block_size, args.eval_batches, args.global_batch, args.seed)
-    log.info("done: step %d (%d this run) in %.1f s | train loss %s (last step's; moving average %s) | held-out "
-             "loss %.3f vs unigram entropy %.3f nats (%s)", step, step - start_step, elapsed,
-             "n/a" if lval is None else f"{lval:.4f}", "n/a" if loss_ema is None else f"{loss_ema:.4f}", val,
-             h_unigram,
-             f"learned structure beyond {data.unit[:-1]} frequencies" if val < h_unigram else "not yet below unigram")
+    val = (evaluate(hyb, val_tokens, args.block_size, args.eval_batches, args.global_batch, args.seed)
+           if args.eval_batches else None)      # --eval-batches 0: no held-out forwards
+    held_out = ("no held-out evaluation (--eval-batches 0)" if val is None else
+                f"held-out loss {val:.3f} vs unigram entropy {h_unigram:.3f} nats ("
+                + (f"learned structure beyond {data.unit[:-1]} frequencies" if val < h_unigram
+                   else "not yet below unigram") + ")")
+    log.info("done: step %d (%d this run) in %.1f s | train loss %s (last step's; moving average %s) | %s", step,
+             step - start_step, elapsed, "n/a" if lval is None else f"{lval:.4f}",
+             "n/a" if loss_ema is None else f"{loss_ema:.4f}", held_out)
     if saving and step > start_step:
         save(step)
     if mgr is not None:

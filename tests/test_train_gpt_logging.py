@@ -92,3 +92,18 @@ def test_stderr_is_terminal_answers_for_a_pipe_and_obeys_the_override(monkeypatc
     assert stderr_is_terminal() is True
     monkeypatch.setenv("AXONMPI_PROGRESS", "0")
     assert stderr_is_terminal() is False
+
+
+def test_eval_batches_0_runs_no_held_out_forward(monkeypatch, tmp_path):
+    """``--eval-batches 0``: no held-out batch runs and the summary says so (the layout walks of
+    tests/test_train_layouts.py take their one step without it); ``--eval-batches 2`` runs two."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_gpt
+    calls, real = [], train_gpt.evaluate
+    monkeypatch.setattr(train_gpt, "evaluate", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.chdir(tmp_path)
+    for n in (0, 2):
+        train_gpt.main([*TINY, "--steps", "1", "--global-batch", "2", "--no-progress", "--corpus-bytes", "6000",
+                        "--eval-batches", str(n)])
+    assert calls == [2]

@@ -216,6 +216,12 @@ class HybridGPT:
         """The serial model's shape of parameter ``name`` (its placement's)."""
         return self.pm.sharded_state().full_shape(name)
 
+    def full_shapes(self) -> Dict[str, tuple]:
+        """``{name: serial shape}`` of every parameter this rank holds (:meth:`full_shape` of each, one state read
+        for all: a model of n parameters reads its state once, not n times)."""
+        state = self.pm.sharded_state()
+        return {n: state.full_shape(n) for n in self.param_names}
+
     def checkpoint_state(self, optimizer) -> "tuple":
         """``(model, optimizer)`` for :func:`axonmpi.checkpoint.training_state` / ``restore_training_state``: the
         model saves serial-named ``ShardedArray`` blocks (each rank its pieces) and loads either form, so a

@@ -72,13 +72,14 @@ def _hidden(module: Module, params):
             m._parameters[n] = p
 
 
-def stage_shard(chunk: Module, group, shared) -> Tuple[Any, List[Any], List[Any]]:
+def stage_shard(chunk: Module, group, shared, data=None) -> Tuple[Any, List[Any], List[Any]]:
     """[Note: FSDP in a pipeline]  A pipeline stage's parameters as one
     :class:`~axonmpi.parallel.FlatParameter` sharded over ``group`` (data x context, or hybrid shard's shard
     group): the optimizer holds this rank's chunk.  A step all-gathers it once before the first micro-batch
     and reduce-scatters the accumulated gradient once after the last (FSDP2's behaviour under a pipeline
     schedule, ``reshard_after_forward=False``), then frees the full copy.  Left out, whole: the experts (split
-    over a subgroup of ``group``: their own replica groups reduce them), a weight ``shared`` with another chunk
+    over a subgroup of ``data``, default ``group``: their own replica groups reduce them; hybrid shard's ``group``
+    is one node's part of ``data``, which an expert group may span), a weight ``shared`` with another chunk
     (summed between the stages by the tie), and frozen parameters (never reduced).
 
     Returns:
@@ -88,11 +89,12 @@ def stage_shard(chunk: Module, group, shared) -> Tuple[Any, List[Any], List[Any]
     from .._flat import FlatParameter
     from ..grad_sync import sharded_within
     named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
-    inside = [(n, p) for n, p in named if not sharded_within(p, group) and id(p) not in shared]
+    data = group if data is None else data
+    inside = [(n, p) for n, p in named if not sharded_within(p, data) and id(p) not in shared]
     flat = None
     if inside:
         flat = FlatParameter([p for _, p in inside], [n for n, _ in inside]).shard(group)
         set_placement(flat, flat.placement)     # its own (a flat chunk over ``group``)
-    experts = [p for _, p in named if sharded_within(p, group)]
+    experts = [p for _, p in named if sharded_within(p, data)]
     tied = [p for _, p in named if id(p) in shared]
     return flat, experts, tied

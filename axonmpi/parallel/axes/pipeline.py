@@ -78,15 +78,16 @@ def _stages(chunks: List[Module], c: Composition, shared) -> Tuple[List[Any], An
     from ..grad_sync import data_reduction_group
     from ..module import Stage
     from .data import stage_shard
-    shard, replicate = None, None
+    shard, replicate, dgroup = None, None, data_reduction_group(c.grid)
     if c.data == "fsdp":
-        shard, replicate = _fsdp_groups(c, data_reduction_group(c.grid))
+        shard, replicate = _fsdp_groups(c, dgroup)
     stages = []
     for chunk in chunks:
         # the first stage's first layer numbers the model's input; any other layer taking positions= (a Llama
         # block's rotary tables) the sequence its attention sees ([Note: positions] in axes/context.py)
         context_axis.number_layer_positions(list(chunk), c, first_is_input=getattr(chunk, "stage_index", None) == 0)
-        flat, experts, whole = stage_shard(chunk, shard, shared) if shard is not None else (None, [], [])
+        flat, experts, whole = (stage_shard(chunk, shard, shared, data=dgroup) if shard is not None
+                                else (None, [], []))
         st = Stage(chunk, c, flat=flat, extra=experts + whole)
         if c.checkpointing is True:
             checkpointing.apply(st, True, c.rank, whole=True)
@@ -95,17 +96,14 @@ def _stages(chunks: List[Module], c: Composition, shared) -> Tuple[List[Any], An
 
 
 def _fsdp_groups(c: Composition, dgroup):
-    """``(shard group, replicate group or None)`` of FSDP's strategy over data x context."""
+    """``(shard group, replicate group or None)`` of FSDP's strategy over data x context.  Hybrid shard's groups
+    hold the dense parameters only: an expert split over its expert group (which may span several shard groups)
+    stays whole, reduced over its own expert-data group ([Note: FSDP in a pipeline])."""
     from ..fsdp import ShardingStrategy
     from ..fsdp.runtime import resolve_groups
     strategy = ShardingStrategy.coerce(c.sharding_strategy or "full_shard")
     if strategy is not ShardingStrategy.HYBRID_SHARD:
         return dgroup, None
-    if c.experts:
-        raise NotImplementedError(
-            f"rank {c.rank}: hybrid shard with expert_parallel={c.expert_parallel} in a pipeline is not built: an "
-            "expert's replicas (its expert-data group) are not those of the hybrid shard groups; use "
-            "full_shard or shard_grad_op")
     return resolve_groups(dgroup, strategy, c.strategy_options.get("hybrid_shard_size"))
 
 
