@@ -7,6 +7,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import os as _os
+
+# MPICH: a thread blocked in an MPI call holds the library's lock while it polls; without a real yield the watchdog's
+# monitor thread (which answers the other ranks' questions) can starve on a loaded node and a healthy rank is
+# reported as not answering. Set before mpi4py initialises MPI; other MPIs ignore it; a value set by the user wins.
+_os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+
 from . import backend
 from .backend import Device, get_array_module
 from .log import get_logger, print0, print_rank

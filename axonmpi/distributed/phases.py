@@ -151,10 +151,11 @@ def late(wd, e, idx: int, t0: float, now: float) -> bool:
     if not left and set(want) - set(answers):
         # a rank that did not answer within ANSWER_S may be starved, not dead (a loaded node: a healthy slow save
         # was ended so): ask once more after another deadline before the verdict
+        # (twice, each after the deadline or 30 s, whichever is shorter: a starved monitor thread answers late)
         asked = wd.__dict__.setdefault("_unanswered", {})
-        if asked.get(idx, 0) < 1:
+        if asked.get(idx, 0) < 2:
             asked[idx] = asked.get(idx, 0) + 1
-            wd.deadlines[idx] = now + wd.timeout
+            wd.deadlines[idx] = now + min(wd.timeout, 30.0)
             return False
     if not left:
         return True
