@@ -211,20 +211,30 @@ def _pieces(arrays, scratch, dtype):
         yield [None if f is None else f[i:j] for f in flats] + [b[:j - i] for b in scratch]
 
 
+def _effective_grad(xp, g, p, gs, s, maximize: bool, weight_decay: float):
+    """``(-g if maximize else g) + weight_decay * p`` in the state dtype (PyTorch's order).
+
+    Returns ``g`` itself when nothing changes; otherwise writes into ``gs`` (``s`` is
+    clobbered as scratch).
+    """
+    if not maximize and not weight_decay and g.dtype == gs.dtype:
+        return g
+    if maximize:
+        xp.negative(g, out=gs)
+    else:
+        gs[...] = g
+    if weight_decay:
+        xp.multiply(p, weight_decay, out=s)
+        gs += s
+    return gs
+
+
 def _adam_numpy(p, g, m, v, vmax, c, maximize, scratch) -> None:
     decay, l2, b1, omb1, b2, omb2, step_size, bc2, eps = c
     for pp, gg, mm, vv, vm, s, gs in _pieces([p, g, m, v, vmax], scratch, m.dtype):
         if decay != 1.0:
             pp *= decay
-        if maximize or l2 or gg.dtype != gs.dtype:     # (-g) + l2 p, in the state dtype (PyTorch's order)
-            if maximize:
-                np.negative(gg, out=gs)
-            else:
-                gs[...] = gg
-            if l2:
-                np.multiply(pp, l2, out=s)
-                gs += s
-            gg = gs
+        gg = _effective_grad(np, gg, pp, gs, s, maximize, l2)
         np.multiply(gg, omb1, out=s)
         mm *= b1
         mm += s

@@ -251,21 +251,3 @@ class Optimizer:
 
 
 _SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum")  # OneCycleLR's
-
-
-def _effective_grad(xp: Any, g: Any, p: Any, gs: Any, s: Any, maximize: bool, weight_decay: float) -> Any:
-    """``(-g if maximize else g) + weight_decay * p`` in the state dtype (PyTorch's order).
-
-    Returns ``g`` itself when nothing changes; otherwise writes into ``gs`` (``s`` is
-    clobbered as scratch).
-    """
-    if not maximize and not weight_decay and g.dtype == gs.dtype:
-        return g
-    if maximize:
-        xp.negative(g, out=gs)
-    else:
-        gs[...] = g
-    if weight_decay:
-        xp.multiply(p, weight_decay, out=s)
-        gs += s
-    return gs

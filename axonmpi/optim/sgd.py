@@ -6,7 +6,8 @@ from typing import Any, Dict, Iterable
 
 from ..backend import get_array_module
 from ..nn.parameter import local_arrays
-from .optimizer import Optimizer, _effective_grad, state_dtype
+from ..kernels.optim import _effective_grad
+from .optimizer import Optimizer, state_dtype
 
 __all__ = ["SGD"]
 
