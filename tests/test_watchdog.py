@@ -283,3 +283,44 @@ def test_a_watchdog_message_sent_after_the_peers_last_look_does_not_block_the_ex
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert "0 ends" in r.stdout and "1 ends" in r.stdout
     assert took < 30, took
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_exit_notice_counts_calls_the_flight_ring_has_forgotten(world):
+    """At the end of the 8-rank N-D pass (all tests passed) a rank waiting in its last collective check on a
+    tied "embedding" group was told the exited partner had "completed no call" on it, and the job ended with
+    exit 1: the exit notice was read from the flight ring, which had forgotten that group's calls (and keyed
+    every group of one name and ranks as one). It is now read from each group's own call counter."""
+    from types import SimpleNamespace
+
+    from axonmpi.distributed.watchdog.record import _FINAL
+    wd = world.watchdog
+    if wd is None:
+        pytest.skip("no watchdog (AXONMPI_TIMEOUT=0)")
+    ranks = list(range(world.world_size))
+    groups = [world.new_group(ranks, name="tied-twice") for _ in range(2)]
+    try:
+        for k, g in enumerate(groups):               # 3 calls on the first, 4 on the second
+            for _ in range(3 + k):
+                axonmpi.all_reduce(np.ones(1), group=g)
+        for _ in range(wd.capacity):                  # the ring forgets them
+            axonmpi.all_reduce(np.ones(1))
+        assert not any(e[2] == "tied-twice" for e in wd.entries())
+        notice = wd._exit_notice()
+        key = ("tied-twice", tuple(ranks))
+        assert notice[key] == 3, notice.get(key)      # the largest of the two groups' last call numbers
+        peer = (world.rank + 1) % world.world_size
+        exited = SimpleNamespace(exited={peer: notice})
+
+        def waiting(op, seq):
+            e = [None] * 17
+            e[0], e[1], e[2], e[3] = seq, op, "tied-twice", tuple(ranks)
+            return e
+        blocked = type(wd)._blocked_by_exit
+        assert not blocked(exited, waiting(_FINAL, 4))       # the second group's last exchange: it makes it too
+        assert not blocked(exited, waiting(_FINAL, 3))       # the first group's
+        assert blocked(exited, waiting("all_reduce", 4))     # a fifth call it never made: found within 1 s
+        assert blocked(SimpleNamespace(exited={peer: {}}), waiting(_FINAL, 3))   # a group it never used
+    finally:
+        for g in groups:
+            g.free()

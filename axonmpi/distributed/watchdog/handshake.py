@@ -25,7 +25,7 @@ from typing import List
 import numpy as np
 from mpi4py import MPI
 
-from .record import _EXIT, _FILE, _GROUP, _IDX, _PEER, _RANKS, _SEQ, _public, _where
+from .record import _EXIT, _FILE, _IDX, _public, _where
 
 __all__: List[str] = []   # private to the watchdog package
 
@@ -38,10 +38,7 @@ class _Handshake:
         """Tell the others this rank has ended, wait for all (answering questions), stop the listener."""
         if self._closed:
             return
-        last = {}
-        for e in self.entries():
-            if e[_PEER] is None:
-                last[(e[_GROUP], e[_RANKS])] = e[_SEQ]
+        last = self._exit_notice()
         self.exited[self.rank] = last
         msg = pickle.dumps(last)
         for r in range(self.size):
@@ -59,6 +56,21 @@ class _Handshake:
                 MPI.Finalize()
             finally:
                 os._exit(1)
+
+    def _exit_notice(self) -> dict:
+        """What an exiting rank tells the others: the number of its last collective call on each group (keyed
+        by name and ranks), read from each group's own counter -- not from the flight ring, which forgets a
+        group's calls once they are older than its capacity: a rank then read as having made no call on a group
+        whose last exchange it was about to make, and a passing job ended with exit 1.  Groups of one name and
+        ranks (a tied "embedding" group per pipelined model) share a key, so the largest number counts: a call
+        the exited rank never made on one of them may then be found at the deadline instead of within
+        ``EXIT_GRACE_S``, but a call it did make is never taken for one it did not."""
+        last = {}
+        for c in self._comms:
+            if c.seq:
+                key = (c.name, c.ranks)
+                last[key] = max(last.get(key, -1), c.seq - 1)
+        return last
 
     def _settle_checks(self) -> None:
         """At exit: every group's last window is exchanged and verified (all started first, then waited
