@@ -215,3 +215,32 @@ def test_reducer_entries_closed_form_and_switch(world):
     assert red.enabled and part.enabled
     with pytest.raises(TypeError, match="needs an 'enabled' switch"):
         red.add_part(object())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_armed_buckets_launch_during_backward_in_one_order(world):
+    """[Note: buckets launched as they fill]: with 16-byte buckets, a chain's later parameters' buckets are
+    launched inside the backward, before its first parameter's gradient exists (the hooks fire last layer first),
+    and the result is the closed-form mean of the ranks' gradients; a second backward is a new round."""
+    from axonmpi.distributed import resolve_group
+    from axonmpi.parallel.grad_sync import GradReducer
+    group, n, r = resolve_group(None), world.world_size, world.rank
+    params = [nn.Parameter(np.full(2, 1.0 + k)) for k in range(4)]
+    red = GradReducer("test")
+    red.bucket_bytes = 16
+    red.after_backward(params, lambda p: (group,), 1.0 / n)
+    seen = []      # registered first: runs before the reducer's hook on params[0]
+    params[0].register_post_accumulate_grad_hook(lambda p: seen.append(len(red._round.launched)))
+    red.arm(params)
+    for _ in range(2):
+        for p in params:
+            p.grad = None
+        x = Tensor(np.full(2, r + 1.0))
+        for p in params:                      # x * p0 * p1 * p2 * p3: backward reaches p3 first
+            x = x * p
+        x.sum().backward()
+        assert seen.pop() == 3, "the three later buckets launch before the first parameter's gradient is final"
+        for k, p in enumerate(params):
+            others = np.prod([1.0 + j for j in range(4) if j != k])
+            assert np.allclose(p.grad.data, others * (n + 1) / 2, rtol=1e-12), (k, p.grad.data)
+    assert red._round is None and red._pending is None

@@ -122,3 +122,36 @@ def test_errors_name_rank_and_expectation():
     if r == 0:   # the failure is raised where the data is; other ranks are not involved yet
         with pytest.raises(ValueError, match="rank 0: a batch of 3 samples cannot make 4 micro-batches"):
             pipe._agree_sizes(np.ones((3, 3)), None, need_targets=False)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["interleaved", "zbv"])
+def test_a_stage_reduction_starts_after_its_last_backward(kind):
+    """[Note: overlapped stage reductions]: each chunk's data-parallel reduction is launched right after its last
+    backward action (the later chunk's while the earlier one's backward still runs), and the gradients equal those
+    of the blocking reduction after the schedule (``overlap = False``) and the serial model's."""
+    from axonmpi.parallel.pipeline.runtime import _last_backward
+    world = axonmpi.init()
+    solo = world.split(world.rank)
+    n = world.world_size
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((4 * n, 3)), rng.standard_normal((4 * n, 2))
+    mine = slice(4 * world.rank, 4 * world.rank + 4)
+    grads = []
+    for overlap in (True, False):
+        model = _model([3, 4, 4, 2], seed=3)
+        pipe = Pipeline(split_module(model, 1, 2, by="layers", group=solo, schedule=kind), kind,
+                        num_microbatches=2, loss_fn=F.mse_loss, group=solo, data_group=world.default_group)
+        pipe.overlap = overlap
+        pipe.step(x[mine], y[mine])
+        last = _last_backward(pipe.schedule_actions())
+        want = sorted((k, s) for s, k in last.items()) if overlap else []
+        assert pipe._launches == want, (pipe._launches, last)
+        assert not overlap or pipe._launches[0][1] == 1   # the later chunk's travels during the first's backward
+        assert pipe.timing().reduce_seconds > 0
+        grads.append([q.grad.numpy().copy() for q in model.parameters()])
+    ref = _model([3, 4, 4, 2], seed=3)
+    F.mse_loss(ref(Tensor(x)), Tensor(y)).backward()
+    for a, b, r in zip(*grads, ref.parameters()):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, r.grad.numpy(), rtol=1e-10, atol=1e-15)

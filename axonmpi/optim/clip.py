@@ -43,13 +43,14 @@ def _grads(parameters: Params) -> List[Any]:
     return [p.grad.data for p in _held(parameters) if p.grad is not None]
 
 
-_UNSET = object()
 
 
 def shard_group_of(param: Any, default: Optional[Any] = None) -> Optional[Any]:
-    """The process group over which ``param`` is sharded, read from its attributes.
+    """The process group over which ``param`` is sharded, read through :func:`~axonmpi.distributed.placement_of`
+    (the one reader of placements and tags).
 
-    * ``param.shard_group = group`` (or ``None`` for replicated: every rank holds the same values);
+    * its placement (``set_placement``): its first shard group that is not a pipeline stage;
+    * else ``param.shard_group = group`` (or ``None`` for replicated: every rank holds the same values);
     * else AxoNN's tags, as the tensor-parallel layers set them: ``is_tensor_parallel`` True means
       sharded over ``process_group_for_norm_reduction``, False means replicated;
     * else ``default``.
@@ -63,13 +64,13 @@ def shard_group_of(param: Any, default: Optional[Any] = None) -> Optional[Any]:
         >>> shard_group_of(p) is world.default_group
         True
     """
-    g = getattr(param, "shard_group", _UNSET)
-    if g is not _UNSET:
-        return g
-    tp = getattr(param, "is_tensor_parallel", _UNSET)
-    if tp is not _UNSET:
-        return getattr(param, "process_group_for_norm_reduction", None) if tp else None
-    return default
+    from ..distributed.placement import Placement, ShardKind, placement_of
+    none = Placement()
+    pl = placement_of(param, none)      # the one reader: a placement, else ``shard_group``, else AxoNN's tags
+    if pl is none:
+        return default
+    groups = [s.group for s in pl.shards if s.kind is not ShardKind.STAGE]
+    return groups[0] if groups else None
 
 
 def _domain(group: Optional[Any]):

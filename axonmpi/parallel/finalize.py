@@ -75,8 +75,10 @@ def finalize_entries(reducer: GradReducer, module, c, wrapped) -> None:
     for p, groups, s in entries:
         reducer.after_backward([p], lambda q, groups=groups: groups, s)
     reducer.before_run(UnusedCheck(module.named_parameters(), g))
+    reducer.defer = c.checkpointing not in (None, False)     # a hook may fire before its gradient is final
     if g.G_inter == 1:        # on a pipeline grid the Pipeline you build runs it after the step's last backward
-        reducer.arm([p for p in module.parameters() if p.requires_grad])
+        # buckets launch during backward only where no wrapper reduces in it too (DDP rebinds .grad to its buckets)
+        reducer.arm([p for p in module.parameters() if p.requires_grad], as_ready=wrapped is module)
 
 
 def segment_entries(reducer: GradReducer, flats: Iterable[Any], c) -> None:

@@ -39,7 +39,8 @@ attribute ``sequence_parallel``); the sums are linear, so their order with the d
 reductions they run are its entries or its parts.  An *entry* is a gradient array, the groups the table gives
 for its parameter, and a scale (``1 / batch shards``); the entries run after backward, bucketed into one flat
 array per (groups, scale, dtype): at the end of the backward pass (:meth:`GradReducer.arm`, queued with
-``autograd.queue_callback``: ``loss.backward()`` returns reduced gradients), or when the owner calls
+``autograd.queue_callback``: ``loss.backward()`` returns reduced gradients; the buckets already launched during
+the backward as they fill, [Note: buckets launched as they fill]), or when the owner calls
 :meth:`GradReducer.run` (a pipeline after its last micro-batch; FSDP's chunk segments after its reduce-scatter).
 ``parallelize``'s one is the model's finalize step (:mod:`axonmpi.parallel.finalize`).  A *part* is an executor that keeps
 its own collective: DDP's bucketed all-reduce overlapped with backward (``GradientSynchronizer``), FSDP's
@@ -77,8 +78,8 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
     """The groups (of more than one rank) ``param``'s gradient is summed over, by the table above.
 
     Args:
-        param: a parameter (its :func:`placement_of` is read, and AxoNN's
-            ``needs_depth_parallel_gradient_sync`` tag of 3-D biases).
+        param: a parameter (its :func:`placement_of` is read, and nothing else: a 3-D bias is known by its
+            placement's replica over ``depth``; AxoNN's tags are read only through :func:`placement_of`).
         data: the data-parallel group.
         batch: the extra groups that split the batch rows inside a tensor-parallel block.
         depth: the depth group of AxoNN's layers (for their biases).
@@ -88,13 +89,14 @@ def reduction_groups(param: Any, data: Any, batch: Sequence[Any] = (), depth: An
         ['data_group', 'intra_group']
     """
     pl = placement_of(param)
-    if getattr(param, "needs_depth_parallel_gradient_sync", False):
-        out = [data, depth]
-    elif sharded_within(param, data):       # an expert: its expert-data replicas, and the batch groups (its
+    if sharded_within(param, data):         # an expert: its expert-data replicas, and the batch groups (its
         split = {getattr(s.group, "ranks", None) for s in pl.shards}          # gradient is of this rank's rows;
         out = [r for r in pl.replica_groups if _inside(r, data)] + \
             [b for b in batch if getattr(b, "ranks", 0) not in split]         # not one that splits it)
-    elif any(s.kind is not ShardKind.STAGE for s in pl.shards) or getattr(param, "is_tensor_parallel", False):
+    elif depth is not None and depth.size > 1 and any(r is depth or getattr(r, "ranks", None) == depth.ranks
+                                                      for r in pl.replica_groups):
+        out = [data, depth]                 # an AxoNN 3-D bias: its placement replicates it over depth
+    elif any(s.kind is not ShardKind.STAGE for s in pl.shards):
         out = [data]
     else:
         out = [data, *batch]
@@ -159,11 +161,17 @@ class GradReducer:
     def __init__(self, name: str = "", parts: Sequence[Any] = ()):
         self.name = name
         self.parts: List[Any] = []
-        self._after: List[Tuple[Callable[[], Any], Callable[[], Tuple[Any, ...]], float]] = []
+        # (gradient, groups, scale, the parameter or None for an FSDP segment) of each entry
+        self._after: List[Tuple[Callable[[], Any], Callable[[], Tuple[Any, ...]], float, Any]] = []
         self._first: List[Callable[[], None]] = []
         self._handles: List[Any] = []
         self._enabled = True
         self._queued = False
+        self._pending: Any = None
+        self._round: Any = None        # the buckets launched as they fill in this backward ([Note: buckets ...])
+        self._listening = False
+        self.defer = False             # True: nothing launches during backward (activation checkpointing)
+        self._arm_listen = False
         for part in parts:
             self.add_part(part)
 
@@ -192,7 +200,7 @@ class GradReducer:
         for p in params:       # the groups are read at run time: placements may still be added after this
             if p.requires_grad:
                 self._after.append((lambda p=p: None if p.grad is None else p.grad.data,
-                                    lambda p=p: _live(groups_of(p)), scale))
+                                    lambda p=p: _live(groups_of(p)), scale, p))
 
     def after_backward_segments(self, flats: Iterable[Any], groups_of: Callable[[Any], Sequence[Any]],
                                 scale: float = 1.0) -> None:
@@ -204,26 +212,36 @@ class GradReducer:
                 groups = _live(groups_of(f.params[seg.index]))
                 if groups or scale != 1.0:
                     self._after.append((lambda f=f, seg=seg: None if f.grad is None else seg.in_chunk(f.grad.data),
-                                        lambda groups=groups: groups, scale))
+                                        lambda groups=groups: groups, scale, None))
 
     def before_run(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` first in every :meth:`run` (a pipeline stage's FSDP reduce-scatter, before the entries
         that read its shard)."""
         self._first.append(fn)
 
-    def arm(self, params: Iterable[Any]) -> None:
+    def arm(self, params: Iterable[Any], as_ready: bool = True) -> None:
         """Run :meth:`run` once at the end of every backward pass that gives one of ``params`` a gradient
         (``autograd.queue_callback`` from its post-accumulate-grad hook): ``loss.backward()`` returns with every
-        entry reduced, as a model without after-backward entries does."""
+        entry reduced, as a model without after-backward entries does.  ``as_ready``: the buckets are launched
+        during the backward as they fill ([Note: buckets launched as they fill]); False where another executor
+        reduces the same gradients during backward (DDP rebinds ``.grad`` to its bucket, FSDP reduce-scatters):
+        the entries then run after it, at the end of the pass."""
+        self._arm_listen = bool(as_ready)
         for p in params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._queue))
 
-    def _queue(self, _param) -> None:
-        if self._queued or not self._enabled:
+    def _queue(self, param) -> None:
+        if not self._enabled:
+            return
+        if self._queued:
+            self._ready(param)
             return
         from ..autograd import queue_callback
         self._queued = True
+        if self._arm_listen:
+            self.listen()
+            self._ready(param)
 
         def finalize():
             self._queued = False
@@ -234,29 +252,83 @@ class GradReducer:
         """Run the after-backward entries (nothing inside :func:`no_sync`): one flat array per (groups, scale,
         dtype), summed over each group, times the scale (one MEAN where that is all it is).  Collective over
         the groups, in the same order on every rank (the entries' order)."""
-        if not self._enabled:
+        self.start()
+        self.wait()
+
+    def start(self) -> None:
+        """Launch :meth:`run`'s reductions without waiting (each bucket's first group non-blocking) and return:
+        the caller computes on while they travel, then calls :meth:`wait` (a pipeline launches a stage's
+        reduction when its last micro-batch's backward is done, [Note: overlapped stage reductions]).  The
+        buckets a backward already launched as they filled ([Note: buckets launched as they fill]) are not
+        launched again.  The gradients must not change until :meth:`wait`.  A second ``start`` before ``wait``
+        does nothing."""
+        rnd, self._round, self._listening = self._round, None, False
+        if not self._enabled or self._pending is not None:
+            if rnd is not None:                 # (switched off mid-round) complete what was launched
+                for b in rnd.launched:
+                    b.finish()
             return
-        for fn in self._first:
-            fn()
-        if not self._after:
+        try:
+            for fn in self._first:
+                fn()
+        except BaseException:
+            for b in rnd.launched if rnd is not None else ():   # no request is dropped ([Note: no request ...])
+                b.finish()
+            raise
+        if rnd is None:
+            self._pending = [_Launched(groups, scale, grads) for groups, scale, grads in self._buckets()]
             return
+        rnd.launch_all()
+        rest = [e for i, e in enumerate(self._after) if i not in rnd.planned]
+        self._pending = rnd.launched + [_Launched(groups, scale, grads) for groups, scale, grads in self._buckets(rest)]
+
+    def wait(self) -> None:
+        """Complete what :meth:`start` launched: the gradients hold the reduced values after it."""
+        pending, self._pending = self._pending, None
+        for b in pending or ():
+            b.finish()
+
+    def launch_as_ready(self, params: Iterable[Any]) -> None:
+        """[Note: buckets launched as they fill]  Hook ``params`` (those among the entries) so that, in a backward
+        this reducer listens to (:meth:`listen`; every backward under :meth:`arm`), the entries are bucketed as
+        DDP buckets them -- reverse entry order (about the order backward finishes them), per (groups, scale,
+        dtype), up to :attr:`bucket_bytes` each -- and each bucket's reduction is launched as soon as all its
+        parameters' gradients of this backward are final and every bucket before it was launched (the same order
+        on every rank of a group, whatever order the hooks fire in).  :meth:`start` launches the rest: buckets not
+        filled, FSDP segments, parameters without a gradient."""
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._ready))
+
+    bucket_bytes = 4 << 20
+    """The largest bucket launched during backward (bytes); small buckets start sooner, large ones cost fewer calls."""
+
+    def listen(self) -> None:
+        """The next backward is the last before :meth:`start`: launch its buckets as they fill (nothing inside
+        :func:`no_sync`, while a reduction is pending, or with :attr:`defer`)."""
+        if self._enabled and self._pending is None and not self.defer and self._round is None:
+            self._round = _Round(self._after, self.bucket_bytes)
+            self._listening = True
+
+    def _ready(self, p) -> None:
+        if not self._listening:
+            return
+        self._round.ready(p)
+
+    @property
+    def started(self) -> bool:
+        """True between :meth:`start` and :meth:`wait`."""
+        return self._pending is not None
+
+    def _buckets(self, entries=None) -> List[Tuple[Tuple[Any, ...], float, List[Any]]]:
         buckets: Dict[Tuple[Any, ...], Tuple[Tuple[Any, ...], float, List[Any]]] = {}
-        for grad_of, groups_of, scale in self._after:
+        for grad_of, groups_of, scale, _ in self._after if entries is None else entries:
             g = grad_of()
             groups = groups_of() if g is not None else ()
             if g is not None and (groups or scale != 1.0):
                 key = (tuple(id(x) for x in groups), scale, str(g.dtype))
                 buckets.setdefault(key, (groups, scale, []))[2].append(g)
-        for groups, scale, grads in buckets.values():
-            flat = get_array_module(grads[0]).concatenate([x.reshape(-1) for x in grads])
-            if len(groups) == 1 and scale == 1.0 / groups[0].size:
-                all_reduce(flat, ReduceOp.MEAN, groups[0], out=flat)       # plain data parallel: one mean
-            else:
-                reduce_gradient(flat, groups, scale)
-            at = 0
-            for x in grads:
-                x[...] = flat[at:at + x.size].reshape(x.shape)
-                at += x.size
+        return list(buckets.values())
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -276,6 +348,95 @@ class GradReducer:
     def __repr__(self) -> str:
         return (f"GradReducer({self.name!r}, hooked={len(self._handles)}, after_backward={len(self._after)}, "
                 f"parts={[getattr(p, 'name', type(p).__name__) for p in self.parts]}, enabled={self._enabled})")
+
+
+class _Round:
+    """One backward's buckets launched as they fill ([Note: buckets launched as they fill])."""
+
+    def __init__(self, entries, cap: int):
+        self.planned = set()
+        open_: Dict[Tuple[Any, ...], List[int]] = {}
+        closed: List[Tuple[int, Tuple[Any, ...], float, List[int]]] = []     # (last position, groups, scale, entries)
+        sizes: Dict[Tuple[Any, ...], int] = {}
+        for pos, i in enumerate(reversed(range(len(entries)))):
+            _, groups_of, scale, p = entries[i]
+            if p is None:
+                continue
+            groups = groups_of()
+            if not groups and scale == 1.0:
+                continue
+            key = (tuple(id(x) for x in groups), scale, str(p.data.dtype))
+            open_.setdefault(key, []).append(i)
+            sizes[key] = sizes.get(key, 0) + p.data.nbytes
+            self.planned.add(i)
+            if sizes[key] >= cap:
+                closed.append((pos, groups, scale, open_.pop(key)))
+                sizes[key] = 0
+        n = len(entries)
+        for key, idx in open_.items():
+            closed.append((n + len(closed), entries[idx[0]][1](), entries[idx[0]][2], idx))
+        closed.sort(key=lambda b: b[0])
+        self.entries = entries
+        self.buckets = [(groups, scale, idx) for _, groups, scale, idx in closed]
+        self.where = {id(entries[i][3]): k for k, (_, _, idx) in enumerate(self.buckets) for i in idx}
+        self.waiting = [len(idx) for _, _, idx in self.buckets]
+        self.next = 0
+        self.seen = set()
+        self.launched: List[_Launched] = []
+
+    def ready(self, p) -> None:
+        k = self.where.get(id(p))
+        if k is None:
+            return
+        if id(p) in self.seen:
+            raise RuntimeError(
+                f"parameter of shape {tuple(p.shape)} received a second gradient in one backward (an inner backward "
+                "of activation checkpointing, or a hook fired early) after its bucket may have been launched; set "
+                "the reducer's defer = True (parallelize does under activation checkpointing; a Pipeline: "
+                "pipe.overlap_buckets = False)")
+        self.seen.add(id(p))
+        self.waiting[k] -= 1
+        while self.next < len(self.buckets) and self.waiting[self.next] <= 0:
+            self._launch(self.next)
+        for b in self.launched:      # MPI moves a request along only inside MPI calls: test them (DDP's poke)
+            if b.work is not None and not b.work.is_completed():
+                break
+
+    def _launch(self, k: int) -> None:
+        groups, scale, idx = self.buckets[k]
+        grads = [g for g in (self.entries[i][0]() for i in idx) if g is not None]
+        if grads:
+            self.launched.append(_Launched(groups, scale, grads))
+        self.next = k + 1
+
+    def launch_all(self) -> None:
+        while self.next < len(self.buckets):
+            self._launch(self.next)
+
+
+class _Launched:
+    """One bucket of :meth:`GradReducer.start`: its gradients copied into one flat array, the sum over its first
+    group in flight; :meth:`finish` waits, runs the other groups, scales, and copies the result back."""
+
+    __slots__ = ("groups", "scale", "grads", "flat", "work", "mean")
+
+    def __init__(self, groups: Tuple[Any, ...], scale: float, grads: List[Any]):
+        self.groups, self.scale, self.grads = groups, scale, grads
+        self.flat = get_array_module(grads[0]).concatenate([x.reshape(-1) for x in grads])
+        self.mean = len(groups) == 1 and scale == 1.0 / groups[0].size        # plain data parallel: one mean
+        self.work = all_reduce(self.flat, ReduceOp.MEAN if self.mean else ReduceOp.SUM, groups[0],
+                               out=self.flat, async_op=True) if groups else None
+
+    def finish(self) -> None:
+        flat = self.flat
+        if self.work is not None:
+            self.work.wait()
+        if not self.mean:
+            reduce_gradient(flat, self.groups[1:], self.scale)
+        at = 0
+        for x in self.grads:
+            x[...] = flat[at:at + x.size].reshape(x.shape)
+            at += x.size
 
 
 def _live(groups: Sequence[Any]) -> Tuple[Any, ...]:

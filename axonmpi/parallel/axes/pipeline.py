@@ -55,6 +55,7 @@ def apply(module: Module, c: Composition):
                     data_group=data_reduction_group(grid), track_memory=False, ignore_index=plan.ignore_index,
                     scatter_group=None if c.axonn or not _boundaries_whole(chunks, grid) else grid.intra_group,
                     aux_loss=None if aux is None else lambda st: aux(st.body))
+    pipe.overlap_buckets = c.checkpointing in (None, False)    # a recomputation's hook may fire before the end
     pm = PipelinedModule(module, c, pipe, stages)
     flats = pm._flats()
     mine = {id(q) for st in stages for q in st.body.parameters()}
