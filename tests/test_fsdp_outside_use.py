@@ -54,7 +54,7 @@ def test_tied_head_outside_its_unit_matches_serial(world, strategy):
     ref = _make()
     model = FSDP(_make(), sharding_strategy=strategy)
     assert [n for n, _ in model.hoisted.values()] == ["emb.weight"]
-    assert "TiedLM.logits" in next(iter(model.hoisted.values()))[1]
+    assert "TiedLM.logits (test_fsdp_outside_use.py:33)" in next(iter(model.hoisted.values()))[1]   # the line
     ropt = axonmpi.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     opt = axonmpi.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sl = slice(r * LB, (r + 1) * LB)

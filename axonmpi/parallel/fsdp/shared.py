@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import types
+import weakref
 from typing import Dict, List, NamedTuple, Tuple
 
 from ...nn import Module
@@ -25,7 +27,8 @@ __all__ = ["OutsideUse", "find_outside_uses"]
 
 _META_CALLS = {"get_array_module", "device_of", "isinstance", "type", "id"}
 _META_ATTRS = {"dtype", "device", "ndim", "requires_grad"}
-_SOURCE_CHAINS: Dict[type, List[Tuple[Tuple[str, ...], str]]] = {}
+_SOURCE_CHAINS: "weakref.WeakKeyDictionary[type, List[Tuple[Tuple[str, ...], str]]]" = weakref.WeakKeyDictionary()
+_CLASS_METHODS: "weakref.WeakKeyDictionary[type, Dict[str, Tuple[ast.AST, str, str, int]]]" = weakref.WeakKeyDictionary()
 
 
 class OutsideUse(NamedTuple):
@@ -33,6 +36,33 @@ class OutsideUse(NamedTuple):
     user: str           # the module whose code reads it ("" the root), qualified name
     where: str          # "Class.method (file:line)"
     pid: int            # id() of the parameter
+
+
+def _own_methods(klass: type) -> Dict[str, Tuple[ast.AST, str, str, int]]:
+    """The methods ``klass`` defines (its ``__dict__``), each parsed from its own source lines, once per class.
+    (``inspect.getsource`` of a class parses its whole file, and the classes the tensor-parallel swaps make --
+    subclasses of the user's, with no source of their own -- cost a whole-file parse each: about a second a
+    wrap at 8 ranks.)"""
+    got = _CLASS_METHODS.get(klass)
+    if got is not None:
+        return got
+    got = {}
+    for name, fn in vars(klass).items():
+        if not isinstance(fn, types.FunctionType):
+            continue
+        try:
+            lines, first = inspect.getsourcelines(fn)
+            fname = (inspect.getsourcefile(fn) or "?").rsplit("/", 1)[-1]
+            # a class around the dedented lines: a body indented less than its ``def`` (a multi-line string)
+            # still parses
+            tree = ast.parse("class _:\n" + textwrap.indent(textwrap.dedent("".join(lines)), "    "))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        node = tree.body[0].body[0]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            got[name] = (node, klass.__name__, fname, first - 1)     # line numbers count the class line
+    _CLASS_METHODS[klass] = got
+    return got
 
 
 def _chains(cls: type) -> List[Tuple[Tuple[str, ...], str]]:
@@ -44,17 +74,8 @@ def _chains(cls: type) -> List[Tuple[Tuple[str, ...], str]]:
     for klass in cls.__mro__:
         if klass is Module or klass is object or not issubclass(klass, Module):
             continue
-        try:
-            src = textwrap.dedent(inspect.getsource(klass))
-            first = inspect.getsourcelines(klass)[1]
-            fname = (inspect.getsourcefile(klass) or "?").rsplit("/", 1)[-1]
-            tree = ast.parse(src)
-        except (OSError, TypeError, SyntaxError):
-            continue
-        top = tree.body[0] if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
-        for node in (top.body if top is not None else []):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in methods:
-                methods[node.name] = (node, klass.__name__, fname, first)
+        for name, entry in _own_methods(klass).items():
+            methods.setdefault(name, entry)
     out: List[Tuple[Tuple[str, ...], str]] = []
     pending, done = ["forward"], set()
     while pending:
