@@ -4,8 +4,9 @@
   ``make test``; under ``mpiexec -n N`` with N > 1 they are skipped, so each runs once.
 * Under ``mpiexec``, only rank 0 prints pytest's report; the other ranks write theirs to
   ``.test-logs/np<N>-rank<r>.log`` (``make test`` prints those of failed runs).
-* ``--shard K/N`` keeps every N-th test from the K-th (0-based) of the collected order: ``make test`` runs
-  the 1-rank pass as two such shards at once, since its tests mostly wait on jobs they launch.
+* ``--shard K/N`` keeps the K-th (0-based) of N shards of equal time (by ``tests/durations-np1.tsv``; every
+  N-th test without it): ``make test`` runs the 1-rank pass as three such shards at once, since its tests
+  mostly wait on jobs they launch.
 * A watchdog (``faulthandler.dump_traceback_later``) ends a test that hangs for
   ``AXONMPI_TEST_TIMEOUT`` seconds (default 180), printing every thread's stack; the MPI
   launcher then tears down the other ranks instead of leaving the job blocked.
@@ -60,12 +61,37 @@ def pytest_configure(config):
     tr._tw = create_terminal_writer(config, f)
 
 
+_DEFAULT_S = 0.05       # the weight of a test tests/durations-np1.tsv does not list
+
+
+def _balance(config, items, n):
+    """The shard of each collected test: the slowest first, each to the shard with the least time so far, by the
+    1-rank pass's times in ``tests/durations-np1.tsv`` (``python tests/slowest.py .test-logs --write-np1
+    tests/durations-np1.tsv`` after a ``make test`` writes it again); every N-th test without that file.  Every
+    shard computes the same split from the same collection."""
+    weights = {}
+    try:
+        with open(os.path.join(str(config.rootpath), "tests", "durations-np1.tsv"), encoding="utf-8") as f:
+            for line in f:
+                t, _, name = line.rstrip("\n").split("\t", 2)
+                weights[name] = float(t)
+    except (OSError, ValueError):
+        return [i % n for i in range(len(items))]
+    load, owner = [0.0] * n, [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-weights.get(items[i].nodeid, _DEFAULT_S), i)):
+        j = min(range(n), key=lambda s: (load[s], s))
+        owner[i] = j
+        load[j] += weights.get(items[i].nodeid, _DEFAULT_S)
+    return owner
+
+
 def pytest_collection_modifyitems(config, items):
     shard = _shard(config)
     if shard is not None:
         k, n = shard
-        config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i % n != k])
-        items[:] = [it for i, it in enumerate(items) if i % n == k]
+        owner = _balance(config, items, n)
+        config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if owner[i] != k])
+        items[:] = [it for i, it in enumerate(items) if owner[i] == k]
     if not re.search(r"\bnd\b", config.option.markexpr or ""):
         # the N-D layouts (8 and 16 ranks) run in make test's own pass: pytest -m nd
         skip_nd = pytest.mark.skip(reason="N-D layout: runs in its own pass (mpiexec -n 8|16 pytest -m nd)")

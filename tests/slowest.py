@@ -23,5 +23,22 @@ def main(logdir: str, top: int = 10) -> None:
         print(f"{t:8.2f}s  {n} rank(s)  {name}")
 
 
+def write_np1(logdir: str, out: str) -> None:
+    """The 1-rank pass's time of every test that ran (``--write-np1 tests/durations-np1.tsv``): the weights
+    ``--shard`` balances the 1-rank pass's shards by (tests/conftest.py)."""
+    rows = {}
+    for path in glob.glob(os.path.join(logdir, "durations-np1-*.tsv")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                t, n, name = line.rstrip("\n").split("\t", 2)
+                rows[name] = max(rows.get(name, 0.0), float(t))
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(f"{t:.2f}\t1\t{name}\n" for name, t in sorted(rows.items()))
+    print(f"wrote {len(rows)} tests' times to {out}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10)
+    if "--write-np1" in sys.argv:
+        write_np1(sys.argv[1], sys.argv[sys.argv.index("--write-np1") + 1])
+    else:
+        main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10)

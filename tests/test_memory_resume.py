@@ -132,7 +132,8 @@ def test_a_lost_node_costs_at_most_one_step_and_the_losses_are_bitwise(world, tm
 
 @pytest.mark.nd
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "pp-tp-dp"])
+@pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.slow),     # the 4-rank test's kinds
+                                    pytest.param("fsdp", marks=pytest.mark.slow), "pp-tp-dp"])
 def test_a_lost_node_at_8_ranks(world, tmp_path_factory, monkeypatch, layout, fresh_world):
     if world.world_size != 8:
         pytest.skip("8 ranks: two nodes of four")
