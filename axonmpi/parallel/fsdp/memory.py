@@ -140,3 +140,26 @@ def estimate_memory(module_or_num_params: Any, sharding_strategy=ShardingStrateg
         if offload is CPUOffload.FULL:
             params = 0.0
     return MemoryEstimate(params / _MB, grads / _MB, opt / _MB, (params + grads + opt) / _MB, host / _MB, f)
+
+
+class MemoryForms:
+    """The memory methods of :class:`~axonmpi.parallel.fsdp.FullyShardedDataParallel`."""
+
+    def memory_stats(self, optimizer=None, *, reset_peak: bool = False) -> FSDPMemoryStats:
+        """This rank's memory, measured from the arrays alive (see :class:`FSDPMemoryStats`).
+
+        Args:
+            optimizer: the optimizer over ``parameters()``, to count its state.
+            reset_peak: start a new peak window after reading.
+        """
+        self._check_root("memory_stats")
+        stats = measure(self, optimizer, self._peak_gathered)
+        if reset_peak:
+            self._peak_gathered = self._gathered_bytes()
+        return stats
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new window for ``peak_memory_mb``."""
+        self._peak_gathered = self._gathered_bytes()
+
+    estimate_memory = staticmethod(estimate_memory)
