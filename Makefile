@@ -13,7 +13,7 @@ NPS ?= 1 2 3 4
 # the 1-rank pass runs as this many shards at once (its tests mostly wait on the jobs they launch: one
 # pytest leaves the second core idle about half the time), of equal time by tests/durations-np1.tsv
 # (python tests/slowest.py .test-logs --write-np1 tests/durations-np1.tsv renews it); NP1_SHARDS=1 runs it as one
-NP1_SHARDS ?= 3
+NP1_SHARDS ?= 2
 # the N-D layouts (tests marked nd: three or more axes through parallelize) run in their own pass at these sizes;
 # make test-all adds 16 ranks (the same layouts with the data dimension doubled; every layout runs at 8)
 ND_NPS ?= 8

@@ -5,7 +5,7 @@
 * Under ``mpiexec``, only rank 0 prints pytest's report; the other ranks write theirs to
   ``.test-logs/np<N>-rank<r>.log`` (``make test`` prints those of failed runs).
 * ``--shard K/N`` keeps the K-th (0-based) of N shards of equal time (by ``tests/durations-np1.tsv``; every
-  N-th test without it): ``make test`` runs the 1-rank pass as three such shards at once, since its tests
+  N-th test without it): ``make test`` runs the 1-rank pass as two such shards at once, since its tests
   mostly wait on jobs they launch.
 * A watchdog (``faulthandler.dump_traceback_later``) ends a test that hangs for
   ``AXONMPI_TEST_TIMEOUT`` seconds (default 180), printing every thread's stack; the MPI

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 __all__ = ["long_phase", "heartbeat", "current_phases", "describe", "RAISE_DEADLINE"]
 
 RAISE_DEADLINE = "raise the deadline with AXONMPI_TIMEOUT=<seconds> or axonmpi.init(timeout=<seconds>)"
+_REASK_FLOOR_S = 5.0   # the shortest wait before asking a silent rank again (phases.late)
 
 
 class _Phase:
@@ -151,11 +152,12 @@ def late(wd, e, idx: int, t0: float, now: float) -> bool:
     if not left and set(want) - set(answers):
         # a rank that did not answer within ANSWER_S may be starved, not dead (a loaded node: a healthy slow save
         # was ended so): ask once more after another deadline before the verdict
-        # (twice, each after the deadline or 30 s, whichever is shorter: a starved monitor thread answers late)
+        # (twice, each after the deadline or 30 s, whichever is shorter, but not before 5 s: a starved monitor
+        # thread answers late, and under a 2 s deadline three asks 2 s apart still ended a healthy save)
         asked = wd.__dict__.setdefault("_unanswered", {})
         if asked.get(idx, 0) < 2:
             asked[idx] = asked.get(idx, 0) + 1
-            wd.deadlines[idx] = now + min(wd.timeout, 30.0)
+            wd.deadlines[idx] = now + max(min(wd.timeout, 30.0), _REASK_FLOOR_S)
             return False
     if not left:
         return True
