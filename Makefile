@@ -1,7 +1,8 @@
 # axonmpi — two commands for a new machine with python3 and pip:
 #   make demo   installs into .venv, then trains the char GPT with DDP on RANKS (default 4) local ranks
 #   make test   installs, then runs the test suite at 1, 2, 3 and 4 ranks, and the N-D layouts at 8
-#               (under 10 minutes on 2 cores: tests marked `slow` -- whose behaviour a faster test also covers --
+#               (11-13 minutes on the 2-core development machine, whose speed varies between days: 10:44 and
+#               12:43 measured; tests marked `slow` -- whose behaviour a faster test also covers --
 #               wait for `make test-all`, which runs every test in the same passes and the N-D layouts at 16 too)
 # (--capture=sys: pytest captures sys.stdout / sys.stderr, not file descriptor 2, so a report a rank ends the job
 # on -- the watchdog's -- reaches the terminal even though the process is killed)
