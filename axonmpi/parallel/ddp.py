@@ -54,6 +54,7 @@ from ..distributed import ReduceOp, Work, add_placement, all_reduce, resolve_gro
 from .grad_sync import GradReducer, check_group, no_sync
 from ..nn import Module
 from ._flat import FlatLayout, broadcast_flat
+from .ddp_comm_hooks import _HOOKS, allreduce_hook, fp16_compress_hook
 from ..enums import coerce_enum
 
 __all__ = [
@@ -82,32 +83,6 @@ class _Phase(enum.Enum):
     ARMED = "armed"        # forward ran; waiting for backward to start
     RUNNING = "running"    # backward started: buckets fill and launch
     SYNCED = "synced"      # reduced; a further backward before forward starts a new round
-
-
-# -- communication hooks ------------------------------------------------------------------------
-def allreduce_hook(bucket: "GradientBucket", group) -> Work:
-    """Default hook: sum the (pre-scaled) bucket in place with one non-blocking all-reduce."""
-    return all_reduce(bucket.buffer, ReduceOp.SUM, group, out=bucket.buffer, async_op=True)
-
-
-def fp16_compress_hook(bucket: "GradientBucket", group) -> Work:
-    """Halve the bytes on the wire: all-reduce a float16 copy, then upcast into the bucket.
-
-    The bucket is already scaled by 1/size, which keeps the float16 sum in range; the upcast
-    back to the bucket's dtype is exact, so the only error is float16 rounding of the terms.
-    """
-    xp = get_array_module(bucket.buffer)
-    half = bucket.buffer.astype(xp.float16)
-    buf = bucket.buffer
-
-    def upcast(h):
-        buf[...] = h
-        return buf
-
-    return all_reduce(half, ReduceOp.SUM, group, out=half, async_op=True).then(upcast)
-
-
-_HOOKS = {None: allreduce_hook, "allreduce": allreduce_hook, "fp16": fp16_compress_hook}
 
 
 # -- buckets --------------------------------------------------------------------------------------
