@@ -7,13 +7,17 @@ import os
 import sys
 
 
-def main(logdir: str, top: int = 10) -> None:
-    rows = []
-    for path in glob.glob(os.path.join(logdir, "durations-np*.tsv")):
+def read(logdir: str, pattern: str = "durations-np*.tsv"):
+    """``(seconds, ranks, test id)`` of every line of the pass files matching ``pattern``."""
+    for path in glob.glob(os.path.join(logdir, pattern)):
         with open(path, encoding="utf-8") as f:
             for line in f:
                 t, n, name = line.rstrip("\n").split("\t", 2)
-                rows.append((float(t), int(n), name))
+                yield float(t), int(n), name
+
+
+def main(logdir: str, top: int = 10) -> None:
+    rows = list(read(logdir))
     if not rows:
         return
     rows.sort(reverse=True)
@@ -27,11 +31,8 @@ def write_np1(logdir: str, out: str) -> None:
     """The 1-rank pass's time of every test that ran (``--write-np1 tests/durations-np1.tsv``): the weights
     ``--shard`` balances the 1-rank pass's shards by (tests/conftest.py)."""
     rows = {}
-    for path in glob.glob(os.path.join(logdir, "durations-np1-*.tsv")):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                t, n, name = line.rstrip("\n").split("\t", 2)
-                rows[name] = max(rows.get(name, 0.0), float(t))
+    for t, _, name in read(logdir, "durations-np1-*.tsv"):
+        rows[name] = max(rows.get(name, 0.0), t)
     with open(out, "w", encoding="utf-8") as f:
         f.writelines(f"{t:.2f}\t1\t{name}\n" for name, t in sorted(rows.items()))
     print(f"wrote {len(rows)} tests' times to {out}")

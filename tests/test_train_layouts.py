@@ -144,7 +144,9 @@ def _main(todo: str, done: str) -> None:
     comm = MPI.COMM_WORLD
     results = {}
     logging.disable(logging.INFO)       # one line per layout, not the trainer's log
-    for label, model, eval_batches in json.load(open(todo)):
+    with open(todo, encoding="utf-8") as f:
+        todo_rows = json.load(f)
+    for label, model, eval_batches in todo_rows:
         err, t0 = io.StringIO(), time.perf_counter()
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):

@@ -293,7 +293,7 @@ def test_the_exit_notice_counts_calls_the_flight_ring_has_forgotten(world):
     every group of one name and ranks as one). It is now read from each group's own call counter."""
     from types import SimpleNamespace
 
-    from axonmpi.distributed.watchdog.record import _FINAL
+    from axonmpi.distributed.watchdog.record import _FINAL, _GROUP, _OP, _RANKS, _SEQ
     wd = world.watchdog
     if wd is None:
         pytest.skip("no watchdog (AXONMPI_TIMEOUT=0)")
@@ -305,7 +305,7 @@ def test_the_exit_notice_counts_calls_the_flight_ring_has_forgotten(world):
                 axonmpi.all_reduce(np.ones(1), group=g)
         for _ in range(wd.capacity):                  # the ring forgets them
             axonmpi.all_reduce(np.ones(1))
-        assert not any(e[2] == "tied-twice" for e in wd.entries())
+        assert not any(e[_GROUP] == "tied-twice" for e in wd.entries())
         notice = wd._exit_notice()
         key = ("tied-twice", tuple(ranks))
         assert notice[key] == 3, notice.get(key)      # the largest of the two groups' last call numbers
@@ -314,7 +314,7 @@ def test_the_exit_notice_counts_calls_the_flight_ring_has_forgotten(world):
 
         def waiting(op, seq):
             e = [None] * 17
-            e[0], e[1], e[2], e[3] = seq, op, "tied-twice", tuple(ranks)
+            e[_SEQ], e[_OP], e[_GROUP], e[_RANKS] = seq, op, "tied-twice", tuple(ranks)
             return e
         blocked = type(wd)._blocked_by_exit
         assert not blocked(exited, waiting(_FINAL, 4))       # the second group's last exchange: it makes it too
